@@ -1,0 +1,45 @@
+# Slipstream developer commands. `make` lists them.
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+PYTHON ?= python3
+VENV ?= .venv
+# pip takes this torch from the local wheel cache on the project machines; elsewhere override it,
+# e.g. `make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"`.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.slipstream-installed
+BASE_BRANCH ?= main
+
+.PHONY: help venv train test bench format clean
+
+help: ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml setup.py version.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP) ## create .venv with torch and slipstream (editable, dev extras)
+
+train: $(STAMP) ## train a small model end to end on this machine
+	$(PY) examples/train_tiny.py
+
+test: $(STAMP) ## run the test suite
+	$(PY) -m pytest -q
+
+bench: $(STAMP) ## run the benchmarks (creates .bench-venv with DeepSpeed as a peer when possible)
+	-bash bench/make_peer_venv.sh
+	$(PY) bench/import_time.py
+	$(PY) bench/cpu_adam.py
+
+format: $(STAMP) ## lint and format the Python files changed since the merge base with main (BASE_BRANCH)
+	@base=$$(git merge-base HEAD "$(BASE_BRANCH)" 2>/dev/null || git merge-base HEAD "origin/$(BASE_BRANCH)" 2>/dev/null || git rev-parse HEAD); \
+	files=$$( { git diff --name-only --diff-filter=d "$$base" -- '*.py'; git ls-files --others --exclude-standard -- '*.py'; } | sort -u); \
+	if [ -z "$$files" ]; then echo "no changed Python files since $$base"; exit 0; fi; \
+	$(VENV)/bin/ruff format $$files && $(VENV)/bin/ruff check --fix $$files
+
+clean: ## remove build outputs (keeps .venv)
+	rm -rf build dist *.egg-info slipstream/git_version_info_installed.py build.txt

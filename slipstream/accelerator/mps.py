@@ -1,0 +1,175 @@
+"""The Apple-silicon backend (Metal Performance Shaders): one GPU sharing memory with the host.
+
+This module owns `MpsAccelerator` and `unavailable_reason()`. MPS has one device, no user-visible
+streams (a `HostStream` stands in) and no collective backend of its own: "gloo" is reported, and
+tensors must be staged through host memory for collectives. Memory is unified, so total/available
+memory are the host's (see cpu.py's [Note: CPU memory numbers]); allocation numbers come from torch.mps.
+Importing this module touches no GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from slipstream.accelerator.base import Accelerator, EventLike, StreamLike
+from slipstream.accelerator.cpu import HostStream, host_available_memory, host_total_memory
+
+
+def unavailable_reason() -> str | None:
+    """None when MPS is usable; else one sentence saying why not (for error messages)."""
+    if torch.backends.mps.is_available():
+        return None
+    if not torch.backends.mps.is_built():
+        return f"torch.backends.mps.is_built() is False (torch {torch.__version__} was built without MPS)"
+    return "torch.backends.mps.is_available() is False (MPS needs Apple silicon and macOS 12.3 or newer)"
+
+
+class MpsAccelerator(Accelerator):
+    """The single Metal GPU of an Apple-silicon Mac."""
+
+    _name = "mps"
+    _communication_backend_name = "gloo"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sampled_peak = 0  # torch.mps has no peak counter; see max_memory_allocated
+
+    def is_available(self) -> bool:
+        return torch.backends.mps.is_available()
+
+    def device_name(self, device_index: int | None = None) -> str:
+        return self._name if device_index is None else f"{self._name}:{device_index}"
+
+    def set_device(self, device_index: int) -> None:
+        if device_index != 0:
+            raise ValueError(f"MPS has exactly one device (index 0); set_device got {device_index}")
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_count(self) -> int:
+        return 1 if self.is_available() else 0
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        torch.mps.synchronize()
+
+    def is_synchronized_device(self) -> bool:
+        return False
+
+    def manual_seed(self, seed: int) -> None:
+        torch.mps.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.mps.manual_seed(seed)
+
+    def initial_seed(self) -> int:
+        return int(self.default_generator(0).initial_seed())
+
+    def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
+        return torch.mps.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor, device_index: int | None = None) -> None:
+        torch.mps.set_rng_state(state)
+
+    def default_generator(self, device_index: int) -> torch.Generator:
+        getter = getattr(torch.mps, "_get_default_mps_generator", None)
+        if getter is None:
+            raise RuntimeError(
+                f"torch {torch.__version__} does not expose the default MPS generator; "
+                "use get_rng_state()/set_rng_state() instead"
+            )
+        return getter()
+
+    @property
+    def Stream(self) -> type[StreamLike]:  # noqa: N802 - DeepSpeed's name
+        return HostStream
+
+    def stream(self, stream: StreamLike | None) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext(stream)
+
+    def current_stream(self, device_index: int | None = None) -> StreamLike:
+        return HostStream()
+
+    def default_stream(self, device_index: int | None = None) -> StreamLike:
+        return HostStream()
+
+    @property
+    def Event(self) -> type[EventLike]:  # noqa: N802 - DeepSpeed's name
+        return torch.mps.Event  # type: ignore[return-value]
+
+    def empty_cache(self) -> None:
+        torch.mps.empty_cache()
+
+    def memory_allocated(self, device_index: int | None = None) -> int:
+        """Bytes held by live MPS tensors (torch.mps.current_allocated_memory)."""
+        current = int(torch.mps.current_allocated_memory())
+        self._sampled_peak = max(self._sampled_peak, current)
+        return current
+
+    def max_memory_allocated(self, device_index: int | None = None) -> int:
+        """Largest `memory_allocated` seen by this object's calls since the reset (MPS has no peak)."""
+        return max(self._sampled_peak, self.memory_allocated())
+
+    def reset_max_memory_allocated(self, device_index: int | None = None) -> None:
+        self._sampled_peak = 0
+
+    def memory_reserved(self, device_index: int | None = None) -> int:
+        """Bytes the Metal driver holds for this process (torch.mps.driver_allocated_memory)."""
+        return int(torch.mps.driver_allocated_memory())
+
+    def memory_stats(self, device_index: int | None = None) -> dict[str, int]:
+        current = self.memory_allocated()
+        return {
+            "allocated_bytes.all.current": current,
+            "allocated_bytes.all.peak": self.max_memory_allocated(),
+            "reserved_bytes.all.current": self.memory_reserved(),
+        }
+
+    def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
+        self._sampled_peak = 0
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        """Host memory: the GPU shares it."""
+        return host_total_memory()
+
+    def available_memory(self, device_index: int | None = None) -> int:
+        """Host available memory: the GPU shares it."""
+        return host_available_memory()
+
+    def is_bf16_supported(self) -> bool:
+        """bfloat16 on MPS needs macOS 14 or newer."""
+        if not self.is_available():
+            return False
+        is_macos_or_newer = getattr(torch.backends.mps, "is_macos_or_newer", None)
+        return bool(is_macos_or_newer(14, 0)) if is_macos_or_newer is not None else False
+
+    def is_fp16_supported(self) -> bool:
+        return self.is_available()
+
+    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+        """`tensor` unchanged: memory is unified, and torch pins only for CUDA."""
+        return tensor
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return False
+
+    def visible_devices_envs(self) -> list[str]:
+        return []
+
+    def export_envs(self) -> list[str]:
+        return []
+
+    def range_push(self, msg: str) -> None:
+        """No-op: MPS signposts are not wired in."""
+
+    def range_pop(self) -> None:
+        """No-op: MPS signposts are not wired in."""
+
+    def lazy_call(self, callback: Callable[[], object]) -> None:
+        callback()
+
+    def is_triton_supported(self) -> bool:
+        return False

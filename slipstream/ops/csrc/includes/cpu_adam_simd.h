@@ -1,0 +1,132 @@
+// Vector abstraction for the cpu_adam kernel: one struct `Vec` per instruction set, chosen at compile time.
+//
+// Selection: the builder passes one of -D__AVX512__ / -D__AVX256__ / -D__NEON__ / -D__SCALAR__ together with
+// -march=native (x86) or -mcpu=native (arm). Without any of them the compiler's own macros decide
+// (__AVX512F__, __AVX2__, __ARM_NEON). If a requested level is not enabled in the compiler (for example
+// -D__AVX512__ without -mavx512f) the best level the compiler can emit is used instead, so the module always
+// builds; simd_level() reports what was compiled.
+//
+// Every Vec provides: W (floats per register), load/store of fp32, loadu of bf16 widened to fp32, stores of fp32
+// narrowed to bf16 (round to nearest even, NaN -> 0x7FC0, bit-identical to c10::BFloat16) and to fp16 (round
+// to nearest even), and add/sub/mul/fma/sqrt/div. The kernel adds a scalar tail for lengths that are not a
+// multiple of W.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__SCALAR__)
+#define SLIPSTREAM_SIMD_SCALAR 1
+#elif defined(__AVX256__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SLIPSTREAM_SIMD_AVX2 1
+#elif defined(__NEON__) && defined(__ARM_NEON) && defined(__aarch64__)
+#define SLIPSTREAM_SIMD_NEON 1
+#elif defined(__AVX512F__)
+#define SLIPSTREAM_SIMD_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SLIPSTREAM_SIMD_AVX2 1
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#define SLIPSTREAM_SIMD_NEON 1
+#else
+#define SLIPSTREAM_SIMD_SCALAR 1
+#endif
+
+#if defined(SLIPSTREAM_SIMD_AVX512) || defined(SLIPSTREAM_SIMD_AVX2)
+#include <immintrin.h>
+#elif defined(SLIPSTREAM_SIMD_NEON)
+#include <arm_neon.h>
+#endif
+
+namespace slipstream_simd {
+
+#if defined(SLIPSTREAM_SIMD_AVX512)
+constexpr const char* kLevel = "avx512";
+struct Vec {
+  using T = __m512;
+  static constexpr int W = 16;
+  static inline T load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void store(float* p, T x) { _mm512_storeu_ps(p, x); }
+  static inline T load_bf16(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static inline void store_bf16(uint16_t* p, T x) {
+    __m512i b = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  static inline void store_fp16(uint16_t* p, T x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static inline T set1(float x) { return _mm512_set1_ps(x); }
+  static inline T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static inline T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static inline T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static inline T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }  // a*b+c
+  static inline T sqrt(T a) { return _mm512_sqrt_ps(a); }
+  static inline T div(T a, T b) { return _mm512_div_ps(a, b); }
+};
+#elif defined(SLIPSTREAM_SIMD_AVX2)
+constexpr const char* kLevel = "avx2";
+struct Vec {
+  using T = __m256;
+  static constexpr int W = 8;
+  static inline T load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void store(float* p, T x) { _mm256_storeu_ps(p, x); }
+  static inline T load_bf16(const uint16_t* p) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static inline void store_bf16(uint16_t* p, T x) {
+    __m256i b = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    // packus works per 128-bit lane: [r0..r3 r0..r3 | r4..r7 r4..r7]; gather quadwords 0 and 2.
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  static inline void store_fp16(uint16_t* p, T x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  static inline T set1(float x) { return _mm256_set1_ps(x); }
+  static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static inline T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static inline T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline T sqrt(T a) { return _mm256_sqrt_ps(a); }
+  static inline T div(T a, T b) { return _mm256_div_ps(a, b); }
+};
+#elif defined(SLIPSTREAM_SIMD_NEON)
+constexpr const char* kLevel = "neon";
+struct Vec {
+  using T = float32x4_t;
+  static constexpr int W = 4;
+  static inline T load(const float* p) { return vld1q_f32(p); }
+  static inline void store(float* p, T x) { vst1q_f32(p, x); }
+  static inline T load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+  static inline void store_bf16(uint16_t* p, T x) {
+    uint32x4_t b = vreinterpretq_u32_f32(x);
+    uint32x4_t lsb = vandq_u32(vshrq_n_u32(b, 16), vdupq_n_u32(1));
+    uint16x4_t h = vshrn_n_u32(vaddq_u32(b, vaddq_u32(lsb, vdupq_n_u32(0x7FFF))), 16);
+    uint16x4_t is_num = vmovn_u32(vceqq_f32(x, x));
+    vst1_u16(p, vbsl_u16(is_num, h, vdup_n_u16(0x7FC0)));
+  }
+  static inline void store_fp16(uint16_t* p, T x) { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(x))); }
+  static inline T set1(float x) { return vdupq_n_f32(x); }
+  static inline T add(T a, T b) { return vaddq_f32(a, b); }
+  static inline T sub(T a, T b) { return vsubq_f32(a, b); }
+  static inline T mul(T a, T b) { return vmulq_f32(a, b); }
+  static inline T fma(T a, T b, T c) { return vfmaq_f32(c, a, b); }
+  static inline T sqrt(T a) { return vsqrtq_f32(a); }
+  static inline T div(T a, T b) { return vdivq_f32(a, b); }
+};
+#else
+constexpr const char* kLevel = "scalar";
+#endif
+
+}  // namespace slipstream_simd

@@ -1,0 +1,25 @@
+"""Op builders: one declarative class per native op, the `ALL_OPS` registry, and the build/load machinery.
+
+Nothing here imports torch or compiles at import time; `setup.py` imports this package to build ops
+ahead of time.
+"""
+
+from __future__ import annotations
+
+from slipstream.ops.op_builder.all_ops import ALL_OPS, get_builder
+from slipstream.ops.op_builder.builder import Compatibility, CPUOpBuilder, LoadedOp, OpBuilder, ops_policy
+from slipstream.ops.op_builder.cpu_adam import CPUAdamBuilder
+from slipstream.ops.op_builder.errors import OpBuildError, OpIncompatibleError
+
+__all__ = [
+    "ALL_OPS",
+    "CPUAdamBuilder",
+    "CPUOpBuilder",
+    "Compatibility",
+    "LoadedOp",
+    "OpBuildError",
+    "OpBuilder",
+    "OpIncompatibleError",
+    "get_builder",
+    "ops_policy",
+]

@@ -1,0 +1,14 @@
+"""The `cpu_adam` op: SIMD + OpenMP Adam/AdamW for CPU and ZeRO-Offload (DeepSpeed's DS_BUILD_CPU_ADAM)."""
+
+from __future__ import annotations
+
+from slipstream.ops.op_builder.builder import CPUOpBuilder
+
+
+class CPUAdamBuilder(CPUOpBuilder):
+    NAME = "cpu_adam"
+    BUILD_VAR = "DS_BUILD_CPU_ADAM"
+    FALLBACK = "slipstream.ops.fallback.cpu_adam"
+
+    def sources(self) -> list[str]:
+        return ["adam/cpu_adam.cpp"]
