@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-from tests.harness.dist import (
-    DistributedTestError,
-    DistributedTimeoutError,
-    SubtestError,
-    distributed,
-    run_distributed,
-    run_subtests,
-    subtest_grid,
-)
+from tests.harness.dist import DistributedTestError, DistributedTimeoutError, distributed, run_distributed
+from tests.harness.subtests import SubtestError, run_subtests, subtest_grid
 
 __all__ = [
     "DistributedTestError",

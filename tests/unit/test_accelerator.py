@@ -1,7 +1,7 @@
 """Tests for slipstream.accelerator: selection (env, detection, cache) and each backend's host-side behaviour.
 
-CUDA logic is exercised with torch.cuda functions monkeypatched; tests that need a real GPU carry
-`@pytest.mark.gpu` and skip without one.
+CUDA logic is exercised with torch.cuda functions monkeypatched; the test that needs a real GPU carries
+`@pytest.mark.gpu`, which tests/conftest.py skips without one.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from slipstream.accelerator.mps import MpsAccelerator
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU_ONLY = not torch.cuda.is_available() and not torch.backends.mps.is_available()
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +84,7 @@ def test_env_unknown_name_lists_valid_names(monkeypatch: pytest.MonkeyPatch) -> 
     assert registry._current is None, "a failed selection is not cached"
 
 
-@pytest.mark.skipif(torch.version.cuda is not None or torch.version.hip is not None, reason="needs a CPU torch")
+@pytest.mark.skipif(bool(torch.version.cuda or torch.version.hip), reason="needs a CPU-only torch build")
 def test_env_cuda_on_cpu_build_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     with pytest.raises(RuntimeError) as err:
@@ -98,6 +97,7 @@ def test_env_cuda_on_cpu_build_says_why(monkeypatch: pytest.MonkeyPatch) -> None
 def test_env_cuda_without_visible_gpu_names_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     with pytest.raises(RuntimeError, match=r"built for CUDA 12\.4.*CUDA_VISIBLE_DEVICES"):
         get_accelerator()
@@ -272,8 +272,7 @@ def test_cuda_dtype_queries_without_gpu_are_false(monkeypatch: pytest.MonkeyPatc
 
 
 # ---------------------------------------------------------------------- real GPU (device machine only)
-@pytest.mark.gpu
-@needs_cuda
+@pytest.mark.gpu  # tests/conftest.py skips it without torch.cuda.is_available()
 def test_cuda_on_a_real_gpu() -> None:
     acc = CudaAccelerator()
     assert acc.device_count() >= 1 and acc.is_available()

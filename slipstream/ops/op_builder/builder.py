@@ -81,7 +81,7 @@ class OpBuilder:
         return ["includes"]
 
     def cxx_args(self) -> list[str]:
-        return ["-O3", "-std=c++17", "-Wno-reorder"]
+        return ["-O3", "-Wno-reorder"]  # the C++ standard is the one torch's extension builder sets
 
     def extra_ldflags(self) -> list[str]:
         return []

@@ -9,9 +9,9 @@
 - Builders of the same op serialize on an OS file lock (`flock` / `msvcrt.locking`) held on
   `<root>/<op>-<key>.lock`. The kernel drops it when its holder dies, so a build killed half way never
   leaves a lock that blocks the next one. torch's own `lock` file inside the build directory, which a
-  killed build does leave behind, is removed while we hold the OS lock.
-- A build directory left half written by a killed build is wiped and rebuilt once if its module fails
-  to import.
+  killed build does leave behind, goes with the wiped directory (next point).
+- A build directory without `.complete`, found while holding the lock, is what a failed or killed build
+  left behind (a truncated module, torch's stale `lock` file): it is wiped and built from scratch.
 - Root: `SLIPSTREAM_OPS_CACHE`, else `TORCH_EXTENSIONS_DIR/slipstream` (DeepSpeed's variable), else
   `~/.cache/slipstream/ops`.
 """
@@ -35,6 +35,8 @@ from types import ModuleType
 from slipstream.ops.op_builder.errors import OpBuildError, first_error_lines
 
 _LOCK_POLL_S = 0.2
+# Builds that failed in this process, by directory: the error is raised again instead of rebuilding.
+_FAILED_BUILDS: dict[Path, OpBuildError] = {}
 _LOCK_NOTICE_S = 30.0
 
 
@@ -152,15 +154,17 @@ def build(*, op_name: str, module_name: str, build_dir: Path, sources: list[Path
         built = import_built(build_dir, module_name)  # another process may have finished meanwhile
         if built is not None:
             return built
-        build_dir.mkdir(parents=True, exist_ok=True)
-        (build_dir / "lock").unlink(missing_ok=True)  # torch's lock file, stale if present (see Note)
+        failed = _FAILED_BUILDS.get(build_dir)
+        if failed is not None:
+            raise failed  # torch would not retry the same sources in this process; neither do we
+        # No `.complete` while we hold the lock: whatever is here is what a failed or killed build left.
+        shutil.rmtree(build_dir, ignore_errors=True)
+        build_dir.mkdir(parents=True)
         try:
             module = _compile(op_name, module_name, build_dir, sources, include_paths, cxx_args, ldflags)
-        except ImportError:
-            # A killed build can leave a truncated module that ninja thinks is up to date: start over once.
-            shutil.rmtree(build_dir, ignore_errors=True)
-            build_dir.mkdir(parents=True)
-            module = _compile(op_name, module_name, build_dir, sources, include_paths, cxx_args, ldflags)
+        except OpBuildError as exc:
+            _FAILED_BUILDS[build_dir] = exc
+            raise
         sys.modules.setdefault(module_name, module)
         (build_dir / ".complete").write_text(module_name + "\n")
         return module
@@ -181,7 +185,7 @@ def _compile(op_name: str, module_name: str, build_dir: Path, sources: list[Path
             with_cuda=False,
             verbose=False,
         )
-    except (RuntimeError, OSError, SystemError) as exc:
+    except (RuntimeError, OSError, SystemError, ImportError) as exc:
         raise OpBuildError(op_name, _ninja_command(build_dir), first_error_lines(str(exc)),
                            hint="set SLIPSTREAM_OPS=fallback to skip native ops") from exc
 

@@ -6,7 +6,9 @@ Every probe runs commands as argv lists with a timeout and caches its answer for
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import os
 import re
 import shutil
@@ -60,17 +62,34 @@ def ninja_version() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def openmp_flags(compiler: str) -> tuple[list[str], list[str]]:
-    """(compile flags, link flags) that enable OpenMP with this compiler; empty when it has none (Apple clang)."""
+    """(compile flags, link flags) that enable OpenMP with this compiler; empty when it has none (Apple clang).
+
+    The answer comes from compiling a probe once per compiler; it is remembered in the JIT cache so later
+    processes do not pay for the probe.
+    """
     if sys.platform == "win32":
         return (["/openmp"], [])
+    from slipstream.ops.op_builder.jit import cache_root
+
+    key = hashlib.sha256(f"{compiler}:{compiler_version(compiler)}".encode()).hexdigest()[:16]
+    memo = cache_root() / "probes" / f"openmp-{key}"
+    if memo.is_file():
+        has_openmp = memo.read_text().strip() == "1"
+    else:
+        has_openmp = _probe_openmp(compiler)
+        with contextlib.suppress(OSError):
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            memo.write_text("1" if has_openmp else "0")
+    return (["-fopenmp"], ["-fopenmp"]) if has_openmp else ([], [])
+
+
+def _probe_openmp(compiler: str) -> bool:
     source = "#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
     with tempfile.TemporaryDirectory(prefix="slipstream-omp-") as tmp:
         src = Path(tmp) / "probe.cpp"
         src.write_text(source)
         result = _run([compiler, "-fopenmp", str(src), "-o", str(Path(tmp) / "probe")], timeout=60)
-    if result is not None and result.returncode == 0:
-        return (["-fopenmp"], ["-fopenmp"])
-    return ([], [])
+    return result is not None and result.returncode == 0
 
 
 def cuda_home() -> str | None:

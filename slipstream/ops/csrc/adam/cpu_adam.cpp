@@ -22,7 +22,9 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#ifdef _OPENMP
 #include <omp.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -174,6 +176,9 @@ void run_all(const std::vector<Item>& items, const std::vector<int64_t>& offsets
     run_range(items, offsets, 0, total, c);
     return;
   }
+#ifndef _OPENMP
+  run_range(items, offsets, 0, total, c);  // built without OpenMP: serial
+#else
 #pragma omp parallel num_threads(num_threads)
   {
     const int64_t tid = omp_get_thread_num();
@@ -185,6 +190,7 @@ void run_all(const std::vector<Item>& items, const std::vector<int64_t>& offsets
     };
     run_range(items, offsets, bound(tid), bound(tid + 1), c);
   }
+#endif
 }
 
 void check_tensor(const at::Tensor& t, const char* list, size_t idx) {
