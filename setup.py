@@ -165,6 +165,11 @@ def _build_ext_class(op_of_extension: dict[str, str]) -> type:
 
 def main() -> None:
     version, git_hash, git_branch = _version()
+    if os.environ.get("SLIPSTREAM_BUILD_LISTING_REQUIRES") == "1":
+        # tools/build_backend.py asks setuptools for its requirements before torch is in the build
+        # environment; the op selection (which needs torch) happens in the build step that follows.
+        setup(version=version)
+        return
     selected = _select_ops()
     _write_build_info(version, git_hash, git_branch, selected)
     kwargs: dict[str, object] = {}

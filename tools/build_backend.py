@@ -22,6 +22,8 @@ from setuptools.build_meta import *  # noqa: F401,F403  (re-export the full PEP 
 
 _BUILD_VAR = re.compile(r"^DS_BUILD_[A-Z0-9_]+$")
 _NOT_OP_VARS = {"DS_BUILD_STRING"}
+# Set while setuptools runs setup.py only to list build requirements (torch is not installed yet then).
+REQUIRES_PHASE_VAR = "SLIPSTREAM_BUILD_LISTING_REQUIRES"
 
 
 def aot_requested(environ: dict[str, str] | None = None) -> bool:
@@ -57,9 +59,18 @@ def _extra_requires() -> list[str]:
     return extra
 
 
+def _setuptools_requires(hook_name: str, config_settings: object) -> list[str]:
+    """setuptools' own answer; it runs setup.py, which must not check for torch before pip installed it."""
+    os.environ[REQUIRES_PHASE_VAR] = "1"
+    try:
+        return getattr(_setuptools_backend, hook_name)(config_settings)
+    finally:
+        os.environ.pop(REQUIRES_PHASE_VAR, None)
+
+
 def get_requires_for_build_wheel(config_settings=None):  # type: ignore[no-untyped-def]
-    return _setuptools_backend.get_requires_for_build_wheel(config_settings) + _extra_requires()
+    return _setuptools_requires("get_requires_for_build_wheel", config_settings) + _extra_requires()
 
 
 def get_requires_for_build_editable(config_settings=None):  # type: ignore[no-untyped-def]
-    return _setuptools_backend.get_requires_for_build_editable(config_settings) + _extra_requires()
+    return _setuptools_requires("get_requires_for_build_editable", config_settings) + _extra_requires()

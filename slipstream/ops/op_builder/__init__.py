@@ -9,12 +9,14 @@ from __future__ import annotations
 from slipstream.ops.op_builder.all_ops import ALL_OPS, get_builder
 from slipstream.ops.op_builder.builder import Compatibility, CPUOpBuilder, LoadedOp, OpBuilder, ops_policy
 from slipstream.ops.op_builder.cpu_adam import CPUAdamBuilder
+from slipstream.ops.op_builder.cuda_builder import CUDAOpBuilder
 from slipstream.ops.op_builder.errors import OpBuildError, OpIncompatibleError
 
 __all__ = [
     "ALL_OPS",
     "CPUAdamBuilder",
     "CPUOpBuilder",
+    "CUDAOpBuilder",
     "Compatibility",
     "LoadedOp",
     "OpBuildError",

@@ -86,6 +86,10 @@ class OpBuilder:
     def extra_ldflags(self) -> list[str]:
         return []
 
+    def cuda_args(self) -> list[str] | None:
+        """nvcc flags, or None for an op without CUDA sources."""
+        return None
+
     def is_compatible(self) -> Compatibility:
         """Whether this machine has what the build needs (overridden to add op-specific checks)."""
         try:
@@ -145,13 +149,14 @@ class OpBuilder:
             print(f"slipstream: building op '{self.NAME}' in {build_dir}", file=sys.stderr)
         return jit.build(op_name=self.NAME, module_name=module_name, build_dir=build_dir,
                          sources=self.source_paths(), include_paths=self.include_dirs(),
-                         cxx_args=self.strip_unsupported(self.cxx_args()), ldflags=self.extra_ldflags())
+                         cxx_args=self.cxx_args(), ldflags=self.extra_ldflags(),
+                         cuda_args=self.cuda_args())
 
     def jit_location(self) -> tuple[Path, str]:
         """(cache directory, module name) of this op's JIT build for the current sources and flags."""
         compiler = toolchain.cxx_compiler() or "none"
         key = jit.cache_key(sources=self.source_paths(), headers=self.header_paths(),
-                            flags=self.cxx_args() + self.extra_ldflags(),
+                            flags=self.cxx_args() + self.extra_ldflags() + (self.cuda_args() or []),
                             compiler_id=f"{compiler}:{toolchain.compiler_version(compiler)}")
         return jit.cache_root() / f"{self.NAME}-{key}", f"slipstream_{self.NAME}_{key[:12]}"
 
@@ -208,12 +213,8 @@ class OpBuilder:
 
         return CppExtension(name=self.absolute_name(), sources=[rel(p) for p in self.source_paths()],
                             include_dirs=[str(p) for p in self.include_dirs()],
-                            extra_compile_args={"cxx": self.strip_unsupported(self.cxx_args())},
+                            extra_compile_args={"cxx": self.cxx_args()},
                             extra_link_args=self.extra_ldflags())
-
-    def strip_unsupported(self, flags: list[str]) -> list[str]:
-        """Hook to drop flags a compiler rejects; GCC-style flags are kept as they are by default."""
-        return flags
 
 
 class CPUOpBuilder(OpBuilder):

@@ -145,7 +145,7 @@ def import_built(build_dir: Path, module_name: str) -> ModuleType | None:
 
 
 def build(*, op_name: str, module_name: str, build_dir: Path, sources: list[Path], include_paths: list[Path],
-          cxx_args: list[str], ldflags: list[str]) -> ModuleType:
+          cxx_args: list[str], ldflags: list[str], cuda_args: list[str] | None = None) -> ModuleType:
     """Compile (or reuse) the op under the cache lock and import it; raises OpBuildError on failure."""
     built = import_built(build_dir, module_name)
     if built is not None:
@@ -161,7 +161,7 @@ def build(*, op_name: str, module_name: str, build_dir: Path, sources: list[Path
         shutil.rmtree(build_dir, ignore_errors=True)
         build_dir.mkdir(parents=True)
         try:
-            module = _compile(op_name, module_name, build_dir, sources, include_paths, cxx_args, ldflags)
+            module = _compile(op_name, module_name, build_dir, sources, include_paths, cxx_args, ldflags, cuda_args)
         except OpBuildError as exc:
             _FAILED_BUILDS[build_dir] = exc
             raise
@@ -171,7 +171,7 @@ def build(*, op_name: str, module_name: str, build_dir: Path, sources: list[Path
 
 
 def _compile(op_name: str, module_name: str, build_dir: Path, sources: list[Path], include_paths: list[Path],
-             cxx_args: list[str], ldflags: list[str]) -> ModuleType:
+             cxx_args: list[str], ldflags: list[str], cuda_args: list[str] | None) -> ModuleType:
     from torch.utils import cpp_extension
 
     try:
@@ -181,8 +181,9 @@ def _compile(op_name: str, module_name: str, build_dir: Path, sources: list[Path
             extra_include_paths=[str(p) for p in include_paths],
             extra_cflags=cxx_args,
             extra_ldflags=ldflags,
+            extra_cuda_cflags=cuda_args,
             build_directory=str(build_dir),
-            with_cuda=False,
+            with_cuda=cuda_args is not None,
             verbose=False,
         )
     except (RuntimeError, OSError, SystemError, ImportError) as exc:

@@ -76,20 +76,25 @@ inline Vec::T loadv(const c10::BFloat16* p) { return Vec::load_bf16(reinterpret_
 inline void storev(float* p, Vec::T x) { Vec::store(p, x); }
 inline void storev(c10::BFloat16* p, Vec::T x) { Vec::store_bf16(reinterpret_cast<uint16_t*>(p), x); }
 
-template <OutKind OK>
+template <OutKind OK, bool NT>
 inline void store_outv(void* out, Vec::T x) {
+  uint16_t* o = static_cast<uint16_t*>(out);
   if constexpr (OK == OutKind::BF16) {
-    Vec::store_bf16(static_cast<uint16_t*>(out), x);
+    NT ? Vec::stream_bf16(o, x) : Vec::store_bf16(o, x);
   } else if constexpr (OK == OutKind::F16) {
-    Vec::store_fp16(static_cast<uint16_t*>(out), x);
+    NT ? Vec::stream_fp16(o, x) : Vec::store_fp16(o, x);
   }
 }
 #endif
 
+// Spans shorter than this write the low-precision copy with ordinary stores (it likely stays in cache).
+constexpr int64_t kStreamMinElements = 1 << 14;
+
+// Vector body over the leading multiple of Vec::W elements of [0, n); returns where the scalar tail starts.
 // Updates elements [0, n) of the given (already offset) pointers. The scalar tail uses the same operation order
 // (explicit fma) as the vector body, so results do not depend on where a thread range starts.
-template <typename PT, OutKind OK>
-void adam_span(PT* p, const PT* g, float* m, float* v, void* out, int64_t n, const Coeffs& c) {
+template <typename PT, OutKind OK, bool NT>
+int64_t adam_span_vec(PT* p, const PT* g, float* m, float* v, void* out, int64_t n, const Coeffs& c) {
   int64_t i = 0;
 #if !defined(SLIPSTREAM_SIMD_SCALAR)
   const Vec::T beta2 = Vec::set1(c.beta2), omb1 = Vec::set1(c.one_minus_beta1);
@@ -108,11 +113,28 @@ void adam_span(PT* p, const PT* g, float* m, float* v, void* out, int64_t n, con
     Vec::store(m + i, mv);
     Vec::store(v + i, vv);
     storev(p + i, pv);
-    if constexpr (OK == OutKind::BF16) {
-      store_outv<OK>(static_cast<c10::BFloat16*>(out) + i, pv);
-    } else if constexpr (OK == OutKind::F16) {
-      store_outv<OK>(static_cast<c10::Half*>(out) + i, pv);
+    if constexpr (OK != OutKind::NONE) {
+      store_outv<OK, NT>(static_cast<uint16_t*>(out) + i, pv);
     }
+  }
+  if constexpr (NT) {
+    Vec::nt_fence();
+  }
+#endif
+  return i;
+}
+
+template <typename PT, OutKind OK>
+void adam_span(PT* p, const PT* g, float* m, float* v, void* out, int64_t n, const Coeffs& c) {
+  int64_t i = 0;
+#if !defined(SLIPSTREAM_SIMD_SCALAR)
+  // The low-precision copy is write-only: streaming stores skip reading its lines first (see [Note: cpu_adam
+  // memory traffic]); they need an aligned destination, which torch's allocator gives.
+  const bool aligned = reinterpret_cast<uintptr_t>(out) % Vec::kNtAlign == 0;
+  if (OK != OutKind::NONE && aligned && n >= kStreamMinElements) {
+    i = adam_span_vec<PT, OK, true>(p, g, m, v, out, n, c);
+  } else {
+    i = adam_span_vec<PT, OK, false>(p, g, m, v, out, n, c);
   }
 #endif
   for (; i < n; ++i) {

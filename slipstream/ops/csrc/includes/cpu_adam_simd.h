@@ -50,16 +50,24 @@ struct Vec {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
   static inline void store_bf16(uint16_t* p, T x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
+  }
+  static inline void store_fp16(uint16_t* p, T x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_fp16(x));
+  }
+  // Non-temporal (streaming) stores; p must be aligned to kNtAlign bytes. Followed by nt_fence().
+  static constexpr uintptr_t kNtAlign = 32;
+  static inline void stream_bf16(uint16_t* p, T x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
+  static inline void stream_fp16(uint16_t* p, T x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_fp16(x)); }
+  static inline void nt_fence() { _mm_sfence(); }
+  static inline __m256i to_fp16(T x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static inline __m256i to_bf16(T x) {
     __m512i b = _mm512_castps_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-  }
-  static inline void store_fp16(uint16_t* p, T x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return _mm512_cvtepi32_epi16(r);
   }
   static inline T set1(float x) { return _mm512_set1_ps(x); }
   static inline T add(T a, T b) { return _mm512_add_ps(a, b); }
@@ -80,7 +88,14 @@ struct Vec {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-  static inline void store_bf16(uint16_t* p, T x) {
+  static inline void store_bf16(uint16_t* p, T x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
+  static inline void store_fp16(uint16_t* p, T x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_fp16(x)); }
+  static constexpr uintptr_t kNtAlign = 16;
+  static inline void stream_bf16(uint16_t* p, T x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
+  static inline void stream_fp16(uint16_t* p, T x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_fp16(x)); }
+  static inline void nt_fence() { _mm_sfence(); }
+  static inline __m128i to_fp16(T x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); }
+  static inline __m128i to_bf16(T x) {
     __m256i b = _mm256_castps_si256(x);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
@@ -88,10 +103,7 @@ struct Vec {
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
     // packus works per 128-bit lane: [r0..r3 r0..r3 | r4..r7 r4..r7]; gather quadwords 0 and 2.
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-  }
-  static inline void store_fp16(uint16_t* p, T x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    return _mm256_castsi256_si128(packed);
   }
   static inline T set1(float x) { return _mm256_set1_ps(x); }
   static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
@@ -117,6 +129,10 @@ struct Vec {
     vst1_u16(p, vbsl_u16(is_num, h, vdup_n_u16(0x7FC0)));
   }
   static inline void store_fp16(uint16_t* p, T x) { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(x))); }
+  static constexpr uintptr_t kNtAlign = 8;  // no streaming store on NEON: plain stores
+  static inline void stream_bf16(uint16_t* p, T x) { store_bf16(p, x); }
+  static inline void stream_fp16(uint16_t* p, T x) { store_fp16(p, x); }
+  static inline void nt_fence() {}
   static inline T set1(float x) { return vdupq_n_f32(x); }
   static inline T add(T a, T b) { return vaddq_f32(a, b); }
   static inline T sub(T a, T b) { return vsubq_f32(a, b); }
