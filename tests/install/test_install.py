@@ -73,7 +73,16 @@ def test_pure_install_without_compiler_then_aot_install(source: Path, venv: Path
     env = clean_env(venv)
     assert shutil.which("c++", path=env["PATH"]) is None and shutil.which("g++", path=env["PATH"]) is None
 
-    # 1. The default wheel is pure Python and its version carries the git hash.
+    # 1. An ahead-of-time build with no torch in the target environment stops and says what to do.
+    failed = run([py, "-m", "pip", "install", str(source)], env={**env, "DS_BUILD_CPU_ADAM": "1"}, check=False)
+    output = failed.stdout + failed.stderr
+    assert failed.returncode != 0
+    assert "install torch first" in output.lower(), output[-4000:]
+
+    # The user's environment has PyTorch (the same build as this test runner's, from the local wheel cache).
+    run([py, "-m", "pip", "install", "--quiet", f"torch=={torch.__version__}"], env=env)
+
+    # 2. The default wheel is pure Python and its version carries the git hash.
     run([py, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path / "wheels"), str(source)], env=env)
     wheel = next((tmp_path / "wheels").glob("slipstream-*.whl"))
     assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
@@ -84,21 +93,14 @@ def test_pure_install_without_compiler_then_aot_install(source: Path, venv: Path
     assert not [n for n in names if n.endswith((".so", ".pyd"))]
     assert "slipstream/ops/csrc/adam/cpu_adam.cpp" in names  # sources ship for JIT builds
 
-    # 2. pip install . works with no compiler on PATH, and import needs nothing built.
-    run([py, "-m", "pip", "install", "--quiet", str(source)], env=env)
+    # 3. pip install . works with no compiler on PATH, and import needs nothing built.
+    run([py, "-m", "pip", "install", "--quiet", str(source)], env=env)  # torch is there: nothing else comes
     info = run([py, "-c", "import json, slipstream.git_version_info as g; "
                 "print(json.dumps([g.mode, g.installed_ops, g.version]))"], env=env, cwd=tmp_path).stdout
     mode, installed_ops, version = json.loads(info)
     assert mode == "installed" and installed_ops == {"cpu_adam": False} and version.endswith(git_hash)
 
-    # 3. An ahead-of-time build with no torch in the target environment stops and says what to do.
-    failed = run([py, "-m", "pip", "install", str(source)], env={**env, "DS_BUILD_CPU_ADAM": "1"}, check=False)
-    assert failed.returncode != 0
-    assert "install torch first" in (failed.stdout + failed.stderr).lower()
-
-    # 4. With torch installed, DS_BUILD_CPU_ADAM=1 pip install . ships the op prebuilt: no JIT at first use.
-    torch_spec = f"torch=={torch.__version__}"
-    run([py, "-m", "pip", "install", "--quiet", torch_spec], env=env)
+    # 4. DS_BUILD_CPU_ADAM=1 pip install . ships the op prebuilt: no JIT at first use.
     compiler_dir = os.path.dirname(shutil.which("c++") or "/usr/bin/c++")
     with_compiler = clean_env(venv, DS_BUILD_CPU_ADAM="1")
     with_compiler["PATH"] += f":{compiler_dir}"

@@ -1,4 +1,4 @@
-"""cpu_adam op (native and fallback) and DeepSpeedCPUAdam: numerics vs torch.optim.Adam/AdamW, dtypes, errors."""
+"""cpu_adam op (native and fallback) and DeepSpeedCPUAdam: numerics vs torch.optim.Adam/AdamW, errors."""
 
 from __future__ import annotations
 
@@ -44,12 +44,13 @@ def _run_op(op: ModuleType, params: list[torch.Tensor], grads_fn: Callable[[int]
     ms = [torch.zeros(p.numel()) for p in params]
     vs = [torch.zeros(p.numel()) for p in params]
     for s in range(1, steps + 1):
-        op.adam_update(params, grads_fn(s), ms, vs, s, HYPER["lr"], HYPER["beta1"], HYPER["beta2"], HYPER["eps"],
-                       weight_decay, bias_correction, adamw_mode, outs or [])
+        op.adam_update(params, grads_fn(s), ms, vs, s, HYPER["lr"], HYPER["beta1"], HYPER["beta2"],
+                       HYPER["eps"], weight_decay, bias_correction, adamw_mode, outs or [])
     return ms, vs
 
 
-def _grads(lengths: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Callable[[int], list[torch.Tensor]]:
+def _grads(lengths: tuple[int, ...],
+           dtype: torch.dtype = torch.float32) -> Callable[[int], list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(1234)
     cache: dict[int, list[torch.Tensor]] = {}
 
@@ -74,7 +75,8 @@ def test_matches_torch_adam(op: ModuleType, adamw_mode: bool, weight_decay: floa
             p.grad = g.clone()
         ref_opt.step()
     ours = [p.clone() for p in init]
-    _run_op(op, ours, grads, steps=STEPS, weight_decay=weight_decay, bias_correction=True, adamw_mode=adamw_mode)
+    _run_op(op, ours, grads, steps=STEPS, weight_decay=weight_decay, bias_correction=True,
+            adamw_mode=adamw_mode)
     for n, a, b in zip(LENGTHS, ours, ref):
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"length {n}: {m}")
 
@@ -130,11 +132,12 @@ def test_bf16_params_fp32_states(op: ModuleType, adamw_mode: bool) -> None:
     steps = 20
     for s in range(1, steps + 1):  # fp32 math from the bf16 values, rounded to bf16 after every step
         p32 = [p.float() for p in ref]
-        fallback_op.adam_update(p32, [g.float() for g in grads(s)], ref_m, ref_v, s, HYPER["lr"], HYPER["beta1"],
-                                HYPER["beta2"], HYPER["eps"], wd, True, adamw_mode, [])
+        fallback_op.adam_update(p32, [g.float() for g in grads(s)], ref_m, ref_v, s, HYPER["lr"],
+                                HYPER["beta1"], HYPER["beta2"], HYPER["eps"], wd, True, adamw_mode, [])
         for p, q in zip(ref, p32):
             p.copy_(q)
-    ms, vs = _run_op(op, params, grads, steps=steps, weight_decay=wd, bias_correction=True, adamw_mode=adamw_mode)
+    ms, vs = _run_op(op, params, grads, steps=steps, weight_decay=wd, bias_correction=True,
+                     adamw_mode=adamw_mode)
     for p, r, m, rm, v, rv in zip(params, ref, ms, ref_m, vs, ref_v):
         assert p.dtype == torch.bfloat16 and m.dtype == torch.float32
         assert (p == r).float().mean() > 0.99  # fp32 rounding differences may flip a bf16 rounding rarely
@@ -203,14 +206,17 @@ def test_state_dict_layout_matches_torch(op: ModuleType) -> None:
     assert ours.keys() == theirs.keys()
     for k in ours:
         assert ours[k].keys() == theirs[k].keys()
-        assert ours[k]["step"].dtype == theirs[k]["step"].dtype and ours[k]["step"].shape == theirs[k]["step"].shape
+        ours_step, their_step = ours[k]["step"], theirs[k]["step"]
+        assert ours_step.dtype == their_step.dtype and ours_step.shape == their_step.shape
     opt.load_state_dict(ref_opt.state_dict())  # torch's state loads into ours
 
 
 def test_param_groups_lr_schedule_and_skipped_params(op: ModuleType) -> None:
     params = _model_params(torch.float32)
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    groups = lambda ps: [{"params": ps[:1], "weight_decay": 0.2}, {"params": ps[1:], "lr": 1e-3}]  # noqa: E731
+    def groups(ps: list[torch.nn.Parameter]) -> list[dict]:
+        return [{"params": ps[:1], "weight_decay": 0.2}, {"params": ps[1:], "lr": 1e-3}]
+
     opt = _make_opt(groups(params), op, lr=1e-2, weight_decay=0.0)
     ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, weight_decay=0.0)
     frozen = params[1].detach().clone()
@@ -258,7 +264,8 @@ def test_user_errors(op: ModuleType) -> None:
     with pytest.raises(ValueError, match="amsgrad"):
         DeepSpeedCPUAdam(_model_params(torch.float32), amsgrad=True)
     with pytest.raises(ValueError, match="param 1 is on meta"):
-        DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, device="meta"))])
+        DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(2)),
+                          torch.nn.Parameter(torch.zeros(2, device="meta"))])
     with pytest.raises(TypeError, match="param 0 has dtype torch.float64"):
         DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))])
     emb = torch.nn.Embedding(10, 3, sparse=True)

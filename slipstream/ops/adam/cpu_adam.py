@@ -1,9 +1,9 @@
 """`DeepSpeedCPUAdam`: torch.optim.Optimizer face of the `cpu_adam` op (DeepSpeed's constructor and state).
 
-Owns the per-parameter state (`step` as a float32 scalar tensor like torch.optim.Adam, `exp_avg`, `exp_avg_sq`),
-the grouping of a step into one op call per (param group, step count), and the argument checks that name the
-parameter by its index over all groups. The math lives in the op: slipstream/ops/csrc/adam/cpu_adam.cpp, or its
-pure-PyTorch fallback slipstream/ops/fallback/cpu_adam.py.
+Owns the per-parameter state (`step` as a float32 scalar tensor like torch.optim.Adam, `exp_avg`,
+`exp_avg_sq`), the grouping of a step into one op call per (param group, step count), and the argument checks
+that name the parameter by its index over all groups. The math lives in the op:
+slipstream/ops/csrc/adam/cpu_adam.cpp, or its pure-PyTorch fallback slipstream/ops/fallback/cpu_adam.py.
 
 Routing: fp32/bf16 params with fp32 states go to the loaded op (native when it builds). States in a low
 precision (fp32_optimizer_states=False with a bf16/fp16 param) and fp16 params go to the fallback's
@@ -39,8 +39,8 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
             raise ValueError("DeepSpeedCPUAdam does not support amsgrad=True (DeepSpeed's does not either); "
                              "pass amsgrad=False, or use torch.optim.Adam(params, amsgrad=True) for AMSGrad")
         _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-                        amsgrad=False)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, amsgrad=False)
         super().__init__(model_params, defaults)
         self.adamw_mode = adamw_mode
         self.fp32_optimizer_states = fp32_optimizer_states
@@ -66,7 +66,8 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
         """One Adam step over every param with a grad; params with grad None are skipped.
 
         low_precision_out: None, or one bf16/fp16 CPU tensor per param of all groups in order (same numel),
-        each receiving the updated param values cast in the same pass (entries of skipped params are untouched).
+        each receiving the updated param values cast in the same pass (entries of skipped params stay as
+        they are).
         """
         loss = None
         if closure is not None:
@@ -163,15 +164,15 @@ def _check_hyper(*, lr: float, betas: tuple[float, float], eps: float, weight_de
 
 def _check_param(p: Tensor, index: int) -> None:
     if p.device.type != "cpu":
-        raise ValueError(f"DeepSpeedCPUAdam: param {index} is on {p.device}, but every param must be on the CPU; "
-                         "keep the model on CPU, or enable ZeRO-Offload (\"offload_optimizer\": {\"device\": "
-                         "\"cpu\"}) so that the optimizer sees CPU copies")
+        raise ValueError(f"DeepSpeedCPUAdam: param {index} is on {p.device}, but every param must be on the "
+                         "CPU; keep the model on CPU, or enable ZeRO-Offload (\"offload_optimizer\": "
+                         "{\"device\": \"cpu\"}) so that the optimizer sees CPU copies")
     if p.dtype not in _PARAM_DTYPES:
-        raise TypeError(f"DeepSpeedCPUAdam: param {index} has dtype {p.dtype}; supported are float32, bfloat16 "
-                        "and float16")
+        raise TypeError(f"DeepSpeedCPUAdam: param {index} has dtype {p.dtype}; supported are float32, "
+                        "bfloat16 and float16")
     if not p.is_contiguous():
-        raise ValueError(f"DeepSpeedCPUAdam: param {index} (shape {tuple(p.shape)}) is not contiguous and cannot be "
-                         "updated in place; make it contiguous before building the optimizer")
+        raise ValueError(f"DeepSpeedCPUAdam: param {index} (shape {tuple(p.shape)}) is not contiguous and "
+                         "cannot be updated in place; make it contiguous before building the optimizer")
 
 
 def _checked_grad(p: Tensor, index: int) -> Tensor | None:
@@ -184,7 +185,8 @@ def _checked_grad(p: Tensor, index: int) -> Tensor | None:
         raise RuntimeError(f"DeepSpeedCPUAdam: param {index} has a sparse gradient, which is not supported; "
                            "use dense gradients (e.g. nn.Embedding(sparse=False))")
     if grad.device.type != "cpu":
-        raise ValueError(f"DeepSpeedCPUAdam: the grad of param {index} is on {grad.device}; it must be on the CPU")
+        raise ValueError(f"DeepSpeedCPUAdam: the grad of param {index} is on {grad.device}; it must be on "
+                         "the CPU")
     if grad.dtype != p.dtype or grad.shape != p.shape:
         raise TypeError(f"DeepSpeedCPUAdam: the grad of param {index} has dtype {grad.dtype} and shape "
                         f"{tuple(grad.shape)}, the param {p.dtype} and {tuple(p.shape)}; they must match")
@@ -196,17 +198,18 @@ def _check_low_precision_out(outs: Sequence[Tensor] | None, params: list[Tensor]
         return []
     outs = list(outs)
     if len(outs) != len(params):
-        raise ValueError(f"DeepSpeedCPUAdam.step: low_precision_out has {len(outs)} tensors but the optimizer has "
-                         f"{len(params)} params (all groups, in order); pass one tensor per param")
+        raise ValueError(f"DeepSpeedCPUAdam.step: low_precision_out has {len(outs)} tensors but the "
+                         f"optimizer has {len(params)} params (all groups, in order); pass one tensor per "
+                         "param")
     for index, (out, p) in enumerate(zip(outs, params)):
         if out.dtype not in _OUT_DTYPES:
-            raise TypeError(f"DeepSpeedCPUAdam.step: low_precision_out[{index}] has dtype {out.dtype}; it must be "
-                            "torch.bfloat16 or torch.float16")
+            raise TypeError(f"DeepSpeedCPUAdam.step: low_precision_out[{index}] has dtype {out.dtype}; it "
+                            "must be torch.bfloat16 or torch.float16")
         if out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError(f"DeepSpeedCPUAdam.step: low_precision_out[{index}] must be a contiguous CPU tensor "
-                             f"(got device {out.device}, contiguous={out.is_contiguous()}); copy it to the device "
-                             "after the step")
+            raise ValueError(f"DeepSpeedCPUAdam.step: low_precision_out[{index}] must be a contiguous CPU "
+                             f"tensor (got device {out.device}, contiguous={out.is_contiguous()}); copy it "
+                             "to the device after the step")
         if out.numel() != p.numel():
-            raise ValueError(f"DeepSpeedCPUAdam.step: low_precision_out[{index}] has {out.numel()} elements but "
-                             f"param {index} has {p.numel()}")
+            raise ValueError(f"DeepSpeedCPUAdam.step: low_precision_out[{index}] has {out.numel()} elements "
+                             f"but param {index} has {p.numel()}")
     return outs

@@ -1,4 +1,4 @@
-"""Pure-PyTorch `cpu_adam`: the native module's functions, built on torch's own fused (or foreach) Adam kernel.
+"""Pure-PyTorch `cpu_adam`: the native module's functions, on torch's own fused (or foreach) Adam kernel.
 
 Same interface as slipstream/ops/csrc/adam/cpu_adam.cpp (see CONTRACT.md). Used when no compiler is available
 or with SLIPSTREAM_OPS=fallback. It also owns `adam_update_any_dtype`, the general path the optimizer uses for
@@ -7,7 +7,7 @@ states the native kernel does not take (fp32_optimizer_states=False, fp16 params
 [Note: fallback bias correction] torch's Adam always applies bias correction. With bias_correction=False the
 update p -= lr * m / (sqrt(v) + eps) is obtained from torch's p -= (lr'/bc1) * m / (sqrt(v)/bc2s + eps') by
 lr' = lr * bc1 / bc2s and eps' = eps / bc2s (bc1 = 1 - beta1^t, bc2s = sqrt(1 - beta2^t)); AdamW's decay
-p *= 1 - lr'*wd' keeps its value with wd' = wd * lr / lr'.
+p *= 1 - lr'*wd' keeps its value with wd' = wd * lr / lr' (L2 decay, g += wd * p, is unchanged).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def adam_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
     _check_lists(params, grads, exp_avgs, exp_avg_sqs, low_precision_out)
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         if p.dtype not in _PARAM_DTYPES:
-            raise TypeError(f"cpu_adam.adam_update: params[{i}] has dtype {p.dtype}; supported param dtypes are "
-                            "float32 and bfloat16")
+            raise TypeError(f"cpu_adam.adam_update: params[{i}] has dtype {p.dtype}; supported param dtypes "
+                            "are float32 and bfloat16")
         if m.dtype != torch.float32 or v.dtype != torch.float32:
             raise TypeError(f"cpu_adam.adam_update: exp_avgs[{i}] and exp_avg_sqs[{i}] must be float32, got "
                             f"{m.dtype} and {v.dtype}")
@@ -61,10 +61,11 @@ def adam_update_any_dtype(params: list[Tensor], grads: list[Tensor], exp_avgs: l
     if step < 1:
         raise ValueError(f"cpu_adam.adam_update: step must be the 1-based step count (>= 1), got {step}")
     hyper = _torch_hyper(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                         bias_correction=bias_correction)
+                         bias_correction=bias_correction, adamw_mode=adamw_mode)
     outs: list[Tensor | None] = list(low_precision_out) if low_precision_out else [None] * len(params)
-    direct = [i for i, p in enumerate(params) if p.numel() > 0 and _all_fp32(p, exp_avgs[i], exp_avg_sqs[i])]
-    mixed = [i for i, p in enumerate(params) if p.numel() > 0 and not _all_fp32(p, exp_avgs[i], exp_avg_sqs[i])]
+    nonempty = [i for i, p in enumerate(params) if p.numel() > 0]
+    direct = [i for i in nonempty if _all_fp32(params[i], exp_avgs[i], exp_avg_sqs[i])]
+    mixed = [i for i in nonempty if not _all_fp32(params[i], exp_avgs[i], exp_avg_sqs[i])]
     if direct:
         _torch_adam([params[i] for i in direct], [grads[i] for i in direct], [exp_avgs[i] for i in direct],
                     [exp_avg_sqs[i] for i in direct], step=step, adamw_mode=adamw_mode, **hyper)
@@ -80,8 +81,8 @@ def _update_upcast(batch: list[int], params: list[Tensor], grads: list[Tensor], 
                    hyper: dict[str, float]) -> None:
     """Upcasts the non-fp32 tensors of `batch` into one reused fp32 scratch, updates, and rounds back."""
     # grads share the param dtype, so a non-fp32 param needs two slices (param and grad).
-    need = sum(params[i].numel() * sum(t.dtype != torch.float32
-                                       for t in (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i])) for i in batch)
+    need = sum(params[i].numel() * sum(t.dtype != torch.float32 for t in (params[i], grads[i], exp_avgs[i],
+                                                                            exp_avg_sqs[i])) for i in batch)
     scratch = _scratch(need)
     offset = 0
 
@@ -107,9 +108,9 @@ def _update_upcast(batch: list[int], params: list[Tensor], grads: list[Tensor], 
         _copy_out(outs[i], ps[k])
 
 
-def _torch_adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], *,
-                step: int, adamw_mode: bool, lr: float, eps: float, weight_decay: float, beta1: float,
-                beta2: float) -> None:
+def _torch_adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                exp_avg_sqs: list[Tensor], *, step: int, adamw_mode: bool, lr: float, eps: float,
+                weight_decay: float, beta1: float, beta2: float) -> None:
     """One call of torch's functional Adam/AdamW on same-dtype tensor lists at step `step`."""
     fused = _fused_supported()
     # torch increments these itself before use, so they start at step - 1.
@@ -131,7 +132,7 @@ def _torch_adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
 
 
 def _torch_hyper(*, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                 bias_correction: bool) -> dict[str, float]:
+                 bias_correction: bool, adamw_mode: bool) -> dict[str, float]:
     """Hyperparameters for torch's (always bias-corrected) Adam; see [Note: fallback bias correction]."""
     if bias_correction:
         return dict(lr=lr, eps=eps, weight_decay=weight_decay, beta1=beta1, beta2=beta2)
@@ -140,7 +141,8 @@ def _torch_hyper(*, step: int, lr: float, beta1: float, beta2: float, eps: float
     if bc1 <= 0.0 or bc2s <= 0.0:
         raise ValueError(f"cpu_adam: betas ({beta1}, {beta2}) must be in [0, 1)")
     lr_t = lr * bc1 / bc2s
-    wd_t = weight_decay * lr / lr_t if lr_t != 0.0 else 0.0
+    # L2 decay (g += wd * p) does not involve lr; AdamW's does.
+    wd_t = weight_decay * lr / lr_t if adamw_mode and lr_t != 0.0 else weight_decay
     return dict(lr=lr_t, eps=eps / bc2s, weight_decay=wd_t, beta1=beta1, beta2=beta2)
 
 
@@ -203,11 +205,11 @@ def _check_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tenso
     """The native module's argument checks, with the same exception types and messages."""
     n = len(params)
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
-        raise ValueError("cpu_adam.adam_update: params, grads, exp_avgs and exp_avg_sqs must have the same length, "
-                         f"got {n}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}")
+        raise ValueError("cpu_adam.adam_update: params, grads, exp_avgs and exp_avg_sqs must have the same "
+                         f"length, got {n}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}")
     if low_precision_out and len(low_precision_out) != n:
-        raise ValueError(f"cpu_adam.adam_update: low_precision_out must be empty or have one tensor per param ({n}), "
-                         f"got {len(low_precision_out)}")
+        raise ValueError("cpu_adam.adam_update: low_precision_out must be empty or have one tensor per param "
+                         f"({n}), got {len(low_precision_out)}")
     named = (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
              ("low_precision_out", low_precision_out or []))
     for name, tensors in named:
@@ -223,8 +225,8 @@ def _check_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tenso
         if low_precision_out:
             o = low_precision_out[i]
             if o.dtype not in _OUT_DTYPES:
-                raise TypeError(f"cpu_adam.adam_update: low_precision_out[{i}] has dtype {o.dtype}; it must be "
-                                "bfloat16 or float16")
+                raise TypeError(f"cpu_adam.adam_update: low_precision_out[{i}] has dtype {o.dtype}; it must "
+                                "be bfloat16 or float16")
             if o.numel() != p.numel():
                 raise ValueError(f"cpu_adam.adam_update: low_precision_out[{i}] has {o.numel()} elements but "
                                  f"params[{i}] has {p.numel()}")
@@ -234,11 +236,11 @@ def _check_tensor(t: Tensor, name: str, i: int) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"cpu_adam.adam_update: {name}[{i}] is {type(t).__name__}, not a torch.Tensor")
     if t.device.type != "cpu":
-        raise ValueError(f"cpu_adam.adam_update: {name}[{i}] is on {t.device}; every tensor must be on the CPU "
-                         "(move it with .cpu())")
+        raise ValueError(f"cpu_adam.adam_update: {name}[{i}] is on {t.device}; every tensor must be on the "
+                         "CPU (move it with .cpu())")
     if t.layout != torch.strided:
         raise ValueError(f"cpu_adam.adam_update: {name}[{i}] has layout {t.layout}; sparse tensors are not "
                          "supported, densify the gradient first")
     if not t.is_contiguous():
-        raise ValueError(f"cpu_adam.adam_update: {name}[{i}] is not contiguous; pass t.contiguous() (params must be "
-                         "updated in place)")
+        raise ValueError(f"cpu_adam.adam_update: {name}[{i}] is not contiguous; pass t.contiguous() (params "
+                         "must be updated in place)")

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "../includes/cpu_adam_simd.h"
@@ -91,8 +92,7 @@ inline void store_outv(void* out, Vec::T x) {
 constexpr int64_t kStreamMinElements = 1 << 14;
 
 // Vector body over the leading multiple of Vec::W elements of [0, n); returns where the scalar tail starts.
-// Updates elements [0, n) of the given (already offset) pointers. The scalar tail uses the same operation order
-// (explicit fma) as the vector body, so results do not depend on where a thread range starts.
+// NT: write the low-precision copy with streaming stores (destination aligned to Vec::kNtAlign).
 template <typename PT, OutKind OK, bool NT>
 int64_t adam_span_vec(PT* p, const PT* g, float* m, float* v, void* out, int64_t n, const Coeffs& c) {
   int64_t i = 0;
@@ -124,6 +124,8 @@ int64_t adam_span_vec(PT* p, const PT* g, float* m, float* v, void* out, int64_t
   return i;
 }
 
+// Updates elements [0, n) of the given (already offset) pointers. The scalar tail uses the same operation order
+// (explicit fma) as the vector body, so results do not depend on where a thread range starts.
 template <typename PT, OutKind OK>
 void adam_span(PT* p, const PT* g, float* m, float* v, void* out, int64_t n, const Coeffs& c) {
   int64_t i = 0;
@@ -215,6 +217,17 @@ void run_all(const std::vector<Item>& items, const std::vector<int64_t>& offsets
 #endif
 }
 
+// Python spelling of a dtype, so messages match the fallback's ("torch.bfloat16", not "BFloat16").
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    case at::kDouble: return "torch.float64";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
 void check_tensor(const at::Tensor& t, const char* list, size_t idx) {
   TORCH_CHECK_VALUE(t.defined(), "cpu_adam.adam_update: ", list, "[", idx, "] is undefined (None)");
   TORCH_CHECK_VALUE(t.device().is_cpu(), "cpu_adam.adam_update: ", list, "[", idx, "] is on ", t.device(),
@@ -245,12 +258,13 @@ std::vector<Item> build_items(const std::vector<at::Tensor>& params, const std::
     check_tensor(v, "exp_avg_sqs", i);
     const auto pd = p.scalar_type();
     TORCH_CHECK_TYPE(pd == at::kFloat || pd == at::kBFloat16, "cpu_adam.adam_update: params[", i, "] has dtype ",
-                     pd, "; supported param dtypes are float32 and bfloat16");
-    TORCH_CHECK_TYPE(g.scalar_type() == pd, "cpu_adam.adam_update: grads[", i, "] has dtype ", g.scalar_type(),
-                     " but params[", i, "] has dtype ", pd, "; grads must have the param dtype");
+                     dtype_name(pd), "; supported param dtypes are float32 and bfloat16");
+    TORCH_CHECK_TYPE(g.scalar_type() == pd, "cpu_adam.adam_update: grads[", i, "] has dtype ",
+                     dtype_name(g.scalar_type()), " but params[", i, "] has dtype ", dtype_name(pd),
+                     "; grads must have the param dtype");
     TORCH_CHECK_TYPE(m.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "cpu_adam.adam_update: ",
-                     "exp_avgs[", i, "] and exp_avg_sqs[", i, "] must be float32, got ", m.scalar_type(), " and ",
-                     v.scalar_type());
+                     "exp_avgs[", i, "] and exp_avg_sqs[", i, "] must be float32, got ",
+                     dtype_name(m.scalar_type()), " and ", dtype_name(v.scalar_type()));
     const int64_t numel = p.numel();
     TORCH_CHECK_VALUE(g.numel() == numel && m.numel() == numel && v.numel() == numel, "cpu_adam.adam_update: ",
                       "params[", i, "] has ", numel, " elements but its grad/exp_avg/exp_avg_sq have ", g.numel(),
@@ -261,7 +275,7 @@ std::vector<Item> build_items(const std::vector<at::Tensor>& params, const std::
       const at::Tensor& o = low_precision_out[i];
       check_tensor(o, "low_precision_out", i);
       TORCH_CHECK_TYPE(o.scalar_type() == at::kBFloat16 || o.scalar_type() == at::kHalf,
-                       "cpu_adam.adam_update: low_precision_out[", i, "] has dtype ", o.scalar_type(),
+                       "cpu_adam.adam_update: low_precision_out[", i, "] has dtype ", dtype_name(o.scalar_type()),
                        "; it must be bfloat16 or float16");
       TORCH_CHECK_VALUE(o.numel() == numel, "cpu_adam.adam_update: low_precision_out[", i, "] has ", o.numel(),
                         " elements but params[", i, "] has ", numel);
