@@ -13,16 +13,24 @@ from slipstream.git_version_info import git_branch as __git_branch__
 from slipstream.git_version_info import git_hash as __git_hash__
 from slipstream.git_version_info import version as __version__
 
-_LAZY_SUBMODULES = ("accelerator", "ops", "cli")
+_LAZY_SUBMODULES = ("accelerator", "ops", "cli", "comm", "config", "zero", "engine")
+_LAZY_ATTRIBUTES = {
+    "initialize": "slipstream.api",
+    "init_distributed": "slipstream.api",
+    "add_config_arguments": "slipstream.api",
+    "get_accelerator": "slipstream.accelerator",
+    "SlipstreamEngine": "slipstream.engine.engine",
+    "DeepSpeedEngine": "slipstream.engine.engine",
+    "ConfigError": "slipstream.config",
+}
 
-__all__ = ["__version__", "__git_hash__", "__git_branch__", "get_accelerator", *_LAZY_SUBMODULES]
+__all__ = ["__version__", "__git_hash__", "__git_branch__", *_LAZY_ATTRIBUTES, *_LAZY_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"slipstream.{name}")
-    if name == "get_accelerator":
-        from slipstream.accelerator import get_accelerator
-
-        return get_accelerator
+    if name in _LAZY_ATTRIBUTES:
+        module = importlib.import_module(_LAZY_ATTRIBUTES[name])
+        return getattr(module, "SlipstreamEngine" if name == "DeepSpeedEngine" else name)
     raise AttributeError(f"module 'slipstream' has no attribute {name!r}")

@@ -38,6 +38,15 @@
 
 namespace slipstream_simd {
 
+// Software prefetch into all cache levels; a no-op where the compiler has no builtin for it.
+inline void prefetch(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 3);
+#else
+  (void)p;
+#endif
+}
+
 #if defined(SLIPSTREAM_SIMD_AVX512)
 constexpr const char* kLevel = "avx512";
 struct Vec {

@@ -1,0 +1,64 @@
+"""The entry points of DeepSpeed's API: `initialize`, `init_distributed`, `add_config_arguments`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from slipstream.comm.init import init_distributed
+
+__all__ = ["add_config_arguments", "initialize", "init_distributed"]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's `--deepspeed` / `--deepspeed_config` arguments (and the deprecated deepscale ones)."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="enable DeepSpeed (Slipstream)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    """DeepSpeed's precedence: `config` (or legacy `config_params`), or `args.deepspeed_config`; not both."""
+    given = config if config is not None else config_params
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if given is not None and from_args is not None:
+        raise ValueError("the config was given twice: as initialize(config=...) and as args.deepspeed_config="
+                         f"{from_args!r}; pass only one")
+    if given is None and from_args is None:
+        raise ValueError("no config given: pass initialize(config=dict_or_path) or --deepspeed_config path.json "
+                         "(with add_config_arguments(parser))")
+    return given if given is not None else from_args
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Any = None, config: Any = None, mesh_param: Any = None, config_params: Any = None,
+               *, strict: bool | None = None) -> tuple[Any, Any, Any, Any]:
+    """Build the engine. Returns `(engine, optimizer, training_dataloader, lr_scheduler)` as DeepSpeed does."""
+    if model is None:
+        raise ValueError("initialize() needs model=<torch.nn.Module>")
+    if mpu is not None or mesh_param is not None:
+        raise NotImplementedError("model parallelism (mpu=, mesh_param=) is not available yet in Slipstream")
+    from slipstream.config import load_config, resolve
+    from slipstream.engine.engine import SlipstreamEngine
+
+    raw = load_config(_config_source(args, config, config_params))
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required, verbose=False)
+    if args is not None and hasattr(args, "local_rank"):
+        import os
+
+        args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+    plan = resolve(raw, world_size=dist.get_world_size(), strict=strict, hidden_size=hidden_size)
+    engine = SlipstreamEngine(model, plan, optimizer=optimizer, model_parameters=model_parameters,
+                              lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

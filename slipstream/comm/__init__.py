@@ -1,0 +1,19 @@
+"""Process groups and collectives: every collective Slipstream issues goes through `collectives`."""
+
+from __future__ import annotations
+
+from slipstream.comm.collectives import all_gather, all_reduce, barrier, broadcast, reduce_scatter
+from slipstream.comm.counting import CollectiveCounter, count_collectives
+from slipstream.comm.init import init_distributed, is_initialized
+
+__all__ = [
+    "CollectiveCounter",
+    "all_gather",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "count_collectives",
+    "init_distributed",
+    "is_initialized",
+    "reduce_scatter",
+]

@@ -1,0 +1,59 @@
+"""Starting the default process group: from the launcher's environment, or a one-rank group without one.
+
+`init_distributed` keeps DeepSpeed's signature. With `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT` set
+(torchrun, `slipstream run`, DeepSpeed's launcher) it joins that job. Without them it starts a world of
+one in-process (a `HashStore`), so a script runs as `python train.py` with no launcher at all. The
+backend is the accelerator's (`gloo` on CPU, `nccl` on CUDA) unless given.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch.distributed as dist
+
+logger = logging.getLogger("slipstream")
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", "10")))
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True,
+                     timeout: datetime.timedelta = DEFAULT_TIMEOUT, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config: object = None, rank: int = -1,
+                     world_size: int = -1) -> None:
+    """Start the default process group unless one exists (DeepSpeed's signature; see module doc)."""
+    del auto_mpi_discovery, config  # accepted for DeepSpeed compatibility; MPI discovery comes with the launcher
+    if is_initialized():
+        return
+    if dist_init_required is False:
+        raise RuntimeError("dist_init_required=False but torch.distributed is not initialized; initialize it "
+                           "first or pass dist_init_required=None")
+    from slipstream.accelerator import get_accelerator
+
+    backend = dist_backend or get_accelerator().communication_backend_name()
+    missing = [name for name in _LAUNCHER_VARS if name not in os.environ]
+    if init_method is not None or rank >= 0:
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+        dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank,
+                                world_size=world_size)
+    elif not missing:
+        if "LOCAL_RANK" in os.environ:
+            get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, timeout=timeout)
+    elif len(missing) == len(_LAUNCHER_VARS):
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        raise RuntimeError(f"the launcher environment is incomplete: {', '.join(missing)} not set while "
+                           f"{', '.join(n for n in _LAUNCHER_VARS if n not in missing)} are; start the script "
+                           "with torchrun / `slipstream run`, or unset them all for a single process")
+    if verbose:
+        logger.info("initialized torch.distributed: backend=%s rank=%d world_size=%d", backend,
+                    dist.get_rank(), dist.get_world_size())

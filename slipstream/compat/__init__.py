@@ -1,0 +1,1 @@
+"""DeepSpeed-only surface: the engine getters real callers use (Transformers, Accelerate)."""

@@ -1,0 +1,80 @@
+"""Shared pieces of the DeepSpeed JSON schema: the strict base model and the number types.
+
+Every section model derives from `DSModel`: unknown keys are forbidden, a field may be given by its
+name or by its DeepSpeed alias, numbers and booleans are strict (the string "8" is not an integer),
+and each field's docstring becomes its description. `IMPLEMENTED` lists the fields Slipstream acts
+on; `slipstream.config.resolve` reports any other field set to a non-default value as unimplemented.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Optional
+
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field
+
+__all__ = ["DSModel", "DSInt", "DSFloat", "OpenSection", "aliased", "accepted_keys", "model_of"]
+
+
+def _integral_float_to_int(value: Any) -> Any:
+    """DeepSpeed writes sizes as floats (`5e8`); accept a float that is a whole number as an int."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+DSInt = Annotated[int, BeforeValidator(_integral_float_to_int)]
+"""An integer; a float with no fractional part (`5e8`) is accepted and converted."""
+
+DSFloat = float
+"""A number (an int is accepted); strings and booleans are not."""
+
+
+class DSModel(BaseModel):
+    """Base of every config section: strict, documented, and explicit about what Slipstream implements."""
+
+    model_config = ConfigDict(
+        extra="forbid", populate_by_name=True, strict=True, use_attribute_docstrings=True, frozen=True
+    )
+    IMPLEMENTED: ClassVar[Optional[frozenset[str]]] = frozenset()
+    """Fields Slipstream acts on. None: the whole section is implemented. An `enabled` field not listed here
+    means the section as a whole is unimplemented when enabled."""
+    LITERAL_AUTO: ClassVar[frozenset[str]] = frozenset()
+    """Fields for which the string "auto" is a real DeepSpeed value (not an HF placeholder)."""
+
+
+class OpenSection(DSModel):
+    """A section whose full key list Slipstream does not track: known keys are checked, others are kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def aliased(default: Any, *aliases: str, **kwargs: Any) -> Any:
+    """A field also accepted under DeepSpeed alias names; the first alias is the JSON spelling written out."""
+    return Field(default, validation_alias=AliasChoices(aliases[0], *aliases[1:]), serialization_alias=aliases[0],
+                 **kwargs)
+
+
+def accepted_keys(model: type[BaseModel]) -> dict[str, str]:
+    """Every key the model accepts in JSON (field names and aliases) mapped to its field name."""
+    keys: dict[str, str] = {}
+    for name, info in model.model_fields.items():
+        keys[name] = name
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices):
+            for choice in alias.choices:
+                if isinstance(choice, str):
+                    keys[choice] = name
+        elif isinstance(alias, str):
+            keys[alias] = name
+    return keys
+
+
+def model_of(annotation: Any) -> Optional[type[DSModel]]:
+    """The DSModel class inside a field annotation (`X`, `Optional[X]`, `X | bool`), if there is one."""
+    if isinstance(annotation, type) and issubclass(annotation, DSModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = model_of(arg)
+        if found is not None:
+            return found
+    return None

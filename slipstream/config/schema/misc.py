@@ -1,0 +1,203 @@
+"""Sections Slipstream accepts but does not implement yet: activation checkpointing, checkpoint I/O, aio,
+pipeline, elasticity, autotuning, compile, tensor parallel, and feature sections whose keys DeepSpeed does not
+validate itself (these are `OpenSection`s: listed keys are type-checked, others are kept as given).
+
+Setting any of them (enabled, or a non-default value) puts its dotted name in EnginePlan.unimplemented.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field, field_validator
+
+from slipstream.config.schema.base import DSFloat, DSInt, DSModel, OpenSection
+
+__all__ = ["ActivationCheckpointingConfig", "AioConfig", "AutotuningConfig", "CheckpointConfig", "CompileConfig",
+           "ElasticityConfig", "EnabledSection", "PipelineConfig", "TensorParallelConfig"]
+
+
+class ActivationCheckpointingConfig(DSModel):
+    """`activation_checkpointing` (`deepspeed.checkpointing.configure`)."""
+
+    partition_activations: bool = False
+    """Partition checkpointed activations across model-parallel ranks."""
+    number_checkpoints: Optional[DSInt] = None
+    """Number of checkpoints, for contiguous memory."""
+    contiguous_memory_optimization: bool = False
+    """Copy checkpoints into one buffer."""
+    synchronize_checkpoint_boundary: bool = False
+    """Synchronise the device at checkpoint boundaries."""
+    profile: bool = False
+    """Time the checkpointed forward and recompute."""
+    cpu_checkpointing: bool = False
+    """Offload checkpoints to host memory."""
+
+
+class CheckpointWriterConfig(DSModel):
+    """`checkpoint.writer`."""
+
+    type: str = "FAST"
+    """MOCK, PYTHON or FAST."""
+    io_buffer_size: DSInt = Field(64 * 1024 * 1024, gt=0)
+    """Bytes of the I/O buffer."""
+    io_buffer_double: bool = True
+    """Double-buffer writes."""
+    io_multiplier: DSInt = Field(1, ge=1)
+    """I/O size multiplier."""
+    show_statistics: bool = False
+    """Print writer statistics."""
+    data_parallel: str = "REPLICA"
+    """REPLICA, SOCKET or MACHINE."""
+    decoupled: bool = False
+    """Write in a separate process."""
+
+
+class ParallelWriteConfig(DSModel):
+    """`checkpoint.parallel_write`."""
+
+    pipeline_stage: bool = False
+    """Each pipeline stage writes its own part."""
+
+
+class CheckpointConfig(DSModel):
+    """`checkpoint`: checkpoint I/O options."""
+
+    tag_validation: Literal["WARN", "IGNORE", "FAIL"] = "WARN"
+    """What to do when ranks disagree on the checkpoint tag."""
+    load_universal: bool = False
+    """Load a universal checkpoint."""
+    use_node_local_storage: bool = False
+    """Save to node-local storage (every node writes)."""
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+    """Parallel write options."""
+    checkpoint_serialization: bool = True
+    """Use torch serialization for checkpoints."""
+    writer: Optional[CheckpointWriterConfig] = None
+    """Fast checkpoint writer options."""
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+
+class AioConfig(DSModel):
+    """`aio`: asynchronous NVMe I/O."""
+
+    block_size: DSInt = Field(1_048_576, gt=0)
+    """Bytes per I/O request."""
+    queue_depth: DSInt = Field(8, gt=0)
+    """Requests in flight."""
+    intra_op_parallelism: DSInt = Field(1, gt=0)
+    """Threads per I/O operation."""
+    single_submit: bool = False
+    """Submit requests one at a time."""
+    overlap_events: bool = True
+    """Overlap submission and completion."""
+    use_gds: bool = False
+    """Use GPUDirect Storage."""
+
+
+class PipelineConfig(OpenSection):
+    """`pipeline`: pipeline parallelism."""
+
+    LITERAL_AUTO = frozenset({"stages"})
+    stages: Union[str, DSInt] = "auto"
+    """Number of pipeline stages, or "auto"."""
+    partition: str = "best"
+    """Layer partitioning method."""
+    seed_layers: bool = False
+    """Seed each layer differently."""
+    activation_checkpoint_interval: DSInt = 0
+    """Layers between activation checkpoints."""
+    pipe_partitioned: bool = True
+    """Partition activations between stages."""
+    grad_partitioned: bool = True
+    """Partition gradients between stages."""
+
+
+class ElasticityConfig(DSModel):
+    """`elasticity`: elastic training batch sizes."""
+
+    enabled: bool = False
+    """Compute the batch size from the elastic settings."""
+    max_train_batch_size: DSInt = 2000
+    """Largest acceptable global batch."""
+    micro_batch_sizes: list[DSInt] = Field(default_factory=lambda: [2, 4, 6])
+    """Acceptable micro batch sizes."""
+    min_gpus: DSInt = 1
+    """Fewest GPUs."""
+    max_gpus: DSInt = 10000
+    """Most GPUs."""
+    num_gpus_per_node: DSInt = 1
+    """GPUs per node."""
+    model_parallel_size: DSInt = 1
+    """Model-parallel size."""
+    min_time: DSInt = 0
+    """Minimum running time before scaling."""
+    prefer_larger_batch: bool = True
+    """Prefer the larger of equally good batch sizes."""
+    ignore_non_elastic_batch_info: bool = False
+    """Ignore the batch keys outside this section."""
+    version: DSFloat = 0.2
+    """Elasticity algorithm version."""
+
+
+class AutotuningConfig(OpenSection):
+    """`autotuning`: DeepSpeed's autotuner (further keys are kept as given)."""
+
+    enabled: bool = False
+    """Run the autotuner."""
+    fast: bool = True
+    """Tune only the micro batch size and ZeRO stage."""
+    results_dir: str = "autotuning_results"
+    """Where results are written."""
+    exps_dir: str = "autotuning_exps"
+    """Where experiments are written."""
+    overwrite: bool = True
+    """Overwrite earlier results."""
+    start_profile_step: DSInt = 3
+    """First profiled step."""
+    end_profile_step: DSInt = 5
+    """Last profiled step."""
+    tuner_type: str = "gridsearch"
+    """gridsearch, random or model_based."""
+    tuner_early_stopping: DSInt = 5
+    """Stop after this many experiments without improvement."""
+    tuner_num_trials: DSInt = 50
+    """Most experiments."""
+
+
+class CompileConfig(OpenSection):
+    """`compile`: torch.compile and DeepCompile (further keys are kept as given)."""
+
+    deepcompile: bool = False
+    """Use DeepCompile."""
+    free_activation: bool = False
+    """Free activations early (DeepCompile)."""
+    offload_activation: bool = False
+    """Offload activations (DeepCompile)."""
+    offload_opt_states: bool = False
+    """Offload optimizer states (DeepCompile)."""
+
+
+class TensorParallelConfig(OpenSection):
+    """`tensor_parallel`: automatic tensor parallelism for training (further keys are kept as given)."""
+
+    autotp_size: DSInt = Field(0, ge=0)
+    """Tensor-parallel degree; 0 disables AutoTP."""
+    tp_overlap_comm: bool = False
+    """Overlap tensor-parallel communication."""
+    tp: Optional[dict[str, Any]] = None
+    """{"tp_size": 1, ...}."""
+    partition_config: Optional[dict[str, Any]] = None
+    """Custom partition rules."""
+
+
+class EnabledSection(OpenSection):
+    """A feature section with an `enabled` switch whose other keys are kept as given (hybrid_engine,
+    progressive_layer_drop, eigenvalue, nebula, sparse_attention, curriculum_learning, ...)."""
+
+    enabled: bool = False
+    """Turn the feature on."""

@@ -1,0 +1,123 @@
+"""Monitor and logging sections: `tensorboard`, `csv_monitor`, `wandb`, `comet`, `comms_logger`, `flops_profiler`,
+`timers`. Defaults are DeepSpeed 0.19's (`deepspeed/monitor/config.py`, `profiling/config.py`)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import Field
+
+from slipstream.config.schema.base import DSFloat, DSInt, DSModel
+
+__all__ = ["CSVConfig", "CometConfig", "CommsLoggerConfig", "FlopsProfilerConfig", "TensorBoardConfig",
+           "TimersConfig", "WandbConfig"]
+
+
+class TensorBoardConfig(DSModel):
+    """`tensorboard`: write Train/Samples/* events with torch.utils.tensorboard."""
+
+    IMPLEMENTED = None
+    enabled: bool = False
+    """Write TensorBoard events."""
+    output_path: str = ""
+    """Directory for the event files."""
+    job_name: str = "DeepSpeedJobName"
+    """Sub-directory name of this run."""
+
+
+class CSVConfig(DSModel):
+    """`csv_monitor`: write Train/Samples/* events as CSV files."""
+
+    IMPLEMENTED = None
+    enabled: bool = False
+    """Write CSV files."""
+    output_path: str = ""
+    """Directory for the CSV files."""
+    job_name: str = "DeepSpeedJobName"
+    """Sub-directory name of this run."""
+
+
+class WandbConfig(DSModel):
+    """`wandb`: log to Weights & Biases."""
+
+    enabled: bool = False
+    """Log to W&B."""
+    group: Optional[str] = None
+    """W&B group."""
+    team: Optional[str] = None
+    """W&B team (entity)."""
+    project: str = "deepspeed"
+    """W&B project."""
+
+
+class CometConfig(DSModel):
+    """`comet`: log to Comet."""
+
+    enabled: bool = False
+    """Log to Comet."""
+    samples_log_interval: DSInt = Field(100, ge=1)
+    """Log every N samples."""
+    project: Optional[str] = None
+    """Comet project."""
+    workspace: Optional[str] = None
+    """Comet workspace."""
+    api_key: Optional[str] = None
+    """Comet API key."""
+    experiment_name: Optional[str] = None
+    """Experiment name."""
+    experiment_key: Optional[str] = None
+    """Experiment key."""
+    online: Optional[bool] = None
+    """Log online."""
+    mode: Optional[str] = None
+    """Comet mode ("get", "create", "get_or_create")."""
+
+
+class CommsLoggerConfig(DSModel):
+    """`comms_logger`: log every collective."""
+
+    enabled: bool = False
+    """Log collectives."""
+    verbose: bool = False
+    """Log each call as it happens."""
+    prof_all: bool = True
+    """Profile all collectives."""
+    prof_ops: list[str] = Field(default_factory=list)
+    """Collectives to profile when prof_all is false."""
+    debug: bool = False
+    """Include the caller in the log."""
+
+
+class FlopsProfilerConfig(DSModel):
+    """`flops_profiler`: profile one step's FLOPs and latency."""
+
+    enabled: bool = False
+    """Run the profiler."""
+    recompute_fwd_factor: DSFloat = 0.0
+    """Extra forward cost from activation recomputation."""
+    profile_step: DSInt = 1
+    """Step to profile."""
+    module_depth: DSInt = -1
+    """Module depth to report; -1 is all."""
+    top_modules: DSInt = 1
+    """Top modules to list."""
+    detailed: bool = True
+    """Print the per-module profile."""
+    output_file: Optional[str] = None
+    """File to write; None prints to stdout."""
+
+
+class ThroughputTimerConfig(DSModel):
+    """`timers.throughput`."""
+
+    enabled: bool = True
+    """Measure throughput."""
+    synchronized: bool = True
+    """Synchronise the device before reading the clock."""
+
+
+class TimersConfig(DSModel):
+    """`timers`."""
+
+    throughput: ThroughputTimerConfig = Field(default_factory=ThroughputTimerConfig)
+    """Throughput timer."""

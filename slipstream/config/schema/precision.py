@@ -1,0 +1,136 @@
+"""Precision sections: `fp16`, `bf16` (alias `bfloat16`), `amp`, `torch_autocast`, `data_types`.
+
+Defaults are DeepSpeed 0.19's (`runtime/precision_config.py`). The loss-scale rules (finite >= 0; window and
+minimum scale > 0 when dynamic) are checked here; fp16-with-bf16 is a cross-section rule in resolve.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from slipstream.config.schema.base import DSFloat, DSInt, DSModel, OpenSection
+
+__all__ = ["AmpConfig", "BF16Config", "DataTypesConfig", "FP16Config", "TorchAutocastConfig", "canonical_dtype"]
+
+_DTYPE_NAMES = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "torch.half": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+}
+
+
+def canonical_dtype(value: Optional[str]) -> Optional[str]:
+    """"fp32" | "fp16" | "bf16" for any DeepSpeed/torch spelling; ValueError naming the choices otherwise."""
+    if value is None:
+        return None
+    found = _DTYPE_NAMES.get(value.lower())
+    if found is None:
+        raise ValueError(f"unknown dtype '{value}'; expected one of \"fp32\", \"fp16\", \"bf16\"")
+    return found
+
+
+class FP16Config(DSModel):
+    """`fp16`: mixed precision with float16 parameters and a loss scaler."""
+
+    IMPLEMENTED = frozenset({
+        "enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+        "consecutive_hysteresis", "min_loss_scale",
+    })
+    enabled: bool = False
+    """Train with float16 parameters."""
+    auto_cast: bool = False
+    """Cast floating-point inputs of the model to fp16."""
+    loss_scale: DSFloat = 0.0
+    """Static loss scale; 0 means dynamic loss scaling."""
+    initial_scale_power: DSInt = Field(16, ge=0)
+    """The dynamic scale starts at 2**initial_scale_power."""
+    loss_scale_window: DSInt = 1000
+    """Steps without overflow before the dynamic scale is doubled."""
+    hysteresis: DSInt = Field(2, ge=1)
+    """Overflows tolerated before the dynamic scale is halved."""
+    consecutive_hysteresis: bool = False
+    """Refill hysteresis on every step without overflow."""
+    min_loss_scale: DSFloat = 1.0
+    """Lower bound of the dynamic loss scale."""
+    fp16_master_weights_and_grads: bool = False
+    """Keep master weights and gradients in fp16 (ZeRO with CPU offload only)."""
+
+    @field_validator("loss_scale")
+    @classmethod
+    def _finite_non_negative(cls, value: float) -> float:
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"loss_scale must be a finite number >= 0 (0 means dynamic), got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _dynamic_bounds(self) -> FP16Config:
+        if self.loss_scale == 0:
+            if self.loss_scale_window <= 0:
+                raise ValueError(f"loss_scale_window must be > 0 for dynamic loss scaling, got {self.loss_scale_window}")
+            if self.min_loss_scale <= 0:
+                raise ValueError(f"min_loss_scale must be > 0 for dynamic loss scaling, got {self.min_loss_scale}")
+        return self
+
+
+class BF16Config(DSModel):
+    """`bf16` (also spelled `bfloat16`): bfloat16 parameters with fp32 master weights."""
+
+    IMPLEMENTED = frozenset({"enabled", "check_grad_overflow"})
+    enabled: bool = False
+    """Train with bfloat16 parameters."""
+    immediate_grad_update: bool = False
+    """Apply gradients to fp32 accumulators as they are produced."""
+    check_grad_overflow: bool = True
+    """Skip the step when a gradient is not finite."""
+    bf16_master_weights_and_grads: bool = False
+    """Keep master weights and gradients in bf16 (ZeRO 1-3)."""
+    bf16_optimizer_states: bool = False
+    """Keep optimizer states in bf16; requires bf16_master_weights_and_grads."""
+
+    @model_validator(mode="after")
+    def _states_need_master(self) -> BF16Config:
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise ValueError("bf16_optimizer_states requires bf16_master_weights_and_grads: true")
+        return self
+
+
+class AmpConfig(OpenSection):
+    """`amp`: NVIDIA Apex AMP; any Apex keyword (opt_level, ...) is passed through. Incompatible with ZeRO."""
+
+    enabled: bool = False
+    """Use Apex AMP."""
+    opt_level: Optional[str] = None
+    """Apex optimisation level, e.g. "O1"."""
+
+
+class TorchAutocastConfig(DSModel):
+    """`torch_autocast`: run forward under torch.autocast."""
+
+    enabled: bool = False
+    """Use torch.autocast in forward."""
+    dtype: Optional[str] = None
+    """Autocast dtype, e.g. "bfloat16"."""
+    lower_precision_safe_modules: Optional[list[str]] = None
+    """Class paths of modules whose parameters are kept in the lower precision."""
+
+
+class DataTypesConfig(DSModel):
+    """`data_types`: dtypes of gradient accumulation, parameters and buffers."""
+
+    IMPLEMENTED = frozenset({"grad_accum_dtype"})
+    grad_accum_dtype: Optional[str] = None
+    """Gradient accumulation dtype: "fp32", "fp16" or "bf16" (None: fp32 in Slipstream)."""
+    param_dtype: Optional[str] = None
+    """Parameter dtype override."""
+    buffer_dtype: Optional[str] = None
+    """Buffer dtype override."""
+
+    @field_validator("grad_accum_dtype", "param_dtype", "buffer_dtype")
+    @classmethod
+    def _known_dtype(cls, value: Optional[str]) -> Optional[str]:
+        return canonical_dtype(value)
+
+

@@ -1,0 +1,163 @@
+"""The top level of a DeepSpeed JSON config: batch keys, gradient handling, and one field per section.
+
+Unlike DeepSpeed, which ignores unknown top-level keys, Slipstream rejects them (or warns with `strict: false`).
+Defaults are DeepSpeed 0.19's (`runtime/config.py`); `gradient_clipping` defaults to 1.0 as in 0.19.3+.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, field_validator
+
+from slipstream.config.schema.base import DSFloat, DSInt, DSModel, aliased
+from slipstream.config.schema.misc import (ActivationCheckpointingConfig, AioConfig, AutotuningConfig,
+                                           CheckpointConfig, CompileConfig, ElasticityConfig, EnabledSection,
+                                           PipelineConfig, TensorParallelConfig)
+from slipstream.config.schema.monitors import (CometConfig, CommsLoggerConfig, CSVConfig, FlopsProfilerConfig,
+                                               TensorBoardConfig, TimersConfig, WandbConfig)
+from slipstream.config.schema.optim import OptimizerConfig, SchedulerConfig
+from slipstream.config.schema.precision import (AmpConfig, BF16Config, DataTypesConfig, FP16Config,
+                                                TorchAutocastConfig, canonical_dtype)
+from slipstream.config.schema.zero import ZeroConfig
+
+__all__ = ["DeepSpeedConfig"]
+
+FreeForm = Optional[dict[str, Any]]
+
+
+class DeepSpeedConfig(DSModel):
+    """A whole DeepSpeed JSON config."""
+
+    IMPLEMENTED = frozenset({
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
+        "wall_clock_breakdown", "gradient_clipping", "prescale_gradients", "gradient_predivide_factor",
+        "dataloader_drop_last", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "strict",
+    })
+    train_batch_size: Optional[DSInt] = Field(None, gt=0)
+    """Global batch: micro batch * gradient accumulation steps * data-parallel world size."""
+    train_micro_batch_size_per_gpu: Optional[DSInt] = Field(None, gt=0)
+    """Samples per rank per forward/backward."""
+    gradient_accumulation_steps: Optional[DSInt] = Field(None, gt=0)
+    """Micro batches accumulated before each optimizer step."""
+    managed_gradient_accumulation: bool = True
+    """The engine scales the loss by 1/gradient_accumulation_steps and skips steps between boundaries."""
+    steps_per_print: Optional[DSInt] = Field(None, gt=0)
+    """Log progress every N optimizer steps; None disables."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step."""
+    memory_breakdown: bool = False
+    """Log memory use."""
+    dump_state: bool = False
+    """Print the engine state after initialisation."""
+    gradient_clipping: DSFloat = Field(1.0, ge=0.0)
+    """Clip the global gradient norm to this value; 0 disables."""
+    prescale_gradients: bool = False
+    """Divide gradients by the world size before the all-reduce instead of after."""
+    gradient_predivide_factor: DSFloat = Field(1.0, gt=0.0)
+    """Divide gradients by this before the all-reduce and by world_size / factor after."""
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    """How gradients are combined across ranks."""
+    communication_data_type: Optional[str] = None
+    """Dtype of gradient communication ("fp32", "fp16", "bf16"); None: the gradient dtype."""
+    seq_parallel_communication_data_type: str = "fp32"
+    """Dtype of sequence-parallel communication."""
+    sparse_gradients: bool = False
+    """Communicate embedding gradients sparsely."""
+    disable_allgather: bool = False
+    """Disable all-gather of parameters after the step (legacy)."""
+    zero_allow_untested_optimizer: bool = False
+    """Allow ZeRO with an optimizer not on the tested list."""
+    zero_force_ds_cpu_optimizer: bool = True
+    """With CPU offload, require DeepSpeed's CPU optimizer for a client optimizer."""
+    dataloader_drop_last: bool = False
+    """Drop the last incomplete batch of the training data loader."""
+    log_level: Optional[str] = None
+    """Log level of the engine's logger."""
+    vocabulary_size: Optional[DSInt] = None
+    """Vocabulary size (a warning when not a multiple of 8)."""
+    use_data_before_expert_parallelism: bool = False
+    """Use the data before expert parallelism splits it."""
+    graph_harvesting: bool = False
+    """Capture CUDA graphs (accelerators that support it)."""
+    sequence_parallel_size: Optional[DSInt] = Field(None, gt=0)
+    """Sequence-parallel degree of the device mesh."""
+    data_parallel_size: Optional[DSInt] = Field(None, gt=0)
+    """Data-parallel degree of the device mesh."""
+    strict: bool = True
+    """Slipstream only: false turns unknown keys into one warning each instead of an error."""
+    optimizer: Optional[OptimizerConfig] = None
+    """Optimizer built by the engine when the caller passes none."""
+    scheduler: Optional[SchedulerConfig] = None
+    """LR scheduler built by the engine when the caller passes none."""
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    """ZeRO settings; `true` is stage 1."""
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    """fp16 mixed precision."""
+    bf16: BF16Config = aliased(BF16Config(), "bf16", "bfloat16")
+    """bf16 mixed precision (also spelled `bfloat16`)."""
+    amp: Optional[AmpConfig] = None
+    """Apex AMP."""
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
+    """torch.autocast in forward."""
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    """Gradient-accumulation and other dtypes."""
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    """Activation checkpointing."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoint I/O."""
+    aio: AioConfig = Field(default_factory=AioConfig)
+    """Asynchronous NVMe I/O."""
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    """FLOPs profiler."""
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+    """Autotuner."""
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    """TensorBoard monitor."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases monitor."""
+    csv_monitor: CSVConfig = Field(default_factory=CSVConfig)
+    """CSV monitor."""
+    comet: CometConfig = Field(default_factory=CometConfig)
+    """Comet monitor."""
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    """Collective logging."""
+    timers: TimersConfig = Field(default_factory=TimersConfig)
+    """Timers."""
+    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
+    """Elastic training."""
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """Pipeline parallelism."""
+    sparse_attention: FreeForm = None
+    """Sparse attention (keys as DeepSpeed documents them)."""
+    progressive_layer_drop: EnabledSection = Field(default_factory=EnabledSection)
+    """Progressive layer drop."""
+    eigenvalue: EnabledSection = Field(default_factory=EnabledSection)
+    """Eigenvalue computation."""
+    quantize_training: EnabledSection = Field(default_factory=EnabledSection)
+    """Quantization-aware training (MoQ)."""
+    compression_training: FreeForm = None
+    """Compression library settings."""
+    curriculum_learning: EnabledSection = Field(default_factory=EnabledSection)
+    """Legacy curriculum learning."""
+    data_efficiency: EnabledSection = Field(default_factory=EnabledSection)
+    """Data efficiency library (sampling, routing)."""
+    hybrid_engine: EnabledSection = Field(default_factory=EnabledSection)
+    """Hybrid training/inference engine (RLHF)."""
+    nebula: EnabledSection = Field(default_factory=EnabledSection)
+    """Nebula checkpoint service."""
+    datastates_ckpt: FreeForm = None
+    """DataStates asynchronous checkpointing."""
+    weight_quantization: FreeForm = None
+    """Post-training weight quantization."""
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    """torch.compile / DeepCompile."""
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    """Tensor parallelism for training."""
+    expert_parallel: FreeForm = None
+    """Expert parallelism."""
+
+    @field_validator("communication_data_type")
+    @classmethod
+    def _known_dtype(cls, value: Optional[str]) -> Optional[str]:
+        return canonical_dtype(value)

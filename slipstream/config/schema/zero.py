@@ -1,0 +1,218 @@
+"""The `zero_optimization` section: ZeRO stage, buckets, offload, stage-3 knobs, ZenFlow.
+
+Defaults are DeepSpeed 0.19's (`runtime/zero/config.py`, `runtime/zero/offload_config.py`). Legacy forms are
+converted before validation: `"zero_optimization": true` is stage 1 (false is stage 0), the deprecated
+`cpu_offload`, `cpu_offload_param` and `cpu_offload_use_pin_memory` become offload sections.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from slipstream.config.schema.base import DSFloat, DSInt, DSModel, aliased
+
+__all__ = ["OffloadOptimizerConfig", "OffloadParamConfig", "ZenFlowConfig", "ZeroConfig"]
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class OffloadOptimizerConfig(DSModel):
+    """`zero_optimization.offload_optimizer` (stages 1-3)."""
+
+    IMPLEMENTED = frozenset({"device", "pin_memory", "buffer_count"})
+    device: OffloadDevice = "none"
+    """Where optimizer state lives: "none", "cpu" or "nvme"."""
+    nvme_path: Optional[str] = None
+    """Directory for NVMe offload."""
+    buffer_count: DSInt = Field(4, ge=0)
+    """Number of buffers in the offload buffer pool."""
+    pin_memory: bool = True
+    """Use page-locked host memory for offloaded state."""
+    pipeline_read: bool = False
+    """Overlap NVMe reads with compute."""
+    pipeline_write: bool = False
+    """Overlap NVMe writes with compute."""
+    fast_init: bool = False
+    """Faster optimizer initialisation when offloading to NVMe."""
+    ratio: DSFloat = Field(1.0, ge=0.0, le=1.0)
+    """Fraction of the optimizer step run on CPU (values below 1 only with stage 3)."""
+    super_offload: bool = False
+    """DeepSpeed SuperOffload (stage 3)."""
+    cpuadam_cores_perc: DSFloat = Field(0.8, gt=0.0, le=1.0)
+    """Share of host cores used by the CPU Adam."""
+
+
+class OffloadParamConfig(DSModel):
+    """`zero_optimization.offload_param` (stage 3 only); parsed into Stage3Plan.offload_param."""
+
+    IMPLEMENTED = None
+    device: OffloadDevice = "none"
+    """Where parameters live between uses: "none", "cpu" or "nvme"."""
+    nvme_path: Optional[str] = None
+    """Directory for NVMe offload."""
+    buffer_count: DSInt = Field(5, ge=0)
+    """Number of parameter buffers."""
+    buffer_size: DSInt = Field(100_000_000, ge=0)
+    """Size of each parameter buffer, in elements."""
+    max_in_cpu: DSInt = Field(1_000_000_000, ge=0)
+    """Elements kept in host memory when offloading to NVMe."""
+    pin_memory: bool = True
+    """Use page-locked host memory."""
+
+
+class ZenFlowConfig(DSModel):
+    """`zero_optimization.zenflow` (`runtime/zenflow/zenflow_config.py`)."""
+
+    LITERAL_AUTO = frozenset({"select_strategy", "select_interval", "update_interval"})
+    topk_ratio: DSFloat = Field(0.1, ge=0.0, le=1.0)
+    """Fraction of gradient columns updated on the GPU each step."""
+    select_strategy: str = "auto"
+    """How important columns are chosen: "auto", "step" or "epoch"."""
+    select_interval: Union[str, DSInt] = "auto"
+    """Steps between re-selection, or "auto"."""
+    update_interval: Union[str, DSInt] = "auto"
+    """Steps between CPU updates, or "auto"."""
+    overlap_step: bool = False
+    """Overlap the CPU step with GPU compute."""
+    offload: bool = False
+    """Offload ZenFlow state."""
+    auto_ratio: DSFloat = Field(0.99, ge=0.0, le=1.0)
+    """Threshold used by the "auto" strategy."""
+    full_warm_up_rounds: DSInt = Field(0, ge=0)
+    """Steps of full updates before selective updates begin."""
+    pt_reserved_cores_perc: DSFloat = Field(0.5, ge=0.0, le=1.0)
+    """Share of host cores reserved for PyTorch."""
+    steps_per_epoch: Optional[DSInt] = None
+    """Steps per epoch, for the "epoch" strategy."""
+
+
+class ZeroConfig(DSModel):
+    """`zero_optimization` (`DeepSpeedZeroConfig`)."""
+
+    IMPLEMENTED = frozenset({
+        "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_bucket_size",
+        "overlap_comm", "offload_optimizer", "cpu_offload",
+        # Stage-3 keys: parsed into Stage3Plan; stage 3 itself is reported as "zero_optimization.stage=3".
+        "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
+        "gather_16bit_weights_on_model_save", "offload_param", "cpu_offload_param", "cpu_offload_use_pin_memory",
+    })
+    stage: DSInt = Field(0, ge=0, le=3)
+    """0 disabled, 1 optimizer state, 2 + gradients, 3 + parameters are partitioned."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced."""
+    reduce_scatter: bool = True
+    """Average gradients with reduce-scatter instead of all-reduce (stages 1-2)."""
+    reduce_bucket_size: DSInt = Field(500_000_000, ge=0)
+    """Elements reduced at a time."""
+    use_multi_rank_bucket_allreduce: bool = True
+    """Combine reduction buckets of several ranks into one all-reduce."""
+    allgather_partitions: bool = True
+    """All-gather updated partitions (true) or broadcast them (false) after the step."""
+    allgather_bucket_size: DSInt = Field(500_000_000, ge=0)
+    """Elements all-gathered at a time."""
+    overlap_comm: Optional[bool] = None
+    """Overlap gradient reduction with backward; None means true for stage 3, false otherwise."""
+    load_from_fp32_weights: bool = True
+    """Initialise fp32 master weights from the checkpoint's fp32 copy."""
+    elastic_checkpoint: bool = False
+    """Load optimizer state saved with a different data-parallel size (legacy)."""
+    offload_param: Optional[OffloadParamConfig] = None
+    """Parameter offload (stage 3)."""
+    offload_optimizer: Optional[OffloadOptimizerConfig] = None
+    """Optimizer-state offload (stages 1-3)."""
+    zenflow: Optional[ZenFlowConfig] = None
+    """ZenFlow stall-free offload."""
+    sub_group_size: DSInt = Field(1_000_000_000, ge=0)
+    """Elements per optimizer sub-group (stage 3)."""
+    cpu_offload: Optional[bool] = None
+    """Deprecated: true means offload_optimizer.device = "cpu"."""
+    cpu_offload_param: Optional[bool] = None
+    """Deprecated: true means offload_param.device = "cpu"."""
+    cpu_offload_use_pin_memory: Optional[bool] = None
+    """Deprecated: pin_memory of the offload sections."""
+    prefetch_bucket_size: DSInt = aliased(50_000_000, "stage3_prefetch_bucket_size", "prefetch_bucket_size", ge=0)
+    """Elements of parameters prefetched ahead of use (stage 3)."""
+    param_persistence_threshold: DSInt = aliased(
+        100_000, "stage3_param_persistence_threshold", "param_persistence_threshold", ge=0)
+    """Parameters smaller than this stay unpartitioned (stage 3)."""
+    model_persistence_threshold: DSInt = aliased(
+        sys.maxsize, "stage3_model_persistence_threshold", "model_persistence_threshold", ge=0)
+    """Upper bound on elements kept unpartitioned by the persistence threshold (stage 3)."""
+    max_live_parameters: DSInt = aliased(1_000_000_000, "stage3_max_live_parameters", "max_live_parameters", ge=0)
+    """Most gathered parameter elements alive at once (stage 3)."""
+    max_reuse_distance: DSInt = aliased(1_000_000_000, "stage3_max_reuse_distance", "max_reuse_distance", ge=0)
+    """Keep a gathered parameter if it is reused within this many elements (stage 3)."""
+    gather_16bit_weights_on_model_save: bool = aliased(
+        False, "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save")
+    """Gather the full 16-bit weights on save_16bit_model (stage 3)."""
+    module_granularity_threshold: DSInt = aliased(
+        0, "stage3_module_granularity_threshold", "module_granularity_threshold", ge=0)
+    """Treat modules below this size as leaves when fetching (stage 3)."""
+    use_all_reduce_for_fetch_params: bool = aliased(
+        False, "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params")
+    """Fetch parameters with all-reduce instead of all-gather (stage 3)."""
+    allgather_sequential: bool = aliased(False, "stage3_allgather_sequential", "allgather_sequential")
+    """Issue parameter all-gathers one at a time (stage 3)."""
+    ignore_unused_parameters: bool = True
+    """Tolerate parameters that get no gradient."""
+    legacy_stage1: bool = False
+    """The removed legacy stage-1 implementation; true is an error."""
+    round_robin_gradients: bool = False
+    """Round-robin gradient copying across ranks (stages 1-2 with offload)."""
+    zero_hpz_partition_size: DSInt = Field(1, ge=1)
+    """ZeRO++ hierarchical partition size."""
+    zero_quantized_weights: bool = False
+    """ZeRO++ quantized weight communication."""
+    zero_quantized_nontrainable_weights: bool = False
+    """Keep non-trainable weights quantized."""
+    zero_quantized_gradients: bool = False
+    """ZeRO++ quantized gradient communication."""
+    zeropp_loco_param: Optional[dict[str, Any]] = None
+    """ZeRO++ LoCo parameters, e.g. {"err_beta": 0.8, "reset_T": 1024}."""
+    mics_shard_size: DSInt = -1
+    """MiCS shard size; -1 disables MiCS."""
+    mics_hierarchical_params_gather: bool = False
+    """MiCS hierarchical all-gather."""
+    memory_efficient_linear: bool = True
+    """Memory-efficient linear layer under zero.Init."""
+    pipeline_loading_checkpoint: bool = False
+    """Load checkpoint weights during zero.Init."""
+    override_module_apply: bool = True
+    """Gather parameters around nn.Module.apply under zero.Init."""
+    log_trace_cache_warnings: bool = False
+    """Log stage-3 trace cache invalidations."""
+    enable_sanity_checks: bool = False
+    """Extra stage-3 consistency checks."""
+    save_muon_momentum_buffer_in_memory: bool = False
+    """Keep Muon momentum in memory (stage 3)."""
+    leaf_module: Optional[dict[str, Any]] = None
+    """Modules treated as leaves by stage 3: {"classes": [...], "names": [...]}."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_forms(cls, data: Any) -> Any:
+        if isinstance(data, bool):
+            return {"stage": 1 if data else 0}
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        pin = data.get("cpu_offload_use_pin_memory")
+        for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+            if data.get(old) is None:
+                continue
+            if data.get(new) is not None:
+                raise ValueError(f"give either the deprecated '{old}' or '{new}', not both; keep '{new}'")
+            if data[old] is True:
+                data[new] = {"device": "cpu", **({"pin_memory": pin} if isinstance(pin, bool) else {})}
+        return data
+
+    @field_validator("legacy_stage1")
+    @classmethod
+    def _no_legacy_stage1(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("legacy_stage1 was removed from DeepSpeed; delete the key")
+        return value

@@ -1,0 +1,1 @@
+"""The engine: forward/backward/step, accumulation, schedulers, optimizers, logs."""

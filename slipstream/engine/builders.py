@@ -1,0 +1,130 @@
+"""How the engine's parts are made from the plan: module placement, optimizers, ZeRO stage, scheduler, data.
+
+Each function takes the piece of the plan it needs; the engine calls them once, in `__init__`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from slipstream.comm import collectives
+from slipstream.config.plan import EnginePlan, LossScalePlan, MonitorPlan, PrecisionPlan
+from slipstream.engine.dataloader import make_training_dataloader
+from slipstream.engine.monitor import CsvMonitor, TensorboardMonitor
+from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
+from slipstream.zero.stage0 import Stage0Optimizer
+from slipstream.zero.stage1 import Stage1Optimizer
+from slipstream.zero.stage2 import Stage2Optimizer
+
+_STAGES: dict[int, type[ZeroOptimizer]] = {0: Stage0Optimizer, 1: Stage1Optimizer, 2: Stage2Optimizer}
+
+
+def prepare_module(model: nn.Module, precision: PrecisionPlan, device: torch.device) -> nn.Module:
+    """Move the model to the device and the parameter dtype; make every rank start from rank 0's values."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize(model=...) needs a torch.nn.Module, got {type(model).__name__}")
+    model.to(device)
+    dtype = DTYPES[precision.param_dtype]
+    if dtype != torch.float32:
+        model.to(dtype)
+    if dist.get_world_size() > 1:
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                collectives.broadcast(tensor.data, src=0)
+    return model
+
+
+def make_basic_optimizer(module: nn.Module, plan: EnginePlan, client: Any,
+                         model_parameters: Any) -> torch.optim.Optimizer | None:
+    """The client optimizer (instance or callable), or the one the config names, or None (inference)."""
+    params = list(model_parameters) if model_parameters is not None else \
+        [p for p in module.parameters() if p.requires_grad]
+    if client is not None:
+        if plan.optimizer is not None:
+            raise ValueError("both an optimizer object (initialize(optimizer=...)) and an 'optimizer' config section "
+                             "were given; remove one of them")
+        optimizer = client(params) if callable(client) and not isinstance(client, torch.optim.Optimizer) else client
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"initialize(optimizer=...) must be a torch.optim.Optimizer or a callable returning one; "
+                            f"got {type(optimizer).__name__}")
+        return optimizer
+    if plan.optimizer is None:
+        return None
+    from slipstream.engine.optimizers import build_optimizer
+
+    offload = plan.zero.offload_optimizer is not None and plan.zero.offload_optimizer.device == "cpu"
+    return build_optimizer(plan.optimizer, params, cpu_offload=offload)
+
+
+def make_zero_optimizer(optimizer: torch.optim.Optimizer, plan: EnginePlan) -> ZeroOptimizer:
+    stage = plan.zero.stage
+    if stage not in _STAGES:
+        raise NotImplementedError(f"zero_optimization.stage={stage} is not available yet; use stage 0, 1 or 2")
+    precision = plan.precision
+    return _STAGES[stage](optimizer, group=None, bucket_numel=int(plan.zero.reduce_bucket_size),
+                          master_dtype=precision.master_dtype, grad_dtype=precision.grad_accum_dtype,
+                          check_overflow=precision.check_grad_overflow)
+
+
+def make_scheduler(plan: EnginePlan, optimizer: torch.optim.Optimizer | None, client: Any) -> Any:
+    if client is not None:
+        if plan.scheduler is not None:
+            raise ValueError("both a scheduler object (initialize(lr_scheduler=...)) and a 'scheduler' config "
+                             "section were given; remove one of them")
+        if callable(client) and not hasattr(client, "step"):
+            return client(optimizer)
+        return client
+    if plan.scheduler is None or optimizer is None:
+        return None
+    from slipstream.engine.optimizers import build_scheduler
+
+    return build_scheduler(plan.scheduler, optimizer)
+
+
+def make_loss_scaler(plan: LossScalePlan | None) -> Any:
+    if plan is None:
+        return None
+    from slipstream.zero.loss_scaler import make_loss_scaler as build
+
+    return build(plan)
+
+
+def make_dataloader(plan: EnginePlan, data: Any, collate_fn: Any, rank: int, world_size: int) -> Any:
+    if data is None:
+        return None
+    return make_training_dataloader(data, micro_batch_size=plan.batch.micro_batch_size, rank=rank,
+                                    world_size=world_size, drop_last=plan.dataloader_drop_last,
+                                    collate_fn=collate_fn)
+
+
+def make_monitors(plan: MonitorPlan) -> list[Any]:
+    monitors: list[Any] = []
+    if plan.csv_output_path is not None:
+        monitors.append(CsvMonitor(plan.csv_output_path, plan.csv_job_name))
+    if plan.tensorboard_output_path is not None:
+        monitors.append(TensorboardMonitor(plan.tensorboard_output_path, plan.tensorboard_job_name))
+    return monitors
+
+
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast the floating-point tensors of nested tuples/lists/dicts to `dtype` (others unchanged)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.is_floating_point() else tree
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(cast_floating(t, dtype) for t in tree)
+    if isinstance(tree, dict):
+        return {k: cast_floating(v, dtype) for k, v in tree.items()}
+    return tree
+
+
+def stuck_scale_message(scaler: Any, optimizer: ZeroOptimizer, names: dict[int, str]) -> str:
+    culprit = optimizer.first_nonfinite_param(names)
+    where = f"; the first parameter with non-finite gradients is '{culprit}'" if culprit else ""
+    return (f"fp16 loss scale has been at its minimum ({scaler.scale:g}) with overflowing gradients for "
+            f"{scaler.window} steps: training is not learning{where}. Lower the learning rate, check the data "
+            "for inf/nan, or train in bf16")
+

@@ -1,0 +1,237 @@
+"""The engine: where the parts meet. forward / backward / step, gradient accumulation, precision, logs.
+
+Gradient scaling happens in exactly one place (USERS.md row 7): the ZeRO optimizer divides the summed
+gradients by `world_size * gradient_accumulation_steps * loss_scale` once, at the optimizer step. The
+division by the accumulation steps is left out when the user's backward was `engine.backward(loss,
+scale_wrt_gas=False)` (Transformers does that; it divides the loss itself). So `loss.backward()` on the
+engine's outputs and `engine.backward(loss)` produce the same step at every stage.
+The logged loss is the mean over the global batch of the losses passed to `engine.backward`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from slipstream.accelerator import get_accelerator
+from slipstream.comm import collectives
+from slipstream.compat.engine_getters import EngineGetters
+from slipstream.config.plan import EnginePlan
+from slipstream.engine import builders
+from slipstream.engine.monitor import StepFigures
+from slipstream.utils.logging import log_rank0, warn_once
+from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
+
+
+class SlipstreamEngine(EngineGetters, nn.Module):
+    """DeepSpeed's `DeepSpeedEngine`, for ZeRO stages 0-2. Build it with `slipstream.initialize`."""
+
+    def __init__(self, model: nn.Module, plan: EnginePlan, *, optimizer: Any = None, model_parameters: Any = None,
+                 lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None) -> None:
+        super().__init__()
+        self.plan = plan
+        self.config = plan.resolved
+        self.accelerator = get_accelerator()
+        self.global_rank = dist.get_rank()
+        self.world_size = self.dp_world_size = dist.get_world_size()
+        self.mp_world_size = 1
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = self.accelerator.device(self.accelerator.current_device())
+        self.module = builders.prepare_module(model, plan.precision, self.device)
+        self._param_names = {id(p): n for n, p in self.module.named_parameters()}
+        for key in plan.unimplemented:
+            warn_once(f"unimplemented:{key}", f"slipstream: config key '{key}' is accepted but not implemented yet; "
+                      "it has no effect")
+
+        self.basic_optimizer = builders.make_basic_optimizer(self.module, plan, optimizer, model_parameters)
+        self.optimizer: ZeroOptimizer | None = None
+        if self.basic_optimizer is not None:
+            self.optimizer = builders.make_zero_optimizer(self.basic_optimizer, plan)
+        self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler)
+        self.loss_scaler = builders.make_loss_scaler(plan.precision.loss_scale)
+        self.training_dataloader = builders.make_dataloader(plan, training_data, collate_fn, self.global_rank,
+                                                            self.world_size)
+        self.monitors = builders.make_monitors(plan.logging.monitor) if self.global_rank == 0 else []
+
+        self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._in_no_sync = False
+        self._user_scaled_window = False
+        self._scaled_this_micro = False
+        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        self._loss_count = 0
+        self._grad_norm: float | None = None
+        self._step_applied = False
+        self._last_loss: float | None = None
+        self._window_started = time.perf_counter()
+        self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        log_rank0(f"engine: ZeRO stage {plan.zero.stage}, world size {self.world_size}, params "
+                  f"{plan.precision.param_dtype}, master {plan.precision.master_dtype}, grad accumulation "
+                  f"{plan.precision.grad_accum_dtype}; batch {plan.batch.train_batch_size} = micro "
+                  f"{plan.batch.micro_batch_size} x accumulation {plan.batch.gradient_accumulation_steps} x "
+                  f"world {self.world_size}", rank=self.global_rank)
+        log_rank0(f"resolved config: {plan.resolved}", rank=self.global_rank)
+
+    # ---- forward / backward ----
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        dtype = DTYPES[self.plan.precision.param_dtype]
+        if dtype != torch.float32:
+            inputs, kwargs = builders.cast_floating((inputs, kwargs), dtype)
+        output = self.module(*inputs, **kwargs)
+        self._timers["forward"] += time.perf_counter() - started
+        return output
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of `loss` (loss scaling included); the step itself happens in `step()`."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+            raise ValueError("engine.backward(loss) needs a scalar tensor that requires grad (the output of a loss "
+                             f"function); got {type(loss).__name__} with shape {getattr(loss, 'shape', None)}")
+        started = time.perf_counter()
+        self._loss_sum += loss.detach().double().cpu()
+        self._loss_count += 1
+        if not scale_wrt_gas:
+            self._user_scaled_window = True
+        self.scale(loss).backward(retain_graph=retain_graph)
+        self._timers["backward"] += time.perf_counter() - started
+        gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
+        return loss.detach() / gas
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the fp16 loss scale, for a PyTorch-style `engine.scale(loss).backward()`."""
+        self._scaled_this_micro = True
+        return loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)
+
+    # ---- accumulation ----
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary_override = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction for the backward passes inside (stages 0 and 1)."""
+        if self.plan.zero.stage >= 2:
+            raise RuntimeError(f"no_sync() is not available at ZeRO stage {self.plan.zero.stage}: gradients are "
+                               "reduced during backward; use gradient_accumulation_steps instead")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    # ---- the step ----
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Call after every micro-batch; the optimizer steps at the accumulation boundary."""
+        if self._in_no_sync:
+            raise RuntimeError("engine.step() was called inside no_sync(); leave the no_sync() block for the last "
+                               "micro-batch of the accumulation window, then call step()")
+        if self.optimizer is None:
+            raise RuntimeError("engine.step() needs an optimizer: pass optimizer= to initialize() or add an "
+                               "'optimizer' section to the config")
+        started = time.perf_counter()
+        self._check_fp16_scaled()
+        self.optimizer.micro_step_done(reduce=True)
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step(lr_kwargs or {})
+        self.micro_steps += 1
+        self._boundary_override = None
+        self._scaled_this_micro = False
+        self._timers["step"] += time.perf_counter() - started
+
+    def _check_fp16_scaled(self) -> None:
+        if self.loss_scaler is None or self._scaled_this_micro:
+            return
+        raise RuntimeError("fp16 training with loss scaling: the backward of this micro-batch did not go through "
+                           "the loss scale. Use engine.backward(loss), or engine.scale(loss).backward() for a "
+                           "PyTorch-style backward; a plain loss.backward() would underflow fp16 gradients")
+
+    def _optimizer_step(self, lr_kwargs: dict[str, Any]) -> None:
+        assert self.optimizer is not None
+        gas = 1 if self._user_scaled_window else self.gradient_accumulation_steps()
+        loss_scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
+        result = self.optimizer.step(grad_divisor=self.world_size * gas * loss_scale,
+                                     clip=self.plan.gradient_clipping)
+        self._grad_norm = result.grad_norm
+        self._step_applied = not result.overflow
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(result.overflow)
+            if result.overflow and self.loss_scaler.stuck():
+                raise RuntimeError(builders.stuck_scale_message(self.loss_scaler, self.optimizer, self._param_names))
+        if result.overflow:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step(**lr_kwargs)
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._finish_window()
+
+    def _finish_window(self) -> None:
+        """Global mean loss of the batch (one scalar all-reduce), progress line and monitors."""
+        totals = torch.tensor([float(self._loss_sum), float(self._loss_count)], dtype=torch.float64,
+                              device=self.device)
+        if self.world_size > 1:
+            collectives.all_reduce(totals)
+        self._last_loss = float(totals[0] / totals[1]) if totals[1] > 0 else None
+        self._loss_sum.zero_()
+        self._loss_count = 0
+        self._user_scaled_window = False
+        every = self.plan.logging.steps_per_print
+        if self.global_rank != 0 or not every or self.global_steps % every != 0:
+            return
+        elapsed = time.perf_counter() - self._window_started
+        figures = StepFigures(step=self.global_steps, samples=self.global_samples, loss=self._last_loss,
+                              lr=self.get_lr()[0], grad_norm=self._grad_norm,
+                              loss_scale=None if self.loss_scaler is None else float(self.loss_scaler.scale),
+                              samples_per_s=every * self.train_batch_size() / max(elapsed, 1e-9),
+                              step_time_s=elapsed / every,
+                              breakdown=dict(self._timers) if self.plan.logging.wall_clock_breakdown else None)
+        log_rank0(figures.line(), rank=self.global_rank)
+        if self.loss_scaler is not None and (report := self.loss_scaler.take_report()):
+            log_rank0(report, rank=self.global_rank)
+        for monitor in self.monitors:
+            monitor.write(figures.events(), self.global_samples)
+        self._window_started = time.perf_counter()
+        self._timers = dict.fromkeys(self._timers, 0.0)
+
+    # ---- figures ----
+    def get_global_grad_norm(self) -> float | None:
+        """The global L2 norm of the gradients before clipping, at the last optimizer step."""
+        return self._grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    @property
+    def last_loss(self) -> float | None:
+        """Mean loss over the global batch of the last optimizer step (from engine.backward calls)."""
+        return self._last_loss
+
+    def get_lr(self) -> list[float]:
+        source = self.basic_optimizer
+        return [] if source is None else [float(g["lr"]) for g in source.param_groups]
+
+    def train(self, mode: bool = True) -> SlipstreamEngine:
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def destroy(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.remove_hooks()
+

@@ -1,0 +1,79 @@
+"""Training figures: the rank-0 progress line every `steps_per_print` steps, and the csv/tensorboard monitors.
+
+Events use DeepSpeed's names (`Train/Samples/train_loss`, `Train/Samples/lr`, `Train/Samples/loss_scale`,
+`Train/Samples/grad_norm`), indexed by global samples as DeepSpeed does. The csv monitor writes one file per
+event, `<output_path>/<job_name>/<event with / as _>.csv`, with a `step,value` header.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepFigures:
+    step: int
+    samples: int
+    loss: float | None
+    lr: float
+    grad_norm: float | None
+    loss_scale: float | None
+    samples_per_s: float
+    step_time_s: float
+    breakdown: dict[str, float] | None = None
+
+    def line(self) -> str:
+        parts = [f"step {self.step}", f"loss {self.loss:.4f}" if self.loss is not None else "loss n/a",
+                 f"lr {self.lr:.3e}",
+                 f"grad_norm {self.grad_norm:.4f}" if self.grad_norm is not None else "grad_norm n/a"]
+        if self.loss_scale is not None:
+            parts.append(f"loss_scale {self.loss_scale:g}")
+        parts += [f"{self.samples_per_s:.1f} samples/s", f"step {self.step_time_s * 1000:.1f} ms"]
+        if self.breakdown:
+            parts.append(" ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.breakdown.items()))
+        return " | ".join(parts)
+
+    def events(self) -> dict[str, float]:
+        out = {"Train/Samples/lr": self.lr}
+        if self.loss is not None:
+            out["Train/Samples/train_loss"] = self.loss
+        if self.grad_norm is not None:
+            out["Train/Samples/grad_norm"] = self.grad_norm
+        if self.loss_scale is not None:
+            out["Train/Samples/loss_scale"] = self.loss_scale
+        return out
+
+
+class CsvMonitor:
+    def __init__(self, output_path: str, job_name: str) -> None:
+        self.directory = Path(output_path or ".") / job_name
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def write(self, events: dict[str, float], samples: int) -> None:
+        for name, value in events.items():
+            path = self.directory / (name.replace("/", "_") + ".csv")
+            new = not path.exists()
+            with open(path, "a", newline="") as handle:
+                writer = csv.writer(handle)
+                if new:
+                    writer.writerow(["step", "value"])
+                writer.writerow([samples, value])
+
+
+class TensorboardMonitor:
+    def __init__(self, output_path: str, job_name: str) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise RuntimeError("the tensorboard section is enabled but the tensorboard package is not installed; "
+                               "`pip install tensorboard` or set tensorboard.enabled to false") from exc
+        self.writer: Any = SummaryWriter(log_dir=os.path.join(output_path or "runs", job_name))
+
+    def write(self, events: dict[str, float], samples: int) -> None:
+        for name, value in events.items():
+            self.writer.add_scalar(name, value, samples)
+        self.writer.flush()

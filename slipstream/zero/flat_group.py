@@ -1,0 +1,106 @@
+"""`FlatGroup`: one optimizer param group's trainable parameters moved into flat, bucketed buffers.
+
+[Note: ZeRO tensors] (the vocabulary of stages 0-2)
+- *flat params*: one buffer per group in the model dtype; every parameter's `.data` is a view into it,
+  laid out as in [Note: bucket-major layout] (`layout.py`). Model code sees ordinary parameters.
+- *pieces*: the parts of the flat buffer a rank owns: piece r of every bucket (stages 1, 2), or whole
+  buckets (stage 0).
+- *master pieces*: the fp32 tensors the optimizer updates, one per owned piece. When the model dtype is
+  the master dtype they are views of the flat params (no copy, updated in place); otherwise they live in
+  one fp32 buffer and are copied (cast) into the flat params after each step.
+- *grad storage*: where gradients accumulate, in the grad-accumulation dtype; full-size at stages 0 and 1,
+  shard-size at stage 2. Each master piece's `.grad` is a view of it.
+Buffers are allocated once, here, and reused every step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slipstream.zero.layout import Bucket, GroupLayout
+
+
+class FlatGroup:
+    """Flat buffers of one param group; `owns_all` means stage 0 (every rank owns every bucket)."""
+
+    def __init__(self, params: list[nn.Parameter], *, layout: GroupLayout, rank: int, owns_all: bool,
+                 master_dtype: torch.dtype, grad_dtype: torch.dtype, full_grad_storage: bool) -> None:
+        dtypes = {p.dtype for p in params}
+        devices = {p.device for p in params}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(f"a param group mixes dtypes {sorted(map(str, dtypes))} or devices "
+                             f"{sorted(map(str, devices))}; cast the model to one dtype and device first")
+        self.params = params
+        self.layout = layout
+        self.rank = rank
+        self.owns_all = owns_all
+        self.dtype = next(iter(dtypes))
+        self.device = next(iter(devices))
+        self.flat_params = torch.zeros(layout.flat_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for param, slot in zip(params, layout.slots):
+                view = self.flat_params[slot.flat_offset: slot.flat_offset + slot.numel]
+                view.copy_(param.data.reshape(-1))
+                param.data = view.view_as(param)
+
+        self.piece_ranges = [self._owned_range(b) for b in layout.buckets]
+        owned_numel = sum(end - start for start, end in self.piece_ranges)
+        self.aliased_master = master_dtype == self.dtype
+        if self.aliased_master:
+            self.master_flat = None
+            self.master_pieces = [self.flat_params[s:e] for s, e in self.piece_ranges]
+        else:
+            self.master_flat = torch.empty(owned_numel, dtype=master_dtype, device=self.device)
+            self.master_pieces = self._split(self.master_flat)
+            for piece, (start, end) in zip(self.master_pieces, self.piece_ranges):
+                piece.copy_(self.flat_params[start:end])
+
+        size = layout.flat_numel if full_grad_storage else owned_numel
+        self.grad_storage = torch.zeros(size, dtype=grad_dtype, device=self.device)
+        self.full_grad_storage = full_grad_storage
+        self.owned_grads = ([self.grad_storage[s:e] for s, e in self.piece_ranges] if full_grad_storage
+                            else self._split(self.grad_storage))
+        for piece, grad in zip(self.master_pieces, self.owned_grads):
+            piece.grad = grad if grad.dtype == piece.dtype else None
+
+    def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
+        if self.owns_all:
+            return bucket.flat_offset, bucket.flat_offset + bucket.padded_numel
+        return self.layout.piece_range(bucket, self.rank)
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        pieces, offset = [], 0
+        for start, end in self.piece_ranges:
+            pieces.append(flat[offset: offset + end - start])
+            offset += end - start
+        return pieces
+
+    def full_grad_view(self, index: int) -> torch.Tensor:
+        """The slice of full-size grad storage that holds parameter `index` (stages 0 and 1)."""
+        slot = self.layout.slots[index]
+        return self.grad_storage[slot.flat_offset: slot.flat_offset + slot.numel]
+
+    def bucket_grads(self, bucket: Bucket) -> torch.Tensor:
+        """The full-size grad storage of one bucket, padding included (stages 0 and 1)."""
+        return self.grad_storage[bucket.flat_offset: bucket.flat_offset + bucket.padded_numel]
+
+    def bucket_params(self, bucket: Bucket) -> torch.Tensor:
+        return self.flat_params[bucket.flat_offset: bucket.flat_offset + bucket.padded_numel]
+
+    def copy_master_to_params(self) -> None:
+        """After a step: cast the updated master pieces into the flat params (no-op when aliased)."""
+        if self.aliased_master:
+            return
+        for piece, (start, end) in zip(self.master_pieces, self.piece_ranges):
+            self.flat_params[start:end].copy_(piece)
+
+    def grads_for_optimizer(self) -> list[torch.Tensor]:
+        """The owned gradients in the master dtype (cast copies when the accumulation dtype differs)."""
+        return [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(self.master_pieces, self.owned_grads)]
+
+    def owned_bytes(self) -> dict[str, int]:
+        """Bytes of the tensors this group owns, by role (for the memory tests and the planner)."""
+        master = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
+        return {"params": self.flat_params.numel() * self.flat_params.element_size(), "master": master,
+                "grads": self.grad_storage.numel() * self.grad_storage.element_size()}

@@ -1,0 +1,104 @@
+"""Partition math for ZeRO stages 0-2: where each parameter lives in the flat buffers, and who owns what.
+
+[Note: bucket-major layout]
+The trainable parameters of one optimizer param group are laid out, in reverse registration order (the
+order backward produces their gradients), into *buckets* of at most `bucket_numel` elements; a
+parameter larger than that gets a bucket of its own, and a parameter never straddles two buckets. Each
+bucket is padded at its end to a multiple of the world size and split into `world_size` equal *pieces*:
+rank r owns piece r of every bucket. So
+- a bucket's gradient reduce-scatter is one `reduce_scatter_tensor(piece, bucket)` with no packing copy;
+- the post-step all-gather is one `all_gather_into_tensor(bucket, piece)`, in place;
+- a rank's shard (its master weights, optimizer state and, at stage 2, its gradients) is the
+  concatenation of its pieces, one contiguous tensor per param group, 1/world of the group (plus at most
+  world-1 padding elements per bucket).
+Stage 0 uses the same layout with each rank owning whole buckets.
+Everything here is pure arithmetic on shapes: no tensors, no process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParamSlot:
+    """Where one parameter lives: its bucket, and its offset in the flat buffer of its group."""
+
+    index: int
+    """Position of the parameter in the group's parameter list (registration order)."""
+    numel: int
+    bucket: int
+    flat_offset: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bucket:
+    """A contiguous range of the flat buffer, padded to a multiple of the world size."""
+
+    flat_offset: int
+    numel: int
+    """Elements used by parameters."""
+    padded_numel: int
+    piece_numel: int
+    """padded_numel / world_size: the slice each rank owns."""
+    shard_offset: int
+    """Where this bucket's piece starts inside a rank's shard."""
+    param_indices: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupLayout:
+    """The flat layout of one param group for a given world size (see [Note: bucket-major layout])."""
+
+    world_size: int
+    slots: tuple[ParamSlot, ...]
+    """Indexed by parameter position in the group."""
+    buckets: tuple[Bucket, ...]
+    flat_numel: int
+    shard_numel: int
+
+    def piece_range(self, bucket: Bucket, rank: int) -> tuple[int, int]:
+        """[start, end) in the flat buffer of `rank`'s piece of `bucket`."""
+        start = bucket.flat_offset + rank * bucket.piece_numel
+        return start, start + bucket.piece_numel
+
+
+def build_layout(numels: Sequence[int], *, world_size: int, bucket_numel: int) -> GroupLayout:
+    """Lay out parameters with these element counts (registration order) for `world_size` ranks."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if bucket_numel < 1:
+        raise ValueError(f"bucket size must be >= 1 element, got {bucket_numel}")
+    order = list(reversed(range(len(numels))))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index in order:
+        n = numels[index]
+        if current and used + n > bucket_numel:
+            groups.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += n
+    if current:
+        groups.append(current)
+
+    slots: dict[int, ParamSlot] = {}
+    buckets: list[Bucket] = []
+    flat = shard = 0
+    for bucket_id, members in enumerate(groups):
+        numel = sum(numels[i] for i in members)
+        padded = max(world_size, math.ceil(numel / world_size) * world_size)
+        offset = flat
+        for i in members:
+            slots[i] = ParamSlot(index=i, numel=numels[i], bucket=bucket_id, flat_offset=offset)
+            offset += numels[i]
+        piece = padded // world_size
+        buckets.append(Bucket(flat_offset=flat, numel=numel, padded_numel=padded, piece_numel=piece,
+                              shard_offset=shard, param_indices=tuple(members)))
+        flat += padded
+        shard += piece
+    return GroupLayout(world_size=world_size, slots=tuple(slots[i] for i in range(len(numels))),
+                       buckets=tuple(buckets), flat_numel=flat, shard_numel=shard)

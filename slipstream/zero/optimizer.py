@@ -1,0 +1,182 @@
+"""`ZeroOptimizer`: the step shared by ZeRO stages 0, 1 and 2; each stage says how gradients are reduced.
+
+The communication schedule of one optimizer step (the engine calls `step()` at the accumulation boundary):
+    Phase 1: finish the gradient reduction (stage 0: all-reduce each bucket; stage 1: reduce-scatter each
+             bucket; stage 2: flush the buckets still pending from backward) -- `_reduce_for_step()`.
+    Phase 2: scale the owned gradients once by 1 / (world * accumulation steps * loss scale); check for
+             inf/nan (one all-reduce of a flag, fp16 and bf16); compute the global norm (one all-reduce
+             of a scalar when sharded); clip.
+    Phase 3: the wrapped torch optimizer updates the master pieces.
+    Phase 4: cast master pieces into the flat params and all-gather each bucket (stages 1, 2).
+Gradients reach the flat grad storage through post-accumulate-grad hooks, so `loss.backward()` and
+`engine.backward(loss)` are the same thing here.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import torch
+import torch.distributed as dist
+from slipstream.comm import collectives
+from slipstream.zero.flat_group import FlatGroup
+from slipstream.zero.layout import build_layout
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    grad_norm: float
+    overflow: bool
+
+
+class ZeroOptimizer(abc.ABC):
+    """Wraps a torch optimizer whose param groups are re-pointed at the flat master pieces."""
+
+    owns_all: bool = False
+    full_grad_storage: bool = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, group: dist.ProcessGroup | None, bucket_numel: int,
+                 master_dtype: str, grad_dtype: str, check_overflow: bool) -> None:
+        self.optimizer = optimizer
+        self.process_group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.check_overflow = check_overflow
+        self.overflow = False
+        self.groups: list[FlatGroup] = []
+        self._param_location: dict[int, tuple[FlatGroup, int]] = {}
+        self._hooks = []
+        for hyper in optimizer.param_groups:
+            params = [p for p in hyper["params"] if p.requires_grad]
+            if not params:
+                continue
+            layout = build_layout([p.numel() for p in params], world_size=self.world_size,
+                                  bucket_numel=bucket_numel)
+            flat = FlatGroup(params, layout=layout, rank=self.rank, owns_all=self.owns_all,
+                             master_dtype=DTYPES[master_dtype], grad_dtype=DTYPES[grad_dtype],
+                             full_grad_storage=self.full_grad_storage)
+            self.groups.append(flat)
+            for index, param in enumerate(params):
+                self._param_location[id(param)] = (flat, index)
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+        self._repoint_optimizer()
+
+    def _repoint_optimizer(self) -> None:
+        """Give the wrapped optimizer the master pieces instead of the model parameters (state reset)."""
+        hypers = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+                  if any(p.requires_grad for p in g["params"])]
+        self.optimizer.param_groups = []
+        self.optimizer.state.clear()
+        for hyper, flat in zip(hypers, self.groups):
+            self.optimizer.add_param_group({**hyper, "params": flat.master_pieces})
+
+    # ---- gradients ----
+    def _on_grad(self, param: torch.Tensor) -> None:
+        flat, index = self._param_location[id(param)]
+        if param.grad is None:
+            return
+        self._accumulate(flat, index, param.grad)
+        param.grad = None
+
+    @abc.abstractmethod
+    def _accumulate(self, flat: FlatGroup, index: int, grad: torch.Tensor) -> None:
+        """Take one parameter's fresh gradient (called from its post-accumulate-grad hook)."""
+
+    @abc.abstractmethod
+    def _reduce_for_step(self) -> None:
+        """Phase 1: leave the summed (not yet averaged) gradients in the owned grad storage."""
+
+    def micro_step_done(self, *, reduce: bool) -> None:
+        """Called after every micro-batch's backward; stage 2 reduces here (`reduce=False` under no_sync)."""
+
+    def zero_grad(self) -> None:
+        for flat in self.groups:
+            flat.grad_storage.zero_()
+
+    # ---- the step ----
+    def step(self, *, grad_divisor: float, clip: float) -> StepResult:
+        """Phases 1-4; skips phases 3-4 (and reports overflow) when a gradient is not finite."""
+        self._reduce_for_step()
+        owned = [g for flat in self.groups for g in flat.owned_grads]
+        for grad in owned:
+            grad.mul_(1.0 / grad_divisor)
+        stats = self._local_grad_stats(owned)
+        if not self.owns_all and self.world_size > 1:
+            collectives.all_reduce(stats, group=self.process_group)
+        sum_sq, nonfinite = float(stats[0]), float(stats[1])
+        self.overflow = self.check_overflow and (nonfinite > 0 or not math.isfinite(sum_sq))
+        grad_norm = math.sqrt(sum_sq) if math.isfinite(sum_sq) else float("inf")
+        if self.overflow:
+            self.zero_grad()
+            return StepResult(grad_norm=grad_norm, overflow=True)
+        if clip > 0 and grad_norm > clip:
+            coef = clip / (grad_norm + 1e-6)
+            for grad in owned:
+                grad.mul_(coef)
+        for flat in self.groups:
+            for piece, grad in zip(flat.master_pieces, flat.grads_for_optimizer()):
+                piece.grad = grad
+        self.optimizer.step()
+        self._publish_params()
+        self.zero_grad()
+        return StepResult(grad_norm=grad_norm, overflow=False)
+
+    def _local_grad_stats(self, owned: list[torch.Tensor]) -> torch.Tensor:
+        """[sum of squares, count of non-finite tensors] of the owned gradients, in float64."""
+        if not owned:
+            return torch.zeros(2, dtype=torch.float64, device=self.groups[0].device if self.groups else None)
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in owned]).double()
+        return torch.stack([norms.pow(2).sum(), (~torch.isfinite(norms)).sum().double()])
+
+    def _publish_params(self) -> None:
+        """Phase 4: every rank's flat params get the updated values."""
+        for flat in self.groups:
+            flat.copy_master_to_params()
+            if self.owns_all or self.world_size == 1:
+                continue
+            for bucket, (start, end) in zip(flat.layout.buckets, flat.piece_ranges):
+                collectives.all_gather(flat.bucket_params(bucket), flat.flat_params[start:end],
+                                       group=self.process_group)
+
+    # ---- introspection, DeepSpeed's surface ----
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def first_nonfinite_param(self, names: dict[int, str]) -> str | None:
+        """Name of the first model parameter whose gradient slice is not finite (for error messages)."""
+        for flat in self.groups:
+            if not flat.full_grad_storage:
+                continue
+            for index, param in enumerate(flat.params):
+                if not torch.isfinite(flat.full_grad_view(index)).all():
+                    return names.get(id(param), f"<param {index}>")
+        return None
+
+    def owned_bytes(self) -> dict[str, int]:
+        """Bytes of every tensor this optimizer owns, by role: params, master, grads, optimizer_state."""
+        total = {"params": 0, "master": 0, "grads": 0, "optimizer_state": 0}
+        for flat in self.groups:
+            for key, value in flat.owned_bytes().items():
+                total[key] += value
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    total["optimizer_state"] += value.numel() * value.element_size()
+        total["grads"] += self._extra_grad_bytes()
+        return total
+
+    def _extra_grad_bytes(self) -> int:
+        return 0
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+

@@ -1,0 +1,27 @@
+"""ZeRO stage 0: replicated parameters, gradients and optimizer state; gradients all-reduced in buckets."""
+
+from __future__ import annotations
+
+import torch
+
+from slipstream.comm import collectives
+from slipstream.zero.flat_group import FlatGroup
+from slipstream.zero.optimizer import ZeroOptimizer
+
+
+class Stage0Optimizer(ZeroOptimizer):
+    """Data parallelism as DDP does it, on the flat layout: every rank owns every bucket."""
+
+    owns_all = True
+    full_grad_storage = True
+
+    def _accumulate(self, flat: FlatGroup, index: int, grad: torch.Tensor) -> None:
+        flat.full_grad_view(index).add_(grad.reshape(-1))
+
+    def _reduce_for_step(self) -> None:
+        if self.world_size == 1:
+            return
+        works = [collectives.all_reduce(flat.bucket_grads(bucket), group=self.process_group, async_op=True)
+                 for flat in self.groups for bucket in flat.layout.buckets]
+        for work in works:
+            work.wait()

@@ -1,0 +1,33 @@
+"""ZeRO stage 1: optimizer state and fp32 master weights sharded; gradients reduce-scattered at the boundary.
+
+Gradients accumulate locally in full-size storage over the micro-batches of one optimizer step; at the
+boundary each bucket is reduce-scattered in place, so a rank's piece of the storage holds the summed
+gradient of the piece it owns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slipstream.comm import collectives
+from slipstream.zero.flat_group import FlatGroup
+from slipstream.zero.optimizer import ZeroOptimizer
+
+
+class Stage1Optimizer(ZeroOptimizer):
+    owns_all = False
+    full_grad_storage = True
+
+    def _accumulate(self, flat: FlatGroup, index: int, grad: torch.Tensor) -> None:
+        flat.full_grad_view(index).add_(grad.reshape(-1))
+
+    def _reduce_for_step(self) -> None:
+        if self.world_size == 1:
+            return
+        works = []
+        for flat in self.groups:
+            for bucket, (start, end) in zip(flat.layout.buckets, flat.piece_ranges):
+                works.append(collectives.reduce_scatter(flat.grad_storage[start:end], flat.bucket_grads(bucket),
+                                                        group=self.process_group, async_op=True))
+        for work in works:
+            work.wait()

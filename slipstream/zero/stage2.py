@@ -1,0 +1,109 @@
+"""ZeRO stage 2: gradients sharded too; buckets are reduce-scattered during backward, as they fill.
+
+[Note: stage-2 bucket schedule]
+- Buckets are launched strictly in layout order (reverse registration order, roughly the order backward
+  produces gradients), on every rank. A bucket launches as soon as all of its parameters have
+  gradients and every earlier bucket has launched; `micro_step_done()` (the engine calls it after each
+  micro-batch's backward) launches the rest, with zeros for parameters that got no gradient on this
+  rank. So every rank issues the same collectives in the same order, whatever its control flow took:
+  unused parameters and conditional branches never hang.
+- Launching packs the bucket's gradients into one of two staging buffers (allocated once) and starts an
+  asynchronous reduce-scatter into a receive buffer; the freshly produced `param.grad` tensors are
+  dropped as they are packed. Reusing a staging buffer waits for the reduce-scatter that used it last,
+  and adds its result into this rank's shard of the gradients.
+- A second backward through the same parameters in one micro-batch would deliver gradients for buckets
+  already launched; that is refused with an error (call `engine.step()` between them, or use stage 1).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from slipstream.comm import collectives
+from slipstream.zero.flat_group import FlatGroup
+from slipstream.zero.layout import Bucket
+from slipstream.zero.optimizer import ZeroOptimizer
+
+_NUM_STAGING = 2
+
+
+class Stage2Optimizer(ZeroOptimizer):
+    owns_all = False
+    full_grad_storage = False
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._order: list[tuple[FlatGroup, int]] = [(flat, b) for flat in self.groups
+                                                    for b in range(len(flat.layout.buckets))]
+        self._position = {(id(flat), b): i for i, (flat, b) in enumerate(self._order)}
+        largest = max((b.padded_numel for flat in self.groups for b in flat.layout.buckets), default=0)
+        grad_dtype = self.groups[0].grad_storage.dtype if self.groups else torch.float32
+        device = self.groups[0].device if self.groups else None
+        self._staging = [torch.zeros(largest, dtype=grad_dtype, device=device) for _ in range(_NUM_STAGING)]
+        self._receive = [torch.zeros(largest // max(self.world_size, 1) + 1, dtype=grad_dtype, device=device)
+                         for _ in range(_NUM_STAGING)]
+        self._in_flight: dict[int, tuple[object, torch.Tensor, torch.Tensor]] = {}
+        self._pending: dict[tuple[int, int], dict[int, torch.Tensor]] = collections.defaultdict(dict)
+        self._next = 0
+
+    def _accumulate(self, flat: FlatGroup, index: int, grad: torch.Tensor) -> None:
+        bucket_id = flat.layout.slots[index].bucket
+        position = self._position[(id(flat), bucket_id)]
+        if position < self._next:
+            raise RuntimeError(
+                f"ZeRO stage 2 got a second gradient for parameter {index} of a bucket it already reduced in this "
+                "micro-batch (backward ran twice over the same parameters). Call engine.step() after each "
+                "backward, combine the losses before one backward, or use stage 1.")
+        self._pending[(id(flat), bucket_id)][index] = grad
+        while self._next < len(self._order):
+            next_flat, next_bucket = self._order[self._next]
+            bucket = next_flat.layout.buckets[next_bucket]
+            if len(self._pending[(id(next_flat), next_bucket)]) < len(bucket.param_indices):
+                break
+            self._launch(next_flat, next_bucket)
+
+    def _launch(self, flat: FlatGroup, bucket_id: int) -> None:
+        bucket: Bucket = flat.layout.buckets[bucket_id]
+        slot = self._next % _NUM_STAGING
+        self._finish(slot)
+        staging = self._staging[slot][: bucket.padded_numel]
+        staging.zero_()
+        grads = self._pending.pop((id(flat), bucket_id), {})
+        for index in bucket.param_indices:
+            grad = grads.get(index)
+            if grad is not None:
+                start = flat.layout.slots[index].flat_offset - bucket.flat_offset
+                staging[start: start + grad.numel()].copy_(grad.reshape(-1))
+        target = flat.owned_grads[bucket_id]
+        receive = self._receive[slot][: bucket.piece_numel]
+        work = collectives.reduce_scatter(receive, staging, group=self.process_group, async_op=True)
+        self._in_flight[slot] = (work, receive, target)
+        self._next += 1
+
+    def _finish(self, slot: int) -> None:
+        entry = self._in_flight.pop(slot, None)
+        if entry is None:
+            return
+        work, receive, target = entry
+        work.wait()  # type: ignore[attr-defined]
+        target.add_(receive)
+
+    def micro_step_done(self, *, reduce: bool) -> None:
+        if not reduce:
+            raise RuntimeError("ZeRO stage 2 reduces gradients during every backward; no_sync() is not "
+                               "available (use stage 0 or 1 for no_sync, or rely on gradient_accumulation_steps)")
+        while self._next < len(self._order):
+            self._launch(*self._order[self._next])
+        for slot in list(self._in_flight):
+            self._finish(slot)
+        self._next = 0
+        self._pending.clear()
+
+    def _reduce_for_step(self) -> None:
+        for slot in list(self._in_flight):  # normally already finished by micro_step_done()
+            self._finish(slot)
+
+    def _extra_grad_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self._staging, *self._receive])
