@@ -10,11 +10,15 @@ params (ours writes it in the same pass via low_precision_out, peers run the upd
 .copy_).
 
 Floor: a C++/OpenMP loop with Adam's access pattern (read p, g, m, v; write p, m, v; fp32, same thread count,
-no sqrt/div) is timed in the same run; its GB/s divided by the bytes a case moves per param (fp32: 28,
-bf16 params: 22, offload: 30) gives the floor in params/s. DeepSpeed runs in a separate virtual environment
-(see bench/make_peer_venv.sh) through a subprocess that prints JSON; Slipstream never imports it.
-Timing: every implementation of a row is stepped in turn, round after round (interleaved, so drift in machine
-load hits all alike), and the median step time is reported.
+no sqrt/div; best of no software prefetch and prefetch 1 or 2 KiB ahead) is timed within every row,
+interleaved with the implementations; its GB/s divided by the bytes a case moves per param (fp32: 28,
+bf16 params: 22, offload: 30) gives the row's floor in params/s.
+
+DeepSpeed runs in a separate virtual environment (see bench/make_peer_venv.sh), in a subprocess that takes
+JSON requests on stdin and answers with its own step times as JSON; Slipstream never imports it.
+
+Timing: every implementation of a row, DeepSpeed included, is stepped in turn, round after round (interleaved,
+so drift in machine load hits all alike), and the median step time is reported.
 """
 
 from __future__ import annotations
@@ -36,45 +40,106 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 BYTES_PER_PARAM = {"fp32": 28, "bf16": 22, "offload": 30}
+_PROBE = "floor probe, prefetch ahead"
 LR, WD = 1e-3, 0.01
 
 _PROBE_SRC = r"""
 #include <torch/extension.h>
 #include <omp.h>
 // Adam's streams without its math: read p, g, m, v; write p, m, v (fp32), static split over threads.
-void rmw(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, int64_t threads) {
+// prefetch_ahead > 0 adds software prefetches that many elements ahead (as the cpu_adam kernel does).
+void rmw(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, int64_t threads, int64_t prefetch_ahead) {
   float* P = p.data_ptr<float>(); const float* G = g.data_ptr<float>();
   float* M = m.data_ptr<float>(); float* V = v.data_ptr<float>();
-  const int64_t n = p.numel();
+  const int64_t blocks = p.numel() / 16;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = G[i];
-    M[i] = M[i] * 0.9f + gi; V[i] = V[i] * 0.99f + gi * gi; P[i] = P[i] - 1e-3f * gi;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t i0 = b * 16;
+    if (prefetch_ahead > 0) {
+      __builtin_prefetch(P + i0 + prefetch_ahead); __builtin_prefetch(G + i0 + prefetch_ahead);
+      __builtin_prefetch(M + i0 + prefetch_ahead); __builtin_prefetch(V + i0 + prefetch_ahead);
+    }
+#pragma omp simd
+    for (int64_t i = i0; i < i0 + 16; ++i) {
+      const float gi = G[i];
+      M[i] = M[i] * 0.9f + gi; V[i] = V[i] * 0.99f + gi * gi; P[i] = P[i] - 1e-3f * gi;
+    }
   }
 }
 """
 
-# Runs in the peer environment: times deepspeed.ops.adam.DeepSpeedCPUAdam, prints one JSON object.
+# Runs in the peer environment and answers one JSON line per request on stdin: {"op": "setup", "case", "n",
+# "threads", "lr", "wd"} builds deepspeed.ops.adam.DeepSpeedCPUAdam for a row; {"op": "step"} times one step.
 _PEER_SRC = r"""
-import json, os, statistics, sys, time, torch
-cfg = json.loads(sys.argv[1]); torch.set_num_threads(cfg["threads"])
+import json, sys, time, torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
-results = {}
-for n in cfg["sizes"]:
-    for case in ("fp32", "bf16", "offload"):
+print(json.dumps({"ready": True}), flush=True)
+step = None
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if cmd["op"] == "setup":
+        step = None
+        torch.set_num_threads(cmd["threads"])
+        n, case = cmd["n"], cmd["case"]
         dtype = torch.bfloat16 if case == "bf16" else torch.float32
         p = torch.nn.Parameter(torch.randn(n).to(dtype)); p.grad = (torch.randn(n) * 1e-3).to(dtype)
         out = torch.empty(n, dtype=torch.bfloat16)
-        opt = DeepSpeedCPUAdam([p], lr=cfg["lr"], weight_decay=cfg["wd"], adamw_mode=True)
-        step = (lambda: (opt.step(), out.copy_(p.detach()))) if case == "offload" else opt.step
-        step()
-        times = []
-        for _ in range(cfg["repeats"][str(n)]):
-            t = time.perf_counter(); step(); times.append(time.perf_counter() - t)
-        results[f"{case}:{n}"] = n / statistics.median(times)
-        del opt, p, out
-print("PEER_JSON " + json.dumps(results))
+        opt = DeepSpeedCPUAdam([p], lr=cmd["lr"], weight_decay=cmd["wd"], adamw_mode=True)
+        step = opt.step
+        if case == "offload":
+            step = lambda o=opt, p=p, out=out: (o.step(), out.copy_(p.detach()))
+        print(json.dumps({"ok": True}), flush=True)
+    else:
+        t = time.perf_counter(); step(); print(json.dumps({"sec": time.perf_counter() - t}), flush=True)
 """
+
+
+class _Peer:
+    """DeepSpeed in its own venv, driven step by step so that its timings interleave with ours."""
+
+    def __init__(self, python: str | None) -> None:
+        self.note = ""
+        self.proc: subprocess.Popen[str] | None = None
+        if not python or not Path(python).exists():
+            self.note = f"not available (no peer python at {python}; run bench/make_peer_venv.sh)"
+            return
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.proc = subprocess.Popen([python, "-c", _PEER_SRC], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env, cwd="/")
+        if self._request(None) is None:
+            return
+
+    def _request(self, cmd: dict | None) -> dict | None:
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            if cmd is not None:
+                self.proc.stdin.write(json.dumps(cmd) + "\n")
+                self.proc.stdin.flush()
+            while True:
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise RuntimeError("peer exited")
+                if line.startswith("{"):
+                    return json.loads(line)
+        except (OSError, RuntimeError, ValueError):
+            err = (self.proc.stderr.read() if self.proc.stderr else "").strip().splitlines()
+            self.note = f"not available (peer failed: {(err[-1] if err else 'no output')[:100]})"
+            self.proc.kill()
+            self.proc = None
+            return None
+
+    def setup(self, case: str, n: int, threads: int) -> Callable[[], float] | None:
+        """A function that runs one peer step and returns its duration, or None if the peer is unavailable."""
+        if self.proc is None:
+            return None
+        cmd = {"op": "setup", "case": case, "n": n, "threads": threads, "lr": LR, "wd": WD}
+        if self._request(cmd) is None:
+            return None
+        return lambda: float((self._request({"op": "step"}) or {"sec": float("nan")})["sec"])
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
 
 
 def _time_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -84,21 +149,23 @@ def _time_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dic
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            time.sleep(0.005)  # let the previous implementation's OpenMP threads stop spinning
             t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
+            result = fn()
+            elapsed = time.perf_counter() - t
+            # A peer in another process reports its own step time (without the pipe round trip).
+            times[name].append(result if isinstance(result, float) else elapsed)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _probe_bandwidth(n: int, threads: int, repeats: int) -> float:
-    """GB/s of Adam's read-modify-write pattern (28 bytes per element) with `threads` threads."""
+def _probe_fns(n: int, threads: int) -> dict[str, Callable[[], object]]:
+    """Floor probes for one row, timed interleaved with the row's implementations (see module docstring)."""
     from torch.utils.cpp_extension import load_inline
 
-    probe = load_inline("slipstream_bench_rmw", cpp_sources=_PROBE_SRC, functions=["rmw"],
+    probe = load_inline("slipstream_bench_rmw2", cpp_sources=_PROBE_SRC, functions=["rmw"],
                         extra_cflags=["-O3", "-fopenmp", "-march=native"], extra_ldflags=["-fopenmp"])
     p, g, m, v = (torch.rand(n) for _ in range(4))
-    sec = _time_interleaved({"probe": lambda: probe.rmw(p, g, m, v, threads)}, repeats)["probe"]
-    return 28 * n / sec / 1e9
+    return {f"{_PROBE} {d}": (lambda d=d: probe.rmw(p, g, m, v, threads, d)) for d in (0, 256, 512)}
 
 
 def _our_optimizers(p: torch.nn.Parameter, native: object, fallback: object, out: torch.Tensor | None
@@ -128,37 +195,24 @@ def _torch_optimizers(p: torch.nn.Parameter, out: torch.Tensor | None) -> dict[s
     return fns
 
 
-def _run_peer(peer_python: str | None, sizes: list[int], threads: int, repeats: dict[int, int]
-              ) -> tuple[dict[str, float], str]:
-    if not peer_python or not Path(peer_python).exists():
-        return {}, f"not available (no peer python at {peer_python}; run bench/make_peer_venv.sh)"
-    cfg = {"sizes": sizes, "threads": threads, "lr": LR, "wd": WD,
-           "repeats": {str(k): v for k, v in repeats.items()}}
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run([peer_python, "-c", _PEER_SRC, json.dumps(cfg)], capture_output=True, text=True,
-                          env=env, cwd="/", timeout=1800)
-    for line in proc.stdout.splitlines():
-        if line.startswith("PEER_JSON "):
-            return json.loads(line[len("PEER_JSON "):]), ""
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    return {}, f"not available (peer failed: {tail[0][:100]})"
-
-
-def _bench_config(n: int, threads: int, repeats: int, native: object, fallback: object, floor_gbs: float,
-                  peer: dict[str, float]) -> list[tuple]:
+def _bench_config(n: int, threads: int, repeats: int, native: object, fallback: object, peer: _Peer,
+                  floors: dict[tuple[str, int, int], float]) -> list[tuple]:
     rows = []
     for case in ("fp32", "bf16", "offload"):
         dtype = torch.bfloat16 if case == "bf16" else torch.float32
         p = torch.nn.Parameter(torch.randn(n).to(dtype))
         p.grad = (torch.randn(n) * 1e-3).to(dtype)
         out = torch.empty(n, dtype=torch.bfloat16) if case == "offload" else None
-        fns = {**_our_optimizers(p, native, fallback, out), **_torch_optimizers(p, out)}
-        rates = {k: n / sec for k, sec in _time_interleaved(fns, repeats).items()}
-        del fns
+        fns = {**_our_optimizers(p, native, fallback, out), **_torch_optimizers(p, out),
+               **_probe_fns(n, threads)}
         ds_name = "deepspeed DeepSpeedCPUAdam" + (" + copy_" if case == "offload" else "")
-        if f"{case}:{n}" in peer:
-            rates[ds_name] = peer[f"{case}:{n}"]
+        peer_step = peer.setup(case, n, threads)
+        if peer_step is not None:
+            fns[ds_name] = peer_step
+        rates = {k: n / sec for k, sec in _time_interleaved(fns, repeats).items() if sec == sec}
+        del fns
+        floor_gbs = max(rates.pop(k) for k in list(rates) if k.startswith(_PROBE)) * 28 / 1e9
+        floors[(case, n, threads)] = floor_gbs
         floor = floor_gbs * 1e9 / BYTES_PER_PARAM[case]
         same_job = [v for k, v in rates.items() if not k.startswith("slipstream")
                     and not (case == "bf16" and k.startswith("torch"))]
@@ -173,7 +227,7 @@ def _bench_config(n: int, threads: int, repeats: int, native: object, fallback: 
     return rows
 
 
-def _fmt(rows: list[tuple], peer_note: str, floors: dict[tuple[int, int], float]) -> str:
+def _fmt(rows: list[tuple], peer_note: str, floors: dict[tuple[str, int, int], float]) -> str:
     head = (f"{'case':8} {'params':>6} {'thr':>3}  {'implementation':36} {'Mparams/s':>9} {'% floor':>8} "
             f"{'vs peer':>8} {'vs any':>7}  note")
     lines = [head, "-" * len(head)]
@@ -186,10 +240,10 @@ def _fmt(rows: list[tuple], peer_note: str, floors: dict[tuple[int, int], float]
         lines.append(f"{case:8} {size:>6} {threads:>3}  {name:36} {rate / 1e6:9.0f} {100 * frac:7.0f}% "
                      f"{r(vs_same):>8} {r(vs_all):>7}  {note}")
     lines.append("")
-    for (n, threads), gbs in floors.items():
-        lines.append(f"floor probe {n / 1e6:.0f}M params, {threads} thread(s): {gbs:.1f} GB/s -> fp32 "
-                     f"{gbs / 28 * 1e3:.0f}, bf16 {gbs / 22 * 1e3:.0f}, "
-                     f"offload {gbs / 30 * 1e3:.0f} Mparams/s")
+    for (case, n, threads), gbs in floors.items():
+        lines.append(f"floor probe in the {case} {n / 1e6:.0f}M rows, {threads} thread(s): {gbs:.1f} GB/s -> "
+                     f"{gbs * 1e3 / BYTES_PER_PARAM[case]:.0f} Mparams/s at {BYTES_PER_PARAM[case]} "
+                     "bytes/param")
     lines.append("vs peer: ours / fastest peer doing the same job (torch, DeepSpeed; for bf16 only DeepSpeed "
                  "keeps fp32 states); vs any: ours / fastest peer of the row.")
     return "\n".join(lines)
@@ -218,16 +272,17 @@ def main() -> None:
         native, level = None, f"unavailable ({exc})"
     print(f"torch {torch.__version__}, {os.cpu_count()} cpus, native simd: {level}, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
-    rows, floors, peer_note = [], {}, ""
-    for threads in thread_counts:
-        peer, note = _run_peer(args.peer_python, sizes, threads, repeats)
-        peer_note = peer_note or note
-        torch.set_num_threads(threads)
-        for n in sizes:
-            floors[(n, threads)] = _probe_bandwidth(n, threads, repeats[n])
-            rows += _bench_config(n, threads, repeats[n], native, fallback, floors[(n, threads)], peer)
-            print(f"... {n} params, {threads} thread(s) done", file=sys.stderr, flush=True)
-    print(_fmt(rows, peer_note, floors))
+    rows, floors = [], {}
+    peer = _Peer(args.peer_python)
+    try:
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            for n in sizes:
+                rows += _bench_config(n, threads, repeats[n], native, fallback, peer, floors)
+                print(f"... {n} params, {threads} thread(s) done", file=sys.stderr, flush=True)
+    finally:
+        peer.close()
+    print(_fmt(rows, peer.note, floors))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The frozen plans that resolve.py produces from a DeepSpeed config.
 
 Components take their own plan, never the whole config and never the engine (ARCHITECTURE.md, decision 4).
-Dtypes are named "fp32" | "bf16" | "fp16"; DeepSpeed key spellings stay in schema/ and in `EnginePlan.resolved`.
+Dtypes are named "fp32" | "bf16" | "fp16"; DeepSpeed key spellings stay in schema/ and in
+`EnginePlan.resolved`.
 """
 
 from __future__ import annotations
@@ -9,8 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["BatchPlan", "EnginePlan", "LoggingPlan", "LossScalePlan", "MonitorPlan", "OffloadOptimizerPlan",
-           "OptimizerPlan", "PrecisionPlan", "SchedulerPlan", "Stage3Plan", "ZeroPlan"]
+__all__ = [
+    "BatchPlan",
+    "EnginePlan",
+    "LoggingPlan",
+    "LossScalePlan",
+    "MonitorPlan",
+    "OffloadOptimizerPlan",
+    "OptimizerPlan",
+    "PrecisionPlan",
+    "SchedulerPlan",
+    "Stage3Plan",
+    "ZeroPlan",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,7 +86,7 @@ class Stage3Plan:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroPlan:
-    """ZeRO stage and its communication settings; overlap_comm is already resolved (true iff stage 3 if unset)."""
+    """ZeRO stage and its communication settings; overlap_comm is resolved (unset: true iff stage 3)."""
 
     stage: int
     reduce_bucket_size: int
@@ -88,7 +100,8 @@ class ZeroPlan:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerPlan:
-    """Canonical name ("adamw", "adam", "sgd", "adagrad", "lamb", "lion", or a torch.optim class name) and kwargs."""
+    """Canonical name ("adamw", "adam", "sgd", "adagrad", "lamb", "lion", or a torch.optim class name)
+    and keyword arguments."""
 
     name: str
     params: dict[str, Any]
@@ -136,6 +149,7 @@ class EnginePlan:
     gradient_predivide_factor: float
     prescale_gradients: bool
     unimplemented: tuple[str, ...]
-    """Dotted keys the user set that Slipstream accepts but does not implement yet (the engine warns once each)."""
+    """Dotted keys the user set that Slipstream accepts but does not implement yet (the engine warns once
+    each)."""
     resolved: dict[str, Any]
     """The full resolved config as plain JSON data, defaults and "auto" filled in (what rank 0 logs)."""

@@ -125,6 +125,6 @@ def stuck_scale_message(scaler: Any, optimizer: ZeroOptimizer, names: dict[int, 
     culprit = optimizer.first_nonfinite_param(names)
     where = f"; the first parameter with non-finite gradients is '{culprit}'" if culprit else ""
     return (f"fp16 loss scale has been at its minimum ({scaler.scale:g}) with overflowing gradients for "
-            f"{scaler.window} steps: training is not learning{where}. Lower the learning rate, check the data "
+            f"{getattr(scaler, 'window', '?')} steps: training is not learning{where}. Lower the learning rate, check the data "
             "for inf/nan, or train in bf16")
 

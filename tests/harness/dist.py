@@ -158,6 +158,8 @@ def run_distributed(fn: RankFn, *, world_size: int = 2, timeout_s: float = 120.0
         raise TypeError(f"run_distributed: {fn!r} or kwargs {sorted(kwargs)} cannot be pickled ({exc}); ranks "
                         "re-import fn by name, so define it at module level (no lambda or nested function) and "
                         "pass plain data (tensors, numbers, str paths)") from exc
+    if tmp_dir is not None:
+        os.makedirs(tmp_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="slipstream-dist-", dir=tmp_dir) as run_dir:
         procs = [mp.get_context("spawn").Process(target=_rank_main, name=f"slipstream-rank-{r}",
                              args=(r, world_size, payload, run_dir, os.getpid(), timeout_s))

@@ -50,8 +50,12 @@ class OpenSection(DSModel):
 
 def aliased(default: Any, *aliases: str, **kwargs: Any) -> Any:
     """A field also accepted under DeepSpeed alias names; the first alias is the JSON spelling written out."""
-    return Field(default, validation_alias=AliasChoices(aliases[0], *aliases[1:]), serialization_alias=aliases[0],
-                 **kwargs)
+    return Field(
+        default,
+        validation_alias=AliasChoices(aliases[0], *aliases[1:]),
+        serialization_alias=aliases[0],
+        **kwargs,
+    )
 
 
 def accepted_keys(model: type[BaseModel]) -> dict[str, str]:

@@ -13,8 +13,17 @@ from pydantic import Field, field_validator
 
 from slipstream.config.schema.base import DSFloat, DSInt, DSModel, OpenSection
 
-__all__ = ["ActivationCheckpointingConfig", "AioConfig", "AutotuningConfig", "CheckpointConfig", "CompileConfig",
-           "ElasticityConfig", "EnabledSection", "PipelineConfig", "TensorParallelConfig"]
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "AioConfig",
+    "AutotuningConfig",
+    "CheckpointConfig",
+    "CompileConfig",
+    "ElasticityConfig",
+    "EnabledSection",
+    "PipelineConfig",
+    "TensorParallelConfig",
+]
 
 
 class ActivationCheckpointingConfig(DSModel):

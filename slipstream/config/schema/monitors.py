@@ -1,5 +1,6 @@
-"""Monitor and logging sections: `tensorboard`, `csv_monitor`, `wandb`, `comet`, `comms_logger`, `flops_profiler`,
-`timers`. Defaults are DeepSpeed 0.19's (`deepspeed/monitor/config.py`, `profiling/config.py`)."""
+"""Monitor and logging sections: `tensorboard`, `csv_monitor`, `wandb`, `comet`, `comms_logger`,
+`flops_profiler`, `timers`. Defaults are DeepSpeed 0.19's (`deepspeed/monitor/config.py`,
+`profiling/config.py`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,15 @@ from pydantic import Field
 
 from slipstream.config.schema.base import DSFloat, DSInt, DSModel
 
-__all__ = ["CSVConfig", "CometConfig", "CommsLoggerConfig", "FlopsProfilerConfig", "TensorBoardConfig",
-           "TimersConfig", "WandbConfig"]
+__all__ = [
+    "CSVConfig",
+    "CometConfig",
+    "CommsLoggerConfig",
+    "FlopsProfilerConfig",
+    "TensorBoardConfig",
+    "TimersConfig",
+    "WandbConfig",
+]
 
 
 class TensorBoardConfig(DSModel):

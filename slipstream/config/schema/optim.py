@@ -1,8 +1,8 @@
 """The `optimizer` and `scheduler` sections.
 
 DeepSpeed's shape is `{"type": ..., "params": {...}}`. `params` is free-form here because it is passed to the
-optimizer or scheduler constructor; the name rules (lower-casing DeepSpeed's own optimizer names, `adam_w_mode`)
-and `params.max_grad_norm` are handled in resolve.py.
+optimizer or scheduler constructor; the name rules (lower-casing DeepSpeed's own optimizer names,
+`adam_w_mode`) and `params.max_grad_norm` are handled in resolve.py.
 """
 
 from __future__ import annotations
@@ -33,6 +33,6 @@ class SchedulerConfig(DSModel):
 
     IMPLEMENTED = frozenset({"type", "params"})
     type: str
-    """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, or a torch.optim.lr_scheduler class name."""
+    """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, or a torch.optim.lr_scheduler class."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the scheduler."""

@@ -13,32 +13,56 @@ from pydantic import Field, field_validator, model_validator
 
 from slipstream.config.schema.base import DSFloat, DSInt, DSModel, OpenSection
 
-__all__ = ["AmpConfig", "BF16Config", "DataTypesConfig", "FP16Config", "TorchAutocastConfig", "canonical_dtype"]
+__all__ = [
+    "AmpConfig",
+    "BF16Config",
+    "DataTypesConfig",
+    "FP16Config",
+    "TorchAutocastConfig",
+    "canonical_dtype",
+]
 
 _DTYPE_NAMES = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "torch.half": "fp16",
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+    "torch.float": "fp32",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "torch.half": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
 }
 
 
 def canonical_dtype(value: Optional[str]) -> Optional[str]:
-    """"fp32" | "fp16" | "bf16" for any DeepSpeed/torch spelling; ValueError naming the choices otherwise."""
+    """ "fp32" | "fp16" | "bf16" for any DeepSpeed/torch spelling; ValueError naming the choices otherwise."""
     if value is None:
         return None
     found = _DTYPE_NAMES.get(value.lower())
     if found is None:
-        raise ValueError(f"unknown dtype '{value}'; expected one of \"fp32\", \"fp16\", \"bf16\"")
+        raise ValueError(f'unknown dtype \'{value}\'; expected one of "fp32", "fp16", "bf16"')
     return found
 
 
 class FP16Config(DSModel):
     """`fp16`: mixed precision with float16 parameters and a loss scaler."""
 
-    IMPLEMENTED = frozenset({
-        "enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-        "consecutive_hysteresis", "min_loss_scale",
-    })
+    IMPLEMENTED = frozenset(
+        {
+            "enabled",
+            "loss_scale",
+            "initial_scale_power",
+            "loss_scale_window",
+            "hysteresis",
+            "consecutive_hysteresis",
+            "min_loss_scale",
+        }
+    )
     enabled: bool = False
     """Train with float16 parameters."""
     auto_cast: bool = False
@@ -69,9 +93,13 @@ class FP16Config(DSModel):
     def _dynamic_bounds(self) -> FP16Config:
         if self.loss_scale == 0:
             if self.loss_scale_window <= 0:
-                raise ValueError(f"loss_scale_window must be > 0 for dynamic loss scaling, got {self.loss_scale_window}")
+                raise ValueError(
+                    f"loss_scale_window must be > 0 for dynamic loss scaling, got {self.loss_scale_window}"
+                )
             if self.min_loss_scale <= 0:
-                raise ValueError(f"min_loss_scale must be > 0 for dynamic loss scaling, got {self.min_loss_scale}")
+                raise ValueError(
+                    f"min_loss_scale must be > 0 for dynamic loss scaling, got {self.min_loss_scale}"
+                )
         return self
 
 
@@ -132,5 +160,3 @@ class DataTypesConfig(DSModel):
     @classmethod
     def _known_dtype(cls, value: Optional[str]) -> Optional[str]:
         return canonical_dtype(value)
-
-

@@ -1,6 +1,7 @@
 """The top level of a DeepSpeed JSON config: batch keys, gradient handling, and one field per section.
 
-Unlike DeepSpeed, which ignores unknown top-level keys, Slipstream rejects them (or warns with `strict: false`).
+Unlike DeepSpeed, which ignores unknown top-level keys, Slipstream rejects them (or warns with
+`strict: false`).
 Defaults are DeepSpeed 0.19's (`runtime/config.py`); `gradient_clipping` defaults to 1.0 as in 0.19.3+.
 """
 
@@ -11,14 +12,35 @@ from typing import Any, Literal, Optional
 from pydantic import Field, field_validator
 
 from slipstream.config.schema.base import DSFloat, DSInt, DSModel, aliased
-from slipstream.config.schema.misc import (ActivationCheckpointingConfig, AioConfig, AutotuningConfig,
-                                           CheckpointConfig, CompileConfig, ElasticityConfig, EnabledSection,
-                                           PipelineConfig, TensorParallelConfig)
-from slipstream.config.schema.monitors import (CometConfig, CommsLoggerConfig, CSVConfig, FlopsProfilerConfig,
-                                               TensorBoardConfig, TimersConfig, WandbConfig)
+from slipstream.config.schema.misc import (
+    ActivationCheckpointingConfig,
+    AioConfig,
+    AutotuningConfig,
+    CheckpointConfig,
+    CompileConfig,
+    ElasticityConfig,
+    EnabledSection,
+    PipelineConfig,
+    TensorParallelConfig,
+)
+from slipstream.config.schema.monitors import (
+    CometConfig,
+    CommsLoggerConfig,
+    CSVConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    TimersConfig,
+    WandbConfig,
+)
 from slipstream.config.schema.optim import OptimizerConfig, SchedulerConfig
-from slipstream.config.schema.precision import (AmpConfig, BF16Config, DataTypesConfig, FP16Config,
-                                                TorchAutocastConfig, canonical_dtype)
+from slipstream.config.schema.precision import (
+    AmpConfig,
+    BF16Config,
+    DataTypesConfig,
+    FP16Config,
+    TorchAutocastConfig,
+    canonical_dtype,
+)
 from slipstream.config.schema.zero import ZeroConfig
 
 __all__ = ["DeepSpeedConfig"]
@@ -29,11 +51,22 @@ FreeForm = Optional[dict[str, Any]]
 class DeepSpeedConfig(DSModel):
     """A whole DeepSpeed JSON config."""
 
-    IMPLEMENTED = frozenset({
-        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
-        "wall_clock_breakdown", "gradient_clipping", "prescale_gradients", "gradient_predivide_factor",
-        "dataloader_drop_last", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "strict",
-    })
+    IMPLEMENTED = frozenset(
+        {
+            "train_batch_size",
+            "train_micro_batch_size_per_gpu",
+            "gradient_accumulation_steps",
+            "steps_per_print",
+            "wall_clock_breakdown",
+            "gradient_clipping",
+            "prescale_gradients",
+            "gradient_predivide_factor",
+            "dataloader_drop_last",
+            "zero_allow_untested_optimizer",
+            "zero_force_ds_cpu_optimizer",
+            "strict",
+        }
+    )
     train_batch_size: Optional[DSInt] = Field(None, gt=0)
     """Global batch: micro batch * gradient accumulation steps * data-parallel world size."""
     train_micro_batch_size_per_gpu: Optional[DSInt] = Field(None, gt=0)
@@ -102,7 +135,9 @@ class DeepSpeedConfig(DSModel):
     """torch.autocast in forward."""
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     """Gradient-accumulation and other dtypes."""
-    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
     """Activation checkpointing."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint I/O."""

@@ -8,10 +8,12 @@ converted before validation: `"zero_optimization": true` is stage 1 (false is st
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
+from slipstream.config.errors import ConfigWarning
 from slipstream.config.schema.base import DSFloat, DSInt, DSModel, aliased
 
 __all__ = ["OffloadOptimizerConfig", "OffloadParamConfig", "ZenFlowConfig", "ZeroConfig"]
@@ -92,13 +94,27 @@ class ZenFlowConfig(DSModel):
 class ZeroConfig(DSModel):
     """`zero_optimization` (`DeepSpeedZeroConfig`)."""
 
-    IMPLEMENTED = frozenset({
-        "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_bucket_size",
-        "overlap_comm", "offload_optimizer", "cpu_offload",
-        # Stage-3 keys: parsed into Stage3Plan; stage 3 itself is reported as "zero_optimization.stage=3".
-        "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
-        "gather_16bit_weights_on_model_save", "offload_param", "cpu_offload_param", "cpu_offload_use_pin_memory",
-    })
+    IMPLEMENTED = frozenset(
+        {
+            "stage",
+            "contiguous_gradients",
+            "reduce_scatter",
+            "reduce_bucket_size",
+            "allgather_bucket_size",
+            "overlap_comm",
+            "offload_optimizer",
+            "cpu_offload",
+            # Stage-3 keys: parsed into Stage3Plan; stage 3 itself is reported as "zero_optimization.stage=3".
+            "prefetch_bucket_size",
+            "param_persistence_threshold",
+            "max_live_parameters",
+            "max_reuse_distance",
+            "gather_16bit_weights_on_model_save",
+            "offload_param",
+            "cpu_offload_param",
+            "cpu_offload_use_pin_memory",
+        }
+    )
     stage: DSInt = Field(0, ge=0, le=3)
     """0 disabled, 1 optimizer state, 2 + gradients, 3 + parameters are partitioned."""
     contiguous_gradients: bool = True
@@ -133,27 +149,40 @@ class ZeroConfig(DSModel):
     """Deprecated: true means offload_param.device = "cpu"."""
     cpu_offload_use_pin_memory: Optional[bool] = None
     """Deprecated: pin_memory of the offload sections."""
-    prefetch_bucket_size: DSInt = aliased(50_000_000, "stage3_prefetch_bucket_size", "prefetch_bucket_size", ge=0)
+    prefetch_bucket_size: DSInt = aliased(
+        50_000_000, "stage3_prefetch_bucket_size", "prefetch_bucket_size", ge=0
+    )
     """Elements of parameters prefetched ahead of use (stage 3)."""
     param_persistence_threshold: DSInt = aliased(
-        100_000, "stage3_param_persistence_threshold", "param_persistence_threshold", ge=0)
+        100_000, "stage3_param_persistence_threshold", "param_persistence_threshold", ge=0
+    )
     """Parameters smaller than this stay unpartitioned (stage 3)."""
     model_persistence_threshold: DSInt = aliased(
-        sys.maxsize, "stage3_model_persistence_threshold", "model_persistence_threshold", ge=0)
+        sys.maxsize, "stage3_model_persistence_threshold", "model_persistence_threshold", ge=0
+    )
     """Upper bound on elements kept unpartitioned by the persistence threshold (stage 3)."""
-    max_live_parameters: DSInt = aliased(1_000_000_000, "stage3_max_live_parameters", "max_live_parameters", ge=0)
+    max_live_parameters: DSInt = aliased(
+        1_000_000_000, "stage3_max_live_parameters", "max_live_parameters", ge=0
+    )
     """Most gathered parameter elements alive at once (stage 3)."""
-    max_reuse_distance: DSInt = aliased(1_000_000_000, "stage3_max_reuse_distance", "max_reuse_distance", ge=0)
+    max_reuse_distance: DSInt = aliased(
+        1_000_000_000, "stage3_max_reuse_distance", "max_reuse_distance", ge=0
+    )
     """Keep a gathered parameter if it is reused within this many elements (stage 3)."""
     gather_16bit_weights_on_model_save: bool = aliased(
-        False, "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save")
+        False,
+        "stage3_gather_16bit_weights_on_model_save",
+        "gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save",
+    )
     """Gather the full 16-bit weights on save_16bit_model (stage 3)."""
     module_granularity_threshold: DSInt = aliased(
-        0, "stage3_module_granularity_threshold", "module_granularity_threshold", ge=0)
+        0, "stage3_module_granularity_threshold", "module_granularity_threshold", ge=0
+    )
     """Treat modules below this size as leaves when fetching (stage 3)."""
     use_all_reduce_for_fetch_params: bool = aliased(
-        False, "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params")
+        False, "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params"
+    )
     """Fetch parameters with all-reduce instead of all-gather (stage 3)."""
     allgather_sequential: bool = aliased(False, "stage3_allgather_sequential", "allgather_sequential")
     """Issue parameter all-gathers one at a time (stage 3)."""
@@ -200,13 +229,21 @@ class ZeroConfig(DSModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        pin = data.get("cpu_offload_use_pin_memory")
+        pin = data.pop("cpu_offload_use_pin_memory", None)
         for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
-            if data.get(old) is None:
+            flag = data.pop(old, None)
+            if flag is None:
                 continue
+            if not isinstance(flag, bool):
+                raise ValueError(f"{old}: expected a boolean (true or false), got {flag!r}")
             if data.get(new) is not None:
                 raise ValueError(f"give either the deprecated '{old}' or '{new}', not both; keep '{new}'")
-            if data[old] is True:
+            warnings.warn(
+                f'zero_optimization.{old} is deprecated; use "{new}": {{"device": "cpu"}}',
+                ConfigWarning,
+                stacklevel=2,
+            )
+            if flag:
                 data[new] = {"device": "cpu", **({"pin_memory": pin} if isinstance(pin, bool) else {})}
         return data
 

@@ -1,0 +1,39 @@
+"""DeepSpeed JSON config, parsed once at the edge: load_config() reads it, resolve() validates it against the
+pydantic schema (schema/) and returns frozen plans (plan.py). See resolve.py for the rules and for "auto"."""
+
+from __future__ import annotations
+
+from slipstream.config.errors import ConfigError, ConfigWarning
+from slipstream.config.load import load_config
+from slipstream.config.plan import (
+    BatchPlan,
+    EnginePlan,
+    LoggingPlan,
+    LossScalePlan,
+    MonitorPlan,
+    OffloadOptimizerPlan,
+    OptimizerPlan,
+    PrecisionPlan,
+    SchedulerPlan,
+    Stage3Plan,
+    ZeroPlan,
+)
+from slipstream.config.resolve import resolve
+
+__all__ = [
+    "BatchPlan",
+    "ConfigError",
+    "ConfigWarning",
+    "EnginePlan",
+    "LoggingPlan",
+    "LossScalePlan",
+    "MonitorPlan",
+    "OffloadOptimizerPlan",
+    "OptimizerPlan",
+    "PrecisionPlan",
+    "SchedulerPlan",
+    "Stage3Plan",
+    "ZeroPlan",
+    "load_config",
+    "resolve",
+]

@@ -1,0 +1,223 @@
+"""Build the optimizer and LR schedule a config names, plus our pure-PyTorch Lamb and Lion.
+
+Owns the name -> class mapping of DeepSpeed's `optimizer` / `scheduler` sections (engine
+`_configure_basic_optimizer` and `_scheduler_from_config`), the check of params against the class's
+signature, and two small optimizers DeepSpeed ships as fused kernels:
+- `Lamb` follows ops.lamb.FusedLamb: Adam moments with bias correction, update u = m_hat / (sqrt(v_hat) + eps)
+  + weight_decay * p, trust ratio ||p|| / ||u|| clamped to [min_coeff, max_coeff] (1 when either norm is 0),
+  p -= lr * ratio * u. eps_inside_sqrt=True uses sqrt(v_hat + eps).
+- `Lion` follows ops.lion: p *= 1 - lr * weight_decay; p -= lr * sign(beta1 * m + (1 - beta1) * g);
+  m = beta2 * m + (1 - beta2) * g.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slipstream.config.plan import OptimizerPlan, SchedulerPlan
+from slipstream.engine.lr_schedules import SCHEDULES
+
+__all__ = ["SUPPORTED_OPTIMIZERS", "Lamb", "Lion", "build_optimizer", "build_scheduler"]
+
+Params = Iterable[Tensor] | Iterable[dict[str, Any]]
+SUPPORTED_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lamb", "lion")
+
+
+def _math_dtype(p: Tensor) -> torch.dtype:
+    """fp32 for low-precision params (states and math), the param's own dtype when wider."""
+    return torch.promote_types(p.dtype, torch.float32)
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (https://arxiv.org/abs/1904.00962) with DeepSpeed FusedLamb's arguments and per-tensor trust ratio."""
+
+    def __init__(self, params: Params, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
+                 weight_decay: float = 0.0, max_grad_norm: float = 0.0, max_coeff: float = 10.0,
+                 min_coeff: float = 0.01, amsgrad: bool = False) -> None:
+        if amsgrad:
+            raise ValueError("Lamb does not support amsgrad=True (DeepSpeed's FusedLamb does not either); "
+                             "remove optimizer.params.amsgrad")
+        if max_grad_norm:
+            raise ValueError(f"Lamb max_grad_norm={max_grad_norm} is not supported; use the top-level "
+                             "'gradient_clipping' config key instead")
+        if lr < 0 or eps < 0 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Lamb needs lr >= 0, eps >= 0 and betas in [0, 1); got lr={lr}, eps={eps}, "
+                             f"betas={betas}")
+        if not 0.0 < min_coeff <= max_coeff:
+            raise ValueError(f"Lamb needs 0 < min_coeff <= max_coeff; got min_coeff={min_coeff}, "
+                             f"max_coeff={max_coeff}")
+        defaults = {"lr": lr, "bias_correction": bias_correction, "betas": betas, "eps": eps,
+                    "weight_decay": weight_decay, "eps_inside_sqrt": eps_inside_sqrt, "max_coeff": max_coeff,
+                    "min_coeff": min_coeff}
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Lamb does not support sparse gradients")
+                state, dtype = self.state[p], _math_dtype(p)
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
+                state["step"] += 1
+                grad, weight = p.grad.to(dtype), p.to(dtype)
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+                bc1 = 1.0 - beta1 ** state["step"] if group["bias_correction"] else 1.0
+                bc2 = 1.0 - beta2 ** state["step"] if group["bias_correction"] else 1.0
+                v_hat = exp_avg_sq / bc2
+                denom = (v_hat + group["eps"]).sqrt() if group["eps_inside_sqrt"] else v_hat.sqrt() + group["eps"]
+                update = (exp_avg / bc1) / denom + group["weight_decay"] * weight
+                w_norm, u_norm = float(weight.norm()), float(update.norm())
+                ratio = 1.0
+                if w_norm != 0.0 and u_norm != 0.0:
+                    ratio = min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"])
+                p.copy_(weight - group["lr"] * ratio * update)
+        return loss
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (https://arxiv.org/abs/2302.06675) with decoupled weight decay, DeepSpeed FusedLion's arguments."""
+
+    def __init__(self, params: Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0.0) -> None:
+        if lr < 0 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Lion needs lr >= 0 and betas in [0, 1); got lr={lr}, betas={betas}")
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state, dtype = self.state[p], _math_dtype(p)
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+                grad, exp_avg = p.grad.to(dtype), state["exp_avg"]
+                direction = (exp_avg * beta1 + grad * (1.0 - beta1)).sign_()
+                weight = p.to(dtype, copy=True).mul_(1.0 - group["lr"] * group["weight_decay"])
+                p.copy_(weight.sub_(direction, alpha=group["lr"]))
+                exp_avg.mul_(beta2).add_(grad, alpha=1.0 - beta2)
+        return loss
+
+
+def _accepted(cls: type, skip: int = 1) -> list[str] | None:
+    """Keyword names `cls(params, ...)` accepts after the params, or None when it takes **kwargs."""
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1 + skip:]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+
+
+def _check_params(section: str, cls: type, params: dict[str, Any], *, drop: tuple[str, ...] = ()) -> None:
+    accepted = _accepted(cls)
+    if accepted is None:
+        return
+    allowed = [name for name in accepted if name not in drop]
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ValueError(f"{section}.params {unknown} not accepted by {cls.__module__}.{cls.__name__}; "
+                         f"it accepts {allowed}")
+
+
+def _torch_fast(cls: type[torch.optim.Optimizer], params: list[Any], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """`cls` with fused=True where torch supports it for these params, else foreach=True (unless the user chose)."""
+    if "fused" in kwargs or "foreach" in kwargs:
+        return cls(params, **kwargs)
+    try:
+        return cls(params, fused=True, **kwargs)
+    except RuntimeError:
+        return cls(params, foreach=True, **kwargs)
+
+
+def _build_adam(name: str, params: list[Any], kwargs: dict[str, Any], cpu_offload: bool) -> torch.optim.Optimizer:
+    if cpu_offload:
+        from slipstream.ops.adam import DeepSpeedCPUAdam
+
+        _check_params("optimizer", DeepSpeedCPUAdam, kwargs, drop=("adamw_mode",))
+        return DeepSpeedCPUAdam(params, adamw_mode=(name == "adamw"), **kwargs)
+    cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+    kwargs = dict(kwargs)
+    if kwargs.pop("bias_correction", True) is not True:
+        raise ValueError(f"optimizer.params.bias_correction=False is only supported with CPU offload "
+                         f"(DeepSpeedCPUAdam); {cls.__name__} always bias-corrects. Remove the key")
+    _check_params("optimizer", cls, kwargs)
+    return _torch_fast(cls, params, kwargs)
+
+
+def build_optimizer(plan: OptimizerPlan, params: Iterable[Tensor | dict[str, Any]], *,
+                    cpu_offload: bool) -> torch.optim.Optimizer:
+    """The optimizer `plan` names over `params`.
+
+    adam/adamw -> torch.optim.Adam/AdamW (fused where supported, else foreach), or DeepSpeedCPUAdam with
+    cpu_offload; sgd/adagrad -> torch classes; lamb/lion -> ours; other names -> torch.optim.<name>.
+    """
+    param_list = list(params)
+    kwargs = dict(plan.params)
+    name = plan.name
+    if name in ("adam", "adamw"):
+        return _build_adam(name, param_list, kwargs, cpu_offload)
+    if name in ("sgd", "adagrad"):
+        cls: type[torch.optim.Optimizer] = torch.optim.SGD if name == "sgd" else torch.optim.Adagrad
+        _check_params("optimizer", cls, kwargs)
+        return _torch_fast(cls, param_list, kwargs)
+    if name in ("lamb", "lion"):
+        ours: type[torch.optim.Optimizer] = Lamb if name == "lamb" else Lion
+        _check_params("optimizer", ours, kwargs)
+        return ours(param_list, **kwargs)
+    found = getattr(torch.optim, name, None)
+    buildable = isinstance(found, type) and issubclass(found, torch.optim.Optimizer)
+    if not buildable or found is torch.optim.Optimizer:
+        raise ValueError(f"optimizer.type={name!r} is not supported; use one of {list(SUPPORTED_OPTIMIZERS)} "
+                         "or a torch.optim class name spelled as in torch (e.g. 'RMSprop', 'NAdam')")
+    _check_params("optimizer", found, kwargs)
+    return found(param_list, **kwargs)
+
+
+def _torch_schedulers() -> list[str]:
+    sched = torch.optim.lr_scheduler
+    return sorted(n for n in dir(sched) if isinstance(getattr(sched, n), type) and n != "LRScheduler" and
+                  (issubclass(getattr(sched, n), sched.LRScheduler) or n == "ReduceLROnPlateau"))
+
+
+def build_scheduler(plan: SchedulerPlan, optimizer: torch.optim.Optimizer) -> Any:
+    """The LR schedule `plan` names: DeepSpeed's lr_schedules first, else torch.optim.lr_scheduler.<name>."""
+    cls: type | None = SCHEDULES.get(plan.name)
+    if cls is None and plan.name in _torch_schedulers():
+        cls = getattr(torch.optim.lr_scheduler, plan.name)
+    if cls is None:
+        raise ValueError(f"scheduler.type={plan.name!r} is not supported; use one of {sorted(SCHEDULES)} or a "
+                         f"torch.optim.lr_scheduler class: {_torch_schedulers()}")
+    _check_params("scheduler", cls, dict(plan.params))
+    accepted = _accepted(cls) or []
+    required = [p.name for p in list(inspect.signature(cls.__init__).parameters.values())[2:]
+                if p.default is inspect.Parameter.empty and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                                        inspect.Parameter.KEYWORD_ONLY)]
+    missing = [name for name in required if name in accepted and name not in plan.params]
+    if missing:
+        raise ValueError(f"scheduler.params is missing {missing}, required by {cls.__name__}; add them to the "
+                         "'scheduler.params' section of the config")
+    return cls(optimizer, **plan.params)

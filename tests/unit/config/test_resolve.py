@@ -1,0 +1,261 @@
+"""Cross-field rules of resolve(): precision, ZeRO, optimizer/scheduler names, unimplemented keys,
+`resolved`."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from slipstream.config import ConfigError, ConfigWarning, EnginePlan, resolve
+
+BASE = {"train_batch_size": 8}
+
+
+def plan_of(extra: dict, **kwargs: object) -> EnginePlan:
+    return resolve({**BASE, **extra}, world_size=1, **kwargs)  # type: ignore[arg-type]
+
+
+def test_fp16_and_bf16_both_enabled_is_an_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        plan_of({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    assert info.value.problems == [
+        "fp16.enabled, bf16.enabled: both are true; enable at most one of fp16 and bf16"
+    ]
+
+
+def test_bf16_plan() -> None:
+    precision = plan_of({"bf16": {"enabled": True}}).precision
+    assert (precision.param_dtype, precision.master_dtype, precision.grad_accum_dtype) == (
+        "bf16",
+        "fp32",
+        "fp32",
+    )
+    assert precision.loss_scale is None and precision.check_grad_overflow is True
+
+
+@pytest.mark.parametrize("spelling", ["bf16", "bfloat16", "torch.bfloat16"])
+def test_grad_accum_dtype_override(spelling: str) -> None:
+    precision = plan_of({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": spelling}}).precision
+    assert precision.grad_accum_dtype == "bf16"
+
+
+def test_unknown_grad_accum_dtype() -> None:
+    with pytest.raises(ConfigError, match="data_types.grad_accum_dtype: unknown dtype 'fp8'"):
+        plan_of({"data_types": {"grad_accum_dtype": "fp8"}})
+
+
+def test_fp16_dynamic_loss_scale_plan() -> None:
+    precision = plan_of({"fp16": {"enabled": True, "initial_scale_power": 12, "hysteresis": 3}}).precision
+    assert (precision.param_dtype, precision.master_dtype, precision.grad_accum_dtype) == (
+        "fp16",
+        "fp32",
+        "fp32",
+    )
+    scale = precision.loss_scale
+    assert scale is not None and scale.static_scale is None
+    assert (scale.initial_scale_power, scale.window, scale.hysteresis, scale.min_scale) == (12, 1000, 3, 1.0)
+    assert scale.consecutive_hysteresis is False
+
+
+def test_fp16_static_loss_scale_plan() -> None:
+    scale = plan_of({"fp16": {"enabled": True, "loss_scale": 128}}).precision.loss_scale
+    assert scale is not None and scale.static_scale == 128.0
+
+
+def test_fp32_is_the_default() -> None:
+    precision = plan_of({}).precision
+    assert (precision.param_dtype, precision.grad_accum_dtype, precision.master_dtype) == ("fp32",) * 3
+
+
+@pytest.mark.parametrize(
+    "type_, params, name",
+    [
+        ("Adam", {}, "adamw"),
+        ("adam", {"adam_w_mode": False}, "adam"),
+        ("Adam", {"adam_w_mode": True, "torch_adam": True}, "adamw"),
+        ("AdamW", {"adam_w_mode": False}, "adamw"),
+        ("Lamb", {}, "lamb"),
+        ("Lion", {}, "lion"),
+        ("Adagrad", {}, "adagrad"),
+        ("SGD", {}, "sgd"),
+        ("RMSprop", {}, "RMSprop"),
+    ],
+)
+def test_optimizer_canonical_names(type_: str, params: dict, name: str) -> None:
+    optimizer = plan_of({"optimizer": {"type": type_, "params": {"lr": 0.1, **params}}}).optimizer
+    assert optimizer is not None and optimizer.name == name
+    assert optimizer.params == {"lr": 0.1}
+
+
+def test_max_grad_norm_points_to_gradient_clipping() -> None:
+    with pytest.raises(ConfigError) as info:
+        plan_of({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 0.5}}})
+    assert info.value.problems == [
+        'optimizer.params.max_grad_norm: not supported; use the top-level "gradient_clipping": 0.5 instead'
+    ]
+
+
+def test_unknown_optimizer_and_scheduler() -> None:
+    with pytest.raises(ConfigError) as info:
+        plan_of({"optimizer": {"type": "Adamm"}, "scheduler": {"type": "warmuplr"}})
+    assert info.value.problems[0].startswith(
+        "optimizer.type: unknown optimizer 'Adamm'; did you mean 'adam'?"
+    )
+    assert info.value.problems[1].startswith(
+        "scheduler.type: unknown scheduler 'warmuplr'; did you mean 'WarmupLR'?"
+    )
+
+
+@pytest.mark.parametrize(
+    "name", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest", "StepLR"]
+)
+def test_scheduler_names(name: str) -> None:
+    scheduler = plan_of({"scheduler": {"type": name, "params": {"x": 1}}}).scheduler
+    assert scheduler is not None and (scheduler.name, scheduler.params) == (name, {"x": 1})
+
+
+def test_zero_plan_from_stage_2_config() -> None:
+    zero = plan_of(
+        {
+            "zero_optimization": {
+                "stage": 2,
+                "reduce_bucket_size": 2e8,
+                "allgather_bucket_size": 3e8,
+                "contiguous_gradients": False,
+                "reduce_scatter": False,
+                "offload_optimizer": {"device": "cpu", "pin_memory": False},
+            }
+        }
+    ).zero
+    assert (zero.stage, zero.reduce_bucket_size, zero.allgather_bucket_size) == (2, 200_000_000, 300_000_000)
+    assert zero.contiguous_gradients is False and zero.reduce_scatter is False and zero.stage3 is None
+    assert zero.offload_optimizer is not None
+    assert (zero.offload_optimizer.device, zero.offload_optimizer.pin_memory) == ("cpu", False)
+
+
+def test_offload_device_none_is_no_offload() -> None:
+    assert (
+        plan_of(
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}
+        ).zero.offload_optimizer
+        is None
+    )
+
+
+def test_offload_at_stage_0_warns() -> None:
+    with pytest.warns(ConfigWarning, match="offload_optimizer has no effect at stage 0"):
+        plan_of({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+
+
+def test_nvme_offload_needs_a_path_and_is_unimplemented() -> None:
+    with pytest.raises(ConfigError, match="offload_optimizer.nvme_path: required"):
+        plan_of({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
+    plan = plan_of(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nv"}}}
+    )
+    assert "zero_optimization.offload_optimizer.device=nvme" in plan.unimplemented
+
+
+def test_unimplemented_lists_what_the_user_set() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_of(
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "round_robin_gradients": True,
+                    "zenflow": {"topk_ratio": 0.2},
+                },
+                "flops_profiler": {"enabled": True},
+                "wandb": {"enabled": False, "project": "p"},
+                "activation_checkpointing": {"partition_activations": True, "profile": False},
+                "hybrid_engine": {"enabled": True, "max_out_tokens": 512},
+                "sparse_attention": {"mode": "fixed"},
+                "memory_breakdown": True,
+                "dump_state": False,
+                "bf16": {"enabled": True, "immediate_grad_update": True},
+                "data_types": {"param_dtype": "bf16"},
+                "optimizer": {"type": "OneBitAdam"},
+                "csv_monitor": {"enabled": True, "output_path": "/tmp/csv"},
+                "comet": {"enabled": True},
+            }
+        )
+    assert set(plan.unimplemented) == {
+        "zero_optimization.stage=3",
+        "zero_optimization.round_robin_gradients",
+        "zero_optimization.zenflow",
+        "flops_profiler",
+        "activation_checkpointing.partition_activations",
+        "hybrid_engine",
+        "sparse_attention",
+        "memory_breakdown",
+        "bf16.immediate_grad_update",
+        "data_types.param_dtype",
+        "optimizer.type=onebitadam",
+        "comet",
+    }
+    assert plan.logging.monitor.csv_output_path == "/tmp/csv"
+
+
+def test_implemented_keys_are_not_listed() -> None:
+    plan = plan_of(
+        {
+            "steps_per_print": 10,
+            "wall_clock_breakdown": True,
+            "gradient_clipping": 0.0,
+            "prescale_gradients": True,
+            "gradient_predivide_factor": 2.0,
+            "dataloader_drop_last": True,
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+            "zero_optimization": {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 1e6},
+            "fp16": {"enabled": True, "loss_scale_window": 500},
+            "tensorboard": {"enabled": True},
+            "optimizer": {"type": "adamw", "params": {"lr": 1e-4}},
+            "scheduler": {"type": "WarmupLR"},
+        }
+    )
+    assert plan.unimplemented == ()
+    assert (plan.gradient_clipping, plan.gradient_predivide_factor) == (0.0, 2.0)
+    assert plan.prescale_gradients is True and plan.dataloader_drop_last is True
+    assert plan.logging.steps_per_print == 10 and plan.logging.wall_clock_breakdown is True
+    assert plan.logging.monitor.tensorboard_output_path == ""
+    assert plan.logging.monitor.tensorboard_job_name == "DeepSpeedJobName"
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        {"amp": {"enabled": True, "opt_level": "O1"}},
+        {"pipeline": {"partition": "uniform"}},
+        {"elasticity": {"enabled": True}},
+        {"autotuning": {"enabled": True, "metric": "throughput"}},
+        {"compression_training": {"weight_quantization": {}}},
+        {"data_efficiency": {"enabled": True}},
+        {"tensor_parallel": {"autotp_size": 2}},
+        {"comms_logger": {"enabled": True}},
+        {"aio": {"queue_depth": 16}},
+        {"checkpoint": {"tag_validation": "fail"}},
+        {"compile": {"deepcompile": True}},
+        {"nebula": {"enabled": True}},
+        {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+        {"communication_data_type": "fp32"},
+    ],
+)
+def test_unimplemented_sections_are_accepted_and_listed(section: dict) -> None:
+    plan = plan_of(section)
+    assert plan.unimplemented, section
+    assert all(key.split(".")[0].split("=")[0] in section for key in plan.unimplemented)
+
+
+def test_resolved_is_plain_json_with_defaults() -> None:
+    plan = plan_of({"bfloat16": {"enabled": True}, "zero_optimization": {"stage": 2}})
+    resolved = plan.resolved
+    assert json.loads(json.dumps(resolved)) == resolved
+    assert resolved["gradient_clipping"] == 1.0 and resolved["strict"] is True
+    assert resolved["zero_optimization"]["reduce_bucket_size"] == 500_000_000
+    assert resolved["zero_optimization"]["stage3_max_live_parameters"] == 1_000_000_000
+    assert resolved["fp16"]["initial_scale_power"] == 16
+    assert resolved["bf16"]["enabled"] is True and "bfloat16" not in resolved
