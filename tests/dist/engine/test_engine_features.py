@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,17 +38,23 @@ def train_precision(rank: int, world: int, *, stage: int, precision: str) -> dic
     return {n: p.detach().float() for n, p in engine.module.named_parameters()}
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_low_precision_tracks_fp32_reference(precision: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+PRECISION_CASES = [(stage, precision) for precision in ("bf16", "fp16") for stage in (1, 2)]
+
+
+def precision_grid(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    return [train_precision(rank, world, stage=stage, precision=precision) for stage, precision in PRECISION_CASES]
+
+
+def test_low_precision_tracks_fp32_reference(tmp_path) -> None:  # type: ignore[no-untyped-def]
     _, reference = train_reference(TinyMLP, batches(5), lr=LR, steps=5, grad_clip=1.0)
-    for stage in (1, 2):
-        results = run_distributed(train_precision, world_size=2, tmp_dir=tmp_path / str(stage), stage=stage,
-                                  precision=precision)
-        for name, value in results[0].items():
-            # bf16 keeps ~3 significant digits: the stated tolerance is 2% of the value plus 1e-2
-            tolerance = {"bf16": 2e-2, "fp16": 5e-3}[precision]
-            torch.testing.assert_close(value, reference[name], rtol=tolerance, atol=tolerance)
-        torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    first, second = run_distributed(precision_grid, world_size=2, tmp_dir=tmp_path)
+    for (stage, precision), params, other in zip(PRECISION_CASES, first, second):
+        # bf16 keeps ~3 significant digits: the stated tolerance is 2% of the value plus 2e-2; fp16 5e-3
+        tolerance = {"bf16": 2e-2, "fp16": 5e-3}[precision]
+        for name, value in params.items():
+            torch.testing.assert_close(value, reference[name], rtol=tolerance, atol=tolerance,
+                                       msg=lambda m, n=name, c=(stage, precision): f"{c} {n}: {m}")
+        torch.testing.assert_close(params, other, rtol=0, atol=0)
 
 
 def overflow_run(rank: int, world: int) -> dict:
@@ -103,10 +108,16 @@ def collectives_run(rank: int, world: int, *, stage: int) -> dict:
             "bytes": engine.optimizer.owned_bytes()}
 
 
+def collectives_grid(rank: int, world: int) -> dict:
+    return {"stages": [collectives_run(rank, world, stage=stage) for stage in (0, 1)],
+            "stage2_no_sync": no_sync_stage2_message()}
+
+
 def test_no_sync_defers_reduction_and_state_is_sharded(tmp_path) -> None:  # type: ignore[no-untyped-def]
     numel = sum(p.numel() for p in TinyMLP().parameters())
-    for stage in (0, 1):
-        result = run_distributed(collectives_run, world_size=2, tmp_dir=tmp_path / str(stage), stage=stage)[0]
+    grid = run_distributed(collectives_grid, world_size=2, tmp_dir=tmp_path)[0]
+    assert "no_sync() is not available at ZeRO stage 2" in grid["stage2_no_sync"]
+    for stage, result in zip((0, 1), grid["stages"]):
         buckets = result["buckets"]
         assert result["first"] == {}
         # one loss all-reduce per optimizer step; stage 0 all-reduces buckets, stage 1 reduce-scatters,
@@ -119,7 +130,7 @@ def test_no_sync_defers_reduction_and_state_is_sharded(tmp_path) -> None:  # typ
         assert (full <= state < full + 64) if stage == 0 else (full / 2 <= state < full / 2 + 64), (stage, state)
 
 
-def no_sync_stage2(rank: int, world: int) -> str:
+def no_sync_stage2_message() -> str:
     import slipstream
 
     engine, *_ = slipstream.initialize(model=TinyMLP(), config=cfg(2, gas=2))
@@ -129,11 +140,6 @@ def no_sync_stage2(rank: int, world: int) -> str:
     except RuntimeError as exc:
         return str(exc)
     return "no error"
-
-
-def test_no_sync_at_stage_2_is_a_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    message = run_distributed(no_sync_stage2, world_size=2, tmp_dir=tmp_path)[0]
-    assert "no_sync() is not available at ZeRO stage 2" in message
 
 
 class Branchy(nn.Module):
@@ -167,10 +173,13 @@ def branchy_run(rank: int, world: int, *, stage: int) -> dict[str, torch.Tensor]
     return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
+def branchy_grid(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    return [branchy_run(rank, world, stage=stage) for stage in (0, 1, 2)]
+
+
 def test_unused_branches_frozen_and_empty_params_do_not_hang(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    for stage in (0, 1, 2):
-        first, second = run_distributed(branchy_run, world_size=2, tmp_dir=tmp_path / str(stage), stage=stage,
-                                        timeout_s=60)
+    ranks = run_distributed(branchy_grid, world_size=2, tmp_dir=tmp_path, timeout_s=90)
+    for first, second in zip(*ranks):
         torch.testing.assert_close(first, second, rtol=0, atol=0)
         assert not torch.equal(first["a.weight"], Branchy().a.weight)
         assert not torch.equal(first["b.weight"], Branchy().b.weight)
