@@ -45,7 +45,8 @@ def deepspeed_worker(rank: int, spec: BenchSpec, *, stage: int) -> dict[str, Any
         return loss.detach()
 
     times, losses = timed_loop(step, batches)
-    result = summarise(spec, times=times, losses=losses, owned_bytes=None, rss_before_mib=rss_before)
+    result = summarise(spec, times=times, losses=losses, owned_bytes=None, rss_before_mib=rss_before,
+                     num_params=model.num_parameters())
     if result is not None:
         result["optimizer"] = type(engine.optimizer).__name__
         result["basic_optimizer"] = type(engine.basic_optimizer).__name__

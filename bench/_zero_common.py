@@ -54,7 +54,7 @@ class BenchSpec:
     steps: int = 30
     """Timed steps after the warmup ones."""
     seed: int = 1234
-    lr: float = 1e-3
+    lr: float = 3e-4
     bucket_numel: int = 1_000_000
     """reduce_bucket_size / allgather_bucket_size (elements) for ZeRO; DDP gets the same bytes as bucket_cap_mb."""
     world_size: int = 2
@@ -116,7 +116,7 @@ def timed_loop(step: StepFn, batches: list[tuple[torch.Tensor, torch.Tensor]]) -
 
 
 def summarise(spec: BenchSpec, *, times: list[float], losses: list[float], owned_bytes: int | None,
-              rss_before_mib: float) -> dict[str, Any] | None:
+              rss_before_mib: float, num_params: int) -> dict[str, Any] | None:
     """Gather the per-rank figures; rank 0 returns the run's summary, other ranks None."""
     mine = {"times": times[spec.warmup:], "losses": losses, "rss_mib": rss_mib(), "owned": owned_bytes,
             "rss_before_mib": rss_before_mib}
@@ -135,6 +135,7 @@ def summarise(spec: BenchSpec, *, times: list[float], losses: list[float], owned
         "owned_mib": None if None in owned else max(owned) / 2**20,
         "first_loss": mean_losses[0],
         "final_loss": mean_losses[-1],
+        "num_params": num_params,
     }
 
 

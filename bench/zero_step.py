@@ -59,7 +59,8 @@ def slipstream_worker(rank: int, spec: BenchSpec, *, stage: int) -> dict[str, An
     times, losses = timed_loop(step, batches)
     owned_fn = getattr(engine.optimizer, "owned_bytes", None)
     owned = sum(owned_fn().values()) if owned_fn is not None else None
-    return summarise(spec, times=times, losses=losses, owned_bytes=owned, rss_before_mib=rss_before)
+    return summarise(spec, times=times, losses=losses, owned_bytes=owned, rss_before_mib=rss_before,
+                     num_params=model.num_parameters())
 
 
 def ddp_worker(rank: int, spec: BenchSpec) -> dict[str, Any] | None:
@@ -81,7 +82,8 @@ def ddp_worker(rank: int, spec: BenchSpec) -> dict[str, Any] | None:
     for param in model.parameters():  # count gradients as allocated during the step
         param.grad = torch.zeros_like(param)
     owned = model_state_bytes(model, optimizer)
-    return summarise(spec, times=times, losses=losses, owned_bytes=owned, rss_before_mib=rss_before)
+    return summarise(spec, times=times, losses=losses, owned_bytes=owned, rss_before_mib=rss_before,
+                     num_params=model.num_parameters())
 
 
 def deepspeed_run(peer_python: Path, spec: BenchSpec, *, stage: int, timeout_s: float) -> dict[str, Any]:
@@ -168,7 +170,7 @@ def main() -> int:
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 print(f"warning: {exc}", file=sys.stderr)
     if results:
-        print(f"model parameters: {build_model(spec, 69).num_parameters():,}")
+        print(f"model parameters: {next(iter(results.values()))['num_params']:,}")
     print()
     print_table(results)
     print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s")

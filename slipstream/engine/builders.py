@@ -15,6 +15,7 @@ from slipstream.comm import collectives
 from slipstream.config.plan import EnginePlan, LossScalePlan, MonitorPlan, PrecisionPlan
 from slipstream.engine.dataloader import make_training_dataloader
 from slipstream.engine.monitor import CsvMonitor, TensorboardMonitor
+from slipstream.utils.logging import warn_once
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 from slipstream.zero.stage0 import Stage0Optimizer
 from slipstream.zero.stage1 import Stage1Optimizer
@@ -60,10 +61,26 @@ def make_basic_optimizer(module: nn.Module, plan: EnginePlan, client: Any,
     return build_optimizer(plan.optimizer, params, cpu_offload=offload)
 
 
-def make_zero_optimizer(optimizer: torch.optim.Optimizer, plan: EnginePlan) -> ZeroOptimizer:
+# Optimizers whose update is elementwise: flattening parameters into shards does not change their math.
+ELEMENTWISE_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "ASGD",
+                          "Adadelta", "Lion", "DeepSpeedCPUAdam")
+
+
+def make_zero_optimizer(optimizer: torch.optim.Optimizer, plan: EnginePlan, device: torch.device) -> ZeroOptimizer:
     stage = plan.zero.stage
     if stage not in _STAGES:
         raise NotImplementedError(f"zero_optimization.stage={stage} is not available yet; use stage 0, 1 or 2")
+    if plan.zero.offload_optimizer is not None and device.type != "cpu":
+        raise NotImplementedError(f"zero_optimization.offload_optimizer.device={plan.zero.offload_optimizer.device} "
+                                  f"with parameters on {device.type} is not available yet; remove offload_optimizer")
+    name = type(optimizer).__name__
+    if name not in ELEMENTWISE_OPTIMIZERS:
+        message = (f"optimizer {name} is not known to be elementwise: ZeRO's flat shards (used at every stage) "
+                   "would change per-tensor math such as Lamb's trust ratio. Use one of "
+                   f"{', '.join(ELEMENTWISE_OPTIMIZERS)}, or set \"zero_allow_untested_optimizer\": true to use it anyway")
+        if not plan.resolved.get("zero_allow_untested_optimizer", False):
+            raise ValueError(message)
+        warn_once(f"untested-optimizer:{name}", "slipstream: " + message)
     precision = plan.precision
     return _STAGES[stage](optimizer, group=None, bucket_numel=int(plan.zero.reduce_bucket_size),
                           master_dtype=precision.master_dtype, grad_dtype=precision.grad_accum_dtype,
@@ -121,9 +138,10 @@ def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return tree
 
 
-def stuck_scale_message(scaler: Any, optimizer: ZeroOptimizer, names: dict[int, str]) -> str:
-    culprit = optimizer.first_nonfinite_param(names)
-    where = f"; the first parameter with non-finite gradients is '{culprit}'" if culprit else ""
+def stuck_scale_message(scaler: Any, optimizer: ZeroOptimizer) -> str:
+    culprit = optimizer.last_nonfinite_param
+    where = (f"; the first parameter with non-finite gradients (in this rank's shard) is '{culprit}'" if culprit
+             else "; this rank's shard of the gradients is finite, another rank holds the overflow")
     return (f"fp16 loss scale has been at its minimum ({scaler.scale:g}) with overflowing gradients for "
             f"{getattr(scaler, 'window', '?')} steps: training is not learning{where}. Lower the learning rate, check the data "
             "for inf/nan, or train in bf16")

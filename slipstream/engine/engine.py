@@ -53,7 +53,8 @@ class SlipstreamEngine(EngineGetters, nn.Module):
         self.basic_optimizer = builders.make_basic_optimizer(self.module, plan, optimizer, model_parameters)
         self.optimizer: ZeroOptimizer | None = None
         if self.basic_optimizer is not None:
-            self.optimizer = builders.make_zero_optimizer(self.basic_optimizer, plan)
+            self.optimizer = builders.make_zero_optimizer(self.basic_optimizer, plan, self.device)
+            self.optimizer.param_names = self._param_names
         self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler)
         self.loss_scaler = builders.make_loss_scaler(plan.precision.loss_scale)
         self.training_dataloader = builders.make_dataloader(plan, training_data, collate_fn, self.global_rank,
@@ -76,7 +77,8 @@ class SlipstreamEngine(EngineGetters, nn.Module):
                   f"{plan.precision.param_dtype}, master {plan.precision.master_dtype}, grad accumulation "
                   f"{plan.precision.grad_accum_dtype}; batch {plan.batch.train_batch_size} = micro "
                   f"{plan.batch.micro_batch_size} x accumulation {plan.batch.gradient_accumulation_steps} x "
-                  f"world {self.world_size}", rank=self.global_rank)
+                  f"world {self.world_size} ({'; '.join(f'{k}: {v}' for k, v in plan.batch.sources.items())})",
+                  rank=self.global_rank)
         log_rank0(f"resolved config: {plan.resolved}", rank=self.global_rank)
 
     # ---- forward / backward ----
@@ -169,13 +171,13 @@ class SlipstreamEngine(EngineGetters, nn.Module):
                                      clip=self.plan.gradient_clipping)
         self._grad_norm = result.grad_norm
         self._step_applied = not result.overflow
+        if result.overflow:
+            self.skipped_steps += 1
         if self.loss_scaler is not None:
             self.loss_scaler.update(result.overflow)
             if result.overflow and self.loss_scaler.stuck():
-                raise RuntimeError(builders.stuck_scale_message(self.loss_scaler, self.optimizer, self._param_names))
-        if result.overflow:
-            self.skipped_steps += 1
-        elif self.lr_scheduler is not None:
+                raise RuntimeError(builders.stuck_scale_message(self.loss_scaler, self.optimizer))
+        if not result.overflow and self.lr_scheduler is not None:
             self.lr_scheduler.step(**lr_kwargs)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()

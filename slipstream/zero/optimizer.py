@@ -46,6 +46,9 @@ class ZeroOptimizer(abc.ABC):
         self.rank = dist.get_rank(group)
         self.check_overflow = check_overflow
         self.overflow = False
+        self.param_names: dict[int, str] = {}
+        """id(parameter) -> qualified name, set by the engine for error messages."""
+        self.last_nonfinite_param: str | None = None
         self.groups: list[FlatGroup] = []
         self._param_location: dict[int, tuple[FlatGroup, int]] = {}
         self._hooks = []
@@ -110,6 +113,7 @@ class ZeroOptimizer(abc.ABC):
         self.overflow = self.check_overflow and (nonfinite > 0 or not math.isfinite(sum_sq))
         grad_norm = math.sqrt(sum_sq) if math.isfinite(sum_sq) else float("inf")
         if self.overflow:
+            self.last_nonfinite_param = self.first_nonfinite_param(self.param_names)
             self.zero_grad()
             return StepResult(grad_norm=grad_norm, overflow=True)
         if clip > 0 and grad_norm > clip:
@@ -147,13 +151,15 @@ class ZeroOptimizer(abc.ABC):
         return self.optimizer.param_groups
 
     def first_nonfinite_param(self, names: dict[int, str]) -> str | None:
-        """Name of the first model parameter whose gradient slice is not finite (for error messages)."""
+        """Name of the first parameter whose owned gradient slice is not finite (before it is zeroed)."""
         for flat in self.groups:
-            if not flat.full_grad_storage:
-                continue
-            for index, param in enumerate(flat.params):
-                if not torch.isfinite(flat.full_grad_view(index)).all():
-                    return names.get(id(param), f"<param {index}>")
+            for bucket, (start, _end), grad in zip(flat.layout.buckets, flat.piece_ranges, flat.owned_grads):
+                for index in bucket.param_indices:
+                    slot = flat.layout.slots[index]
+                    lo = max(slot.flat_offset, start) - start
+                    hi = min(slot.flat_offset + slot.numel, start + grad.numel()) - start
+                    if hi > lo and not bool(torch.isfinite(grad[lo:hi]).all()):
+                        return names.get(id(flat.params[index]), f"<param {index}>")
         return None
 
     def owned_bytes(self) -> dict[str, int]:

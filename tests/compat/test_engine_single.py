@@ -1,0 +1,112 @@
+"""The engine in one process (no launcher): progress logs, csv monitor, stuck fp16 scale, untested optimizers."""
+
+from __future__ import annotations
+
+import csv
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import slipstream
+from tests.harness.models import TinyMLP
+
+
+@pytest.fixture(autouse=True)
+def single_process(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train(engine: slipstream.SlipstreamEngine, steps: int, *, poison: bool = False) -> None:
+    for step in range(steps):
+        x, y = TinyMLP().make_batch(seed=step, batch_size=4)
+        if poison:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        engine.backward(TinyMLP.loss(engine(x).float(), y))
+        engine.step()
+
+
+def test_progress_line_and_csv_monitor(tmp_path: Path) -> None:
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("slipstream")
+    handler = Collect()
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        config = {"train_batch_size": 4, "steps_per_print": 2, "wall_clock_breakdown": True,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                  "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "run"}}
+        engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
+        train(engine, 4)
+    finally:
+        logger.removeHandler(handler)
+    progress = [r for r in records if r.startswith("step ")]
+    assert [r.split(" | ")[0] for r in progress] == ["step 2", "step 4"]
+    assert all("loss " in r and "lr 1.000e-03" in r and "grad_norm" in r and "samples/s" in r and "forward" in r
+               for r in progress)
+    assert any("master fp32" in r for r in records)
+    with open(tmp_path / "run" / "Train_Samples_train_loss.csv") as handle:
+        rows = list(csv.reader(handle))
+    assert rows[0] == ["step", "value"] and [r[0] for r in rows[1:]] == ["8", "16"]
+    assert abs(float(rows[-1][1]) - engine.last_loss) < 1e-9  # type: ignore[operator]
+    engine.destroy()
+
+
+def test_fp16_stuck_at_minimum_scale_names_the_parameter() -> None:
+    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "fp16": {"enabled": True, "initial_scale_power": 0, "min_loss_scale": 1, "loss_scale_window": 2,
+                       "hysteresis": 1}}
+    engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
+    with pytest.raises(RuntimeError, match="(?s)minimum.*first parameter with non-finite gradients.*'layers.0.weight'"):
+        train(engine, 5, poison=True)
+    assert engine.skipped_steps == 2
+    engine.destroy()
+
+
+def test_pytorch_style_backward_without_scale_is_an_error_in_fp16() -> None:
+    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "fp16": {"enabled": True}}
+    engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
+    x, y = TinyMLP().make_batch(seed=0, batch_size=4)
+    TinyMLP.loss(engine(x).float(), y).backward()
+    with pytest.raises(RuntimeError, match=r"engine.scale\(loss\).backward\(\)"):
+        engine.step()
+    engine.zero_grad()
+    engine.scale(TinyMLP.loss(engine(x).float(), y)).backward()
+    engine.step()
+    assert engine.was_step_applied()
+    engine.destroy()
+
+
+def test_non_elementwise_optimizer_needs_explicit_permission() -> None:
+    config = {"train_batch_size": 4, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
+    with pytest.raises(ValueError, match="Lamb.*zero_allow_untested_optimizer"):
+        slipstream.initialize(model=TinyMLP(), config=config)
+    with pytest.warns(UserWarning, match="Lamb"):
+        engine, *_ = slipstream.initialize(model=TinyMLP(), config={**config, "zero_allow_untested_optimizer": True})
+    train(engine, 1)
+    engine.destroy()
+
+
+def test_scheduler_from_config_steps_once_per_optimizer_step() -> None:
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                           "warmup_num_steps": 10, "warmup_type": "linear"}}}
+    engine, _, _, scheduler = slipstream.initialize(model=TinyMLP(), config=config)
+    train(engine, 6)  # 6 micro-batches = 3 optimizer steps
+    # DeepSpeed counts from -1: after 3 steps the schedule is at iteration 2
+    assert engine.global_steps == 3 and scheduler.state_dict() == {"last_batch_iteration": 2}
+    assert engine.get_lr() == pytest.approx([0.01 * 2 / 10])
+    engine.destroy()
