@@ -84,7 +84,7 @@ def train(args: argparse.Namespace) -> int:
 
     say(f"model: {model.num_parameters():,} parameters; data: {len(dataset.data):,} characters, "
         f"{len(dataset):,} samples of {args.block_size}; world size {engine.world_size}, "
-        f"{torch.get_num_threads()} threads per rank")
+        f"{torch.get_num_threads()} intra-op thread(s) per rank")
     losses: list[float] = []
     started = time.perf_counter()
     epoch = 0
