@@ -132,22 +132,9 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
 
 
 def _load_op() -> ModuleType:
-    """The cpu_adam op module. Temporary shim: direct JIT build when slipstream.ops.op_builder is missing."""
-    try:
-        from slipstream.ops.op_builder import CPUAdamBuilder
-    except ImportError:
-        import os
-        from pathlib import Path
+    """The cpu_adam op module: prebuilt, JIT-built, or the PyTorch fallback (see slipstream/ops/op_builder)."""
+    from slipstream.ops.op_builder import CPUAdamBuilder
 
-        if os.environ.get("SLIPSTREAM_OPS", "").lower() == "fallback":
-            from slipstream.ops.fallback import cpu_adam as fallback
-
-            return fallback
-        from torch.utils.cpp_extension import load
-
-        source = Path(__file__).resolve().parent.parent / "csrc" / "adam" / "cpu_adam.cpp"
-        return load(name="slipstream_cpu_adam", sources=[str(source)], extra_ldflags=["-fopenmp"],
-                    extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-march=native"])
     return CPUAdamBuilder().load()
 
 
