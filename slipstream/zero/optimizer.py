@@ -84,9 +84,9 @@ class ZeroOptimizer(abc.ABC):
         self._accumulate(flat, index, param.grad)
         param.grad = None
 
-    @abc.abstractmethod
     def _accumulate(self, flat: FlatGroup, index: int, grad: torch.Tensor) -> None:
-        """Take one parameter's fresh gradient (called from its post-accumulate-grad hook)."""
+        """Take one parameter's fresh gradient (from its post-accumulate-grad hook): add it to full storage."""
+        flat.full_grad_view(index).add_(grad.reshape(-1))
 
     @abc.abstractmethod
     def _reduce_for_step(self) -> None:

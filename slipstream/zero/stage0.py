@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
 from slipstream.comm import collectives
-from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.optimizer import ZeroOptimizer
 
 
@@ -14,9 +11,6 @@ class Stage0Optimizer(ZeroOptimizer):
 
     owns_all = True
     full_grad_storage = True
-
-    def _accumulate(self, flat: FlatGroup, index: int, grad: torch.Tensor) -> None:
-        flat.full_grad_view(index).add_(grad.reshape(-1))
 
     def _reduce_for_step(self) -> None:
         if self.world_size == 1:

@@ -7,19 +7,13 @@ gradient of the piece it owns.
 
 from __future__ import annotations
 
-import torch
-
 from slipstream.comm import collectives
-from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.optimizer import ZeroOptimizer
 
 
 class Stage1Optimizer(ZeroOptimizer):
     owns_all = False
     full_grad_storage = True
-
-    def _accumulate(self, flat: FlatGroup, index: int, grad: torch.Tensor) -> None:
-        flat.full_grad_view(index).add_(grad.reshape(-1))
 
     def _reduce_for_step(self) -> None:
         if self.world_size == 1:
