@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml setup.py version.txt
 
 venv: $(STAMP) ## create .venv with torch and slipstream (editable, dev extras)
 
-train: $(STAMP) ## train a small model end to end on this machine
-	$(PY) examples/train_tiny.py
+train: $(STAMP) ## train a small GPT end to end: 2 ranks, ZeRO-2, the shipped text (about a minute)
+	$(PY) -m torch.distributed.run --nproc_per_node 2 examples/gpt/train.py --deepspeed_config examples/gpt/ds_config_zero2.json
 
 test: $(STAMP) ## run the test suite
 	$(PY) -m pytest -q
@@ -34,6 +34,7 @@ bench: $(STAMP) ## run the benchmarks (creates .bench-venv with DeepSpeed as a p
 	-bash bench/make_peer_venv.sh
 	$(PY) bench/import_time.py
 	$(PY) bench/cpu_adam.py
+	$(PY) bench/zero_step.py
 
 format: $(STAMP) ## lint and format the Python files changed since the merge base with main (BASE_BRANCH)
 	@base=$$(git merge-base HEAD "$(BASE_BRANCH)" 2>/dev/null || git merge-base HEAD "origin/$(BASE_BRANCH)" 2>/dev/null || git rev-parse HEAD); \

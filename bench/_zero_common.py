@@ -1,13 +1,21 @@
-"""What every framework in bench/zero_step.py shares: the model, the data, the config, the timed loop, memory.
+"""What every framework in bench/zero_step.py shares: model, data, config, the rank server and its figures.
 
-Owns the measurement, so Slipstream, PyTorch DDP (both run by bench/zero_step.py) and DeepSpeed (run by
+Owns the measurement, so Slipstream, PyTorch DDP (served by bench/zero_step.py) and DeepSpeed (served by
 bench/_deepspeed_peer.py in its own virtual environment) are timed by the same code on the same inputs.
 It imports torch and the example model only: never slipstream, never deepspeed.
 
-One run = one fresh pair of spawned rank processes (gloo, FileStore rendezvous in a temp dir), so that the
-RSS high-water mark (`resource.getrusage(...).ru_maxrss`) belongs to that framework and stage alone. Each rank
-times every step with `time.perf_counter()`; the step time of a step is the slowest rank's, and a run reports
-the median over the timed steps (after `warmup` untimed ones).
+[Note: rank servers]
+A group is `world_size` rank processes started by the driver (gloo, FileStore rendezvous in a temp dir).
+Each rank builds one runner per framework it hosts (its own model copy, seeded alike), then reads one JSON
+command per line on stdin; the driver writes every command to every rank, so all ranks run the same
+collectives in the same order. Rank 0 answers each command with one line on stdout that starts with
+`REPLY_MARK` (library log lines are skipped by the driver). Commands:
+    {"op": "run", "name": N, "steps": K}  K steps of runner N on its next K micro-batches; the reply has the
+                                          per-step time of the slowest rank and the mean loss over ranks
+    {"op": "memory"}                      RSS high-water mark per rank (ru_maxrss) and engine-owned bytes
+    {"op": "quit"}
+Idle ranks block on stdin, so a group that is not running costs no CPU: the driver alternates short chunks
+of steps between frameworks and groups, and drift in machine load hits all of them alike.
 """
 
 from __future__ import annotations
@@ -16,9 +24,7 @@ import dataclasses
 import json
 import os
 import resource
-import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,22 +33,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT_DIR = ROOT / "examples" / "gpt"
 if str(GPT_DIR) not in sys.path:
     sys.path.insert(0, str(GPT_DIR))
 
-from data import CharDataset  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from data import CharDataset
+from model import GPT, GPTConfig
 
+REPLY_MARK = "@@zero_step "
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class BenchSpec:
-    """The model, data and optimizer shared by every run; serialised to JSON for the DeepSpeed peer."""
+    """The model, data and optimizer shared by every run; passed to the ranks as JSON."""
 
     n_layer: int = 4
     n_embd: int = 256
@@ -50,13 +57,12 @@ class BenchSpec:
     block_size: int = 64
     micro_batch: int = 4
     """Sequences per rank per step (gradient_accumulation_steps is 1: every step is an optimizer step)."""
-    warmup: int = 5
-    steps: int = 30
-    """Timed steps after the warmup ones."""
+    num_batches: int = 64
+    """Distinct micro-batches per rank; a runner cycles through them."""
     seed: int = 1234
     lr: float = 3e-4
     bucket_numel: int = 1_000_000
-    """reduce_bucket_size / allgather_bucket_size (elements) for ZeRO; DDP gets the same bytes as bucket_cap_mb."""
+    """reduce_bucket_size / allgather_bucket_size (elements); DDP gets the same bytes as bucket_cap_mb."""
     world_size: int = 2
 
     def to_json(self) -> str:
@@ -67,32 +73,57 @@ class BenchSpec:
         return cls(**json.loads(text))
 
 
+@dataclasses.dataclass(slots=True)
+class Runner:
+    """One framework on this rank: its step (forward + backward + optimizer step) and its owned bytes."""
+
+    step: StepFn
+    owned_bytes: Callable[[], int | None]
+    model: nn.Module
+    cursor: int = 0
+
+
+Factory = Callable[[BenchSpec, nn.Module], Runner]
+
+
 def ds_config(spec: BenchSpec, *, stage: int) -> dict[str, Any]:
-    """The DeepSpeed JSON config both Slipstream and DeepSpeed are given for `stage` (fp32, AdamW, clip 1.0)."""
+    """The DeepSpeed JSON both Slipstream and DeepSpeed get for `stage` (fp32, AdamW, clip 1.0)."""
     return {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                  "weight_decay": 0.01}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": spec.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01},
+        },
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": spec.bucket_numel,
-                              "allgather_bucket_size": spec.bucket_numel},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": spec.bucket_numel,
+            "allgather_bucket_size": spec.bucket_numel,
+        },
         "steps_per_print": 1_000_000,
     }
 
 
 def build_model(spec: BenchSpec, vocab_size: int) -> GPT:
     torch.manual_seed(spec.seed)
-    return GPT(GPTConfig(vocab_size=vocab_size, block_size=spec.block_size, n_layer=spec.n_layer,
-                         n_head=spec.n_head, n_embd=spec.n_embd))
+    return GPT(
+        GPTConfig(
+            vocab_size=vocab_size,
+            block_size=spec.block_size,
+            n_layer=spec.n_layer,
+            n_head=spec.n_head,
+            n_embd=spec.n_embd,
+        )
+    )
 
 
 def make_batches(spec: BenchSpec, rank: int) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """(vocab size, this rank's warmup + timed micro-batches): the same samples for every framework."""
+    """(vocab size, this rank's micro-batches): the same samples for every framework."""
     dataset = CharDataset(block_size=spec.block_size)
     generator = torch.Generator().manual_seed(spec.seed * 1000 + rank)
     batches = []
-    for _ in range(spec.warmup + spec.steps):
+    for _ in range(spec.num_batches):
         indices = torch.randint(len(dataset), (spec.micro_batch,), generator=generator).tolist()
         samples = [dataset[i] for i in indices]
         batches.append((torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])))
@@ -104,71 +135,102 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def timed_loop(step: StepFn, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], list[float]]:
-    """Run every batch through `step`; returns (seconds per step, local loss per step)."""
-    times, losses = [], []
-    for inputs, targets in batches:
-        started = time.perf_counter()
-        loss = step(inputs, targets)
-        times.append(time.perf_counter() - started)
-        losses.append(float(loss))
-    return times, losses
-
-
-def summarise(spec: BenchSpec, *, times: list[float], losses: list[float], owned_bytes: int | None,
-              rss_before_mib: float, num_params: int) -> dict[str, Any] | None:
-    """Gather the per-rank figures; rank 0 returns the run's summary, other ranks None."""
-    mine = {"times": times[spec.warmup:], "losses": losses, "rss_mib": rss_mib(), "owned": owned_bytes,
-            "rss_before_mib": rss_before_mib}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    if dist.get_rank() != 0:
-        return None
-    slowest = [max(per_rank) for per_rank in zip(*(g["times"] for g in gathered))]
-    mean_losses = [statistics.fmean(per_rank) for per_rank in zip(*(g["losses"] for g in gathered))]
-    owned = [g["owned"] for g in gathered]
-    return {
-        "median_ms": 1000.0 * statistics.median(slowest),
-        "mean_ms": 1000.0 * statistics.fmean(slowest),
-        "peak_rss_mib": max(g["rss_mib"] for g in gathered),
-        "rss_before_mib": max(g["rss_before_mib"] for g in gathered),
-        "owned_mib": None if None in owned else max(owned) / 2**20,
-        "first_loss": mean_losses[0],
-        "final_loss": mean_losses[-1],
-        "num_params": num_params,
-    }
-
-
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of parameters, gradients and optimizer state (what the engines' owned_bytes() count)."""
-    total = 0
-    for param in model.parameters():
-        total += param.numel() * param.element_size() * (2 if param.grad is not None else 1)
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of parameters, gradients (counted as allocated) and optimizer state, as owned_bytes() counts."""
+    total = sum(2 * p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     for state in optimizer.state.values():
-        total += sum(v.numel() * v.element_size() for v in state.values()
-                     if isinstance(v, torch.Tensor) and v.dim() > 0)
+        total += sum(
+            v.numel() * v.element_size()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
     return total
 
 
-def _rank_entry(rank: int, worker: Callable[..., dict[str, Any] | None], spec_json: str, run_dir: str,
-                extra: dict[str, Any]) -> None:
-    world_size = BenchSpec.from_json(spec_json).world_size
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"})
+def _gather(value: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _run(runner: Runner, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> dict[str, Any]:
+    times, losses = [], []
+    for _ in range(steps):
+        inputs, targets = batches[runner.cursor % len(batches)]
+        runner.cursor += 1
+        started = time.perf_counter()
+        loss = runner.step(inputs, targets)
+        times.append(time.perf_counter() - started)
+        losses.append(float(loss))
+    per_rank = _gather((times, losses))
+    return {
+        "times": [max(t) for t in zip(*(r[0] for r in per_rank))],
+        "losses": [sum(v) / len(v) for v in zip(*(r[1] for r in per_rank))],
+    }
+
+
+def _reply(rank: int, payload: dict[str, Any]) -> None:
+    if rank == 0:
+        sys.stdout.write(REPLY_MARK + json.dumps(payload) + "\n")
+        sys.stdout.flush()
+
+
+def serve(factories: dict[str, Factory], *, names: list[str], rank: int, spec: BenchSpec, store: str) -> None:
+    """The rank server of [Note: rank servers], hosting `names` (keys of `factories`)."""
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(spec.world_size),
+            "LOCAL_WORLD_SIZE": str(spec.world_size),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(run_dir, "store"), world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(minutes=5))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, spec.world_size),
+        rank=rank,
+        world_size=spec.world_size,
+        timeout=timedelta(minutes=10),
+    )
     try:
-        result = worker(rank, BenchSpec.from_json(spec_json), **extra)
-        if result is not None:
-            Path(run_dir, "result.json").write_text(json.dumps(result))
+        vocab_size, batches = make_batches(spec, rank)
+        runners: dict[str, Runner] = {}
+        rss_before = rss_mib()
+        for name in names:
+            runners[name] = factories[name](spec, build_model(spec, vocab_size))
+        num_params = sum(p.numel() for p in next(iter(runners.values())).model.parameters())
+        _reply(rank, {"ready": True, "num_params": num_params})
+        for line in sys.stdin:
+            command = json.loads(line)
+            if command["op"] == "quit":
+                break
+            if command["op"] == "run":
+                _reply(rank, _run(runners[command["name"]], batches, int(command["steps"])))
+            elif command["op"] == "memory":
+                owned = {name: runner.owned_bytes() for name, runner in runners.items()}
+                figures = _gather({"rss_mib": rss_mib(), "rss_before_mib": rss_before, "owned": owned})
+                _reply(
+                    rank,
+                    {
+                        "peak_rss_mib": max(f["rss_mib"] for f in figures),
+                        "rss_before_mib": max(f["rss_before_mib"] for f in figures),
+                        "owned_mib": {
+                            name: None
+                            if any(f["owned"][name] is None for f in figures)
+                            else max(f["owned"][name] for f in figures) / 2**20
+                            for name in names
+                        },
+                    },
+                )
+            else:
+                raise ValueError(f"unknown command {command!r}")
     finally:
         dist.destroy_process_group()
 
 
-def spawn_run(worker: Callable[..., dict[str, Any] | None], spec: BenchSpec, **extra: Any) -> dict[str, Any]:
-    """Run `worker(rank, spec, **extra)` on `spec.world_size` fresh ranks; returns rank 0's result."""
-    with tempfile.TemporaryDirectory(prefix="zero_step_") as run_dir:
-        mp.start_processes(_rank_entry, args=(worker, spec.to_json(), run_dir, extra), nprocs=spec.world_size,
-                           start_method="spawn", join=True)
-        return json.loads(Path(run_dir, "result.json").read_text())
+def serve_main(factories: dict[str, Factory], argv: list[str]) -> None:
+    """`--serve RANK STORE SPEC_JSON NAME[,NAME...]`: the command line the driver starts each rank with."""
+    rank, store, spec_json, names = argv[argv.index("--serve") + 1 :][:4]
+    serve(factories, names=names.split(","), rank=int(rank), spec=BenchSpec.from_json(spec_json), store=store)

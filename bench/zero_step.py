@@ -1,18 +1,24 @@
 """Benchmark of one training step: Slipstream ZeRO stages 0, 1, 2 against PyTorch DDP and DeepSpeed.
 
-    python bench/zero_step.py [--quick] [--steps 30] [--repeats 1] [--peer-python .bench-venv/bin/python]
+    python bench/zero_step.py [--quick] [--rounds 10] [--chunk 5] [--peer-python .bench-venv/bin/python]
 
-Owns the comparison table of the engine issue: median step time (forward + backward + optimizer step,
-slowest rank) and peak RSS per rank, on 2 ranks (gloo on CPU, one thread each), for
-- Slipstream stages 0, 1, 2 (`slipstream.initialize` with the DeepSpeed JSON config of `_zero_common.ds_config`),
+Owns the comparison table of the engine issue: median step time (forward + backward + optimizer step, the
+slowest rank's) and peak RSS per rank, on 2 ranks (gloo on CPU, one thread each), for
+- Slipstream stages 0, 1, 2 (`slipstream.initialize` with the DeepSpeed JSON of `_zero_common.ds_config`),
 - PyTorch DDP + torch.optim.AdamW (+ clip_grad_norm_ 1.0), the reference for stage 0,
 - DeepSpeed stages 0, 1, 2 with the same JSON, when the peer environment exists (bench/make_peer_venv.sh
-  creates .bench-venv); DeepSpeed runs there, in bench/_deepspeed_peer.py, and answers with JSON.
-Every run uses the same model (the example GPT, sized by `BenchSpec`), seed and micro-batches, and fresh
-processes, so each RSS high-water mark belongs to one framework and stage. The final loss of every run is
-printed as a sanity check (same data and init: the runs should agree to a few decimals).
-Targets (reported, not asserted): Slipstream at least as fast as DeepSpeed at every stage, and within 1.1x
-of DDP at stage 0. `--repeats N` runs the whole sequence N times and keeps each row's best median.
+  creates .bench-venv); DeepSpeed runs there, in bench/_deepspeed_peer.py.
+All of them train the same model (the example GPT, sized by `BenchSpec`) from the same seed on the same
+micro-batches. Two phases (see [Note: rank servers] in _zero_common.py):
+    Memory: one fresh group per framework and stage, a few steps, then its RSS high-water mark and the bytes
+            of the tensors the engine owns (`engine.optimizer.owned_bytes()`; params + grads + AdamW state
+            for DDP). A fresh group per row keeps each RSS figure to that row alone.
+    Time:   two long-lived groups (DDP + Slipstream 0-2 here; DeepSpeed 0-2 in the peer) take turns in
+            chunks of `--chunk` steps, round after round, so load drift on a shared machine hits every row
+            alike. One warmup round is dropped; the median over the remaining steps is reported.
+The mean loss of every row after the same steps is printed as a sanity check: same data, same init, so the
+rows agree to a few decimals. Targets (reported, not asserted): Slipstream at least as fast as DeepSpeed at
+every stage, and within 1.1x of DDP at stage 0.
 """
 
 from __future__ import annotations
@@ -20,55 +26,55 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
-for path in (str(BENCH_DIR), str(ROOT)):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+for _path in (str(BENCH_DIR), str(ROOT)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
-import torch  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-
-from _zero_common import (BenchSpec, build_model, ds_config, make_batches, model_state_bytes,  # noqa: E402
-                          rss_mib, spawn_run, summarise, timed_loop)
+import torch
+from _zero_common import REPLY_MARK, BenchSpec, Factory, Runner, ds_config, model_state_bytes, serve_main
+from torch import nn
 
 STAGES = (0, 1, 2)
+OURS = ["ddp", "slipstream0", "slipstream1", "slipstream2"]
+PEER = ["deepspeed0", "deepspeed1", "deepspeed2"]
 
 
-def slipstream_worker(rank: int, spec: BenchSpec, *, stage: int) -> dict[str, Any] | None:
-    import slipstream
+def make_slipstream(stage: int) -> Factory:
+    def factory(spec: BenchSpec, model: nn.Module) -> Runner:
+        import slipstream
 
-    vocab_size, batches = make_batches(spec, rank)
-    model = build_model(spec, vocab_size)
-    rss_before = rss_mib()
-    engine, _, _, _ = slipstream.initialize(model=model, config=ds_config(spec, stage=stage))
+        engine, _, _, _ = slipstream.initialize(model=model, config=ds_config(spec, stage=stage))
 
-    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = engine(inputs, targets)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
+        def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = engine(inputs, targets)
+            engine.backward(loss)
+            engine.step()
+            return loss.detach()
 
-    times, losses = timed_loop(step, batches)
-    owned_fn = getattr(engine.optimizer, "owned_bytes", None)
-    owned = sum(owned_fn().values()) if owned_fn is not None else None
-    return summarise(spec, times=times, losses=losses, owned_bytes=owned, rss_before_mib=rss_before,
-                     num_params=model.num_parameters())
+        owned = getattr(engine.optimizer, "owned_bytes", None)
+        return Runner(
+            step=step, model=model, owned_bytes=lambda: None if owned is None else sum(owned().values())
+        )
+
+    return factory
 
 
-def ddp_worker(rank: int, spec: BenchSpec) -> dict[str, Any] | None:
-    vocab_size, batches = make_batches(spec, rank)
-    model = build_model(spec, vocab_size)
-    rss_before = rss_mib()
-    ddp = DistributedDataParallel(model, bucket_cap_mb=spec.bucket_numel * 4 / 2**20)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+def make_ddp(spec: BenchSpec, model: nn.Module) -> Runner:
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=spec.bucket_numel * 4 / 2**20)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01
+    )
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = ddp(inputs, targets)
@@ -78,104 +84,220 @@ def ddp_worker(rank: int, spec: BenchSpec) -> dict[str, Any] | None:
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    times, losses = timed_loop(step, batches)
-    for param in model.parameters():  # count gradients as allocated during the step
-        param.grad = torch.zeros_like(param)
-    owned = model_state_bytes(model, optimizer)
-    return summarise(spec, times=times, losses=losses, owned_bytes=owned, rss_before_mib=rss_before,
-                     num_params=model.num_parameters())
+    return Runner(step=step, model=model, owned_bytes=lambda: model_state_bytes(model, optimizer))
 
 
-def deepspeed_run(peer_python: Path, spec: BenchSpec, *, stage: int, timeout_s: float) -> dict[str, Any]:
-    """One DeepSpeed run in the peer interpreter; its last stdout line is the result as JSON."""
-    cmd = [str(peer_python), str(BENCH_DIR / "_deepspeed_peer.py"), "--stage", str(stage), "--spec", spec.to_json()]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-25:])
-        raise RuntimeError(f"DeepSpeed stage {stage} run failed (exit {done.returncode}):\n{tail}")
-    return json.loads(lines[-1])
+FACTORIES: dict[str, Factory] = {"ddp": make_ddp, **{f"slipstream{s}": make_slipstream(s) for s in STAGES}}
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+class RankGroup:
+    """`spec.world_size` rank server processes driven over stdin/stdout (see [Note: rank servers])."""
+
+    def __init__(self, python: Path, script: Path, names: list[str], spec: BenchSpec, workdir: Path) -> None:
+        self.names = names
+        label = "+".join(names)
+        workdir.mkdir(parents=True, exist_ok=True)
+        store = workdir / "store"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
+        if python.resolve() != Path(sys.executable).resolve():
+            env["PYTHONPATH"] = ""  # the peer environment must not see this checkout's packages
+        self.logs = [workdir / f"rank{rank}.log" for rank in range(spec.world_size)]
+        self.procs = []
+        for rank, log in enumerate(self.logs):
+            cmd = [
+                str(python),
+                str(script),
+                "--serve",
+                str(rank),
+                str(store),
+                spec.to_json(),
+                ",".join(names),
+            ]
+            self.procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    env=env,
+                    text=True,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE if rank == 0 else log.open("w"),
+                    stderr=subprocess.STDOUT if rank > 0 else log.open("w"),
+                )
+            )
+        self.label = label
+        self.ready = self._reply()
+
+    def _reply(self) -> dict[str, Any]:
+        stdout: TextIO = self.procs[0].stdout  # type: ignore[assignment]
+        for line in stdout:
+            if line.startswith(REPLY_MARK):
+                return json.loads(line[len(REPLY_MARK) :])
+        codes = [p.wait() for p in self.procs]
+        logs = "\n".join(
+            f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-20:]) for log in self.logs
+        )
+        raise RuntimeError(f"rank group {self.label} stopped (exit codes {codes}) without replying:\n{logs}")
+
+    def send(self, command: dict[str, Any]) -> dict[str, Any] | None:
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(command) + "\n")
+            proc.stdin.flush()
+        return None if command["op"] == "quit" else self._reply()
+
+    def close(self) -> None:
+        if all(p.poll() is None for p in self.procs):
+            self.send({"op": "quit"})
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def measure_memory(
+    groups_for: dict[str, tuple[Path, Path]], spec: BenchSpec, steps: int, workdir: Path
+) -> dict[str, dict[str, Any]]:
+    """Memory phase: a fresh group per row, `steps` steps, then its figures."""
+    memory = {}
+    for name, (python, script) in groups_for.items():
+        group = RankGroup(python, script, [name], spec, workdir / f"mem-{name}")
+        try:
+            group.send({"op": "run", "name": name, "steps": steps})
+            figures = group.send({"op": "memory"})
+            assert figures is not None
+            memory[name] = {
+                "peak_rss_mib": figures["peak_rss_mib"],
+                "rss_before_mib": figures["rss_before_mib"],
+                "owned_mib": figures["owned_mib"][name],
+                "num_params": group.ready["num_params"],
+            }
+        finally:
+            group.close()
+    return memory
+
+
+def measure_time(groups: list[RankGroup], *, rounds: int, chunk: int) -> dict[str, dict[str, Any]]:
+    """Time phase: each row runs `chunk` steps in turn; round 0 is warmup. Times and losses per row."""
+    times: dict[str, list[float]] = {name: [] for g in groups for name in g.names}
+    losses: dict[str, list[float]] = {name: [] for name in times}
+    for round_index in range(rounds + 1):
+        order = [(g, name) for g in groups for name in g.names]
+        shift = round_index % len(order)
+        for group, name in order[shift:] + order[:shift]:
+            reply = group.send({"op": "run", "name": name, "steps": chunk})
+            assert reply is not None
+            losses[name] += reply["losses"]
+            if round_index > 0:
+                times[name] += reply["times"]
+    return {
+        name: {
+            "median_ms": 1000 * statistics.median(t),
+            "mean_ms": 1000 * statistics.fmean(t),
+            "num_steps": len(losses[name]),
+            "final_loss": statistics.fmean(losses[name][-chunk:]),
+        }
+        for name, t in times.items()
+    }
+
+
+def _num(value: float | None, fmt: str = ".1f") -> str:
+    return "-" if value is None else format(value, fmt)
 
 
 def _ratio(num: float | None, den: float | None) -> str:
     return "-" if num is None or den is None else f"{num / den:.2f}x"
 
 
-def print_table(results: dict[str, dict[str, Any]]) -> None:
-    """One row per stage: step times, the two target ratios, peak RSS and owned MiB per rank."""
+def print_table(rows: dict[str, dict[str, Any]]) -> None:
+    """One line per stage: step times, the two target ratios, peak RSS and owned MiB per rank."""
+
     def get(name: str, key: str) -> float | None:
-        return results.get(name, {}).get(key)
+        return rows.get(name, {}).get(key)
 
-    header = (f"{'stage':>5} | {'Slipstream ms':>13} | {'DDP ms':>7} | {'DeepSpeed ms':>12} | {'DS/Slip':>7} | "
-              f"{'Slip/DDP':>8} | {'RSS MiB Slip':>12} | {'RSS DDP':>7} | {'RSS DS':>7} | {'owned MiB Slip':>14}"
-              f" | {'owned DDP':>9}")
-    print(header)
-    print("-" * len(header))
-    ddp_ms = get("ddp", "median_ms")
+    header = (
+        f"{'stage':>5} | {'Slipstream ms':>13} | {'DDP ms':>6} | {'DeepSpeed ms':>12} | {'DS/Slip':>7} | "
+        f"{'Slip/DDP':>8} | {'RSS MiB Slip':>12} | {'RSS DDP':>7} | {'RSS DS':>6} | {'owned MiB Slip':>14} | "
+        f"{'owned DDP':>9}"
+    )
+    print(header + "\n" + "-" * len(header))
     for stage in STAGES:
-        slip, ds = get(f"slipstream{stage}", "median_ms"), get(f"deepspeed{stage}", "median_ms")
-        is_zero = stage == 0
-        print(f"{stage:>5} | {_ms(slip):>13} | {_ms(ddp_ms) if is_zero else '':>7} | {_ms(ds):>12} | "
-              f"{_ratio(ds, slip):>7} | {_ratio(slip, ddp_ms) if is_zero else '':>8} | "
-              f"{_ms(get(f'slipstream{stage}', 'peak_rss_mib')):>12} | "
-              f"{_ms(get('ddp', 'peak_rss_mib')) if is_zero else '':>7} | "
-              f"{_ms(get(f'deepspeed{stage}', 'peak_rss_mib')):>7} | "
-              f"{_ms(get(f'slipstream{stage}', 'owned_mib')):>14} | "
-              f"{_ms(get('ddp', 'owned_mib')) if is_zero else '':>9}")
-    print("\nper run: median / mean step ms, peak RSS, RSS before the framework was built, final loss")
-    for name, res in results.items():
-        print(f"  {name:<12} {res['median_ms']:8.1f} / {res['mean_ms']:8.1f} ms   peak {res['peak_rss_mib']:7.1f} "
-              f"MiB  (before init {res['rss_before_mib']:7.1f})   loss {res['first_loss']:.4f} -> "
-              f"{res['final_loss']:.4f}")
-
-
-def _keep_best(results: dict[str, dict[str, Any]], name: str, result: dict[str, Any]) -> None:
-    if name not in results or result["median_ms"] < results[name]["median_ms"]:
-        results[name] = result
+        ours, peer, zero = f"slipstream{stage}", f"deepspeed{stage}", stage == 0
+        slip_ms, ds_ms, ddp_ms = get(ours, "median_ms"), get(peer, "median_ms"), get("ddp", "median_ms")
+        print(
+            f"{stage:>5} | {_num(slip_ms):>13} | {_num(ddp_ms) if zero else '':>6} | {_num(ds_ms):>12} | "
+            f"{_ratio(ds_ms, slip_ms):>7} | {_ratio(slip_ms, ddp_ms) if zero else '':>8} | "
+            f"{_num(get(ours, 'peak_rss_mib')):>12} | "
+            f"{_num(get('ddp', 'peak_rss_mib')) if zero else '':>7} | "
+            f"{_num(get(peer, 'peak_rss_mib')):>6} | {_num(get(ours, 'owned_mib')):>14} | "
+            f"{_num(get('ddp', 'owned_mib')) if zero else '':>9}"
+        )
+    print("\nper row: median / mean step ms, peak RSS (before the engine was built), mean loss of last chunk")
+    for name, row in rows.items():
+        print(
+            f"  {name:<12} {_num(row.get('median_ms')):>7} / {_num(row.get('mean_ms')):>7} ms   peak "
+            f"{_num(row.get('peak_rss_mib')):>6} MiB ({_num(row.get('rss_before_mib')):>6})   loss after "
+            f"{row.get('num_steps', '-')} steps {_num(row.get('final_loss'), '.4f')}"
+        )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 warmup + 3 timed steps")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per run")
-    parser.add_argument("--repeats", type=int, default=1, help="run everything N times, keep the best median")
-    parser.add_argument("--peer-python", type=Path, default=ROOT / ".bench-venv" / "bin" / "python",
-                        help="interpreter of the DeepSpeed peer environment (bench/make_peer_venv.sh)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 1 timed round of 2 steps, 2 memory steps"
+    )
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds (after one warmup round)")
+    parser.add_argument("--chunk", type=int, default=5, help="steps per row per round")
+    parser.add_argument("--memory-steps", type=int, default=5, help="steps before reading the memory figures")
+    parser.add_argument(
+        "--peer-python",
+        type=Path,
+        default=ROOT / ".bench-venv" / "bin" / "python",
+        help="interpreter of the DeepSpeed peer environment (bench/make_peer_venv.sh)",
+    )
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
     args = parser.parse_args()
-    spec = BenchSpec(steps=3 if args.quick else args.steps, warmup=2 if args.quick else args.warmup)
-    use_ds = not args.no_deepspeed and args.peer_python.exists()
-    if not use_ds and not args.no_deepspeed:
-        print(f"note: no DeepSpeed peer at {args.peer_python}; run `bash bench/make_peer_venv.sh` for those rows")
-    print(f"model: GPT {spec.n_layer} layers x {spec.n_embd}, {spec.world_size} ranks (gloo, 1 thread each), micro "
-          f"batch {spec.micro_batch} x {spec.block_size} tokens, fp32 AdamW, clip 1.0, buckets "
-          f"{spec.bucket_numel:,} elements; {spec.warmup} warmup + {spec.steps} timed steps per run")
+    if args.quick:
+        args.rounds, args.chunk, args.memory_steps = 1, 2, 2
+    spec = BenchSpec()
+    use_peer = not args.no_deepspeed and args.peer_python.exists()
+    if not use_peer and not args.no_deepspeed:
+        print(
+            f"note: no DeepSpeed peer at {args.peer_python}; `bash bench/make_peer_venv.sh` adds those rows"
+        )
+    print(
+        f"GPT {spec.n_layer} layers x {spec.n_embd}, {spec.world_size} ranks (gloo, 1 thread each), "
+        f"micro batch "
+        f"{spec.micro_batch} x {spec.block_size} tokens, fp32 AdamW, clip 1.0, buckets {spec.bucket_numel:,} "
+        f"elements; {args.rounds} timed rounds x {args.chunk} steps per row",
+        flush=True,
+    )
 
-    results: dict[str, dict[str, Any]] = {}
+    ours = (Path(sys.executable), Path(__file__).resolve())
+    peer = (args.peer_python, BENCH_DIR / "_deepspeed_peer.py")
     started = time.perf_counter()
-    for _ in range(args.repeats if not args.quick else 1):
-        _keep_best(results, "ddp", spawn_run(ddp_worker, spec))
-        for stage in STAGES:
-            _keep_best(results, f"slipstream{stage}", spawn_run(slipstream_worker, spec, stage=stage))
-        for stage in STAGES if use_ds else ():
-            try:
-                _keep_best(results, f"deepspeed{stage}",
-                           deepspeed_run(args.peer_python, spec, stage=stage, timeout_s=600))
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                print(f"warning: {exc}", file=sys.stderr)
-    if results:
-        print(f"model parameters: {next(iter(results.values()))['num_params']:,}")
-    print()
-    print_table(results)
+    with tempfile.TemporaryDirectory(prefix="zero_step_") as tmp:
+        workdir = Path(tmp)
+        groups_for = {name: ours for name in OURS} | ({name: peer for name in PEER} if use_peer else {})
+        memory = measure_memory(groups_for, spec, args.memory_steps, workdir)
+        print(f"memory phase done in {time.perf_counter() - started:.0f} s", flush=True)
+        groups = [RankGroup(*ours, OURS, spec, workdir / "time-ours")]
+        if use_peer:
+            groups.append(RankGroup(*peer, PEER, spec, workdir / "time-peer"))
+        try:
+            timing = measure_time(groups, rounds=args.rounds, chunk=args.chunk)
+        finally:
+            for group in groups:
+                group.close()
+    rows = {name: {**memory.get(name, {}), **timing.get(name, {})} for name in groups_for}
+    print(f"model parameters: {next(iter(memory.values()))['num_params']:,}\n")
+    print_table(rows)
     print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if "--serve" in sys.argv:
+        serve_main(FACTORIES, sys.argv)
+    else:
+        sys.exit(main())

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
 from slipstream.comm.init import init_distributed
+from slipstream.utils.logging import log_rank0
 
 __all__ = ["add_config_arguments", "initialize", "init_distributed"]
 
@@ -38,6 +40,13 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     return given if given is not None else from_args
 
 
+def _given_keys(resolved: Any, given: Any) -> Any:
+    """The resolved values of the keys the user wrote (the full resolved config is logged at debug level)."""
+    if not isinstance(given, dict) or not isinstance(resolved, dict):
+        return resolved
+    return {key: _given_keys(resolved.get(key, value), value) for key, value in given.items()}
+
+
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
@@ -59,6 +68,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
     plan = resolve(raw, world_size=dist.get_world_size(), strict=strict, hidden_size=hidden_size)
+    log_rank0("config as given, resolved: " + json.dumps(_given_keys(plan.resolved, raw), default=str),
+              rank=dist.get_rank())
     engine = SlipstreamEngine(model, plan, optimizer=optimizer, model_parameters=model_parameters,
                               lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

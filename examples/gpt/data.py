@@ -21,8 +21,9 @@ class CharDataset(Dataset):
 
     def __init__(self, path: Path = CORPUS, *, block_size: int = 128, stride: int | None = None) -> None:
         if not path.is_file():
-            raise FileNotFoundError(f"corpus {path} not found; regenerate it with "
-                                    "`python examples/gpt/make_corpus.py`")
+            raise FileNotFoundError(
+                f"corpus {path} not found; regenerate it with `python examples/gpt/make_corpus.py`"
+            )
         text = path.read_text(encoding="ascii")
         self.chars = sorted(set(text))
         self.stoi = {c: i for i, c in enumerate(self.chars)}
@@ -30,8 +31,9 @@ class CharDataset(Dataset):
         self.block_size = block_size
         self.stride = stride or block_size // 2
         if len(self.data) < block_size + 1:
-            raise ValueError(f"corpus {path} has {len(self.data)} characters, fewer than block_size + 1 = "
-                             f"{block_size + 1}")
+            raise ValueError(
+                f"corpus {path} has {len(self.data)} characters, fewer than block_size + 1 = {block_size + 1}"
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -42,7 +44,7 @@ class CharDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = index * self.stride
-        window = self.data[start: start + self.block_size + 1]
+        window = self.data[start : start + self.block_size + 1]
         return window[:-1], window[1:]
 
     def decode(self, ids: list[int]) -> str:

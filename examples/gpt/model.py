@@ -58,8 +58,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(width, dim=2)
         # (batch, time, width) -> (batch, heads, time, head_dim)
         q, k, v = (t.view(batch, time, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         y = y.transpose(1, 2).contiguous().view(batch, time, width)
         return F.dropout(self.proj(y), self.dropout, self.training)
 
@@ -124,8 +125,10 @@ class GPT(nn.Module):
         """Logits (batch, time, vocab), or the mean cross-entropy against `targets` when given."""
         time = idx.shape[1]
         if time > self.config.block_size:
-            raise ValueError(f"sequence of length {time} is longer than GPTConfig.block_size="
-                             f"{self.config.block_size}; crop the input or raise block_size")
+            raise ValueError(
+                f"sequence of length {time} is longer than GPTConfig.block_size="
+                f"{self.config.block_size}; crop the input or raise block_size"
+            )
         positions = torch.arange(time, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(positions)
         for block in self.blocks:

@@ -6,7 +6,7 @@
 
 Owns the training loop of the main example: a DeepSpeed user's script with `import slipstream as
 deepspeed` and nothing else changed. Rank 0 prints the loss every `--print_every` optimizer steps (the
-engine adds its own line every `steps_per_print`), then the first and final loss, a short greedy sample
+engine adds its own line every `steps_per_print`), then the first and final loss, a short seeded sample
 of generated text, and the path of the saved final model. The exit status is 1 when the final loss is
 not clearly below the first (below `--max_final_ratio` times it), so the script doubles as a smoke test.
 """
@@ -23,32 +23,34 @@ from pathlib import Path
 # on a small, shared CPU machine oversubscribed OpenMP threads spin and run many times slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 sys.path.append(str(HERE.parents[1]))  # a source checkout works without `pip install -e .`
 
-import slipstream as deepspeed  # noqa: E402
+from data import CharDataset
+from model import GPT, GPTConfig
 
-from data import CharDataset  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+import slipstream as deepspeed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps to train")
-    parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")),
-                        help="set by the launcher")
+    parser.add_argument(
+        "--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")), help="set by the launcher"
+    )
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--print_every", type=int, default=25, help="optimizer steps between loss lines")
     parser.add_argument("--block_size", type=int, default=128, help="characters per training sample")
     parser.add_argument("--out_dir", type=Path, default=HERE / "out", help="where final_model.pt goes")
     parser.add_argument("--sample_chars", type=int, default=120, help="characters to generate at the end")
-    parser.add_argument("--max_final_ratio", type=float, default=0.9,
-                        help="fail unless final loss < this ratio x first loss")
+    parser.add_argument(
+        "--max_final_ratio", type=float, default=0.9, help="fail unless final loss < this ratio x first loss"
+    )
     deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
     if args.deepspeed_config is None:
@@ -59,14 +61,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 @torch.no_grad()
-def sample(model: GPT, dataset: CharDataset, *, prompt: str, num_chars: int) -> str:
-    """Greedy continuation of `prompt` (a visible sign of what the model learned)."""
+def sample(model: GPT, dataset: CharDataset, *, prompt: str, num_chars: int, seed: int) -> str:
+    """A seeded continuation of `prompt` at temperature 0.8 (a visible sign of what the model learned)."""
     was_training = model.training
     model.eval()
+    generator = torch.Generator().manual_seed(seed)
     ids = torch.tensor([[dataset.stoi[c] for c in prompt]], dtype=torch.long)
     for _ in range(num_chars):
-        logits = model(ids[:, -model.config.block_size:])
-        ids = torch.cat([ids, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+        logits = model(ids[:, -model.config.block_size :])[:, -1] / 0.8
+        next_id = torch.multinomial(torch.softmax(logits.float(), dim=-1), 1, generator=generator)
+        ids = torch.cat([ids, next_id], dim=1)
     model.train(was_training)
     return dataset.decode(ids[0].tolist())
 
@@ -82,9 +86,11 @@ def train(args: argparse.Namespace) -> int:
         if rank == 0:
             print(message, flush=True)
 
-    say(f"model: {model.num_parameters():,} parameters; data: {len(dataset.data):,} characters, "
+    say(
+        f"model: {model.num_parameters():,} parameters; data: {len(dataset.data):,} characters, "
         f"{len(dataset):,} samples of {args.block_size}; world size {engine.world_size}, "
-        f"{torch.get_num_threads()} intra-op thread(s) per rank")
+        f"{torch.get_num_threads()} intra-op thread(s) per rank"
+    )
     losses: list[float] = []
     started = time.perf_counter()
     epoch = 0
@@ -100,8 +106,10 @@ def train(args: argparse.Namespace) -> int:
             losses.append(float(engine.last_loss))
             step = engine.global_steps
             if step == 1 or step % args.print_every == 0 or step == args.steps:
-                say(f"train.py: step {step:4d}/{args.steps}  loss {losses[-1]:.4f}  "
-                    f"lr {engine.get_lr()[0]:.2e}  {time.perf_counter() - started:6.1f} s")
+                say(
+                    f"train.py: step {step:4d}/{args.steps}  loss {losses[-1]:.4f}  "
+                    f"lr {engine.get_lr()[0]:.2e}  {time.perf_counter() - started:6.1f} s"
+                )
             if step >= args.steps:
                 break
         epoch += 1
@@ -110,15 +118,19 @@ def train(args: argparse.Namespace) -> int:
     say(f"trained {args.steps} steps in {elapsed:.1f} s ({tokens / elapsed:,.0f} tokens/s over all ranks)")
     say(f"first loss {losses[0]:.4f}  final loss {losses[-1]:.4f}")
     if rank == 0:
-        text = sample(engine.module, dataset, prompt="In the morning, ", num_chars=args.sample_chars)
+        text = sample(
+            engine.module, dataset, prompt="In the morning, ", num_chars=args.sample_chars, seed=args.seed
+        )
         say(f"sample: {text!r}")
         args.out_dir.mkdir(parents=True, exist_ok=True)
         path = args.out_dir / "final_model.pt"
         torch.save(engine.module.state_dict(), path)
         say(f"saved final model to {path}")
     if not losses[-1] < args.max_final_ratio * losses[0]:
-        say(f"FAILED: final loss {losses[-1]:.4f} is not below {args.max_final_ratio} x first loss "
-            f"{losses[0]:.4f}")
+        say(
+            f"FAILED: final loss {losses[-1]:.4f} is not below {args.max_final_ratio} x first loss "
+            f"{losses[0]:.4f}"
+        )
         return 1
     say("OK: the loss fell")
     return 0

@@ -11,6 +11,7 @@ The logged loss is the mean over the global batch of the losses passed to `engin
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from slipstream.compat.engine_getters import EngineGetters
 from slipstream.config.plan import EnginePlan
 from slipstream.engine import builders
 from slipstream.engine.monitor import StepFigures
-from slipstream.utils.logging import log_rank0, warn_once
+from slipstream.utils.logging import get_logger, log_rank0, warn_once
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
 
@@ -79,7 +80,8 @@ class SlipstreamEngine(EngineGetters, nn.Module):
                   f"{plan.batch.micro_batch_size} x accumulation {plan.batch.gradient_accumulation_steps} x "
                   f"world {self.world_size} ({'; '.join(f'{k}: {v}' for k, v in plan.batch.sources.items())})",
                   rank=self.global_rank)
-        log_rank0(f"resolved config: {plan.resolved}", rank=self.global_rank)
+        if self.global_rank == 0:
+            get_logger().debug("resolved config (defaults included): %s", json.dumps(plan.resolved, default=str))
 
     # ---- forward / backward ----
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

@@ -19,13 +19,29 @@ EXAMPLE = ROOT / "examples" / "gpt"
 
 
 def test_gpt_example_trains_at_world_size_1(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(EXAMPLE / "train.py"), "--deepspeed_config", str(EXAMPLE / "ds_config_zero2.json"),
-           "--steps", "12", "--block_size", "64", "--print_every", "4", "--sample_chars", "20",
-           "--out_dir", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    cmd = [
+        sys.executable,
+        str(EXAMPLE / "train.py"),
+        "--deepspeed_config",
+        str(EXAMPLE / "ds_config_zero2.json"),
+        "--steps",
+        "12",
+        "--block_size",
+        "64",
+        "--print_every",
+        "4",
+        "--sample_chars",
+        "20",
+        "--out_dir",
+        str(tmp_path),
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"examples/gpt/train.py exited {done.returncode}:\n{output[-4000:]}"
     match = re.search(r"first loss (\d+\.\d+)\s+final loss (\d+\.\d+)", done.stdout)
