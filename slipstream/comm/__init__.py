@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from slipstream.comm.collectives import all_gather, all_reduce, barrier, broadcast, reduce_scatter
+from slipstream.comm.collectives import (
+    CollectiveTimeout,
+    all_gather,
+    all_reduce,
+    barrier,
+    broadcast,
+    reduce_scatter,
+)
 from slipstream.comm.counting import CollectiveCounter, count_collectives
 from slipstream.comm.init import init_distributed, is_initialized
 
 __all__ = [
+    "CollectiveTimeout",
     "CollectiveCounter",
     "all_gather",
     "all_reduce",

@@ -1,50 +1,112 @@
-"""The collectives of ZeRO, as thin typed wrappers over torch.distributed that are counted.
+"""The collectives of ZeRO, as thin typed wrappers over torch.distributed that are counted and time out.
 
-Every collective Slipstream issues goes through here (ARCHITECTURE.md decision 7), so counting,
-timeouts and sequence numbers have one home. Counted names are the logical operation: a reduce-scatter
-is counted as 'reduce_scatter' whatever the backend does underneath.
+Every collective Slipstream issues goes through here (ARCHITECTURE.md decision 7). Each one is counted
+(`counting.py`), numbered and recorded in the store (see [Note: collective sequence numbers] in
+`arrivals.py`), and waited on with a timeout: a rank that never arrives makes the others raise
+`CollectiveTimeout` naming the operation, its number, the ranks that arrived and those that did not,
+instead of hanging. The timeout is `SLIPSTREAM_TIMEOUT` seconds, else `DEEPSPEED_TIMEOUT` minutes
+(DeepSpeed's variable), else 5 minutes. Counted names are the logical operation: a reduce-scatter is
+'reduce_scatter' whatever the backend does underneath.
+On NCCL, `wait()` orders the current stream rather than blocking the host, so there the process group's
+own timeout (set from the same value by `init_distributed`) is what fires.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from slipstream.comm import counting
+from slipstream.comm import arrivals, counting
 
-Work = dist.Work
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def collective_timeout() -> datetime.timedelta:
+    """The timeout of one collective (see the module doc)."""
+    if os.environ.get("SLIPSTREAM_TIMEOUT"):
+        return datetime.timedelta(seconds=float(os.environ["SLIPSTREAM_TIMEOUT"]))
+    if os.environ.get("DEEPSPEED_TIMEOUT"):
+        return datetime.timedelta(minutes=float(os.environ["DEEPSPEED_TIMEOUT"]))
+    return datetime.timedelta(minutes=5)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete: some ranks never reached it (or failed on the way)."""
+
+    def __init__(self, op: str, seq: int, tensor: torch.Tensor, cause: BaseException) -> None:
+        world = dist.get_world_size()
+        me = dist.get_rank()
+        last = arrivals.last_arrivals(world)
+        arrived = sorted(r for r, a in last.items() if a is not None and a.seq >= seq)
+        missing = sorted(set(range(world)) - set(arrived) - {me})
+        arrived = sorted(set(arrived) | {me})
+        doing = "; ".join(f"rank {r} last reached #{last[r].seq} {last[r].op}" if last[r] else
+                          f"rank {r} reached no collective" for r in missing)
+        self.op, self.seq, self.arrived, self.missing = op, seq, arrived, missing
+        super().__init__(
+            f"collective {op} #{seq} ({tuple(tensor.shape)}, {tensor.dtype}) did not complete on rank {me} within "
+            f"{collective_timeout().total_seconds():g} s: arrived ranks {arrived}, missing ranks {missing}"
+            f"{' (' + doing + ')' if doing else ''}. Every rank must run the same forward/backward/step and the "
+            f"same collective calls (save_checkpoint too). Underlying error: {cause}")
+
+
+class TimedWork:
+    """An in-flight collective; `wait()` raises CollectiveTimeout instead of blocking forever."""
+
+    def __init__(self, work: Any, op: str, seq: int, tensor: torch.Tensor) -> None:
+        self._work, self._op, self._seq, self._tensor = work, op, seq, tensor
+
+    def wait(self) -> None:
+        try:
+            if self._tensor.device.type == "cpu":
+                self._work.wait(timeout=collective_timeout())
+            else:
+                self._work.wait()
+        except RuntimeError as exc:
+            raise CollectiveTimeout(self._op, self._seq, self._tensor, exc) from exc
+
+
+def _issue(op: str, tensor: torch.Tensor, launch: Any, async_op: bool) -> TimedWork | None:
+    counting.record(op, tensor)
+    seq = arrivals.record(op)
+    work = TimedWork(launch(), op, seq, tensor)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def all_reduce(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None,
-               async_op: bool = False) -> Work | None:
+               async_op: bool = False) -> TimedWork | None:
     """Sum `tensor` across the ranks of `group`, in place."""
-    counting.record("all_reduce", tensor)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _issue("all_reduce", tensor, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group,
+                                                                 async_op=True), async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None,
-                   async_op: bool = False) -> Work | None:
+                   async_op: bool = False) -> TimedWork | None:
     """Sum `input` (world * output.numel() elements) across ranks; rank r receives chunk r in `output`."""
-    counting.record("reduce_scatter", input)
-    return _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _issue("reduce_scatter", input, lambda: _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM,
+                                                                         group=group, async_op=True), async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None,
-               async_op: bool = False) -> Work | None:
+               async_op: bool = False) -> TimedWork | None:
     """Concatenate every rank's `input` into `output` (may be in place: input is output's chunk r)."""
-    counting.record("all_gather", output)
-    return _all_gather_flat(output, input, group=group, async_op=async_op)
+    return _issue("all_gather", output, lambda: _all_gather_flat(output, input, group=group, async_op=True),
+                  async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None = None) -> None:
     """Copy `tensor` from global rank `src` to every rank of `group`."""
-    counting.record("broadcast", tensor)
-    dist.broadcast(tensor, src=src, group=group)
+    _issue("broadcast", tensor, lambda: dist.broadcast(tensor, src=src, group=group, async_op=True), False)
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
-    counting.record("barrier", torch.empty(0))
-    dist.barrier(group=group)
+    _issue("barrier", torch.empty(0), lambda: dist.barrier(group=group, async_op=True), False)

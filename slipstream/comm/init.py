@@ -17,7 +17,6 @@ import torch.distributed as dist
 logger = logging.getLogger("slipstream")
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", "10")))
 
 
 def is_initialized() -> bool:
@@ -26,10 +25,13 @@ def is_initialized() -> bool:
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
                      distributed_port: int = 29500, verbose: bool = True,
-                     timeout: datetime.timedelta = DEFAULT_TIMEOUT, init_method: str | None = None,
+                     timeout: datetime.timedelta | None = None, init_method: str | None = None,
                      dist_init_required: bool | None = None, config: object = None, rank: int = -1,
                      world_size: int = -1) -> None:
-    """Start the default process group unless one exists (DeepSpeed's signature; see module doc)."""
+    """Start the default process group unless one exists (DeepSpeed's signature; see module doc).
+
+    `timeout` defaults to the collective timeout (SLIPSTREAM_TIMEOUT seconds / DEEPSPEED_TIMEOUT minutes / 5 min).
+    """
     del auto_mpi_discovery, config  # accepted for DeepSpeed compatibility; MPI discovery comes with the launcher
     if is_initialized():
         return
@@ -37,7 +39,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialized; initialize it "
                            "first or pass dist_init_required=None")
     from slipstream.accelerator import get_accelerator
+    from slipstream.comm.collectives import collective_timeout
 
+    timeout = timeout or collective_timeout()
     backend = dist_backend or get_accelerator().communication_backend_name()
     missing = [name for name in _LAUNCHER_VARS if name not in os.environ]
     if init_method is not None or rank >= 0:
