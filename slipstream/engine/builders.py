@@ -5,6 +5,7 @@ Each function takes the piece of the plan it needs; the engine calls them once, 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -15,7 +16,8 @@ from slipstream.comm import collectives
 from slipstream.config.plan import EnginePlan, LossScalePlan, MonitorPlan, PrecisionPlan
 from slipstream.engine.dataloader import make_training_dataloader
 from slipstream.engine.monitor import CsvMonitor, TensorboardMonitor
-from slipstream.utils.logging import warn_once
+from slipstream.offload.policy import CPUOffload, NoOffload, OffloadPolicy, host_available_bytes
+from slipstream.utils.logging import log_rank0, warn_once
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 from slipstream.zero.stage0 import Stage0Optimizer
 from slipstream.zero.stage1 import Stage1Optimizer
@@ -66,25 +68,58 @@ ELEMENTWISE_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Adamax", "NAdam", 
                           "Adadelta", "Lion", "DeepSpeedCPUAdam")
 
 
-def make_zero_optimizer(optimizer: torch.optim.Optimizer, plan: EnginePlan, device: torch.device) -> ZeroOptimizer:
+def make_zero_optimizer(optimizer: torch.optim.Optimizer, plan: EnginePlan) -> ZeroOptimizer:
     stage = plan.zero.stage
     if stage not in _STAGES:
         raise NotImplementedError(f"zero_optimization.stage={stage} is not available yet; use stage 0, 1 or 2")
-    if plan.zero.offload_optimizer is not None and device.type != "cpu":
-        raise NotImplementedError(f"zero_optimization.offload_optimizer.device={plan.zero.offload_optimizer.device} "
-                                  f"with parameters on {device.type} is not available yet; remove offload_optimizer")
-    name = type(optimizer).__name__
-    if name not in ELEMENTWISE_OPTIMIZERS:
-        message = (f"optimizer {name} is not known to be elementwise: ZeRO's flat shards (used at every stage) "
-                   "would change per-tensor math such as Lamb's trust ratio. Use one of "
-                   f"{', '.join(ELEMENTWISE_OPTIMIZERS)}, or set \"zero_allow_untested_optimizer\": true to use it anyway")
-        if not plan.resolved.get("zero_allow_untested_optimizer", False):
-            raise ValueError(message)
-        warn_once(f"untested-optimizer:{name}", "slipstream: " + message)
+    _check_optimizer_kind(optimizer, plan)
     precision = plan.precision
     return _STAGES[stage](optimizer, group=None, bucket_numel=int(plan.zero.reduce_bucket_size),
                           master_dtype=precision.master_dtype, grad_dtype=precision.grad_accum_dtype,
-                          check_overflow=precision.check_grad_overflow)
+                          check_overflow=precision.check_grad_overflow, offload=make_offload_policy(plan))
+
+
+def make_offload_policy(plan: EnginePlan) -> OffloadPolicy:
+    offload = plan.zero.offload_optimizer
+    if offload is None or offload.device == "none":
+        return NoOffload()
+    if offload.device != "cpu":
+        raise NotImplementedError(f"zero_optimization.offload_optimizer.device={offload.device!r} is not available "
+                                  "yet; use \"cpu\"")
+    return CPUOffload(pin_memory=offload.pin_memory)
+
+
+def _check_optimizer_kind(optimizer: torch.optim.Optimizer, plan: EnginePlan) -> None:
+    name = type(optimizer).__name__
+    offloaded = plan.zero.offload_optimizer is not None and plan.zero.offload_optimizer.device == "cpu"
+    if offloaded and name != "DeepSpeedCPUAdam" and plan.resolved.get("zero_force_ds_cpu_optimizer", True):
+        raise ValueError(f"offload_optimizer runs the optimizer on the host, but the optimizer is {name}; use "
+                         "DeepSpeedCPUAdam (an 'optimizer' section of type Adam/AdamW does that for you) or set "
+                         "\"zero_force_ds_cpu_optimizer\": false to run this one on the host anyway")
+    if name in ELEMENTWISE_OPTIMIZERS:
+        return
+    message = (f"optimizer {name} is not known to be elementwise: ZeRO's flat shards (used at every stage) "
+               "would change per-tensor math such as Lamb's trust ratio. Use one of "
+               f"{', '.join(ELEMENTWISE_OPTIMIZERS)}, or set \"zero_allow_untested_optimizer\": true to use it anyway")
+    if not plan.resolved.get("zero_allow_untested_optimizer", False):
+        raise ValueError(message)
+    warn_once(f"untested-optimizer:{name}", "slipstream: " + message)
+
+
+def check_host_memory(optimizer: ZeroOptimizer, *, rank: int) -> None:
+    """With offload: say how much host memory it needs, and stop with numbers if the host clearly lacks it."""
+    if not optimizer.offload.on_host:
+        return
+    owned = optimizer.owned_bytes()
+    per_rank = owned["master"] * 3 + owned["host_buffers"]  # master + two Adam states + staging
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+    need, available = per_rank * local_ranks, host_available_bytes()
+    log_rank0(f"offload: host memory needed {per_rank / 2**30:.3f} GiB per rank, {need / 2**30:.3f} GiB for "
+              f"{local_ranks} local rank(s); available {available / 2**30:.3f} GiB", rank=rank)
+    if available and need > available:
+        raise RuntimeError(f"optimizer offload needs {need / 2**30:.2f} GiB of host memory on this node "
+                           f"({local_ranks} ranks x {per_rank / 2**30:.2f} GiB) but only {available / 2**30:.2f} GiB is "
+                           "available; use fewer ranks per node, a higher ZeRO stage, or a larger host")
 
 
 def make_scheduler(plan: EnginePlan, optimizer: torch.optim.Optimizer | None, client: Any) -> Any:

@@ -54,8 +54,9 @@ class SlipstreamEngine(EngineGetters, nn.Module):
         self.basic_optimizer = builders.make_basic_optimizer(self.module, plan, optimizer, model_parameters)
         self.optimizer: ZeroOptimizer | None = None
         if self.basic_optimizer is not None:
-            self.optimizer = builders.make_zero_optimizer(self.basic_optimizer, plan, self.device)
+            self.optimizer = builders.make_zero_optimizer(self.basic_optimizer, plan)
             self.optimizer.param_names = self._param_names
+            builders.check_host_memory(self.optimizer, rank=self.global_rank)
         self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler)
         self.loss_scaler = builders.make_loss_scaler(plan.precision.loss_scale)
         self.training_dataloader = builders.make_dataloader(plan, training_data, collate_fn, self.global_rank,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from slipstream.offload.policy import OffloadPolicy
 from slipstream.zero.layout import Bucket, GroupLayout
 
 
@@ -25,7 +26,8 @@ class FlatGroup:
     """Flat buffers of one param group; `owns_all` means stage 0 (every rank owns every bucket)."""
 
     def __init__(self, params: list[nn.Parameter], *, layout: GroupLayout, rank: int, owns_all: bool,
-                 master_dtype: torch.dtype, grad_dtype: torch.dtype, full_grad_storage: bool) -> None:
+                 master_dtype: torch.dtype, grad_dtype: torch.dtype, full_grad_storage: bool,
+                 offload: OffloadPolicy) -> None:
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
         if len(dtypes) > 1 or len(devices) > 1:
@@ -46,12 +48,13 @@ class FlatGroup:
 
         self.piece_ranges = [self._owned_range(b) for b in layout.buckets]
         owned_numel = sum(end - start for start, end in self.piece_ranges)
-        self.aliased_master = master_dtype == self.dtype
+        self.offload = offload
+        self.aliased_master = master_dtype == self.dtype and not offload.on_host
         if self.aliased_master:
             self.master_flat = None
             self.master_pieces = [self.flat_params[s:e] for s, e in self.piece_ranges]
         else:
-            self.master_flat = torch.empty(owned_numel, dtype=master_dtype, device=self.device)
+            self.master_flat = offload.allocate(owned_numel, master_dtype, offload.master_device(self.device))
             self.master_pieces = self._split(self.master_flat)
             for piece, (start, end) in zip(self.master_pieces, self.piece_ranges):
                 piece.copy_(self.flat_params[start:end])
@@ -61,7 +64,15 @@ class FlatGroup:
         self.full_grad_storage = full_grad_storage
         self.owned_grads = ([self.grad_storage[s:e] for s, e in self.piece_ranges] if full_grad_storage
                             else self._split(self.grad_storage))
-        for piece, grad in zip(self.master_pieces, self.owned_grads):
+        # With offload the optimizer reads host copies of the owned gradients and may write the updated
+        # values, cast to the parameter dtype, into a host staging buffer (see offload/policy.py).
+        self.host_grad_pieces: list[torch.Tensor] = []
+        self.low_precision_pieces: list[torch.Tensor] = []
+        if offload.on_host:
+            self.host_grad_pieces = self._split(offload.allocate(owned_numel, master_dtype, torch.device("cpu")))
+            if self.dtype != master_dtype:
+                self.low_precision_pieces = self._split(offload.allocate(owned_numel, self.dtype, torch.device("cpu")))
+        for piece, grad in zip(self.master_pieces, self.host_grad_pieces or self.owned_grads):
             piece.grad = grad if grad.dtype == piece.dtype else None
 
     def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
@@ -88,19 +99,28 @@ class FlatGroup:
     def bucket_params(self, bucket: Bucket) -> torch.Tensor:
         return self.flat_params[bucket.flat_offset: bucket.flat_offset + bucket.padded_numel]
 
-    def copy_master_to_params(self) -> None:
-        """After a step: cast the updated master pieces into the flat params (no-op when aliased)."""
+    def copy_master_to_params(self, *, from_low_precision: bool) -> None:
+        """After a step: the updated master pieces (or the optimizer's low-precision copy) into the flat params."""
         if self.aliased_master:
             return
-        for piece, (start, end) in zip(self.master_pieces, self.piece_ranges):
-            self.flat_params[start:end].copy_(piece)
+        source = self.low_precision_pieces if from_low_precision else self.master_pieces
+        for piece, (start, end) in zip(source, self.piece_ranges):
+            self.flat_params[start:end].copy_(piece, non_blocking=self.offload.on_host)
 
     def grads_for_optimizer(self) -> list[torch.Tensor]:
-        """The owned gradients in the master dtype (cast copies when the accumulation dtype differs)."""
+        """The owned gradients in the master dtype, where the master pieces live (host copies with offload)."""
+        if self.offload.on_host:
+            for host, grad in zip(self.host_grad_pieces, self.owned_grads):
+                host.copy_(grad, non_blocking=True)
+            return self.host_grad_pieces
         return [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(self.master_pieces, self.owned_grads)]
 
     def owned_bytes(self) -> dict[str, int]:
         """Bytes of the tensors this group owns, by role (for the memory tests and the planner)."""
+        def size(tensors: list[torch.Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
         master = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
         return {"params": self.flat_params.numel() * self.flat_params.element_size(), "master": master,
-                "grads": self.grad_storage.numel() * self.grad_storage.element_size()}
+                "grads": self.grad_storage.numel() * self.grad_storage.element_size(),
+                "host_buffers": size(self.host_grad_pieces) + size(self.low_precision_pieces)}

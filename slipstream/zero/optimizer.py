@@ -19,7 +19,9 @@ import dataclasses
 import math
 import torch
 import torch.distributed as dist
+from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
+from slipstream.offload.policy import OffloadPolicy
 from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import build_layout
 
@@ -39,12 +41,14 @@ class ZeroOptimizer(abc.ABC):
     full_grad_storage: bool = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, group: dist.ProcessGroup | None, bucket_numel: int,
-                 master_dtype: str, grad_dtype: str, check_overflow: bool) -> None:
+                 master_dtype: str, grad_dtype: str, check_overflow: bool,
+                 offload: OffloadPolicy | None = None) -> None:
         self.optimizer = optimizer
         self.process_group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.check_overflow = check_overflow
+        self.offload = offload if offload is not None else OffloadPolicy()
         self.overflow = False
         self.param_names: dict[int, str] = {}
         """id(parameter) -> qualified name, set by the engine for error messages."""
@@ -60,7 +64,7 @@ class ZeroOptimizer(abc.ABC):
                                   bucket_numel=bucket_numel)
             flat = FlatGroup(params, layout=layout, rank=self.rank, owns_all=self.owns_all,
                              master_dtype=DTYPES[master_dtype], grad_dtype=DTYPES[grad_dtype],
-                             full_grad_storage=self.full_grad_storage)
+                             full_grad_storage=self.full_grad_storage, offload=self.offload)
             self.groups.append(flat)
             for index, param in enumerate(params):
                 self._param_location[id(param)] = (flat, index)
@@ -123,8 +127,14 @@ class ZeroOptimizer(abc.ABC):
         for flat in self.groups:
             for piece, grad in zip(flat.master_pieces, flat.grads_for_optimizer()):
                 piece.grad = grad
-        self.optimizer.step()
-        self._publish_params()
+        low_precision = self._low_precision_targets()
+        if self.offload.on_host:
+            get_accelerator().synchronize()  # device -> host gradient copies are complete
+        if low_precision:
+            self.optimizer.step(low_precision_out=low_precision)  # type: ignore[call-arg]
+        else:
+            self.optimizer.step()
+        self._publish_params(from_low_precision=bool(low_precision))
         self.zero_grad()
         return StepResult(grad_norm=grad_norm, overflow=False)
 
@@ -135,10 +145,19 @@ class ZeroOptimizer(abc.ABC):
         norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in owned]).double()
         return torch.stack([norms.pow(2).sum(), (~torch.isfinite(norms)).sum().double()])
 
-    def _publish_params(self) -> None:
+    def _low_precision_targets(self) -> list[torch.Tensor]:
+        """Host buffers for the CPU Adam op to write the new low-precision values into, in the same pass."""
+        from slipstream.ops.adam import DeepSpeedCPUAdam
+
+        pieces = [p for flat in self.groups for p in flat.low_precision_pieces]
+        if not isinstance(self.optimizer, DeepSpeedCPUAdam) or not all(f.low_precision_pieces for f in self.groups):
+            return []
+        return pieces
+
+    def _publish_params(self, *, from_low_precision: bool) -> None:
         """Phase 4: every rank's flat params get the updated values."""
         for flat in self.groups:
-            flat.copy_master_to_params()
+            flat.copy_master_to_params(from_low_precision=from_low_precision)
             if self.owns_all or self.world_size == 1:
                 continue
             for bucket, (start, end) in zip(flat.layout.buckets, flat.piece_ranges):
@@ -164,7 +183,7 @@ class ZeroOptimizer(abc.ABC):
 
     def owned_bytes(self) -> dict[str, int]:
         """Bytes of every tensor this optimizer owns, by role: params, master, grads, optimizer_state."""
-        total = {"params": 0, "master": 0, "grads": 0, "optimizer_state": 0}
+        total = {"params": 0, "master": 0, "grads": 0, "optimizer_state": 0, "host_buffers": 0}
         for flat in self.groups:
             for key, value in flat.owned_bytes().items():
                 total[key] += value

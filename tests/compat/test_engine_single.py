@@ -110,3 +110,15 @@ def test_scheduler_from_config_steps_once_per_optimizer_step() -> None:
     assert engine.global_steps == 3 and scheduler.state_dict() == {"last_batch_iteration": 2}
     assert engine.get_lr() == pytest.approx([0.01 * 2 / 10])
     engine.destroy()
+
+
+def test_offload_with_a_client_optimizer_needs_cpu_adam_or_permission() -> None:
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    make_sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    with pytest.raises(ValueError, match="optimizer is SGD.*zero_force_ds_cpu_optimizer"):
+        slipstream.initialize(model=TinyMLP(), config=config, optimizer=make_sgd)
+    engine, *_ = slipstream.initialize(model=TinyMLP(), config={**config, "zero_force_ds_cpu_optimizer": False},
+                                       optimizer=make_sgd)
+    train(engine, 2)
+    assert engine.global_steps == 2
+    engine.destroy()
