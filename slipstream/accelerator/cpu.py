@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from slipstream.accelerator.base import Accelerator, StreamLike
+from slipstream.accelerator.base import Accelerator, EventLike, StreamLike
 
 _CGROUP_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 _CGROUP_USAGE_FILES = ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes")
@@ -286,8 +286,8 @@ class CpuAccelerator(Accelerator):
         return HostStream()
 
     @property
-    def Event(self) -> type[HostEvent]:  # noqa: N802 - DeepSpeed's name
-        return HostEvent
+    def Event(self) -> type[EventLike]:  # noqa: N802 - DeepSpeed's name
+        return HostEvent  # type: ignore[return-value]
 
     def empty_cache(self) -> None:
         """No-op: there is no device cache to release."""

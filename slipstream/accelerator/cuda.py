@@ -84,20 +84,20 @@ class CudaAccelerator(Accelerator):
 
     @property
     def Stream(self) -> type[StreamLike]:  # noqa: N802 - DeepSpeed's name
-        return torch.cuda.Stream
+        return torch.cuda.Stream  # type: ignore[return-value]
 
     def stream(self, stream: StreamLike | None) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(stream)  # type: ignore[arg-type]
 
     def current_stream(self, device_index: int | None = None) -> StreamLike:
-        return torch.cuda.current_stream(device_index)
+        return torch.cuda.current_stream(device_index)  # type: ignore[return-value]
 
     def default_stream(self, device_index: int | None = None) -> StreamLike:
-        return torch.cuda.default_stream(device_index)
+        return torch.cuda.default_stream(device_index)  # type: ignore[return-value]
 
     @property
     def Event(self) -> type[EventLike]:  # noqa: N802 - DeepSpeed's name
-        return torch.cuda.Event
+        return torch.cuda.Event  # type: ignore[return-value]
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()

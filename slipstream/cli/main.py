@@ -8,6 +8,10 @@ import sys
 from slipstream import __version__
 
 
+SUBCOMMANDS = ("report", "run")
+"""Every subcommand name: a first argument outside this list may be DeepSpeed's short form of `run`."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream", description="Slipstream: ZeRO training with DeepSpeed's API.")
     parser.add_argument("--version", action="version", version=f"slipstream {__version__}")
@@ -17,11 +21,21 @@ def build_parser() -> argparse.ArgumentParser:
     report_parser = commands.add_parser("report", help="environment and native-op report (DeepSpeed's ds_report)")
     report.add_arguments(report_parser)
     report_parser.set_defaults(handler=report.run)
+    from slipstream.cli import run as run_command
+
+    run_parser = commands.add_parser("run", help=run_command.HELP, description=run_command.HELP)
+    run_command.add_arguments(run_parser)
+    run_parser.set_defaults(handler=run_command.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from slipstream.cli.run import is_short_form
+
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if is_short_form(argv, subcommands=set(SUBCOMMANDS)):
+        argv = ["run", *argv]  # DeepSpeed's form: `slipstream [launcher flags] script.py args`
     args = parser.parse_args(argv)
     if getattr(args, "handler", None) is None:
         parser.print_help()

@@ -46,14 +46,18 @@ class CollectiveTimeout(RuntimeError):
         arrived = sorted(r for r, a in last.items() if a is not None and a.seq >= seq)
         missing = sorted(set(range(world)) - set(arrived) - {me})
         arrived = sorted(set(arrived) | {me})
-        doing = "; ".join(f"rank {r} last reached #{last[r].seq} {last[r].op}" if last[r] else
-                          f"rank {r} reached no collective" for r in missing)
+        doing = "; ".join(_describe(r, last[r]) for r in missing)
         self.op, self.seq, self.arrived, self.missing = op, seq, arrived, missing
         super().__init__(
             f"collective {op} #{seq} ({tuple(tensor.shape)}, {tensor.dtype}) did not complete on rank {me} within "
             f"{collective_timeout().total_seconds():g} s: arrived ranks {arrived}, missing ranks {missing}"
             f"{' (' + doing + ')' if doing else ''}. Every rank must run the same forward/backward/step and the "
             f"same collective calls (save_checkpoint too). Underlying error: {cause}")
+
+
+def _describe(rank: int, arrival: arrivals.Arrival | None) -> str:
+    return f"rank {rank} reached no collective" if arrival is None else \
+        f"rank {rank} last reached #{arrival.seq} {arrival.op}"
 
 
 class TimedWork:
@@ -72,32 +76,32 @@ class TimedWork:
             raise CollectiveTimeout(self._op, self._seq, self._tensor, exc) from exc
 
 
-def _issue(op: str, tensor: torch.Tensor, launch: Any, async_op: bool) -> TimedWork | None:
+def _issue(op: str, tensor: torch.Tensor, launch: Any, async_op: bool) -> TimedWork:
+    """Count, number and launch one collective; wait for it unless `async_op` (the caller then waits)."""
     counting.record(op, tensor)
     seq = arrivals.record(op)
     work = TimedWork(launch(), op, seq, tensor)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    if not async_op:
+        work.wait()
+    return work
 
 
 def all_reduce(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None,
-               async_op: bool = False) -> TimedWork | None:
+               async_op: bool = False) -> TimedWork:
     """Sum `tensor` across the ranks of `group`, in place."""
     return _issue("all_reduce", tensor, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group,
                                                                  async_op=True), async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None,
-                   async_op: bool = False) -> TimedWork | None:
+                   async_op: bool = False) -> TimedWork:
     """Sum `input` (world * output.numel() elements) across ranks; rank r receives chunk r in `output`."""
     return _issue("reduce_scatter", input, lambda: _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM,
                                                                          group=group, async_op=True), async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None,
-               async_op: bool = False) -> TimedWork | None:
+               async_op: bool = False) -> TimedWork:
     """Concatenate every rank's `input` into `output` (may be in place: input is output's chunk r)."""
     return _issue("all_gather", output, lambda: _all_gather_flat(output, input, group=group, async_op=True),
                   async_op)

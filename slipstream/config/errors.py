@@ -116,7 +116,7 @@ def pydantic_problems(exc: ValidationError, prefix: Sequence[Any] = ()) -> list[
     problems = []
     for error in exc.errors():
         loc = [part for part in error["loc"] if not _is_union_tag(part)]
-        problems.append(f"{dotted([*prefix, *loc])}: {_message(error)}")
+        problems.append(f"{dotted([*prefix, *loc])}: {_message(dict(error))}")
     return list(dict.fromkeys(problems))
 
 

@@ -144,7 +144,7 @@ def _is_default(model: type[BaseModel], name: str, value: Any) -> bool:
 def unimplemented_keys(section: BaseModel, path: str = "") -> list[str]:
     """Dotted keys set by the user (enabled, or not the default) that Slipstream does not act on yet."""
     cls = type(section)
-    implemented = getattr(cls, "IMPLEMENTED", frozenset())
+    implemented: frozenset[str] | None = getattr(cls, "IMPLEMENTED", frozenset())
     if implemented is None:
         return []
     if "enabled" in cls.model_fields and "enabled" not in implemented:

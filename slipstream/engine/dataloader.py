@@ -13,7 +13,7 @@ def make_training_dataloader(dataset: Dataset, *, micro_batch_size: int, rank: i
                              drop_last: bool, collate_fn: Callable[[list[Any]], Any] | None,
                              seed: int = 0) -> DataLoader:
     """A DataLoader over `dataset` with a DistributedSampler (shuffled, seeded) for this rank."""
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                  drop_last=drop_last)
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
                       drop_last=drop_last)

@@ -46,7 +46,7 @@ def _per_group(value: PerGroup, name: str, num_groups: int) -> list[float]:
             raise ValueError(f"{name} has {len(value)} values but the optimizer has {num_groups} parameter "
                              f"groups; give one number, or one per group")
         return [float(v) for v in value]
-    return [float(value)] * num_groups
+    return [float(value)] * num_groups  # type: ignore[arg-type]
 
 
 def _check_warmup(warmup_num_steps: Any, warmup_type: str) -> int:

@@ -124,7 +124,7 @@ class Lion(torch.optim.Optimizer):
         return loss
 
 
-def _accepted(cls: type, skip: int = 1) -> list[str] | None:
+def _accepted(cls: Any, skip: int = 1) -> list[str] | None:
     """Keyword names `cls(params, ...)` accepts after the params, or None when it takes **kwargs."""
     parameters = list(inspect.signature(cls.__init__).parameters.values())[1 + skip:]
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
@@ -143,7 +143,7 @@ def _check_params(section: str, cls: type, params: dict[str, Any], *, drop: tupl
                          f"it accepts {allowed}")
 
 
-def _torch_fast(cls: type[torch.optim.Optimizer], params: list[Any], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+def _torch_fast(cls: Any, params: list[Any], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
     """`cls` with fused=True where torch supports it for these params, else foreach=True (unless the user chose)."""
     if "fused" in kwargs or "foreach" in kwargs:
         return cls(params, **kwargs)
@@ -185,10 +185,10 @@ def build_optimizer(plan: OptimizerPlan, params: Iterable[Tensor | dict[str, Any
         _check_params("optimizer", cls, kwargs)
         return _torch_fast(cls, param_list, kwargs)
     if name in ("lamb", "lion"):
-        ours: type[torch.optim.Optimizer] = Lamb if name == "lamb" else Lion
+        ours: Any = Lamb if name == "lamb" else Lion
         _check_params("optimizer", ours, kwargs)
         return ours(param_list, **kwargs)
-    found = getattr(torch.optim, name, None)
+    found: Any = getattr(torch.optim, name, None)
     buildable = isinstance(found, type) and issubclass(found, torch.optim.Optimizer)
     if not buildable or found is torch.optim.Optimizer:
         raise ValueError(f"optimizer.type={name!r} is not supported; use one of {list(SUPPORTED_OPTIMIZERS)} "
@@ -205,7 +205,7 @@ def _torch_schedulers() -> list[str]:
 
 def build_scheduler(plan: SchedulerPlan, optimizer: torch.optim.Optimizer) -> Any:
     """The LR schedule `plan` names: DeepSpeed's lr_schedules first, else torch.optim.lr_scheduler.<name>."""
-    cls: type | None = SCHEDULES.get(plan.name)
+    cls: Any = SCHEDULES.get(plan.name)
     if cls is None and plan.name in _torch_schedulers():
         cls = getattr(torch.optim.lr_scheduler, plan.name)
     if cls is None:
@@ -213,7 +213,8 @@ def build_scheduler(plan: SchedulerPlan, optimizer: torch.optim.Optimizer) -> An
                          f"torch.optim.lr_scheduler class: {_torch_schedulers()}")
     _check_params("scheduler", cls, dict(plan.params))
     accepted = _accepted(cls) or []
-    required = [p.name for p in list(inspect.signature(cls.__init__).parameters.values())[2:]
+    init: Any = cls.__init__
+    required = [p.name for p in list(inspect.signature(init).parameters.values())[2:]
                 if p.default is inspect.Parameter.empty and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                                         inspect.Parameter.KEYWORD_ONLY)]
     missing = [name for name in required if name in accepted and name not in plan.params]

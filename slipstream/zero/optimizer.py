@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+from typing import Any
 import torch
 import torch.distributed as dist
 from slipstream.accelerator import get_accelerator
@@ -131,7 +132,8 @@ class ZeroOptimizer(abc.ABC):
         if self.offload.on_host:
             get_accelerator().synchronize()  # device -> host gradient copies are complete
         if low_precision:
-            self.optimizer.step(low_precision_out=low_precision)  # type: ignore[call-arg]
+            cpu_adam: Any = self.optimizer  # DeepSpeedCPUAdam: writes the low-precision copy in the same pass
+            cpu_adam.step(low_precision_out=low_precision)
         else:
             self.optimizer.step()
         self._publish_params(from_low_precision=bool(low_precision))

@@ -61,7 +61,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
                 "exp_avg_sq": torch.zeros(p.shape, dtype=dtype)}
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None, *,
+    def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
              low_precision_out: Sequence[Tensor] | None = None) -> float | None:
         """One Adam step over every param with a grad; params with grad None are skipped.
 
@@ -102,7 +102,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
     def _update(self, group: dict[str, Any], ps: list[Tensor], gs: list[Tensor], ms: list[Tensor],
                 vs: list[Tensor], outs: list[Tensor], *, step: int, native: bool) -> None:
         beta1, beta2 = group["betas"]
-        hyper = dict(step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+        hyper: dict[str, Any] = dict(step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
                      eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                      bias_correction=bool(group["bias_correction"]), adamw_mode=self.adamw_mode,
                      low_precision_out=outs)

@@ -12,6 +12,8 @@ p *= 1 - lr'*wd' keeps its value with wd' = wd * lr / lr' (L2 decay, g += wd * p
 
 from __future__ import annotations
 
+from typing import Any
+
 import functools
 import inspect
 import math
@@ -115,7 +117,7 @@ def _torch_adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
     fused = _fused_supported()
     # torch increments these itself before use, so they start at step - 1.
     steps = [torch.tensor(float(step - 1), dtype=torch.float32) for _ in params]
-    kwargs = dict(foreach=None if fused else True, capturable=False, differentiable=False,
+    kwargs: dict[str, Any] = dict(foreach=None if fused else True, capturable=False, differentiable=False,
                   fused=True if fused else None, grad_scale=None, found_inf=None, has_complex=False,
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
                   maximize=False)
