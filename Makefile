@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml setup.py version.txt
 venv: $(STAMP) ## create .venv with torch and slipstream (editable, dev extras)
 
 train: $(STAMP) ## train a small GPT end to end: 2 ranks, ZeRO-2, the shipped text (about a minute)
-	$(PY) -m torch.distributed.run --nproc_per_node 2 examples/gpt/train.py --deepspeed_config examples/gpt/ds_config_zero2.json
+	$(VENV)/bin/slipstream run --num_gpus 2 examples/gpt/train.py --deepspeed_config examples/gpt/ds_config_zero2.json
 
 test: $(STAMP) ## run the test suite
 	$(PY) -m pytest -q

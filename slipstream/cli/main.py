@@ -7,7 +7,6 @@ import sys
 
 from slipstream import __version__
 
-
 SUBCOMMANDS = ("report", "run")
 """Every subcommand name: a first argument outside this list may be DeepSpeed's short form of `run`."""
 

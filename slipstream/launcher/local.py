@@ -34,6 +34,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from slipstream.launcher.plan import LaunchPlan
@@ -104,7 +105,7 @@ def read_tail(path: str, lines: int = TAIL_LINES) -> list[str]:
         return []
 
 
-def _root_cause_first(failures: dict[int, object]) -> list[tuple[int, object]]:
+def _root_cause_first(failures: Mapping[int, object]) -> list[tuple[int, object]]:
     """Failures ordered so the likely cause leads: a non-zero exit, then a death by a signal other than the
     SIGTERM the agent sends while stopping the others, then the stopped ranks; earliest first within each."""
 
@@ -116,7 +117,7 @@ def _root_cause_first(failures: dict[int, object]) -> list[tuple[int, object]]:
     return sorted(failures.items(), key=key)
 
 
-def describe_failures(failures: dict[int, object], *, host: str, paths: dict[int, str]) -> str:
+def describe_failures(failures: Mapping[int, object], *, host: str, paths: dict[int, str]) -> str:
     """Host, rank, exit code and log tail of the failed rank, then one line per other stopped rank."""
     ordered = _root_cause_first(failures)
     out: list[str] = []
@@ -136,7 +137,7 @@ def describe_failures(failures: dict[int, object], *, host: str, paths: dict[int
     return "\n".join(out)
 
 
-def exit_code_of(failures: dict[int, object]) -> int:
+def exit_code_of(failures: Mapping[int, object]) -> int:
     """The launcher's exit code: the first failed rank's code, 128+N for signal N, never 0."""
     first = _root_cause_first(failures)[0][1]
     code = int(getattr(first, "exitcode", 1))
@@ -150,14 +151,14 @@ def launch_config(plan: LaunchPlan, *, node_rank: int, log_specs: object) -> obj
     rdzv = plan.rendezvous
     host = list(plan.world)[node_rank]
     endpoint = f"{rdzv.master_addr}:{rdzv.master_port}"
-    common = dict(
-        nproc_per_node=len(plan.world[host]),
-        logs_specs=log_specs,
-        rdzv_endpoint=endpoint,
-        log_line_prefix_template="[rank${rank}]:",
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-        monitor_interval=0.1,
-    )
+    common: dict[str, object] = {
+        "nproc_per_node": len(plan.world[host]),
+        "logs_specs": log_specs,
+        "rdzv_endpoint": endpoint,
+        "log_line_prefix_template": "[rank${rank}]:",
+        "shutdown_timeout": SHUTDOWN_TIMEOUT_S,
+        "monitor_interval": 0.1,
+    }
     if rdzv.elastic:
         return LaunchConfig(
             min_nodes=rdzv.min_nodes if rdzv.min_nodes > 0 else plan.num_nodes,

@@ -1,6 +1,6 @@
 """Command lines that start the per-node launch on every host: ssh, pdsh, Slurm `srun`, OpenMPI `mpirun`.
 
-Owns the argv shapes; every builder returns `list[str]` for `subprocess.Popen` (never `shell=True`). The
+Owns the argv shapes; every builder returns `list[str]` for `subprocess.Popen`, never a shell string. The
 per-node launch is (`node_argv`)::
 
     [PYTHON, "-u", "-m", "slipstream.launcher.node", "--plan", PLAN_B64, "--node_rank", N, ("--env_from_stdin")]

@@ -44,9 +44,22 @@ def resolve_node_rank(world: World, requested: int, *, environ: Mapping[str, str
     )
 
 
+def _read_line(fd: int) -> bytes:
+    """One line from `fd`, read byte by byte so nothing after it is buffered away from the lifeline."""
+    data = bytearray()
+    while not data.endswith(b"\n"):
+        chunk = os.read(fd, 1)
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)
+
+
 def _watch_lifeline() -> None:
     """Block until stdin reaches EOF, then ask this process to stop (SIGTERM -> agent stops the ranks)."""
-    while sys.stdin.buffer.read(4096):
+    # os.read, not sys.stdin: a daemon thread blocked inside the buffered reader holds its lock, and the
+    # interpreter aborts at exit ("could not acquire lock for <stdin>").
+    while os.read(0, 4096):
         pass
     print(f"slipstream: host {socket.gethostname()}: the launcher went away; stopping this node", file=sys.stderr,
           flush=True)
@@ -61,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     plan = decode_plan(args.plan)
     if args.env_from_stdin:
-        line = sys.stdin.buffer.readline()
+        line = _read_line(0)
         exports = json.loads(line.decode()) if line.strip() else {}
         os.environ.update({str(name): str(value) for name, value in exports.items()})
         threading.Thread(target=_watch_lifeline, name="slipstream-lifeline", daemon=True).start()

@@ -34,7 +34,14 @@ from pathlib import Path
 
 from slipstream.launcher import multinode
 from slipstream.launcher.environment import as_mapping, collect_exports, describe_exports
-from slipstream.launcher.hostfile import HostfileError, World, filter_world, limit_world, read_hostfile, world_of
+from slipstream.launcher.hostfile import (
+    HostfileError,
+    World,
+    filter_world,
+    limit_world,
+    read_hostfile,
+    world_of,
+)
 from slipstream.launcher.plan import LaunchPlan, Program, RankOptions, Rendezvous, encode_plan
 
 DEFAULT_HOSTFILE = "/job/hostfile"
@@ -201,16 +208,23 @@ def run_multinode(plan: LaunchPlan, *, launcher: str, launcher_args: str) -> int
           f"{', '.join(f'{h}:{s}' for h, s in plan.world.items())}; master {plan.rendezvous.master_addr}:"
           f"{plan.rendezvous.master_port}", flush=True)
     stop_signal: list[int] = []
-    handler = lambda signum, _frame: stop_signal.append(signum)  # noqa: E731
+
+    def handler(signum: int, _frame: object) -> None:
+        stop_signal.append(signum)
+
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     processes: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for label, argv in commands:
             stdin = subprocess.PIPE if launcher == "ssh" else subprocess.DEVNULL
             processes[label] = subprocess.Popen(argv, stdin=stdin, env=child_env)
-            if launcher == "ssh" and processes[label].stdin is not None:
-                processes[label].stdin.write((json.dumps(mapping) + "\n").encode())
-                processes[label].stdin.flush()
+            pipe = processes[label].stdin
+            if launcher == "ssh" and pipe is not None:
+                try:
+                    pipe.write((json.dumps(mapping) + "\n").encode())
+                    pipe.flush()
+                except BrokenPipeError:
+                    pass  # ssh already exited; the loop below reports its exit code
         while not stop_signal:
             codes = {label: p.poll() for label, p in processes.items()}
             failed = [(label, code) for label, code in codes.items() if code not in (None, 0)]
