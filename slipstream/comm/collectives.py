@@ -4,7 +4,7 @@ Every collective Slipstream issues goes through here (ARCHITECTURE.md decision 7
 (`counting.py`), numbered and recorded in the store (see [Note: collective sequence numbers] in
 `arrivals.py`), and waited on with a timeout: a rank that never arrives makes the others raise
 `CollectiveTimeout` naming the operation, its number, the ranks that arrived and those that did not,
-instead of hanging. The timeout is `SLIPSTREAM_TIMEOUT` seconds, else `DEEPSPEED_TIMEOUT` minutes
+instead of hanging. The timeout is the config's `collective_timeout` (seconds), else `SLIPSTREAM_TIMEOUT` seconds, else `DEEPSPEED_TIMEOUT` minutes
 (DeepSpeed's variable), else 5 minutes. Counted names are the logical operation: a reduce-scatter is
 'reduce_scatter' whatever the backend does underneath.
 On NCCL, `wait()` orders the current stream rather than blocking the host, so there the process group's
@@ -27,8 +27,18 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+_configured_timeout: list[float] = []
+
+
+def set_collective_timeout(seconds: float | None) -> None:
+    """Use `seconds` from now on (the config's `collective_timeout`); None returns to the environment's."""
+    _configured_timeout[:] = [] if seconds is None else [float(seconds)]
+
+
 def collective_timeout() -> datetime.timedelta:
     """The timeout of one collective (see the module doc)."""
+    if _configured_timeout:
+        return datetime.timedelta(seconds=_configured_timeout[0])
     if os.environ.get("SLIPSTREAM_TIMEOUT"):
         return datetime.timedelta(seconds=float(os.environ["SLIPSTREAM_TIMEOUT"]))
     if os.environ.get("DEEPSPEED_TIMEOUT"):

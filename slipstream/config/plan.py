@@ -148,6 +148,8 @@ class EnginePlan:
     dataloader_drop_last: bool
     gradient_predivide_factor: float
     prescale_gradients: bool
+    collective_timeout: Optional[float]
+    """Seconds before a collective that some rank never reached raises; None: the environment's default."""
     unimplemented: tuple[str, ...]
     """Dotted keys the user set that Slipstream accepts but does not implement yet (the engine warns once
     each)."""

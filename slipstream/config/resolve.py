@@ -116,6 +116,7 @@ def resolve(
         dataloader_drop_last=cfg.dataloader_drop_last,
         gradient_predivide_factor=cfg.gradient_predivide_factor,
         prescale_gradients=cfg.prescale_gradients,
+        collective_timeout=cfg.collective_timeout,
         unimplemented=tuple(dict.fromkeys(unimplemented)),
         resolved=_resolved(cfg, batch, zero),
     )

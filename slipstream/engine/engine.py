@@ -40,6 +40,8 @@ class SlipstreamEngine(EngineGetters, nn.Module):
         self.plan = plan
         self.config = plan.resolved
         self.accelerator = get_accelerator()
+        if plan.collective_timeout is not None:
+            collectives.set_collective_timeout(plan.collective_timeout)
         self.global_rank = dist.get_rank()
         self.world_size = self.dp_world_size = dist.get_world_size()
         self.mp_world_size = 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 from tests.harness import run_distributed
@@ -10,12 +9,11 @@ from tests.harness.models import TinyMLP
 
 
 def skip_a_step(rank: int, world: int) -> str:
-    os.environ["SLIPSTREAM_TIMEOUT"] = "3"
     import slipstream
     from slipstream.comm import CollectiveTimeout
 
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 1}}
+              "zero_optimization": {"stage": 1}, "collective_timeout": 3}
     engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
     try:
         for step in range(3):

@@ -65,6 +65,7 @@ class DeepSpeedConfig(DSModel):
             "zero_allow_untested_optimizer",
             "zero_force_ds_cpu_optimizer",
             "strict",
+            "collective_timeout",
         }
     )
     train_batch_size: Optional[DSInt] = Field(None, gt=0)
@@ -77,6 +78,9 @@ class DeepSpeedConfig(DSModel):
     """The engine scales the loss by 1/gradient_accumulation_steps and skips steps between boundaries."""
     steps_per_print: Optional[DSInt] = Field(None, gt=0)
     """Log progress every N optimizer steps; None disables."""
+    collective_timeout: Optional[float] = Field(None, gt=0)
+    """Slipstream only: seconds a collective may wait for every rank before CollectiveTimeout names the ranks
+    that did not arrive; None uses SLIPSTREAM_TIMEOUT / DEEPSPEED_TIMEOUT / 5 minutes."""
     wall_clock_breakdown: bool = False
     """Time forward, backward and step."""
     memory_breakdown: bool = False
