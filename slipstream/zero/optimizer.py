@@ -185,7 +185,7 @@ class ZeroOptimizer(abc.ABC):
 
     def owned_bytes(self) -> dict[str, int]:
         """Bytes of every tensor this optimizer owns, by role: params, master, grads, optimizer_state."""
-        total = {"params": 0, "master": 0, "grads": 0, "optimizer_state": 0, "host_buffers": 0}
+        total = {"params": 0, "master": 0, "grads": 0, "optimizer_state": 0, "host_buffers": 0, "comm_buffers": 0}
         for flat in self.groups:
             for key, value in flat.owned_bytes().items():
                 total[key] += value
@@ -193,10 +193,11 @@ class ZeroOptimizer(abc.ABC):
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     total["optimizer_state"] += value.numel() * value.element_size()
-        total["grads"] += self._extra_grad_bytes()
+        total["comm_buffers"] += self._comm_buffer_bytes()
         return total
 
-    def _extra_grad_bytes(self) -> int:
+    def _comm_buffer_bytes(self) -> int:
+        """Bytes of the reusable communication buffers (stage 2's staging and receive buffers)."""
         return 0
 
     def state_dict(self) -> dict:

@@ -105,5 +105,5 @@ class Stage2Optimizer(ZeroOptimizer):
         for slot in list(self._in_flight):  # normally already finished by micro_step_done()
             self._finish(slot)
 
-    def _extra_grad_bytes(self) -> int:
+    def _comm_buffer_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in [*self._staging, *self._receive])

@@ -53,6 +53,13 @@ def test_stages_match_reference_and_shard_state(tmp_path) -> None:  # type: igno
             for name, value in result["params"].items():
                 torch.testing.assert_close(value, reference[name], rtol=2e-5, atol=1e-6,
                                            msg=lambda m: f"stage {stage} rank {rank} {name}: {m}")
+        buckets = results[0]["num_buckets"]
+        grads = results[0]["bytes"]["grads"]
+        if stage < 2:  # full-size gradient storage (padded per bucket)
+            assert numel * 4 <= grads <= (numel + 2 * buckets) * 4, (stage, grads)
+        else:  # stage 2: only this rank's shard, plus reusable comm buffers counted apart
+            assert numel * 2 <= grads <= (numel + 2 * buckets) * 2, (stage, grads)
+            assert results[0]["bytes"]["comm_buffers"] > 0
         state = results[0]["bytes"]["optimizer_state"]
         buckets = results[0]["num_buckets"]
         if stage == 0:
