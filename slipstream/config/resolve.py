@@ -153,6 +153,7 @@ def _precision_plan(cfg: DeepSpeedConfig, problems: list[str]) -> PrecisionPlan:
     fp16, bf16, accum = cfg.fp16, cfg.bf16, cfg.data_types.grad_accum_dtype
     if fp16.enabled and bf16.enabled:
         problems.append("fp16.enabled, bf16.enabled: both are true; enable at most one of fp16 and bf16")
+    scale = None
     if fp16.enabled:
         scale = LossScalePlan(
             static_scale=fp16.loss_scale if fp16.loss_scale > 0 else None,
@@ -162,27 +163,13 @@ def _precision_plan(cfg: DeepSpeedConfig, problems: list[str]) -> PrecisionPlan:
             consecutive_hysteresis=fp16.consecutive_hysteresis,
             min_scale=fp16.min_loss_scale,
         )
-        return PrecisionPlan(
-            param_dtype="fp16",
-            grad_accum_dtype=accum or "fp32",
-            master_dtype="fp32",
-            loss_scale=scale,
-            check_grad_overflow=True,
-        )
-    if bf16.enabled:
-        return PrecisionPlan(
-            param_dtype="bf16",
-            grad_accum_dtype=accum or "fp32",
-            master_dtype="fp32",
-            loss_scale=None,
-            check_grad_overflow=bf16.check_grad_overflow,
-        )
+    param_dtype = "fp16" if fp16.enabled else "bf16" if bf16.enabled else "fp32"
     return PrecisionPlan(
-        param_dtype="fp32",
+        param_dtype=param_dtype,
         grad_accum_dtype=accum or "fp32",
         master_dtype="fp32",
-        loss_scale=None,
-        check_grad_overflow=False,
+        loss_scale=scale,
+        check_grad_overflow={"fp16": True, "bf16": bf16.check_grad_overflow, "fp32": False}[param_dtype],
     )
 
 

@@ -70,8 +70,8 @@ class SlipstreamEngine(EngineGetters, nn.Module):
         self._in_no_sync = False
         self._user_scaled_window = False
         self._scaled_this_micro = False
-        self._loss_sum = torch.zeros((), dtype=torch.float64)
-        self._loss_count = 0
+        # [sum of losses, count] of the current window, kept on the device: no host sync per micro-batch
+        self._loss_totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         self._grad_norm: float | None = None
         self._step_applied = False
         self._last_loss: float | None = None
@@ -102,8 +102,8 @@ class SlipstreamEngine(EngineGetters, nn.Module):
             raise ValueError("engine.backward(loss) needs a scalar tensor that requires grad (the output of a loss "
                              f"function); got {type(loss).__name__} with shape {getattr(loss, 'shape', None)}")
         started = time.perf_counter()
-        self._loss_sum += loss.detach().double().cpu()
-        self._loss_count += 1
+        self._loss_totals[0] += loss.detach().double().reshape(())
+        self._loss_totals[1] += 1
         if not scale_wrt_gas:
             self._user_scaled_window = True
         self.scale(loss).backward(retain_graph=retain_graph)
@@ -190,13 +190,11 @@ class SlipstreamEngine(EngineGetters, nn.Module):
 
     def _finish_window(self) -> None:
         """Global mean loss of the batch (one scalar all-reduce), progress line and monitors."""
-        totals = torch.tensor([float(self._loss_sum), float(self._loss_count)], dtype=torch.float64,
-                              device=self.device)
+        totals = self._loss_totals
         if self.world_size > 1:
             collectives.all_reduce(totals)
         self._last_loss = float(totals[0] / totals[1]) if totals[1] > 0 else None
-        self._loss_sum.zero_()
-        self._loss_count = 0
+        totals.zero_()
         self._user_scaled_window = False
         every = self.plan.logging.steps_per_print
         if self.global_rank != 0 or not every or self.global_steps % every != 0:

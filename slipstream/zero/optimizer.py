@@ -71,6 +71,7 @@ class ZeroOptimizer(abc.ABC):
                 self._param_location[id(param)] = (flat, index)
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
         self._repoint_optimizer()
+        self._low_precision_out = self._low_precision_targets()  # fixed for the optimizer's lifetime
 
     def _repoint_optimizer(self) -> None:
         """Give the wrapped optimizer the master pieces instead of the model parameters (state reset)."""
@@ -128,7 +129,7 @@ class ZeroOptimizer(abc.ABC):
         for flat in self.groups:
             for piece, grad in zip(flat.master_pieces, flat.grads_for_optimizer()):
                 piece.grad = grad
-        low_precision = self._low_precision_targets()
+        low_precision = self._low_precision_out
         if self.offload.on_host:
             get_accelerator().synchronize()  # device -> host gradient copies are complete
         if low_precision:
@@ -151,10 +152,9 @@ class ZeroOptimizer(abc.ABC):
         """Host buffers for the CPU Adam op to write the new low-precision values into, in the same pass."""
         from slipstream.ops.adam import DeepSpeedCPUAdam
 
-        pieces = [p for flat in self.groups for p in flat.low_precision_pieces]
         if not isinstance(self.optimizer, DeepSpeedCPUAdam) or not all(f.low_precision_pieces for f in self.groups):
             return []
-        return pieces
+        return [p for flat in self.groups for p in flat.low_precision_pieces]
 
     def _publish_params(self, *, from_low_precision: bool) -> None:
         """Phase 4: every rank's flat params get the updated values."""
