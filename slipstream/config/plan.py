@@ -82,6 +82,10 @@ class Stage3Plan:
     gather_16bit_weights_on_model_save: bool
     offload_param: Optional[dict[str, Any]]
     """The offload_param section as plain data, or None when parameters stay on the device."""
+    leaf_classes: tuple[str, ...] = ()
+    """Class names whose modules are sharding units (zero_optimization.leaf_module.classes)."""
+    leaf_names: tuple[str, ...] = ()
+    """Qualified module names that are sharding units (zero_optimization.leaf_module.names)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -219,6 +219,8 @@ def _zero_plan(cfg: DeepSpeedConfig, problems: list[str]) -> ZeroPlan:
                 if param_off is not None and param_off.device != "none"
                 else None
             ),
+            leaf_classes=tuple(str(c).rsplit(".", 1)[-1] for c in (zero.leaf_module or {}).get("classes", [])),
+            leaf_names=tuple(str(n) for n in (zero.leaf_module or {}).get("names", [])),
         )
     return ZeroPlan(
         stage=zero.stage,
@@ -292,8 +294,6 @@ def _scheduler_plan(cfg: DeepSpeedConfig, problems: list[str]) -> Optional[Sched
 def _special_unimplemented(cfg: DeepSpeedConfig, optimizer: Optional[OptimizerPlan]) -> list[str]:
     found = []
     zero = cfg.zero_optimization
-    if zero.stage == 3:
-        found.append("zero_optimization.stage=3")
     if zero.offload_optimizer is not None and zero.offload_optimizer.device == "nvme":
         found.append("zero_optimization.offload_optimizer.device=nvme")
     if (

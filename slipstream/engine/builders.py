@@ -26,6 +26,32 @@ from slipstream.zero.stage2 import Stage2Optimizer
 _STAGES: dict[int, type[ZeroOptimizer]] = {0: Stage0Optimizer, 1: Stage1Optimizer, 2: Stage2Optimizer}
 
 
+def prepare_stage3_module(model: nn.Module, plan: EnginePlan, device: torch.device) -> Any:
+    """Stage 3: shard the model's parameters into units (rank 0's values), buffers to the device."""
+    from slipstream.zero.stage3.model import ZeroModel, stage3_settings
+    from slipstream.zero.stage3.sharded_param import ShardedParameter
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize(model=...) needs a torch.nn.Module, got {type(model).__name__}")
+    dtype = DTYPES[plan.precision.param_dtype]
+    with torch.no_grad():
+        for param in model.parameters():
+            if isinstance(param, ShardedParameter):
+                if param.dtype != dtype:
+                    raise ValueError(f"parameter '{param.ds_record.name}' was sharded by zero.Init as {param.dtype} but "
+                                     f"the config trains in {dtype}; pass dtype={dtype} to zero.Init")
+                continue
+            param.data = param.data.to(device=device, dtype=dtype if param.is_floating_point() else param.dtype)
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                moved = buffer.to(device)
+                if dist.get_world_size() > 1:
+                    collectives.broadcast(moved, src=0)
+                module._buffers[name] = moved
+    assert plan.zero.stage3 is not None  # resolve.py always sets it at stage 3
+    return ZeroModel(model, stage3_settings(plan.zero.stage3), device=device)
+
+
 def prepare_module(model: nn.Module, precision: PrecisionPlan, device: torch.device) -> nn.Module:
     """Move the model to the device and the parameter dtype; make every rank start from rank 0's values."""
     if not isinstance(model, nn.Module):
@@ -68,12 +94,16 @@ ELEMENTWISE_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Adamax", "NAdam", 
                           "Adadelta", "Lion", "DeepSpeedCPUAdam")
 
 
-def make_zero_optimizer(optimizer: torch.optim.Optimizer, plan: EnginePlan) -> ZeroOptimizer:
+def make_zero_optimizer(optimizer: torch.optim.Optimizer, plan: EnginePlan, zero_model: Any = None) -> ZeroOptimizer:
     stage = plan.zero.stage
-    if stage not in _STAGES:
-        raise NotImplementedError(f"zero_optimization.stage={stage} is not available yet; use stage 0, 1 or 2")
     _check_optimizer_kind(optimizer, plan)
     precision = plan.precision
+    if stage == 3:
+        from slipstream.zero.stage3.optimizer import Stage3Optimizer
+
+        return Stage3Optimizer(optimizer, model=zero_model, group=None, bucket_numel=int(plan.zero.reduce_bucket_size),
+                               master_dtype=precision.master_dtype, grad_dtype=precision.grad_accum_dtype,
+                               check_overflow=precision.check_grad_overflow, offload=make_offload_policy(plan))
     return _STAGES[stage](optimizer, group=None, bucket_numel=int(plan.zero.reduce_bucket_size),
                           master_dtype=precision.master_dtype, grad_dtype=precision.grad_accum_dtype,
                           check_overflow=precision.check_grad_overflow, offload=make_offload_policy(plan))

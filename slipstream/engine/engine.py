@@ -24,6 +24,7 @@ from torch import nn
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
 from slipstream.compat.engine_getters import EngineGetters
+from slipstream.engine.model_saving import ModelSaving
 from slipstream.config.plan import EnginePlan
 from slipstream.engine import builders
 from slipstream.engine.monitor import StepFigures
@@ -31,8 +32,8 @@ from slipstream.utils.logging import get_logger, log_rank0, warn_once
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
 
-class SlipstreamEngine(EngineGetters, nn.Module):
-    """DeepSpeed's `DeepSpeedEngine`, for ZeRO stages 0-2. Build it with `slipstream.initialize`."""
+class SlipstreamEngine(EngineGetters, ModelSaving, nn.Module):
+    """DeepSpeed's `DeepSpeedEngine`, for ZeRO stages 0-3. Build it with `slipstream.initialize`."""
 
     def __init__(self, model: nn.Module, plan: EnginePlan, *, optimizer: Any = None, model_parameters: Any = None,
                  lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None) -> None:
@@ -47,7 +48,12 @@ class SlipstreamEngine(EngineGetters, nn.Module):
         self.mp_world_size = 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = self.accelerator.device(self.accelerator.current_device())
-        self.module = builders.prepare_module(model, plan.precision, self.device)
+        self.zero_model: Any = None
+        if plan.zero.stage == 3:
+            self.module = model
+            self.zero_model = builders.prepare_stage3_module(model, plan, self.device)
+        else:
+            self.module = builders.prepare_module(model, plan.precision, self.device)
         self._param_names = {id(p): n for n, p in self.module.named_parameters()}
         for key in plan.unimplemented:
             warn_once(f"unimplemented:{key}", f"slipstream: config key '{key}' is accepted but not implemented yet; "
@@ -56,7 +62,7 @@ class SlipstreamEngine(EngineGetters, nn.Module):
         self.basic_optimizer = builders.make_basic_optimizer(self.module, plan, optimizer, model_parameters)
         self.optimizer: ZeroOptimizer | None = None
         if self.basic_optimizer is not None:
-            self.optimizer = builders.make_zero_optimizer(self.basic_optimizer, plan)
+            self.optimizer = builders.make_zero_optimizer(self.basic_optimizer, plan, self.zero_model)
             self.optimizer.param_names = self._param_names
             builders.check_host_memory(self.optimizer, rank=self.global_rank)
         self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler)
@@ -239,4 +245,6 @@ class SlipstreamEngine(EngineGetters, nn.Module):
     def destroy(self) -> None:
         if self.optimizer is not None:
             self.optimizer.remove_hooks()
+        if self.zero_model is not None:
+            self.zero_model.coordinator.detach()
 

@@ -54,24 +54,30 @@ class ZeroOptimizer(abc.ABC):
         self.param_names: dict[int, str] = {}
         """id(parameter) -> qualified name, set by the engine for error messages."""
         self.last_nonfinite_param: str | None = None
-        self.groups: list[FlatGroup] = []
+        self._hooks: list[Any] = []
+        self.groups: list[Any] = self._build_groups(bucket_numel=bucket_numel, master_dtype=DTYPES[master_dtype],
+                                                    grad_dtype=DTYPES[grad_dtype])
+        self._repoint_optimizer()
+        self._low_precision_out = self._low_precision_targets()  # fixed for the optimizer's lifetime
+
+    def _build_groups(self, *, bucket_numel: int, master_dtype: torch.dtype, grad_dtype: torch.dtype) -> list[Any]:
+        """One FlatGroup per param group with trainable parameters; gradients arrive through hooks."""
+        groups: list[FlatGroup] = []
         self._param_location: dict[int, tuple[FlatGroup, int]] = {}
-        self._hooks = []
-        for hyper in optimizer.param_groups:
+        for hyper in self.optimizer.param_groups:
             params = [p for p in hyper["params"] if p.requires_grad]
             if not params:
                 continue
             layout = build_layout([p.numel() for p in params], world_size=self.world_size,
                                   bucket_numel=bucket_numel)
             flat = FlatGroup(params, layout=layout, rank=self.rank, owns_all=self.owns_all,
-                             master_dtype=DTYPES[master_dtype], grad_dtype=DTYPES[grad_dtype],
+                             master_dtype=master_dtype, grad_dtype=grad_dtype,
                              full_grad_storage=self.full_grad_storage, offload=self.offload)
-            self.groups.append(flat)
+            groups.append(flat)
             for index, param in enumerate(params):
                 self._param_location[id(param)] = (flat, index)
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
-        self._repoint_optimizer()
-        self._low_precision_out = self._low_precision_targets()  # fixed for the optimizer's lifetime
+        return groups
 
     def _repoint_optimizer(self) -> None:
         """Give the wrapped optimizer the master pieces instead of the model parameters (state reset)."""

@@ -104,7 +104,7 @@ class ZeroConfig(DSModel):
             "overlap_comm",
             "offload_optimizer",
             "cpu_offload",
-            # Stage-3 keys: parsed into Stage3Plan; stage 3 itself is reported as "zero_optimization.stage=3".
+            # Stage-3 keys: parsed into Stage3Plan.
             "prefetch_bucket_size",
             "param_persistence_threshold",
             "max_live_parameters",
@@ -113,6 +113,7 @@ class ZeroConfig(DSModel):
             "offload_param",
             "cpu_offload_param",
             "cpu_offload_use_pin_memory",
+            "leaf_module",
         }
     )
     stage: DSInt = Field(0, ge=0, le=3)

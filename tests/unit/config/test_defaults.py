@@ -140,7 +140,7 @@ def test_stage3_plan_reads_aliases() -> None:
     assert s3.gather_16bit_weights_on_model_save is True
     assert s3.offload_param is not None and s3.offload_param["device"] == "cpu"
     assert plan.resolved["zero_optimization"]["stage3_prefetch_bucket_size"] == 5_000_000
-    assert "zero_optimization.stage=3" in plan.unimplemented
+    assert not any("stage" in key for key in plan.unimplemented)  # stage 3 is implemented
 
 
 def test_alias_and_name_together_is_an_error() -> None:

@@ -183,7 +183,6 @@ def test_unimplemented_lists_what_the_user_set() -> None:
             }
         )
     assert set(plan.unimplemented) == {
-        "zero_optimization.stage=3",
         "zero_optimization.round_robin_gradients",
         "zero_optimization.zenflow",
         "flops_profiler",

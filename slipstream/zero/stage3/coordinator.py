@@ -1,0 +1,293 @@
+"""When ZeRO-3 gathers, prefetches, frees and reduces: module hooks, autograd hooks, the recorded order.
+
+[Note: ZeRO-3 schedule]
+- Forward: a unit's forward pre-hook gathers it (and the units owning parameters it borrows, e.g. a
+  tied embedding) and prefetches the next units of the order recorded in the first forward, up to
+  `prefetch_bucket_size` elements and never past `max_live_parameters`. Its forward post-hook frees it
+  (unless something still holds it, or it is used again within `max_reuse_distance` elements) and hooks
+  its outputs: when their gradient arrives, backward is about to need the unit, so it is gathered again.
+- Inputs that require grad pass through `_BackwardMarker`, whose backward runs once the gradient of the
+  unit's inputs is computed: the unit's own backward is over. A unit is freed in backward when that has
+  happened for every forward call with a backward pending and all its trainable parameters have their
+  gradients (for a LoRA block the adapters' gradients come before the frozen weight's last use).
+- Gradients: each trainable parameter's post-accumulate-grad hook hands its gradient over and drops
+  `param.grad`. Units are reduce-scattered in one fixed order (the reverse of the unit list), each as
+  soon as it and all units before it are complete; at the end of the backward pass (an autograd
+  callback) the remaining units are reduce-scattered with zeros for parameters that got no gradient on
+  this rank. So every rank issues the same collectives in the same order whatever its control flow:
+  unused experts and conditional branches never hang (USERS.md row 14).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from slipstream.utils.torch_shim import queue_end_of_backward
+from slipstream.zero.stage3.sharded_param import ZeroParamStatus, internal_access
+from slipstream.zero.stage3.unit import Unit
+
+
+class _BackwardMarker(torch.autograd.Function):
+    """Identity on the unit's inputs; its backward reports that the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, *tensors: torch.Tensor) -> Any:
+        ctx.callback = callback
+        return tensors if len(tensors) != 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.callback()
+        return (None, *grads)
+
+
+@dataclasses.dataclass
+class _UnitState:
+    """Per-unit bookkeeping of the coordinator (reset at the end of each backward pass)."""
+
+    borrow: list[Unit]
+    """The unit first, then the units owning parameters its modules use."""
+    holds: int = 0
+    """Forward calls in progress plus explicit holds (GatheredParameters, generation)."""
+    backward_open: int = 0
+    grads: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Gradients not yet packed for the reduce-scatter (the reducer empties it when it launches)."""
+    received: set[int] = dataclasses.field(default_factory=set)
+    expected: frozenset[int] = frozenset()
+
+
+class Coordinator:
+    """Drives the units of one ZeroModel (see [Note: ZeRO-3 schedule])."""
+
+    def __init__(self, units: list[Unit], borrow: dict[int, list[Unit]], *, prefetch_numel: int,
+                 max_live_numel: int, reuse_distance: int) -> None:
+        self.units = units
+        self.state = {u.uid: _UnitState(borrow=borrow.get(u.uid, [u])) for u in units}
+        self.prefetch_numel, self.max_live_numel, self.reuse_distance = prefetch_numel, max_live_numel, reuse_distance
+        self.reducer: Any = None
+        """The Stage3Optimizer when training; it owns gradient storage and the reduce-scatter."""
+        self.forward_order: list[int] = []
+        self.backward_order: list[int] = []
+        self._recording_forward = self._recording_backward = True
+        self._forward_pos = self._backward_pos = 0
+        self._in_backward = False
+        self.hooks: list[Any] = []
+
+    # ---- registration ----
+    def attach(self, root: torch.nn.Module) -> None:
+        self.hooks.append(root.register_forward_pre_hook(lambda m, a: self.begin_forward(), prepend=True))
+        self.hooks.append(root.register_forward_hook(lambda m, a, o: self.end_forward(), always_call=True))
+        for unit in self.units:
+            if unit.module is None:
+                continue
+            self.hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit), with_kwargs=True))
+            self.hooks.append(unit.module.register_forward_hook(self._make_post(unit), always_call=True))
+
+    def watch_gradients(self, reducer: Any, trainable: dict[int, frozenset[int]]) -> None:
+        """Hand trainable parameters' gradients to `reducer`; `trainable` maps unit uid -> parameter indices."""
+        self.reducer = reducer
+        for unit in self.units:
+            indices = trainable.get(unit.uid, frozenset())
+            self.state[unit.uid].expected = indices
+            for index in indices:
+                self.hooks.append(unit.params[index].register_post_accumulate_grad_hook(self._make_grad_hook(unit, index)))
+
+    def detach(self) -> None:
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
+
+    def _make_pre(self, unit: Unit) -> Any:
+        def hook(module: Any, args: Any, kwargs: Any) -> Any:
+            self.pre_forward(unit)
+            if not torch.is_grad_enabled():
+                return None
+            return self._mark_inputs(unit, args, kwargs)
+        return hook
+
+    def _make_post(self, unit: Unit) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> Any:
+            self.post_forward(unit, output)
+            return None
+        return hook
+
+    def _make_grad_hook(self, unit: Unit, index: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            with internal_access():
+                grad = param.grad
+                param.grad = None
+            if grad is not None:
+                self.gradient_arrived(unit, index, grad)
+        return hook
+
+    # ---- forward ----
+    def begin_forward(self) -> None:
+        self._forward_pos = 0
+
+    def end_forward(self) -> None:
+        if self._recording_forward and self.forward_order:
+            self._recording_forward = False
+        for unit in self.units:  # prefetched but not used this pass (the order changed)
+            if self.state[unit.uid].holds == 0 and unit.status is ZeroParamStatus.INFLIGHT:
+                unit.release()
+
+    def pre_forward(self, unit: Unit) -> None:
+        state = self.state[unit.uid]
+        for owner in state.borrow:
+            owner.finish_gather()
+            self.state[owner.uid].holds += 1
+            owner.active_modules.add(unit.uid)
+        if self._recording_forward:
+            self.forward_order.append(unit.uid)
+        else:
+            self._forward_pos = self._advance(self.forward_order, self._forward_pos, unit.uid)
+            self._prefetch(self.forward_order, self._forward_pos)
+
+    def post_forward(self, unit: Unit, output: Any) -> None:
+        state = self.state[unit.uid]
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        if torch.is_grad_enabled() and outputs:
+            fired = [False]
+
+            def before_backward(grad: torch.Tensor) -> None:
+                if not fired[0]:
+                    fired[0] = True
+                    self.pre_backward(unit)
+
+            for tensor in outputs:
+                tensor.register_hook(before_backward)
+        for owner in state.borrow:
+            self.state[owner.uid].holds -= 1
+            owner.active_modules.discard(unit.uid)
+            if self.state[owner.uid].holds == 0 and not self._reused_soon(owner):
+                owner.release()
+
+    def _mark_inputs(self, unit: Unit, args: Any, kwargs: Any) -> Any:
+        positions = [(True, i) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        positions += [(False, k) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not positions:
+            return None
+        owners = self.state[unit.uid].borrow
+        for owner in owners:
+            self.state[owner.uid].backward_open += 1
+
+        def done() -> None:
+            for owner in owners:
+                state = self.state[owner.uid]
+                state.backward_open = max(0, state.backward_open - 1)
+                self._maybe_release_after_backward(owner)
+
+        tensors = [args[key] if positional else kwargs[key] for positional, key in positions]
+        marked = _BackwardMarker.apply(done, *tensors)
+        marked = (marked,) if isinstance(marked, torch.Tensor) else marked
+        args, kwargs = list(args), dict(kwargs)
+        for (positional, key), tensor in zip(positions, marked):
+            if positional:
+                args[key] = tensor
+            else:
+                kwargs[key] = tensor
+        return tuple(args), kwargs
+
+    # ---- backward ----
+    def _begin_backward_pass(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            self._backward_pos = 0
+            queue_end_of_backward(self.end_backward)
+
+    def pre_backward(self, unit: Unit) -> None:
+        self._begin_backward_pass()
+        for owner in self.state[unit.uid].borrow:
+            owner.finish_gather()
+        if self._recording_backward:
+            self.backward_order.append(unit.uid)
+        else:
+            self._backward_pos = self._advance(self.backward_order, self._backward_pos, unit.uid)
+            self._prefetch(self.backward_order, self._backward_pos)
+
+    def gradient_arrived(self, unit: Unit, index: int, grad: torch.Tensor) -> None:
+        self._begin_backward_pass()
+        state = self.state[unit.uid]
+        if index in state.received and index not in state.grads:
+            raise RuntimeError(
+                f"ZeRO-3 got a second gradient for '{unit.records[index].name}' in one backward pass after its unit "
+                f"'{unit.name}' was already reduced; combine the losses before one backward call")
+        state.grads[index] = state.grads[index] + grad if index in state.grads else grad
+        state.received.add(index)
+        if len(state.received) == len(state.expected):
+            self.reducer.unit_ready(unit, state.grads)
+            self._maybe_release_after_backward(unit)
+
+    def _maybe_release_after_backward(self, unit: Unit) -> None:
+        state = self.state[unit.uid]
+        if state.holds or state.backward_open or len(state.received) < len(state.expected):
+            return
+        unit.release()
+
+    def end_backward(self) -> None:
+        """End of a backward pass: reduce what is left (zeros for missing gradients), free, reset."""
+        self._in_backward = False
+        if self._recording_backward and self.backward_order:
+            self._recording_backward = False
+        if self.reducer is not None:
+            self.reducer.flush({uid: s.grads for uid, s in self.state.items()})
+        for unit in self.units:
+            state = self.state[unit.uid]
+            state.grads = {}
+            state.received = set()
+            state.backward_open = 0
+            if state.holds == 0:
+                unit.release()
+
+    # ---- order and prefetch ----
+    @staticmethod
+    def _advance(order: list[int], pos: int, uid: int) -> int:
+        """Position after `uid`'s next occurrence in `order` at or after `pos` (len(order)+1 when lost)."""
+        for i in range(pos, len(order)):
+            if order[i] == uid:
+                return i + 1
+        return len(order) + 1
+
+    def _prefetch(self, order: list[int], pos: int) -> None:
+        budget = self.prefetch_numel
+        live = sum(u.layout.full_numel for u in self.units if u.status is not ZeroParamStatus.NOT_AVAILABLE
+                   and not u.persistent)
+        by_uid = {u.uid: u for u in self.units}
+        for uid in order[pos:]:
+            unit = by_uid[uid]
+            if unit.status is not ZeroParamStatus.NOT_AVAILABLE:
+                continue
+            size = unit.layout.full_numel
+            if size > budget or live + size > self.max_live_numel:
+                break
+            unit.start_gather()
+            budget -= size
+            live += size
+
+    def _reused_soon(self, unit: Unit) -> bool:
+        if self._recording_forward or self.reuse_distance <= 0:
+            return False
+        distance = 0
+        by_uid = {u.uid: u for u in self.units}
+        for uid in self.forward_order[self._forward_pos:]:
+            if uid == unit.uid:
+                return True
+            distance += by_uid[uid].layout.full_numel
+            if distance > self.reuse_distance:
+                return False
+        return False
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    if hasattr(value, "to_tuple"):  # transformers ModelOutput
+        return _tensors(value.to_tuple())
+    return []

@@ -1,0 +1,245 @@
+"""`Stage3Optimizer`: the ZeRO step (zero/optimizer.py, phases 2-3) on the shards of ZeRO-3 units.
+
+The wrapped torch optimizer sees, per param group, one master piece per *run*: consecutive trainable
+parameters of one unit in the same param group (contiguous in the unit's shard). When the master dtype
+is the model dtype and nothing is offloaded, the pieces are views of the shards (updated in place);
+otherwise they live in one fp32 buffer per group (on the host with optimizer offload) and are copied into
+the shards after the step. Gradients reach the per-group gradient shards through the coordinator, which
+hands each complete unit to `unit_ready` and the rest to `flush` at the end of backward (see [Note:
+ZeRO-3 schedule]); this class packs and reduce-scatters them, strictly in the coordinator's fixed order.
+Frozen parameters get no master piece, no optimizer state and no place in the reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from slipstream.offload.policy import OffloadPolicy
+from slipstream.zero.optimizer import ZeroOptimizer
+from slipstream.zero.stage3.model import ZeroModel
+from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus
+from slipstream.zero.stage3.unit import Unit
+
+_NUM_STAGING = 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Run:
+    unit: Unit
+    indices: tuple[int, ...]
+    shard_start: int
+    numel: int
+    receive_start: int
+
+
+class Stage3Group:
+    """One optimizer param group's view of the shards: master pieces, gradient shards, host buffers."""
+
+    def __init__(self, runs: list[Run], *, device: torch.device, master_dtype: torch.dtype, grad_dtype: torch.dtype,
+                 offload: OffloadPolicy) -> None:
+        self.runs, self.device, self.offload = runs, device, offload
+        total = sum(r.numel for r in runs)
+        self.dtype = runs[0].unit.dtype
+        shard_pieces = [r.unit.shard[r.shard_start: r.shard_start + r.numel] for r in runs]
+        self.aliased_master = master_dtype == self.dtype and not offload.on_host
+        self.master_flat: torch.Tensor | None = None
+        if self.aliased_master:
+            self.master_pieces = shard_pieces
+        else:
+            self.master_flat = offload.allocate(total, master_dtype, offload.master_device(device))
+            self.master_pieces = self._split(self.master_flat)
+            for piece, shard in zip(self.master_pieces, shard_pieces):
+                piece.copy_(shard)
+        self.grad_storage = torch.zeros(total, dtype=grad_dtype, device=device)
+        self.owned_grads = self._split(self.grad_storage)
+        self.host_grad_pieces: list[torch.Tensor] = []
+        self.low_precision_pieces: list[torch.Tensor] = []
+        if offload.on_host:
+            self.host_grad_pieces = self._split(offload.allocate(total, master_dtype, torch.device("cpu")))
+            if self.dtype != master_dtype:
+                self.low_precision_pieces = self._split(offload.allocate(total, self.dtype, torch.device("cpu")))
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        pieces, offset = [], 0
+        for run in self.runs:
+            pieces.append(flat[offset: offset + run.numel])
+            offset += run.numel
+        return pieces
+
+    def grads_for_optimizer(self) -> list[torch.Tensor]:
+        if self.offload.on_host:
+            for host, grad in zip(self.host_grad_pieces, self.owned_grads):
+                host.copy_(grad, non_blocking=True)
+            return self.host_grad_pieces
+        return [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(self.master_pieces, self.owned_grads)]
+
+    def copy_master_to_params(self, *, from_low_precision: bool) -> None:
+        if self.aliased_master:
+            return
+        source = self.low_precision_pieces if from_low_precision else self.master_pieces
+        for run, piece in zip(self.runs, source):
+            run.unit.shard[run.shard_start: run.shard_start + run.numel].copy_(piece, non_blocking=self.offload.on_host)
+
+    def owned_bytes(self) -> dict[str, int]:
+        def size(tensors: list[torch.Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        master = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
+        return {"params": 0, "master": master, "grads": self.grad_storage.numel() * self.grad_storage.element_size(),
+                "host_buffers": size(self.host_grad_pieces) + size(self.low_precision_pieces)}
+
+
+class Stage3Optimizer(ZeroOptimizer):
+    """ZeRO-3: parameters, gradients and optimizer state sharded; `model` is the engine's ZeroModel."""
+
+    owns_all = False
+    full_grad_storage = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, model: ZeroModel, **kwargs: Any) -> None:
+        self.model = model
+        super().__init__(optimizer, **kwargs)
+
+    def _build_groups(self, *, bucket_numel: int, master_dtype: torch.dtype, grad_dtype: torch.dtype) -> list[Any]:
+        group_of: dict[int, int] = {}
+        for number, hyper in enumerate(self.optimizer.param_groups):
+            for param in hyper["params"]:
+                if not isinstance(param, ShardedParameter) or param.ds_record.unit.manager is not self.model:
+                    raise ValueError("ZeRO-3: the optimizer holds a parameter that is not part of the engine's model "
+                                     f"({type(param).__name__} of shape {tuple(param.shape)}); build the optimizer "
+                                     "from model.parameters()")
+                if param.requires_grad:
+                    group_of[id(param)] = number
+        runs: dict[int, list[Run]] = {n: [] for n in range(len(self.optimizer.param_groups))}
+        self._trainable: dict[int, list[int]] = {}
+        self._receive_offsets: dict[int, list[int]] = {}
+        self._receive_numel: dict[int, int] = {}
+        for unit in self.model.units:
+            indices = [i for i, p in enumerate(unit.params) if id(p) in group_of]
+            offsets, receive = [], 0
+            for index in indices:
+                offsets.append(receive)
+                receive += unit.layout.shard_numels[index]
+            self._trainable[unit.uid], self._receive_offsets[unit.uid] = indices, offsets
+            self._receive_numel[unit.uid] = receive
+            current: list[int] = []
+            for position, index in enumerate(indices + [-1]):
+                group = group_of.get(id(unit.params[index])) if index >= 0 else None
+                if current and (index < 0 or index != current[-1] + 1 or group != group_of[id(unit.params[current[0]])]):
+                    first = current[0]
+                    runs[group_of[id(unit.params[first])]].append(Run(
+                        unit=unit, indices=tuple(current), shard_start=unit.layout.shard_offsets[first],
+                        numel=sum(unit.layout.shard_numels[i] for i in current),
+                        receive_start=offsets[indices.index(first)]))
+                    current = []
+                if index >= 0:
+                    current.append(index)
+        self._group_numbers = [n for n in sorted(runs) if runs[n]]
+        groups = [Stage3Group(runs[n], device=self.model.device, master_dtype=master_dtype, grad_dtype=grad_dtype,
+                              offload=self.offload) for n in self._group_numbers]
+        self._targets: dict[int, list[tuple[int, int, torch.Tensor]]] = {u.uid: [] for u in self.model.units}
+        for group in groups:
+            for run, grad in zip(group.runs, group.owned_grads):
+                self._targets[run.unit.uid].append((run.receive_start, run.receive_start + run.numel, grad))
+        self._order = [u.uid for u in reversed(self.model.units) if self._trainable[u.uid]]
+        self._units = {u.uid: u for u in self.model.units}
+        largest = max(self._receive_numel.values(), default=0)
+        self._staging = [torch.zeros(largest * self.world_size, dtype=grad_dtype, device=self.model.device)
+                         for _ in range(_NUM_STAGING)]
+        self._receive = [torch.zeros(largest, dtype=grad_dtype, device=self.model.device) for _ in range(_NUM_STAGING)]
+        self._in_flight: dict[int, tuple[Any, torch.Tensor, list[tuple[int, int, torch.Tensor]]]] = {}
+        self._ready: dict[int, dict[int, torch.Tensor]] = {}
+        self._next = 0
+        self.model.coordinator.watch_gradients(self, {uid: frozenset(ix) for uid, ix in self._trainable.items()})
+        return groups
+
+    def _repoint_optimizer(self) -> None:
+        hypers = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self.optimizer.param_groups = []
+        self.optimizer.state.clear()
+        for number, group in zip(self._group_numbers, self.groups):
+            self.optimizer.add_param_group({**hypers[number], "params": group.master_pieces})
+
+    # ---- gradients (called by the coordinator) ----
+    def unit_ready(self, unit: Unit, grads: dict[int, torch.Tensor]) -> None:
+        self._ready[unit.uid] = grads
+        while self._next < len(self._order) and self._order[self._next] in self._ready:
+            uid = self._order[self._next]
+            self._launch(uid, self._ready.pop(uid))
+
+    def flush(self, grads_by_uid: dict[int, dict[int, torch.Tensor]]) -> None:
+        while self._next < len(self._order):
+            uid = self._order[self._next]
+            self._launch(uid, self._ready.pop(uid, None) or grads_by_uid.get(uid, {}))
+        for slot in list(self._in_flight):
+            self._finish(slot)
+        self._next = 0
+        self._ready.clear()
+
+    def _launch(self, uid: int, grads: dict[int, torch.Tensor]) -> None:
+        slot = self._next % _NUM_STAGING
+        self._finish(slot)
+        width = self._receive_numel[uid]
+        staging = self._staging[slot][: width * self.world_size]
+        receive = self._receive[slot][:width]
+        work = self._units[uid].reduce_gradients(grads, self._trainable[uid], staging, receive,
+                                                 self._receive_offsets[uid])
+        grads.clear()  # the full-size gradients are packed: drop them now, not at the end of backward
+        self._in_flight[slot] = (work, receive, self._targets[uid])
+        self._next += 1
+
+    def _finish(self, slot: int) -> None:
+        entry = self._in_flight.pop(slot, None)
+        if entry is None:
+            return
+        work, receive, targets = entry
+        if work is not None:
+            work.wait()
+        for start, end, grad in targets:
+            grad.add_(receive[start:end])
+
+    def micro_step_done(self, *, reduce: bool) -> None:
+        if not reduce:
+            raise RuntimeError("ZeRO stage 3 reduces gradients at the end of every backward; no_sync() is not "
+                               "available (rely on gradient_accumulation_steps)")
+        self.model.check_deferred_tags()
+
+    def _reduce_for_step(self) -> None:
+        for slot in list(self._in_flight):
+            self._finish(slot)
+
+    def _publish_params(self, *, from_low_precision: bool) -> None:
+        for group in self.groups:
+            group.copy_master_to_params(from_low_precision=from_low_precision)
+        for unit in self.model.units:  # gathered values are stale now: gather them again (persistent ones)
+            if unit.status is ZeroParamStatus.AVAILABLE:
+                unit.status = ZeroParamStatus.NOT_AVAILABLE
+                unit.start_gather()
+                unit.finish_gather()
+
+    def first_nonfinite_param(self, names: dict[int, str]) -> str | None:
+        for group in self.groups:
+            for run, grad in zip(group.runs, group.owned_grads):
+                offset = 0
+                for index in run.indices:
+                    piece = run.unit.layout.shard_numels[index]
+                    if not bool(torch.isfinite(grad[offset: offset + piece]).all()):
+                        return run.unit.records[index].name
+                    offset += piece
+        return None
+
+    def owned_bytes(self) -> dict[str, int]:
+        total = super().owned_bytes()
+        model = self.model.owned_bytes()
+        total["params"] += model["params"]
+        total["comm_buffers"] += model["comm_buffers"]
+        return total
+
+    def _comm_buffer_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self._staging, *self._receive])
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        self.model.coordinator.detach()

@@ -1,0 +1,173 @@
+"""The sharded parameter: an `nn.Parameter` that keeps its global shape but refuses data access while sharded.
+
+Model code and libraries read a sharded parameter's `.shape`, `numel()`, `dtype`, `device` and
+`requires_grad` as usual (USERS.md row 13). Any operation that would read or write its values while its
+unit is not gathered raises `ShardedParameterError`, which names the parameter and says to use
+`slipstream.zero.GatheredParameters`, instead of computing on an empty or freed tensor. The check is a
+`__torch_function__` override; while the unit is gathered every op passes straight through (results are
+plain tensors). Per-parameter state lives in a typed `ParamRecord` (ARCHITECTURE.md decision 3); the `ds_*`
+attributes come from `slipstream.compat.param_attrs`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipstream.compat.param_attrs import DeepSpeedParamAttrs
+from slipstream.utils.torch_shim import no_subclass_dispatch
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's values: AVAILABLE (gathered), NOT_AVAILABLE (sharded), INFLIGHT (being gathered)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+class ShardedParameterError(RuntimeError):
+    """A sharded (ZeRO-3) parameter's values were used while they were not gathered."""
+
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class ParamRecord:
+    """What stage 3 knows about one parameter (the `ds_*` attributes read from here)."""
+
+    name: str
+    shape: torch.Size
+    numel: int
+    unit: Any
+    """The `Unit` that owns this parameter (unit.py)."""
+    index: int
+    """Position in the unit's parameter list."""
+    shard_offset: int
+    shard_numel: int
+    """ceil(numel / world): this rank's slice, padded at the end of the parameter."""
+    full_offset: int
+    persistent: bool
+    ds_id: int = dataclasses.field(default_factory=lambda: next(_ids))
+
+    @property
+    def status(self) -> ZeroParamStatus:
+        return self.unit.status
+
+
+_INTERNAL = [0]
+
+
+@contextlib.contextmanager
+def internal_access() -> Iterator[None]:
+    """Slipstream's own code touching sharded parameters (gather, reduce, checkpoint): no checks."""
+    _INTERNAL[0] += 1
+    try:
+        yield
+    finally:
+        _INTERNAL[0] -= 1
+
+
+_PROPERTIES = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "layout", "is_cuda",
+               "is_meta", "is_sparse", "is_quantized", "is_mps", "is_cpu", "is_nested", "names", "_is_view",
+               "itemsize", "output_nr", "_version", "_base", "is_mkldnn", "is_xpu")
+_METHODS = ("size", "dim", "numel", "nelement", "ndimension", "element_size", "is_floating_point", "is_complex",
+            "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__len__", "type",
+            "__hash__", "get_device", "is_signed", "is_inference", "_is_zerotensor", "is_contiguous")
+
+
+def _metadata_functions() -> set[Any]:
+    allowed: set[Any] = set()
+    for name in _PROPERTIES:
+        descriptor = getattr(torch.Tensor, name, None)
+        if descriptor is None:
+            continue
+        for accessor in ("__get__", "__set__"):
+            if hasattr(descriptor, accessor):
+                allowed.add(getattr(descriptor, accessor))
+    allowed.update(getattr(torch.Tensor, name) for name in _METHODS if hasattr(torch.Tensor, name))
+    allowed.update({torch.is_floating_point, torch.numel, torch.is_complex, torch.Tensor.grad.__set__})
+    return allowed
+
+
+_METADATA = _metadata_functions()
+
+
+def _blocked(value: Any) -> ShardedParameter | None:
+    if isinstance(value, ShardedParameter) and value.ds_record.unit.status is not ZeroParamStatus.AVAILABLE:
+        return value
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, ShardedParameter) and item.ds_record.unit.status is not ZeroParamStatus.AVAILABLE:
+                return item
+    return None
+
+
+class ShardedParameter(DeepSpeedParamAttrs, nn.Parameter):
+    """An `nn.Parameter` whose values live sharded across ranks (see the module doc)."""
+
+    ds_record: ParamRecord
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not _INTERNAL[0] and func not in _METADATA:
+            for value in itertools.chain(args, kwargs.values()):
+                param = _blocked(value)
+                if param is not None:
+                    raise ShardedParameterError(_access_message(param, func))
+        with no_subclass_dispatch():
+            return func(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        record = self.ds_record
+        if record.unit.status is ZeroParamStatus.AVAILABLE:
+            with internal_access():
+                return f"ShardedParameter({record.name}, gathered):\n{torch.Tensor.__repr__(self.detach())}"
+        return (f"ShardedParameter({record.name}, shape={tuple(record.shape)}, dtype={self.dtype}, sharded over "
+                f"{record.unit.world_size} ranks)")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise ShardedParameterError(_access_message(self, "copy.deepcopy"))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise ShardedParameterError(_access_message(self, "pickling"))
+
+
+def _access_message(param: ShardedParameter, func: Any) -> str:
+    name = getattr(func, "__name__", str(func))
+    record = param.ds_record
+    return (f"parameter '{record.name}' (shape {tuple(record.shape)}) is sharded (ZeRO-3) and its values are not "
+            f"gathered on this rank, so '{name}' cannot use them. Wrap the code in "
+            f"`with slipstream.zero.GatheredParameters([param]):` (add modifier_rank=0 to change the values), or "
+            "run it inside the model's forward")
+
+
+_SUBCLASSES: dict[type, type] = {nn.Parameter: ShardedParameter}
+
+
+def make_sharded(param: nn.Parameter, record: ParamRecord) -> ShardedParameter:
+    """Turn `param` (in place: same object, so optimizers and tied modules keep working) into a sharded one."""
+    cls = type(param)
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedParameter, cls), {})
+    param.__class__ = _SUBCLASSES[cls]
+    sharded: Any = param
+    sharded.ds_record = record
+    return sharded
+
+
+def unshard_type(param: ShardedParameter) -> None:
+    """Give a parameter its plain type back (engine.destroy)."""
+    for original, sharded in _SUBCLASSES.items():
+        if type(param) is sharded:
+            param.__class__ = original
+            return

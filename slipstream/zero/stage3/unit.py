@@ -1,0 +1,207 @@
+"""One ZeRO-3 unit: its shard, its full buffer, and its two collectives (gather, gradient reduce-scatter).
+
+See [Note: ZeRO-3 vocabulary] in __init__.py. The gather: this rank's shard (and a one-element unit tag)
+goes into its row of a pooled rank-major buffer, one `all_gather` fills the other rows, and each
+parameter's rows are copied into the full buffer, whose storage is re-grown for the purpose. The tag
+row catches ranks that gathered different units at the same point (rank-dependent control flow around
+unit boundaries), which would otherwise mix two units' values silently. The reduce-scatter: each
+trainable parameter's gradient is packed into its columns of a pooled rank-major staging buffer (zeros
+for parameters without a gradient on this rank), one `reduce_scatter` leaves this rank's columns, and
+those are added into the optimizer's gradient shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from slipstream.accelerator import get_accelerator
+from slipstream.comm import collectives
+from slipstream.zero.stage3.pool import BufferPool
+from slipstream.zero.stage3.sharded_param import ParamRecord, ZeroParamStatus, internal_access, make_sharded
+from slipstream.zero.stage3.units import UnitSpec, shard_layout
+
+
+class UnitOrderError(RuntimeError):
+    """Ranks gathered different units at the same collective (their control flow differed)."""
+
+
+class Unit:
+    """Buffers and collectives of one unit. `manager` is the ZeroModel that owns it."""
+
+    def __init__(self, uid: int, spec: UnitSpec, *, manager: Any, rank: int, world_size: int,
+                 group: dist.ProcessGroup | None, device: torch.device, shard_device: torch.device,
+                 pool: BufferPool, allocate_shard: Callable[[int, torch.dtype, torch.device], torch.Tensor]) -> None:
+        params = [p for _, p in spec.params]
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"ZeRO-3 unit '{spec.name}' mixes parameter dtypes {sorted(map(str, dtypes))}; cast "
+                             "the model to one dtype first")
+        self.uid, self.name, self.module, self.persistent = uid, spec.name, spec.module, spec.persistent
+        self.manager, self.rank, self.world_size, self.group = manager, rank, world_size, group
+        self.device, self.pool = device, pool
+        self.params: list[nn.Parameter] = params
+        self.dtype = params[0].dtype
+        self.layout = shard_layout([p.numel() for p in params], world_size)
+        self.tag = float(uid % 251 + 1)
+        self.status = ZeroParamStatus.AVAILABLE
+        self.active_modules: set[int] = set()
+        self.shard = allocate_shard(self.layout.shard_numel, self.dtype, shard_device)
+        self.full = torch.zeros(self.layout.full_numel, dtype=self.dtype, device=device)
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        self.records: list[ParamRecord] = []
+        with torch.no_grad(), internal_access():
+            for index, ((name, param), offset) in enumerate(zip(spec.params, self.layout.full_offsets)):
+                numel = param.numel()
+                self.full[offset: offset + numel].copy_(param.data.reshape(-1))
+                param.data = self.full[offset: offset + numel].view(param.shape)
+                record = ParamRecord(name=name, shape=param.shape, numel=numel, unit=self, index=index,
+                                     shard_offset=self.layout.shard_offsets[index],
+                                     shard_numel=self.layout.shard_numels[index], full_offset=offset,
+                                     persistent=spec.persistent)
+                self.records.append(record)
+                make_sharded(param, record)
+            self._keep_own_slices()
+        self.full_bytes = self.full.untyped_storage().nbytes()
+        if not self.persistent:
+            self._free_storage()
+
+    # ---- gather ----
+    def _rows(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer.view(self.world_size, self.layout.shard_numel + 1)
+
+    def _keep_own_slices(self) -> None:
+        """Copy this rank's slice of every parameter from the full buffer into the shard."""
+        for offset, piece, start in zip(self.layout.full_offsets, self.layout.shard_numels, self.layout.shard_offsets):
+            self.shard[start: start + piece].copy_(self.full[offset + self.rank * piece: offset + (self.rank + 1) * piece])
+
+    def start_gather(self) -> None:
+        """Launch the all-gather (asynchronous); `finish_gather` completes it."""
+        if self.status is not ZeroParamStatus.NOT_AVAILABLE:
+            return
+        self.status = ZeroParamStatus.INFLIGHT
+        if self.world_size == 1:
+            self._pending = None
+            return
+        buffer = self.pool.take(self.world_size * (self.layout.shard_numel + 1), self.dtype)
+        own = self._rows(buffer)[self.rank]
+        own[:-1].copy_(self.shard, non_blocking=True)
+        own[-1] = self.tag
+        work = collectives.all_gather(buffer, own, group=self.group, async_op=True)
+        self._pending = (work, buffer)
+
+    def finish_gather(self) -> None:
+        if self.status is ZeroParamStatus.NOT_AVAILABLE:
+            self.start_gather()
+        if self.status is not ZeroParamStatus.INFLIGHT:
+            return
+        self._grow_storage()
+        with torch.no_grad():
+            if self._pending is None:  # one rank: the shard is the whole parameter (plus padding)
+                self.full.copy_(self.shard, non_blocking=True)
+            else:
+                work, buffer = self._pending
+                work.wait()
+                rows = self._rows(buffer)
+                self._check_tags(rows[:, -1])
+                for offset, piece, start in zip(self.layout.full_offsets, self.layout.shard_numels,
+                                                self.layout.shard_offsets):
+                    self.full[offset: offset + piece * self.world_size].view(self.world_size, piece).copy_(
+                        rows[:, start: start + piece])
+                self.pool.give(buffer)
+        self._pending = None
+        self.status = ZeroParamStatus.AVAILABLE
+
+    def _check_tags(self, tags: torch.Tensor) -> None:
+        if tags.device.type != "cpu":
+            self.manager.defer_tag_check(tags, self.tag, self.name)
+            return
+        if bool((tags != self.tag).any()):
+            names = self.manager.unit_names_for_tags(tags.tolist())
+            raise UnitOrderError(
+                f"ZeRO-3 gather of unit '{self.name}' on rank {self.rank} met other units on other ranks (by rank: "
+                f"{names}): the ranks ran different modules at this point. Every rank must run the same sharding "
+                "units in the same order; put rank-dependent branches (MoE experts, optional layers) inside one "
+                "unit, e.g. slipstream.zero.set_z3_leaf_modules(model, [YourMoELayer])")
+
+    # ---- release ----
+    def release(self) -> None:
+        """Free the gathered values (persistent units stay gathered)."""
+        if self.persistent or self.status is ZeroParamStatus.NOT_AVAILABLE:
+            return
+        if self.status is ZeroParamStatus.INFLIGHT:
+            self.finish_gather()
+        self._free_storage()
+        self.status = ZeroParamStatus.NOT_AVAILABLE
+
+    def _free_storage(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        self.status = ZeroParamStatus.NOT_AVAILABLE
+
+    def _grow_storage(self) -> None:
+        storage = self.full.untyped_storage()
+        if storage.nbytes() != self.full_bytes:
+            storage.resize_(self.full_bytes)
+
+    def refresh_persistent(self) -> None:
+        """After a step: the persistent unit gathers its updated shards again."""
+        if not self.persistent:
+            return
+        self.status = ZeroParamStatus.NOT_AVAILABLE
+        self.start_gather()
+        self.finish_gather()
+
+    def write_full_into_shard(self) -> None:
+        """After the full values were changed in place (GatheredParameters): keep this rank's slices."""
+        with torch.no_grad():
+            self._keep_own_slices()
+
+    # ---- gradients ----
+    def reduce_gradients(self, grads: dict[int, torch.Tensor], trainable: list[int], staging: torch.Tensor,
+                         receive: torch.Tensor, shard_offsets: list[int]) -> Any:
+        """Pack `grads` (by parameter index) into the staging rows and launch the reduce-scatter into `receive`.
+
+        `trainable` lists the parameter indices that take part, `shard_offsets` their offsets in `receive`.
+        Returns the collective handle (None on one rank, where `receive` is filled directly).
+        """
+        width = receive.numel()
+        rows = staging.view(self.world_size, width)
+        rows.zero_()
+        with torch.no_grad():
+            for index, start in zip(trainable, shard_offsets):
+                grad = grads.get(index)
+                if grad is None:
+                    continue
+                piece = self.layout.shard_numels[index]
+                flat = grad.reshape(-1)
+                whole = flat.numel() // piece if piece else 0
+                if whole:
+                    rows[:whole, start: start + piece].copy_(flat[: whole * piece].view(whole, piece))
+                rest = flat.numel() - whole * piece
+                if rest:
+                    rows[whole, start: start + rest].copy_(flat[whole * piece:])
+        if self.world_size == 1:
+            receive.copy_(rows[0])
+            return None
+        return collectives.reduce_scatter(receive, staging, group=self.group, async_op=True)
+
+    def owned_bytes(self) -> dict[str, int]:
+        shard = self.shard.numel() * self.shard.element_size()
+        gathered = self.full.untyped_storage().nbytes()
+        return {"params": shard if self.shard.device.type != "cpu" or self.device.type == "cpu" else 0,
+                "host_params": shard if self.shard.device.type == "cpu" and self.device.type != "cpu" else 0,
+                "gathered": gathered}
+
+
+def host_or_device_allocator(pin: bool) -> Callable[[int, torch.dtype, torch.device], torch.Tensor]:
+    """Allocate shards; on the host (parameter offload) pinned when asked and when the accelerator can pin."""
+    def allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        tensor = torch.zeros(numel, dtype=dtype, device=device)
+        if pin and device.type == "cpu":
+            tensor = get_accelerator().pin_memory(tensor)
+        return tensor
+    return allocate

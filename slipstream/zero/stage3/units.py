@@ -1,0 +1,146 @@
+"""Which modules are ZeRO-3 units, and where each parameter sits in its unit's shard (pure; no collectives).
+
+[Note: choosing units]
+- Modules marked with `set_z3_leaf_modules` (or of a class named in `zero_optimization.leaf_module`)
+  are units, outermost first: nothing inside them is split further.
+- Otherwise, walking down from the root: the children of the first `nn.ModuleList`/`nn.ModuleDict` met
+  on a path are units (the repeated blocks of a transformer; an MoE layer's expert list inside such a
+  block stays in the block, so every rank gathers the same units whatever its routing); a child that
+  holds such a container somewhere below is walked into; any other child with more sharded elements than
+  `stage3_param_persistence_threshold` is a unit.
+- Parameters of no unit belong to the root unit. Parameters with fewer elements than the threshold
+  belong to the persistent unit (gathered for good on every rank). A parameter shared by several modules
+  (weight tying) belongs to the first unit that reaches it; units that use it gather that unit too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from torch import nn
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UnitSpec:
+    """One unit: its modules (hooks go on `module`), and the parameters it owns, by qualified name."""
+
+    name: str
+    module: nn.Module | None
+    """None for the persistent unit (no hooks: always gathered)."""
+    params: tuple[tuple[str, nn.Parameter], ...]
+    persistent: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """Per-parameter slices of a unit for `world_size` ranks (see [Note: ZeRO-3 vocabulary])."""
+
+    world_size: int
+    numels: tuple[int, ...]
+    shard_numels: tuple[int, ...]
+    """ceil(numel / world) per parameter."""
+    shard_offsets: tuple[int, ...]
+    full_offsets: tuple[int, ...]
+    shard_numel: int
+    full_numel: int
+    """world * shard_numel: every parameter padded to world * its shard_numel."""
+
+
+def shard_layout(numels: Sequence[int], world_size: int) -> ShardLayout:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    pieces = tuple(math.ceil(n / world_size) for n in numels)
+    shard_offsets, full_offsets, shard, full = [], [], 0, 0
+    for piece in pieces:
+        shard_offsets.append(shard)
+        full_offsets.append(full)
+        shard += piece
+        full += piece * world_size
+    return ShardLayout(world_size=world_size, numels=tuple(numels), shard_numels=pieces,
+                       shard_offsets=tuple(shard_offsets), full_offsets=tuple(full_offsets), shard_numel=shard,
+                       full_numel=full)
+
+
+def _is_leaf_marked(module: nn.Module, leaf_classes: tuple[type, ...]) -> bool:
+    return bool(getattr(module, "_z3_leaf", False)) or (bool(leaf_classes) and isinstance(module, leaf_classes))
+
+
+def _holds_container(module: nn.Module) -> bool:
+    return any(isinstance(m, _CONTAINERS) for m in module.modules())
+
+
+def _choose_unit_modules(root: nn.Module, leaf_classes: tuple[type, ...], threshold: int) -> list[tuple[str, nn.Module]]:
+    marked = [(n, m) for n, m in root.named_modules() if m is not root and _is_leaf_marked(m, leaf_classes)]
+    if marked:
+        chosen: list[tuple[str, nn.Module]] = []
+        for name, module in marked:  # named_modules is pre-order: an ancestor comes before its descendants
+            if not any(name.startswith(prefix + ".") for prefix, _ in chosen):
+                chosen.append((name, module))
+        return chosen
+
+    def sharded_numel(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters() if p.numel() >= threshold)
+
+    units: list[tuple[str, nn.Module]] = []
+
+    def walk(module: nn.Module, prefix: str, in_container: bool) -> None:
+        for name, child in module.named_children():
+            qualified = f"{prefix}{name}"
+            if isinstance(child, _CONTAINERS) and not in_container:
+                walk(child, qualified + ".", True)
+            elif in_container:
+                if sharded_numel(child) > 0:
+                    units.append((qualified, child))
+            elif _holds_container(child):
+                walk(child, qualified + ".", False)
+            elif sharded_numel(child) > threshold:
+                units.append((qualified, child))
+
+    walk(root, "", False)
+    return units
+
+
+def plan_units(root: nn.Module, *, threshold: int, leaf_classes: tuple[type, ...] = ()) -> list[UnitSpec]:
+    """The units of `root`, in registration order, then the root unit, then the persistent unit."""
+    seen: set[int] = set()
+    specs: list[UnitSpec] = []
+    persistent: list[tuple[str, nn.Parameter]] = []
+
+    def take(module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
+        owned = []
+        for name, param in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            (persistent if param.numel() < threshold else owned).append((name, param))
+        return owned
+
+    for name, module in _choose_unit_modules(root, leaf_classes, threshold):
+        owned = take(module, name + ".")
+        if owned:
+            specs.append(UnitSpec(name=name, module=module, params=tuple(owned)))
+    rest = take(root, "")
+    if rest:
+        specs.append(UnitSpec(name="<root>", module=root, params=tuple(rest)))
+    if persistent:
+        specs.append(UnitSpec(name="<persistent>", module=None, params=tuple(persistent), persistent=True))
+    return specs
+
+
+def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | str]) -> list[nn.Module]:
+    """Mark modules of these classes (or class names) as ZeRO-3 units (DeepSpeed's `set_z3_leaf_modules`)."""
+    wanted = tuple(leaf_module_classes)
+    marked = []
+    for module in model.modules():
+        if any((isinstance(c, str) and type(module).__name__ == c) or (isinstance(c, type) and isinstance(module, c))
+               for c in wanted):
+            module._z3_leaf = True  # type: ignore[assignment]
+            marked.append(module)
+    if not marked:
+        names = sorted({c if isinstance(c, str) else c.__name__ for c in wanted})
+        raise ValueError(f"set_z3_leaf_modules: no module of class {names} in the model; check the class names")
+    return marked
