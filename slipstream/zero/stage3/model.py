@@ -9,7 +9,6 @@ rank 0 when they come from plain (unsharded) parameters, so every rank starts fr
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -20,7 +19,8 @@ from slipstream.comm import collectives
 from slipstream.zero.stage3.coordinator import Coordinator
 from slipstream.zero.stage3.pool import BufferPool
 from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus, internal_access
-from slipstream.zero.stage3.unit import Unit, UnitOrderError, host_or_device_allocator
+from slipstream.zero.stage3.manager import UnitManager
+from slipstream.zero.stage3.unit import Unit, host_or_device_allocator
 from slipstream.zero.stage3.units import UnitSpec, plan_units
 
 
@@ -40,7 +40,7 @@ class Stage3Settings:
     """Module classes (by class or class name) and qualified module names that are units."""
 
 
-class ZeroModel:
+class ZeroModel(UnitManager):
     """The units of one module, their hooks (coordinator) and the gather/release API used by the helpers."""
 
     def __init__(self, module: nn.Module, settings: Stage3Settings, *, device: torch.device,
@@ -49,7 +49,7 @@ class ZeroModel:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.pool = BufferPool(device)
-        self._deferred_tags: list[tuple[torch.Tensor, float, str]] = []
+        self._deferred_tags = []
         _mark_leaves(module, settings)
         specs = plan_units(module, threshold=settings.persistence_threshold, leaf_classes=settings.leaf_classes)
         shard_device = torch.device("cpu") if settings.offload_param else device
@@ -98,60 +98,18 @@ class ZeroModel:
                     other = owner.get(id(param))
                     if other is not None and not other.persistent and other not in needed:
                         needed.append(other)
+                for param in getattr(module, "_z3_external_params", ()):
+                    other = owner.get(id(param))
+                    if other is not None and not other.persistent and other not in needed:
+                        needed.append(other)
                 stack.extend(c for c in module.children() if id(c) not in hooked)
             borrow[unit.uid] = needed
         return borrow
 
-    # ---- gather / release, for GatheredParameters and generation ----
-    def units_of(self, params: Iterable[Any]) -> list[Unit]:
-        found: list[Unit] = []
-        for param in params:
-            if isinstance(param, ShardedParameter) and param.ds_record.unit.manager is self:
-                unit = param.ds_record.unit
-                if unit not in found:
-                    found.append(unit)
-        return found
-
-    def gather_units(self, units: list[Unit]) -> None:
-        """Gather `units` (in the given order, the same on every rank) and hold them until released."""
-        for unit in units:
-            unit.start_gather()
-        for unit in units:
-            unit.finish_gather()
-            self.coordinator.state[unit.uid].holds += 1
-
-    def release_units(self, units: list[Unit]) -> None:
-        for unit in units:
-            state = self.coordinator.state[unit.uid]
-            state.holds = max(0, state.holds - 1)
-            if state.holds == 0:
-                unit.release()
-
-    def broadcast_units(self, units: list[Unit], src: int) -> None:
-        """After rank `src` changed the gathered values: every rank takes them and keeps its slices."""
-        for unit in units:
-            if self.world_size > 1:
-                collectives.broadcast(unit.full, src=src, group=self.group)
-            unit.write_full_into_shard()
-
-    # ---- tag checks on accelerators (see unit.py) ----
-    def defer_tag_check(self, tags: torch.Tensor, expected: float, name: str) -> None:
-        self._deferred_tags.append((tags.clone(), expected, name))
-
-    def check_deferred_tags(self) -> None:
-        pending, self._deferred_tags = self._deferred_tags, []
-        for tags, expected, name in pending:
-            if bool((tags != expected).any()):
-                raise UnitOrderError(f"ZeRO-3 gather of unit '{name}' met other units on other ranks "
-                                     f"({self.unit_names_for_tags(tags.tolist())}); every rank must run the same units "
-                                     "in the same order (see set_z3_leaf_modules)")
-
-    def unit_names_for_tags(self, tags: list[float]) -> list[str]:
-        names = []
-        for tag in tags:
-            match = [u.name for u in self.units if u.tag == tag]
-            names.append(" or ".join(match) if match else f"<tag {tag:g}>")
-        return names
+    def _hold(self, unit: Unit, delta: int) -> int:
+        state = self.coordinator.state[unit.uid]
+        state.holds = max(0, state.holds + delta)
+        return state.holds
 
     # ---- figures ----
     def owned_bytes(self) -> dict[str, int]:

@@ -157,6 +157,9 @@ _SUBCLASSES: dict[type, type] = {nn.Parameter: ShardedParameter}
 def make_sharded(param: nn.Parameter, record: ParamRecord) -> ShardedParameter:
     """Turn `param` (in place: same object, so optimizers and tied modules keep working) into a sharded one."""
     cls = type(param)
+    if isinstance(param, ShardedParameter):  # re-sharded into a new unit (zero.Init staging -> engine units)
+        param.ds_record = record
+        return param
     if cls not in _SUBCLASSES:
         _SUBCLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedParameter, cls), {})
     param.__class__ = _SUBCLASSES[cls]

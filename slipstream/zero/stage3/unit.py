@@ -45,28 +45,32 @@ class Unit:
         self.manager, self.rank, self.world_size, self.group = manager, rank, world_size, group
         self.device, self.pool = device, pool
         self.params: list[nn.Parameter] = params
-        self.dtype = params[0].dtype
+        self.dtype = params[0].dtype if params else torch.float32
         self.layout = shard_layout([p.numel() for p in params], world_size)
         self.tag = float(uid % 251 + 1)
         self.status = ZeroParamStatus.AVAILABLE
         self.active_modules: set[int] = set()
         self.shard = allocate_shard(self.layout.shard_numel, self.dtype, shard_device)
-        self.full = torch.zeros(self.layout.full_numel, dtype=self.dtype, device=device)
+        # torch.empty touches no pages: construction costs the shard, not a second copy of the unit
+        self.full = torch.empty(self.layout.full_numel, dtype=self.dtype, device=device)
+        self.full_bytes = self.full.untyped_storage().nbytes()
         self._pending: tuple[Any, torch.Tensor] | None = None
         self.records: list[ParamRecord] = []
         with torch.no_grad(), internal_access():
             for index, ((name, param), offset) in enumerate(zip(spec.params, self.layout.full_offsets)):
-                numel = param.numel()
-                self.full[offset: offset + numel].copy_(param.data.reshape(-1))
+                numel, piece, start = param.numel(), self.layout.shard_numels[index], self.layout.shard_offsets[index]
+                flat = param.data.reshape(-1)
+                lo, hi = min(numel, self.rank * piece), min(numel, (self.rank + 1) * piece)
+                self.shard[start: start + hi - lo].copy_(flat[lo:hi])
+                self.shard[start + hi - lo: start + piece].zero_()
+                if self.persistent:
+                    self.full[offset: offset + numel].copy_(flat)
                 param.data = self.full[offset: offset + numel].view(param.shape)
                 record = ParamRecord(name=name, shape=param.shape, numel=numel, unit=self, index=index,
-                                     shard_offset=self.layout.shard_offsets[index],
-                                     shard_numel=self.layout.shard_numels[index], full_offset=offset,
+                                     shard_offset=start, shard_numel=piece, full_offset=offset,
                                      persistent=spec.persistent)
                 self.records.append(record)
                 make_sharded(param, record)
-            self._keep_own_slices()
-        self.full_bytes = self.full.untyped_storage().nbytes()
         if not self.persistent:
             self._free_storage()
 
@@ -84,7 +88,7 @@ class Unit:
         if self.status is not ZeroParamStatus.NOT_AVAILABLE:
             return
         self.status = ZeroParamStatus.INFLIGHT
-        if self.world_size == 1:
+        if self.world_size == 1 or not self.params:
             self._pending = None
             return
         buffer = self.pool.take(self.world_size * (self.layout.shard_numel + 1), self.dtype)

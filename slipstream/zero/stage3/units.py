@@ -8,7 +8,8 @@
   block stays in the block, so every rank gathers the same units whatever its routing); a child that
   holds such a container somewhere below is walked into; any other child with more sharded elements than
   `stage3_param_persistence_threshold` is a unit.
-- Parameters of no unit belong to the root unit. Parameters with fewer elements than the threshold
+- Parameters of no unit belong to the root unit (which exists even when it owns nothing, to gather
+  what the root's own modules borrow). Parameters with fewer elements than the threshold
   belong to the persistent unit (gathered for good on every rank). A parameter shared by several modules
   (weight tying) belongs to the first unit that reaches it; units that use it gather that unit too.
 """
@@ -121,11 +122,11 @@ def plan_units(root: nn.Module, *, threshold: int, leaf_classes: tuple[type, ...
 
     for name, module in _choose_unit_modules(root, leaf_classes, threshold):
         owned = take(module, name + ".")
-        if owned:
+        # A unit whose parameters all belong to earlier units (a tied output head) owns nothing but still
+        # needs its hooks, to gather the units it borrows from; so does the root.
+        if owned or any(True for _ in module.parameters()):
             specs.append(UnitSpec(name=name, module=module, params=tuple(owned)))
-    rest = take(root, "")
-    if rest:
-        specs.append(UnitSpec(name="<root>", module=root, params=tuple(rest)))
+    specs.append(UnitSpec(name="<root>", module=root, params=tuple(take(root, ""))))
     if persistent:
         specs.append(UnitSpec(name="<persistent>", module=None, params=tuple(persistent), persistent=True))
     return specs

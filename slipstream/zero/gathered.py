@@ -1,0 +1,81 @@
+"""`GatheredParameters` and `unwrap_model_for_generation`: whole ZeRO-3 parameters on request.
+
+`GatheredParameters(params, modifier_rank=None)` gathers the units of `params` on entry and holds them
+(module hooks do not free them inside); on exit, with `modifier_rank`, that rank's values are broadcast
+and every rank keeps its new slices (how Transformers initialises and resizes embeddings under stage 3),
+then the units are released. Plain (unsharded) parameters pass through untouched, and every rank must
+enter with the same parameters, as with DeepSpeed.
+`unwrap_model_for_generation(model)` gathers every unit once and holds it for the whole block, so
+`generate()` does not gather the model again for every token (USERS.md row 15).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from slipstream.zero.stage3.sharded_param import ShardedParameter
+
+
+def _managers_and_units(params: Any) -> list[tuple[Any, list[Any]]]:
+    if params is None:
+        return []
+    if isinstance(params, nn.Parameter) or not hasattr(params, "__iter__"):
+        params = [params]
+    grouped: dict[int, tuple[Any, list[Any]]] = {}
+    for param in params:
+        if not isinstance(param, ShardedParameter):
+            continue
+        unit = param.ds_record.unit
+        manager, units = grouped.setdefault(id(unit.manager), (unit.manager, []))
+        if unit not in units:
+            units.append(unit)
+    return list(grouped.values())
+
+
+class GatheredParameters:
+    """DeepSpeed's `deepspeed.zero.GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True)`."""
+
+    def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None,
+                 enabled: bool = True) -> None:
+        self.modifier_rank = modifier_rank
+        self.groups = _managers_and_units(params) if enabled else []
+
+    def __enter__(self) -> GatheredParameters:
+        for manager, units in self.groups:
+            manager.gather_units(units)
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        for manager, units in self.groups:
+            if self.modifier_rank is not None and exc_type is None:
+                manager.broadcast_units(units, src=self.modifier_rank)
+            manager.release_units(units)
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
+    """Gather the whole model once for the block (an engine or its module); yields the module."""
+    module = getattr(model, "module", model)
+    from slipstream.zero.stage3.model import zero_model_of
+
+    zero_model = zero_model_of(module)
+    if zero_model is None:
+        yield module
+        return
+    units = [u for u in zero_model.units if not u.persistent]
+    zero_model.gather_units(units)
+    try:
+        yield module
+    finally:
+        zero_model.release_units(units)
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Tell stage 3 that `module`'s forward uses `parameter` (owned by another module), so its unit is gathered."""
+    external = module.__dict__.setdefault("_z3_external_params", [])
+    if all(p is not parameter for p in external):
+        external.append(parameter)

@@ -1,0 +1,78 @@
+"""`UnitManager`: gathering and releasing units on request, shared by the ZeroModel and zero.Init's staging.
+
+Holds are counted per unit: a unit gathered by `gather_units` stays gathered (module hooks do not free it)
+until as many `release_units` calls have dropped its count to zero. `broadcast_units` makes one rank's
+changes to the gathered values everyone's (GatheredParameters with modifier_rank). The unit-tag checks of
+accelerator gathers are deferred to the next step instead of forcing a device sync per gather.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream.comm import collectives
+from slipstream.zero.stage3.sharded_param import ShardedParameter
+from slipstream.zero.stage3.unit import Unit, UnitOrderError
+
+
+class UnitManager(abc.ABC):
+    units: list[Unit]
+    world_size: int
+    group: dist.ProcessGroup | None
+    _deferred_tags: list[tuple[torch.Tensor, float, str]]
+
+    @abc.abstractmethod
+    def _hold(self, unit: Unit, delta: int) -> int:
+        """Change `unit`'s hold count by `delta`; return the new count."""
+
+    def units_of(self, params: Iterable[Any]) -> list[Unit]:
+        found: list[Unit] = []
+        for param in params:
+            if isinstance(param, ShardedParameter) and param.ds_record.unit.manager is self:
+                unit = param.ds_record.unit
+                if unit not in found:
+                    found.append(unit)
+        return found
+
+    def gather_units(self, units: list[Unit]) -> None:
+        """Gather `units` (in the given order, the same on every rank) and hold them until released."""
+        for unit in units:
+            unit.start_gather()
+        for unit in units:
+            unit.finish_gather()
+            self._hold(unit, +1)
+
+    def release_units(self, units: list[Unit]) -> None:
+        for unit in units:
+            if self._hold(unit, -1) == 0:
+                unit.release()
+
+    def broadcast_units(self, units: list[Unit], src: int) -> None:
+        """After rank `src` changed the gathered values: every rank takes them and keeps its slices."""
+        for unit in units:
+            if self.world_size > 1:
+                collectives.broadcast(unit.full, src=src, group=self.group)
+            unit.write_full_into_shard()
+
+    def defer_tag_check(self, tags: torch.Tensor, expected: float, name: str) -> None:
+        self._deferred_tags.append((tags.clone(), expected, name))
+
+    def check_deferred_tags(self) -> None:
+        pending, self._deferred_tags = self._deferred_tags, []
+        for tags, expected, name in pending:
+            if bool((tags != expected).any()):
+                raise UnitOrderError(f"ZeRO-3 gather of unit '{name}' met other units on other ranks "
+                                     f"({self.unit_names_for_tags(tags.tolist())}); every rank must run the same units "
+                                     "in the same order (see set_z3_leaf_modules)")
+
+    def unit_names_for_tags(self, tags: list[float]) -> list[str]:
+        names = []
+        for tag in tags:
+            match = [u.name for u in self.units if u.tag == tag]
+            names.append(" or ".join(match) if match else f"<tag {tag:g}>")
+        return names
