@@ -7,7 +7,7 @@ import sys
 
 from slipstream import __version__
 
-SUBCOMMANDS = ("report", "run")
+SUBCOMMANDS = ("report", "run", "export")
 """Every subcommand name: a first argument outside this list may be DeepSpeed's short form of `run`."""
 
 
@@ -25,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser = commands.add_parser("run", help=run_command.HELP, description=run_command.HELP)
     run_command.add_arguments(run_parser)
     run_parser.set_defaults(handler=run_command.run)
+    from slipstream.cli import export as export_command
+
+    export_parser = commands.add_parser("export", help=export_command.HELP, description=export_command.HELP)
+    export_command.add_arguments(export_parser)
+    export_parser.set_defaults(handler=export_command.run)
     return parser
 
 

@@ -1,0 +1,182 @@
+"""Export a native checkpoint's model weights as Hugging Face-style safetensors, one tensor in memory at a time.
+
+Owns the export plan (which tensor goes to which shard, decided from the manifest's shapes before any bytes
+are read), the streaming copy (read one global tensor, cast it, write it, drop it), the HF file names
+(`model.safetensors`, or `model-00001-of-0000N.safetensors` plus `model.safetensors.index.json`), size
+strings such as "5GB", and the text progress bar.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from slipstream.checkpoint.atomic import write_text_atomic
+from slipstream.checkpoint.errors import CheckpointError
+from slipstream.checkpoint.manifest import parse_dtype, verify_files
+from slipstream.checkpoint.reader import CheckpointReader, resolve_checkpoint_dir
+from slipstream.checkpoint.safetensors_io import SafetensorsWriter
+
+MODULE_PREFIX = "module/"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+EXPORT_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in "5GB" (powers of 10), "1.5GiB" (powers of 2), "500MB", "123" or an int; must be positive."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", str(size))
+        unit = match.group(2).upper() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"size {size!r} is not understood; write an integer byte count or a number with a "
+                             "unit: B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. '5GB'")
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size {size!r} must be positive, e.g. '5GB'")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ExportItem:
+    """One output tensor: its checkpoint key, its name in the exported files and its output dtype."""
+
+    key: str
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * self.dtype.itemsize
+
+
+def plan_shards(items: list[ExportItem], max_shard_size: int) -> list[list[ExportItem]]:
+    """Greedy HF sharding in order: start a new shard when the next tensor would pass `max_shard_size`.
+
+    A tensor larger than the limit gets a shard of its own.
+    """
+    shards: list[list[ExportItem]] = [[]]
+    used = 0
+    for item in items:
+        if shards[-1] and used + item.nbytes > max_shard_size:
+            shards.append([])
+            used = 0
+        shards[-1].append(item)
+        used += item.nbytes
+    return shards if shards[0] else []
+
+
+def shard_file_names(num_shards: int) -> list[str]:
+    if num_shards == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{num_shards:05d}.safetensors" for i in range(1, num_shards + 1)]
+
+
+def _output_dtype(stored: torch.dtype, dtype: str | None) -> torch.dtype:
+    """Floating tensors take the requested dtype; integer and bool tensors keep theirs (as HF does)."""
+    if dtype is None or not stored.is_floating_point:
+        return stored
+    return parse_dtype(dtype)
+
+
+class _Progress:
+    """A one-line text progress bar on stderr, shown only when stderr is a terminal."""
+
+    def __init__(self, total_bytes: int, *, enabled: bool) -> None:
+        self.total = max(total_bytes, 1)
+        self.done = 0
+        self.enabled = enabled and sys.stderr.isatty()
+        self.started = time.monotonic()
+
+    def advance(self, nbytes: int, name: str) -> None:
+        self.done += nbytes
+        if not self.enabled:
+            return
+        filled = int(30 * self.done / self.total)
+        rate = self.done / max(time.monotonic() - self.started, 1e-6) / 1e6
+        sys.stderr.write(f"\rexport [{'#' * filled}{'.' * (30 - filled)}] {100 * self.done / self.total:5.1f}% "
+                         f"{self.done / 1e6:,.0f}/{self.total / 1e6:,.0f} MB {rate:,.0f} MB/s {name[:40]:<40}")
+        sys.stderr.flush()
+
+    def finish(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def export_items(reader: CheckpointReader, *, dtype: str | None = None,
+                 exclude_frozen: bool = False) -> list[ExportItem]:
+    """The `module/` tensors of a checkpoint as export items, names without the prefix, in manifest order."""
+    items = []
+    for key, entry in reader.manifest.tensors.items():
+        if not key.startswith(MODULE_PREFIX) or (exclude_frozen and entry.frozen):
+            continue
+        items.append(ExportItem(key=key, name=key[len(MODULE_PREFIX):],
+                                dtype=_output_dtype(entry.torch_dtype, dtype), shape=tuple(entry.shape)))
+    return items
+
+
+def write_items(reader: CheckpointReader, items: list[ExportItem], out_dir: Path, *, max_shard_size: int,
+                progress: bool) -> list[Path]:
+    """Stream `items` into HF-named shards under `out_dir` (+ the index when there are several); returns the files."""
+    shards = plan_shards(items, max_shard_size)
+    names = shard_file_names(len(shards))
+    bar = _Progress(sum(item.nbytes for item in items), enabled=progress)
+    written = []
+    for file_name, shard in zip(names, shards):
+        entries = [(item.name, item.dtype, item.shape) for item in shard]
+        with SafetensorsWriter(out_dir / file_name, entries, metadata={"format": "pt"}) as writer:
+            for item in shard:
+                tensor = reader.read(item.key).to(item.dtype)
+                writer.write(item.name, tensor)
+                del tensor  # one tensor in memory at a time
+                bar.advance(item.nbytes, item.name)
+        written.append(out_dir / file_name)
+    bar.finish()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(item.nbytes for item in items)},
+                 "weight_map": {item.name: file_name for file_name, shard in zip(names, shards) for item in shard}}
+        write_text_atomic(out_dir / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+        written.append(out_dir / INDEX_FILE)
+    return written
+
+
+def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, tag: str | None = None,
+                      dtype: str | None = None, max_shard_size: int | str = "5GB", progress: bool = True) -> Path:
+    """Write the model weights of a checkpoint as HF-style safetensors under `out_dir`; returns `out_dir`.
+
+    `ckpt_dir` is a save_dir (the tag comes from `tag` or its `latest` file) or a checkpoint directory holding
+    manifest.json. `dtype` ("fp32", "bf16", "fp16") casts floating tensors; None keeps the stored dtypes.
+    Only the files holding model weights are verified against their sha256.
+    """
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {dtype!r} is not supported; use one of {EXPORT_DTYPES} or None to keep "
+                         "the stored dtypes")
+    limit = parse_size(max_shard_size)
+    source = resolve_checkpoint_dir(ckpt_dir, tag)
+    out = Path(out_dir)
+    with CheckpointReader(source, verify=False) as reader:
+        items = export_items(reader, dtype=dtype)
+        if not items:
+            raise CheckpointError(f"checkpoint {source} holds no model tensors (keys starting with "
+                                  f"{MODULE_PREFIX!r}); nothing to export")
+        needed = {piece.file for item in items for piece in reader.entry(item.key).pieces}
+        verify_files(source, reader.manifest, files=needed)
+        out.mkdir(parents=True, exist_ok=True)
+        write_items(reader, items, out, max_shard_size=limit, progress=progress)
+    return out

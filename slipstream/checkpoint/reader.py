@@ -1,0 +1,125 @@
+"""Reading a native checkpoint: whole global tensors, or just the flat range one rank needs.
+
+Owns `CheckpointReader` (manifest + verified files + a cache of open safetensors files) and
+`resolve_checkpoint_dir` (save_dir + tag or `latest` -> the tag directory). Resharding is plain arithmetic
+on flat ranges: a rank of any world size asks `read_flat_range(key, start, end)` for its shard and gets the
+overlapping parts of the stored pieces, reading only those bytes. See [Note: checkpoint tensors].
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from slipstream.checkpoint.atomic import read_latest
+from slipstream.checkpoint.errors import CheckpointError
+from slipstream.checkpoint.manifest import (MANIFEST_FILE, Manifest, Piece, TensorEntry, check_coverage,
+                                            read_manifest, verify_files)
+from slipstream.checkpoint.safetensors_io import SafetensorsFile
+
+
+def resolve_checkpoint_dir(path: str | os.PathLike[str], tag: str | None = None) -> Path:
+    """The tag directory to read: `path/<tag>`, `path/<latest>`, or `path` itself when it holds a manifest."""
+    path = Path(path)
+    if tag is None:
+        if (path / MANIFEST_FILE).is_file():
+            return path
+        tag = read_latest(path)
+        if tag is None:
+            raise CheckpointError(f"{path} has neither {MANIFEST_FILE} nor a `latest` file; pass tag=... (the "
+                                  "name of a checkpoint directory under it) or the checkpoint directory itself")
+    ckpt_dir = path / tag
+    if not (ckpt_dir / MANIFEST_FILE).is_file():
+        tags = sorted(p.name for p in path.glob("*") if (p / MANIFEST_FILE).is_file()) if path.is_dir() else []
+        raise CheckpointError(f"checkpoint tag {tag!r} not found: {ckpt_dir / MANIFEST_FILE} does not exist. "
+                              f"Tags with a manifest under {path}: {tags or 'none'}")
+    return ckpt_dir
+
+
+class CheckpointReader:
+    """Read-only access to one checkpoint directory (a tag directory holding manifest.json).
+
+    With `verify=True` (the default) every file's size and sha256 is checked against the manifest first, and a
+    CheckpointCorrupt names each missing or damaged file. Piece coverage is always checked.
+    """
+
+    def __init__(self, ckpt_dir: str | os.PathLike[str], *, verify: bool = True) -> None:
+        self.ckpt_dir = Path(ckpt_dir)
+        self.manifest: Manifest = read_manifest(self.ckpt_dir)
+        if verify:
+            verify_files(self.ckpt_dir, self.manifest)
+        else:
+            check_coverage(self.manifest)
+        self._files: dict[str, SafetensorsFile] = {}
+
+    @property
+    def scalars(self) -> dict[str, Any]:
+        return self.manifest.scalars
+
+    def keys(self) -> list[str]:
+        return list(self.manifest.tensors)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.manifest.tensors
+
+    def entry(self, key: str) -> TensorEntry:
+        if key not in self.manifest.tensors:
+            close = difflib.get_close_matches(key, self.manifest.tensors, n=3)
+            raise CheckpointError(f"checkpoint {self.ckpt_dir} has no tensor {key!r}"
+                                  + (f"; did you mean {close}?" if close else
+                                     f"; it holds {len(self.manifest.tensors)} tensors"))
+        return self.manifest.tensors[key]
+
+    def _file(self, name: str) -> SafetensorsFile:
+        if name not in self._files:
+            self._files[name] = SafetensorsFile(self.ckpt_dir / name)
+        return self._files[name]
+
+    def _read_piece_range(self, key: str, entry: TensorEntry, piece: Piece, start: int, end: int,
+                          out: torch.Tensor) -> None:
+        """Global elements [start, end) (inside `piece`) into `out`."""
+        handle = self._file(piece.file)
+        dtype, shape = handle.info(piece.name)
+        stored = 1
+        for dim in shape:
+            stored *= dim
+        if stored != piece.end - piece.start or dtype != entry.torch_dtype:
+            raise CheckpointError(f"{key}: piece {piece.name!r} in {handle.path} is {dtype} with {stored} elements, "
+                                  f"but the manifest says {entry.dtype} [{piece.start}, {piece.end}); the "
+                                  "checkpoint is inconsistent")
+        handle.get_flat_range(piece.name, start - piece.start, end - piece.start, out=out)
+
+    def read_flat_range(self, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the flattened global tensor `key`, reading only the overlapping pieces."""
+        entry = self.entry(key)
+        if not 0 <= start <= end <= entry.numel:
+            raise CheckpointError(f"range [{start}, {end}) is outside {key!r}, which has {entry.numel} elements "
+                                  f"(shape {list(entry.shape)})")
+        out = torch.empty(end - start, dtype=entry.torch_dtype)
+        for piece in entry.pieces:
+            low, high = max(start, piece.start), min(end, piece.end)
+            if low < high:
+                self._read_piece_range(key, entry, piece, low, high, out[low - start:high - start])
+        return out
+
+    def read(self, key: str) -> torch.Tensor:
+        """The whole global tensor `key`, assembled from its pieces."""
+        entry = self.entry(key)
+        return self.read_flat_range(key, 0, entry.numel).reshape(entry.shape)
+
+    def close(self) -> None:
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,78 @@
+"""DeepSpeed's `deepspeed.utils.zero_to_fp32` functions, reading Slipstream's native checkpoints.
+
+Owns the DeepSpeed names and signatures (and the `python -m slipstream.utils.zero_to_fp32` command line);
+the reading is checkpoint/reader.py and the writing checkpoint/export.py. Unlike DeepSpeed's script, no
+per-rank files are merged here: the manifest already describes every tensor globally, so the fp32 state dict
+is read tensor by tensor, and the converter streams one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from slipstream.checkpoint.export import export_items, parse_size, write_items
+from slipstream.checkpoint.reader import CheckpointReader, resolve_checkpoint_dir
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[str], tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+    """The model's full state dict (floating tensors in fp32) from a checkpoint save_dir or tag directory."""
+    source = resolve_checkpoint_dir(checkpoint_dir, tag)
+    state_dict: dict[str, torch.Tensor] = {}
+    with CheckpointReader(source) as reader:
+        for item in export_items(reader, dtype="fp32", exclude_frozen=exclude_frozen_parameters):
+            state_dict[item.name] = reader.read(item.key).to(item.dtype)
+    return state_dict
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike[str],
+                                               output_dir: str | os.PathLike[str], max_shard_size: int | str = "5GB",
+                                               safe_serialization: bool = True, tag: str | None = None,
+                                               exclude_frozen_parameters: bool = False) -> None:
+    """Write the fp32 model weights as `model.safetensors` (or shards + index) under `output_dir`."""
+    if not safe_serialization:
+        raise ValueError("convert_zero_checkpoint_to_fp32_state_dict(safe_serialization=False) would write a "
+                         "pickle (pytorch_model.bin); Slipstream writes only safetensors. Pass "
+                         "safe_serialization=True: transformers' from_pretrained reads model.safetensors.")
+    limit = parse_size(max_shard_size)
+    source = resolve_checkpoint_dir(checkpoint_dir, tag)
+    out = Path(output_dir)
+    with CheckpointReader(source) as reader:
+        items = export_items(reader, dtype="fp32", exclude_frozen=exclude_frozen_parameters)
+        out.mkdir(parents=True, exist_ok=True)
+        write_items(reader, items, out, max_shard_size=limit, progress=True)
+
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str | os.PathLike[str],
+                                         tag: str | None = None) -> torch.nn.Module:
+    """Move `model` to CPU and load the checkpoint's fp32 weights into it (strict=False, as DeepSpeed)."""
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag)
+    model = model.cpu()
+    model.load_state_dict(state_dict, strict=False)
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m slipstream.utils.zero_to_fp32",
+                                     description="Write a checkpoint's fp32 model weights as safetensors.")
+    parser.add_argument("checkpoint_dir", help="the save_dir, or one checkpoint (tag) directory")
+    parser.add_argument("output_dir", help="directory for model*.safetensors")
+    parser.add_argument("--max_shard_size", default="5GB", help="largest output file (default 5GB)")
+    parser.add_argument("--safe_serialization", action="store_true", help="accepted for DeepSpeed compatibility; "
+                        "the output is always safetensors")
+    parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the `latest` file)")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true", help="skip requires_grad=False params")
+    args = parser.parse_args(argv)
+    convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir,
+                                               max_shard_size=args.max_shard_size, tag=args.tag,
+                                               exclude_frozen_parameters=args.exclude_frozen_parameters)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
