@@ -246,5 +246,5 @@ class SlipstreamEngine(EngineGetters, ModelSaving, nn.Module):
         if self.optimizer is not None:
             self.optimizer.remove_hooks()
         if self.zero_model is not None:
-            self.zero_model.coordinator.detach()
+            self.zero_model.detach_hooks()
 

@@ -73,9 +73,11 @@ def _config_dict(config_dict_or_path: Any) -> dict[str, Any]:
 
 
 def _all_subclasses(cls: type) -> list[type]:
-    found, stack = [], [cls]
+    found: list[type] = []
+    stack = [cls]
     while stack:
-        for sub in stack.pop().__subclasses__():
+        subclasses: list[type] = stack.pop().__subclasses__()
+        for sub in subclasses:
             found.append(sub)
             stack.append(sub)
     return found

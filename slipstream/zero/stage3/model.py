@@ -56,7 +56,7 @@ class ZeroModel(UnitManager):
         allocate = host_or_device_allocator(settings.pin_memory and settings.offload_param)
         previous = zero_model_of(module)
         if previous is not None:
-            previous.coordinator.detach()
+            previous.detach_hooks()
         self.units: list[Unit] = []
         for uid, spec in enumerate(specs):
             old_units = _sharded_owners(spec)
@@ -70,7 +70,7 @@ class ZeroModel(UnitManager):
             self.units.append(Unit(uid, spec, manager=self, rank=self.rank, world_size=self.world_size, group=group,
                                    device=device, shard_device=shard_device, pool=self.pool, allocate_shard=allocate))
             for old in old_units:  # re-sharded: free an old unit once none of its parameters is left in it
-                if all(p.ds_record.unit is not old for p in old.params):
+                if all(p.ds_record.unit is not old for p in old.params if isinstance(p, ShardedParameter)):
                     old.persistent = False
                     old.release()
         for unit in self.units:
@@ -106,6 +106,9 @@ class ZeroModel(UnitManager):
             borrow[unit.uid] = needed
         return borrow
 
+    def detach_hooks(self) -> None:
+        self.coordinator.detach()
+
     def _hold(self, unit: Unit, delta: int) -> int:
         state = self.coordinator.state[unit.uid]
         state.holds = max(0, state.holds + delta)
@@ -115,7 +118,8 @@ class ZeroModel(UnitManager):
     def owned_bytes(self) -> dict[str, int]:
         shards = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)
-        return {"params": shards, "gathered": gathered, "comm_buffers": self.pool.allocated_bytes}
+        return {"params": shards, "gathered": gathered, "comm_buffers": self.pool.allocated_bytes,
+                "offloaded_params": shards if self.settings.offload_param else 0}
 
     def full_state(self, *, dtype: torch.dtype | None = None, only_rank0: bool = True,
                    exclude_frozen: bool = False) -> dict[str, torch.Tensor]:

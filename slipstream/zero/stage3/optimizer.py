@@ -125,9 +125,9 @@ class Stage3Optimizer(ZeroOptimizer):
             self._trainable[unit.uid], self._receive_offsets[unit.uid] = indices, offsets
             self._receive_numel[unit.uid] = receive
             current: list[int] = []
-            for position, index in enumerate(indices + [-1]):
-                group = group_of.get(id(unit.params[index])) if index >= 0 else None
-                if current and (index < 0 or index != current[-1] + 1 or group != group_of[id(unit.params[current[0]])]):
+            for index in indices + [-1]:
+                run_group = group_of.get(id(unit.params[index])) if index >= 0 else None
+                if current and (index < 0 or index != current[-1] + 1 or run_group != group_of[id(unit.params[current[0]])]):
                     first = current[0]
                     runs[group_of[id(unit.params[first])]].append(Run(
                         unit=unit, indices=tuple(current), shard_start=unit.layout.shard_offsets[first],
@@ -172,7 +172,8 @@ class Stage3Optimizer(ZeroOptimizer):
     def flush(self, grads_by_uid: dict[int, dict[int, torch.Tensor]]) -> None:
         while self._next < len(self._order):
             uid = self._order[self._next]
-            self._launch(uid, self._ready.pop(uid, None) or grads_by_uid.get(uid, {}))
+            ready = self._ready.pop(uid, None)
+            self._launch(uid, ready if ready is not None else grads_by_uid.get(uid, {}))
         for slot in list(self._in_flight):
             self._finish(slot)
         self._next = 0
@@ -235,6 +236,7 @@ class Stage3Optimizer(ZeroOptimizer):
         model = self.model.owned_bytes()
         total["params"] += model["params"]
         total["comm_buffers"] += model["comm_buffers"]
+        total["offloaded_params"] = model["offloaded_params"]
         return total
 
     def _comm_buffer_bytes(self) -> int:
@@ -242,4 +244,4 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def remove_hooks(self) -> None:
         super().remove_hooks()
-        self.model.coordinator.detach()
+        self.model.detach_hooks()

@@ -94,7 +94,7 @@ def _metadata_functions() -> set[Any]:
             if hasattr(descriptor, accessor):
                 allowed.add(getattr(descriptor, accessor))
     allowed.update(getattr(torch.Tensor, name) for name in _METHODS if hasattr(torch.Tensor, name))
-    allowed.update({torch.is_floating_point, torch.numel, torch.is_complex, torch.Tensor.grad.__set__})
+    allowed.update({torch.is_floating_point, torch.numel, torch.is_complex})
     return allowed
 
 
@@ -127,7 +127,7 @@ class ShardedParameter(DeepSpeedParamAttrs, nn.Parameter):
         with no_subclass_dispatch():
             return func(*args, **kwargs)
 
-    def __repr__(self) -> str:
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
         record = self.ds_record
         if record.unit.status is ZeroParamStatus.AVAILABLE:
             with internal_access():

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
+from slipstream.offload.policy import CPUOffload
 from slipstream.zero.stage3.pool import BufferPool
 from slipstream.zero.stage3.sharded_param import ParamRecord, ZeroParamStatus, internal_access, make_sharded
 from slipstream.zero.stage3.units import UnitSpec, shard_layout
@@ -202,10 +202,12 @@ class Unit:
 
 
 def host_or_device_allocator(pin: bool) -> Callable[[int, torch.dtype, torch.device], torch.Tensor]:
-    """Allocate shards; on the host (parameter offload) pinned when asked and when the accelerator can pin."""
+    """Allocate shards; on the host (parameter offload) pinned when asked, through the offload policy's pool
+    (pageable, with a warning, once pinning would take more than half of the host's available memory)."""
+    host = CPUOffload(pin_memory=pin)
+
     def allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        tensor = torch.zeros(numel, dtype=dtype, device=device)
-        if pin and device.type == "cpu":
-            tensor = get_accelerator().pin_memory(tensor)
-        return tensor
+        if device.type == "cpu":
+            return host.allocate(numel, dtype, device)
+        return torch.zeros(numel, dtype=dtype, device=device)
     return allocate

@@ -112,7 +112,7 @@ def plan_units(root: nn.Module, *, threshold: int, leaf_classes: tuple[type, ...
     persistent: list[tuple[str, nn.Parameter]] = []
 
     def take(module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
-        owned = []
+        owned: list[tuple[str, nn.Parameter]] = []
         for name, param in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
             if id(param) in seen:
                 continue
