@@ -24,6 +24,7 @@ from torch import nn
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
 from slipstream.compat.engine_getters import EngineGetters
+from slipstream.engine.checkpointing import Checkpointing
 from slipstream.engine.model_saving import ModelSaving
 from slipstream.config.plan import EnginePlan
 from slipstream.engine import builders
@@ -32,7 +33,7 @@ from slipstream.utils.logging import get_logger, log_rank0, warn_once
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
 
-class SlipstreamEngine(EngineGetters, ModelSaving, nn.Module):
+class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
     """DeepSpeed's `DeepSpeedEngine`, for ZeRO stages 0-3. Build it with `slipstream.initialize`."""
 
     def __init__(self, model: nn.Module, plan: EnginePlan, *, optimizer: Any = None, model_parameters: Any = None,

@@ -25,6 +25,7 @@ from slipstream.comm import collectives
 from slipstream.offload.policy import OffloadPolicy
 from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import build_layout
+from slipstream.zero.slices import OwnedSlice
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -205,6 +206,32 @@ class ZeroOptimizer(abc.ABC):
     def _comm_buffer_bytes(self) -> int:
         """Bytes of the reusable communication buffers (stage 2's staging and receive buffers)."""
         return 0
+
+    def trainable_params(self) -> list[torch.Tensor]:
+        return [p for flat in self.groups for p in flat.params]
+
+    def owned_slices(self, names: dict[int, str], *, for_save: bool) -> list[OwnedSlice]:
+        """This rank's part of every trainable parameter (see zero/slices.py). At stage 0 every rank holds
+        everything; for a save each rank takes its stage-1 piece, so the ranks write disjoint parts."""
+        out: list[OwnedSlice] = []
+        for number, flat in enumerate(self.groups):
+            for b, (bucket, (start, end)) in enumerate(zip(flat.layout.buckets, flat.piece_ranges)):
+                lo_cut, hi_cut = flat.layout.piece_range(bucket, self.rank) if (self.owns_all and for_save) else (start, end)
+                for index in bucket.param_indices:
+                    slot = flat.layout.slots[index]
+                    a, z = max(slot.flat_offset, lo_cut), min(slot.flat_offset + slot.numel, hi_cut)
+                    if z <= a:
+                        continue
+                    param = flat.params[index]
+                    master = flat.master_pieces[b][a - start: z - start]
+                    out.append(OwnedSlice(name=names[id(param)], shape=tuple(param.shape), lo=a - slot.flat_offset,
+                                          hi=z - slot.flat_offset, value=flat.flat_params[a:z], master=master,
+                                          piece=flat.master_pieces[b], piece_offset=a - start, group_index=number))
+        return out
+
+    def publish_loaded(self) -> None:
+        """After a checkpoint wrote the master pieces: every rank's parameters take the loaded values."""
+        self._publish_params(from_low_precision=False)
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

@@ -72,6 +72,8 @@ class ParallelWriteConfig(DSModel):
 class CheckpointConfig(DSModel):
     """`checkpoint`: checkpoint I/O options."""
 
+    IMPLEMENTED = frozenset({"tag_validation"})
+
     tag_validation: Literal["WARN", "IGNORE", "FAIL"] = "WARN"
     """What to do when ranks disagree on the checkpoint tag."""
     load_universal: bool = False

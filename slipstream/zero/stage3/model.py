@@ -21,6 +21,7 @@ from slipstream.zero.stage3.pool import BufferPool
 from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus, internal_access
 from slipstream.zero.stage3.manager import UnitManager
 from slipstream.zero.stage3.unit import Unit, host_or_device_allocator
+from slipstream.zero.slices import OwnedSlice
 from slipstream.zero.stage3.units import UnitSpec, plan_units
 
 
@@ -138,6 +139,27 @@ class ZeroModel(UnitManager):
             finally:
                 self.release_units([unit])
         return out
+
+    def value_slices(self, names: dict[int, str], *, skip: set[str]) -> list[OwnedSlice]:
+        """This rank's slice of every parameter not in `skip` (frozen ones, or all without an optimizer)."""
+        out = []
+        for unit in self.units:
+            for record, param in zip(unit.records, unit.params):
+                name = names.get(id(param), record.name)
+                lo, hi = min(record.numel, self.rank * record.shard_numel), min(record.numel, (self.rank + 1) * record.shard_numel)
+                if name in skip or hi <= lo:
+                    continue
+                out.append(OwnedSlice(name=name, shape=tuple(record.shape), lo=lo, hi=hi,
+                                      value=unit.shard[record.shard_offset: record.shard_offset + hi - lo]))
+        return out
+
+    def refresh_gathered(self) -> None:
+        """After shards changed outside a step (a checkpoint load): re-gather the units that are gathered."""
+        for unit in self.units:
+            if unit.status is ZeroParamStatus.AVAILABLE and unit.params:
+                unit.status = ZeroParamStatus.NOT_AVAILABLE
+                unit.start_gather()
+                unit.finish_gather()
 
     def status_counts(self) -> dict[str, int]:
         counts = {s.name: 0 for s in ZeroParamStatus}

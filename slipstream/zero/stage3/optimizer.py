@@ -19,6 +19,7 @@ import torch
 
 from slipstream.offload.policy import OffloadPolicy
 from slipstream.zero.optimizer import ZeroOptimizer
+from slipstream.zero.slices import OwnedSlice
 from slipstream.zero.stage3.model import ZeroModel
 from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus
 from slipstream.zero.stage3.unit import Unit
@@ -219,6 +220,26 @@ class Stage3Optimizer(ZeroOptimizer):
                 unit.status = ZeroParamStatus.NOT_AVAILABLE
                 unit.start_gather()
                 unit.finish_gather()
+
+    def trainable_params(self) -> list[torch.Tensor]:
+        return [self._units[uid].params[i] for uid, indices in self._trainable.items() for i in indices]
+
+    def owned_slices(self, names: dict[int, str], *, for_save: bool) -> list[OwnedSlice]:
+        """This rank's slice of every trainable parameter: [rank * ceil(numel/world), ...) clipped to numel."""
+        out: list[OwnedSlice] = []
+        for number, group in enumerate(self.groups):
+            for run, master in zip(group.runs, group.master_pieces):
+                offset = 0
+                for index in run.indices:
+                    record = run.unit.records[index]
+                    lo, hi = min(record.numel, self.rank * record.shard_numel), min(record.numel, (self.rank + 1) * record.shard_numel)
+                    if hi > lo:
+                        value = run.unit.shard[record.shard_offset: record.shard_offset + hi - lo]
+                        out.append(OwnedSlice(name=names.get(id(run.unit.params[index]), record.name), shape=tuple(record.shape), lo=lo, hi=hi, value=value,
+                                              master=master[offset: offset + hi - lo], piece=master, piece_offset=offset,
+                                              group_index=number))
+                    offset += record.shard_numel
+        return out
 
     def first_nonfinite_param(self, names: dict[int, str]) -> str | None:
         for group in self.groups:

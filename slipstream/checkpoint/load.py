@@ -1,0 +1,131 @@
+"""`load_engine`: every rank reads exactly its slices of a checkpoint, at any world size and ZeRO stage.
+
+A checkpoint holds global tensors (manifest.py, [Note: checkpoint tensors]), so resharding is reading:
+each rank asks for the flat ranges its current layout owns (`state.collect_slices`), whatever layout wrote
+them. Masters (or parameter values, for parameters without one) come from `module/<name>`, optimizer state
+from `optimizer/<name>/<key>`; optimizer state entries that do not exist yet are created first. Then the
+optimizer publishes the loaded masters into the parameters (casts, all-gathers), and the engine restores
+its counters, scheduler, loss scale and RNG from the returned scalars. A DeepSpeed 0.19 checkpoint is read
+through the same path (`DeepSpeedSource`), its pickles through the restricted loader.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipstream.checkpoint.deepspeed_import import DeepSpeedCheckpoint
+from slipstream.checkpoint.errors import CheckpointError
+from slipstream.checkpoint.reader import CheckpointReader
+from slipstream.checkpoint.state import EngineParts, collect_slices, restore_rng, trainable_names
+from slipstream.utils.logging import warn_once
+
+
+class DeepSpeedSource:
+    """A DeepSpeed checkpoint (global tensors in memory) behind the reader's interface."""
+
+    def __init__(self, checkpoint: DeepSpeedCheckpoint) -> None:
+        self.checkpoint = checkpoint
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, value in checkpoint.module.items():
+            self.tensors[f"module/{name}"] = checkpoint.master.get(name, value)
+        for name, states in checkpoint.optimizer_state.items():
+            for key, value in states.items():
+                self.tensors[f"optimizer/{name}/{key}"] = value
+        step = checkpoint.optimizer_step
+        groups = [dict(g) for g in checkpoint.param_groups]
+        self.scalars: dict[str, Any] = {
+            "engine": {k: checkpoint.scalars.get(k, 0) for k in ("global_steps", "global_samples", "skipped_steps")},
+            "optimizer": {"param_groups": groups,
+                          "state_scalars": [{"step": float(step)} if step is not None else {} for _ in groups]},
+            "lr_scheduler": checkpoint.scalars.get("lr_scheduler"),
+            "client_state": {k: v for k, v in checkpoint.client_state.items() if not isinstance(v, torch.Tensor)},
+        }
+        self.scalars["engine"]["micro_steps"] = 0
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def read_flat_range(self, key: str, start: int, end: int) -> torch.Tensor:
+        return self.tensors[key].reshape(-1)[start:end]
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def close(self) -> None:
+        self.tensors.clear()
+
+
+def open_source(path: Path) -> Any:
+    from slipstream.checkpoint.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
+
+    if (path / "manifest.json").is_file():
+        return CheckpointReader(path)
+    if is_deepspeed_checkpoint(path):
+        return DeepSpeedSource(read_deepspeed_checkpoint(path))
+    raise CheckpointError(f"{path} is neither a Slipstream checkpoint (no manifest.json) nor a DeepSpeed one (no "
+                          "*model_states.pt); pass the directory that save_checkpoint wrote")
+
+
+def load_engine(parts: EngineParts, source: Any, *, strict: bool, load_optimizer_states: bool) -> dict[str, Any]:
+    """Load module (and optimizer) state into the engine's tensors; returns the checkpoint's scalars."""
+    keys = set(source.keys())
+    names = [n for n, _ in parts.module.named_parameters()]
+    saved = {k[len("module/"):] for k in keys if k.startswith("module/")}
+    missing, unexpected = sorted(set(names) - saved), sorted(saved - set(names))
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"load_checkpoint: the checkpoint does not match the model: missing {missing[:8]}, "
+                              f"unexpected {unexpected[:8]}; pass load_module_strict=False to load what matches")
+    if missing or unexpected:
+        warn_once("ckpt-nonstrict", f"slipstream: load_checkpoint skipped parameters missing from the checkpoint "
+                  f"{missing[:8]} and checkpoint entries the model lacks {unexpected[:8]}")
+    optimizer = parts.optimizer
+    scalars = source.scalars
+    state_scalars = (scalars.get("optimizer") or {}).get("state_scalars") or []
+    with torch.no_grad():
+        for piece in collect_slices(parts, for_save=False):
+            key = f"module/{piece.name}"
+            if key not in keys:
+                continue
+            data = source.read_flat_range(key, piece.lo, piece.hi)
+            target = piece.master if piece.master is not None else piece.value
+            target.copy_(data.view(target.shape) if target.dim() > 1 else data)
+            if piece.master is not None and piece.value.data_ptr() != piece.master.data_ptr():
+                piece.value.copy_(data)
+            if optimizer is None or piece.piece is None or not load_optimizer_states:
+                continue
+            state = optimizer.optimizer.state[piece.piece]
+            prefix = f"optimizer/{piece.name}/"
+            for state_key in sorted(k[len(prefix):] for k in keys if k.startswith(prefix)):
+                if state_key not in state:
+                    state[state_key] = torch.zeros_like(piece.piece, dtype=torch.float32)
+                piece.state_view(state, state_key).copy_(source.read_flat_range(prefix + state_key, piece.lo, piece.hi))
+            group_scalars = state_scalars[piece.group_index] if piece.group_index < len(state_scalars) else {}
+            for scalar_key, value in group_scalars.items():
+                state[scalar_key] = torch.tensor(float(value), dtype=torch.float32)
+        if optimizer is not None and load_optimizer_states:
+            saved_groups = (scalars.get("optimizer") or {}).get("param_groups") or []
+            if len(saved_groups) == len(optimizer.optimizer.param_groups):
+                for group, hyper in zip(optimizer.optimizer.param_groups, saved_groups):
+                    for name, value in hyper.items():
+                        if name in group and name != "params":
+                            group[name] = tuple(value) if isinstance(group[name], tuple) else value
+        if optimizer is not None:
+            optimizer.publish_loaded()
+        elif parts.zero_model is not None:
+            parts.zero_model.refresh_gathered()
+        for name, buffer in parts.module.named_buffers():
+            if f"buffer/{name}" in keys:
+                buffer.copy_(source.read(f"buffer/{name}").view(buffer.shape))
+    rng = {k.rsplit("/", 1)[-1]: source.read(k) for k in keys if k.startswith(f"rng/{parts.rank}/")}
+    if rng and scalars.get("world_size", parts.world_size) == parts.world_size:
+        restore_rng(rng)
+    if trainable_names(parts) and optimizer is None:
+        raise CheckpointError("internal: trainable parameters without an optimizer")
+    return scalars
+
+
+def client_tensors(source: Any) -> dict[str, torch.Tensor]:
+    return {k[len("client/"):]: source.read(k) for k in source.keys() if k.startswith("client/")}

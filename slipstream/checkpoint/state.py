@@ -1,0 +1,136 @@
+"""What a rank saves and loads: its `OwnedSlice`s (zero/slices.py), buffers, RNG, and the JSON conversions.
+
+`EngineParts` is the engine seen by the checkpoint code: the module, the ZeRO optimizer (or None), the
+stage-3 ZeroModel (or None) and the parameter names. `collect_slices` returns this rank's slices of every
+parameter: trainable ones from the optimizer (with their master and optimizer-state views), the others
+(frozen parameters, or all of them without an optimizer) from the shards at stage 3, or whole on rank 0
+(for a save) / every rank (for a load) at stages 0-2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipstream.checkpoint.errors import CheckpointError
+from slipstream.zero.slices import OwnedSlice
+
+
+@dataclasses.dataclass
+class EngineParts:
+    module: nn.Module
+    optimizer: Any
+    """The ZeroOptimizer (stages 0-3), or None for an inference-only engine."""
+    zero_model: Any
+    names: dict[int, str]
+    rank: int
+    world_size: int
+    stage: int
+
+
+def trainable_names(parts: EngineParts) -> set[str]:
+    if parts.optimizer is None:
+        return set()
+    return {parts.names[id(p)] for p in parts.optimizer.trainable_params()}
+
+
+def collect_slices(parts: EngineParts, *, for_save: bool) -> list[OwnedSlice]:
+    slices: list[OwnedSlice] = []
+    if parts.optimizer is not None:
+        slices.extend(parts.optimizer.owned_slices(parts.names, for_save=for_save))
+    skip = trainable_names(parts)
+    if parts.zero_model is not None:
+        slices.extend(parts.zero_model.value_slices(parts.names, skip=skip))
+        return slices
+    if for_save and parts.rank != 0:
+        return slices
+    for name, param in parts.module.named_parameters():
+        if name not in skip and param.numel() > 0:
+            slices.append(OwnedSlice(name=name, shape=tuple(param.shape), lo=0, hi=param.numel(), value=param.data))
+    return slices
+
+
+def flat_state_keys(optimizer: Any, piece: torch.Tensor) -> list[str]:
+    """The state entries of `piece` shaped like it (exp_avg, exp_avg_sq, momentum_buffer, ...)."""
+    state = optimizer.optimizer.state.get(piece, {})
+    return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+                  and v.numel() == piece.numel())
+
+
+def scalar_state(optimizer: Any) -> list[dict[str, Any]]:
+    """Per param group: the state values that are not per-element (Adam's step), from its first piece."""
+    out: list[dict[str, Any]] = []
+    for group in optimizer.optimizer.param_groups:
+        values: dict[str, Any] = {}
+        for piece in group["params"]:
+            state = optimizer.optimizer.state.get(piece)
+            if state:
+                values = {k: to_json(v, f"optimizer state {k!r}") for k, v in state.items()
+                          if not (isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == piece.numel())}
+                break
+        out.append(values)
+    return out
+
+
+def hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
+    return [{k: to_json(v, f"param group {k!r}") for k, v in group.items() if k != "params"}
+            for group in optimizer.optimizer.param_groups]
+
+
+def to_json(value: Any, what: str) -> Any:
+    """A JSON-storable copy of `value` (tensors of one element become numbers, tuples lists)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            return value.item()
+        raise CheckpointError(f"{what} is a tensor of shape {tuple(value.shape)}; only scalars go into the manifest")
+    if isinstance(value, float) and not math.isfinite(value):
+        return value
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [to_json(v, what) for v in value]
+    if isinstance(value, dict):
+        return {str(k): to_json(v, f"{what}[{k!r}]") for k, v in value.items()}
+    raise CheckpointError(f"{what} is a {type(value).__name__}, which a checkpoint cannot store; use JSON values "
+                          "(numbers, strings, lists, dicts) or tensors")
+
+
+def split_client_state(client_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """client_state as (JSON values, top-level tensors); anything else is an error naming the key."""
+    values: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in (client_state or {}).items():
+        if isinstance(value, torch.Tensor):
+            tensors[str(key)] = value.detach().to("cpu").contiguous()
+        else:
+            try:
+                values[str(key)] = to_json(value, f"client_state[{key!r}]")
+            except CheckpointError as exc:
+                raise CheckpointError(f"save_checkpoint: {exc}") from None
+    return values, tensors
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    from slipstream.accelerator import get_accelerator
+
+    states = {"cpu": torch.get_rng_state()}
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        try:
+            states["accelerator"] = accelerator.get_rng_state().cpu()
+        except (AttributeError, RuntimeError):
+            pass
+    return states
+
+
+def restore_rng(states: dict[str, torch.Tensor]) -> None:
+    from slipstream.accelerator import get_accelerator
+
+    if "cpu" in states:
+        torch.set_rng_state(states["cpu"].to(torch.uint8))
+    if "accelerator" in states and get_accelerator().device_name() != "cpu":
+        get_accelerator().set_rng_state(states["accelerator"].to(torch.uint8))

@@ -1,0 +1,111 @@
+"""The engine's `save_checkpoint` / `load_checkpoint` (DeepSpeed's signatures) over slipstream/checkpoint/.
+
+The engine's own state goes into the manifest's scalars: step counters (the accumulation position
+included), the scheduler and loss-scale state, optimizer hyperparameters and step counts, the resolved
+config and the version. Tensors go through checkpoint/save.py and checkpoint/load.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from slipstream.checkpoint.atomic import read_latest
+from slipstream.checkpoint.state import EngineParts, hyperparameters, scalar_state, split_client_state, to_json
+from slipstream.utils.logging import log_rank0, warn_once
+
+
+class Checkpointing:
+    """Mixin of the engine (uses its counters, optimizer, scheduler, loss scaler and plan)."""
+
+    module: Any
+    optimizer: Any
+    zero_model: Any
+    lr_scheduler: Any
+    loss_scaler: Any
+    plan: Any
+    config: Any
+    global_rank: int
+    world_size: int
+    global_steps: int
+    global_samples: int
+    skipped_steps: int
+    micro_steps: int
+    _param_names: dict[int, str]
+
+    def _parts(self) -> EngineParts:
+        return EngineParts(module=self.module, optimizer=self.optimizer, zero_model=self.zero_model,
+                           names=self._param_names, rank=self.global_rank, world_size=self.world_size,
+                           stage=self.plan.zero.stage)
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Write a checkpoint every rank can load at any world size and stage; returns True (DeepSpeed's)."""
+        from slipstream import __version__
+        from slipstream.checkpoint.save import save_engine
+
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        values, tensors = split_client_state(client_state or {})
+        scalars: dict[str, Any] = {
+            "engine": {"global_steps": self.global_steps, "global_samples": self.global_samples,
+                       "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps},
+            "world_size": self.world_size, "zero_stage": self.plan.zero.stage,
+            "lr_scheduler": to_json(self.lr_scheduler.state_dict(), "lr_scheduler.state_dict()")
+            if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict") else None,
+            "loss_scaler": to_json(self.loss_scaler.state_dict(), "loss scaler state")
+            if self.loss_scaler is not None else None,
+            "client_state": values, "config": to_json(self.config, "config"),
+        }
+        if self.optimizer is not None:
+            scalars["optimizer"] = {"param_groups": hyperparameters(self.optimizer),
+                                    "state_scalars": scalar_state(self.optimizer)}
+        tag_validation = str((self.config.get("checkpoint") or {}).get("tag_validation", "WARN"))
+        path = save_engine(self._parts(), save_dir, tag, scalars=scalars, client_tensors=tensors,
+                           save_latest=save_latest, exclude_frozen=exclude_frozen_parameters,
+                           tag_validation=tag_validation, version=__version__)
+        log_rank0(f"checkpoint: saved {path}", rank=self.global_rank)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
+        """Load a Slipstream (any world size, any stage) or DeepSpeed 0.19 checkpoint; returns
+        (path, client_state), or (None, None) with a warning when there is nothing to load."""
+        from slipstream.checkpoint.load import client_tensors, load_engine, open_source
+
+        root = Path(load_dir)
+        if tag is None:
+            tag = read_latest(root)
+            if tag is None:
+                if (root / "manifest.json").is_file() or list(root.glob("*model_states.pt")):
+                    tag, root = root.name, root.parent
+                else:
+                    warn_once(f"no-ckpt:{root}", f"slipstream: load_checkpoint found no `latest` file in {root}; "
+                              "nothing loaded (pass tag=... to pick a checkpoint)")
+                    return None, None
+        path = root / str(tag)
+        source = open_source(path)
+        try:
+            load_optimizer = load_optimizer_states and not load_module_only
+            scalars = load_engine(self._parts(), source, strict=load_module_strict,
+                                  load_optimizer_states=load_optimizer)
+            client = dict(scalars.get("client_state") or {})
+            client.update(client_tensors(source))
+        finally:
+            source.close()
+        if not load_module_only:
+            self._restore_scalars(scalars, load_lr_scheduler_states=load_lr_scheduler_states)
+        log_rank0(f"checkpoint: loaded {path}", rank=self.global_rank)
+        return str(path), client
+
+    def _restore_scalars(self, scalars: dict[str, Any], *, load_lr_scheduler_states: bool) -> None:
+        engine = scalars.get("engine") or {}
+        self.global_steps = int(engine.get("global_steps", 0))
+        self.global_samples = int(engine.get("global_samples", 0))
+        self.skipped_steps = int(engine.get("skipped_steps", 0))
+        self.micro_steps = int(engine.get("micro_steps", 0))
+        state = scalars.get("lr_scheduler")
+        if load_lr_scheduler_states and state and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state)
+        if scalars.get("loss_scaler") and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(scalars["loss_scaler"])
