@@ -73,7 +73,8 @@ def load_engine(parts: EngineParts, source: Any, *, strict: bool, load_optimizer
     """Load module (and optimizer) state into the engine's tensors; returns the checkpoint's scalars."""
     keys = set(source.keys())
     names = [n for n, _ in parts.module.named_parameters()]
-    saved = {k[len("module/"):] for k in keys if k.startswith("module/")}
+    buffers = {n for n, _ in parts.module.named_buffers()}
+    saved = {k[len("module/"):] for k in keys if k.startswith("module/")} - buffers  # DeepSpeed keeps buffers there
     missing, unexpected = sorted(set(names) - saved), sorted(saved - set(names))
     if strict and (missing or unexpected):
         raise CheckpointError(f"load_checkpoint: the checkpoint does not match the model: missing {missing[:8]}, "
@@ -117,8 +118,10 @@ def load_engine(parts: EngineParts, source: Any, *, strict: bool, load_optimizer
         elif parts.zero_model is not None:
             parts.zero_model.refresh_gathered()
         for name, buffer in parts.module.named_buffers():
-            if f"buffer/{name}" in keys:
-                buffer.copy_(source.read(f"buffer/{name}").view(buffer.shape))
+            for key in (f"buffer/{name}", f"module/{name}"):
+                if key in keys:
+                    buffer.copy_(source.read(key).view(buffer.shape))
+                    break
     rng = {k.rsplit("/", 1)[-1]: source.read(k) for k in keys if k.startswith(f"rng/{parts.rank}/")}
     if rng and scalars.get("world_size", parts.world_size) == parts.world_size:
         restore_rng(rng)

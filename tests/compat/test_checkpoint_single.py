@@ -1,0 +1,120 @@
+"""Checkpoints in one process: corrupt files named on load, nothing-to-load, client_state checks, export of an
+engine checkpoint to HF safetensors, and DeepSpeed 0.19 checkpoints (fixtures) loaded into the engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import slipstream
+from slipstream.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from tests.harness.models import TinyMLP
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_ckpt"
+
+
+@pytest.fixture(autouse=True)
+def single_process(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _engine(stage: int = 2, model: torch.nn.Module | None = None, **extra: object) -> slipstream.SlipstreamEngine:
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **extra}
+    engine, *_ = slipstream.initialize(model=model if model is not None else TinyMLP(), config=config)
+    return engine
+
+
+def _train(engine: slipstream.SlipstreamEngine, steps: int = 2) -> None:
+    for step in range(steps):
+        x, y = TinyMLP().make_batch(seed=step, batch_size=4)
+        engine.backward(TinyMLP.loss(engine(x), y))
+        engine.step()
+
+
+def test_flipped_byte_is_named_on_load(tmp_path: Path) -> None:
+    engine = _engine()
+    _train(engine)
+    assert engine.save_checkpoint(tmp_path) is True
+    assert (tmp_path / "latest").read_text().strip() == "global_step2"
+    shard = tmp_path / "global_step2" / "rank_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match="rank_00000.safetensors"):
+        _engine().load_checkpoint(tmp_path)
+
+
+def test_nothing_to_load_and_bad_client_state(tmp_path: Path) -> None:
+    engine = _engine()
+    with pytest.warns(UserWarning, match="no `latest` file"):
+        assert engine.load_checkpoint(tmp_path / "empty") == (None, None)
+    with pytest.raises(CheckpointError, match="client_state\\['handle'\\]"):
+        engine.save_checkpoint(tmp_path, client_state={"handle": object()})
+    assert not (tmp_path / "global_step0").exists()
+
+
+def test_export_of_an_engine_checkpoint(tmp_path: Path) -> None:
+    safetensors = pytest.importorskip("safetensors.torch")
+    engine = _engine(stage=3, bf16={"enabled": True})
+    _train(engine)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    masters = {s.name: s.master.clone() for s in engine.optimizer.owned_slices(engine._param_names, for_save=False)}
+    from slipstream.checkpoint.export import export_checkpoint
+
+    out = export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", progress=False)
+    exported = safetensors.load_file(str(out / "model.safetensors"))
+    assert set(exported) == {n for n, _ in TinyMLP().named_parameters()}
+    for name, value in exported.items():  # the fp32 masters, not the bf16 copies
+        assert value.dtype == torch.float32
+        assert torch.equal(value.reshape(-1), masters[name]), name
+
+
+class TinyNet(torch.nn.Module):
+    """The model of tools/make_deepspeed_fixtures.py."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.fc2 = torch.nn.Linear(16, 3)
+        self.register_buffer("out_scale", torch.tensor([1.0, 0.5, 2.0]))
+        self.frozen_bias = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 5), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.norm(self.fc1(x)))) * self.out_scale + self.frozen_bias[:3]
+
+
+@pytest.mark.parametrize("case,stage", [("stage1_fp32_ws2", 0), ("stage2_fp32_ws2", 3), ("stage3_fp32_ws2", 1),
+                                        ("stage3_bf16_ws2", 2)])
+def test_deepspeed_checkpoint_loads_into_the_engine(case: str, stage: int) -> None:
+    expected = json.loads((FIXTURES / case / "expected.json").read_text())
+    bf16 = expected["dtype"] == "bf16"
+    engine = _engine(stage=stage, model=TinyNet(), bf16={"enabled": bf16})
+    path, client = engine.load_checkpoint(FIXTURES / case)
+    assert path is not None and client == expected["client_state"]
+    assert engine.global_steps == expected["global_steps"]
+    slices = engine.optimizer.owned_slices(engine._param_names, for_save=False)
+    for piece in slices:
+        master = torch.tensor(expected["master"][piece.name]).reshape(-1)[piece.lo:piece.hi]
+        torch.testing.assert_close(piece.master, master, rtol=0, atol=0)
+        state = engine.optimizer.optimizer.state[piece.piece]
+        exp_avg = torch.tensor(expected["exp_avg"][piece.name]).reshape(-1)[piece.lo:piece.hi]
+        torch.testing.assert_close(piece.state_view(state, "exp_avg"), exp_avg, rtol=0, atol=0)
+    _train_tiny(engine)  # the loaded state trains on
+
+
+def _train_tiny(engine: slipstream.SlipstreamEngine) -> None:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    out = engine(x.to(torch.bfloat16) if engine.bfloat16_enabled() else x)
+    engine.backward(out.float().pow(2).mean())
+    engine.step()
+    assert engine.global_steps >= 1
