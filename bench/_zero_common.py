@@ -13,6 +13,8 @@ collectives in the same order. Rank 0 answers each command with one line on stdo
     {"op": "run", "name": N, "steps": K}  K steps of runner N on its next K micro-batches; the reply has the
                                           per-step time of the slowest rank and the mean loss over ranks
     {"op": "memory"}                      RSS high-water mark per rank (ru_maxrss) and engine-owned bytes
+    {"op": "count", "name": N}            one step of runner N through its `count_step` (figures such as
+                                          the all-gathers it issued), one value per rank for each key
     {"op": "quit"}
 Idle ranks block on stdin, so a group that is not running costs no CPU: the driver alternates short chunks
 of steps between frameworks and groups, and drift in machine load hits all of them alike.
@@ -21,6 +23,7 @@ of steps between frameworks and groups, and drift in machine load hits all of th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import resource
@@ -45,6 +48,7 @@ from model import GPT, GPTConfig
 
 REPLY_MARK = "@@zero_step "
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+CountFn = Callable[[torch.Tensor, torch.Tensor], dict[str, int]]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -81,6 +85,8 @@ class Runner:
     owned_bytes: Callable[[], int | None]
     model: nn.Module
     cursor: int = 0
+    count_step: CountFn | None = None
+    """One step that returns what it counted on this rank (e.g. {"all_gather": 9}); for the "count" op."""
 
 
 Factory = Callable[[BenchSpec, nn.Module], Runner]
@@ -147,6 +153,89 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int
     return total
 
 
+def ds3_config(
+    spec: BenchSpec,
+    *,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    persistence_threshold: int = 10_000,
+) -> dict[str, Any]:
+    """`ds_config(spec, stage=3)` with block weights sharded (parameters under `persistence_threshold`
+    elements, the biases and LayerNorms, stay whole) and optionally the CPU offload sections."""
+    config = ds_config(spec, stage=3)
+    zero = config["zero_optimization"]
+    zero["stage3_param_persistence_threshold"] = persistence_threshold
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+    return config
+
+
+ALL_GATHER_FUNCTIONS = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base", "all_gather")
+
+
+class TorchAllGatherCounter:
+    """Counts calls of the torch.distributed all-gather functions while `counting()` is open.
+
+    `install()` replaces `ALL_GATHER_FUNCTIONS` in both `torch.distributed` and
+    `torch.distributed.distributed_c10d` with counting wrappers. It must run before a framework captures
+    one of them (DeepSpeed's TorchBackend keeps `torch.distributed.all_gather_into_tensor` from its init).
+    Only the outermost call counts: `all_gather_into_tensor` calling `all_gather_single` is one all-gather.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._active = False
+        self._depth = 0
+        self._installed = False
+
+    def install(self) -> None:
+        if self._installed:
+            return
+        c10d = dist.distributed_c10d
+        for name in ALL_GATHER_FUNCTIONS:
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
+            wrapper = self._wrap(original)
+            setattr(c10d, name, wrapper)
+            if getattr(dist, name, None) is original:
+                setattr(dist, name, wrapper)
+        self._installed = True
+
+    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._active and self._depth == 0:
+                self.calls += 1
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+    def count_step(self, step: StepFn) -> CountFn:
+        """A `Runner.count_step` that runs `step` once and reports {"all_gather": calls during it}."""
+
+        def counted_step(inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, int]:
+            assert self._installed, "install() the counter before building the runner"
+            self.calls, self._active = 0, True
+            try:
+                step(inputs, targets)
+            finally:
+                self._active = False
+            return {"all_gather": self.calls}
+
+        return counted_step
+
+
+ALL_GATHERS = TorchAllGatherCounter()
+"""The process-wide counter (one per rank server)."""
+
+
 def _gather(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
@@ -167,6 +256,16 @@ def _run(runner: Runner, batches: list[tuple[torch.Tensor, torch.Tensor]], steps
         "times": [max(t) for t in zip(*(r[0] for r in per_rank))],
         "losses": [sum(v) / len(v) for v in zip(*(r[1] for r in per_rank))],
     }
+
+
+def _count(runner: Runner, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, list[int]]:
+    """One counted step of `runner`: {key: [value on rank 0, value on rank 1, ...]}."""
+    if runner.count_step is None:
+        raise ValueError("this runner has no count_step; build its Runner with one to use the count op")
+    inputs, targets = batches[runner.cursor % len(batches)]
+    runner.cursor += 1
+    per_rank = _gather(runner.count_step(inputs, targets))
+    return {key: [figures[key] for figures in per_rank] for key in per_rank[0]}
 
 
 def _reply(rank: int, payload: dict[str, Any]) -> None:
@@ -208,6 +307,8 @@ def serve(factories: dict[str, Factory], *, names: list[str], rank: int, spec: B
                 break
             if command["op"] == "run":
                 _reply(rank, _run(runners[command["name"]], batches, int(command["steps"])))
+            elif command["op"] == "count":
+                _reply(rank, _count(runners[command["name"]], batches))
             elif command["op"] == "memory":
                 owned = {name: runner.owned_bytes() for name, runner in runners.items()}
                 figures = _gather({"rss_mib": rss_mib(), "rss_before_mib": rss_before, "owned": owned})

@@ -1,0 +1,317 @@
+"""Benchmark of one ZeRO-3 training step: Slipstream stage 3 (and its CPU offloads) against FSDP2 and DeepSpeed.
+
+    python bench/zero3_step.py [--quick] [--rounds 10] [--chunk 5] [--peer-python .bench-venv/bin/python]
+
+Owns the stage-3 table of the ZeRO-3 issue, measured like bench/zero_step.py (same model, seed, data, rank
+servers of _zero_common; 2 ranks, gloo on CPU, one thread each). Rows:
+    slipstream3                `slipstream.initialize` with `_zero_common.ds3_config`: the JSON of zero_step.py
+                               at stage 3, stage3_param_persistence_threshold 1e4 (every block weight matrix
+                               and both embeddings are sharded; biases and LayerNorms stay whole), default
+                               prefetch
+    slipstream3_offload        + "offload_optimizer": {"device": "cpu"}
+    slipstream3_offload_param  + "offload_param": {"device": "cpu"} as well
+    fsdp2                      torch.distributed.fsdp.fully_shard on every transformer block, then on the root;
+                               torch.optim.AdamW with the same hyperparameters, clip_grad_norm_(1.0), same loss
+    deepspeed3(_offload)       DeepSpeed 0.19 with the JSON of slipstream3(_offload), in the peer environment
+                               (bench/make_peer_venv.sh creates .bench-venv; served by bench/_deepspeed_peer.py)
+Phases (see [Note: rank servers] in _zero_common.py):
+    Memory: a fresh group per row runs `--memory-steps` steps, then reports its RSS high-water mark (the
+            highest rank's) and owned bytes, then counts the all-gathers of one more step.
+    Time:   two long-lived groups (the rows above here; DeepSpeed in the peer) take turns in chunks of
+            `--chunk` steps, round after round; one warmup round is dropped; the median is reported.
+All-gathers per optimizer step (forward + backward + step, on one rank, after the memory steps):
+    Slipstream: `slipstream.comm.count_collectives()` around the step, key "all_gather" (the calls that
+                Slipstream's collectives layer records: one per unit gather).
+    FSDP2, DeepSpeed: calls of torch.distributed's all_gather_single / all_gather_into_tensor /
+                _all_gather_base / all_gather (outermost call only) during the step, counted by wrappers that
+                `_zero_common.ALL_GATHERS.install()` puts in place before the framework is built. The same
+                wrapper count is taken for Slipstream too and printed with the details, as a cross-check.
+The mean loss of every row after the same steps is printed as a sanity check (same data, same init).
+Targets (printed, not asserted): slipstream3 step time <= 0.8x deepspeed3's and <= 1.1x fsdp2's; its peak
+RSS no higher than either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+for _path in (str(BENCH_DIR), str(ROOT)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import torch
+from _zero_common import ALL_GATHERS, BenchSpec, Factory, Runner, ds3_config, serve_main
+from torch import nn
+from zero_step import RankGroup, measure_time
+
+OURS = ["fsdp2", "slipstream3", "slipstream3_offload", "slipstream3_offload_param"]
+PEER = ["deepspeed3", "deepspeed3_offload"]
+TARGET_VS_DEEPSPEED = 0.8
+TARGET_VS_FSDP2 = 1.1
+
+
+def make_slipstream3(*, offload_optimizer: bool, offload_param: bool) -> Factory:
+    def factory(spec: BenchSpec, model: nn.Module) -> Runner:
+        import slipstream
+        from slipstream.comm import count_collectives
+
+        config = ds3_config(spec, offload_optimizer=offload_optimizer, offload_param=offload_param)
+        engine, _, _, _ = slipstream.initialize(model=model, config=config)
+
+        def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = engine(inputs, targets)
+            engine.backward(loss)
+            engine.step()
+            return loss.detach()
+
+        torch_count = ALL_GATHERS.count_step(step)
+
+        def count_step(inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, int]:
+            with count_collectives() as counter:
+                torch_calls = torch_count(inputs, targets)["all_gather"]
+            return {
+                "all_gather": counter.calls["all_gather"],
+                "torch_all_gather": torch_calls,
+                "units": len(engine.zero_model.units),
+            }
+
+        return Runner(
+            step=step,
+            model=model,
+            owned_bytes=lambda: sum(engine.optimizer.owned_bytes().values()),
+            count_step=count_step,
+        )
+
+    return factory
+
+
+def make_fsdp2(spec: BenchSpec, model: nn.Module) -> Runner:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (spec.world_size,))
+    blocks = list(model.blocks)  # type: ignore[arg-type]
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01
+    )
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = model(inputs, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    torch_count = ALL_GATHERS.count_step(step)
+
+    def count_step(inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, int]:
+        return {**torch_count(inputs, targets), "units": len(blocks) + 1}
+
+    return Runner(
+        step=step,
+        model=model,
+        owned_bytes=lambda: sharded_state_bytes(model, optimizer),
+        count_step=count_step,
+    )
+
+
+def sharded_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """`model_state_bytes` for DTensor parameters: the local shards of params, grads and AdamW state."""
+
+    def local_bytes(tensor: torch.Tensor) -> int:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return local.numel() * local.element_size()
+
+    total = sum(2 * local_bytes(p) for p in model.parameters() if p.requires_grad)
+    for state in optimizer.state.values():
+        total += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return total
+
+
+FACTORIES: dict[str, Factory] = {
+    "fsdp2": make_fsdp2,
+    "slipstream3": make_slipstream3(offload_optimizer=False, offload_param=False),
+    "slipstream3_offload": make_slipstream3(offload_optimizer=True, offload_param=False),
+    "slipstream3_offload_param": make_slipstream3(offload_optimizer=True, offload_param=True),
+}
+
+
+def measure_memory(
+    groups_for: dict[str, tuple[Path, Path]], spec: BenchSpec, steps: int, workdir: Path
+) -> dict[str, dict[str, Any]]:
+    """Memory phase: a fresh group per row, `steps` steps, its memory figures, then one counted step."""
+    memory = {}
+    for name, (python, script) in groups_for.items():
+        group = RankGroup(python, script, [name], spec, workdir / f"mem-{name}")
+        try:
+            group.send({"op": "run", "name": name, "steps": steps})
+            figures = group.send({"op": "memory"})
+            counts = group.send({"op": "count", "name": name})
+            assert figures is not None and counts is not None
+            memory[name] = {
+                "peak_rss_mib": figures["peak_rss_mib"],
+                "rss_before_mib": figures["rss_before_mib"],
+                "owned_mib": figures["owned_mib"][name],
+                "num_params": group.ready["num_params"],
+                **{key: max(values) for key, values in counts.items()},
+            }
+            print(f"  {name}: done", flush=True)
+        finally:
+            group.close()
+    return memory
+
+
+def _num(value: float | None, fmt: str = ".1f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    return "-" if num is None or den is None else f"{num / den:.2f}x"
+
+
+def print_table(rows: dict[str, dict[str, Any]]) -> None:
+    """One line per row: median step time, ratios to deepspeed3 and fsdp2, peak RSS, all-gathers per step."""
+    ds_ms = rows.get("deepspeed3", {}).get("median_ms")
+    fsdp_ms = rows.get("fsdp2", {}).get("median_ms")
+    header = (
+        f"{'row':<26} | {'step ms':>7} | {'vs DS3':>6} | {'vs FSDP2':>8} | {'peak RSS MiB':>12} | "
+        f"{'owned MiB':>9} | {'all-gathers':>11} | {'loss':>6}"
+    )
+    print(header + "\n" + "-" * len(header))
+    for name, row in rows.items():
+        ms = row.get("median_ms")
+        print(
+            f"{name:<26} | {_num(ms):>7} | {_ratio(ms, ds_ms):>6} | {_ratio(ms, fsdp_ms):>8} | "
+            f"{_num(row.get('peak_rss_mib')):>12} | {_num(row.get('owned_mib')):>9} | "
+            f"{row.get('all_gather', '-'):>11} | {_num(row.get('final_loss'), '.4f'):>6}"
+        )
+    print(
+        "\nstep ms: median over timed steps of the slowest rank; peak RSS: highest rank's ru_maxrss; "
+        "owned: engine-owned tensor bytes per rank (None for DeepSpeed); all-gathers: one optimizer step, "
+        "one rank; loss: mean over ranks of the last chunk"
+    )
+    print("\ndetails: mean step ms, RSS before the engine was built, units, torch-level all-gather calls")
+    for name, row in rows.items():
+        print(
+            f"  {name:<26} mean {_num(row.get('mean_ms')):>7} ms   RSS before "
+            f"{_num(row.get('rss_before_mib')):>6} MiB   units {row.get('units', '-'):>3}   torch all-gathers "
+            f"{row.get('torch_all_gather', row.get('all_gather', '-'))}   steps {row.get('num_steps', '-')}"
+        )
+
+
+def print_targets(rows: dict[str, dict[str, Any]]) -> None:
+    """The issue's targets for slipstream3 (and the offload rows against DeepSpeed's offload), not asserted."""
+    ours = rows.get("slipstream3", {})
+    print("\ntargets (reported, not asserted):")
+    pairs = [
+        ("slipstream3", "deepspeed3", TARGET_VS_DEEPSPEED),
+        ("slipstream3", "fsdp2", TARGET_VS_FSDP2),
+        ("slipstream3_offload", "deepspeed3_offload", TARGET_VS_DEEPSPEED),
+    ]
+    for name, peer, target in pairs:
+        ms, peer_ms = rows.get(name, {}).get("median_ms"), rows.get(peer, {}).get("median_ms")
+        if ms is None or peer_ms is None:
+            print(f"  {name} / {peer} step time: not measured")
+            continue
+        verdict = "met" if ms / peer_ms <= target else "MISSED"
+        print(f"  {name} / {peer} step time {ms / peer_ms:.3f}x (target <= {target}x): {verdict}")
+    for peer in ("deepspeed3", "fsdp2"):
+        rss, peer_rss = ours.get("peak_rss_mib"), rows.get(peer, {}).get("peak_rss_mib")
+        if rss is None or peer_rss is None:
+            print(f"  slipstream3 peak RSS vs {peer}: not measured")
+            continue
+        verdict = "met" if rss <= peer_rss else "MISSED"
+        print(f"  slipstream3 peak RSS {rss:.1f} MiB vs {peer} {peer_rss:.1f} MiB (target <=): {verdict}")
+    losses = [row["final_loss"] for row in rows.values() if row.get("final_loss") is not None]
+    if losses:
+        print(
+            f"  loss spread over rows {max(losses) - min(losses):.2e} (same data and init: should be ~1e-3 or less)"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 1 timed round of 2 steps, 2 memory steps"
+    )
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds (after one warmup round)")
+    parser.add_argument("--chunk", type=int, default=5, help="steps per row per round")
+    parser.add_argument("--memory-steps", type=int, default=5, help="steps before reading the memory figures")
+    parser.add_argument(
+        "--peer-python",
+        type=Path,
+        default=ROOT / ".bench-venv" / "bin" / "python",
+        help="interpreter of the DeepSpeed peer environment (bench/make_peer_venv.sh)",
+    )
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
+    parser.add_argument(
+        "--rows", default=None, help="comma-separated subset of rows to run (default: all of them)"
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.chunk, args.memory_steps = 1, 2, 2
+    spec = BenchSpec()
+    use_peer = not args.no_deepspeed and args.peer_python.exists()
+    if not use_peer and not args.no_deepspeed:
+        print(
+            f"note: no DeepSpeed peer at {args.peer_python}; `bash bench/make_peer_venv.sh` adds those rows"
+        )
+    wanted = set(args.rows.split(",")) if args.rows else set(OURS + PEER)
+    unknown = wanted - set(OURS + PEER)
+    if unknown:
+        parser.error(f"--rows: unknown rows {sorted(unknown)}; choose from {OURS + PEER}")
+    ours_names = [name for name in OURS if name in wanted]
+    peer_names = [name for name in PEER if name in wanted] if use_peer else []
+    print(
+        f"GPT {spec.n_layer} layers x {spec.n_embd}, {spec.world_size} ranks (gloo, 1 thread each), micro batch "
+        f"{spec.micro_batch} x {spec.block_size} tokens, fp32 AdamW, clip 1.0, ZeRO-3 persistence threshold "
+        f"{ds3_config(spec)['zero_optimization']['stage3_param_persistence_threshold']:,} elements; "
+        f"{args.rounds} timed rounds x {args.chunk} steps per row",
+        flush=True,
+    )
+
+    ours = (Path(sys.executable), Path(__file__).resolve())
+    peer = (args.peer_python, BENCH_DIR / "_deepspeed_peer.py")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="zero3_step_") as tmp:
+        workdir = Path(tmp)
+        groups_for = {name: ours for name in ours_names} | {name: peer for name in peer_names}
+        memory = measure_memory(groups_for, spec, args.memory_steps, workdir)
+        print(f"memory phase done in {time.perf_counter() - started:.0f} s", flush=True)
+        groups = []
+        try:
+            if ours_names:
+                groups.append(RankGroup(*ours, ours_names, spec, workdir / "time-ours"))
+            if peer_names:
+                groups.append(RankGroup(*peer, peer_names, spec, workdir / "time-peer"))
+            timing = measure_time(groups, rounds=args.rounds, chunk=args.chunk)
+        finally:
+            for group in groups:
+                group.close()
+    rows = {name: {**memory.get(name, {}), **timing.get(name, {})} for name in groups_for}
+    print(f"model parameters: {next(iter(memory.values()))['num_params']:,}\n")
+    print_table(rows)
+    print_targets(rows)
+    print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    if "--serve" in sys.argv:
+        ALL_GATHERS.install()  # before slipstream is imported: its collectives keep the function they find
+        serve_main(FACTORIES, sys.argv)
+    else:
+        sys.exit(main())
