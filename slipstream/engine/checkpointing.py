@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.checkpoint.atomic import read_latest
+from slipstream.checkpoint.errors import CheckpointError
+from slipstream.comm import collectives
+from slipstream.comm.collectives import CollectiveTimeout
 from slipstream.checkpoint.state import EngineParts, hyperparameters, scalar_state, split_client_state, to_json
 from slipstream.utils.logging import log_rank0, warn_once
 
@@ -91,6 +94,11 @@ class Checkpointing:
                                   load_optimizer_states=load_optimizer)
             client = dict(scalars.get("client_state") or {})
             client.update(client_tensors(source))
+            if self.world_size > 1:
+                collectives.barrier()
+        except CollectiveTimeout as exc:
+            raise CheckpointError(f"load_checkpoint: ranks {exc.missing} never arrived (arrived: {exc.arrived}); every "
+                                  "rank must call load_checkpoint, with the same arguments") from exc
         finally:
             source.close()
         if not load_module_only:
