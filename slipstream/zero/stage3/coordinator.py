@@ -162,7 +162,8 @@ class Coordinator:
         for owner in state.borrow:
             self.state[owner.uid].holds -= 1
             owner.active_modules.discard(unit.uid)
-            if self.state[owner.uid].holds == 0 and not self._reused_soon(owner):
+            # During backward (activation checkpointing recomputes the forward), the backward frees the unit.
+            if self.state[owner.uid].holds == 0 and not self._in_backward and not self._reused_soon(owner):
                 owner.release()
 
     def _mark_inputs(self, unit: Unit, args: Any, kwargs: Any) -> Any:

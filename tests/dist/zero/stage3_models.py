@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
+
+from tests.harness.models import TinyTransformer
 
 
 class TiedLoopLM(nn.Module):
@@ -115,3 +118,13 @@ class Stack(nn.Module):
     def __init__(self, dim: int, count: int) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(count))
+
+
+class CheckpointedTransformer(TinyTransformer):
+    """TinyTransformer with activation checkpointing on every block (the forward runs again in backward)."""
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.layers:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(self.norm(x))

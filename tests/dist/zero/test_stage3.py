@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 
 from tests.dist.engine.test_engine_parity import LR, STEPS, global_batches
-from tests.dist.zero.stage3_models import TiedLoopLM
+from tests.dist.zero.stage3_models import CheckpointedTransformer, TiedLoopLM
 from tests.harness import run_distributed
 from tests.harness.models import TinyMLP, TinyTransformer
 from tests.harness.reference import train_reference
 
-MODELS = {"mlp": TinyMLP, "transformer": TinyTransformer, "tied": TiedLoopLM}
+MODELS = {"mlp": TinyMLP, "transformer": TinyTransformer, "tied": TiedLoopLM, "checkpointed": CheckpointedTransformer}
 
 
 def batches(model: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -60,6 +60,7 @@ CASES = [
     dict(model="mlp", micro=2, gas=2, torch_style=True, threshold=20),  # biases persistent
     dict(model="transformer", micro=2, gas=2, torch_style=False, threshold=30),
     dict(model="tied", micro=4, gas=1, torch_style=True),
+    dict(model="checkpointed", micro=2, gas=2, torch_style=False, threshold=30),
     dict(model="mlp", micro=2, gas=2, torch_style=False, offload_optimizer={"device": "cpu"}),
     dict(model="mlp", micro=2, gas=2, torch_style=False, stage=1, offload_optimizer={"device": "cpu"}),
     dict(model="mlp", micro=2, gas=2, torch_style=False, stage=2, offload_optimizer={"device": "cpu"}),
