@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 __all__ = [
+    "AioPlan",
     "BatchPlan",
     "EnginePlan",
     "LoggingPlan",
@@ -69,6 +70,17 @@ class OffloadOptimizerPlan:
     pin_memory: bool
     buffer_count: int
     ratio: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AioPlan:
+    """The `aio` section: how the async I/O op reads and writes NVMe files."""
+
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,6 +164,7 @@ class EnginePlan:
     dataloader_drop_last: bool
     gradient_predivide_factor: float
     prescale_gradients: bool
+    aio: AioPlan
     collective_timeout: Optional[float]
     """Seconds before a collective that some rank never reached raises; None: the environment's default."""
     unimplemented: tuple[str, ...]

@@ -44,6 +44,7 @@ from slipstream.config.plan import (
     PrecisionPlan,
     SchedulerPlan,
     Stage3Plan,
+    AioPlan,
     ZeroPlan,
 )
 from slipstream.config.schema.top import DeepSpeedConfig
@@ -116,6 +117,9 @@ def resolve(
         dataloader_drop_last=cfg.dataloader_drop_last,
         gradient_predivide_factor=cfg.gradient_predivide_factor,
         prescale_gradients=cfg.prescale_gradients,
+        aio=AioPlan(block_size=cfg.aio.block_size, queue_depth=cfg.aio.queue_depth,
+                    intra_op_parallelism=cfg.aio.intra_op_parallelism, single_submit=cfg.aio.single_submit,
+                    overlap_events=cfg.aio.overlap_events),
         collective_timeout=cfg.collective_timeout,
         unimplemented=tuple(dict.fromkeys(unimplemented)),
         resolved=_resolved(cfg, batch, zero),
@@ -294,8 +298,6 @@ def _scheduler_plan(cfg: DeepSpeedConfig, problems: list[str]) -> Optional[Sched
 def _special_unimplemented(cfg: DeepSpeedConfig, optimizer: Optional[OptimizerPlan]) -> list[str]:
     found = []
     zero = cfg.zero_optimization
-    if zero.offload_optimizer is not None and zero.offload_optimizer.device == "nvme":
-        found.append("zero_optimization.offload_optimizer.device=nvme")
     if (
         optimizer is not None
         and optimizer.name.lower() in DEEPSPEED_OPTIMIZERS

@@ -85,7 +85,7 @@ def make_basic_optimizer(module: nn.Module, plan: EnginePlan, client: Any,
         return None
     from slipstream.engine.optimizers import build_optimizer
 
-    offload = plan.zero.offload_optimizer is not None and plan.zero.offload_optimizer.device == "cpu"
+    offload = plan.zero.offload_optimizer is not None and plan.zero.offload_optimizer.device in ("cpu", "nvme")
     return build_optimizer(plan.optimizer, params, cpu_offload=offload)
 
 
@@ -113,15 +113,20 @@ def make_offload_policy(plan: EnginePlan) -> OffloadPolicy:
     offload = plan.zero.offload_optimizer
     if offload is None or offload.device == "none":
         return NoOffload()
-    if offload.device != "cpu":
-        raise NotImplementedError(f"zero_optimization.offload_optimizer.device={offload.device!r} is not available "
-                                  "yet; use \"cpu\"")
+    if offload.device == "nvme":
+        from slipstream.offload.nvme import AioSettings, NVMeOffload
+
+        aio = plan.aio
+        return NVMeOffload(pin_memory=False, nvme_path=str(offload.nvme_path), rank=dist.get_rank(),
+                           aio=AioSettings(block_size=aio.block_size, queue_depth=aio.queue_depth,
+                                           intra_op_parallelism=aio.intra_op_parallelism,
+                                           single_submit=aio.single_submit, overlap_events=aio.overlap_events))
     return CPUOffload(pin_memory=offload.pin_memory)
 
 
 def _check_optimizer_kind(optimizer: torch.optim.Optimizer, plan: EnginePlan) -> None:
     name = type(optimizer).__name__
-    offloaded = plan.zero.offload_optimizer is not None and plan.zero.offload_optimizer.device == "cpu"
+    offloaded = plan.zero.offload_optimizer is not None and plan.zero.offload_optimizer.device in ("cpu", "nvme")
     if offloaded and name != "DeepSpeedCPUAdam" and plan.resolved.get("zero_force_ds_cpu_optimizer", True):
         raise ValueError(f"offload_optimizer runs the optimizer on the host, but the optimizer is {name}; use "
                          "DeepSpeedCPUAdam (an 'optimizer' section of type Adam/AdamW does that for you) or set "

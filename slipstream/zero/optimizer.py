@@ -15,8 +15,10 @@ Gradients reach the flat grad storage through post-accumulate-grad hooks, so `lo
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 import torch
 import torch.distributed as dist
@@ -60,6 +62,13 @@ class ZeroOptimizer(abc.ABC):
                                                     grad_dtype=DTYPES[grad_dtype])
         self._repoint_optimizer()
         self._low_precision_out = self._low_precision_targets()  # fixed for the optimizer's lifetime
+        self.swapper = getattr(self.offload, "swapper", None)
+        """NVMe offload (offload/nvme.py): masters and optimizer states live in files between steps."""
+        if self.swapper is not None:
+            masters = sum(f.master_flat.numel() for f in self.groups if f.master_flat is not None)
+            self.offload.check_room(3 * 4 * masters)  # type: ignore[attr-defined]
+            for number in range(len(self.groups)):
+                self.swapper.swap_out(self._swappable(number))
 
     def _build_groups(self, *, bucket_numel: int, master_dtype: torch.dtype, grad_dtype: torch.dtype) -> list[Any]:
         """One FlatGroup per param group with trainable parameters; gradients arrive through hooks."""
@@ -139,14 +148,63 @@ class ZeroOptimizer(abc.ABC):
         low_precision = self._low_precision_out
         if self.offload.on_host:
             get_accelerator().synchronize()  # device -> host gradient copies are complete
+        if self.swapper is not None:
+            self._step_swapping(low_precision)
+        else:
+            self._step_optimizer(low_precision)
+        self._publish_params(from_low_precision=bool(low_precision), copied=self.swapper is not None)
+        self.zero_grad()
+        return StepResult(grad_norm=grad_norm, overflow=False)
+
+    def _step_optimizer(self, low_precision: list[torch.Tensor]) -> None:
         if low_precision:
             cpu_adam: Any = self.optimizer  # DeepSpeedCPUAdam: writes the low-precision copy in the same pass
             cpu_adam.step(low_precision_out=low_precision)
         else:
             self.optimizer.step()
-        self._publish_params(from_low_precision=bool(low_precision))
-        self.zero_grad()
-        return StepResult(grad_norm=grad_norm, overflow=False)
+
+    # ---- NVMe offload: one param group at a time (see [Note: NVMe swapping] in offload/nvme.py) ----
+    def _swappable(self, number: int) -> list[tuple[torch.Tensor, str]]:
+        flat = self.groups[number]
+        tensors = [] if flat.master_flat is None else [(flat.master_flat, f"group{number}_master")]
+        for piece in flat.master_pieces:
+            for key, value in self.optimizer.state.get(piece, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    tensors.append((value, f"group{number}_{key}"))
+        return tensors
+
+    def _step_swapping(self, low_precision: list[torch.Tensor]) -> None:
+        assert self.swapper is not None
+        groups = list(self.optimizer.param_groups)
+        outs, start = [], 0
+        for group in groups:
+            outs.append(low_precision[start: start + len(group["params"])] if low_precision else [])
+            start += len(group["params"])
+        try:
+            for number, group in enumerate(groups):
+                self.swapper.finish_swap_in([t for t, _ in self._swappable(number)])
+                if number + 1 < len(groups):  # read the next group while this one is updated
+                    self.swapper.start_swap_in([t for t, _ in self._swappable(number + 1)])
+                self.optimizer.param_groups = [group]
+                self._step_optimizer(outs[number])
+                self.groups[number].copy_master_to_params(from_low_precision=bool(low_precision))
+                self.swapper.swap_out(self._swappable(number))
+        finally:
+            self.optimizer.param_groups = groups
+
+    @contextlib.contextmanager
+    def resident_state(self) -> Iterator[None]:
+        """Masters and optimizer states in memory for the block (checkpoints); a no-op without NVMe offload."""
+        if self.swapper is None:
+            yield
+            return
+        for number in range(len(self.groups)):
+            self.swapper.finish_swap_in([t for t, _ in self._swappable(number)])
+        try:
+            yield
+        finally:
+            for number in range(len(self.groups)):
+                self.swapper.swap_out(self._swappable(number))
 
     def _local_grad_stats(self, owned: list[torch.Tensor]) -> torch.Tensor:
         """[sum of squares, count of non-finite tensors] of the owned gradients, in float64."""
@@ -163,10 +221,11 @@ class ZeroOptimizer(abc.ABC):
             return []
         return [p for flat in self.groups for p in flat.low_precision_pieces]
 
-    def _publish_params(self, *, from_low_precision: bool) -> None:
-        """Phase 4: every rank's flat params get the updated values."""
+    def _publish_params(self, *, from_low_precision: bool, copied: bool = False) -> None:
+        """Phase 4: every rank's flat params get the updated values (`copied`: already in the flat params)."""
         for flat in self.groups:
-            flat.copy_master_to_params(from_low_precision=from_low_precision)
+            if not copied:
+                flat.copy_master_to_params(from_low_precision=from_low_precision)
             if self.owns_all or self.world_size == 1:
                 continue
             for bucket, (start, end) in zip(flat.layout.buckets, flat.piece_ranges):

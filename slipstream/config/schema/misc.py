@@ -96,6 +96,8 @@ class CheckpointConfig(DSModel):
 class AioConfig(DSModel):
     """`aio`: asynchronous NVMe I/O."""
 
+    IMPLEMENTED = frozenset({"block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events"})
+
     block_size: DSInt = Field(1_048_576, gt=0)
     """Bytes per I/O request."""
     queue_depth: DSInt = Field(8, gt=0)

@@ -24,7 +24,7 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 class OffloadOptimizerConfig(DSModel):
     """`zero_optimization.offload_optimizer` (stages 1-3)."""
 
-    IMPLEMENTED = frozenset({"device", "pin_memory", "buffer_count"})
+    IMPLEMENTED = frozenset({"device", "pin_memory", "buffer_count", "nvme_path"})
     device: OffloadDevice = "none"
     """Where optimizer state lives: "none", "cpu" or "nvme"."""
     nvme_path: Optional[str] = None

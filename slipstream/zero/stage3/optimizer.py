@@ -212,9 +212,10 @@ class Stage3Optimizer(ZeroOptimizer):
         for slot in list(self._in_flight):
             self._finish(slot)
 
-    def _publish_params(self, *, from_low_precision: bool) -> None:
+    def _publish_params(self, *, from_low_precision: bool, copied: bool = False) -> None:
         for group in self.groups:
-            group.copy_master_to_params(from_low_precision=from_low_precision)
+            if not copied:
+                group.copy_master_to_params(from_low_precision=from_low_precision)
         for unit in self.model.units:  # gathered values are stale now: gather them again (persistent ones)
             if unit.status is ZeroParamStatus.AVAILABLE:
                 unit.status = ZeroParamStatus.NOT_AVAILABLE

@@ -1,0 +1,161 @@
+"""ZeRO-Infinity's optimizer offload to NVMe: fp32 masters and optimizer states live in files, not in memory.
+
+[Note: NVMe swapping]
+- `NVMeOffload` is a `CPUOffload` (the step runs on the host, in the CPU Adam op) whose master buffers and
+  optimizer-state tensors are *swappable*: between steps their storage is resized to zero bytes and their
+  values live in files under `nvme_path/slipstream-<pid>-rank<r>/` (mode 0700, files 0600). Views of them
+  (the master pieces the optimizer steps) stay valid, as with ZeRO-3's full buffers.
+- The step runs one optimizer param group at a time: the group's tensors are read back (the next group's
+  read is started before this group's update, so reads overlap compute), the group is updated, and its
+  tensors are written out and released. Host memory holds about two groups' masters and states at once.
+- I/O goes through the `async_io` op (native, or its thread-pool fallback); any failed or short request
+  raises `AsyncIOError` naming the file, offset and size, and the step stops: stale values are never used.
+- At start the directory must exist, be writable and have room for masters + states (checked with
+  numbers); the run's directory is removed at exit. A directory left by a crashed run (its pid is gone) is
+  removed first, so old data is never mixed with new.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipstream.offload.policy import CPUOffload
+from slipstream.utils.logging import log_rank0
+
+_PREFIX = "slipstream-"
+
+
+@dataclasses.dataclass
+class AioSettings:
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_dirs(root: Path, rank: int) -> list[str]:
+    """Remove run directories of this rank left by processes that no longer exist; returns what was removed."""
+    removed = []
+    for path in root.glob(f"{_PREFIX}*-rank{rank}"):
+        try:
+            pid = int(path.name[len(_PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
+class Swapper:
+    """Moves registered host tensors to files and back (see [Note: NVMe swapping])."""
+
+    def __init__(self, directory: Path, aio: AioSettings) -> None:
+        from slipstream.ops.aio import AsyncIOBuilder
+
+        self.directory = directory
+        module = AsyncIOBuilder().load()
+        self.handle = module.aio_handle(aio.block_size, aio.queue_depth, aio.single_submit, aio.overlap_events,
+                                        aio.intra_op_parallelism)
+        self._where: dict[int, tuple[str, int]] = {}
+        self._file_bytes: dict[str, int] = {}
+        self._reading: set[int] = set()
+
+    def _place(self, tensor: torch.Tensor, name: str) -> tuple[str, int]:
+        key = id(tensor)
+        if key not in self._where:
+            path = str(self.directory / f"{name}.swp")
+            offset = self._file_bytes.get(path, 0)
+            size = tensor.numel() * tensor.element_size()
+            self._file_bytes[path] = offset + (size + 4095) // 4096 * 4096
+            self._where[key] = (path, offset)
+        return self._where[key]
+
+    @staticmethod
+    def resident(tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().nbytes() > 0 or tensor.numel() == 0
+
+    def swap_out(self, tensors: list[tuple[torch.Tensor, str]]) -> None:
+        """Write `tensors` (resident ones) to their files, then release their memory."""
+        written = []
+        for tensor, name in tensors:
+            if not self.resident(tensor) or tensor.numel() == 0:
+                continue
+            path, offset = self._place(tensor, name)
+            self.handle.async_pwrite(tensor, path, offset)
+            written.append(tensor)
+        if written:
+            self.handle.wait()
+        for tensor in written:
+            tensor.untyped_storage().resize_(0)
+
+    def start_swap_in(self, tensors: list[torch.Tensor]) -> None:
+        """Re-grow and start reading `tensors` that were swapped out (`finish_swap_in` waits)."""
+        for tensor in tensors:
+            key = id(tensor)
+            if self.resident(tensor) or key not in self._where or key in self._reading:
+                continue
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+            path, offset = self._where[key]
+            self.handle.async_pread(tensor, path, offset)
+            self._reading.add(key)
+
+    def finish_swap_in(self, tensors: list[torch.Tensor]) -> None:
+        self.start_swap_in(tensors)
+        if self._reading:
+            self.handle.wait()
+            self._reading.clear()
+
+    def disk_bytes(self) -> int:
+        return sum(self._file_bytes.values())
+
+
+@dataclasses.dataclass
+class NVMeOffload(CPUOffload):
+    """CPU offload whose masters and optimizer states are swapped to `nvme_path` between uses."""
+
+    nvme_path: str = ""
+    aio: AioSettings = dataclasses.field(default_factory=AioSettings)
+    rank: int = 0
+    swapper: Any = dataclasses.field(default=None, init=False)
+    directory: Path | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.pin_memory = False  # swappable storages are resized; pinned host memory cannot be
+        root = Path(self.nvme_path)
+        if not root.is_dir() or not os.access(root, os.W_OK):
+            raise ValueError(f"offload_optimizer.nvme_path={self.nvme_path!r} is not a writable directory; create it "
+                             "(on a fast local disk) or point nvme_path at one")
+        for path in clean_stale_dirs(root, self.rank):
+            log_rank0(f"offload: removed {path}, left by a run that no longer exists", rank=self.rank)
+        self.directory = root / f"{_PREFIX}{os.getpid()}-rank{self.rank}"
+        self.directory.mkdir(mode=0o700, exist_ok=True)
+        atexit.register(shutil.rmtree, self.directory, True)
+        self.swapper = Swapper(self.directory, self.aio)
+
+    def check_room(self, needed_bytes: int) -> None:
+        """Stop with numbers when the NVMe file system lacks room for what this rank will write there."""
+        assert self.directory is not None
+        free = shutil.disk_usage(self.directory).free
+        if needed_bytes > free:
+            raise RuntimeError(f"NVMe offload needs {needed_bytes / 2**30:.2f} GiB on {self.nvme_path} for this rank "
+                               f"(fp32 master weights and optimizer states) but only {free / 2**30:.2f} GiB is free; "
+                               "free space, use another nvme_path, or offload to cpu")
