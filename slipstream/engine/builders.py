@@ -48,8 +48,21 @@ def prepare_stage3_module(model: nn.Module, plan: EnginePlan, device: torch.devi
                 if dist.get_world_size() > 1:
                     collectives.broadcast(moved, src=0)
                 module._buffers[name] = moved
-    assert plan.zero.stage3 is not None  # resolve.py always sets it at stage 3
-    return ZeroModel(model, stage3_settings(plan.zero.stage3), device=device)
+    stage3 = plan.zero.stage3
+    assert stage3 is not None  # resolve.py always sets it at stage 3
+    if (stage3.offload_param or {}).get("device") == "nvme":
+        if not (stage3.offload_param or {}).get("nvme_path"):
+            raise ValueError("zero_optimization.offload_param.device is \"nvme\" but nvme_path is not set; set it to a "
+                             "directory on a fast local disk")
+        if plan.zero.offload_optimizer is None or plan.zero.offload_optimizer.device == "none":
+            raise ValueError("zero_optimization.offload_param.device \"nvme\" needs offload_optimizer too (device cpu "
+                             "or nvme): the fp32 master weights cannot live in the NVMe-resident shards")
+    from slipstream.offload.nvme import AioSettings
+
+    aio = AioSettings(block_size=plan.aio.block_size, queue_depth=plan.aio.queue_depth,
+                      intra_op_parallelism=plan.aio.intra_op_parallelism, single_submit=plan.aio.single_submit,
+                      overlap_events=plan.aio.overlap_events)
+    return ZeroModel(model, stage3_settings(stage3, aio), device=device)
 
 
 def prepare_module(model: nn.Module, precision: PrecisionPlan, device: torch.device) -> nn.Module:

@@ -7,6 +7,7 @@ config and the version. Tensors go through checkpoint/save.py and checkpoint/loa
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,15 @@ class Checkpointing:
     micro_steps: int
     _param_names: dict[int, str]
 
+    def _resident(self) -> Any:
+        """Masters and optimizer states in memory (NVMe offload swaps them out between steps)."""
+        stack = contextlib.ExitStack()
+        if self.zero_model is not None:
+            stack.enter_context(self.zero_model.resident_shards())
+        if self.optimizer is not None:
+            stack.enter_context(self.optimizer.resident_state())
+        return stack
+
     def _parts(self) -> EngineParts:
         return EngineParts(module=self.module, optimizer=self.optimizer, zero_model=self.zero_model,
                            names=self._param_names, rank=self.global_rank, world_size=self.world_size,
@@ -63,9 +73,10 @@ class Checkpointing:
             scalars["optimizer"] = {"param_groups": hyperparameters(self.optimizer),
                                     "state_scalars": scalar_state(self.optimizer)}
         tag_validation = str((self.config.get("checkpoint") or {}).get("tag_validation", "WARN"))
-        path = save_engine(self._parts(), save_dir, tag, scalars=scalars, client_tensors=tensors,
-                           save_latest=save_latest, exclude_frozen=exclude_frozen_parameters,
-                           tag_validation=tag_validation, version=__version__)
+        with self._resident():
+            path = save_engine(self._parts(), save_dir, tag, scalars=scalars, client_tensors=tensors,
+                               save_latest=save_latest, exclude_frozen=exclude_frozen_parameters,
+                               tag_validation=tag_validation, version=__version__)
         log_rank0(f"checkpoint: saved {path}", rank=self.global_rank)
         return True
 
@@ -90,8 +101,9 @@ class Checkpointing:
         source = open_source(path)
         try:
             load_optimizer = load_optimizer_states and not load_module_only
-            scalars = load_engine(self._parts(), source, strict=load_module_strict,
-                                  load_optimizer_states=load_optimizer)
+            with self._resident():
+                scalars = load_engine(self._parts(), source, strict=load_module_strict,
+                                      load_optimizer_states=load_optimizer)
             client = dict(scalars.get("client_state") or {})
             client.update(client_tensors(source))
             if self.world_size > 1:

@@ -54,7 +54,7 @@ def _pid_alive(pid: int) -> bool:
 def clean_stale_dirs(root: Path, rank: int) -> list[str]:
     """Remove run directories of this rank left by processes that no longer exist; returns what was removed."""
     removed = []
-    for path in root.glob(f"{_PREFIX}*-rank{rank}"):
+    for path in [*root.glob(f"{_PREFIX}*-rank{rank}"), *root.glob(f"{_PREFIX}*-rank{rank}-params")]:
         try:
             pid = int(path.name[len(_PREFIX):].split("-")[0])
         except ValueError:
@@ -107,6 +107,14 @@ class Swapper:
         for tensor in written:
             tensor.untyped_storage().resize_(0)
 
+    def drop(self, tensors: list[tuple[torch.Tensor, str]]) -> None:
+        """Release tensors whose file copy is current (unchanged since read); write the never-written ones."""
+        fresh = [(t, n) for t, n in tensors if id(t) not in self._where]
+        self.swap_out(fresh)
+        for tensor, _ in tensors:
+            if id(tensor) in self._where and self.resident(tensor):
+                tensor.untyped_storage().resize_(0)
+
     def start_swap_in(self, tensors: list[torch.Tensor]) -> None:
         """Re-grow and start reading `tensors` that were swapped out (`finish_swap_in` waits)."""
         for tensor in tensors:
@@ -126,6 +134,31 @@ class Swapper:
 
     def disk_bytes(self) -> int:
         return sum(self._file_bytes.values())
+
+
+class NVMeShardStore:
+    """ZeRO-3 parameter offload to NVMe: a unit's shard is read in for a gather or an update and released
+    after (written back only when it changed)."""
+
+    def __init__(self, nvme_path: str, rank: int, aio: AioSettings) -> None:
+        root = Path(nvme_path)
+        if not root.is_dir() or not os.access(root, os.W_OK):
+            raise ValueError(f"offload_param.nvme_path={nvme_path!r} is not a writable directory; create it (on a "
+                             "fast local disk) or point nvme_path at one")
+        clean_stale_dirs(root, rank)
+        self.directory = root / f"{_PREFIX}{os.getpid()}-rank{rank}-params"
+        self.directory.mkdir(mode=0o700, exist_ok=True)
+        atexit.register(shutil.rmtree, self.directory, True)
+        self.swapper = Swapper(self.directory, aio)
+
+    def fetch(self, shard: torch.Tensor) -> None:
+        self.swapper.finish_swap_in([shard])
+
+    def release(self, shard: torch.Tensor, *, dirty: bool) -> None:
+        if dirty:
+            self.swapper.swap_out([(shard, "params")])
+        else:
+            self.swapper.drop([(shard, "params")])
 
 
 @dataclasses.dataclass

@@ -8,7 +8,9 @@ rank 0 when they come from plain (unsharded) parameters, so every rank starts fr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +37,9 @@ class Stage3Settings:
     reuse_distance: int = 1_000_000_000
     offload_param: bool = False
     pin_memory: bool = False
+    nvme_path: str | None = None
+    """offload_param.device nvme: shards live in files under this directory (offload/nvme.py)."""
+    aio: Any = None
     leaf_classes: tuple[type, ...] = ()
     leaf_class_names: tuple[str, ...] = ()
     leaf_names: tuple[str, ...] = ()
@@ -53,8 +58,13 @@ class ZeroModel(UnitManager):
         self._deferred_tags = []
         _mark_leaves(module, settings)
         specs = plan_units(module, threshold=settings.persistence_threshold, leaf_classes=settings.leaf_classes)
-        shard_device = torch.device("cpu") if settings.offload_param else device
+        shard_device = torch.device("cpu") if settings.offload_param or settings.nvme_path else device
         allocate = host_or_device_allocator(settings.pin_memory and settings.offload_param)
+        store: Any = None  # a ShardStore (unit.py) or offload/nvme.py's NVMeShardStore
+        if settings.nvme_path:
+            from slipstream.offload.nvme import AioSettings, NVMeShardStore
+
+            store = NVMeShardStore(settings.nvme_path, self.rank, settings.aio or AioSettings())
         previous = zero_model_of(module)
         if previous is not None:
             previous.detach_hooks()
@@ -69,7 +79,8 @@ class ZeroModel(UnitManager):
                     for param in plain:
                         collectives.broadcast(param.data, src=0, group=group)
             self.units.append(Unit(uid, spec, manager=self, rank=self.rank, world_size=self.world_size, group=group,
-                                   device=device, shard_device=shard_device, pool=self.pool, allocate_shard=allocate))
+                                   device=device, shard_device=shard_device, pool=self.pool, allocate_shard=allocate,
+                                   store=store))
             for old in old_units:  # re-sharded: free an old unit once none of its parameters is left in it
                 if all(p.ds_record.unit is not old for p in old.params if isinstance(p, ShardedParameter)):
                     old.persistent = False
@@ -153,6 +164,17 @@ class ZeroModel(UnitManager):
                                       value=unit.shard[record.shard_offset: record.shard_offset + hi - lo]))
         return out
 
+    @contextlib.contextmanager
+    def resident_shards(self) -> Iterator[None]:
+        """Every shard in memory for the block (checkpoints), written back after (parameter NVMe offload)."""
+        for unit in self.units:
+            unit.store.fetch(unit.shard)
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.store.release(unit.shard, dirty=True)
+
     def refresh_gathered(self) -> None:
         """After shards changed outside a step (a checkpoint load): re-gather the units that are gathered."""
         for unit in self.units:
@@ -190,12 +212,14 @@ def _sharded_owners(spec: UnitSpec) -> list[Unit]:
     return owners
 
 
-def stage3_settings(plan: Any) -> Stage3Settings:
+def stage3_settings(plan: Any, aio: Any = None) -> Stage3Settings:
     """Settings from the config's Stage3Plan."""
     offload = plan.offload_param or {}
+    nvme = offload.get("device") == "nvme"
     return Stage3Settings(persistence_threshold=int(plan.param_persistence_threshold),
                           prefetch_numel=int(plan.prefetch_bucket_size), max_live_numel=int(plan.max_live_parameters),
                           reuse_distance=int(plan.max_reuse_distance), offload_param=offload.get("device") == "cpu",
+                          nvme_path=str(offload.get("nvme_path")) if nvme else None, aio=aio,
                           pin_memory=bool(offload.get("pin_memory", False)), leaf_class_names=tuple(plan.leaf_classes),
                           leaf_names=tuple(plan.leaf_names))
 

@@ -52,8 +52,10 @@ class Stage3Group:
         else:
             self.master_flat = offload.allocate(total, master_dtype, offload.master_device(device))
             self.master_pieces = self._split(self.master_flat)
-            for piece, shard in zip(self.master_pieces, shard_pieces):
+            for run, piece, shard in zip(runs, self.master_pieces, shard_pieces):
+                run.unit.store.fetch(run.unit.shard)
                 piece.copy_(shard)
+                run.unit.store.release(run.unit.shard, dirty=False)
         self.grad_storage = torch.zeros(total, dtype=grad_dtype, device=device)
         self.owned_grads = self._split(self.grad_storage)
         self.host_grad_pieces: list[torch.Tensor] = []
@@ -82,7 +84,9 @@ class Stage3Group:
             return
         source = self.low_precision_pieces if from_low_precision else self.master_pieces
         for run, piece in zip(self.runs, source):
+            run.unit.store.fetch(run.unit.shard)
             run.unit.shard[run.shard_start: run.shard_start + run.numel].copy_(piece, non_blocking=self.offload.on_host)
+            run.unit.store.release(run.unit.shard, dirty=True)
 
     def owned_bytes(self) -> dict[str, int]:
         def size(tensors: list[torch.Tensor]) -> int:

@@ -26,6 +26,17 @@ from slipstream.zero.stage3.sharded_param import ParamRecord, ZeroParamStatus, i
 from slipstream.zero.stage3.units import UnitSpec, shard_layout
 
 
+class ShardStore:
+    """Where a unit's shard lives between uses: in memory (this class: nothing to do), or in a file
+    (offload/nvme.py NVMeShardStore: `fetch` reads it in, `release` frees it, writing it back when dirty)."""
+
+    def fetch(self, shard: torch.Tensor) -> None:
+        return None
+
+    def release(self, shard: torch.Tensor, *, dirty: bool) -> None:
+        return None
+
+
 class UnitOrderError(RuntimeError):
     """Ranks gathered different units at the same collective (their control flow differed)."""
 
@@ -35,7 +46,8 @@ class Unit:
 
     def __init__(self, uid: int, spec: UnitSpec, *, manager: Any, rank: int, world_size: int,
                  group: dist.ProcessGroup | None, device: torch.device, shard_device: torch.device,
-                 pool: BufferPool, allocate_shard: Callable[[int, torch.dtype, torch.device], torch.Tensor]) -> None:
+                 pool: BufferPool, allocate_shard: Callable[[int, torch.dtype, torch.device], torch.Tensor],
+                 store: ShardStore | None = None) -> None:
         params = [p for _, p in spec.params]
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
@@ -44,6 +56,7 @@ class Unit:
         self.uid, self.name, self.module, self.persistent = uid, spec.name, spec.module, spec.persistent
         self.manager, self.rank, self.world_size, self.group = manager, rank, world_size, group
         self.device, self.pool = device, pool
+        self.store = store if store is not None else ShardStore()
         self.params: list[nn.Parameter] = params
         self.dtype = params[0].dtype if params else torch.float32
         self.layout = shard_layout([p.numel() for p in params], world_size)
@@ -73,6 +86,7 @@ class Unit:
                 make_sharded(param, record)
         if not self.persistent:
             self._free_storage()
+        self.store.release(self.shard, dirty=True)
 
     # ---- gather ----
     def _rows(self, buffer: torch.Tensor) -> torch.Tensor:
@@ -93,7 +107,9 @@ class Unit:
             return
         buffer = self.pool.take(self.world_size * (self.layout.shard_numel + 1), self.dtype)
         own = self._rows(buffer)[self.rank]
+        self.store.fetch(self.shard)
         own[:-1].copy_(self.shard, non_blocking=True)
+        self.store.release(self.shard, dirty=False)
         own[-1] = self.tag
         work = collectives.all_gather(buffer, own, group=self.group, async_op=True)
         self._pending = (work, buffer)
@@ -106,7 +122,9 @@ class Unit:
         self._grow_storage()
         with torch.no_grad():
             if self._pending is None:  # one rank: the shard is the whole parameter (plus padding)
+                self.store.fetch(self.shard)
                 self.full.copy_(self.shard, non_blocking=True)
+                self.store.release(self.shard, dirty=False)
             else:
                 work, buffer = self._pending
                 work.wait()
@@ -162,7 +180,9 @@ class Unit:
     def write_full_into_shard(self) -> None:
         """After the full values were changed in place (GatheredParameters): keep this rank's slices."""
         with torch.no_grad():
+            self.store.fetch(self.shard)
             self._keep_own_slices()
+            self.store.release(self.shard, dirty=True)
 
     # ---- gradients ----
     def reduce_gradients(self, grads: dict[int, torch.Tensor], trainable: list[int], staging: torch.Tensor,
