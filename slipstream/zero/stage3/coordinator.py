@@ -140,8 +140,8 @@ class Coordinator:
             owner.finish_gather()
             self.state[owner.uid].holds += 1
             owner.active_modules.add(unit.uid)
-        if self._recording_forward:
-            self.forward_order.append(unit.uid)
+        if self._recording_forward:  # borrowed units too: a tied embedding used again by the head is "reused"
+            self.forward_order.extend(owner.uid for owner in state.borrow)
         else:
             self._forward_pos = self._advance(self.forward_order, self._forward_pos, unit.uid)
             self._prefetch(self.forward_order, self._forward_pos)
