@@ -232,15 +232,28 @@ def init_memory_and_values(rank: int, world: int, *, dim: int, count: int) -> di
     sharded = _peak_growth_mib(lambda: keep.append(_init_stack(slipstream, dim, count)))
     stack = keep[0]
     shard_numel = sum(p.ds_tensor.numel() for p in stack.parameters())
-    # values: a model built under Init equals the same model built without it (same seed)
+    # values: a model built under Init equals the same model built without it (same seed); changes made with
+    # GatheredParameters(modifier_rank=0) before initialize() (how Transformers loads weights) reach every rank
     with slipstream.zero.Init(config_dict_or_path=_config(3)):
         model = TinyTransformer()
+    with slipstream.zero.GatheredParameters(list(model.head.parameters(recurse=False)), modifier_rank=0):
+        if rank == 0:
+            model.head.bias.data.fill_(0.5)
     engine, *_ = slipstream.initialize(model=model, config=_config(3))
     assert zero_model_of(model) is engine.zero_model
     values = engine.zero_model.full_state(only_rank0=False)
     reference = TinyTransformer().state_dict()
+    reference["head.bias"] = torch.full_like(reference["head.bias"], 0.5)
+    # Init(module=...) shards an existing model in place
+    existing = TinyTransformer()
+    slipstream.zero.Init(module=existing, config_dict_or_path=_config(3))
+    sharded_existing = all(p.ds_tensor.numel() == -(-p.numel() // world) for p in existing.parameters())
+    engine2, *_ = slipstream.initialize(model=existing, config=_config(3))
+    values2 = engine2.zero_model.full_state(only_rank0=False)
+    plain_reference = TinyTransformer().state_dict()
     return {"plain": plain, "sharded": sharded, "shard_numel": shard_numel,
-            "equal": all(torch.equal(values[n], reference[n]) for n in values)}
+            "equal": all(torch.equal(values[n], reference[n]) for n in values) and sharded_existing
+            and all(torch.equal(values2[n], plain_reference[n]) for n in values2)}
 
 
 def _init_stack(slipstream, dim: int, count: int):  # type: ignore[no-untyped-def]
