@@ -44,17 +44,16 @@ class Stage3Group:
         self.runs, self.device, self.offload = runs, device, offload
         total = sum(r.numel for r in runs)
         self.dtype = runs[0].unit.dtype
-        shard_pieces = [r.unit.shard[r.shard_start: r.shard_start + r.numel] for r in runs]
         self.aliased_master = master_dtype == self.dtype and not offload.on_host
         self.master_flat: torch.Tensor | None = None
         if self.aliased_master:
-            self.master_pieces = shard_pieces
+            self.master_pieces = [r.unit.shard[r.shard_start: r.shard_start + r.numel] for r in runs]
         else:
             self.master_flat = offload.allocate(total, master_dtype, offload.master_device(device))
             self.master_pieces = self._split(self.master_flat)
-            for run, piece, shard in zip(runs, self.master_pieces, shard_pieces):
-                run.unit.store.fetch(run.unit.shard)
-                piece.copy_(shard)
+            for run, piece in zip(runs, self.master_pieces):
+                run.unit.store.fetch(run.unit.shard)  # NVMe-resident shards: read in, copied, released
+                piece.copy_(run.unit.shard[run.shard_start: run.shard_start + run.numel])
                 run.unit.store.release(run.unit.shard, dirty=False)
         self.grad_storage = torch.zeros(total, dtype=grad_dtype, device=device)
         self.owned_grads = self._split(self.grad_storage)
