@@ -7,7 +7,7 @@ import sys
 
 from slipstream import __version__
 
-SUBCOMMANDS = ("report", "run", "export")
+SUBCOMMANDS = ("report", "run", "export", "plan")
 """Every subcommand name: a first argument outside this list may be DeepSpeed's short form of `run`."""
 
 
@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     export_parser = commands.add_parser("export", help=export_command.HELP, description=export_command.HELP)
     export_command.add_arguments(export_parser)
     export_parser.set_defaults(handler=export_command.run)
+    from slipstream.cli import plan as plan_command
+
+    plan_parser = commands.add_parser("plan", help=plan_command.HELP, description=plan_command.HELP)
+    plan_command.add_arguments(plan_parser)
+    plan_parser.set_defaults(handler=plan_command.run)
     return parser
 
 

@@ -50,6 +50,11 @@ def prepare_stage3_module(model: nn.Module, plan: EnginePlan, device: torch.devi
                 module._buffers[name] = moved
     stage3 = plan.zero.stage3
     assert stage3 is not None  # resolve.py always sets it at stage 3
+    from slipstream.planner import materialised_warning, should_warn_materialised
+
+    whole = sum(p.numel() for p in model.parameters() if not isinstance(p, ShardedParameter))
+    if should_warn_materialised(whole, dist.get_world_size()):
+        warn_once("z3-materialised", materialised_warning(whole, dist.get_world_size()))
     if (stage3.offload_param or {}).get("device") == "nvme":
         if not (stage3.offload_param or {}).get("nvme_path"):
             raise ValueError("zero_optimization.offload_param.device is \"nvme\" but nvme_path is not set; set it to a "
@@ -169,6 +174,20 @@ def check_host_memory(optimizer: ZeroOptimizer, *, rank: int) -> None:
         raise RuntimeError(f"optimizer offload needs {need / 2**30:.2f} GiB of host memory on this node "
                            f"({local_ranks} ranks x {per_rank / 2**30:.2f} GiB) but only {available / 2**30:.2f} GiB is "
                            "available; use fewer ranks per node, a higher ZeRO stage, or a larger host")
+
+
+def log_memory_plan(plan: EnginePlan, module: nn.Module, *, world_size: int, rank: int) -> None:
+    """Rank 0: one line with the planner's prediction for this run (slipstream/planner)."""
+    if rank != 0:
+        return
+    from slipstream.planner import engine_line
+
+    try:
+        line = engine_line(plan=plan, model=module, world_size=world_size,
+                           gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except (ValueError, TypeError, NotImplementedError) as exc:  # an estimate must never stop a run
+        line = f"memory plan: not available for this model ({exc})"
+    log_rank0(line, rank=rank)
 
 
 def make_scheduler(plan: EnginePlan, optimizer: torch.optim.Optimizer | None, client: Any) -> Any:

@@ -11,7 +11,8 @@
   happened for every forward call with a backward pending and all its trainable parameters have their
   gradients (for a LoRA block the adapters' gradients come before the frozen weight's last use).
 - Gradients: each trainable parameter's post-accumulate-grad hook hands its gradient over and drops
-  `param.grad`. Units are reduce-scattered in one fixed order (the reverse of the unit list), each as
+  `param.grad`. Units are reduce-scattered in one fixed order (the reverse of the unit list, then the
+  root and persistent units, which complete only at the end of backward), each as
   soon as it and all units before it are complete; at the end of the backward pass (an autograd
   callback) the remaining units are reduce-scattered with zeros for parameters that got no gradient on
   this rank. So every rank issues the same collectives in the same order whatever its control flow:

@@ -147,7 +147,11 @@ class Stage3Optimizer(ZeroOptimizer):
         for group in groups:
             for run, grad in zip(group.runs, group.owned_grads):
                 self._targets[run.unit.uid].append((run.receive_start, run.receive_start + run.numel, grad))
-        self._order = [u.uid for u in reversed(self.model.units) if self._trainable[u.uid]]
+        # Reverse registration order (roughly backward's), then the root and persistent units: they complete only
+        # at the end of backward, and a unit waiting for them would hold its full-size gradients until then.
+        last = [u for u in self.model.units if u.persistent or u.name == "<root>"]
+        self._order = [u.uid for u in [*reversed([u for u in self.model.units if u not in last]), *last]
+                       if self._trainable[u.uid]]
         self._units = {u.uid: u for u in self.model.units}
         largest = max(self._receive_numel.values(), default=0)
         self._staging = [torch.zeros(largest * self.world_size, dtype=grad_dtype, device=self.model.device)

@@ -1,0 +1,170 @@
+"""`estimate()`: per-device and per-host bytes of every ZeRO option for one model and run shape.
+
+The model states come from `zero_bytes` (the engine's own layout rules, checked against `owned_bytes()` by
+tests/dist/planner), activations from `activations`, the model's shape from `shapes`. A DeepSpeed config is
+resolved by `slipstream.config.resolve` (so "auto" and defaults mean what they mean to the engine) and gives
+both the knobs of every row and a row of its own, labelled "config".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from slipstream.planner.activations import transformer_activations
+from slipstream.planner.shapes import Dims, ModelShape, from_factory, from_hf_config, from_module, synthetic
+from slipstream.planner.types import DTYPE_BYTES, STANDARD_OPTIONS, Option, OptionEstimate, Plan, Settings
+from slipstream.planner.zero_bytes import pinned_rounding, stage012_bytes, stage3_bytes
+
+
+def estimate(*, params: float | None = None, model: Any = None, hf_config: Any = None, hidden: int | None = None,
+             layers: int | None = None, seq: int | None = None, micro_batch: int | None = None,
+             vocab: int | None = None, heads: int | None = None, gpus_per_node: int = 1, nodes: int = 1,
+             dtype: str = "bf16", ds_config: Any = None, options: Sequence[Option] | None = None,
+             device_memory: int | None = None, host_memory: int | None = None,
+             fused_attention: bool = False) -> Plan:
+    """Bytes per device and per host of each option (default: `STANDARD_OPTIONS`).
+
+    The model is `model` (an nn.Module, meta or real, or a "module:factory" string built on the meta device),
+    else `hf_config` (a Hugging Face config dict or config.json path), else a synthetic decoder of `params`
+    parameters shaped by `hidden`/`layers`/`vocab`. `ds_config` (dict or JSON path) sets the precision, bucket
+    sizes, stage-3 knobs, optimizer and micro batch, and adds its own row first; without it `dtype` sets the
+    parameter dtype and DeepSpeed's defaults apply. `device_memory` / `host_memory` (bytes) decide the fits flags
+    and `Plan.cheapest`. `fused_attention` drops the attention-score term of the activation estimate (flash or
+    memory-efficient attention keeps no seq x seq tensors).
+    """
+    if gpus_per_node < 1 or nodes < 1:
+        raise ValueError(f"gpus_per_node and nodes must be >= 1, got {gpus_per_node} and {nodes}")
+    world = gpus_per_node * nodes
+    dims = Dims(hidden=hidden, layers=layers, heads=heads, vocab=vocab)
+    shape = model_shape(params=params, model=model, hf_config=hf_config, dims=dims)
+    settings, config_option, config_micro = Settings(dtype=dtype), None, None
+    if ds_config is not None:
+        settings, config_option, config_micro = settings_from_config(ds_config, world_size=world,
+                                                                     hidden_size=shape.dims.hidden)
+    rows = list(options) if options is not None else list(STANDARD_OPTIONS)
+    if config_option is not None and options is None:
+        rows.insert(0, config_option)
+    micro = micro_batch or config_micro
+    notes = [f"model: {shape.source}, {shape.total:,} parameters ({shape.total - shape.frozen_numel:,} trainable)"]
+    activations, checkpointed = _activations(shape.dims, seq=seq, micro_batch=micro, settings=settings, notes=notes,
+                                             fused_attention=fused_attention)
+    estimates = [estimate_option(shape, option, settings=settings, world=world, gpus_per_node=gpus_per_node,
+                                 activations=activations, activations_checkpointed=checkpointed,
+                                 device_memory=device_memory, host_memory=host_memory) for option in rows]
+    cheapest, needs_ac = _cheapest(estimates, device_memory=device_memory, host_memory=host_memory)
+    return Plan(total_params=shape.total, trainable_params=shape.total - shape.frozen_numel, world_size=world,
+                gpus_per_node=gpus_per_node, nodes=nodes, settings=settings, estimates=tuple(estimates),
+                device_memory=device_memory, host_memory=host_memory, cheapest=cheapest,
+                cheapest_needs_checkpointing=needs_ac, notes=tuple(notes))
+
+
+def model_shape(*, params: float | None, model: Any, hf_config: Any, dims: Dims) -> ModelShape:
+    if model is not None:
+        return _with_dims(from_factory(model) if isinstance(model, str) else from_module(model), dims)
+    if hf_config is not None:
+        return _with_dims(from_hf_config(hf_config), dims)
+    return synthetic(params=params, hidden=dims.hidden, layers=dims.layers, vocab=dims.vocab, heads=dims.heads)
+
+
+def _with_dims(shape: ModelShape, dims: Dims) -> ModelShape:
+    """Dimensions given explicitly win over those read from the model."""
+    merged = Dims(**{f.name: getattr(dims, f.name) or getattr(shape.dims, f.name) for f in dataclasses.fields(Dims)})
+    return dataclasses.replace(shape, dims=merged)
+
+
+def settings_from_config(ds_config: Any, *, world_size: int, hidden_size: int | None = None
+                         ) -> tuple[Settings, Option, int]:
+    """(knobs, the config's own option, its micro batch) from a DeepSpeed config dict or JSON path."""
+    from slipstream.config import load_config, resolve
+
+    config = load_config(str(ds_config) if isinstance(ds_config, Path) else ds_config)
+    plan = resolve(config, world_size=world_size, hidden_size=hidden_size)
+    settings, option = settings_from_plan(plan)
+    return settings, option, plan.batch.micro_batch_size
+
+
+def settings_from_plan(plan: Any) -> tuple[Settings, Option]:
+    """Knobs and option of an `EnginePlan` (what the engine will run)."""
+    zero, precision = plan.zero, plan.precision
+    stage3 = zero.stage3
+    offload = zero.offload_optimizer is not None and zero.offload_optimizer.device == "cpu"
+    offload_param = bool(stage3 is not None and stage3.offload_param and stage3.offload_param.get("device") == "cpu")
+    pin = zero.offload_optimizer.pin_memory if zero.offload_optimizer is not None else True
+    optimizer = plan.optimizer
+    settings = Settings(
+        dtype=precision.param_dtype, grad_accum_dtype=precision.grad_accum_dtype, master_dtype=precision.master_dtype,
+        reduce_bucket_size=int(zero.reduce_bucket_size),
+        persistence_threshold=int(stage3.param_persistence_threshold) if stage3 else 100_000,
+        prefetch_bucket_size=int(stage3.prefetch_bucket_size) if stage3 else 50_000_000,
+        max_live_parameters=int(stage3.max_live_parameters) if stage3 else 1_000_000_000,
+        pin_memory=bool(pin), optimizer=optimizer.name if optimizer is not None else "adamw",
+        optimizer_params=tuple(sorted((k, v) for k, v in (optimizer.params if optimizer else {}).items()
+                                      if k in ("amsgrad", "momentum", "centered"))),
+        leaf_classes=stage3.leaf_classes if stage3 else (), leaf_names=stage3.leaf_names if stage3 else ())
+    option = Option(stage=zero.stage, offload_optimizer=offload, offload_param=offload_param, label="config")
+    return settings, option
+
+
+def _activations(dims: Dims, *, seq: int | None, micro_batch: int | None, settings: Settings,
+                 notes: list[str], fused_attention: bool) -> tuple[int | None, int | None]:
+    missing = [name for name, value in (("seq", seq), ("hidden", dims.hidden), ("layers", dims.layers),
+                                        ("heads", dims.heads)) if not value]
+    if missing:
+        notes.append(f"activations not estimated: give {', '.join('--' + m for m in missing)}")
+        return None, None
+    assert seq and dims.hidden and dims.layers and dims.heads
+    micro = micro_batch or 1
+    if not micro_batch:
+        notes.append("activations for micro batch 1 (give --micro-batch or a config)")
+    return tuple(transformer_activations(  # type: ignore[return-value]
+        seq=seq, micro_batch=micro, hidden=dims.hidden, layers=dims.layers, heads=dims.heads, vocab=dims.vocab,
+        dtype_bytes=DTYPE_BYTES[settings.dtype], fused_attention=fused_attention, checkpointing=checkpointing)
+        for checkpointing in (False, True))
+
+
+def estimate_option(shape: ModelShape, option: Option, *, settings: Settings, world: int, gpus_per_node: int,
+                    activations: int | None = None, activations_checkpointed: int | None = None,
+                    device_memory: int | None = None, host_memory: int | None = None) -> OptionEstimate:
+    """One option's figures (model states from the engine's layout rules)."""
+    if option.stage == 3:
+        units = shape.units(settings.persistence_threshold, settings.leaf_classes, settings.leaf_names)
+        figures, _pool = stage3_bytes(units, world=world, settings=settings, offload=option.offload_optimizer,
+                                      offload_param=option.offload_param)
+        largest_unit = max((sum(u.numels) for u in units), default=0)
+        init = (largest_unit if settings.zero_init else shape.total) * 4
+    else:
+        figures = stage012_bytes(shape.trainable_numels, shape.frozen_numel, stage=option.stage, world=world,
+                                 settings=settings, offload=option.offload_optimizer)
+        init = shape.total * 4
+    host = dict(figures.host)
+    if settings.pin_memory:
+        host["pinned_rounding"] = pinned_rounding(figures.pinned_blocks)
+    owned = dict(figures.owned)
+    model_states = sum(owned[k] for k in ("params", "master", "grads", "optimizer_state", "host_buffers",
+                                          "comm_buffers"))
+    result = OptionEstimate(option=option, device=dict(figures.device), host=host, activations=activations,
+                            activations_checkpointed=activations_checkpointed, host_init_per_rank=init,
+                            model_states=model_states, owned=owned, gpus_per_node=gpus_per_node)
+    fits_host = None if host_memory is None else result.host_total <= host_memory
+    if device_memory is None:
+        return dataclasses.replace(result, fits_host=fits_host)
+    return dataclasses.replace(result, fits_device=result.device_total <= device_memory,
+                               fits_device_checkpointed=result.device_total_checkpointed <= device_memory,
+                               fits_host=fits_host)
+
+
+def _cheapest(estimates: list[OptionEstimate], *, device_memory: int | None, host_memory: int | None
+              ) -> tuple[str | None, bool]:
+    """The cheapest option (`Option.cost_rank`) that fits; without checkpointing if any does."""
+    if device_memory is None and host_memory is None:
+        return None, False
+    ranked = sorted(estimates, key=lambda e: (e.option.cost_rank, e.option.label != ""))
+    for checkpointing in (False, True):
+        for est in ranked:
+            device_ok = est.fits_device_checkpointed if checkpointing else est.fits_device
+            if (device_ok is None or device_ok) and (est.fits_host is None or est.fits_host):
+                return est.option.name, checkpointing and est.activations is not None
+    return None, False

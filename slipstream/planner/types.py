@@ -1,0 +1,189 @@
+"""The planner's typed inputs and results: `Option` (one ZeRO configuration), `Settings` (the knobs every option
+shares), `OptionEstimate` (bytes per device and per host, by role) and `Plan` (all options, the cheapest that fits).
+
+Pure data: no torch. Byte figures are ints; "per rank" means per data-parallel process (one accelerator).
+
+[Note: planner roles]
+Device roles (per rank): `params` (flat parameters at stages 0-2, this rank's shards at stage 3),
+`frozen_params` (stages 0-2: parameters without gradients, which the ZeRO optimizer does not own),
+`gathered_params` (stage 3: the peak of the gathered units' full buffers, persistent unit included),
+`grads`, `master` (fp32 master weights), `optimizer_state`, `comm_buffers` (reduce/gather staging buffers and
+the stage-3 gather pool), `transient` (full-size gradients not yet taken by the ZeRO hooks: the largest parameter's at
+stages 0-2; at stage 3 those of the units waiting for their turn in the reduce-scatter order). Host roles (per rank): `master`, `optimizer_state`,
+`host_buffers` (offload: fp32 gradient copies and the low-precision staging buffer), `offloaded_params`
+(stage 3 parameter offload) and `pinned_rounding` (the CUDA pinned allocator rounds every pinned block up to a
+power of two). Activations are separate figures, with and without activation checkpointing.
+`model_states` sums exactly what `engine.optimizer.owned_bytes()` counts: params (offloaded shards included),
+master, grads, optimizer_state, host_buffers, comm_buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+OWNED_ROLES = ("params", "master", "grads", "optimizer_state", "host_buffers", "comm_buffers")
+DEVICE_ROLES = ("params", "frozen_params", "gathered_params", "grads", "master", "optimizer_state",
+                "comm_buffers", "transient")
+HOST_ROLES = ("master", "optimizer_state", "host_buffers", "offloaded_params", "pinned_rounding")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Option:
+    """One ZeRO configuration to evaluate."""
+
+    stage: int
+    offload_optimizer: bool = False
+    """zero_optimization.offload_optimizer.device == "cpu"."""
+    offload_param: bool = False
+    """zero_optimization.offload_param.device == "cpu" (stage 3 only)."""
+    label: str = ""
+    """Shown instead of the generated name (e.g. "config" for the row of a given DeepSpeed config)."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"Option.stage must be 0, 1, 2 or 3, got {self.stage}")
+        if self.offload_param and self.stage != 3:
+            raise ValueError(f"Option: offload_param needs stage 3 (got stage {self.stage}); "
+                             "zero_optimization.offload_param has no effect below stage 3")
+
+    @property
+    def name(self) -> str:
+        if self.label:
+            return self.label
+        parts = [f"zero{self.stage}"]
+        if self.offload_optimizer:
+            parts.append("offload_optimizer")
+        if self.offload_param:
+            parts.append("offload_param")
+        return "+".join(parts)
+
+    @property
+    def cost_rank(self) -> tuple[int, int, int]:
+        """Lower is cheaper to run: no offload before optimizer offload before parameter offload, then the
+        lower stage (less communication)."""
+        return (int(self.offload_param), int(self.offload_optimizer), self.stage)
+
+
+STANDARD_OPTIONS = (
+    Option(stage=0), Option(stage=1), Option(stage=2), Option(stage=3),
+    Option(stage=0, offload_optimizer=True), Option(stage=1, offload_optimizer=True),
+    Option(stage=2, offload_optimizer=True), Option(stage=3, offload_optimizer=True),
+    Option(stage=3, offload_optimizer=True, offload_param=True),
+)
+"""The rows of `slipstream plan`: stages 0-3 with and without optimizer offload, and stage 3 with parameter
+offload."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Settings:
+    """Knobs shared by every option: DeepSpeed's defaults unless a config says otherwise."""
+
+    dtype: str = "bf16"
+    """Parameter dtype: "fp32", "bf16" or "fp16"."""
+    grad_accum_dtype: str = "fp32"
+    master_dtype: str = "fp32"
+    reduce_bucket_size: int = 500_000_000
+    persistence_threshold: int = 100_000
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    pin_memory: bool = True
+    optimizer: str = "adamw"
+    """Optimizer name as the config spells it (decides the number of state tensors per element)."""
+    optimizer_params: tuple[tuple[str, Any], ...] = ()
+    """Optimizer keyword arguments that change its state (momentum, amsgrad, centered), as sorted pairs."""
+    leaf_classes: tuple[str, ...] = ()
+    leaf_names: tuple[str, ...] = ()
+    zero_init: bool = True
+    """Stage 3 models are built under zero.Init (the host never holds the whole model)."""
+
+    def __post_init__(self) -> None:
+        for key in ("dtype", "grad_accum_dtype", "master_dtype"):
+            if getattr(self, key) not in DTYPE_BYTES:
+                raise ValueError(f"Settings.{key} must be one of {sorted(DTYPE_BYTES)}, got {getattr(self, key)!r}")
+        if self.reduce_bucket_size < 1:
+            raise ValueError("zero_optimization.reduce_bucket_size must be >= 1 element, got "
+                             f"{self.reduce_bucket_size}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class OptionEstimate:
+    """Bytes one option needs (see [Note: planner roles])."""
+
+    option: Option
+    device: dict[str, int]
+    """Per rank, by role (activations excluded)."""
+    host: dict[str, int]
+    """Per rank, by role."""
+    activations: int | None
+    """Per rank, without activation checkpointing; None when the model's shape is unknown."""
+    activations_checkpointed: int | None
+    host_init_per_rank: int
+    """Host bytes while the model is built, before the engine (a full fp32 copy unless zero.Init at stage 3)."""
+    model_states: int
+    """Per rank: what `engine.optimizer.owned_bytes()` sums to (see [Note: planner roles])."""
+    owned: dict[str, int]
+    """Per rank, in the keys of `owned_bytes()` (offloaded_params included at stage 3)."""
+    gpus_per_node: int
+    fits_device: bool | None = None
+    fits_device_checkpointed: bool | None = None
+    fits_host: bool | None = None
+
+    @property
+    def device_total(self) -> int:
+        """Per rank, activations without checkpointing included (0 when unknown)."""
+        return sum(self.device.values()) + (self.activations or 0)
+
+    @property
+    def device_total_checkpointed(self) -> int:
+        return sum(self.device.values()) + (self.activations_checkpointed or 0)
+
+    @property
+    def host_total(self) -> int:
+        """Per node: every local rank's host roles, or the model build when that is larger."""
+        return self.gpus_per_node * max(sum(self.host.values()), self.host_init_per_rank)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"option": self.option.name, "stage": self.option.stage,
+                "offload_optimizer": self.option.offload_optimizer, "offload_param": self.option.offload_param,
+                "device_bytes": dict(self.device), "host_bytes_per_rank": dict(self.host),
+                "activations": self.activations, "activations_checkpointed": self.activations_checkpointed,
+                "device_total": self.device_total, "device_total_checkpointed": self.device_total_checkpointed,
+                "host_init_per_rank": self.host_init_per_rank, "host_total_per_node": self.host_total,
+                "model_states": self.model_states, "owned_bytes": dict(self.owned),
+                "fits_device": self.fits_device, "fits_device_checkpointed": self.fits_device_checkpointed,
+                "fits_host": self.fits_host}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """The planner's answer: one estimate per option, and the cheapest option that fits."""
+
+    total_params: int
+    trainable_params: int
+    world_size: int
+    gpus_per_node: int
+    nodes: int
+    settings: Settings
+    estimates: tuple[OptionEstimate, ...]
+    device_memory: int | None = None
+    host_memory: int | None = None
+    cheapest: str | None = None
+    """Name of the cheapest option that fits (see `Option.cost_rank`), or None."""
+    cheapest_needs_checkpointing: bool = False
+    notes: tuple[str, ...] = ()
+
+    def estimate_for(self, name: str) -> OptionEstimate:
+        for estimate in self.estimates:
+            if estimate.option.name == name:
+                return estimate
+        raise KeyError(f"no option named {name!r}; the plan has {[e.option.name for e in self.estimates]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"total_params": self.total_params, "trainable_params": self.trainable_params,
+                "world_size": self.world_size, "gpus_per_node": self.gpus_per_node, "nodes": self.nodes,
+                "settings": dataclasses.asdict(self.settings), "device_memory": self.device_memory,
+                "host_memory": self.host_memory, "cheapest": self.cheapest,
+                "cheapest_needs_checkpointing": self.cheapest_needs_checkpointing, "notes": list(self.notes),
+                "options": [e.to_dict() for e in self.estimates]}

@@ -1,0 +1,147 @@
+"""Bytes of the tensors the ZeRO engine holds, by role, derived from the engine's own layout rules (pure).
+
+Stages 0-2 mirror `zero/flat_group.py` on the layout of `zero/layout.py` ([Note: bucket-major layout]):
+- params: the flat buffer, `flat_numel` elements (every bucket padded to a multiple of the world) in the
+  parameter dtype;
+- master: none when the master dtype is the parameter dtype and nothing is offloaded (the master pieces are
+  views of the flat params); else `owned` fp32 elements (owned = flat_numel at stage 0, shard_numel above),
+  on the host with optimizer offload;
+- grads: `flat_numel` (stages 0, 1) or `owned` (stage 2) elements in the grad-accumulation dtype, on the device;
+- host_buffers (offload): `owned` fp32 gradient copies, plus `owned` elements in the parameter dtype when that
+  is not fp32 (the CPU Adam op's low-precision output);
+- optimizer_state: states-per-element (AdamW: exp_avg, exp_avg_sq) x `owned` fp32 elements;
+- comm_buffers (stage 2, `zero/stage2.py`): two staging buffers of the largest padded bucket and two
+  receive buffers of largest // world + 1 elements, in the grad-accumulation dtype.
+Stage 3 mirrors `zero/stage3/`: each parameter contributes ceil(numel / world) elements to its unit's shard
+(`units.shard_layout`); master/grads/host buffers/optimizer state cover the trainable shard elements; the
+reduce-scatter keeps two staging buffers of world x (largest unit's trainable shard) and two receive buffers
+of that shard; the gather pool's buffers (world x (unit shard + 1) elements each), the gathered units' peak and
+the gradients waiting for the reduce-scatter order come from `prefetch.simulate_pool`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from slipstream.planner.prefetch import PoolFigures, UnitShape, simulate_pool
+from slipstream.planner.types import DTYPE_BYTES, Settings
+from slipstream.zero.layout import build_layout
+
+_STATES = {"adam": 2, "adamw": 2, "deepspeedcpuadam": 2, "fusedadam": 2, "lamb": 2, "lion": 1, "adagrad": 1,
+           "sgd": 0, "nadam": 2, "radam": 2, "adamax": 2, "asgd": 1, "adadelta": 2, "rmsprop": 1}
+
+
+def optimizer_states_per_element(name: str, params: Sequence[tuple[str, Any]] = ()) -> int:
+    """Full-size state tensors the optimizer keeps per master element (scalars such as `step` excluded)."""
+    key, kwargs = name.lower(), dict(params)
+    states = _STATES.get(key, 2)
+    if key in ("adam", "adamw", "deepspeedcpuadam", "fusedadam") and kwargs.get("amsgrad"):
+        states += 1
+    if key == "sgd" and float(kwargs.get("momentum", 0) or 0) > 0:
+        states += 1
+    if key == "rmsprop":
+        states += int(float(kwargs.get("momentum", 0) or 0) > 0) + int(bool(kwargs.get("centered")))
+    return states
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroBytes:
+    """Per-rank bytes by role of one stage/offload combination (see [Note: planner roles] in types.py)."""
+
+    device: dict[str, int]
+    host: dict[str, int]
+    owned: dict[str, int]
+    """In the keys of `engine.optimizer.owned_bytes()`."""
+    pinned_blocks: tuple[int, ...]
+    """Sizes of the host blocks that are pinned (one allocation each), for the pinned-allocator rounding."""
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def pinned_rounding(blocks: Sequence[int]) -> int:
+    """Bytes the CUDA caching host allocator adds by rounding each pinned block up to a power of two."""
+    return sum(_next_pow2(b) - b for b in blocks if b > 0)
+
+
+def _optimizer_roles(owned: int, *, settings: Settings, offload: bool, aliased: bool) -> dict[str, int]:
+    """master, optimizer_state, host_buffers for `owned` master elements (identical at every stage)."""
+    param, master = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.master_dtype]
+    states = optimizer_states_per_element(settings.optimizer, settings.optimizer_params)
+    state_bytes = param if aliased else master
+    host_buffers = (owned * master + (owned * param if settings.dtype != settings.master_dtype else 0)) if offload else 0
+    return {"master": 0 if aliased else owned * master, "optimizer_state": states * owned * state_bytes,
+            "host_buffers": host_buffers}
+
+
+def _place(owned: dict[str, int], *, offload: bool, device_extra: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    device = {"params": owned["params"], "grads": owned["grads"], "comm_buffers": owned["comm_buffers"],
+              "master": 0 if offload else owned["master"],
+              "optimizer_state": 0 if offload else owned["optimizer_state"], **device_extra}
+    host = {"master": owned["master"] if offload else 0, "optimizer_state": owned["optimizer_state"] if offload else 0,
+            "host_buffers": owned["host_buffers"], "offloaded_params": 0, "pinned_rounding": 0}
+    return device, host
+
+
+def stage012_bytes(trainable: Sequence[int], frozen: int, *, stage: int, world: int, settings: Settings,
+                   offload: bool) -> ZeroBytes:
+    """Stages 0-2 for one param group whose trainable parameters have these element counts (registration
+    order); `frozen` is the element count of the parameters without gradients."""
+    param, grad = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.grad_accum_dtype]
+    if not trainable:
+        zero = dict.fromkeys(("params", "master", "grads", "optimizer_state", "host_buffers", "comm_buffers"), 0)
+        device, host = _place(zero, offload=offload, device_extra={"frozen_params": frozen * param,
+                                                                   "gathered_params": 0, "transient": 0})
+        return ZeroBytes(device=device, host=host, owned=zero, pinned_blocks=())
+    layout = build_layout(list(trainable), world_size=world, bucket_numel=settings.reduce_bucket_size)
+    owned_numel = layout.flat_numel if stage == 0 else layout.shard_numel
+    aliased = settings.dtype == settings.master_dtype and not offload
+    owned = {"params": layout.flat_numel * param,
+             "grads": (layout.flat_numel if stage in (0, 1) else owned_numel) * grad,
+             "comm_buffers": 0, **_optimizer_roles(owned_numel, settings=settings, offload=offload, aliased=aliased)}
+    if stage == 2:
+        largest = max(b.padded_numel for b in layout.buckets)
+        owned["comm_buffers"] = 2 * largest * grad + 2 * (largest // world + 1) * grad
+    extra = {"frozen_params": frozen * param, "gathered_params": 0, "transient": max(trainable) * param}
+    device, host = _place(owned, offload=offload, device_extra=extra)
+    blocks: tuple[int, ...] = ()
+    if offload:
+        blocks = (owned_numel * DTYPE_BYTES[settings.master_dtype],) * 2
+        if settings.dtype != settings.master_dtype:
+            blocks += (owned_numel * param,)
+    return ZeroBytes(device=device, host=host, owned=owned, pinned_blocks=blocks)
+
+
+def stage3_bytes(units: Sequence[UnitShape], *, world: int, settings: Settings, offload: bool,
+                 offload_param: bool) -> tuple[ZeroBytes, PoolFigures]:
+    """Stage 3 for the units of `prefetch.UnitShape` (in the engine's unit order)."""
+    param, grad = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.grad_accum_dtype]
+    shard_numels = [sum(-(-n // world) for n in u.numels) for u in units]
+    trainable_shard = [sum(-(-n // world) for n, t in zip(u.numels, u.trainable) if t) for u in units]
+    total_trainable = sum(trainable_shard)
+    aliased = settings.dtype == settings.master_dtype and not offload
+    pool = simulate_pool(units, world=world, dtype_bytes=param, prefetch_numel=settings.prefetch_bucket_size,
+                         max_live_numel=settings.max_live_parameters)
+    largest = max(trainable_shard, default=0)
+    staging = 2 * largest * world * grad + 2 * largest * grad if total_trainable else 0
+    shards = sum(shard_numels) * param
+    owned = {"params": shards, "grads": total_trainable * grad, "comm_buffers": staging + pool.pool_bytes,
+             **_optimizer_roles(total_trainable, settings=settings, offload=offload, aliased=aliased)}
+    extra = {"frozen_params": 0, "gathered_params": pool.gathered_peak_bytes, "transient": pool.held_grads_peak_bytes}
+    device, host = _place(owned, offload=offload, device_extra=extra)
+    blocks: list[int] = []
+    if offload and total_trainable:
+        blocks += [total_trainable * DTYPE_BYTES[settings.master_dtype]] * 2
+        if settings.dtype != settings.master_dtype:
+            blocks.append(total_trainable * param)
+    if offload_param:
+        device["params"] = 0
+        host["offloaded_params"] = shards
+        if aliased:  # fp32 without optimizer offload: the master pieces are the host shards, and so is the state
+            host["optimizer_state"], device["optimizer_state"] = device["optimizer_state"], 0
+        blocks += [s * param for s in shard_numels if s]
+    owned["offloaded_params"] = shards if offload_param else 0
+    return ZeroBytes(device=device, host=host, owned=owned, pinned_blocks=tuple(blocks)), pool

@@ -1,0 +1,197 @@
+"""The planner without a process group: the engine's layout rules by hand, the stage-3 schedule replay, model
+shapes (HF configs with known parameter counts), options and the cheapest fit, DeepSpeed's estimator names
+and output shape, the engine hooks, and the `slipstream plan` command."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from slipstream.planner import (
+    STANDARD_OPTIONS,
+    Option,
+    Settings,
+    engine_line,
+    estimate,
+    estimate_zero2_model_states_mem_needs_all_cold,
+    estimate_zero2_model_states_mem_needs_all_live,
+    estimate_zero3_model_states_mem_needs_all_cold,
+    estimate_zero3_model_states_mem_needs_all_live,
+    format_plan,
+    materialised_warning,
+    should_warn_materialised,
+)
+from slipstream.planner.activations import transformer_activations
+from slipstream.planner.prefetch import UnitShape, simulate_pool
+from slipstream.planner.shapes import from_hf_config
+from slipstream.planner.zero_bytes import optimizer_states_per_element, pinned_rounding, stage012_bytes
+
+GIB = 2**30
+LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000, "hidden_act": "silu",
+             "tie_word_embeddings": False}
+GPT2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257}
+
+
+def test_stage012_bytes_follow_the_padded_bucket_layout() -> None:
+    # numels 5, 3, 7 in buckets of at most 8 (reverse order): [7], [3, 5] -> padded to 8 and 8 on 2 ranks
+    settings = Settings(dtype="bf16", reduce_bucket_size=8, pin_memory=False)
+    zero2 = stage012_bytes([5, 3, 7], 0, stage=2, world=2, settings=settings, offload=False)
+    assert zero2.owned == {"params": 16 * 2, "grads": 8 * 4, "comm_buffers": 2 * 8 * 4 + 2 * 5 * 4, "master": 8 * 4,
+                           "optimizer_state": 2 * 8 * 4, "host_buffers": 0}
+    zero1 = stage012_bytes([5, 3, 7], 4, stage=1, world=2, settings=settings, offload=True)
+    assert zero1.owned["grads"] == 16 * 4 and zero1.owned["host_buffers"] == 8 * 4 + 8 * 2
+    assert zero1.device["master"] == 0 and zero1.host["master"] == 8 * 4 and zero1.device["frozen_params"] == 8
+    fp32 = stage012_bytes([5, 3, 7], 0, stage=0, world=2, settings=Settings(dtype="fp32"), offload=False)
+    assert fp32.owned["master"] == 0 and fp32.owned["optimizer_state"] == 2 * 16 * 4  # aliased master, stage 0
+
+
+def test_optimizer_states_and_pinned_rounding() -> None:
+    assert optimizer_states_per_element("AdamW") == 2
+    assert optimizer_states_per_element("adam", [("amsgrad", True)]) == 3
+    assert optimizer_states_per_element("sgd") == 0 and optimizer_states_per_element("sgd", [("momentum", 0.9)]) == 1
+    assert pinned_rounding([3 * 2**20, 2**20]) == 2**20
+
+
+def _units(sizes: list[int], persistent: int = 0) -> list[UnitShape]:
+    units = [UnitShape(name=f"u{i}", numels=(n,), trainable=(True,)) for i, n in enumerate(sizes)]
+    units.append(UnitShape(name="<root>", numels=(), trainable=(), is_root=True))
+    if persistent:
+        units.append(UnitShape(name="<persistent>", numels=(persistent,), trainable=(True,), persistent=True,
+                               hooked=False, hosts=(0,)))
+    return units
+
+
+def test_gather_pool_replays_prefetch() -> None:
+    units = _units([100, 100, 100])
+    wide = simulate_pool(units, world=2, dtype_bytes=2, prefetch_numel=10**6, max_live_numel=10**9)
+    assert wide.buffers == 3 and wide.pool_bytes == 3 * 2 * 51 * 2  # every unit in flight at once
+    narrow = simulate_pool(units, world=2, dtype_bytes=2, prefetch_numel=50, max_live_numel=10**9)
+    assert narrow.buffers == 1  # nothing fits the prefetch budget: one buffer, reused
+    assert simulate_pool(units, world=1, dtype_bytes=2, prefetch_numel=10**6, max_live_numel=10**9).buffers == 0
+
+
+def test_held_gradients_do_not_wait_for_the_persistent_unit() -> None:
+    plain = simulate_pool(_units([100, 200, 300]), world=2, dtype_bytes=2, prefetch_numel=0, max_live_numel=10**9)
+    assert plain.held_grads_peak_bytes == 300 * 2  # each unit is reduced as soon as it is complete
+    with_persistent = simulate_pool(_units([100, 200, 300], persistent=10), world=2, dtype_bytes=2, prefetch_numel=0,
+                                    max_live_numel=10**9)
+    # the persistent unit completes last and is reduced last (Stage3Optimizer._order): nothing waits for it
+    assert with_persistent.held_grads_peak_bytes == 300 * 2
+
+
+def test_hf_configs_give_known_parameter_counts() -> None:
+    assert from_hf_config(LLAMA2_7B).total == 6_738_415_616
+    assert from_hf_config(GPT2).total == 124_439_808
+
+
+def test_estimate_rows_fits_and_cheapest() -> None:
+    plan = estimate(params=7e9, gpus_per_node=8, seq=4096, micro_batch=1, vocab=32000,
+                    device_memory=80 * 10**9, host_memory=512 * 10**9)
+    assert [e.option for e in plan.estimates] == list(STANDARD_OPTIONS)
+    assert abs(plan.total_params - 7e9) < 1e6
+    zero0, zero3 = plan.estimate_for("zero0"), plan.estimate_for("zero3")
+    padding = zero0.device["optimizer_state"] - 2 * 4 * plan.trainable_params  # up to world-1 elements per bucket
+    assert 0 <= padding < 2 * 4 * 8 * 200
+    assert zero3.device["params"] < zero0.device["params"] / 7
+    assert zero0.fits_device is False and plan.cheapest is not None
+    cheapest = plan.estimate_for(plan.cheapest)
+    assert all(not (e.fits_device and e.fits_host) for e in plan.estimates if e.option.cost_rank < cheapest.option.cost_rank)
+    text = format_plan(plan)
+    assert f"*{plan.cheapest}" in text and "cheapest option that fits" in text
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["options"][0]["device_bytes"]["optimizer_state"] == zero0.device["optimizer_state"]
+
+
+def test_ds_config_row_and_knobs() -> None:
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "offload_optimizer": {"device": "cpu"}}}
+    plan = estimate(hf_config=GPT2, ds_config=config, gpus_per_node=4, seq=1024)
+    row = plan.estimates[0]
+    assert row.option == Option(stage=2, offload_optimizer=True, label="config") and plan.settings.reduce_bucket_size == 1000
+    assert row.activations == transformer_activations(seq=1024, micro_batch=4, hidden=768, layers=12, heads=12,
+                                                      vocab=50257, dtype_bytes=2, checkpointing=False)
+    largest = 50257 * 768  # buckets of 1000 elements: the embedding gets a bucket of its own (a multiple of 4)
+    assert row.device["comm_buffers"] == 2 * largest * 4 + 2 * (largest // 4 + 1) * 4
+    with pytest.raises(ValueError, match="offload_param needs stage 3"):
+        Option(stage=2, offload_param=True)
+
+
+def test_activation_formula() -> None:
+    base = {"seq": 2048, "micro_batch": 1, "hidden": 4096, "layers": 32, "heads": 32, "vocab": None, "dtype_bytes": 2}
+    per_layer = 2048 * 4096 * (34 + 5 * 32 * 2048 / 4096)
+    assert transformer_activations(**base, checkpointing=False) == int(32 * per_layer)
+    assert transformer_activations(**base, checkpointing=True) == int(32 * 2048 * 4096 * 2 + per_layer)
+    assert transformer_activations(**base, checkpointing=False, fused_attention=True) == 32 * 2048 * 4096 * 34
+
+
+def test_deepspeed_names_signatures_and_output(capsys: pytest.CaptureFixture[str]) -> None:
+    expected = {
+        estimate_zero2_model_states_mem_needs_all_live: ["model", "num_gpus_per_node", "num_nodes",
+                                                         "additional_buffer_factor"],
+        estimate_zero2_model_states_mem_needs_all_cold: ["total_params", "num_gpus_per_node", "num_nodes",
+                                                         "additional_buffer_factor"],
+        estimate_zero3_model_states_mem_needs_all_live: ["model", "num_gpus_per_node", "num_nodes",
+                                                         "additional_buffer_factor"],
+        estimate_zero3_model_states_mem_needs_all_cold: ["total_params", "largest_layer_params", "num_gpus_per_node",
+                                                         "num_nodes", "additional_buffer_factor"],
+    }
+    for fn, names in expected.items():
+        assert list(inspect.signature(fn).parameters) == names
+    rows = estimate_zero2_model_states_mem_needs_all_cold(1e9, num_gpus_per_node=8)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["Estimated memory needed for params, optim states and gradients for a:",
+                         "HW: Setup with 1 node, 8 GPUs per node."]
+    assert re.fullmatch(r"SW: Model with (999|1000)M total params\.", lines[2]) and lines[3] == "  per CPU  |  per GPU |   Options"
+    assert re.fullmatch(r" +\d+\.\d\dGB \| +\d+\.\d\dGB \| offload_optimizer=cpu ", lines[4])
+    assert len(lines) == 6 and lines[5].endswith("offload_optimizer=none") and len(rows) == 2
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 10))
+    estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node=2)
+    estimate_zero3_model_states_mem_needs_all_cold(1e9, 4e7, num_gpus_per_node=2, num_nodes=2)
+    estimate_zero2_model_states_mem_needs_all_live(model)
+    out = capsys.readouterr().out
+    assert out.count("zero_init=1") == 6 and "HW: Setup with 2 nodes, 2 GPUs per node." in out
+
+
+def test_engine_hooks() -> None:
+    from slipstream.config import resolve
+
+    plan = resolve({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+                    "bf16": {"enabled": True}}, world_size=4)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
+    line = engine_line(plan=plan, model=model, world_size=4)
+    assert "\n" not in line and line.startswith("planner: ZeRO-2") and "4,288 params" in line
+    assert should_warn_materialised(2_000_000_000, 8, 1_000_000_000)
+    assert not should_warn_materialised(2_000_000_000, 1, 1_000_000_000)
+    assert not should_warn_materialised(10**6, 8, 10**9) and "zero.Init" in materialised_warning(10**10, 8)
+
+
+def test_cli_json_png_and_cheap_import(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    from slipstream.cli.main import main
+
+    assert main(["plan", "--params", "1.3B", "--gpus-per-node", "2", "--json", "--device-memory", "24GB"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["world_size"] == 2 and len(data["options"]) == len(STANDARD_OPTIONS) and data["cheapest"]
+    png = tmp_path / "plan.png"
+    assert main(["plan", "--hidden", "256", "--layers", "2", "--png", str(png)]) == 0
+    captured = capsys.readouterr()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "needs matplotlib" in captured.err and not png.exists()
+    else:
+        assert png.exists()
+    assert main(["plan"]) == 2 and "give the model" in capsys.readouterr().err
+    code = "import sys, slipstream.planner; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "False", result.stderr
