@@ -62,7 +62,7 @@ def open_source(path: Path) -> Any:
     from slipstream.checkpoint.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 
     if (path / "manifest.json").is_file():
-        return CheckpointReader(path)
+        return CheckpointReader(path, verify="lazy")  # each rank hashes only the files it reads
     if is_deepspeed_checkpoint(path):
         return DeepSpeedSource(read_deepspeed_checkpoint(path))
     raise CheckpointError(f"{path} is neither a Slipstream checkpoint (no manifest.json) nor a DeepSpeed one (no "

@@ -213,11 +213,13 @@ def check_coverage(manifest: Manifest) -> None:
                               f"once (checkpoint {manifest.tag!r}):\n  {shown}{more}")
 
 
-def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest, *, files: set[str] | None = None) -> None:
+def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest, *, files: set[str] | None = None,
+                 hash_files: bool = True) -> None:
     """Check the pieces (`check_coverage`), then each listed file's presence, size and sha256.
 
     All file problems are reported at once in one CheckpointCorrupt. `files` limits the file checks to those
-    names (an exporter needs only the files holding model weights).
+    names (an exporter needs only the files holding model weights); `hash_files=False` checks presence and sizes
+    only (the reader's lazy mode hashes each file when it opens it).
     """
     check_coverage(manifest)
     ckpt_dir = Path(ckpt_dir)
@@ -233,6 +235,8 @@ def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest, *, files:
             continue
         if size != record.get("bytes"):
             problems.append(f"{name}: size is {size} bytes, the manifest says {record.get('bytes')}")
+            continue
+        if not hash_files:
             continue
         digest = sha256_file(path)
         if digest != record.get("sha256"):

@@ -45,13 +45,19 @@ class CheckpointReader:
     """Read-only access to one checkpoint directory (a tag directory holding manifest.json).
 
     With `verify=True` (the default) every file's size and sha256 is checked against the manifest first, and a
-    CheckpointCorrupt names each missing or damaged file. Piece coverage is always checked.
+    CheckpointCorrupt names each missing or damaged file. With `verify="lazy"` (what load_checkpoint uses: a
+    rank of a large job reads only its own slices) every file's presence and size are checked first and each
+    file's sha256 when it is first opened, so a rank hashes only the files it reads. Piece coverage is always
+    checked.
     """
 
-    def __init__(self, ckpt_dir: str | os.PathLike[str], *, verify: bool = True) -> None:
+    def __init__(self, ckpt_dir: str | os.PathLike[str], *, verify: bool | str = True) -> None:
         self.ckpt_dir = Path(ckpt_dir)
         self.manifest: Manifest = read_manifest(self.ckpt_dir)
-        if verify:
+        self._lazy = verify == "lazy"
+        if self._lazy:
+            verify_files(self.ckpt_dir, self.manifest, hash_files=False)
+        elif verify:
             verify_files(self.ckpt_dir, self.manifest)
         else:
             check_coverage(self.manifest)
@@ -77,6 +83,8 @@ class CheckpointReader:
 
     def _file(self, name: str) -> SafetensorsFile:
         if name not in self._files:
+            if self._lazy:
+                verify_files(self.ckpt_dir, self.manifest, files={name})
             self._files[name] = SafetensorsFile(self.ckpt_dir / name)
         return self._files[name]
 
