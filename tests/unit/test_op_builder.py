@@ -82,9 +82,10 @@ def test_forced_fallback_loads_without_warning(monkeypatch: pytest.MonkeyPatch, 
 
 
 def test_registry_and_unknown_name() -> None:
-    assert set(ALL_OPS) == {"cpu_adam"}
+    assert set(ALL_OPS) == {"cpu_adam", "async_io"}
     assert get_builder("cpu_adam").BUILD_VAR == "DS_BUILD_CPU_ADAM"
-    with pytest.raises(ValueError, match="unknown op 'cpu_adamw'; known ops: cpu_adam"):
+    assert get_builder("async_io").BUILD_VAR == "DS_BUILD_AIO"
+    with pytest.raises(ValueError, match="unknown op 'cpu_adamw'; known ops: async_io, cpu_adam"):
         get_builder("cpu_adamw")
 
 

@@ -7,6 +7,7 @@ ahead of time.
 from __future__ import annotations
 
 from slipstream.ops.op_builder.all_ops import ALL_OPS, get_builder
+from slipstream.ops.op_builder.async_io import AsyncIOBuilder
 from slipstream.ops.op_builder.builder import Compatibility, CPUOpBuilder, LoadedOp, OpBuilder, ops_policy
 from slipstream.ops.op_builder.cpu_adam import CPUAdamBuilder
 from slipstream.ops.op_builder.cuda_builder import CUDAOpBuilder
@@ -14,6 +15,7 @@ from slipstream.ops.op_builder.errors import OpBuildError, OpIncompatibleError
 
 __all__ = [
     "ALL_OPS",
+    "AsyncIOBuilder",
     "CPUAdamBuilder",
     "CPUOpBuilder",
     "CUDAOpBuilder",

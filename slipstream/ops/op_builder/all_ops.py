@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from slipstream.ops.op_builder.async_io import AsyncIOBuilder
 from slipstream.ops.op_builder.builder import OpBuilder
 from slipstream.ops.op_builder.cpu_adam import CPUAdamBuilder
 
-_BUILDER_CLASSES: tuple[type[OpBuilder], ...] = (CPUAdamBuilder,)
+_BUILDER_CLASSES: tuple[type[OpBuilder], ...] = (CPUAdamBuilder, AsyncIOBuilder)
 
 ALL_OPS: dict[str, OpBuilder] = {cls.NAME: cls() for cls in _BUILDER_CLASSES}
 

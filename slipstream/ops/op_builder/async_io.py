@@ -1,0 +1,103 @@
+"""The `async_io` op: asynchronous, parallel tensor reads and writes to files for NVMe offload (DS_BUILD_AIO).
+
+The native op drives libaio or io_uring (liburing), whichever development files are installed (both when
+both are; libaio is preferred at run time), and falls back to a pread/pwrite thread pool when the kernel
+refuses them. The
+builder finds the headers and the `lib*.so` link names in the usual directories (plus CPATH,
+C_INCLUDE_PATH, CPLUS_INCLUDE_PATH and LIBRARY_PATH, which the compiler also searches); without either
+library the op is incompatible and the reason names the packages to install.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import sys
+import sysconfig
+
+from slipstream.ops.op_builder.builder import Compatibility, OpBuilder
+
+
+@dataclasses.dataclass(frozen=True)
+class AioLibrary:
+    """A kernel async-I/O library: its header, link name, compile define and the packages that provide it."""
+
+    name: str
+    header: str
+    link_name: str
+    define: str
+    debian: str
+    fedora: str
+
+
+LIBRARIES = (
+    AioLibrary("liburing", "liburing.h", "uring", "SLIPSTREAM_AIO_HAVE_URING", "liburing-dev", "liburing-devel"),
+    AioLibrary("libaio", "libaio.h", "aio", "SLIPSTREAM_AIO_HAVE_LIBAIO", "libaio-dev", "libaio-devel"),
+)
+
+
+def _env_dirs(*names: str) -> list[str]:
+    return [d for name in names for d in os.environ.get(name, "").split(os.pathsep) if d]
+
+
+def search_dirs() -> tuple[list[str], list[str]]:
+    """(include directories, library directories) searched for the libraries' development files."""
+    multiarch = sysconfig.get_config_var("MULTIARCH") or ""
+    includes = [*_env_dirs("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH"), "/usr/local/include", "/usr/include"]
+    libs = [*_env_dirs("LIBRARY_PATH"), "/usr/local/lib", "/usr/local/lib64", "/usr/lib64", "/usr/lib", "/lib64", "/lib"]
+    if multiarch:
+        includes.append(f"/usr/include/{multiarch}")
+        libs[1:1] = [f"/usr/local/lib/{multiarch}", f"/usr/lib/{multiarch}", f"/lib/{multiarch}"]
+    else:
+        libs.extend(sorted(glob.glob("/usr/lib/*-linux-gnu*")))
+    return includes, libs
+
+
+def found_libraries(includes: list[str] | None = None, libs: list[str] | None = None) -> list[AioLibrary]:
+    """The libraries whose header and `lib<name>.so` (the development link) are both present."""
+    if includes is None or libs is None:
+        includes, libs = search_dirs()
+    found = []
+    for lib in LIBRARIES:
+        has_header = any(os.path.isfile(os.path.join(d, lib.header)) for d in includes)
+        has_link = any(os.path.exists(os.path.join(d, f"lib{lib.link_name}.so")) for d in libs)
+        if has_header and has_link:
+            found.append(lib)
+    return found
+
+
+def missing_reason() -> str:
+    """Why the op cannot be built without either library, and what to install."""
+    return ("neither liburing nor libaio development files were found (liburing.h + liburing.so, or "
+            "libaio.h + libaio.so); install one: `apt-get install liburing-dev` or `apt-get install libaio-dev` "
+            "(Debian/Ubuntu), `dnf install liburing-devel` or `libaio-devel` (Fedora/RHEL); if it is installed "
+            "elsewhere, add its include directory to CPATH and its lib directory to LIBRARY_PATH")
+
+
+class AsyncIOBuilder(OpBuilder):
+    NAME = "async_io"
+    BUILD_VAR = "DS_BUILD_AIO"
+    FALLBACK = "slipstream.ops.fallback.async_io"
+
+    def sources(self) -> list[str]:
+        return ["aio/aio_py.cpp", "aio/aio_engine.cpp", "aio/aio_rings.cpp"]
+
+    def include_paths(self) -> list[str]:
+        return ["aio"]
+
+    def cxx_args(self) -> list[str]:
+        return [*super().cxx_args(), *(f"-D{lib.define}" for lib in found_libraries())]
+
+    def extra_ldflags(self) -> list[str]:
+        return [f"-l{lib.link_name}" for lib in found_libraries()]
+
+    def is_compatible(self) -> Compatibility:
+        if not sys.platform.startswith("linux"):
+            return Compatibility(False, f"async_io needs Linux (io_uring or libaio); this is {sys.platform}")
+        base = super().is_compatible()
+        if not base.ok:
+            return base
+        if not found_libraries():
+            return Compatibility(False, missing_reason())
+        return Compatibility(True)
