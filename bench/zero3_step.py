@@ -10,6 +10,8 @@ servers of _zero_common; 2 ranks, gloo on CPU, one thread each). Rows:
                                prefetch
     slipstream3_offload        + "offload_optimizer": {"device": "cpu"}
     slipstream3_offload_param  + "offload_param": {"device": "cpu"} as well
+    slipstream3_nvme           optimizer offload to NVMe (SLIPSTREAM_BENCH_NVME, default /tmp/slipstream-bench-nvme)
+    slipstream3_nvme_param     + the parameter shards on NVMe too
     fsdp2                      torch.distributed.fsdp.fully_shard on every transformer block, then on the root;
                                torch.optim.AdamW with the same hyperparameters, clip_grad_norm_(1.0), same loss
     deepspeed3(_offload)       DeepSpeed 0.19 with the JSON of slipstream3(_offload), in the peer environment
@@ -53,18 +55,27 @@ from _zero_common import ALL_GATHERS, BenchSpec, Factory, Runner, ds3_config, se
 from torch import nn
 from zero_step import RankGroup, measure_time
 
-OURS = ["fsdp2", "slipstream3", "slipstream3_offload", "slipstream3_offload_param"]
+OURS = ["fsdp2", "slipstream3", "slipstream3_offload", "slipstream3_offload_param", "slipstream3_nvme",
+        "slipstream3_nvme_param"]
+NVME_DIR = os.environ.get("SLIPSTREAM_BENCH_NVME", "/tmp/slipstream-bench-nvme")
 PEER = ["deepspeed3", "deepspeed3_offload"]
 TARGET_VS_DEEPSPEED = 0.8
 TARGET_VS_FSDP2 = 1.1
 
 
-def make_slipstream3(*, offload_optimizer: bool, offload_param: bool) -> Factory:
+def make_slipstream3(*, offload_optimizer: bool, offload_param: bool, nvme: str = "") -> Factory:
+    """`nvme`: "optimizer" puts the optimizer offload on NVMe (NVME_DIR), "both" the parameter shards too."""
     def factory(spec: BenchSpec, model: nn.Module) -> Runner:
         import slipstream
         from slipstream.comm import count_collectives
 
         config = ds3_config(spec, offload_optimizer=offload_optimizer, offload_param=offload_param)
+        if nvme:
+            os.makedirs(NVME_DIR, exist_ok=True)
+            zero = config["zero_optimization"]
+            zero["offload_optimizer"] = {"device": "nvme", "nvme_path": NVME_DIR}
+            if nvme == "both":
+                zero["offload_param"] = {"device": "nvme", "nvme_path": NVME_DIR}
         engine, _, _, _ = slipstream.initialize(model=model, config=config)
 
         def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -146,6 +157,8 @@ FACTORIES: dict[str, Factory] = {
     "slipstream3": make_slipstream3(offload_optimizer=False, offload_param=False),
     "slipstream3_offload": make_slipstream3(offload_optimizer=True, offload_param=False),
     "slipstream3_offload_param": make_slipstream3(offload_optimizer=True, offload_param=True),
+    "slipstream3_nvme": make_slipstream3(offload_optimizer=True, offload_param=False, nvme="optimizer"),
+    "slipstream3_nvme_param": make_slipstream3(offload_optimizer=True, offload_param=False, nvme="both"),
 }
 
 
