@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import pickle
 import shutil
 import stat
@@ -255,7 +256,9 @@ def test_full_disk_and_file_size_limit_name_the_file(tmp_path: Path) -> None:
         assert (err, filename, offset, size) == (expected[path][0], path, 0, 1 << 20), failure
         assert expected[path][1] in text and f"1048576 bytes at offset 0 of '{path}'" in text, text
     existing = report[str(tmp_path / "fallback-existing.bin")][4]
-    assert "at file offset 262144" in existing  # failed at wait(), where the limit starts
+    failed_at = re.search(r"at file offset (\d+)", existing)
+    # failed at wait(), at or past the limit (which block fails first depends on the thread pool's timing)
+    assert failed_at is not None and int(failed_at.group(1)) >= 262144, existing
 
 
 def test_error_text_and_pickle() -> None:

@@ -6,6 +6,7 @@ CUDA logic is exercised with torch.cuda functions monkeypatched; the test that n
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -203,11 +204,14 @@ def test_cpu_memory_numbers() -> None:
     acc.empty_cache()
     acc.reset_peak_memory_stats()
     before = acc.memory_allocated()
-    block = torch.ones(16 * 1024 * 1024)  # 64 MiB, written so the pages are resident
+    # 64 MiB of fresh pages, written so they are resident (a torch tensor could reuse heap pages freed earlier
+    # in this process and leave the RSS unchanged)
+    block = mmap.mmap(-1, 64 * 1024 * 1024)
+    block.write(b"\1" * (64 * 1024 * 1024))
     after = acc.memory_allocated()
     assert after >= before + 32 * 1024 * 1024
     assert acc.max_memory_allocated() >= after
-    del block
+    block.close()
     stats = acc.memory_stats()
     for key in ("allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.current"):
         assert isinstance(stats[key], int) and stats[key] > 0
