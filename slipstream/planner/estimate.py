@@ -90,8 +90,10 @@ def settings_from_plan(plan: Any) -> tuple[Settings, Option]:
     """Knobs and option of an `EnginePlan` (what the engine will run)."""
     zero, precision = plan.zero, plan.precision
     stage3 = zero.stage3
-    offload = zero.offload_optimizer is not None and zero.offload_optimizer.device == "cpu"
-    offload_param = bool(stage3 is not None and stage3.offload_param and stage3.offload_param.get("device") == "cpu")
+    offload = zero.offload_optimizer is not None and zero.offload_optimizer.device in ("cpu", "nvme")
+    offload_param = bool(stage3 is not None and stage3.offload_param
+                         and stage3.offload_param.get("device") in ("cpu", "nvme"))
+    nvme = zero.offload_optimizer is not None and zero.offload_optimizer.device == "nvme"
     pin = zero.offload_optimizer.pin_memory if zero.offload_optimizer is not None else True
     optimizer = plan.optimizer
     settings = Settings(
@@ -104,7 +106,8 @@ def settings_from_plan(plan: Any) -> tuple[Settings, Option]:
         optimizer_params=tuple(sorted((k, v) for k, v in (optimizer.params if optimizer else {}).items()
                                       if k in ("amsgrad", "momentum", "centered"))),
         leaf_classes=stage3.leaf_classes if stage3 else (), leaf_names=stage3.leaf_names if stage3 else ())
-    option = Option(stage=zero.stage, offload_optimizer=offload, offload_param=offload_param, label="config")
+    option = Option(stage=zero.stage, offload_optimizer=offload, offload_param=offload_param, nvme=nvme,
+                    label="config")
     return settings, option
 
 
@@ -145,9 +148,14 @@ def estimate_option(shape: ModelShape, option: Option, *, settings: Settings, wo
     owned = dict(figures.owned)
     model_states = sum(owned[k] for k in ("params", "master", "grads", "optimizer_state", "host_buffers",
                                           "comm_buffers"))
+    nvme = 0
+    if option.nvme:
+        nvme = host.get("master", 0) + host.get("optimizer_state", 0) + host.get("offloaded_params", 0)
+        host.pop("pinned_rounding", None)  # NVMe-swapped buffers are pageable
+        host.pop("offloaded_params", None)  # parameter shards are read in per unit, not kept on the host
     result = OptionEstimate(option=option, device=dict(figures.device), host=host, activations=activations,
                             activations_checkpointed=activations_checkpointed, host_init_per_rank=init,
-                            model_states=model_states, owned=owned, gpus_per_node=gpus_per_node)
+                            model_states=model_states, owned=owned, gpus_per_node=gpus_per_node, nvme_per_rank=nvme)
     fits_host = None if host_memory is None else result.host_total <= host_memory
     if device_memory is None:
         return dataclasses.replace(result, fits_host=fits_host)

@@ -46,13 +46,14 @@ def format_plan(plan: Plan) -> str:
         cells += [_gib(est.activations), _gib(est.activations_checkpointed), _gib(est.device_total),
                   _gib(est.device_total_checkpointed), fits]
         lines.append(f"{mark}{est.option.name:<{width - 1}}" + " ".join(f"{c:>{_W}}" for c in cells))
-    head = [name for name, _ in _HOST_COLUMNS] + ["build", "node total", "fits"]
+    head = [name for name, _ in _HOST_COLUMNS] + ["build", "node total", "fits", "nvme/rank"]
     lines += ["", f"per host (GiB; roles per rank, totals for {plan.gpus_per_node} rank(s) per node)",
               f"{'option':<{width}}" + " ".join(f"{h:>{_W}}" for h in head)]
     for est in plan.estimates:
         mark = "*" if est.option.name == plan.cheapest else " "
         cells = [_gib(sum(est.host.get(r, 0) for r in roles)) for _, roles in _HOST_COLUMNS]
-        cells += [_gib(est.host_init_per_rank), _gib(est.host_total), _fits(est.fits_host)]
+        cells += [_gib(est.host_init_per_rank), _gib(est.host_total), _fits(est.fits_host),
+                  _gib(est.nvme_per_rank) if est.option.nvme else "-"]
         lines.append(f"{mark}{est.option.name:<{width - 1}}" + " ".join(f"{c:>{_W}}" for c in cells))
     lines.append("")
     if plan.cheapest is not None:

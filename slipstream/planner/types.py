@@ -38,6 +38,8 @@ class Option:
     """zero_optimization.offload_optimizer.device == "cpu"."""
     offload_param: bool = False
     """zero_optimization.offload_param.device == "cpu" (stage 3 only)."""
+    nvme: bool = False
+    """The offloaded parts go to NVMe (device "nvme") instead of host memory."""
     label: str = ""
     """Shown instead of the generated name (e.g. "config" for the row of a given DeepSpeed config)."""
 
@@ -47,6 +49,8 @@ class Option:
         if self.offload_param and self.stage != 3:
             raise ValueError(f"Option: offload_param needs stage 3 (got stage {self.stage}); "
                              "zero_optimization.offload_param has no effect below stage 3")
+        if self.nvme and not self.offload_optimizer:
+            raise ValueError("Option: nvme needs offload_optimizer (NVMe holds what offload moves off the device)")
 
     @property
     def name(self) -> str:
@@ -57,13 +61,13 @@ class Option:
             parts.append("offload_optimizer")
         if self.offload_param:
             parts.append("offload_param")
-        return "+".join(parts)
+        return "+".join(parts) + ("(nvme)" if self.nvme else "")
 
     @property
-    def cost_rank(self) -> tuple[int, int, int]:
+    def cost_rank(self) -> tuple[int, int, int, int]:
         """Lower is cheaper to run: no offload before optimizer offload before parameter offload, then the
         lower stage (less communication)."""
-        return (int(self.offload_param), int(self.offload_optimizer), self.stage)
+        return (int(self.nvme), int(self.offload_param), int(self.offload_optimizer), self.stage)
 
 
 STANDARD_OPTIONS = (
@@ -71,6 +75,7 @@ STANDARD_OPTIONS = (
     Option(stage=0, offload_optimizer=True), Option(stage=1, offload_optimizer=True),
     Option(stage=2, offload_optimizer=True), Option(stage=3, offload_optimizer=True),
     Option(stage=3, offload_optimizer=True, offload_param=True),
+    Option(stage=3, offload_optimizer=True, offload_param=True, nvme=True),
 )
 """The rows of `slipstream plan`: stages 0-3 with and without optimizer offload, and stage 3 with parameter
 offload."""
@@ -126,6 +131,10 @@ class OptionEstimate:
     owned: dict[str, int]
     """Per rank, in the keys of `owned_bytes()` (offloaded_params included at stage 3)."""
     gpus_per_node: int
+    nvme_per_rank: int = 0
+    """Bytes in files under nvme_path per rank (masters, optimizer states, and parameter shards with
+    offload_param). Host memory is unchanged: NVMe offload swaps one optimizer param group at a time, so a
+    model with one param group still has it all in host memory during the step (docs/offload.md)."""
     fits_device: bool | None = None
     fits_device_checkpointed: bool | None = None
     fits_host: bool | None = None
@@ -147,6 +156,7 @@ class OptionEstimate:
     def to_dict(self) -> dict[str, Any]:
         return {"option": self.option.name, "stage": self.option.stage,
                 "offload_optimizer": self.option.offload_optimizer, "offload_param": self.option.offload_param,
+                "nvme": self.option.nvme, "nvme_bytes_per_rank": self.nvme_per_rank,
                 "device_bytes": dict(self.device), "host_bytes_per_rank": dict(self.host),
                 "activations": self.activations, "activations_checkpointed": self.activations_checkpointed,
                 "device_total": self.device_total, "device_total_checkpointed": self.device_total_checkpointed,

@@ -195,3 +195,14 @@ def test_cli_json_png_and_cheap_import(tmp_path, capsys: pytest.CaptureFixture[s
     code = "import sys, slipstream.planner; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_nvme_option_moves_offloaded_state_to_disk() -> None:
+    from slipstream.planner import estimate
+
+    plan = estimate(params=1_000_000, hidden=64, layers=4, gpus_per_node=2, dtype="bf16")
+    by_name = {e.option.name: e for e in plan.estimates}
+    cpu, nvme = by_name["zero3+offload_optimizer+offload_param"], by_name["zero3+offload_optimizer+offload_param(nvme)"]
+    assert nvme.nvme_per_rank == cpu.host["master"] + cpu.host["optimizer_state"] + cpu.host["offloaded_params"] > 0
+    assert "offloaded_params" not in nvme.host and nvme.device == cpu.device
+    assert cpu.nvme_per_rank == 0
