@@ -3,8 +3,9 @@
 [Note: NVMe swapping]
 - `NVMeOffload` is a `CPUOffload` (the step runs on the host, in the CPU Adam op) whose master buffers and
   optimizer-state tensors are *swappable*: between steps their storage is resized to zero bytes and their
-  values live in files under `nvme_path/slipstream-<pid>-rank<r>/` (mode 0700, files 0600). Views of them
-  (the master pieces the optimizer steps) stay valid, as with ZeRO-3's full buffers.
+  values live in files under `nvme_path/slipstream-<pid>-rank<r>-optimizer<n>/` (mode 0700, files 0600). Views of them
+  (the master pieces the optimizer steps) stay valid, as with ZeRO-3's full buffers. Each engine has its own
+  directory (`slipstream-<pid>-rank<r>-optimizer<n>`), so several engines in one process never share files.
 - The step runs one optimizer param group at a time: the group's tensors are read back (the next group's
   read is started before this group's update, so reads overlap compute), the group is updated, and its
   tensors are written out and released. Host memory holds about two groups' masters and states at once.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import itertools
 import os
 import shutil
 from pathlib import Path
@@ -30,6 +32,8 @@ from slipstream.offload.policy import CPUOffload
 from slipstream.utils.logging import log_rank0
 
 _PREFIX = "slipstream-"
+_instances = itertools.count()
+"""Several engines in one process each get their own directory (their swap files must never mix)."""
 
 
 @dataclasses.dataclass
@@ -54,7 +58,7 @@ def _pid_alive(pid: int) -> bool:
 def clean_stale_dirs(root: Path, rank: int) -> list[str]:
     """Remove run directories of this rank left by processes that no longer exist; returns what was removed."""
     removed = []
-    for path in [*root.glob(f"{_PREFIX}*-rank{rank}"), *root.glob(f"{_PREFIX}*-rank{rank}-params")]:
+    for path in root.glob(f"{_PREFIX}*-rank{rank}-*"):
         try:
             pid = int(path.name[len(_PREFIX):].split("-")[0])
         except ValueError:
@@ -146,7 +150,7 @@ class NVMeShardStore:
             raise ValueError(f"offload_param.nvme_path={nvme_path!r} is not a writable directory; create it (on a "
                              "fast local disk) or point nvme_path at one")
         clean_stale_dirs(root, rank)
-        self.directory = root / f"{_PREFIX}{os.getpid()}-rank{rank}-params"
+        self.directory = root / f"{_PREFIX}{os.getpid()}-rank{rank}-params{next(_instances)}"
         self.directory.mkdir(mode=0o700, exist_ok=True)
         atexit.register(shutil.rmtree, self.directory, True)
         self.swapper = Swapper(self.directory, aio)
@@ -179,7 +183,7 @@ class NVMeOffload(CPUOffload):
                              "(on a fast local disk) or point nvme_path at one")
         for path in clean_stale_dirs(root, self.rank):
             log_rank0(f"offload: removed {path}, left by a run that no longer exists", rank=self.rank)
-        self.directory = root / f"{_PREFIX}{os.getpid()}-rank{self.rank}"
+        self.directory = root / f"{_PREFIX}{os.getpid()}-rank{self.rank}-optimizer{next(_instances)}"
         self.directory.mkdir(mode=0o700, exist_ok=True)
         atexit.register(shutil.rmtree, self.directory, True)
         self.swapper = Swapper(self.directory, self.aio)

@@ -28,6 +28,19 @@ def nvme_grid(rank: int, world: int, *, nvme: str, ckpt: str) -> list:
                          offload_optimizer={"device": "cpu"}, offload_param={"device": "nvme", "nvme_path": nvme}))
     import slipstream
 
+    # two engines alive in one process, stepping in turns: their swap files must never mix
+    pair_config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                   "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+                   "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
+    pair = [slipstream.initialize(model=TinyMLP(), config=pair_config)[0] for _ in range(2)]
+    for inputs, targets in global_batches():
+        for engine in pair:
+            for m in range(2):
+                start = (m * world + rank) * 2
+                engine.backward(TinyMLP.loss(engine(inputs[start:start + 2]), targets[start:start + 2]))
+                engine.step()
+    for engine in pair:
+        results.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
@@ -43,7 +56,7 @@ def nvme_grid(rank: int, world: int, *, nvme: str, ckpt: str) -> list:
 def test_nvme_offload_matches_the_reference_and_cleans_up(tmp_path: Path) -> None:
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    stale = nvme / "slipstream-999999999-rank0"  # a crashed run's leftovers: removed, never mixed in
+    stale = nvme / "slipstream-999999999-rank0-optimizer0"  # a crashed run's leftovers: removed, never mixed in
     stale.mkdir()
     (stale / "group0_master.swp").write_bytes(b"old")
     _, reference = train_reference(TinyMLP, global_batches(), lr=LR, steps=STEPS, optimizer="adamw",
@@ -52,8 +65,8 @@ def test_nvme_offload_matches_the_reference_and_cleans_up(tmp_path: Path) -> Non
                                ckpt=str(tmp_path / "ckpt"))
     for results, swapped in per_rank:
         assert any(name.endswith("_master.swp") for name in swapped), swapped  # masters really left memory
-        assert len(results) == 4
-        for stage, result in zip((1, 2, 3, "3 + offload_param"), results):
+        assert len(results) == 6
+        for stage, result in zip((1, 2, 3, "3 + offload_param", "2, engine A of 2", "2, engine B of 2"), results):
             for name, value in reference.items():
                 torch.testing.assert_close(result[name], value, rtol=2e-5, atol=2e-6,
                                            msg=lambda m, stage=stage, name=name: f"stage {stage} {name}: {m}")
