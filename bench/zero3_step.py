@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -53,7 +52,7 @@ for _path in (str(BENCH_DIR), str(ROOT)):
 import torch
 from _zero_common import ALL_GATHERS, BenchSpec, Factory, Runner, ds3_config, serve_main
 from torch import nn
-from zero_step import RankGroup, measure_time
+from zero_step import _num, _ratio, add_run_arguments, parse_run_arguments, run_rows
 
 OURS = ["fsdp2", "slipstream3", "slipstream3_offload", "slipstream3_offload_param", "slipstream3_nvme",
         "slipstream3_nvme_param"]
@@ -162,39 +161,6 @@ FACTORIES: dict[str, Factory] = {
 }
 
 
-def measure_memory(
-    groups_for: dict[str, tuple[Path, Path]], spec: BenchSpec, steps: int, workdir: Path
-) -> dict[str, dict[str, Any]]:
-    """Memory phase: a fresh group per row, `steps` steps, its memory figures, then one counted step."""
-    memory = {}
-    for name, (python, script) in groups_for.items():
-        group = RankGroup(python, script, [name], spec, workdir / f"mem-{name}")
-        try:
-            group.send({"op": "run", "name": name, "steps": steps})
-            figures = group.send({"op": "memory"})
-            counts = group.send({"op": "count", "name": name})
-            assert figures is not None and counts is not None
-            memory[name] = {
-                "peak_rss_mib": figures["peak_rss_mib"],
-                "rss_before_mib": figures["rss_before_mib"],
-                "owned_mib": figures["owned_mib"][name],
-                "num_params": group.ready["num_params"],
-                **{key: max(values) for key, values in counts.items()},
-            }
-            print(f"  {name}: done", flush=True)
-        finally:
-            group.close()
-    return memory
-
-
-def _num(value: float | None, fmt: str = ".1f") -> str:
-    return "-" if value is None else format(value, fmt)
-
-
-def _ratio(num: float | None, den: float | None) -> str:
-    return "-" if num is None or den is None else f"{num / den:.2f}x"
-
-
 def print_table(rows: dict[str, dict[str, Any]]) -> None:
     """One line per row: median step time, ratios to deepspeed3 and fsdp2, peak RSS, all-gathers per step."""
     ds_ms = rows.get("deepspeed3", {}).get("median_ms")
@@ -257,31 +223,12 @@ def print_targets(rows: dict[str, dict[str, Any]]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 1 timed round of 2 steps, 2 memory steps"
-    )
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds (after one warmup round)")
-    parser.add_argument("--chunk", type=int, default=5, help="steps per row per round")
-    parser.add_argument("--memory-steps", type=int, default=5, help="steps before reading the memory figures")
-    parser.add_argument(
-        "--peer-python",
-        type=Path,
-        default=ROOT / ".bench-venv" / "bin" / "python",
-        help="interpreter of the DeepSpeed peer environment (bench/make_peer_venv.sh)",
-    )
-    parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
+    add_run_arguments(parser)
     parser.add_argument(
         "--rows", default=None, help="comma-separated subset of rows to run (default: all of them)"
     )
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.chunk, args.memory_steps = 1, 2, 2
+    args, use_peer = parse_run_arguments(parser)
     spec = BenchSpec()
-    use_peer = not args.no_deepspeed and args.peer_python.exists()
-    if not use_peer and not args.no_deepspeed:
-        print(
-            f"note: no DeepSpeed peer at {args.peer_python}; `bash bench/make_peer_venv.sh` adds those rows"
-        )
     wanted = set(args.rows.split(",")) if args.rows else set(OURS + PEER)
     unknown = wanted - set(OURS + PEER)
     if unknown:
@@ -296,26 +243,7 @@ def main() -> int:
         flush=True,
     )
 
-    ours = (Path(sys.executable), Path(__file__).resolve())
-    peer = (args.peer_python, BENCH_DIR / "_deepspeed_peer.py")
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="zero3_step_") as tmp:
-        workdir = Path(tmp)
-        groups_for = {name: ours for name in ours_names} | {name: peer for name in peer_names}
-        memory = measure_memory(groups_for, spec, args.memory_steps, workdir)
-        print(f"memory phase done in {time.perf_counter() - started:.0f} s", flush=True)
-        groups = []
-        try:
-            if ours_names:
-                groups.append(RankGroup(*ours, ours_names, spec, workdir / "time-ours"))
-            if peer_names:
-                groups.append(RankGroup(*peer, peer_names, spec, workdir / "time-peer"))
-            timing = measure_time(groups, rounds=args.rounds, chunk=args.chunk)
-        finally:
-            for group in groups:
-                group.close()
-    rows = {name: {**memory.get(name, {}), **timing.get(name, {})} for name in groups_for}
-    print(f"model parameters: {next(iter(memory.values()))['num_params']:,}\n")
+    rows, started = run_rows(Path(__file__).resolve(), ours_names, peer_names, spec, args, count=True)
     print_table(rows)
     print_targets(rows)
     print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s")

@@ -156,22 +156,26 @@ class RankGroup:
 
 
 def measure_memory(
-    groups_for: dict[str, tuple[Path, Path]], spec: BenchSpec, steps: int, workdir: Path
+    groups_for: dict[str, tuple[Path, Path]], spec: BenchSpec, steps: int, workdir: Path, *, count: bool = False
 ) -> dict[str, dict[str, Any]]:
-    """Memory phase: a fresh group per row, `steps` steps, then its figures."""
+    """Memory phase: a fresh group per row, `steps` steps, then its figures (and, with `count`, the
+    collectives of one more step, counted by the rank server)."""
     memory = {}
     for name, (python, script) in groups_for.items():
         group = RankGroup(python, script, [name], spec, workdir / f"mem-{name}")
         try:
             group.send({"op": "run", "name": name, "steps": steps})
             figures = group.send({"op": "memory"})
-            assert figures is not None
+            counts = group.send({"op": "count", "name": name}) if count else {}
+            assert figures is not None and counts is not None
             memory[name] = {
                 "peak_rss_mib": figures["peak_rss_mib"],
                 "rss_before_mib": figures["rss_before_mib"],
                 "owned_mib": figures["owned_mib"][name],
                 "num_params": group.ready["num_params"],
+                **{key: max(values) for key, values in counts.items()},
             }
+            print(f"  {name}: done", flush=True)
         finally:
             group.close()
     return memory
@@ -241,8 +245,8 @@ def print_table(rows: dict[str, dict[str, Any]]) -> None:
         )
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every ZeRO step benchmark takes (zero_step.py, zero3_step.py)."""
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 1 timed round of 2 steps, 2 memory steps"
     )
@@ -256,15 +260,53 @@ def main() -> int:
         help="interpreter of the DeepSpeed peer environment (bench/make_peer_venv.sh)",
     )
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
+
+
+def parse_run_arguments(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, bool]:
+    """The parsed options (with --quick applied) and whether the DeepSpeed peer rows run."""
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.chunk, args.memory_steps = 1, 2, 2
-    spec = BenchSpec()
     use_peer = not args.no_deepspeed and args.peer_python.exists()
     if not use_peer and not args.no_deepspeed:
         print(
             f"note: no DeepSpeed peer at {args.peer_python}; `bash bench/make_peer_venv.sh` adds those rows"
         )
+    return args, use_peer
+
+
+def run_rows(script: Path, ours_names: list[str], peer_names: list[str], spec: BenchSpec, args: argparse.Namespace,
+             *, count: bool = False) -> tuple[dict[str, dict[str, Any]], float]:
+    """Both phases (see the module doc) for the rows served by `script` (ours) and the peer; returns the rows
+    and when the benchmark started."""
+    ours = (Path(sys.executable), script)
+    peer = (args.peer_python, BENCH_DIR / "_deepspeed_peer.py")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"{script.stem}_") as tmp:
+        workdir = Path(tmp)
+        groups_for = {name: ours for name in ours_names} | {name: peer for name in peer_names}
+        memory = measure_memory(groups_for, spec, args.memory_steps, workdir, count=count)
+        print(f"memory phase done in {time.perf_counter() - started:.0f} s", flush=True)
+        groups = []
+        try:
+            if ours_names:
+                groups.append(RankGroup(*ours, ours_names, spec, workdir / "time-ours"))
+            if peer_names:
+                groups.append(RankGroup(*peer, peer_names, spec, workdir / "time-peer"))
+            timing = measure_time(groups, rounds=args.rounds, chunk=args.chunk)
+        finally:
+            for group in groups:
+                group.close()
+    rows = {name: {**memory.get(name, {}), **timing.get(name, {})} for name in groups_for}
+    print(f"model parameters: {next(iter(memory.values()))['num_params']:,}\n")
+    return rows, started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(parser)
+    args, use_peer = parse_run_arguments(parser)
+    spec = BenchSpec()
     print(
         f"GPT {spec.n_layer} layers x {spec.n_embd}, {spec.world_size} ranks (gloo, 1 thread each), "
         f"micro batch "
@@ -273,24 +315,7 @@ def main() -> int:
         flush=True,
     )
 
-    ours = (Path(sys.executable), Path(__file__).resolve())
-    peer = (args.peer_python, BENCH_DIR / "_deepspeed_peer.py")
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="zero_step_") as tmp:
-        workdir = Path(tmp)
-        groups_for = {name: ours for name in OURS} | ({name: peer for name in PEER} if use_peer else {})
-        memory = measure_memory(groups_for, spec, args.memory_steps, workdir)
-        print(f"memory phase done in {time.perf_counter() - started:.0f} s", flush=True)
-        groups = [RankGroup(*ours, OURS, spec, workdir / "time-ours")]
-        if use_peer:
-            groups.append(RankGroup(*peer, PEER, spec, workdir / "time-peer"))
-        try:
-            timing = measure_time(groups, rounds=args.rounds, chunk=args.chunk)
-        finally:
-            for group in groups:
-                group.close()
-    rows = {name: {**memory.get(name, {}), **timing.get(name, {})} for name in groups_for}
-    print(f"model parameters: {next(iter(memory.values()))['num_params']:,}\n")
+    rows, started = run_rows(Path(__file__).resolve(), OURS, PEER if use_peer else [], spec, args)
     print_table(rows)
     print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s")
     return 0

@@ -8,12 +8,28 @@ The native format is a directory per tag holding safetensors files and a JSON ma
 
 from __future__ import annotations
 
-from slipstream.checkpoint.atomic import (commit_dir, make_tmp_dir, read_latest, recover, tmp_dir_for,
-                                          write_latest, write_text_atomic)
+from slipstream.checkpoint.atomic import (
+                                          commit_dir,
+                                          make_tmp_dir,
+                                          read_latest,
+                                          recover,
+                                          tmp_dir_for,
+                                          write_latest,
+                                          write_text_atomic,
+)
 from slipstream.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from slipstream.checkpoint.export import export_checkpoint, parse_size
-from slipstream.checkpoint.manifest import (FORMAT_VERSION, Manifest, Piece, TensorEntry, dtype_name,
-                                            parse_dtype, read_manifest, verify_files, write_manifest)
+from slipstream.checkpoint.manifest import (
+                                          FORMAT_VERSION,
+                                          Manifest,
+                                          Piece,
+                                          TensorEntry,
+                                          dtype_name,
+                                          parse_dtype,
+                                          read_manifest,
+                                          verify_files,
+                                          write_manifest,
+)
 from slipstream.checkpoint.reader import CheckpointReader, resolve_checkpoint_dir
 from slipstream.checkpoint.safetensors_io import SafetensorsFile, SafetensorsWriter, save_file, sha256_file
 

@@ -19,7 +19,7 @@ import torch
 from slipstream.checkpoint.deepspeed_import import DeepSpeedCheckpoint
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.reader import CheckpointReader
-from slipstream.checkpoint.state import EngineParts, collect_slices, restore_rng, trainable_names
+from slipstream.checkpoint.state import EngineParts, collect_slices, restore_rng
 from slipstream.utils.logging import warn_once
 
 
@@ -125,8 +125,6 @@ def load_engine(parts: EngineParts, source: Any, *, strict: bool, load_optimizer
     rng = {k.rsplit("/", 1)[-1]: source.read(k) for k in keys if k.startswith(f"rng/{parts.rank}/")}
     if rng and scalars.get("world_size", parts.world_size) == parts.world_size:
         restore_rng(rng)
-    if trainable_names(parts) and optimizer is None:
-        raise CheckpointError("internal: trainable parameters without an optimizer")
     return scalars
 
 

@@ -18,8 +18,15 @@ import torch
 
 from slipstream.checkpoint.atomic import read_latest
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.manifest import (MANIFEST_FILE, Manifest, Piece, TensorEntry, check_coverage,
-                                            read_manifest, verify_files)
+from slipstream.checkpoint.manifest import (
+    MANIFEST_FILE,
+    Manifest,
+    Piece,
+    TensorEntry,
+    check_coverage,
+    read_manifest,
+    verify_files,
+)
 from slipstream.checkpoint.safetensors_io import SafetensorsFile
 
 

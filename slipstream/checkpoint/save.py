@@ -22,12 +22,32 @@ from typing import Any
 
 import torch
 
-from slipstream.checkpoint.atomic import check_tag, commit_dir, fsync_file, make_tmp_dir, tmp_dir_for, write_latest
+from slipstream.checkpoint.atomic import (
+    check_tag,
+    commit_dir,
+    fsync_file,
+    make_tmp_dir,
+    tmp_dir_for,
+    write_latest,
+)
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.manifest import (FORMAT_VERSION, Manifest, Piece, TensorEntry, check_coverage, dtype_name,
-                                            write_manifest)
+from slipstream.checkpoint.manifest import (
+    FORMAT_VERSION,
+    Manifest,
+    Piece,
+    TensorEntry,
+    check_coverage,
+    dtype_name,
+    write_manifest,
+)
 from slipstream.checkpoint.safetensors_io import SafetensorsWriter
-from slipstream.checkpoint.state import EngineParts, collect_slices, flat_state_keys, rng_tensors, trainable_names
+from slipstream.checkpoint.state import (
+    EngineParts,
+    collect_slices,
+    flat_state_keys,
+    rng_tensors,
+    trainable_names,
+)
 from slipstream.comm import collectives
 from slipstream.comm.collectives import CollectiveTimeout
 from slipstream.utils.logging import warn_once

@@ -62,12 +62,7 @@ def prepare_stage3_module(model: nn.Module, plan: EnginePlan, device: torch.devi
         if plan.zero.offload_optimizer is None or plan.zero.offload_optimizer.device == "none":
             raise ValueError("zero_optimization.offload_param.device \"nvme\" needs offload_optimizer too (device cpu "
                              "or nvme): the fp32 master weights cannot live in the NVMe-resident shards")
-    from slipstream.offload.nvme import AioSettings
-
-    aio = AioSettings(block_size=plan.aio.block_size, queue_depth=plan.aio.queue_depth,
-                      intra_op_parallelism=plan.aio.intra_op_parallelism, single_submit=plan.aio.single_submit,
-                      overlap_events=plan.aio.overlap_events)
-    return ZeroModel(model, stage3_settings(stage3, aio), device=device)
+    return ZeroModel(model, stage3_settings(stage3, plan.aio), device=device)
 
 
 def prepare_module(model: nn.Module, precision: PrecisionPlan, device: torch.device) -> nn.Module:
@@ -132,13 +127,9 @@ def make_offload_policy(plan: EnginePlan) -> OffloadPolicy:
     if offload is None or offload.device == "none":
         return NoOffload()
     if offload.device == "nvme":
-        from slipstream.offload.nvme import AioSettings, NVMeOffload
+        from slipstream.offload.nvme import NVMeOffload
 
-        aio = plan.aio
-        return NVMeOffload(pin_memory=False, nvme_path=str(offload.nvme_path), rank=dist.get_rank(),
-                           aio=AioSettings(block_size=aio.block_size, queue_depth=aio.queue_depth,
-                                           intra_op_parallelism=aio.intra_op_parallelism,
-                                           single_submit=aio.single_submit, overlap_events=aio.overlap_events))
+        return NVMeOffload(pin_memory=False, nvme_path=str(offload.nvme_path), rank=dist.get_rank(), aio=plan.aio)
     return CPUOffload(pin_memory=offload.pin_memory)
 
 

@@ -13,9 +13,15 @@ from typing import Any
 
 from slipstream.checkpoint.atomic import read_latest
 from slipstream.checkpoint.errors import CheckpointError
+from slipstream.checkpoint.state import (
+    EngineParts,
+    hyperparameters,
+    scalar_state,
+    split_client_state,
+    to_json,
+)
 from slipstream.comm import collectives
 from slipstream.comm.collectives import CollectiveTimeout
-from slipstream.checkpoint.state import EngineParts, hyperparameters, scalar_state, split_client_state, to_json
 from slipstream.utils.logging import log_rank0, warn_once
 
 

@@ -24,10 +24,10 @@ from torch import nn
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
 from slipstream.compat.engine_getters import EngineGetters
-from slipstream.engine.checkpointing import Checkpointing
-from slipstream.engine.model_saving import ModelSaving
 from slipstream.config.plan import EnginePlan
 from slipstream.engine import builders
+from slipstream.engine.checkpointing import Checkpointing
+from slipstream.engine.model_saving import ModelSaving
 from slipstream.engine.monitor import StepFigures
 from slipstream.utils.logging import get_logger, log_rank0, warn_once
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer

@@ -36,18 +36,15 @@ class ModelSaving:
             return OrderedDict()
         state: dict[str, torch.Tensor] = OrderedDict()
         for name, param in self.module.named_parameters():
-            if name in params:
-                state[name] = params[name]
-            elif not exclude_frozen_parameters or param.requires_grad:
-                owner = getattr(param, "ds_record", None)
-                if owner is not None and owner.name in params:  # tied: saved under its first name too
-                    state[name] = params[owner.name]
+            if exclude_frozen_parameters and not param.requires_grad:
+                continue
+            gathered = params.get(param.ds_record.name)  # keyed by the name its unit knows it by
+            if gathered is None:
+                raise RuntimeError(f"consolidating the ZeRO-3 model left out parameter '{name}': refusing to return "
+                                   "a partial state dict")
+            state[name] = gathered
         for name, buffer in self.module.named_buffers():
             state[name] = buffer.detach().to("cpu", copy=True)
-        expected = {n for n, p in self.module.named_parameters() if not exclude_frozen_parameters or p.requires_grad}
-        if missing := sorted(expected - set(state)):
-            raise RuntimeError(f"consolidating the ZeRO-3 model left out parameters {missing[:5]}: refusing to return a "
-                               "partial state dict")
         return state
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",

@@ -28,21 +28,13 @@ from typing import Any
 
 import torch
 
+from slipstream.config.plan import AioPlan
 from slipstream.offload.policy import CPUOffload
 from slipstream.utils.logging import log_rank0
 
 _PREFIX = "slipstream-"
 _instances = itertools.count()
 """Several engines in one process each get their own directory (their swap files must never mix)."""
-
-
-@dataclasses.dataclass
-class AioSettings:
-    block_size: int = 1_048_576
-    queue_depth: int = 8
-    intra_op_parallelism: int = 1
-    single_submit: bool = False
-    overlap_events: bool = True
 
 
 def _pid_alive(pid: int) -> bool:
@@ -69,10 +61,25 @@ def clean_stale_dirs(root: Path, rank: int) -> list[str]:
     return removed
 
 
+def make_run_dir(nvme_path: str, rank: int, role: str, *, key: str) -> Path:
+    """This engine's directory under `nvme_path` (mode 0700, removed at exit), after checking the path and
+    removing what dead runs left there."""
+    root = Path(nvme_path)
+    if not root.is_dir() or not os.access(root, os.W_OK):
+        raise ValueError(f"zero_optimization.{key}={nvme_path!r} is not a writable directory; create it (on a fast "
+                         "local disk) or point nvme_path at one")
+    for path in clean_stale_dirs(root, rank):
+        log_rank0(f"offload: removed {path}, left by a run that no longer exists", rank=rank)
+    directory = root / f"{_PREFIX}{os.getpid()}-rank{rank}-{role}{next(_instances)}"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    atexit.register(shutil.rmtree, directory, True)
+    return directory
+
+
 class Swapper:
     """Moves registered host tensors to files and back (see [Note: NVMe swapping])."""
 
-    def __init__(self, directory: Path, aio: AioSettings) -> None:
+    def __init__(self, directory: Path, aio: AioPlan) -> None:
         from slipstream.ops.aio import AsyncIOBuilder
 
         self.directory = directory
@@ -136,23 +143,14 @@ class Swapper:
             self.handle.wait()
             self._reading.clear()
 
-    def disk_bytes(self) -> int:
-        return sum(self._file_bytes.values())
 
 
 class NVMeShardStore:
     """ZeRO-3 parameter offload to NVMe: a unit's shard is read in for a gather or an update and released
     after (written back only when it changed)."""
 
-    def __init__(self, nvme_path: str, rank: int, aio: AioSettings) -> None:
-        root = Path(nvme_path)
-        if not root.is_dir() or not os.access(root, os.W_OK):
-            raise ValueError(f"offload_param.nvme_path={nvme_path!r} is not a writable directory; create it (on a "
-                             "fast local disk) or point nvme_path at one")
-        clean_stale_dirs(root, rank)
-        self.directory = root / f"{_PREFIX}{os.getpid()}-rank{rank}-params{next(_instances)}"
-        self.directory.mkdir(mode=0o700, exist_ok=True)
-        atexit.register(shutil.rmtree, self.directory, True)
+    def __init__(self, nvme_path: str, rank: int, aio: AioPlan) -> None:
+        self.directory = make_run_dir(nvme_path, rank, "params", key="offload_param.nvme_path")
         self.swapper = Swapper(self.directory, aio)
 
     def fetch(self, shard: torch.Tensor) -> None:
@@ -170,22 +168,14 @@ class NVMeOffload(CPUOffload):
     """CPU offload whose masters and optimizer states are swapped to `nvme_path` between uses."""
 
     nvme_path: str = ""
-    aio: AioSettings = dataclasses.field(default_factory=AioSettings)
+    aio: AioPlan = dataclasses.field(default_factory=AioPlan)
     rank: int = 0
     swapper: Any = dataclasses.field(default=None, init=False)
     directory: Path | None = dataclasses.field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.pin_memory = False  # swappable storages are resized; pinned host memory cannot be
-        root = Path(self.nvme_path)
-        if not root.is_dir() or not os.access(root, os.W_OK):
-            raise ValueError(f"offload_optimizer.nvme_path={self.nvme_path!r} is not a writable directory; create it "
-                             "(on a fast local disk) or point nvme_path at one")
-        for path in clean_stale_dirs(root, self.rank):
-            log_rank0(f"offload: removed {path}, left by a run that no longer exists", rank=self.rank)
-        self.directory = root / f"{_PREFIX}{os.getpid()}-rank{self.rank}-optimizer{next(_instances)}"
-        self.directory.mkdir(mode=0o700, exist_ok=True)
-        atexit.register(shutil.rmtree, self.directory, True)
+        self.directory = make_run_dir(self.nvme_path, self.rank, "optimizer", key="offload_optimizer.nvme_path")
         self.swapper = Swapper(self.directory, self.aio)
 
     def check_room(self, needed_bytes: int) -> None:

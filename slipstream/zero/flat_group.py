@@ -20,9 +20,10 @@ from torch import nn
 
 from slipstream.offload.policy import OffloadPolicy
 from slipstream.zero.layout import Bucket, GroupLayout
+from slipstream.zero.master_group import MasterGroup
 
 
-class FlatGroup:
+class FlatGroup(MasterGroup):
     """Flat buffers of one param group; `owns_all` means stage 0 (every rank owns every bucket)."""
 
     def __init__(self, params: list[nn.Parameter], *, layout: GroupLayout, rank: int, owns_all: bool,
@@ -64,14 +65,7 @@ class FlatGroup:
         self.full_grad_storage = full_grad_storage
         self.owned_grads = ([self.grad_storage[s:e] for s, e in self.piece_ranges] if full_grad_storage
                             else self._split(self.grad_storage))
-        # With offload the optimizer reads host copies of the owned gradients and may write the updated
-        # values, cast to the parameter dtype, into a host staging buffer (see offload/policy.py).
-        self.host_grad_pieces: list[torch.Tensor] = []
-        self.low_precision_pieces: list[torch.Tensor] = []
-        if offload.on_host:
-            self.host_grad_pieces = self._split(offload.allocate(owned_numel, master_dtype, torch.device("cpu")))
-            if self.dtype != master_dtype:
-                self.low_precision_pieces = self._split(offload.allocate(owned_numel, self.dtype, torch.device("cpu")))
+        self._allocate_host_buffers(owned_numel, master_dtype)
         for piece, grad in zip(self.master_pieces, self.host_grad_pieces or self.owned_grads):
             piece.grad = grad if grad.dtype == piece.dtype else None
 
@@ -107,20 +101,5 @@ class FlatGroup:
         for piece, (start, end) in zip(source, self.piece_ranges):
             self.flat_params[start:end].copy_(piece, non_blocking=self.offload.on_host)
 
-    def grads_for_optimizer(self) -> list[torch.Tensor]:
-        """The owned gradients in the master dtype, where the master pieces live (host copies with offload)."""
-        if self.offload.on_host:
-            for host, grad in zip(self.host_grad_pieces, self.owned_grads):
-                host.copy_(grad, non_blocking=True)
-            return self.host_grad_pieces
-        return [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(self.master_pieces, self.owned_grads)]
-
-    def owned_bytes(self) -> dict[str, int]:
-        """Bytes of the tensors this group owns, by role (for the memory tests and the planner)."""
-        def size(tensors: list[torch.Tensor]) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors)
-
-        master = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
-        return {"params": self.flat_params.numel() * self.flat_params.element_size(), "master": master,
-                "grads": self.grad_storage.numel() * self.grad_storage.element_size(),
-                "host_buffers": size(self.host_grad_pieces) + size(self.low_precision_pieces)}
+    def _param_bytes(self) -> int:
+        return self.flat_params.numel() * self.flat_params.element_size()

@@ -30,7 +30,7 @@ def _managers_and_units(params: Any) -> list[tuple[Any, list[Any]]]:
         if not isinstance(param, ShardedParameter):
             continue
         unit = param.ds_record.unit
-        manager, units = grouped.setdefault(id(unit.manager), (unit.manager, []))
+        units = grouped.setdefault(id(unit.manager), (unit.manager, []))[1]
         if unit not in units:
             units.append(unit)
     return list(grouped.values())
@@ -49,7 +49,7 @@ class GatheredParameters:
             manager.gather_units(units)
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
         for manager, units in self.groups:
             if self.modifier_rank is not None and exc_type is None:
                 manager.broadcast_units(units, src=self.modifier_rank)

@@ -134,14 +134,14 @@ class Init:
             if "__init__" in cls.__dict__ and cls is not nn.Module:
                 original = cls.__dict__["__init__"]
                 self._patched.append((cls, original))
-                setattr(cls, "__init__", self._wrap(original))
+                setattr(cls, "__init__", self._wrap(original))  # noqa: B010 (mypy refuses cls.__init__ = ...)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self.enabled:
             return
         for cls, original in reversed(self._patched):
-            setattr(cls, "__init__", original)
+            setattr(cls, "__init__", original)  # noqa: B010
         self._patched.clear()
 
     def _wrap(self, original: Any) -> Any:

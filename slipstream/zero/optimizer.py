@@ -20,8 +20,10 @@ import dataclasses
 import math
 from collections.abc import Iterator
 from typing import Any
+
 import torch
 import torch.distributed as dist
+
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
 from slipstream.offload.policy import OffloadPolicy

@@ -7,9 +7,9 @@
   micro-batch's backward) launches the rest, with zeros for parameters that got no gradient on this
   rank. So every rank issues the same collectives in the same order, whatever its control flow took:
   unused parameters and conditional branches never hang.
-- Launching packs the bucket's gradients into one of two staging buffers (allocated once) and starts an
-  asynchronous reduce-scatter into a receive buffer; the freshly produced `param.grad` tensors are
-  dropped as they are packed. Reusing a staging buffer waits for the reduce-scatter that used it last,
+- Launching packs the bucket's gradients into a staging buffer of the `StagingRing` (zero/staging.py) and
+  starts an asynchronous reduce-scatter into its receive buffer; the freshly produced `param.grad`
+  tensors are dropped as they are packed. Reusing a slot waits for the reduce-scatter that used it last
   and adds its result into this rank's shard of the gradients.
 - A second backward through the same parameters in one micro-batch would deliver gradients for buckets
   already launched; that is refused with an error (call `engine.step()` between them, or use stage 1).
@@ -25,8 +25,7 @@ from slipstream.comm import collectives
 from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import Bucket
 from slipstream.zero.optimizer import ZeroOptimizer
-
-_NUM_STAGING = 2
+from slipstream.zero.staging import StagingRing
 
 
 class Stage2Optimizer(ZeroOptimizer):
@@ -41,10 +40,8 @@ class Stage2Optimizer(ZeroOptimizer):
         largest = max((b.padded_numel for flat in self.groups for b in flat.layout.buckets), default=0)
         grad_dtype = self.groups[0].grad_storage.dtype if self.groups else torch.float32
         device = self.groups[0].device if self.groups else None
-        self._staging = [torch.zeros(largest, dtype=grad_dtype, device=device) for _ in range(_NUM_STAGING)]
-        self._receive = [torch.zeros(largest // max(self.world_size, 1) + 1, dtype=grad_dtype, device=device)
-                         for _ in range(_NUM_STAGING)]
-        self._in_flight: dict[int, tuple[object, torch.Tensor, torch.Tensor]] = {}
+        self._ring = StagingRing(staging_numel=largest, receive_numel=largest // max(self.world_size, 1) + 1,
+                                 dtype=grad_dtype, device=device)
         self._pending: dict[tuple[int, int], dict[int, torch.Tensor]] = collections.defaultdict(dict)
         self._next = 0
 
@@ -66,9 +63,7 @@ class Stage2Optimizer(ZeroOptimizer):
 
     def _launch(self, flat: FlatGroup, bucket_id: int) -> None:
         bucket: Bucket = flat.layout.buckets[bucket_id]
-        slot = self._next % _NUM_STAGING
-        self._finish(slot)
-        staging = self._staging[slot][: bucket.padded_numel]
+        slot, staging, receive = self._ring.take(bucket.padded_numel, bucket.piece_numel)
         staging.zero_()
         grads = self._pending.pop((id(flat), bucket_id), {})
         for index in bucket.param_indices:
@@ -76,19 +71,9 @@ class Stage2Optimizer(ZeroOptimizer):
             if grad is not None:
                 start = flat.layout.slots[index].flat_offset - bucket.flat_offset
                 staging[start: start + grad.numel()].copy_(grad.reshape(-1))
-        target = flat.owned_grads[bucket_id]
-        receive = self._receive[slot][: bucket.piece_numel]
         work = collectives.reduce_scatter(receive, staging, group=self.process_group, async_op=True)
-        self._in_flight[slot] = (work, receive, target)
+        self._ring.launched(slot, work, receive, flat.owned_grads[bucket_id].add_)
         self._next += 1
-
-    def _finish(self, slot: int) -> None:
-        entry = self._in_flight.pop(slot, None)
-        if entry is None:
-            return
-        work, receive, target = entry
-        work.wait()  # type: ignore[attr-defined]
-        target.add_(receive)
 
     def micro_step_done(self, *, reduce: bool) -> None:
         if not reduce:
@@ -96,14 +81,12 @@ class Stage2Optimizer(ZeroOptimizer):
                                "available (use stage 0 or 1 for no_sync, or rely on gradient_accumulation_steps)")
         while self._next < len(self._order):
             self._launch(*self._order[self._next])
-        for slot in list(self._in_flight):
-            self._finish(slot)
+        self._ring.finish_all()
         self._next = 0
         self._pending.clear()
 
     def _reduce_for_step(self) -> None:
-        for slot in list(self._in_flight):  # normally already finished by micro_step_done()
-            self._finish(slot)
+        self._ring.finish_all()  # normally already finished by micro_step_done()
 
     def _comm_buffer_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [*self._staging, *self._receive])
+        return self._ring.nbytes

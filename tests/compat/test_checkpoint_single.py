@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import slipstream
 from slipstream.checkpoint.errors import CheckpointCorrupt, CheckpointError
@@ -16,14 +15,6 @@ from tests.harness.models import TinyMLP
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_ckpt"
 
-
-@pytest.fixture(autouse=True)
-def single_process(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _engine(stage: int = 2, model: torch.nn.Module | None = None, **extra: object) -> slipstream.SlipstreamEngine:

@@ -8,19 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import slipstream
 from tests.harness.models import TinyMLP
 
-
-@pytest.fixture(autouse=True)
-def single_process(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def train(engine: slipstream.SlipstreamEngine, steps: int, *, poison: bool = False) -> None:

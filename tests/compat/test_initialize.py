@@ -10,21 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import slipstream
 from tests.harness.models import TinyMLP
 
 CONFIG = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
 
-
-@pytest.fixture(autouse=True)
-def no_launcher(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_signature_matches_deepspeed() -> None:

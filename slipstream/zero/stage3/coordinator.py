@@ -66,6 +66,7 @@ class Coordinator:
     def __init__(self, units: list[Unit], borrow: dict[int, list[Unit]], *, prefetch_numel: int,
                  max_live_numel: int, reuse_distance: int) -> None:
         self.units = units
+        self._by_uid = {u.uid: u for u in units}
         self.state = {u.uid: _UnitState(borrow=borrow.get(u.uid, [u])) for u in units}
         self.prefetch_numel, self.max_live_numel, self.reuse_distance = prefetch_numel, max_live_numel, reuse_distance
         self.reducer: Any = None
@@ -257,9 +258,8 @@ class Coordinator:
         budget = self.prefetch_numel
         live = sum(u.layout.full_numel for u in self.units if u.status is not ZeroParamStatus.NOT_AVAILABLE
                    and not u.persistent)
-        by_uid = {u.uid: u for u in self.units}
         for uid in order[pos:]:
-            unit = by_uid[uid]
+            unit = self._by_uid[uid]
             if unit.status is not ZeroParamStatus.NOT_AVAILABLE:
                 continue
             size = unit.layout.full_numel
@@ -273,11 +273,10 @@ class Coordinator:
         if self._recording_forward or self.reuse_distance <= 0:
             return False
         distance = 0
-        by_uid = {u.uid: u for u in self.units}
         for uid in self.forward_order[self._forward_pos:]:
             if uid == unit.uid:
                 return True
-            distance += by_uid[uid].layout.full_numel
+            distance += self._by_uid[uid].layout.full_numel
             if distance > self.reuse_distance:
                 return False
         return False

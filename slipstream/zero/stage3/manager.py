@@ -9,14 +9,11 @@ accelerator gathers are deferred to the next step instead of forcing a device sy
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from slipstream.comm import collectives
-from slipstream.zero.stage3.sharded_param import ShardedParameter
 from slipstream.zero.stage3.unit import Unit, UnitOrderError
 
 
@@ -29,15 +26,6 @@ class UnitManager(abc.ABC):
     @abc.abstractmethod
     def _hold(self, unit: Unit, delta: int) -> int:
         """Change `unit`'s hold count by `delta`; return the new count."""
-
-    def units_of(self, params: Iterable[Any]) -> list[Unit]:
-        found: list[Unit] = []
-        for param in params:
-            if isinstance(param, ShardedParameter) and param.ds_record.unit.manager is self:
-                unit = param.ds_record.unit
-                if unit not in found:
-                    found.append(unit)
-        return found
 
     def gather_units(self, units: list[Unit]) -> None:
         """Gather `units` (in the given order, the same on every rank) and hold them until released."""

@@ -18,12 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from slipstream.comm import collectives
+from slipstream.zero.slices import OwnedSlice
 from slipstream.zero.stage3.coordinator import Coordinator
+from slipstream.zero.stage3.manager import UnitManager
 from slipstream.zero.stage3.pool import BufferPool
 from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus, internal_access
-from slipstream.zero.stage3.manager import UnitManager
 from slipstream.zero.stage3.unit import Unit, host_or_device_allocator
-from slipstream.zero.slices import OwnedSlice
 from slipstream.zero.stage3.units import UnitSpec, plan_units
 
 
@@ -62,9 +62,10 @@ class ZeroModel(UnitManager):
         allocate = host_or_device_allocator(settings.pin_memory and settings.offload_param)
         store: Any = None  # a ShardStore (unit.py) or offload/nvme.py's NVMeShardStore
         if settings.nvme_path:
-            from slipstream.offload.nvme import AioSettings, NVMeShardStore
+            from slipstream.config.plan import AioPlan
+            from slipstream.offload.nvme import NVMeShardStore
 
-            store = NVMeShardStore(settings.nvme_path, self.rank, settings.aio or AioSettings())
+            store = NVMeShardStore(settings.nvme_path, self.rank, settings.aio or AioPlan())
         previous = zero_model_of(module)
         if previous is not None:
             previous.detach_hooks()
@@ -183,11 +184,6 @@ class ZeroModel(UnitManager):
                 unit.start_gather()
                 unit.finish_gather()
 
-    def status_counts(self) -> dict[str, int]:
-        counts = {s.name: 0 for s in ZeroParamStatus}
-        for unit in self.units:
-            counts[unit.status.name] += len(unit.params)
-        return counts
 
 
 def _mark_leaves(module: nn.Module, settings: Stage3Settings) -> None:

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from slipstream.offload.policy import OffloadPolicy
+from slipstream.zero.master_group import MasterGroup
 from slipstream.zero.optimizer import ZeroOptimizer
 from slipstream.zero.slices import OwnedSlice
 from slipstream.zero.stage3.model import ZeroModel
 from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus
 from slipstream.zero.stage3.unit import Unit
-
-_NUM_STAGING = 2
+from slipstream.zero.staging import StagingRing
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -36,7 +36,7 @@ class Run:
     receive_start: int
 
 
-class Stage3Group:
+class Stage3Group(MasterGroup):
     """One optimizer param group's view of the shards: master pieces, gradient shards, host buffers."""
 
     def __init__(self, runs: list[Run], *, device: torch.device, master_dtype: torch.dtype, grad_dtype: torch.dtype,
@@ -57,12 +57,7 @@ class Stage3Group:
                 run.unit.store.release(run.unit.shard, dirty=False)
         self.grad_storage = torch.zeros(total, dtype=grad_dtype, device=device)
         self.owned_grads = self._split(self.grad_storage)
-        self.host_grad_pieces: list[torch.Tensor] = []
-        self.low_precision_pieces: list[torch.Tensor] = []
-        if offload.on_host:
-            self.host_grad_pieces = self._split(offload.allocate(total, master_dtype, torch.device("cpu")))
-            if self.dtype != master_dtype:
-                self.low_precision_pieces = self._split(offload.allocate(total, self.dtype, torch.device("cpu")))
+        self._allocate_host_buffers(total, master_dtype)
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         pieces, offset = [], 0
@@ -70,13 +65,6 @@ class Stage3Group:
             pieces.append(flat[offset: offset + run.numel])
             offset += run.numel
         return pieces
-
-    def grads_for_optimizer(self) -> list[torch.Tensor]:
-        if self.offload.on_host:
-            for host, grad in zip(self.host_grad_pieces, self.owned_grads):
-                host.copy_(grad, non_blocking=True)
-            return self.host_grad_pieces
-        return [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(self.master_pieces, self.owned_grads)]
 
     def copy_master_to_params(self, *, from_low_precision: bool) -> None:
         if self.aliased_master:
@@ -86,14 +74,6 @@ class Stage3Group:
             run.unit.store.fetch(run.unit.shard)
             run.unit.shard[run.shard_start: run.shard_start + run.numel].copy_(piece, non_blocking=self.offload.on_host)
             run.unit.store.release(run.unit.shard, dirty=True)
-
-    def owned_bytes(self) -> dict[str, int]:
-        def size(tensors: list[torch.Tensor]) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors)
-
-        master = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
-        return {"params": 0, "master": master, "grads": self.grad_storage.numel() * self.grad_storage.element_size(),
-                "host_buffers": size(self.host_grad_pieces) + size(self.low_precision_pieces)}
 
 
 class Stage3Optimizer(ZeroOptimizer):
@@ -154,10 +134,8 @@ class Stage3Optimizer(ZeroOptimizer):
                        if self._trainable[u.uid]]
         self._units = {u.uid: u for u in self.model.units}
         largest = max(self._receive_numel.values(), default=0)
-        self._staging = [torch.zeros(largest * self.world_size, dtype=grad_dtype, device=self.model.device)
-                         for _ in range(_NUM_STAGING)]
-        self._receive = [torch.zeros(largest, dtype=grad_dtype, device=self.model.device) for _ in range(_NUM_STAGING)]
-        self._in_flight: dict[int, tuple[Any, torch.Tensor, list[tuple[int, int, torch.Tensor]]]] = {}
+        self._ring = StagingRing(staging_numel=largest * self.world_size, receive_numel=largest, dtype=grad_dtype,
+                                 device=self.model.device)
         self._ready: dict[int, dict[int, torch.Tensor]] = {}
         self._next = 0
         self.model.coordinator.watch_gradients(self, {uid: frozenset(ix) for uid, ix in self._trainable.items()})
@@ -182,32 +160,24 @@ class Stage3Optimizer(ZeroOptimizer):
             uid = self._order[self._next]
             ready = self._ready.pop(uid, None)
             self._launch(uid, ready if ready is not None else grads_by_uid.get(uid, {}))
-        for slot in list(self._in_flight):
-            self._finish(slot)
+        self._ring.finish_all()
         self._next = 0
         self._ready.clear()
 
     def _launch(self, uid: int, grads: dict[int, torch.Tensor]) -> None:
-        slot = self._next % _NUM_STAGING
-        self._finish(slot)
         width = self._receive_numel[uid]
-        staging = self._staging[slot][: width * self.world_size]
-        receive = self._receive[slot][:width]
+        slot, staging, receive = self._ring.take(width * self.world_size, width)
         work = self._units[uid].reduce_gradients(grads, self._trainable[uid], staging, receive,
                                                  self._receive_offsets[uid])
         grads.clear()  # the full-size gradients are packed: drop them now, not at the end of backward
-        self._in_flight[slot] = (work, receive, self._targets[uid])
-        self._next += 1
+        targets = self._targets[uid]
 
-    def _finish(self, slot: int) -> None:
-        entry = self._in_flight.pop(slot, None)
-        if entry is None:
-            return
-        work, receive, targets = entry
-        if work is not None:
-            work.wait()
-        for start, end, grad in targets:
-            grad.add_(receive[start:end])
+        def deliver(received: torch.Tensor) -> None:
+            for start, end, grad in targets:
+                grad.add_(received[start:end])
+
+        self._ring.launched(slot, work, receive, deliver)
+        self._next += 1
 
     def micro_step_done(self, *, reduce: bool) -> None:
         if not reduce:
@@ -216,8 +186,7 @@ class Stage3Optimizer(ZeroOptimizer):
         self.model.check_deferred_tags()
 
     def _reduce_for_step(self) -> None:
-        for slot in list(self._in_flight):
-            self._finish(slot)
+        self._ring.finish_all()
 
     def _publish_params(self, *, from_low_precision: bool, copied: bool = False) -> None:
         for group in self.groups:
@@ -269,7 +238,7 @@ class Stage3Optimizer(ZeroOptimizer):
         return total
 
     def _comm_buffer_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [*self._staging, *self._receive])
+        return self._ring.nbytes
 
     def remove_hooks(self) -> None:
         super().remove_hooks()

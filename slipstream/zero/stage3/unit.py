@@ -213,12 +213,6 @@ class Unit:
             return None
         return collectives.reduce_scatter(receive, staging, group=self.group, async_op=True)
 
-    def owned_bytes(self) -> dict[str, int]:
-        shard = self.shard.numel() * self.shard.element_size()
-        gathered = self.full.untyped_storage().nbytes()
-        return {"params": shard if self.shard.device.type != "cpu" or self.device.type == "cpu" else 0,
-                "host_params": shard if self.shard.device.type == "cpu" and self.device.type != "cpu" else 0,
-                "gathered": gathered}
 
 
 def host_or_device_allocator(pin: bool) -> Callable[[int, torch.dtype, torch.device], torch.Tensor]:
