@@ -6,6 +6,7 @@ from __future__ import annotations
 from slipstream.config.errors import ConfigError, ConfigWarning
 from slipstream.config.load import load_config
 from slipstream.config.plan import (
+    AioPlan,
     BatchPlan,
     EnginePlan,
     LoggingPlan,
@@ -21,6 +22,7 @@ from slipstream.config.plan import (
 from slipstream.config.resolve import resolve
 
 __all__ = [
+    "AioPlan",
     "BatchPlan",
     "ConfigError",
     "ConfigWarning",

@@ -152,11 +152,9 @@ def _check_optimizer_kind(optimizer: torch.optim.Optimizer, plan: EnginePlan) ->
 
 def check_host_memory(optimizer: ZeroOptimizer, *, rank: int) -> None:
     """With offload: say how much host memory it needs, and stop with numbers if the host clearly lacks it."""
-    owned = optimizer.owned_bytes()
-    if not optimizer.offload.on_host and not owned.get("offloaded_params"):
+    per_rank = optimizer.host_bytes_needed()
+    if not per_rank:
         return
-    # master + two Adam states + staging, and the parameter shards with offload_param
-    per_rank = (owned["master"] * 3 + owned["host_buffers"]) * optimizer.offload.on_host + owned.get("offloaded_params", 0)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     need, available = per_rank * local_ranks, host_available_bytes()
     log_rank0(f"offload: host memory needed {per_rank / 2**30:.3f} GiB per rank, {need / 2**30:.3f} GiB for "

@@ -264,6 +264,18 @@ class ZeroOptimizer(abc.ABC):
         total["comm_buffers"] += self._comm_buffer_bytes()
         return total
 
+    def host_bytes_needed(self) -> int:
+        """Host memory the offload of this rank needs at its peak: masters, two Adam states per master element
+        and the staging buffers, plus parameter shards offloaded to the host. With NVMe offload only two param
+        groups' masters and states are in memory at once (the one being updated and the next, being read)."""
+        owned = self.owned_bytes()
+        if not self.offload.on_host:
+            return owned.get("offloaded_params", 0)
+        masters = sorted((f.master_flat.numel() * f.master_flat.element_size() for f in self.groups
+                          if f.master_flat is not None), reverse=True)
+        resident = sum(masters[:2]) if self.swapper is not None else sum(masters)
+        return resident * 3 + owned["host_buffers"] + owned.get("offloaded_params", 0)
+
     def _comm_buffer_bytes(self) -> int:
         """Bytes of the reusable communication buffers (stage 2's staging and receive buffers)."""
         return 0

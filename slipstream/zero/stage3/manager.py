@@ -53,10 +53,16 @@ class UnitManager(abc.ABC):
     def check_deferred_tags(self) -> None:
         pending, self._deferred_tags = self._deferred_tags, []
         for tags, expected, name in pending:
-            if bool((tags != expected).any()):
-                raise UnitOrderError(f"ZeRO-3 gather of unit '{name}' met other units on other ranks "
-                                     f"({self.unit_names_for_tags(tags.tolist())}); every rank must run the same units "
-                                     "in the same order (see set_z3_leaf_modules)")
+            self.check_tags(tags, expected, name)
+
+    def check_tags(self, tags: torch.Tensor, expected: float, name: str) -> None:
+        """Raise when the ranks' tags of one gather (a row per rank) show that they gathered different units."""
+        if bool((tags != expected).any()):
+            raise UnitOrderError(
+                f"ZeRO-3 gather of unit '{name}' met other units on other ranks (by rank: "
+                f"{self.unit_names_for_tags(tags.tolist())}): the ranks ran different modules at this point. Every "
+                "rank must run the same sharding units in the same order; put rank-dependent branches (MoE experts, "
+                "optional layers) inside one unit, e.g. slipstream.zero.set_z3_leaf_modules(model, [YourMoELayer])")
 
     def unit_names_for_tags(self, tags: list[float]) -> list[str]:
         names = []

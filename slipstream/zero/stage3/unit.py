@@ -139,16 +139,10 @@ class Unit:
         self.status = ZeroParamStatus.AVAILABLE
 
     def _check_tags(self, tags: torch.Tensor) -> None:
-        if tags.device.type != "cpu":
+        if tags.device.type != "cpu":  # checking now would stall the device stream: check at the step
             self.manager.defer_tag_check(tags, self.tag, self.name)
-            return
-        if bool((tags != self.tag).any()):
-            names = self.manager.unit_names_for_tags(tags.tolist())
-            raise UnitOrderError(
-                f"ZeRO-3 gather of unit '{self.name}' on rank {self.rank} met other units on other ranks (by rank: "
-                f"{names}): the ranks ran different modules at this point. Every rank must run the same sharding "
-                "units in the same order; put rank-dependent branches (MoE experts, optional layers) inside one "
-                "unit, e.g. slipstream.zero.set_z3_leaf_modules(model, [YourMoELayer])")
+        else:
+            self.manager.check_tags(tags, self.tag, self.name)
 
     # ---- release ----
     def release(self) -> None:
