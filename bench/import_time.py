@@ -3,7 +3,7 @@
     python bench/import_time.py [--repeats 7]
 
 Each sample is a new Python process that imports torch, then slipstream, and reports both wall times;
-the figure is the median of the slipstream part. The target is under 0.5 s (ARCHITECTURE.md, USERS.md 17).
+the figure is the median of the slipstream part. The target is under 0.5 s (docs/design.md P17).
 It also times `import slipstream` followed by `slipstream.get_accelerator()`, which is what a training
 script pays before its first step.
 """

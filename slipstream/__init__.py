@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from slipstream.compat.aliases import install as _install_aliases
 from slipstream.git_version_info import git_branch as __git_branch__
 from slipstream.git_version_info import git_hash as __git_hash__
 from slipstream.git_version_info import version as __version__
@@ -23,6 +24,8 @@ _LAZY_ATTRIBUTES = {
     "DeepSpeedEngine": "slipstream.engine.engine",
     "ConfigError": "slipstream.config",
 }
+
+_install_aliases()  # DeepSpeed's module paths (compat/aliases.py)
 
 __all__ = ["__version__", "__git_hash__", "__git_branch__", *_LAZY_ATTRIBUTES, *_LAZY_SUBMODULES]
 

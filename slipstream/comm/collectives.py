@@ -1,6 +1,6 @@
 """The collectives of ZeRO, as thin typed wrappers over torch.distributed that are counted and time out.
 
-Every collective Slipstream issues goes through here (ARCHITECTURE.md decision 7). Each one is counted
+Every collective Slipstream issues goes through here (docs/design.md D13). Each one is counted
 (`counting.py`), numbered and recorded in the store (see [Note: collective sequence numbers] in
 `arrivals.py`), and waited on with a timeout: a rank that never arrives makes the others raise
 `CollectiveTimeout` naming the operation, its number, the ranks that arrived and those that did not,

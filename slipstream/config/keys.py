@@ -9,6 +9,7 @@ or dropped. What "auto" becomes is documented in slipstream/config/resolve.py.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -144,9 +145,7 @@ def _is_default(model: type[BaseModel], name: str, value: Any) -> bool:
 def unimplemented_keys(section: BaseModel, path: str = "") -> list[str]:
     """Dotted keys set by the user (enabled, or not the default) that Slipstream does not act on yet."""
     cls = type(section)
-    implemented: frozenset[str] | None = getattr(cls, "IMPLEMENTED", frozenset())
-    if implemented is None:
-        return []
+    implemented: Mapping[str, str] = getattr(cls, "IMPLEMENTED", {})
     if "enabled" in cls.model_fields and "enabled" not in implemented:
         enabled: Any = section.enabled  # type: ignore[attr-defined]
         return [path] if enabled is True else []
@@ -159,7 +158,7 @@ def unimplemented_keys(section: BaseModel, path: str = "") -> list[str]:
         if isinstance(value, BaseModel):
             whole = (
                 cls.model_fields[name].default is None
-                and getattr(type(value), "IMPLEMENTED", None) == frozenset()
+                and not getattr(type(value), "IMPLEMENTED", {})
                 and "enabled" not in type(value).model_fields
                 and name not in implemented
             )

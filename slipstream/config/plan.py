@@ -1,23 +1,28 @@
 """The frozen plans that resolve.py produces from a DeepSpeed config.
 
-Components take their own plan, never the whole config and never the engine (ARCHITECTURE.md, decision 4).
-Dtypes are named "fp32" | "bf16" | "fp16"; DeepSpeed key spellings stay in schema/ and in
-`EnginePlan.resolved`.
+Components take their own plan, never the whole config and never the engine (docs/design.md). Every knob a
+component reads is a field here, defaulted once (in schema/) and translated from DeepSpeed's name once (in
+resolve.py). Dtypes are named "fp32" | "bf16" | "fp16"; DeepSpeed key spellings stay in schema/, in
+`EnginePlan.resolved` (the config as DeepSpeed clients read it back) and in compat/.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 __all__ = [
     "AioPlan",
     "BatchPlan",
+    "CheckpointPlan",
+    "CpuTarget",
     "EnginePlan",
     "LoggingPlan",
     "LossScalePlan",
     "MonitorPlan",
-    "OffloadOptimizerPlan",
+    "NoOffloadTarget",
+    "NvmeTarget",
+    "OffloadTarget",
     "OptimizerPlan",
     "PrecisionPlan",
     "SchedulerPlan",
@@ -62,17 +67,6 @@ class PrecisionPlan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class OffloadOptimizerPlan:
-    """Optimizer state kept off the accelerator ("cpu" or "nvme")."""
-
-    device: str
-    nvme_path: Optional[str]
-    pin_memory: bool
-    buffer_count: int
-    ratio: float
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class AioPlan:
     """The `aio` section: how the async I/O op reads and writes NVMe files."""
 
@@ -83,17 +77,64 @@ class AioPlan:
     overlap_events: bool = True
 
 
+class OffloadTarget:
+    """Where offloaded tensors live; this base class means nowhere (they stay on the accelerator).
+
+    Decoded once from an `offload_optimizer` / `offload_param` section; components choose behaviour by type
+    (`isinstance(target, CpuTarget)` covers NVMe too: NVMe offload steps on the host and swaps to files).
+    """
+
+    __slots__ = ()
+    kind: ClassVar[str] = "none"
+
+    @property
+    def on_host(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NoOffloadTarget(OffloadTarget):
+    """Nothing is offloaded (`device: "none"`, or the section is absent)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CpuTarget(OffloadTarget):
+    """Host memory (`device: "cpu"`), pinned when `pin_memory`."""
+
+    kind: ClassVar[str] = "cpu"
+    pin_memory: bool
+
+    @property
+    def on_host(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NvmeTarget(CpuTarget):
+    """Files under `path` (`device: "nvme"`), read and written through the async_io op with `aio`'s settings."""
+
+    kind: ClassVar[str] = "nvme"
+    path: str
+    aio: AioPlan
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Stage3Plan:
-    """Stage-3 parameter partitioning knobs (zero_optimization.stage3_*)."""
+    """Stage-3 parameter partitioning, in the components' names (resolve.py translates DeepSpeed's
+    `zero_optimization.stage3_*` keys; `default_stage3_plan()` there gives the schema's defaults)."""
 
-    prefetch_bucket_size: int
-    param_persistence_threshold: int
-    max_live_parameters: int
-    max_reuse_distance: int
-    gather_16bit_weights_on_model_save: bool
-    offload_param: Optional[dict[str, Any]]
-    """The offload_param section as plain data, or None when parameters stay on the device."""
+    prefetch_numel: int
+    """Elements gathered ahead of use (stage3_prefetch_bucket_size)."""
+    persistence_threshold: int
+    """Parameters with at most this many elements are never sharded (stage3_param_persistence_threshold)."""
+    max_live_numel: int
+    """Gathered elements allowed at once before units are released (stage3_max_live_parameters)."""
+    reuse_distance: int
+    """A unit used again within this many elements stays gathered (stage3_max_reuse_distance)."""
+    gather_16bit_on_save: bool
+    """save_16bit_model gathers the whole model on rank 0 (stage3_gather_16bit_weights_on_model_save)."""
+    offload_param: OffloadTarget
+    """Where the parameter shards live."""
     leaf_classes: tuple[str, ...] = ()
     """Class names whose modules are sharding units (zero_optimization.leaf_module.classes)."""
     leaf_names: tuple[str, ...] = ()
@@ -102,22 +143,29 @@ class Stage3Plan:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroPlan:
-    """ZeRO stage and its communication settings; overlap_comm is resolved (unset: true iff stage 3)."""
+    """ZeRO stage, its bucket size, optimizer offload and the optimizer checks."""
 
     stage: int
     reduce_bucket_size: int
-    allgather_bucket_size: int
-    overlap_comm: bool
-    contiguous_gradients: bool
-    reduce_scatter: bool
-    offload_optimizer: Optional[OffloadOptimizerPlan]
+    offload_optimizer: OffloadTarget
     stage3: Optional[Stage3Plan]
+    force_host_optimizer: bool
+    """With optimizer offload, only an optimizer with a host kernel may run (zero_force_ds_cpu_optimizer)."""
+    allow_untested_optimizer: bool
+    """Per-tensor optimizers may run over flat shards (zero_allow_untested_optimizer)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointPlan:
+    """The `checkpoint` section."""
+
+    tag_validation: str
+    """"IGNORE", "WARN" or "FAIL": what happens when ranks save under different tags."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerPlan:
-    """Canonical name ("adamw", "adam", "sgd", "adagrad", "lamb", "lion", or a torch.optim class name)
-    and keyword arguments."""
+    """A registry name (config/optimizers.py) and keyword arguments, DeepSpeed's defaults filled in."""
 
     name: str
     params: dict[str, Any]
@@ -162,9 +210,7 @@ class EnginePlan:
     gradient_clipping: float
     logging: LoggingPlan
     dataloader_drop_last: bool
-    gradient_predivide_factor: float
-    prescale_gradients: bool
-    aio: AioPlan
+    checkpoint: CheckpointPlan
     collective_timeout: Optional[float]
     """Seconds before a collective that some rank never reached raises; None: the environment's default."""
     unimplemented: tuple[str, ...]

@@ -33,39 +33,29 @@ from pydantic import ValidationError
 from slipstream.config.batch import batch_plan
 from slipstream.config.errors import ConfigError, ConfigWarning, pydantic_problems
 from slipstream.config.keys import BATCH_KEYS, KeyWalk, unimplemented_keys
+from slipstream.config.optimizers import DEEPSPEED_ONLY, REGISTRY, spec_for
 from slipstream.config.plan import (
+    AioPlan,
     BatchPlan,
+    CheckpointPlan,
+    CpuTarget,
     EnginePlan,
     LoggingPlan,
     LossScalePlan,
     MonitorPlan,
-    OffloadOptimizerPlan,
+    NoOffloadTarget,
+    NvmeTarget,
+    OffloadTarget,
     OptimizerPlan,
     PrecisionPlan,
     SchedulerPlan,
     Stage3Plan,
-    AioPlan,
     ZeroPlan,
 )
 from slipstream.config.schema.top import DeepSpeedConfig
+from slipstream.config.schema.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
-__all__ = ["resolve"]
-
-DEEPSPEED_OPTIMIZERS = (
-    "adagrad",
-    "adam",
-    "adamw",
-    "lamb",
-    "onebitadam",
-    "onebitlamb",
-    "zerooneadam",
-    "lion",
-    "muadam",
-    "muadamw",
-    "musgd",
-    "muon",
-)
-IMPLEMENTED_OPTIMIZERS = ("adam", "adamw", "adagrad", "lamb", "lion", "sgd")
+__all__ = ["default_stage3_plan", "resolve", "resolve_zero_init"]
 DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 _TBS, _MICRO, _GAS = BATCH_KEYS
 
@@ -100,12 +90,14 @@ def resolve(
     if ws_ok and not bad_sections.intersection(BATCH_KEYS):
         batch = batch_plan(cfg, world_size, walk.auto_batch, problems)
     precision = _precision_plan(cfg, problems)
-    zero = _zero_plan(cfg, problems)
+    aio = _aio_plan(cfg)
+    zero = _zero_plan(cfg, aio, problems)
     optimizer, unimplemented = _optimizer_plan(cfg, problems), unimplemented_keys(cfg)
     scheduler = _scheduler_plan(cfg, problems)
     if problems or batch is None:
         raise ConfigError(problems)
-    unimplemented += _special_unimplemented(cfg, optimizer)
+    if optimizer is not None and optimizer.name.lower() in DEEPSPEED_ONLY:
+        unimplemented.append(f"optimizer.type={optimizer.name}")
     return EnginePlan(
         batch=batch,
         precision=precision,
@@ -115,14 +107,10 @@ def resolve(
         gradient_clipping=cfg.gradient_clipping,
         logging=_logging_plan(cfg),
         dataloader_drop_last=cfg.dataloader_drop_last,
-        gradient_predivide_factor=cfg.gradient_predivide_factor,
-        prescale_gradients=cfg.prescale_gradients,
-        aio=AioPlan(block_size=cfg.aio.block_size, queue_depth=cfg.aio.queue_depth,
-                    intra_op_parallelism=cfg.aio.intra_op_parallelism, single_submit=cfg.aio.single_submit,
-                    overlap_events=cfg.aio.overlap_events),
+        checkpoint=CheckpointPlan(tag_validation=cfg.checkpoint.tag_validation),
         collective_timeout=cfg.collective_timeout,
         unimplemented=tuple(dict.fromkeys(unimplemented)),
-        resolved=_resolved(cfg, batch, zero),
+        resolved=_resolved(cfg, batch),
     )
 
 
@@ -177,19 +165,28 @@ def _precision_plan(cfg: DeepSpeedConfig, problems: list[str]) -> PrecisionPlan:
     )
 
 
-def _zero_plan(cfg: DeepSpeedConfig, problems: list[str]) -> ZeroPlan:
+def _aio_plan(cfg: DeepSpeedConfig) -> AioPlan:
+    aio = cfg.aio
+    return AioPlan(block_size=aio.block_size, queue_depth=aio.queue_depth,
+                   intra_op_parallelism=aio.intra_op_parallelism, single_submit=aio.single_submit,
+                   overlap_events=aio.overlap_events)
+
+
+def _offload_target(section: OffloadOptimizerConfig | OffloadParamConfig | None, aio: AioPlan) -> OffloadTarget:
+    """The one place an offload section's `device` string becomes a type."""
+    if section is None or section.device == "none":
+        return NoOffloadTarget()
+    if section.device == "nvme":
+        return NvmeTarget(pin_memory=section.pin_memory, path=str(section.nvme_path or ""), aio=aio)
+    return CpuTarget(pin_memory=section.pin_memory)
+
+
+def _zero_plan(cfg: DeepSpeedConfig, aio: AioPlan, problems: list[str]) -> ZeroPlan:
     zero, prefix = cfg.zero_optimization, "zero_optimization"
+    offload = _offload_target(zero.offload_optimizer, aio)
     off = zero.offload_optimizer
-    offload = None
-    if off is not None and off.device != "none":
-        offload = OffloadOptimizerPlan(
-            device=off.device,
-            nvme_path=off.nvme_path,
-            pin_memory=off.pin_memory,
-            buffer_count=off.buffer_count,
-            ratio=off.ratio,
-        )
-        if off.device == "nvme" and not off.nvme_path:
+    if off is not None and offload.on_host:
+        if isinstance(offload, NvmeTarget) and not off.nvme_path:
             problems.append(
                 f'{prefix}.offload_optimizer.nvme_path: required with device "nvme"; set a directory'
             )
@@ -203,8 +200,8 @@ def _zero_plan(cfg: DeepSpeedConfig, problems: list[str]) -> ZeroPlan:
                 ConfigWarning,
                 stacklevel=3,
             )
-    param_off = zero.offload_param
-    if param_off is not None and param_off.device != "none" and zero.stage != 3:
+    param_off = _offload_target(zero.offload_param, aio)
+    if param_off.on_host and zero.stage != 3:
         warnings.warn(
             f"{prefix}.offload_param has no effect below stage 3 (stage is {zero.stage})",
             ConfigWarning,
@@ -212,34 +209,83 @@ def _zero_plan(cfg: DeepSpeedConfig, problems: list[str]) -> ZeroPlan:
         )
     stage3 = None
     if zero.stage == 3:
-        stage3 = Stage3Plan(
-            prefetch_bucket_size=zero.prefetch_bucket_size,
-            param_persistence_threshold=zero.param_persistence_threshold,
-            max_live_parameters=zero.max_live_parameters,
-            max_reuse_distance=zero.max_reuse_distance,
-            gather_16bit_weights_on_model_save=zero.gather_16bit_weights_on_model_save,
-            offload_param=(
-                param_off.model_dump(mode="json")
-                if param_off is not None and param_off.device != "none"
-                else None
-            ),
-            leaf_classes=tuple(str(c).rsplit(".", 1)[-1] for c in (zero.leaf_module or {}).get("classes", [])),
-            leaf_names=tuple(str(n) for n in (zero.leaf_module or {}).get("names", [])),
-        )
+        stage3 = _stage3_plan(zero, param_off)
+        problems += _param_offload_problems(stage3.offload_param, offload, prefix)
     return ZeroPlan(
         stage=zero.stage,
         reduce_bucket_size=zero.reduce_bucket_size,
-        allgather_bucket_size=zero.allgather_bucket_size,
-        overlap_comm=zero.overlap_comm if zero.overlap_comm is not None else zero.stage == 3,
-        contiguous_gradients=zero.contiguous_gradients,
-        reduce_scatter=zero.reduce_scatter,
         offload_optimizer=offload,
         stage3=stage3,
+        force_host_optimizer=cfg.zero_force_ds_cpu_optimizer,
+        allow_untested_optimizer=cfg.zero_allow_untested_optimizer,
     )
 
 
+def _param_offload_problems(param_off: OffloadTarget, optimizer_off: OffloadTarget, prefix: str) -> list[str]:
+    if not isinstance(param_off, NvmeTarget):
+        return []
+    problems = []
+    if not param_off.path:
+        problems.append(f'{prefix}.offload_param.nvme_path: required with device "nvme"; set it to a directory on '
+                        "a fast local disk")
+    if not optimizer_off.on_host:
+        problems.append(f'{prefix}.offload_param.device: "nvme" needs offload_optimizer too (device cpu or nvme): '
+                        "the fp32 master weights cannot live in the NVMe-resident shards")
+    return problems
+
+
+def _stage3_plan(zero: ZeroConfig, offload_param: OffloadTarget) -> Stage3Plan:
+    """DeepSpeed's stage3_* names become the components' names here, and nowhere else."""
+    leaf = zero.leaf_module or {}
+    return Stage3Plan(
+        prefetch_numel=zero.prefetch_bucket_size,
+        persistence_threshold=zero.param_persistence_threshold,
+        max_live_numel=zero.max_live_parameters,
+        reuse_distance=zero.max_reuse_distance,
+        gather_16bit_on_save=zero.gather_16bit_weights_on_model_save,
+        offload_param=offload_param,
+        leaf_classes=tuple(str(c).rsplit(".", 1)[-1] for c in leaf.get("classes", [])),
+        leaf_names=tuple(str(n) for n in leaf.get("names", [])),
+    )
+
+
+def default_stage3_plan(**changes: Any) -> Stage3Plan:
+    """The stage-3 plan of a config that sets nothing (the schema's defaults), with `changes` applied."""
+    import dataclasses
+
+    return dataclasses.replace(_stage3_plan(ZeroConfig(), NoOffloadTarget()), **changes)
+
+
+def resolve_zero_init(config: dict[str, Any], *, remote_device: Optional[str] = None) -> tuple[Stage3Plan, str]:
+    """(stage-3 plan, parameter dtype) for zero.Init from a DeepSpeed config dict, before initialize().
+    `remote_device` ("cpu", "nvme" or "none"; zero.Init's argument) overrides offload_param.device.
+
+    Reads the same sections through the same schema as resolve(), leniently: zero.Init runs before the
+    engine, whose resolve() reports every problem of the config; here a section that does not validate
+    falls back to the defaults.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        walk = KeyWalk(strict=False, hidden_size=None)
+        cleaned = walk.clean(config, DeepSpeedConfig)
+        problems: list[str] = []
+        try:
+            cfg = DeepSpeedConfig.model_validate(cleaned)
+        except ValidationError:
+            cfg, _bad = _validate(cleaned, problems)
+    zero = cfg.zero_optimization
+    section = zero.offload_param or OffloadParamConfig()
+    if remote_device is not None:
+        if remote_device not in ("none", "cpu", "nvme"):
+            raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected 'none', 'cpu' or 'nvme'")
+        section = section.model_copy(update={"device": remote_device})
+    stage3 = _stage3_plan(zero, _offload_target(section, _aio_plan(cfg)))
+    return stage3, "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+
+
 def _optimizer_plan(cfg: DeepSpeedConfig, problems: list[str]) -> Optional[OptimizerPlan]:
-    """DeepSpeed's `_configure_basic_optimizer` naming: its names lower-cased, torch.optim names as given."""
+    """DeepSpeed's `_configure_basic_optimizer` naming over the registry (config/optimizers.py): its names
+    lower-cased, torch.optim names as given; DeepSpeed's defaults filled in."""
     if cfg.optimizer is None:
         return None
     given, params = cfg.optimizer.type, dict(cfg.optimizer.params)
@@ -249,27 +295,33 @@ def _optimizer_plan(cfg: DeepSpeedConfig, problems: list[str]) -> Optional[Optim
             f'"gradient_clipping": {params["max_grad_norm"]!r} instead'
         )
     lower = given.lower()
-    if lower in DEEPSPEED_OPTIMIZERS or lower == "sgd":
-        name = lower
-    elif _torch_class("optim", given):
-        name = given
-    else:
-        close = difflib.get_close_matches(lower, [*DEEPSPEED_OPTIMIZERS, "sgd"], n=1)
+    spec = spec_for(given)
+    if lower in DEEPSPEED_ONLY:
+        return OptimizerPlan(name=lower, params=params)
+    if spec is None and _torch_class("optim", given):
+        return OptimizerPlan(name=given, params=params)
+    if spec is None:
+        names = [*(n for n in REGISTRY if n.islower()), *DEEPSPEED_ONLY]
+        close = difflib.get_close_matches(lower, names, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
         problems.append(
             f"optimizer.type: unknown optimizer {given!r}; {hint}use a DeepSpeed name (adam, adamw, "
             "lamb, lion, adagrad, ...) or a torch.optim class name such as 'SGD' (case-sensitive)"
         )
         return None
+    name = spec.name
+    torch_defaults = False
     if name in ("adam", "adamw"):
-        params.pop("torch_adam", None)
+        torch_defaults = params.pop("torch_adam", False)
         adam_w_mode = params.pop("adam_w_mode", True)
-        if not isinstance(adam_w_mode, bool):
-            problems.append(
-                f"optimizer.params.adam_w_mode: expected a boolean (true or false), got {adam_w_mode!r}"
-            )
+        for key, value in (("torch_adam", torch_defaults), ("adam_w_mode", adam_w_mode)):
+            if not isinstance(value, bool):
+                problems.append(f"optimizer.params.{key}: expected a boolean (true or false), got {value!r}")
         name = "adamw" if name == "adamw" or adam_w_mode is not False else "adam"
-    return OptimizerPlan(name=name, params=params)
+        spec = REGISTRY[name]
+    # [Note: optimizer defaults] in config/optimizers.py
+    defaults = {} if torch_defaults is True else dict(spec.defaults)
+    return OptimizerPlan(name=name, params={**defaults, **params})
 
 
 def _torch_class(module: str, name: str) -> bool:
@@ -295,18 +347,6 @@ def _scheduler_plan(cfg: DeepSpeedConfig, problems: list[str]) -> Optional[Sched
     return SchedulerPlan(name=name, params=dict(cfg.scheduler.params))
 
 
-def _special_unimplemented(cfg: DeepSpeedConfig, optimizer: Optional[OptimizerPlan]) -> list[str]:
-    found = []
-    zero = cfg.zero_optimization
-    if (
-        optimizer is not None
-        and optimizer.name.lower() in DEEPSPEED_OPTIMIZERS
-        and optimizer.name not in IMPLEMENTED_OPTIMIZERS
-    ):
-        found.append(f"optimizer.type={optimizer.name}")
-    return found
-
-
 def _logging_plan(cfg: DeepSpeedConfig) -> LoggingPlan:
     csv, board = cfg.csv_monitor, cfg.tensorboard
     monitor = MonitorPlan(
@@ -320,12 +360,13 @@ def _logging_plan(cfg: DeepSpeedConfig) -> LoggingPlan:
     )
 
 
-def _resolved(cfg: DeepSpeedConfig, batch: BatchPlan, zero: ZeroPlan) -> dict[str, Any]:
+def _resolved(cfg: DeepSpeedConfig, batch: BatchPlan) -> dict[str, Any]:
     data = cfg.model_dump(mode="json", by_alias=True)
     data[_TBS], data[_MICRO], data[_GAS] = (
         batch.train_batch_size,
         batch.micro_batch_size,
         batch.gradient_accumulation_steps,
     )
-    data["zero_optimization"]["overlap_comm"] = zero.overlap_comm
+    zero = cfg.zero_optimization
+    data["zero_optimization"]["overlap_comm"] = zero.overlap_comm if zero.overlap_comm is not None else zero.stage == 3
     return data

@@ -78,7 +78,7 @@ class Checkpointing:
         if self.optimizer is not None:
             scalars["optimizer"] = {"param_groups": hyperparameters(self.optimizer),
                                     "state_scalars": scalar_state(self.optimizer)}
-        tag_validation = str((self.config.get("checkpoint") or {}).get("tag_validation", "WARN"))
+        tag_validation = self.plan.checkpoint.tag_validation
         with self._resident():
             path = save_engine(self._parts(), save_dir, tag, scalars=scalars, client_tensors=tensors,
                                save_latest=save_latest, exclude_frozen=exclude_frozen_parameters,

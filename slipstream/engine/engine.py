@@ -1,6 +1,6 @@
 """The engine: where the parts meet. forward / backward / step, gradient accumulation, precision, logs.
 
-Gradient scaling happens in exactly one place (USERS.md row 7): the ZeRO optimizer divides the summed
+Gradient scaling happens in exactly one place (docs/design.md D7): the ZeRO optimizer divides the summed
 gradients by `world_size * gradient_accumulation_steps * loss_scale` once, at the optimizer step. The
 division by the accumulation steps is left out when the user's backward was `engine.backward(loss,
 scale_wrt_gas=False)` (Transformers does that; it divides the loss itself). So `loss.backward()` on the
@@ -30,6 +30,7 @@ from slipstream.engine.checkpointing import Checkpointing
 from slipstream.engine.model_saving import ModelSaving
 from slipstream.engine.monitor import StepFigures
 from slipstream.utils.logging import get_logger, log_rank0, warn_once
+from slipstream.zero.build import build_zero
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
 
@@ -41,6 +42,8 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         super().__init__()
         self.plan = plan
         self.config = plan.resolved
+        """DeepSpeed's `engine.config` (the resolved JSON, read by client code and stored in checkpoints); the
+        engine itself reads only `plan`."""
         self.accelerator = get_accelerator()
         if plan.collective_timeout is not None:
             collectives.set_collective_timeout(plan.collective_timeout)
@@ -49,12 +52,10 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         self.mp_world_size = 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = self.accelerator.device(self.accelerator.current_device())
-        self.zero_model: Any = None
-        if plan.zero.stage == 3:
-            self.module = model
-            self.zero_model = builders.prepare_stage3_module(model, plan, self.device)
-        else:
-            self.module = builders.prepare_module(model, plan.precision, self.device)
+        if plan.zero.stage == 3 and isinstance(model, nn.Module):
+            builders.warn_if_materialised(model)
+        zero = build_zero(model, zero=plan.zero, precision=plan.precision, device=self.device)
+        self.module, self.zero_model = zero.module, zero.zero_model
         self._param_names = {id(p): n for n, p in self.module.named_parameters()}
         for key in plan.unimplemented:
             warn_once(f"unimplemented:{key}", f"slipstream: config key '{key}' is accepted but not implemented yet; "
@@ -63,7 +64,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         self.basic_optimizer = builders.make_basic_optimizer(self.module, plan, optimizer, model_parameters)
         self.optimizer: ZeroOptimizer | None = None
         if self.basic_optimizer is not None:
-            self.optimizer = builders.make_zero_optimizer(self.basic_optimizer, plan, self.zero_model)
+            self.optimizer = zero.wrap(self.basic_optimizer, rank=self.global_rank)
             self.optimizer.param_names = self._param_names
             builders.check_host_memory(self.optimizer, rank=self.global_rank)
         builders.log_memory_plan(plan, self.module, world_size=self.world_size, rank=self.global_rank)

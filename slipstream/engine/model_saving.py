@@ -4,7 +4,7 @@ At stages 0-2 every rank holds the whole model, so this is the module's state di
 parameters are gathered one unit at a time onto rank 0's host, only when
 `zero_optimization.stage3_gather_16bit_weights_on_model_save` is true (as in DeepSpeed); otherwise
 `save_16bit_model` returns False with a warning. Never is an empty or partial state dict written
-(USERS.md row 4): a parameter that cannot be gathered raises instead.
+(docs/design.md P4): a parameter that cannot be gathered raises instead.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class ModelSaving:
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the full 16-bit (model dtype) weights; at stage 3 only with gather_16bit_weights_on_model_save."""
         stage3 = self.plan.zero.stage3
-        if self.zero_model is not None and not (stage3 and stage3.gather_16bit_weights_on_model_save):
+        if self.zero_model is not None and not (stage3 and stage3.gather_16bit_on_save):
             warn_once("save-16bit", "slipstream: save_16bit_model did nothing: at ZeRO stage 3 it needs "
                       "\"stage3_gather_16bit_weights_on_model_save\": true in zero_optimization (gathering the whole "
                       "model costs time and host memory on rank 0); use save_checkpoint otherwise")

@@ -1,8 +1,8 @@
 """Build the optimizer and LR schedule a config names, plus our pure-PyTorch Lamb and Lion.
 
-Owns the name -> class mapping of DeepSpeed's `optimizer` / `scheduler` sections (engine
-`_configure_basic_optimizer` and `_scheduler_from_config`), the check of params against the class's
-signature, and two small optimizers DeepSpeed ships as fused kernels:
+Optimizer names map to classes through the registry (config/optimizers.py); this module imports the class,
+checks params against its signature and builds it. It also holds two small optimizers DeepSpeed ships as
+fused kernels:
 - `Lamb` follows ops.lamb.FusedLamb: Adam moments with bias correction, update u = m_hat / (sqrt(v_hat) + eps)
   + weight_decay * p, trust ratio ||p|| / ||u|| clamped to [min_coeff, max_coeff] (1 when either norm is 0),
   p -= lr * ratio * u. eps_inside_sqrt=True uses sqrt(v_hat + eps).
@@ -12,6 +12,7 @@ signature, and two small optimizers DeepSpeed ships as fused kernels:
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -19,13 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slipstream.config.optimizers import REGISTRY, OptimizerSpec, spec_for
 from slipstream.config.plan import OptimizerPlan, SchedulerPlan
 from slipstream.engine.lr_schedules import SCHEDULES
 
-__all__ = ["SUPPORTED_OPTIMIZERS", "Lamb", "Lion", "build_optimizer", "build_scheduler"]
+__all__ = ["Lamb", "Lion", "build_optimizer", "build_scheduler"]
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]]
-SUPPORTED_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lamb", "lion")
 
 
 def _math_dtype(p: Tensor) -> torch.dtype:
@@ -145,56 +146,59 @@ def _check_params(section: str, cls: type, params: dict[str, Any], *, drop: tupl
 
 def _torch_fast(cls: Any, params: list[Any], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
     """`cls` with fused=True where torch supports it for these params, else foreach=True (unless the user chose)."""
-    if "fused" in kwargs or "foreach" in kwargs:
+    accepted = _accepted(cls) or []
+    if "fused" in kwargs or "foreach" in kwargs or "foreach" not in accepted:
         return cls(params, **kwargs)
-    try:
-        return cls(params, fused=True, **kwargs)
-    except RuntimeError:
-        return cls(params, foreach=True, **kwargs)
+    if "fused" in accepted:
+        try:
+            return cls(params, fused=True, **kwargs)
+        except RuntimeError:  # torch has no fused kernel for these params' device or dtype
+            pass
+    return cls(params, foreach=True, **kwargs)
 
 
-def _build_adam(name: str, params: list[Any], kwargs: dict[str, Any], cpu_offload: bool) -> torch.optim.Optimizer:
-    if cpu_offload:
-        from slipstream.ops.adam import DeepSpeedCPUAdam
-
-        _check_params("optimizer", DeepSpeedCPUAdam, kwargs, drop=("adamw_mode",))
-        return DeepSpeedCPUAdam(params, adamw_mode=(name == "adamw"), **kwargs)
-    cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
-    kwargs = dict(kwargs)
-    if kwargs.pop("bias_correction", True) is not True:
-        raise ValueError(f"optimizer.params.bias_correction=False is only supported with CPU offload "
-                         f"(DeepSpeedCPUAdam); {cls.__name__} always bias-corrects. Remove the key")
-    _check_params("optimizer", cls, kwargs)
-    return _torch_fast(cls, params, kwargs)
+def _resolve_target(target: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
 
 
-def build_optimizer(plan: OptimizerPlan, params: Iterable[Tensor | dict[str, Any]], *,
-                    cpu_offload: bool) -> torch.optim.Optimizer:
-    """The optimizer `plan` names over `params`.
+def _registry_class(spec: OptimizerSpec, on_host: bool) -> Any:
+    if spec.min_torch is not None:
+        have = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+        if have < spec.min_torch:
+            raise ValueError(f"optimizer.type={spec.name!r} needs torch >= {spec.min_torch[0]}.{spec.min_torch[1]}; "
+                             f"this is torch {torch.__version__}. Upgrade torch or pick another optimizer")
+    return _resolve_target(spec.host_target if on_host and spec.host_target else spec.target)
 
-    adam/adamw -> torch.optim.Adam/AdamW (fused where supported, else foreach), or DeepSpeedCPUAdam with
-    cpu_offload; sgd/adagrad -> torch classes; lamb/lion -> ours; other names -> torch.optim.<name>.
+
+def build_optimizer(plan: OptimizerPlan, params: Iterable[Any], *, on_host: bool) -> torch.optim.Optimizer:
+    """The optimizer `plan` names over `params`, from the registry (config/optimizers.py).
+
+    With `on_host` (optimizer offload) an entry's host kernel is used when it has one (adam/adamw ->
+    DeepSpeedCPUAdam); torch.optim classes get fused=True where supported, else foreach=True.
     """
     param_list = list(params)
     kwargs = dict(plan.params)
-    name = plan.name
-    if name in ("adam", "adamw"):
-        return _build_adam(name, param_list, kwargs, cpu_offload)
-    if name in ("sgd", "adagrad"):
-        cls: type[torch.optim.Optimizer] = torch.optim.SGD if name == "sgd" else torch.optim.Adagrad
-        _check_params("optimizer", cls, kwargs)
-        return _torch_fast(cls, param_list, kwargs)
-    if name in ("lamb", "lion"):
-        ours: Any = Lamb if name == "lamb" else Lion
-        _check_params("optimizer", ours, kwargs)
-        return ours(param_list, **kwargs)
-    found: Any = getattr(torch.optim, name, None)
-    buildable = isinstance(found, type) and issubclass(found, torch.optim.Optimizer)
-    if not buildable or found is torch.optim.Optimizer:
-        raise ValueError(f"optimizer.type={name!r} is not supported; use one of {list(SUPPORTED_OPTIMIZERS)} "
-                         "or a torch.optim class name spelled as in torch (e.g. 'RMSprop', 'NAdam')")
-    _check_params("optimizer", found, kwargs)
-    return found(param_list, **kwargs)
+    spec = spec_for(plan.name)
+    if spec is None:
+        found: Any = getattr(torch.optim, plan.name, None)
+        if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)) or found is torch.optim.Optimizer:
+            raise ValueError(f"optimizer.type={plan.name!r} is not supported; use one of {sorted(REGISTRY)} or a "
+                             "torch.optim class name spelled as in torch (e.g. 'RMSprop', 'NAdam')")
+        _check_params("optimizer", found, kwargs)
+        return found(param_list, **kwargs)
+    cls = _registry_class(spec, on_host)
+    if getattr(cls, "writes_low_precision_copy", False):  # the CPU Adam op: Adam or AdamW by a flag
+        _check_params("optimizer", cls, kwargs, drop=("adamw_mode",))
+        return cls(param_list, adamw_mode=(plan.name == "adamw"), **kwargs)
+    accepted = _accepted(cls)
+    if "bias_correction" in kwargs and accepted is not None and "bias_correction" not in accepted:
+        if kwargs.pop("bias_correction") is not True:  # DeepSpeed's Adam key; torch's Adam always corrects
+            raise ValueError(f"optimizer.params.bias_correction=False is only supported with CPU offload "
+                             f"(DeepSpeedCPUAdam); {cls.__name__} always bias-corrects. Remove the key")
+    _check_params("optimizer", cls, kwargs)
+    return _torch_fast(cls, param_list, kwargs) if cls.__module__.startswith("torch.optim") else cls(param_list,
+                                                                                                       **kwargs)
 
 
 def _torch_schedulers() -> list[str]:

@@ -19,17 +19,19 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import itertools
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from slipstream.config.plan import AioPlan
-from slipstream.offload.policy import CPUOffload
+from slipstream.offload.policy import CPUOffload, SteppedGroups
 from slipstream.utils.logging import log_rank0
 
 _PREFIX = "slipstream-"
@@ -177,6 +179,41 @@ class NVMeOffload(CPUOffload):
         self.pin_memory = False  # swappable storages are resized; pinned host memory cannot be
         self.directory = make_run_dir(self.nvme_path, self.rank, "optimizer", key="offload_optimizer.nvme_path")
         self.swapper = Swapper(self.directory, self.aio)
+
+    # ---- step hooks (see offload/policy.py) ----
+    def prepare(self, groups: SteppedGroups) -> None:
+        """Check the room for masters and two Adam-sized states, then move every group to its files."""
+        masters = sum(t.numel() for number in range(groups.num_groups) for t, name in groups.swappable(number)
+                      if name.endswith("_master"))
+        self.check_room(3 * 4 * masters)
+        for number in range(groups.num_groups):
+            self.swapper.swap_out(groups.swappable(number))
+
+    def run_step(self, groups: SteppedGroups) -> bool:
+        """One group at a time: its tensors are read in (the next group's read overlaps this update), updated,
+        copied into the parameters, and written back out."""
+        count = groups.num_groups
+        for number in range(count):
+            self.swapper.finish_swap_in([t for t, _ in groups.swappable(number)])
+            if number + 1 < count:
+                self.swapper.start_swap_in([t for t, _ in groups.swappable(number + 1)])
+            groups.step_group(number)
+            self.swapper.swap_out(groups.swappable(number))
+        return True
+
+    @contextlib.contextmanager
+    def resident(self, groups: SteppedGroups) -> Iterator[None]:
+        for number in range(groups.num_groups):
+            self.swapper.finish_swap_in([t for t, _ in groups.swappable(number)])
+        try:
+            yield
+        finally:
+            for number in range(groups.num_groups):
+                self.swapper.swap_out(groups.swappable(number))
+
+    def resident_master_bytes(self, master_bytes: list[int]) -> int:
+        """The group being updated and the next one, being read."""
+        return sum(sorted(master_bytes, reverse=True)[:2])
 
     def check_room(self, needed_bytes: int) -> None:
         """Stop with numbers when the NVMe file system lacks room for what this rank will write there."""

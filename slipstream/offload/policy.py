@@ -1,4 +1,4 @@
-"""Offload policies, chosen by type (STYLE.md 1c): where the fp32 master pieces, their gradients and the
+"""Offload policies, chosen by type (docs/design.md D3): where the fp32 master pieces, their gradients and the
 optimizer state live, and how host buffers are allocated.
 
 - `NoOffload`: everything stays on the parameters' device; master pieces may alias the parameters.
@@ -9,15 +9,24 @@ optimizer state live, and how host buffers are allocated.
   new values in the parameter dtype into the staging buffer in the same pass; that buffer goes host ->
   device. All copies go through the accelerator layer, so on GPUs they are real transfers; on the CPU
   accelerator host and device are the same memory and the policy is exercised for correctness.
+- `NVMeOffload` (offload/nvme.py): CPU offload whose masters and optimizer states are swapped to files; it
+  overrides the step hooks below, so the ZeRO step has no NVMe branches.
+
+The ZeRO optimizer calls three hooks of its policy (see `SteppedGroups`): `prepare` once its buffers exist,
+`run_step` for the update, and `resident` around checkpoint reads and writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
+from slipstream.config.plan import CpuTarget, NvmeTarget, OffloadTarget
 from slipstream.utils.logging import warn_once
 
 _PIN_FRACTION = 0.5
@@ -38,6 +47,25 @@ def host_available_bytes() -> int:
         return 0
 
 
+class SteppedGroups(Protocol):
+    """What a policy may ask of the ZeRO optimizer it serves: its param groups, one at a time."""
+
+    @property
+    def num_groups(self) -> int: ...
+
+    def swappable(self, number: int) -> list[tuple[torch.Tensor, str]]:
+        """Group `number`'s full-size host tensors (masters, optimizer states) with a stable name each."""
+        ...
+
+    def step_group(self, number: int) -> None:
+        """Update group `number` and copy its new values into the flat parameters."""
+        ...
+
+    def step_all(self) -> None:
+        """Update every group (the new values reach the parameters in the optimizer's publish phase)."""
+        ...
+
+
 class OffloadPolicy:
     """No offload: master weights and optimizer state live with the parameters."""
 
@@ -48,6 +76,24 @@ class OffloadPolicy:
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=device)
+
+    # ---- step hooks (overridden by NVMeOffload) ----
+    def prepare(self, groups: SteppedGroups) -> None:
+        """Called once the optimizer's buffers and states exist."""
+
+    def run_step(self, groups: SteppedGroups) -> bool:
+        """The update; returns True when the new values are already in the flat parameters."""
+        groups.step_all()
+        return False
+
+    @contextlib.contextmanager
+    def resident(self, groups: SteppedGroups) -> Iterator[None]:
+        """Masters and optimizer states in memory for the block (checkpoints)."""
+        yield
+
+    def resident_master_bytes(self, master_bytes: list[int]) -> int:
+        """Bytes of the masters in memory at once during a step, given each group's master bytes."""
+        return sum(master_bytes)
 
 
 NoOffload = OffloadPolicy
@@ -79,3 +125,14 @@ class CPUOffload(OffloadPolicy):
 
         self.pinned_bytes += size
         return get_accelerator().pin_memory(tensor)
+
+
+def policy_for(target: OffloadTarget, *, rank: int) -> OffloadPolicy:
+    """The runtime policy of an optimizer offload target (the plan's type picks the class)."""
+    if isinstance(target, NvmeTarget):
+        from slipstream.offload.nvme import NVMeOffload
+
+        return NVMeOffload(pin_memory=False, nvme_path=target.path, rank=rank, aio=target.aio)
+    if isinstance(target, CpuTarget):
+        return CPUOffload(pin_memory=target.pin_memory)
+    return NoOffload()

@@ -13,7 +13,7 @@ from slipstream.planner.types import OptionEstimate
 
 GIB = 2**30
 MATERIALISED_WARN_NUMEL = 1_000_000_000
-"""Default threshold of `should_warn_materialised` (USERS.md row 10: warn above 1B parameters)."""
+"""Default threshold of `should_warn_materialised` (docs/design.md P10: warn above 1B parameters)."""
 
 
 def engine_estimate(*, plan: Any, model: Any, world_size: int, gpus_per_node: int = 1,

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from slipstream.config.plan import CpuTarget, NvmeTarget
 from slipstream.planner.activations import transformer_activations
 from slipstream.planner.shapes import Dims, ModelShape, from_factory, from_hf_config, from_module, synthetic
 from slipstream.planner.types import DTYPE_BYTES, STANDARD_OPTIONS, Option, OptionEstimate, Plan, Settings
@@ -90,24 +91,18 @@ def settings_from_plan(plan: Any) -> tuple[Settings, Option]:
     """Knobs and option of an `EnginePlan` (what the engine will run)."""
     zero, precision = plan.zero, plan.precision
     stage3 = zero.stage3
-    offload = zero.offload_optimizer is not None and zero.offload_optimizer.device in ("cpu", "nvme")
-    offload_param = bool(stage3 is not None and stage3.offload_param
-                         and stage3.offload_param.get("device") in ("cpu", "nvme"))
-    nvme = zero.offload_optimizer is not None and zero.offload_optimizer.device == "nvme"
-    pin = zero.offload_optimizer.pin_memory if zero.offload_optimizer is not None else True
+    offload = zero.offload_optimizer
+    offload_param = stage3 is not None and stage3.offload_param.on_host
     optimizer = plan.optimizer
     settings = Settings(
         dtype=precision.param_dtype, grad_accum_dtype=precision.grad_accum_dtype, master_dtype=precision.master_dtype,
-        reduce_bucket_size=int(zero.reduce_bucket_size),
-        persistence_threshold=int(stage3.param_persistence_threshold) if stage3 else 100_000,
-        prefetch_bucket_size=int(stage3.prefetch_bucket_size) if stage3 else 50_000_000,
-        max_live_parameters=int(stage3.max_live_parameters) if stage3 else 1_000_000_000,
-        pin_memory=bool(pin), optimizer=optimizer.name if optimizer is not None else "adamw",
+        reduce_bucket_size=int(zero.reduce_bucket_size), stage3=stage3 or Settings().stage3,
+        pin_memory=offload.pin_memory if isinstance(offload, CpuTarget) else True,
+        optimizer=optimizer.name if optimizer is not None else "adamw",
         optimizer_params=tuple(sorted((k, v) for k, v in (optimizer.params if optimizer else {}).items()
-                                      if k in ("amsgrad", "momentum", "centered"))),
-        leaf_classes=stage3.leaf_classes if stage3 else (), leaf_names=stage3.leaf_names if stage3 else ())
-    option = Option(stage=zero.stage, offload_optimizer=offload, offload_param=offload_param, nvme=nvme,
-                    label="config")
+                                      if k in ("amsgrad", "momentum", "centered"))))
+    option = Option(stage=zero.stage, offload_optimizer=offload.on_host, offload_param=offload_param,
+                    nvme=isinstance(offload, NvmeTarget), label="config")
     return settings, option
 
 
@@ -133,7 +128,8 @@ def estimate_option(shape: ModelShape, option: Option, *, settings: Settings, wo
                     device_memory: int | None = None, host_memory: int | None = None) -> OptionEstimate:
     """One option's figures (model states from the engine's layout rules)."""
     if option.stage == 3:
-        units = shape.units(settings.persistence_threshold, settings.leaf_classes, settings.leaf_names)
+        z3 = settings.stage3
+        units = shape.units(z3.persistence_threshold, z3.leaf_classes, z3.leaf_names)
         figures, _pool = stage3_bytes(units, world=world, settings=settings, offload=option.offload_optimizer,
                                       offload_param=option.offload_param)
         largest_unit = max((sum(u.numels) for u in units), default=0)

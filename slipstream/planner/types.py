@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from slipstream.config.plan import Stage3Plan
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OWNED_ROLES = ("params", "master", "grads", "optimizer_state", "host_buffers", "comm_buffers")
 DEVICE_ROLES = ("params", "frozen_params", "gathered_params", "grads", "master", "optimizer_state",
@@ -81,25 +83,34 @@ STANDARD_OPTIONS = (
 offload."""
 
 
+def _schema_bucket_size() -> int:
+    from slipstream.config.schema.zero import ZeroConfig
+
+    return int(ZeroConfig().reduce_bucket_size)
+
+
+def _schema_stage3() -> Stage3Plan:
+    from slipstream.config.resolve import default_stage3_plan
+
+    return default_stage3_plan()
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Settings:
-    """Knobs shared by every option: DeepSpeed's defaults unless a config says otherwise."""
+    """Knobs shared by every option: the config schema's defaults unless a config says otherwise. Stage-3
+    knobs are the engine's own `Stage3Plan` (config/plan.py), so the planner reads what ZeroModel reads."""
 
     dtype: str = "bf16"
     """Parameter dtype: "fp32", "bf16" or "fp16"."""
     grad_accum_dtype: str = "fp32"
     master_dtype: str = "fp32"
-    reduce_bucket_size: int = 500_000_000
-    persistence_threshold: int = 100_000
-    prefetch_bucket_size: int = 50_000_000
-    max_live_parameters: int = 1_000_000_000
+    reduce_bucket_size: int = dataclasses.field(default_factory=_schema_bucket_size)
+    stage3: Stage3Plan = dataclasses.field(default_factory=_schema_stage3)
     pin_memory: bool = True
     optimizer: str = "adamw"
-    """Optimizer name as the config spells it (decides the number of state tensors per element)."""
+    """Optimizer name as the config spells it (config/optimizers.py counts its state tensors per element)."""
     optimizer_params: tuple[tuple[str, Any], ...] = ()
     """Optimizer keyword arguments that change its state (momentum, amsgrad, centered), as sorted pairs."""
-    leaf_classes: tuple[str, ...] = ()
-    leaf_names: tuple[str, ...] = ()
     zero_init: bool = True
     """Stage 3 models are built under zero.Init (the host never holds the whole model)."""
 

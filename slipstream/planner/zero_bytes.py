@@ -25,25 +25,15 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from slipstream.config.optimizers import states_per_element
 from slipstream.planner.prefetch import PoolFigures, UnitShape, simulate_pool
 from slipstream.planner.types import DTYPE_BYTES, Settings
 from slipstream.zero.layout import build_layout
 
-_STATES = {"adam": 2, "adamw": 2, "deepspeedcpuadam": 2, "fusedadam": 2, "lamb": 2, "lion": 1, "adagrad": 1,
-           "sgd": 0, "nadam": 2, "radam": 2, "adamax": 2, "asgd": 1, "adadelta": 2, "rmsprop": 1}
-
-
 def optimizer_states_per_element(name: str, params: Sequence[tuple[str, Any]] = ()) -> int:
-    """Full-size state tensors the optimizer keeps per master element (scalars such as `step` excluded)."""
-    key, kwargs = name.lower(), dict(params)
-    states = _STATES.get(key, 2)
-    if key in ("adam", "adamw", "deepspeedcpuadam", "fusedadam") and kwargs.get("amsgrad"):
-        states += 1
-    if key == "sgd" and float(kwargs.get("momentum", 0) or 0) > 0:
-        states += 1
-    if key == "rmsprop":
-        states += int(float(kwargs.get("momentum", 0) or 0) > 0) + int(bool(kwargs.get("centered")))
-    return states
+    """Full-size state tensors the optimizer keeps per master element (scalars such as `step` excluded), from
+    the optimizer registry (config/optimizers.py)."""
+    return states_per_element(name, dict(params))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,8 +113,8 @@ def stage3_bytes(units: Sequence[UnitShape], *, world: int, settings: Settings, 
     trainable_shard = [sum(-(-n // world) for n, t in zip(u.numels, u.trainable) if t) for u in units]
     total_trainable = sum(trainable_shard)
     aliased = settings.dtype == settings.master_dtype and not offload
-    pool = simulate_pool(units, world=world, dtype_bytes=param, prefetch_numel=settings.prefetch_bucket_size,
-                         max_live_numel=settings.max_live_parameters)
+    pool = simulate_pool(units, world=world, dtype_bytes=param, prefetch_numel=settings.stage3.prefetch_numel,
+                         max_live_numel=settings.stage3.max_live_numel)
     largest = max(trainable_shard, default=0)
     staging = 2 * largest * world * grad + 2 * largest * grad if total_trainable else 0
     shards = sum(shard_numels) * param

@@ -1,4 +1,4 @@
-"""The one place Slipstream touches private PyTorch APIs (USERS.md row 11), each with a note on why.
+"""The one place Slipstream touches private PyTorch APIs (docs/design.md P11), each with a note on why.
 
 - `no_subclass_dispatch()`: run an op on tensor subclasses as plain tensors (the sharded parameter's
   `__torch_function__` uses it so op results stay plain tensors, as nn.Parameter's own disabled impl does).

@@ -6,7 +6,7 @@ and every rank keeps its new slices (how Transformers initialises and resizes em
 then the units are released. Plain (unsharded) parameters pass through untouched, and every rank must
 enter with the same parameters, as with DeepSpeed.
 `unwrap_model_for_generation(model)` gathers every unit once and holds it for the whole block, so
-`generate()` does not gather the model again for every token (USERS.md row 15).
+`generate()` does not gather the model again for every token (docs/design.md P15).
 """
 
 from __future__ import annotations

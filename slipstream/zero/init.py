@@ -99,33 +99,31 @@ class Init:
 
         if not is_initialized():
             init_distributed()
+        from slipstream.config.plan import CpuTarget, NvmeTarget
+        from slipstream.config.resolve import resolve_zero_init
+
         cfg = _config_dict(config_dict_or_path if config_dict_or_path is not None else config)
-        zero = cfg.get("zero_optimization", {}) if isinstance(cfg.get("zero_optimization"), dict) else {}
-        offload = zero.get("offload_param") or {}
-        remote = remote_device or offload.get("device")
-        if remote == "nvme":
+        stage3, param_dtype = resolve_zero_init(cfg, remote_device=remote_device)
+        if isinstance(stage3.offload_param, NvmeTarget):
             raise NotImplementedError("zero.Init(remote_device='nvme') is not available yet; use 'cpu' or leave it unset")
         if dtype is None:
-            dtype = next((_DTYPES[k] for k in ("bf16", "fp16") if cfg.get(k, {}).get("enabled")), None)
-            dtype = dtype or (torch.bfloat16 if cfg.get("bfloat16", {}).get("enabled") else None)
+            dtype = _DTYPES.get(param_dtype)
         self.dtype = dtype
         accelerator = get_accelerator()
         device = accelerator.device(accelerator.current_device())
-        self.staging = StagingUnits(device=device, shard_device=torch.device("cpu") if remote == "cpu" else device,
-                                    pin_memory=pin_memory or bool(offload.get("pin_memory", False)),
-                                    group=data_parallel_group)
+        on_host = stage3.offload_param.on_host
+        pinned = on_host and isinstance(stage3.offload_param, CpuTarget) and stage3.offload_param.pin_memory
+        self.staging = StagingUnits(device=device, shard_device=torch.device("cpu") if on_host else device,
+                                    pin_memory=pin_memory or pinned, group=data_parallel_group)
         self._patched: list[tuple[type, Any]] = []
         if module is not None:
-            from slipstream.zero.stage3.model import Stage3Settings, ZeroModel
+            from slipstream.zero.stage3.model import ZeroModel
 
-            threshold = int(zero.get("stage3_param_persistence_threshold", zero.get("param_persistence_threshold",
-                                                                                     100_000)))
             if dtype is not None:
                 for param in module.parameters():
                     if not isinstance(param, ShardedParameter) and param.is_floating_point():
                         param.data = param.data.to(dtype)
-            ZeroModel(module, Stage3Settings(persistence_threshold=threshold, offload_param=remote == "cpu"),
-                      device=device, group=data_parallel_group)
+            ZeroModel(module, stage3, device=device, group=data_parallel_group)
 
     def __enter__(self) -> Init:
         if not self.enabled:

@@ -18,7 +18,6 @@ import abc
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
+from slipstream.config.plan import PrecisionPlan, ZeroPlan
 from slipstream.offload.policy import OffloadPolicy
 from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import build_layout
@@ -46,14 +46,19 @@ class ZeroOptimizer(abc.ABC):
     owns_all: bool = False
     full_grad_storage: bool = True
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, group: dist.ProcessGroup | None, bucket_numel: int,
-                 master_dtype: str, grad_dtype: str, check_overflow: bool,
-                 offload: OffloadPolicy | None = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, zero: ZeroPlan, precision: PrecisionPlan,
+                 offload: OffloadPolicy | None = None, group: dist.ProcessGroup | None = None,
+                 model: Any = None) -> None:
+        """The stage reads its knobs from `zero` and `precision` (config/plan.py); `model` is stage 3's
+        ZeroModel (Stage3Optimizer reads it), None below stage 3."""
         self.optimizer = optimizer
+        self.zero, self.precision = zero, precision
         self.process_group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.check_overflow = check_overflow
+        self.check_overflow = precision.check_grad_overflow
+        bucket_numel = int(zero.reduce_bucket_size)
+        master_dtype, grad_dtype = precision.master_dtype, precision.grad_accum_dtype
         self.offload = offload if offload is not None else OffloadPolicy()
         self.overflow = False
         self.param_names: dict[int, str] = {}
@@ -64,13 +69,8 @@ class ZeroOptimizer(abc.ABC):
                                                     grad_dtype=DTYPES[grad_dtype])
         self._repoint_optimizer()
         self._low_precision_out = self._low_precision_targets()  # fixed for the optimizer's lifetime
-        self.swapper = getattr(self.offload, "swapper", None)
-        """NVMe offload (offload/nvme.py): masters and optimizer states live in files between steps."""
-        if self.swapper is not None:
-            masters = sum(f.master_flat.numel() for f in self.groups if f.master_flat is not None)
-            self.offload.check_room(3 * 4 * masters)  # type: ignore[attr-defined]
-            for number in range(len(self.groups)):
-                self.swapper.swap_out(self._swappable(number))
+        self._low_precision_by_group = self._split_by_group(self._low_precision_out)
+        self.offload.prepare(self)
 
     def _build_groups(self, *, bucket_numel: int, master_dtype: torch.dtype, grad_dtype: torch.dtype) -> list[Any]:
         """One FlatGroup per param group with trainable parameters; gradients arrive through hooks."""
@@ -147,26 +147,38 @@ class ZeroOptimizer(abc.ABC):
         for flat in self.groups:
             for piece, grad in zip(flat.master_pieces, flat.grads_for_optimizer()):
                 piece.grad = grad
-        low_precision = self._low_precision_out
         if self.offload.on_host:
             get_accelerator().synchronize()  # device -> host gradient copies are complete
-        if self.swapper is not None:
-            self._step_swapping(low_precision)
-        else:
-            self._step_optimizer(low_precision)
-        self._publish_params(from_low_precision=bool(low_precision), copied=self.swapper is not None)
+        copied = self.offload.run_step(self)  # phase 3 (and the copy of phase 4 when the policy did it)
+        self._publish_params(from_low_precision=bool(self._low_precision_out), copied=copied)
         self.zero_grad()
         return StepResult(grad_norm=grad_norm, overflow=False)
 
     def _step_optimizer(self, low_precision: list[torch.Tensor]) -> None:
         if low_precision:
-            cpu_adam: Any = self.optimizer  # DeepSpeedCPUAdam: writes the low-precision copy in the same pass
-            cpu_adam.step(low_precision_out=low_precision)
+            host_kernel: Any = self.optimizer  # writes the low-precision copy in the same pass
+            host_kernel.step(low_precision_out=low_precision)
         else:
             self.optimizer.step()
 
-    # ---- NVMe offload: one param group at a time (see [Note: NVMe swapping] in offload/nvme.py) ----
-    def _swappable(self, number: int) -> list[tuple[torch.Tensor, str]]:
+    # ---- the offload policy's view of the groups (offload/policy.py, SteppedGroups) ----
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def step_all(self) -> None:
+        self._step_optimizer(self._low_precision_out)
+
+    def step_group(self, number: int) -> None:
+        groups = list(self.optimizer.param_groups)
+        self.optimizer.param_groups = [groups[number]]
+        try:
+            self._step_optimizer(self._low_precision_by_group[number])
+        finally:
+            self.optimizer.param_groups = groups
+        self.groups[number].copy_master_to_params(from_low_precision=bool(self._low_precision_out))
+
+    def swappable(self, number: int) -> list[tuple[torch.Tensor, str]]:
         flat = self.groups[number]
         tensors = [] if flat.master_flat is None else [(flat.master_flat, f"group{number}_master")]
         for piece in flat.master_pieces:
@@ -175,38 +187,16 @@ class ZeroOptimizer(abc.ABC):
                     tensors.append((value, f"group{number}_{key}"))
         return tensors
 
-    def _step_swapping(self, low_precision: list[torch.Tensor]) -> None:
-        assert self.swapper is not None
-        groups = list(self.optimizer.param_groups)
+    def _split_by_group(self, low_precision: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         outs, start = [], 0
-        for group in groups:
+        for group in self.optimizer.param_groups:
             outs.append(low_precision[start: start + len(group["params"])] if low_precision else [])
             start += len(group["params"])
-        try:
-            for number, group in enumerate(groups):
-                self.swapper.finish_swap_in([t for t, _ in self._swappable(number)])
-                if number + 1 < len(groups):  # read the next group while this one is updated
-                    self.swapper.start_swap_in([t for t, _ in self._swappable(number + 1)])
-                self.optimizer.param_groups = [group]
-                self._step_optimizer(outs[number])
-                self.groups[number].copy_master_to_params(from_low_precision=bool(low_precision))
-                self.swapper.swap_out(self._swappable(number))
-        finally:
-            self.optimizer.param_groups = groups
+        return outs
 
-    @contextlib.contextmanager
-    def resident_state(self) -> Iterator[None]:
-        """Masters and optimizer states in memory for the block (checkpoints); a no-op without NVMe offload."""
-        if self.swapper is None:
-            yield
-            return
-        for number in range(len(self.groups)):
-            self.swapper.finish_swap_in([t for t, _ in self._swappable(number)])
-        try:
-            yield
-        finally:
-            for number in range(len(self.groups)):
-                self.swapper.swap_out(self._swappable(number))
+    def resident_state(self) -> contextlib.AbstractContextManager[None]:
+        """Masters and optimizer states in memory for the block (checkpoints); see the offload policy."""
+        return self.offload.resident(self)
 
     def _local_grad_stats(self, owned: list[torch.Tensor]) -> torch.Tensor:
         """[sum of squares, count of non-finite tensors] of the owned gradients, in float64."""
@@ -217,9 +207,8 @@ class ZeroOptimizer(abc.ABC):
 
     def _low_precision_targets(self) -> list[torch.Tensor]:
         """Host buffers for the CPU Adam op to write the new low-precision values into, in the same pass."""
-        from slipstream.ops.adam import DeepSpeedCPUAdam
-
-        if not isinstance(self.optimizer, DeepSpeedCPUAdam) or not all(f.low_precision_pieces for f in self.groups):
+        writes_copy = getattr(type(self.optimizer), "writes_low_precision_copy", False)
+        if not writes_copy or not all(f.low_precision_pieces for f in self.groups):
             return []
         return [p for flat in self.groups for p in flat.low_precision_pieces]
 
@@ -271,10 +260,9 @@ class ZeroOptimizer(abc.ABC):
         owned = self.owned_bytes()
         if not self.offload.on_host:
             return owned.get("offloaded_params", 0)
-        masters = sorted((f.master_flat.numel() * f.master_flat.element_size() for f in self.groups
-                          if f.master_flat is not None), reverse=True)
-        resident = sum(masters[:2]) if self.swapper is not None else sum(masters)
-        return resident * 3 + owned["host_buffers"] + owned.get("offloaded_params", 0)
+        masters = [f.master_flat.numel() * f.master_flat.element_size() for f in self.groups
+                   if f.master_flat is not None]
+        return self.offload.resident_master_bytes(masters) * 3 + owned["host_buffers"] + owned.get("offloaded_params", 0)
 
     def _comm_buffer_bytes(self) -> int:
         """Bytes of the reusable communication buffers (stage 2's staging and receive buffers)."""

@@ -1,4 +1,4 @@
-"""mypy over the package (STYLE.md habit 6): the annotations stay true as the code changes."""
+"""mypy over the package (docs/design.md, layer rules): the annotations stay true as the code changes."""
 
 from __future__ import annotations
 

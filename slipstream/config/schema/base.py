@@ -8,6 +8,7 @@ on; `slipstream.config.resolve` reports any other field set to a non-default val
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Optional
 
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field
@@ -35,9 +36,12 @@ class DSModel(BaseModel):
     model_config = ConfigDict(
         extra="forbid", populate_by_name=True, strict=True, use_attribute_docstrings=True, frozen=True
     )
-    IMPLEMENTED: ClassVar[Optional[frozenset[str]]] = frozenset()
-    """Fields Slipstream acts on. None: the whole section is implemented. An `enabled` field not listed here
-    means the section as a whole is unimplemented when enabled."""
+    IMPLEMENTED: ClassVar[Mapping[str, str]] = {}
+    """Fields Slipstream honours, each with the `EnginePlan` field it becomes (a dotted path; "" for a key that
+    acts inside resolve() itself). Every other field is accepted and reported as not implemented when set
+    away from its default; an `enabled` field not listed here means the whole section is unimplemented when
+    enabled. tests/unit/config/test_honoured.py checks that each plan field named here is read by a
+    component."""
     LITERAL_AUTO: ClassVar[frozenset[str]] = frozenset()
     """Fields for which the string "auto" is a real DeepSpeed value (not an HF placeholder)."""
 

@@ -72,7 +72,9 @@ class ParallelWriteConfig(DSModel):
 class CheckpointConfig(DSModel):
     """`checkpoint`: checkpoint I/O options."""
 
-    IMPLEMENTED = frozenset({"tag_validation"})
+    IMPLEMENTED = {
+        "tag_validation": "checkpoint.tag_validation",
+    }
 
     tag_validation: Literal["WARN", "IGNORE", "FAIL"] = "WARN"
     """What to do when ranks disagree on the checkpoint tag."""
@@ -96,7 +98,13 @@ class CheckpointConfig(DSModel):
 class AioConfig(DSModel):
     """`aio`: asynchronous NVMe I/O."""
 
-    IMPLEMENTED = frozenset({"block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events"})
+    IMPLEMENTED = {
+        "block_size": "zero.offload_optimizer.aio.block_size",
+        "queue_depth": "zero.offload_optimizer.aio.queue_depth",
+        "intra_op_parallelism": "zero.offload_optimizer.aio.intra_op_parallelism",
+        "single_submit": "zero.offload_optimizer.aio.single_submit",
+        "overlap_events": "zero.offload_optimizer.aio.overlap_events",
+    }
 
     block_size: DSInt = Field(1_048_576, gt=0)
     """Bytes per I/O request."""

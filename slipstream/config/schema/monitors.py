@@ -24,7 +24,11 @@ __all__ = [
 class TensorBoardConfig(DSModel):
     """`tensorboard`: write Train/Samples/* events with torch.utils.tensorboard."""
 
-    IMPLEMENTED = None
+    IMPLEMENTED = {
+        "enabled": "logging.monitor.tensorboard_output_path",
+        "output_path": "logging.monitor.tensorboard_output_path",
+        "job_name": "logging.monitor.tensorboard_job_name",
+    }
     enabled: bool = False
     """Write TensorBoard events."""
     output_path: str = ""
@@ -36,7 +40,11 @@ class TensorBoardConfig(DSModel):
 class CSVConfig(DSModel):
     """`csv_monitor`: write Train/Samples/* events as CSV files."""
 
-    IMPLEMENTED = None
+    IMPLEMENTED = {
+        "enabled": "logging.monitor.csv_output_path",
+        "output_path": "logging.monitor.csv_output_path",
+        "job_name": "logging.monitor.csv_job_name",
+    }
     enabled: bool = False
     """Write CSV files."""
     output_path: str = ""

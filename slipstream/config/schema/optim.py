@@ -19,7 +19,10 @@ __all__ = ["OptimizerConfig", "SchedulerConfig"]
 class OptimizerConfig(DSModel):
     """`optimizer`: which optimizer DeepSpeed builds when the caller passes none."""
 
-    IMPLEMENTED = frozenset({"type", "params"})
+    IMPLEMENTED = {
+        "type": "optimizer.name",
+        "params": "optimizer.params",
+    }
     type: str
     """DeepSpeed name (adam, adamw, lamb, lion, adagrad, ...) or a torch.optim class name (case-sensitive)."""
     params: dict[str, Any] = Field(default_factory=dict)
@@ -31,7 +34,10 @@ class OptimizerConfig(DSModel):
 class SchedulerConfig(DSModel):
     """`scheduler`: an LR schedule from DeepSpeed's lr_schedules or torch.optim.lr_scheduler."""
 
-    IMPLEMENTED = frozenset({"type", "params"})
+    IMPLEMENTED = {
+        "type": "scheduler.name",
+        "params": "scheduler.params",
+    }
     type: str
     """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, or a torch.optim.lr_scheduler class."""
     params: dict[str, Any] = Field(default_factory=dict)

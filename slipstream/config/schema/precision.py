@@ -52,17 +52,15 @@ def canonical_dtype(value: Optional[str]) -> Optional[str]:
 class FP16Config(DSModel):
     """`fp16`: mixed precision with float16 parameters and a loss scaler."""
 
-    IMPLEMENTED = frozenset(
-        {
-            "enabled",
-            "loss_scale",
-            "initial_scale_power",
-            "loss_scale_window",
-            "hysteresis",
-            "consecutive_hysteresis",
-            "min_loss_scale",
-        }
-    )
+    IMPLEMENTED = {
+        "enabled": "precision.param_dtype",
+        "loss_scale": "precision.loss_scale.static_scale",
+        "initial_scale_power": "precision.loss_scale.initial_scale_power",
+        "loss_scale_window": "precision.loss_scale.window",
+        "hysteresis": "precision.loss_scale.hysteresis",
+        "consecutive_hysteresis": "precision.loss_scale.consecutive_hysteresis",
+        "min_loss_scale": "precision.loss_scale.min_scale",
+    }
     enabled: bool = False
     """Train with float16 parameters."""
     auto_cast: bool = False
@@ -106,7 +104,10 @@ class FP16Config(DSModel):
 class BF16Config(DSModel):
     """`bf16` (also spelled `bfloat16`): bfloat16 parameters with fp32 master weights."""
 
-    IMPLEMENTED = frozenset({"enabled", "check_grad_overflow"})
+    IMPLEMENTED = {
+        "enabled": "precision.param_dtype",
+        "check_grad_overflow": "precision.check_grad_overflow",
+    }
     enabled: bool = False
     """Train with bfloat16 parameters."""
     immediate_grad_update: bool = False
@@ -148,7 +149,9 @@ class TorchAutocastConfig(DSModel):
 class DataTypesConfig(DSModel):
     """`data_types`: dtypes of gradient accumulation, parameters and buffers."""
 
-    IMPLEMENTED = frozenset({"grad_accum_dtype"})
+    IMPLEMENTED = {
+        "grad_accum_dtype": "precision.grad_accum_dtype",
+    }
     grad_accum_dtype: Optional[str] = None
     """Gradient accumulation dtype: "fp32", "fp16" or "bf16" (None: fp32 in Slipstream)."""
     param_dtype: Optional[str] = None

@@ -51,23 +51,19 @@ FreeForm = Optional[dict[str, Any]]
 class DeepSpeedConfig(DSModel):
     """A whole DeepSpeed JSON config."""
 
-    IMPLEMENTED = frozenset(
-        {
-            "train_batch_size",
-            "train_micro_batch_size_per_gpu",
-            "gradient_accumulation_steps",
-            "steps_per_print",
-            "wall_clock_breakdown",
-            "gradient_clipping",
-            "prescale_gradients",
-            "gradient_predivide_factor",
-            "dataloader_drop_last",
-            "zero_allow_untested_optimizer",
-            "zero_force_ds_cpu_optimizer",
-            "strict",
-            "collective_timeout",
-        }
-    )
+    IMPLEMENTED = {
+        "train_batch_size": "batch.train_batch_size",
+        "train_micro_batch_size_per_gpu": "batch.micro_batch_size",
+        "gradient_accumulation_steps": "batch.gradient_accumulation_steps",
+        "steps_per_print": "logging.steps_per_print",
+        "collective_timeout": "collective_timeout",
+        "wall_clock_breakdown": "logging.wall_clock_breakdown",
+        "gradient_clipping": "gradient_clipping",
+        "zero_allow_untested_optimizer": "zero.allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer": "zero.force_host_optimizer",
+        "dataloader_drop_last": "dataloader_drop_last",
+        "strict": "",
+    }
     train_batch_size: Optional[DSInt] = Field(None, gt=0)
     """Global batch: micro batch * gradient accumulation steps * data-parallel world size."""
     train_micro_batch_size_per_gpu: Optional[DSInt] = Field(None, gt=0)

@@ -24,7 +24,11 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 class OffloadOptimizerConfig(DSModel):
     """`zero_optimization.offload_optimizer` (stages 1-3)."""
 
-    IMPLEMENTED = frozenset({"device", "pin_memory", "buffer_count", "nvme_path"})
+    IMPLEMENTED = {
+        "device": "zero.offload_optimizer",
+        "nvme_path": "zero.offload_optimizer.path",
+        "pin_memory": "zero.offload_optimizer.pin_memory",
+    }
     device: OffloadDevice = "none"
     """Where optimizer state lives: "none", "cpu" or "nvme"."""
     nvme_path: Optional[str] = None
@@ -50,7 +54,11 @@ class OffloadOptimizerConfig(DSModel):
 class OffloadParamConfig(DSModel):
     """`zero_optimization.offload_param` (stage 3 only); parsed into Stage3Plan.offload_param."""
 
-    IMPLEMENTED = None
+    IMPLEMENTED = {
+        "device": "zero.stage3.offload_param",
+        "nvme_path": "zero.stage3.offload_param.path",
+        "pin_memory": "zero.stage3.offload_param.pin_memory",
+    }
     device: OffloadDevice = "none"
     """Where parameters live between uses: "none", "cpu" or "nvme"."""
     nvme_path: Optional[str] = None
@@ -94,28 +102,21 @@ class ZenFlowConfig(DSModel):
 class ZeroConfig(DSModel):
     """`zero_optimization` (`DeepSpeedZeroConfig`)."""
 
-    IMPLEMENTED = frozenset(
-        {
-            "stage",
-            "contiguous_gradients",
-            "reduce_scatter",
-            "reduce_bucket_size",
-            "allgather_bucket_size",
-            "overlap_comm",
-            "offload_optimizer",
-            "cpu_offload",
-            # Stage-3 keys: parsed into Stage3Plan.
-            "prefetch_bucket_size",
-            "param_persistence_threshold",
-            "max_live_parameters",
-            "max_reuse_distance",
-            "gather_16bit_weights_on_model_save",
-            "offload_param",
-            "cpu_offload_param",
-            "cpu_offload_use_pin_memory",
-            "leaf_module",
-        }
-    )
+    IMPLEMENTED = {
+        "stage": "zero.stage",
+        "reduce_bucket_size": "zero.reduce_bucket_size",
+        "offload_param": "zero.stage3.offload_param",
+        "offload_optimizer": "zero.offload_optimizer",
+        "cpu_offload": "zero.offload_optimizer",
+        "cpu_offload_param": "zero.stage3.offload_param",
+        "cpu_offload_use_pin_memory": "zero.offload_optimizer.pin_memory",
+        "prefetch_bucket_size": "zero.stage3.prefetch_numel",
+        "param_persistence_threshold": "zero.stage3.persistence_threshold",
+        "max_live_parameters": "zero.stage3.max_live_numel",
+        "max_reuse_distance": "zero.stage3.reuse_distance",
+        "gather_16bit_weights_on_model_save": "zero.stage3.gather_16bit_on_save",
+        "leaf_module": "zero.stage3.leaf_classes",
+    }
     stage: DSInt = Field(0, ge=0, le=3)
     """0 disabled, 1 optimizer state, 2 + gradients, 3 + parameters are partitioned."""
     contiguous_gradients: bool = True

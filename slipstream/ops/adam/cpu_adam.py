@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -30,6 +30,10 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
     Args mirror deepspeed.ops.adam.DeepSpeedCPUAdam. `adamw_mode=True` is decoupled weight decay (AdamW),
     False is L2 (torch.optim.Adam). `fp32_optimizer_states=False` keeps states in the param dtype.
     """
+
+    writes_low_precision_copy: ClassVar[bool] = True
+    """`step(low_precision_out=...)` writes the new values in the parameter dtype in the same pass (the ZeRO
+    optimizer asks for this capability, not for the class)."""
 
     def __init__(self, model_params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

@@ -178,13 +178,13 @@ class OpBuilder:
         return self.jit_load(verbose=verbose), "jit"
 
     def _try_prebuilt(self) -> ModuleType | None:
-        from slipstream import git_version_info
+        from slipstream.git_version_info import installed_ops, torch_info
 
-        if not git_version_info.installed_ops.get(self.NAME):
+        if not installed_ops.get(self.NAME):
             return None
         import torch
 
-        built_with = str(git_version_info.torch_info.get("version", ""))
+        built_with = str(torch_info.get("version", ""))
         if _major_minor(built_with) != _major_minor(torch.__version__):
             _warn_once(f"{self.NAME}:prebuilt", f"op '{self.NAME}' was built for torch {built_with} but torch {torch.__version__} "
                        "is installed; compiling it again just in time (reinstall slipstream to avoid this)")

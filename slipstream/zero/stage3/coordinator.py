@@ -3,8 +3,8 @@
 [Note: ZeRO-3 schedule]
 - Forward: a unit's forward pre-hook gathers it (and the units owning parameters it borrows, e.g. a
   tied embedding) and prefetches the next units of the order recorded in the first forward, up to
-  `prefetch_bucket_size` elements and never past `max_live_parameters`. Its forward post-hook frees it
-  (unless something still holds it, or it is used again within `max_reuse_distance` elements) and hooks
+  `prefetch_numel` elements and never past `max_live_numel`. Its forward post-hook frees it
+  (unless something still holds it, or it is used again within `reuse_distance` elements) and hooks
   its outputs: when their gradient arrives, backward is about to need the unit, so it is gathered again.
 - Inputs that require grad pass through `_BackwardMarker`, whose backward runs once the gradient of the
   unit's inputs is computed: the unit's own backward is over. A unit is freed in backward when that has
@@ -16,12 +16,13 @@
   soon as it and all units before it are complete; at the end of the backward pass (an autograd
   callback) the remaining units are reduce-scattered with zeros for parameters that got no gradient on
   this rank. So every rank issues the same collectives in the same order whatever its control flow:
-  unused experts and conditional branches never hang (USERS.md row 14).
+  unused experts and conditional branches never hang.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import torch
@@ -43,6 +44,51 @@ class _BackwardMarker(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         ctx.callback()
         return (None, *grads)
+
+
+class TrainingState(enum.Enum):
+    """Where the model is in its training step; the coordinator's verbs move it (FSDP2's TrainingState)."""
+
+    IDLE = enum.auto()
+    """Between passes (or in a forward under no_grad that has ended)."""
+    FORWARD = enum.auto()
+    """Between the root's forward pre-hook and its forward hook (`begin_forward` -> `end_forward`)."""
+    BACKWARD = enum.auto()
+    """From the first gradient or pre-backward hook to the end-of-backward callback (`end_backward`). Forward
+    hooks that fire here are activation checkpointing's recomputation."""
+
+
+@dataclasses.dataclass
+class OrderTrace:
+    """The unit order of one kind of pass: recorded during the first such pass, then replayed to prefetch."""
+
+    order: list[int] = dataclasses.field(default_factory=list)
+    recording: bool = True
+    position: int = 0
+    """While replaying: the index after the last unit seen this pass (len(order) + 1 once the order is lost)."""
+
+    def restart(self) -> None:
+        self.position = 0
+
+    def visit(self, uids: list[int]) -> bool:
+        """The pass reached `uids[0]` (with the units it borrows); True when replaying (prefetch from here)."""
+        if self.recording:
+            self.order.extend(uids)
+            return False
+        for index in range(self.position, len(self.order)):
+            if self.order[index] == uids[0]:
+                self.position = index + 1
+                return True
+        self.position = len(self.order) + 1
+        return True
+
+    def seal(self) -> None:
+        """The first pass is over: from now on the order is replayed."""
+        if self.recording and self.order:
+            self.recording = False
+
+    def upcoming(self) -> list[int]:
+        return self.order[self.position:]
 
 
 @dataclasses.dataclass
@@ -71,11 +117,8 @@ class Coordinator:
         self.prefetch_numel, self.max_live_numel, self.reuse_distance = prefetch_numel, max_live_numel, reuse_distance
         self.reducer: Any = None
         """The Stage3Optimizer when training; it owns gradient storage and the reduce-scatter."""
-        self.forward_order: list[int] = []
-        self.backward_order: list[int] = []
-        self._recording_forward = self._recording_backward = True
-        self._forward_pos = self._backward_pos = 0
-        self._in_backward = False
+        self.forward_trace, self.backward_trace = OrderTrace(), OrderTrace()
+        self.training_state = TrainingState.IDLE
         self.hooks: list[Any] = []
 
     # ---- registration ----
@@ -127,11 +170,14 @@ class Coordinator:
 
     # ---- forward ----
     def begin_forward(self) -> None:
-        self._forward_pos = 0
+        if self.training_state is TrainingState.IDLE:
+            self.training_state = TrainingState.FORWARD
+        self.forward_trace.restart()
 
     def end_forward(self) -> None:
-        if self._recording_forward and self.forward_order:
-            self._recording_forward = False
+        if self.training_state is TrainingState.FORWARD:
+            self.training_state = TrainingState.IDLE
+        self.forward_trace.seal()
         for unit in self.units:  # prefetched but not used this pass (the order changed)
             if self.state[unit.uid].holds == 0 and unit.status is ZeroParamStatus.INFLIGHT:
                 unit.release()
@@ -142,11 +188,9 @@ class Coordinator:
             owner.finish_gather()
             self.state[owner.uid].holds += 1
             owner.active_modules.add(unit.uid)
-        if self._recording_forward:  # borrowed units too: a tied embedding used again by the head is "reused"
-            self.forward_order.extend(owner.uid for owner in state.borrow)
-        else:
-            self._forward_pos = self._advance(self.forward_order, self._forward_pos, unit.uid)
-            self._prefetch(self.forward_order, self._forward_pos)
+        # borrowed units are recorded too: a tied embedding used again by the head is "reused"
+        if self.forward_trace.visit([owner.uid for owner in state.borrow]):
+            self._prefetch(self.forward_trace.upcoming())
 
     def post_forward(self, unit: Unit, output: Any) -> None:
         state = self.state[unit.uid]
@@ -165,7 +209,8 @@ class Coordinator:
             self.state[owner.uid].holds -= 1
             owner.active_modules.discard(unit.uid)
             # During backward (activation checkpointing recomputes the forward), the backward frees the unit.
-            if self.state[owner.uid].holds == 0 and not self._in_backward and not self._reused_soon(owner):
+            in_backward = self.training_state is TrainingState.BACKWARD
+            if self.state[owner.uid].holds == 0 and not in_backward and not self._reused_soon(owner):
                 owner.release()
 
     def _mark_inputs(self, unit: Unit, args: Any, kwargs: Any) -> Any:
@@ -196,20 +241,17 @@ class Coordinator:
 
     # ---- backward ----
     def _begin_backward_pass(self) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            self._backward_pos = 0
+        if self.training_state is not TrainingState.BACKWARD:
+            self.training_state = TrainingState.BACKWARD
+            self.backward_trace.restart()
             queue_end_of_backward(self.end_backward)
 
     def pre_backward(self, unit: Unit) -> None:
         self._begin_backward_pass()
         for owner in self.state[unit.uid].borrow:
             owner.finish_gather()
-        if self._recording_backward:
-            self.backward_order.append(unit.uid)
-        else:
-            self._backward_pos = self._advance(self.backward_order, self._backward_pos, unit.uid)
-            self._prefetch(self.backward_order, self._backward_pos)
+        if self.backward_trace.visit([unit.uid]):
+            self._prefetch(self.backward_trace.upcoming())
 
     def gradient_arrived(self, unit: Unit, index: int, grad: torch.Tensor) -> None:
         self._begin_backward_pass()
@@ -232,9 +274,8 @@ class Coordinator:
 
     def end_backward(self) -> None:
         """End of a backward pass: reduce what is left (zeros for missing gradients), free, reset."""
-        self._in_backward = False
-        if self._recording_backward and self.backward_order:
-            self._recording_backward = False
+        self.training_state = TrainingState.IDLE
+        self.backward_trace.seal()
         if self.reducer is not None:
             self.reducer.flush({uid: s.grads for uid, s in self.state.items()})
         for unit in self.units:
@@ -246,19 +287,11 @@ class Coordinator:
                 unit.release()
 
     # ---- order and prefetch ----
-    @staticmethod
-    def _advance(order: list[int], pos: int, uid: int) -> int:
-        """Position after `uid`'s next occurrence in `order` at or after `pos` (len(order)+1 when lost)."""
-        for i in range(pos, len(order)):
-            if order[i] == uid:
-                return i + 1
-        return len(order) + 1
-
-    def _prefetch(self, order: list[int], pos: int) -> None:
+    def _prefetch(self, upcoming: list[int]) -> None:
         budget = self.prefetch_numel
         live = sum(u.layout.full_numel for u in self.units if u.status is not ZeroParamStatus.NOT_AVAILABLE
                    and not u.persistent)
-        for uid in order[pos:]:
+        for uid in upcoming:
             unit = self._by_uid[uid]
             if unit.status is not ZeroParamStatus.NOT_AVAILABLE:
                 continue
@@ -270,10 +303,10 @@ class Coordinator:
             live += size
 
     def _reused_soon(self, unit: Unit) -> bool:
-        if self._recording_forward or self.reuse_distance <= 0:
+        if self.forward_trace.recording or self.reuse_distance <= 0:
             return False
         distance = 0
-        for uid in self.forward_order[self._forward_pos:]:
+        for uid in self.forward_trace.upcoming():
             if uid == unit.uid:
                 return True
             distance += self._by_uid[uid].layout.full_numel

@@ -9,7 +9,6 @@ rank 0 when they come from plain (unsharded) parameters, so every rank starts fr
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from slipstream.comm import collectives
+from slipstream.config.plan import CpuTarget, NvmeTarget, Stage3Plan
 from slipstream.zero.slices import OwnedSlice
 from slipstream.zero.stage3.coordinator import Coordinator
 from slipstream.zero.stage3.manager import UnitManager
@@ -27,45 +27,28 @@ from slipstream.zero.stage3.unit import Unit, host_or_device_allocator
 from slipstream.zero.stage3.units import UnitSpec, plan_units
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Stage3Settings:
-    """The stage-3 knobs (from the config's Stage3Plan, or zero.Init's defaults)."""
-
-    persistence_threshold: int = 100_000
-    prefetch_numel: int = 50_000_000
-    max_live_numel: int = 1_000_000_000
-    reuse_distance: int = 1_000_000_000
-    offload_param: bool = False
-    pin_memory: bool = False
-    nvme_path: str | None = None
-    """offload_param.device nvme: shards live in files under this directory (offload/nvme.py)."""
-    aio: Any = None
-    leaf_classes: tuple[type, ...] = ()
-    leaf_class_names: tuple[str, ...] = ()
-    leaf_names: tuple[str, ...] = ()
-    """Module classes (by class or class name) and qualified module names that are units."""
-
-
 class ZeroModel(UnitManager):
     """The units of one module, their hooks (coordinator) and the gather/release API used by the helpers."""
 
-    def __init__(self, module: nn.Module, settings: Stage3Settings, *, device: torch.device,
+    def __init__(self, module: nn.Module, plan: Stage3Plan, *, device: torch.device,
                  group: dist.ProcessGroup | None = None, attach_hooks: bool = True) -> None:
-        self.module, self.settings, self.device, self.group = module, settings, device, group
+        self.module, self.plan, self.device, self.group = module, plan, device, group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.pool = BufferPool(device)
         self._deferred_tags = []
-        _mark_leaves(module, settings)
-        specs = plan_units(module, threshold=settings.persistence_threshold, leaf_classes=settings.leaf_classes)
-        shard_device = torch.device("cpu") if settings.offload_param or settings.nvme_path else device
-        allocate = host_or_device_allocator(settings.pin_memory and settings.offload_param)
+        _mark_leaves(module, plan)
+        specs = plan_units(module, threshold=plan.persistence_threshold)
+        target = plan.offload_param
+        shard_device = torch.device("cpu") if target.on_host else device
+        self.shards_in_host_memory = target.on_host and not isinstance(target, NvmeTarget)
+        allocate = host_or_device_allocator(isinstance(target, CpuTarget) and target.pin_memory
+                                            and self.shards_in_host_memory)
         store: Any = None  # a ShardStore (unit.py) or offload/nvme.py's NVMeShardStore
-        if settings.nvme_path:
-            from slipstream.config.plan import AioPlan
+        if isinstance(target, NvmeTarget):
             from slipstream.offload.nvme import NVMeShardStore
 
-            store = NVMeShardStore(settings.nvme_path, self.rank, settings.aio or AioPlan())
+            store = NVMeShardStore(target.path, self.rank, target.aio)
         previous = zero_model_of(module)
         if previous is not None:
             previous.detach_hooks()
@@ -89,8 +72,8 @@ class ZeroModel(UnitManager):
         for unit in self.units:
             if unit.persistent:
                 unit.refresh_persistent()
-        self.coordinator = Coordinator(self.units, self._borrowing(specs), prefetch_numel=settings.prefetch_numel,
-                                       max_live_numel=settings.max_live_numel, reuse_distance=settings.reuse_distance)
+        self.coordinator = Coordinator(self.units, self._borrowing(specs), prefetch_numel=plan.prefetch_numel,
+                                       max_live_numel=plan.max_live_numel, reuse_distance=plan.reuse_distance)
         if attach_hooks:
             self.coordinator.attach(module)
         module._slipstream_zero_model = self  # type: ignore[assignment]
@@ -132,7 +115,7 @@ class ZeroModel(UnitManager):
         shards = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)
         return {"params": shards, "gathered": gathered, "comm_buffers": self.pool.allocated_bytes,
-                "offloaded_params": shards if self.settings.offload_param else 0}
+                "offloaded_params": shards if self.shards_in_host_memory else 0}
 
     def full_state(self, *, dtype: torch.dtype | None = None, only_rank0: bool = True,
                    exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
@@ -186,15 +169,15 @@ class ZeroModel(UnitManager):
 
 
 
-def _mark_leaves(module: nn.Module, settings: Stage3Settings) -> None:
-    if not settings.leaf_class_names and not settings.leaf_names:
+def _mark_leaves(module: nn.Module, plan: Stage3Plan) -> None:
+    if not plan.leaf_classes and not plan.leaf_names:
         return
     found = set()
     for name, child in module.named_modules():
-        if type(child).__name__ in settings.leaf_class_names or name in settings.leaf_names:
+        if type(child).__name__ in plan.leaf_classes or name in plan.leaf_names:
             child._z3_leaf = True  # type: ignore[assignment]
             found.update({type(child).__name__, name})
-    missing = sorted(set(settings.leaf_class_names + settings.leaf_names) - found)
+    missing = sorted(set(plan.leaf_classes + plan.leaf_names) - found)
     if missing:
         raise ValueError(f"zero_optimization.leaf_module names {missing}, which match no module class or module "
                          "name of the model; fix the names or remove them")
@@ -206,18 +189,6 @@ def _sharded_owners(spec: UnitSpec) -> list[Unit]:
         if isinstance(param, ShardedParameter) and param.ds_record.unit not in owners:
             owners.append(param.ds_record.unit)
     return owners
-
-
-def stage3_settings(plan: Any, aio: Any = None) -> Stage3Settings:
-    """Settings from the config's Stage3Plan."""
-    offload = plan.offload_param or {}
-    nvme = offload.get("device") == "nvme"
-    return Stage3Settings(persistence_threshold=int(plan.param_persistence_threshold),
-                          prefetch_numel=int(plan.prefetch_bucket_size), max_live_numel=int(plan.max_live_parameters),
-                          reuse_distance=int(plan.max_reuse_distance), offload_param=offload.get("device") == "cpu",
-                          nvme_path=str(offload.get("nvme_path")) if nvme else None, aio=aio,
-                          pin_memory=bool(offload.get("pin_memory", False)), leaf_class_names=tuple(plan.leaf_classes),
-                          leaf_names=tuple(plan.leaf_names))
 
 
 def zero_model_of(module: nn.Module) -> ZeroModel | None:

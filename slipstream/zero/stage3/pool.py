@@ -2,8 +2,8 @@
 
 Units of the same size (the blocks of a transformer) share buffers: a buffer taken for one collective
 goes back to the pool when the collective's result has been consumed, and the next unit reuses it. On
-these machines re-allocating large buffers every step costs page faults (ARCHITECTURE.md, performance
-facts); the pool keeps at most as many buffers per size as were ever in use at once.
+these machines re-allocating large buffers every step costs page faults (docs/design.md P16);
+the pool keeps at most as many buffers per size as were ever in use at once.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The sharded parameter: an `nn.Parameter` that keeps its global shape but refuses data access while sharded.
 
 Model code and libraries read a sharded parameter's `.shape`, `numel()`, `dtype`, `device` and
-`requires_grad` as usual (USERS.md row 13). Any operation that would read or write its values while its
+`requires_grad` as usual (docs/design.md P13). Any operation that would read or write its values while its
 unit is not gathered raises `ShardedParameterError`, which names the parameter and says to use
 `slipstream.zero.GatheredParameters`, instead of computing on an empty or freed tensor. The check is a
 `__torch_function__` override; while the unit is gathered every op passes straight through (results are
-plain tensors). Per-parameter state lives in a typed `ParamRecord` (ARCHITECTURE.md decision 3); the `ds_*`
+plain tensors). Per-parameter state lives in a typed `ParamRecord` (docs/design.md D9); the `ds_*`
 attributes come from `slipstream.compat.param_attrs`.
 """
 

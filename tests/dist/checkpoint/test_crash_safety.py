@@ -1,4 +1,4 @@
-"""A save killed with SIGKILL at a random point never costs the previous checkpoint (USERS.md row 5).
+"""A save killed with SIGKILL at a random point never costs the previous checkpoint (docs/design.md P5).
 
 A child process saves checkpoints of a ~4 MB model in a loop; the test kills it at random moments, many
 times, and after each kill checks that `latest` names a complete checkpoint whose files all verify (sha256).

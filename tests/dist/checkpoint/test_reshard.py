@@ -1,4 +1,4 @@
-"""Checkpoints across world sizes and ZeRO stages (USERS.md row 3): save at (world 2, stage 3) and (world 2,
+"""Checkpoints across world sizes and ZeRO stages (docs/design.md P3): save at (world 2, stage 3) and (world 2,
 stage 1 + optimizer offload), load at (1, 0), (2, 2), (4, 3) and (4, 1); the parameters and the next steps'
 losses equal an uninterrupted run at the new world size. Also: an exact resume at the same world size (LR
 schedule, RNG of dropout, counters), every rank must call save (named error, bounded time), tag validation."""

@@ -21,6 +21,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def run_stage(rank: int, world: int, *, stage: int, bucket: int) -> dict:
     from slipstream.comm import count_collectives
+    from slipstream.config import resolve
     from slipstream.zero.stage0 import Stage0Optimizer
     from slipstream.zero.stage1 import Stage1Optimizer
     from slipstream.zero.stage2 import Stage2Optimizer
@@ -28,7 +29,9 @@ def run_stage(rank: int, world: int, *, stage: int, bucket: int) -> dict:
     cls = {0: Stage0Optimizer, 1: Stage1Optimizer, 2: Stage2Optimizer}[stage]
     model = TinyMLP()
     inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    zero = cls(inner, group=None, bucket_numel=bucket, master_dtype="fp32", grad_dtype="fp32", check_overflow=False)
+    plan = resolve({"train_batch_size": BATCH, "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket}},
+                   world_size=world)
+    zero = cls(inner, zero=plan.zero, precision=plan.precision)
     per_rank = BATCH // world
     counts = []
     for inputs, targets in batches():

@@ -42,8 +42,8 @@ def test_zero_bucket_autos_use_hidden_size() -> None:
     plan = resolve(config, world_size=1, hidden_size=1024)
     assert plan.zero.reduce_bucket_size == 1024 * 1024
     assert plan.zero.stage3 is not None
-    assert plan.zero.stage3.prefetch_bucket_size == int(0.9 * 1024 * 1024)
-    assert plan.zero.stage3.param_persistence_threshold == 10 * 1024
+    assert plan.zero.stage3.prefetch_numel == int(0.9 * 1024 * 1024)
+    assert plan.zero.stage3.persistence_threshold == 10 * 1024
     assert plan.resolved["zero_optimization"]["reduce_bucket_size"] == 1024 * 1024
 
 
@@ -151,5 +151,6 @@ def test_hf_trainer_style_config() -> None:
     assert plan.batch.train_batch_size == 16
     assert plan.zero.reduce_bucket_size == 768**2
     assert plan.optimizer is not None and plan.optimizer.name == "adamw"
-    assert plan.zero.offload_optimizer is not None and plan.zero.offload_optimizer.device == "cpu"
-    assert plan.unimplemented == ()
+    assert plan.zero.offload_optimizer.on_host
+    # Transformers' sample config sets two knobs whose behaviour is fixed here: reported, not silently dropped
+    assert set(plan.unimplemented) == {"zero_optimization.allgather_bucket_size", "zero_optimization.overlap_comm"}

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from slipstream.config import ConfigError, ConfigWarning, EnginePlan, resolve
+from slipstream.config import ConfigError, ConfigWarning, CpuTarget, EnginePlan, NoOffloadTarget, NvmeTarget, resolve
 
 BASE = {"train_batch_size": 8}
 
@@ -86,7 +86,9 @@ def test_fp32_is_the_default() -> None:
 def test_optimizer_canonical_names(type_: str, params: dict, name: str) -> None:
     optimizer = plan_of({"optimizer": {"type": type_, "params": {"lr": 0.1, **params}}}).optimizer
     assert optimizer is not None and optimizer.name == name
-    assert optimizer.params == {"lr": 0.1}
+    # DeepSpeed's Adam family defaults weight_decay to 0 (torch's AdamW: 0.01), unless torch_adam asks for torch's
+    adam_family = name in ("adam", "adamw") and not params.get("torch_adam")
+    assert optimizer.params == ({"lr": 0.1, "weight_decay": 0.0} if adam_family else {"lr": 0.1})
 
 
 def test_max_grad_norm_points_to_gradient_clipping() -> None:
@@ -117,7 +119,7 @@ def test_scheduler_names(name: str) -> None:
 
 
 def test_zero_plan_from_stage_2_config() -> None:
-    zero = plan_of(
+    plan = plan_of(
         {
             "zero_optimization": {
                 "stage": 2,
@@ -128,20 +130,18 @@ def test_zero_plan_from_stage_2_config() -> None:
                 "offload_optimizer": {"device": "cpu", "pin_memory": False},
             }
         }
-    ).zero
-    assert (zero.stage, zero.reduce_bucket_size, zero.allgather_bucket_size) == (2, 200_000_000, 300_000_000)
-    assert zero.contiguous_gradients is False and zero.reduce_scatter is False and zero.stage3 is None
-    assert zero.offload_optimizer is not None
-    assert (zero.offload_optimizer.device, zero.offload_optimizer.pin_memory) == ("cpu", False)
+    )
+    zero = plan.zero
+    assert (zero.stage, zero.reduce_bucket_size, zero.stage3) == (2, 200_000_000, None)
+    assert zero.offload_optimizer == CpuTarget(pin_memory=False)
+    # knobs whose behaviour is fixed here are reported when set away from DeepSpeed's default, never dropped
+    assert set(plan.unimplemented) == {"zero_optimization.allgather_bucket_size",
+                                       "zero_optimization.contiguous_gradients", "zero_optimization.reduce_scatter"}
 
 
 def test_offload_device_none_is_no_offload() -> None:
-    assert (
-        plan_of(
-            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}
-        ).zero.offload_optimizer
-        is None
-    )
+    target = plan_of({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}).zero.offload_optimizer
+    assert target == NoOffloadTarget() and not target.on_host
 
 
 def test_offload_at_stage_0_warns() -> None:
@@ -155,7 +155,8 @@ def test_nvme_offload_needs_a_path() -> None:
     plan = plan_of(
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nv"}}}
     )
-    assert plan.zero.offload_optimizer is not None and plan.zero.offload_optimizer.nvme_path == "/nv"
+    target = plan.zero.offload_optimizer
+    assert isinstance(target, NvmeTarget) and target.path == "/nv" and target.on_host
     assert not plan.unimplemented
 
 
@@ -205,12 +206,10 @@ def test_implemented_keys_are_not_listed() -> None:
             "steps_per_print": 10,
             "wall_clock_breakdown": True,
             "gradient_clipping": 0.0,
-            "prescale_gradients": True,
-            "gradient_predivide_factor": 2.0,
             "dataloader_drop_last": True,
             "zero_allow_untested_optimizer": True,
             "zero_force_ds_cpu_optimizer": False,
-            "zero_optimization": {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 1e6},
+            "zero_optimization": {"stage": 1, "reduce_bucket_size": 1e6},
             "fp16": {"enabled": True, "loss_scale_window": 500},
             "tensorboard": {"enabled": True},
             "optimizer": {"type": "adamw", "params": {"lr": 1e-4}},
@@ -218,8 +217,8 @@ def test_implemented_keys_are_not_listed() -> None:
         }
     )
     assert plan.unimplemented == ()
-    assert (plan.gradient_clipping, plan.gradient_predivide_factor) == (0.0, 2.0)
-    assert plan.prescale_gradients is True and plan.dataloader_drop_last is True
+    assert plan.gradient_clipping == 0.0 and plan.dataloader_drop_last is True
+    assert plan.zero.allow_untested_optimizer is True and plan.zero.force_host_optimizer is False
     assert plan.logging.steps_per_print == 10 and plan.logging.wall_clock_breakdown is True
     assert plan.logging.monitor.tensorboard_output_path == ""
     assert plan.logging.monitor.tensorboard_job_name == "DeepSpeedJobName"
@@ -260,3 +259,13 @@ def test_resolved_is_plain_json_with_defaults() -> None:
     assert resolved["zero_optimization"]["stage3_max_live_parameters"] == 1_000_000_000
     assert resolved["fp16"]["initial_scale_power"] == 16
     assert resolved["bf16"]["enabled"] is True and "bfloat16" not in resolved
+
+
+def test_fixed_schedule_keys_are_reported_when_set() -> None:
+    """Keys whose behaviour Slipstream fixes (gradient averaging happens once, at the step; the reduction
+    schedule is the stage's own) warn when set away from DeepSpeed's default instead of being dropped."""
+    plan = plan_of({"prescale_gradients": True, "gradient_predivide_factor": 2.0,
+                    "zero_optimization": {"stage": 2, "overlap_comm": True, "allgather_bucket_size": 2e8}})
+    assert set(plan.unimplemented) == {"prescale_gradients", "gradient_predivide_factor",
+                                       "zero_optimization.overlap_comm", "zero_optimization.allgather_bucket_size"}
+    assert plan_of({"prescale_gradients": False, "gradient_predivide_factor": 1.0}).unimplemented == ()

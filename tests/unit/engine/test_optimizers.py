@@ -17,8 +17,8 @@ def _params() -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(2, 3))]
 
 
-def _build(name: str, cpu_offload: bool = False, **params: object) -> torch.optim.Optimizer:
-    return build_optimizer(OptimizerPlan(name=name, params=dict(params)), _params(), cpu_offload=cpu_offload)
+def _build(name: str, on_host: bool = False, **params: object) -> torch.optim.Optimizer:
+    return build_optimizer(OptimizerPlan(name=name, params=dict(params)), _params(), on_host=on_host)
 
 
 def test_adamw_and_adam_by_name() -> None:
@@ -37,10 +37,10 @@ def test_user_choice_of_foreach_is_kept() -> None:
 
 
 def test_cpu_offload_builds_cpu_adam_with_mode() -> None:
-    adamw = _build("adamw", cpu_offload=True, lr=0.003, weight_decay=0.01)
+    adamw = _build("adamw", on_host=True, lr=0.003, weight_decay=0.01)
     assert type(adamw) is DeepSpeedCPUAdam and adamw.adamw_mode is True
     assert adamw.param_groups[0]["lr"] == 0.003
-    adam = _build("adam", cpu_offload=True, bias_correction=False)
+    adam = _build("adam", on_host=True, bias_correction=False)
     assert type(adam) is DeepSpeedCPUAdam and adam.adamw_mode is False
     assert adam.param_groups[0]["bias_correction"] is False
 
@@ -78,7 +78,7 @@ def test_unknown_optimizer_param_names_it_and_the_accepted_ones() -> None:
     with pytest.raises(ValueError, match=r"\['beta'\] not accepted by .*Lion.*'betas'"):
         _build("lion", beta=0.9)
     with pytest.raises(ValueError, match=r"\['adamw_mode'\] not accepted by .*DeepSpeedCPUAdam"):
-        _build("adamw", cpu_offload=True, adamw_mode=False)
+        _build("adamw", on_host=True, adamw_mode=False)
 
 
 def _one_tensor(values: list[float]) -> torch.nn.Parameter:

@@ -1,7 +1,7 @@
 """DeepSpeed's `deepspeed.utils.zero_to_fp32` functions, reading Slipstream's native checkpoints.
 
-Owns the DeepSpeed names and signatures (and the `python -m slipstream.utils.zero_to_fp32` command line);
-the reading is checkpoint/reader.py and the writing checkpoint/export.py. Unlike DeepSpeed's script, no
+Owns the DeepSpeed names and signatures and the `python -m slipstream.utils.zero_to_fp32` command line (that
+DeepSpeed path is an alias declared in compat/aliases.py); the reading is checkpoint/reader.py and the writing checkpoint/export.py. Unlike DeepSpeed's script, no
 per-rank files are merged here: the manifest already describes every tensor globally, so the fp32 state dict
 is read tensor by tensor, and the converter streams one tensor at a time.
 """

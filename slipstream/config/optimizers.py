@@ -1,0 +1,110 @@
+"""The optimizer registry: the one table that says which optimizers exist, how they are built, what state they
+keep, and what ZeRO may do with them. resolve.py, the engine's builders and the planner all read it.
+
+An entry names the class by import path ("module:attr"), so the config layer imports no torch and no engine
+code; `slipstream.engine.optimizers` imports the class when the engine builds it.
+
+[Note: optimizer defaults]
+DeepSpeed's own optimizers (FusedAdam, DeepSpeedCPUAdam, FusedLamb, FusedLion) default `weight_decay` to 0.
+torch.optim.AdamW defaults it to 0.01. A config's `adam`/`adamw` without `weight_decay` therefore gets 0 on
+every path here (device or CPU offload), as in DeepSpeed; with `"torch_adam": true` DeepSpeed builds
+torch's class with torch's defaults, and so do we.
+
+Adding an optimizer: one `OptimizerSpec` below (plus the class, when it is our own), and a test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DEEPSPEED_ONLY", "OptimizerSpec", "REGISTRY", "spec_for", "spec_for_class", "states_per_element"]
+
+
+def _fixed(count: int) -> Callable[[Mapping[str, Any]], int]:
+    return lambda params: count
+
+
+def _adam_states(params: Mapping[str, Any]) -> int:
+    return 3 if params.get("amsgrad") else 2
+
+
+def _momentum_states(params: Mapping[str, Any]) -> int:
+    return int(float(params.get("momentum", 0) or 0) > 0)
+
+
+def _rmsprop_states(params: Mapping[str, Any]) -> int:
+    return 1 + _momentum_states(params) + int(bool(params.get("centered")))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerSpec:
+    """One optimizer the config can name."""
+
+    name: str
+    """The canonical name: DeepSpeed's lower-case name, or a torch.optim class name as torch spells it."""
+    target: str
+    """Import path of the class, "module:attr"."""
+    states: Callable[[Mapping[str, Any]], int]
+    """Full-size state tensors kept per parameter element, given the optimizer's params (the planner's count)."""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """DeepSpeed's defaults where they differ from the class's own (see [Note: optimizer defaults])."""
+    elementwise: bool = True
+    """The update of each element depends only on that element: ZeRO's flat shards do not change its math.
+    Per-tensor optimizers (Lamb's trust ratio, Adafactor's factored moments) need
+    `zero_allow_untested_optimizer`."""
+    host_target: str | None = None
+    """Class that runs this optimizer on the host under offload_optimizer (the CPU Adam op), if any."""
+    class_names: tuple[str, ...] = ()
+    """Class names of built instances that count as this optimizer (for client optimizers)."""
+    min_torch: tuple[int, int] | None = None
+    """Oldest torch (major, minor) that has the class."""
+
+
+_ADAM_DEFAULTS = {"weight_decay": 0.0}
+_ENTRIES = (
+    OptimizerSpec(name="adamw", target="torch.optim:AdamW", states=_adam_states, defaults=_ADAM_DEFAULTS,
+                  host_target="slipstream.ops.adam:DeepSpeedCPUAdam", class_names=("AdamW", "DeepSpeedCPUAdam")),
+    OptimizerSpec(name="adam", target="torch.optim:Adam", states=_adam_states, defaults=_ADAM_DEFAULTS,
+                  host_target="slipstream.ops.adam:DeepSpeedCPUAdam", class_names=("Adam", "FusedAdam")),
+    OptimizerSpec(name="sgd", target="torch.optim:SGD", states=_momentum_states, class_names=("SGD",)),
+    OptimizerSpec(name="adagrad", target="torch.optim:Adagrad", states=_fixed(1), class_names=("Adagrad",)),
+    OptimizerSpec(name="lamb", target="slipstream.engine.optimizers:Lamb", states=_fixed(2), elementwise=False,
+                  class_names=("Lamb", "FusedLamb")),
+    OptimizerSpec(name="lion", target="slipstream.engine.optimizers:Lion", states=_fixed(1),
+                  class_names=("Lion", "FusedLion")),
+    OptimizerSpec(name="adafactor", target="torch.optim:Adafactor", states=_fixed(1), elementwise=False,
+                  class_names=("Adafactor",), min_torch=(2, 5)),
+    # torch.optim classes by their torch names (DeepSpeed passes unknown names to torch.optim as well).
+    OptimizerSpec(name="Adamax", target="torch.optim:Adamax", states=_fixed(2), class_names=("Adamax",)),
+    OptimizerSpec(name="NAdam", target="torch.optim:NAdam", states=_fixed(2), class_names=("NAdam",)),
+    OptimizerSpec(name="RAdam", target="torch.optim:RAdam", states=_fixed(2), class_names=("RAdam",)),
+    OptimizerSpec(name="RMSprop", target="torch.optim:RMSprop", states=_rmsprop_states, class_names=("RMSprop",)),
+    OptimizerSpec(name="ASGD", target="torch.optim:ASGD", states=_fixed(1), class_names=("ASGD",)),
+    OptimizerSpec(name="Adadelta", target="torch.optim:Adadelta", states=_fixed(2), class_names=("Adadelta",)),
+)
+REGISTRY: dict[str, OptimizerSpec] = {spec.name: spec for spec in _ENTRIES}
+
+DEEPSPEED_ONLY = ("onebitadam", "onebitlamb", "zerooneadam", "muadam", "muadamw", "musgd", "muon")
+"""DeepSpeed optimizer names that Slipstream accepts in a config but does not implement (reported when set)."""
+
+
+def spec_for(name: str) -> OptimizerSpec | None:
+    """The entry for a config's `optimizer.type`: DeepSpeed names case-insensitively, torch names as spelled."""
+    return REGISTRY.get(name.lower()) or REGISTRY.get(name)
+
+
+def spec_for_class(class_name: str) -> OptimizerSpec | None:
+    """The entry whose built instances have this class name (any case; a client's optimizer), if any."""
+    wanted = class_name.lower()
+    for spec in _ENTRIES:
+        if wanted in (n.lower() for n in spec.class_names):
+            return spec
+    return None
+
+
+def states_per_element(name: str, params: Mapping[str, Any] = {}) -> int:  # noqa: B006 (read only)
+    """Full-size state tensors per master element for an optimizer name or class name (2 when unknown)."""
+    spec = spec_for(name) or spec_for_class(name)
+    return 2 if spec is None else spec.states(params)

@@ -1,0 +1,120 @@
+"""`build_zero`: the one place a ZeRO stage is chosen. It owns the stage table (stage 3 included), places the
+model for its stage, and wraps the optimizer.
+
+Two phases, because the optimizer is built over the placed model's parameters:
+    zero = build_zero(model, plan=plan.zero, precision=plan.precision, device=device)   # module placed
+    optimizer = zero.wrap(basic_optimizer, rank=rank)                                   # ZeroOptimizer
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from slipstream.comm import collectives
+from slipstream.config.optimizers import REGISTRY, spec_for_class
+from slipstream.config.plan import PrecisionPlan, ZeroPlan
+from slipstream.offload.policy import policy_for
+from slipstream.utils.logging import warn_once
+from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
+from slipstream.zero.stage0 import Stage0Optimizer
+from slipstream.zero.stage1 import Stage1Optimizer
+from slipstream.zero.stage2 import Stage2Optimizer
+from slipstream.zero.stage3.model import ZeroModel
+from slipstream.zero.stage3.optimizer import Stage3Optimizer
+from slipstream.zero.stage3.sharded_param import ShardedParameter
+
+__all__ = ["STAGES", "ZeroBuild", "build_zero"]
+
+STAGES: dict[int, type[ZeroOptimizer]] = {0: Stage0Optimizer, 1: Stage1Optimizer, 2: Stage2Optimizer,
+                                          3: Stage3Optimizer}
+
+
+@dataclasses.dataclass
+class ZeroBuild:
+    """The model placed for its stage, and how to wrap its optimizer."""
+
+    module: nn.Module
+    zero_model: ZeroModel | None
+    """Stage 3: the sharded units (None below stage 3)."""
+    zero: ZeroPlan
+    precision: PrecisionPlan
+
+    def wrap(self, optimizer: torch.optim.Optimizer, *, rank: int) -> ZeroOptimizer:
+        """The stage's ZeRO optimizer around `optimizer` (whose param groups it re-points at master pieces)."""
+        check_optimizer_kind(optimizer, self.zero)
+        return STAGES[self.zero.stage](optimizer, zero=self.zero, precision=self.precision, model=self.zero_model,
+                                       offload=policy_for(self.zero.offload_optimizer, rank=rank))
+
+
+def build_zero(model: nn.Module, *, zero: ZeroPlan, precision: PrecisionPlan, device: torch.device) -> ZeroBuild:
+    """Place `model` for `zero.stage`: on the device in the parameter dtype with rank 0's values (stages 0-2),
+    or sharded into units (stage 3)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize(model=...) needs a torch.nn.Module, got {type(model).__name__}")
+    if zero.stage == 3:
+        if zero.stage3 is None:
+            raise RuntimeError("ZeRO stage 3 without a Stage3Plan: build plans with slipstream.config.resolve")
+        _place_for_stage3(model, precision, device)
+        return ZeroBuild(module=model, zero_model=ZeroModel(model, zero.stage3, device=device), zero=zero,
+                         precision=precision)
+    _place_replicated(model, precision, device)
+    return ZeroBuild(module=model, zero_model=None, zero=zero, precision=precision)
+
+
+def _place_replicated(model: nn.Module, precision: PrecisionPlan, device: torch.device) -> None:
+    model.to(device)
+    dtype = DTYPES[precision.param_dtype]
+    if dtype != torch.float32:
+        model.to(dtype)
+    if dist.get_world_size() > 1:
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                collectives.broadcast(tensor.data, src=0)
+
+
+def _place_for_stage3(model: nn.Module, precision: PrecisionPlan, device: torch.device) -> None:
+    """Plain parameters to the device and dtype (ZeroModel shards them); buffers from rank 0."""
+    dtype = DTYPES[precision.param_dtype]
+    with torch.no_grad():
+        for param in model.parameters():
+            if isinstance(param, ShardedParameter):
+                if param.dtype != dtype:
+                    raise ValueError(f"parameter '{param.ds_record.name}' was sharded by zero.Init as {param.dtype} "
+                                     f"but the config trains in {dtype}; pass dtype={dtype} to zero.Init")
+                continue
+            param.data = param.data.to(device=device, dtype=dtype if param.is_floating_point() else param.dtype)
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                moved = buffer.to(device)
+                if dist.get_world_size() > 1:
+                    collectives.broadcast(moved, src=0)
+                module._buffers[name] = moved
+
+
+def elementwise_class_names() -> tuple[str, ...]:
+    return tuple(name for spec in REGISTRY.values() if spec.elementwise for name in spec.class_names)
+
+
+def check_optimizer_kind(optimizer: torch.optim.Optimizer, zero: ZeroPlan) -> None:
+    """Refuse optimizers whose math flat shards would change, and host-less optimizers under offload."""
+    name = type(optimizer).__name__
+    host_kernel = getattr(type(optimizer), "writes_low_precision_copy", False)
+    if zero.offload_optimizer.on_host and not host_kernel and zero.force_host_optimizer:
+        raise ValueError(f"offload_optimizer runs the optimizer on the host, but the optimizer is {name}; use "
+                         "DeepSpeedCPUAdam (an 'optimizer' section of type Adam/AdamW does that for you) or set "
+                         "\"zero_force_ds_cpu_optimizer\": false to run this one on the host anyway")
+    spec: Any = spec_for_class(name)
+    if spec is not None and spec.elementwise:
+        return
+    message = (f"optimizer {name} is not known to be elementwise: ZeRO's flat shards (used at every stage) "
+               "would change per-tensor math such as Lamb's trust ratio. Use one of "
+               f"{', '.join(elementwise_class_names())}, or set \"zero_allow_untested_optimizer\": true to use it "
+               "anyway")
+    if not zero.allow_untested_optimizer:
+        raise ValueError(message)
+    warn_once(f"untested-optimizer:{name}", "slipstream: " + message)
