@@ -1,8 +1,14 @@
 """The engine's `save_checkpoint` / `load_checkpoint` (DeepSpeed's signatures) over slipstream/checkpoint/.
 
-The engine's own state goes into the manifest's scalars: step counters (the accumulation position
-included), the scheduler and loss-scale state, optimizer hyperparameters and step counts, the resolved
-config and the version. Tensors go through checkpoint/save.py and checkpoint/load.py.
+The engine's own state goes into the manifest's scalars: step counters, the scheduler and loss-scale state,
+optimizer hyperparameters and step counts, the resolved config and the version. Tensors go through
+checkpoint/save.py and checkpoint/load.py.
+
+Saves and loads happen at an optimizer-step boundary only; in the middle of an accumulation window they
+raise, naming the micro-step. A checkpoint holds no gradients (as in DeepSpeed, which drops a partial window
+silently), and a load replaces the parameters a partial window's gradients belong to. So the window after a
+load starts fresh, whatever accumulation count saved the checkpoint: `micro_steps` comes back as saved (the
+micro-batches trained so far), while the engine counts the boundary from its last optimizer step.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class Checkpointing:
     global_samples: int
     skipped_steps: int
     micro_steps: int
+    _window_micro_steps: int
     _param_names: dict[int, str]
 
     def _resident(self) -> Any:
@@ -63,6 +70,7 @@ class Checkpointing:
         from slipstream import __version__
         from slipstream.checkpoint.save import save_engine
 
+        self._check_at_boundary("save_checkpoint", "a checkpoint holds no partial gradients")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         values, tensors = split_client_state(client_state or {})
         scalars: dict[str, Any] = {
@@ -93,6 +101,7 @@ class Checkpointing:
         (path, client_state), or (None, None) with a warning when there is nothing to load."""
         from slipstream.checkpoint.load import client_tensors, load_engine, open_source
 
+        self._check_at_boundary("load_checkpoint", "they belong to the parameters a load replaces")
         root = Path(load_dir)
         if tag is None:
             tag = read_latest(root)
@@ -124,6 +133,21 @@ class Checkpointing:
         log_rank0(f"checkpoint: loaded {path}", rank=self.global_rank)
         return str(path), client
 
+    def _check_at_boundary(self, what: str, why: str) -> None:
+        """Raise unless no micro-batch was stepped since the last optimizer step. Every rank has the same counters,
+        so every rank raises, before any collective."""
+        done = self._window_micro_steps
+        if done == 0:
+            return
+        gas = self.plan.batch.gradient_accumulation_steps
+        remaining = -done % gas or gas  # more than `gas` done only after set_gradient_accumulation_boundary(False)
+        raise CheckpointError(
+            f"{what} at micro-step {self.micro_steps} (global step {self.global_steps}): {_micro_batches(done)} of "
+            f"gradients accumulated since the last optimizer step (gradient_accumulation_steps is {gas}), and {why}; "
+            f"a checkpoint is saved and loaded only at an optimizer-step boundary. Call {what} after "
+            f"{_micro_batches(remaining, 'more ')} (engine.step() calls), right after the step that advances "
+            "engine.global_steps")
+
     def _restore_scalars(self, scalars: dict[str, Any], *, load_lr_scheduler_states: bool) -> None:
         engine = scalars.get("engine") or {}
         self.global_steps = int(engine.get("global_steps", 0))
@@ -135,3 +159,7 @@ class Checkpointing:
             self.lr_scheduler.load_state_dict(state)
         if scalars.get("loss_scaler") and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(scalars["loss_scaler"])
+
+
+def _micro_batches(count: int, adjective: str = "") -> str:
+    return f"{count} {adjective}micro-batch{'' if count == 1 else 'es'}"

@@ -6,6 +6,11 @@ division by the accumulation steps is left out when the user's backward was `eng
 scale_wrt_gas=False)` (Transformers does that; it divides the loss itself). So `loss.backward()` on the
 engine's outputs and `engine.backward(loss)` produce the same step at every stage.
 The logged loss is the mean over the global batch of the losses passed to `engine.backward`.
+
+DeepSpeed counts the accumulation boundary from the public `micro_steps`; here it is counted from the last
+optimizer step (`_window_micro_steps`), because a checkpoint restores `micro_steps` from a run that may have
+used another accumulation count, and the first window after a load must still be `gradient_accumulation_steps`
+micro-batches long. Without a load or an early `set_gradient_accumulation_boundary(True)` the two agree.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         self.monitors = builders.make_monitors(plan.logging.monitor) if self.global_rank == 0 else []
 
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
+        self._window_micro_steps = 0  # micro-batches stepped since the last optimizer step (or load)
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._user_scaled_window = False
@@ -129,7 +135,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return (self._window_micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self._boundary_override = bool(is_boundary)
@@ -163,9 +169,11 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         started = time.perf_counter()
         self._check_fp16_scaled()
         self.optimizer.micro_step_done(reduce=True)
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             self._optimizer_step(lr_kwargs or {})
         self.micro_steps += 1
+        self._window_micro_steps = 0 if boundary else self._window_micro_steps + 1
         self._boundary_override = None
         self._scaled_this_micro = False
         self._timers["step"] += time.perf_counter() - started
