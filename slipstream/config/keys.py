@@ -68,6 +68,8 @@ class KeyWalk:
         return out
 
     def _value(self, value: Any, here: tuple[str, ...], name: str, model: type[DSModel]) -> Any:
+        if here == ("zero_optimization",) and isinstance(value, bool):
+            return self._legacy_zero_flag(value)
         if isinstance(value, str) and value == "auto":
             return value if name in model.LITERAL_AUTO else self._auto(here, name)
         if isinstance(value, dict):
@@ -83,6 +85,18 @@ class KeyWalk:
                         kept[key] = item
                 return kept
         return value
+
+    def _legacy_zero_flag(self, value: bool) -> dict[str, int]:
+        """DeepSpeed's legacy `"zero_optimization": true` (stage 1) / `false` (stage 0): easy to misread as
+        "ZeRO on" (which stage?), so an error with the modern spelling, or one warning with strict false."""
+        stage = 1 if value else 0
+        message = (f'zero_optimization: {str(value).lower()} is DeepSpeed\'s legacy form of stage {stage}; write '
+                   f'"zero_optimization": {{"stage": {stage}}} (or the stage you meant)')
+        if self.strict:
+            self.problems.append(message)
+        else:
+            warnings.warn(f"{message} (accepted because strict is false)", ConfigWarning, stacklevel=5)
+        return {"stage": stage}
 
     def _unknown(self, here: tuple[str, ...], keys: dict[str, str], model: type[DSModel]) -> None:
         home = _section_holding(here[-1], model)

@@ -64,6 +64,8 @@ class PrecisionPlan:
     master_dtype: str
     loss_scale: Optional[LossScalePlan]
     check_grad_overflow: bool
+    max_consecutive_skips: int
+    """Raise after this many consecutive steps skipped for non-finite gradients (0: never)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -162,6 +162,7 @@ def _precision_plan(cfg: DeepSpeedConfig, problems: list[str]) -> PrecisionPlan:
         master_dtype="fp32",
         loss_scale=scale,
         check_grad_overflow={"fp16": True, "bf16": bf16.check_grad_overflow, "fp32": False}[param_dtype],
+        max_consecutive_skips=cfg.max_consecutive_skipped_steps,
     )
 
 

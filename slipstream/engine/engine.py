@@ -81,6 +81,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
 
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._window_micro_steps = 0  # micro-batches stepped since the last optimizer step (or load)
+        self._consecutive_skips = 0  # optimizer steps skipped in a row for non-finite gradients
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._user_scaled_window = False
@@ -195,10 +196,14 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         self._step_applied = not result.overflow
         if result.overflow:
             self.skipped_steps += 1
+        self._consecutive_skips = self._consecutive_skips + 1 if result.overflow else 0
         if self.loss_scaler is not None:
             self.loss_scaler.update(result.overflow)
             if result.overflow and self.loss_scaler.stuck():
                 raise RuntimeError(builders.stuck_scale_message(self.loss_scaler, self.optimizer))
+        limit = self.plan.precision.max_consecutive_skips
+        if limit and self._consecutive_skips >= limit:
+            raise RuntimeError(builders.skipped_steps_message(self._consecutive_skips, self.optimizer))
         if not result.overflow and self.lr_scheduler is not None:
             self.lr_scheduler.step(**lr_kwargs)
         self.global_steps += 1

@@ -23,6 +23,7 @@ from torch import Tensor
 from slipstream.config.optimizers import REGISTRY, OptimizerSpec, spec_for
 from slipstream.config.plan import OptimizerPlan, SchedulerPlan
 from slipstream.engine.lr_schedules import SCHEDULES
+from slipstream.engine.param_check import check_params
 
 __all__ = ["Lamb", "Lion", "build_optimizer", "build_scheduler"]
 
@@ -142,6 +143,7 @@ def _check_params(section: str, cls: type, params: dict[str, Any], *, drop: tupl
     if unknown:
         raise ValueError(f"{section}.params {unknown} not accepted by {cls.__module__}.{cls.__name__}; "
                          f"it accepts {allowed}")
+    check_params(section, cls, params)  # kinds and ranges, naming the dotted key
 
 
 def _torch_fast(cls: Any, params: list[Any], kwargs: dict[str, Any]) -> torch.optim.Optimizer:

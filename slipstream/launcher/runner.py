@@ -94,13 +94,43 @@ def _local_slots(args: argparse.Namespace, environ: Mapping[str, str], visible_e
         if count <= 0:
             raise HostfileError("no accelerators found on this machine; pass --num_gpus N to run N ranks")
         world, source = {"localhost": list(range(count))}, "this machine"
+        _note_ignored_visible_devices(environ, visible_envs)
     world = filter_world(world, include=args.include, exclude=args.exclude, source=source)
     return limit_world(world, num_slots=args.num_gpus) if visible else world
+
+
+def _busy_port_message(addr: str, port: int) -> str | None:
+    """Why the rendezvous cannot listen on addr:port here (instead of a DistNetworkError traceback), or None."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the TCP store does: TIME_WAIT is fine
+        try:
+            probe.bind((addr, port))
+        except OSError as error:
+            return (f"--master_port {port} on {addr} cannot be used ({error.strerror or error}): another job may "
+                    "hold it; pass --master_port with a free port")
+    return None
+
+
+_OTHER_VISIBLE_ENVS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def _note_ignored_visible_devices(environ: Mapping[str, str], visible_envs: list[str]) -> None:
+    """A visible-devices variable the accelerator does not read would be ignored without a word; say so."""
+    for name in _OTHER_VISIBLE_ENVS:
+        if name not in visible_envs and environ.get(name, "").strip():
+            print(f"slipstream run: note: {name}={environ[name]} is ignored: the accelerator here does not use it "
+                  "(DS_ACCELERATOR / no such devices); --num_gpus N sets the ranks per node", file=sys.stderr)
 
 
 def resolve_world(args: argparse.Namespace, environ: Mapping[str, str], *, visible_envs: list[str],
                   device_count: int) -> tuple[World, bool]:
     """(world, from_hostfile). Errors name the flag, the value and the fix."""
+    for flag, value in (("--num_gpus", args.num_gpus), ("--num_nodes", args.num_nodes)):
+        if value == 0 or value < -1:
+            raise HostfileError(f"{flag} {value}: expected a positive count, or leave {flag} out to use every "
+                                "slot (-1, the default)")
     if (args.include or args.exclude) and (args.num_nodes > 0 or args.num_gpus > 0):
         raise HostfileError("--include/--exclude cannot be combined with --num_nodes/--num_gpus; "
                             "say which slots to use with one of them only")
@@ -156,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return run_node(plan, node_rank=args.node_rank)
     if not multi:
+        busy = _busy_port_message(plan.rendezvous.master_addr, plan.rendezvous.master_port)
+        if busy:
+            print(f"slipstream run: error: {busy}", file=sys.stderr)
+            return 2
         return run_node(plan, node_rank=0)
     launcher_args = args.launcher_args + (f" -p {args.ssh_port}" if args.ssh_port else "")
     return run_multinode(plan, launcher=args.launcher, launcher_args=launcher_args)

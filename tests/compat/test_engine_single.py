@@ -66,6 +66,23 @@ def test_fp16_stuck_at_minimum_scale_names_the_parameter() -> None:
     engine.destroy()
 
 
+def test_bf16_run_that_never_steps_stops_and_names_the_parameter() -> None:
+    """bf16 has no loss scaler to get stuck: the consecutive-skip limit stops a run whose every step is
+    non-finite (by default after 100 steps; 3 here), and 0 turns the check off."""
+    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "bf16": {"enabled": True}, "max_consecutive_skipped_steps": 3}
+    engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
+    train(engine, 2, poison=False)
+    with pytest.raises(RuntimeError, match="(?s)3 optimizer steps in a row were skipped.*'layers.0.weight'"):
+        train(engine, 5, poison=True)
+    assert engine.skipped_steps == 3
+    engine.destroy()
+    engine, *_ = slipstream.initialize(model=TinyMLP(), config={**config, "max_consecutive_skipped_steps": 0})
+    train(engine, 5, poison=True)
+    assert engine.skipped_steps == 5
+    engine.destroy()
+
+
 def test_pytorch_style_backward_without_scale_is_an_error_in_fp16() -> None:
     config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "fp16": {"enabled": True}}
     engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)

@@ -233,3 +233,33 @@ def test_short_form_detection() -> None:
     assert not is_short_form(["report"], subcommands=subcommands)
     assert not is_short_form(["--help"], subcommands=subcommands)
     assert not is_short_form(["nonsense"], subcommands=subcommands)
+
+
+@pytest.mark.parametrize("flag, value", [("--num_gpus", "0"), ("--num_gpus", "-2"), ("--num_nodes", "0")])
+def test_non_positive_counts_are_named(flag: str, value: str) -> None:
+    with pytest.raises(ValueError, match=rf"{flag} {value}: expected a positive count"):
+        resolve_world(parse([flag, value, "t.py"]), {}, visible_envs=[], device_count=1)
+
+
+def test_visible_devices_the_accelerator_ignores_get_a_note(capsys: pytest.CaptureFixture[str]) -> None:
+    world, _ = resolve_world(parse(["--num_gpus", "2", "t.py"]), {"CUDA_VISIBLE_DEVICES": "1"}, visible_envs=[],
+                             device_count=1)
+    assert world == {"localhost": [0, 1]}
+    assert "CUDA_VISIBLE_DEVICES=1 is ignored" in capsys.readouterr().err
+    resolve_world(parse(["t.py"]), {"CUDA_VISIBLE_DEVICES": "1"}, visible_envs=["CUDA_VISIBLE_DEVICES"],
+                  device_count=2)
+    assert "ignored" not in capsys.readouterr().err
+
+
+def test_a_busy_master_port_is_named() -> None:
+    import socket
+
+    from slipstream.launcher.runner import _busy_port_message
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        message = _busy_port_message("127.0.0.1", port)
+        assert message is not None and f"--master_port {port} on 127.0.0.1" in message and "free port" in message
+    assert _busy_port_message("127.0.0.1", port) is None

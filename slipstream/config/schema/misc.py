@@ -124,7 +124,7 @@ class PipelineConfig(OpenSection):
     """`pipeline`: pipeline parallelism."""
 
     LITERAL_AUTO = frozenset({"stages"})
-    stages: Union[str, DSInt] = "auto"
+    stages: Union[Literal["auto"], DSInt] = "auto"
     """Number of pipeline stages, or "auto"."""
     partition: str = "best"
     """Layer partitioning method."""

@@ -57,6 +57,7 @@ class DeepSpeedConfig(DSModel):
         "gradient_accumulation_steps": "batch.gradient_accumulation_steps",
         "steps_per_print": "logging.steps_per_print",
         "collective_timeout": "collective_timeout",
+        "max_consecutive_skipped_steps": "precision.max_consecutive_skips",
         "wall_clock_breakdown": "logging.wall_clock_breakdown",
         "gradient_clipping": "gradient_clipping",
         "zero_allow_untested_optimizer": "zero.allow_untested_optimizer",
@@ -77,6 +78,10 @@ class DeepSpeedConfig(DSModel):
     collective_timeout: Optional[float] = Field(None, gt=0)
     """Slipstream only: seconds a collective may wait for every rank before CollectiveTimeout names the ranks
     that did not arrive; None uses SLIPSTREAM_TIMEOUT / DEEPSPEED_TIMEOUT / 5 minutes."""
+    max_consecutive_skipped_steps: DSInt = Field(100, ge=0)
+    """Slipstream only: with fp16 or bf16 overflow checks, raise (naming the first parameter with non-finite
+    gradients) after this many consecutive optimizer steps were skipped for non-finite gradients, instead of
+    training on without learning; 0 never raises."""
     wall_clock_breakdown: bool = False
     """Time forward, backward and step."""
     memory_breakdown: bool = False

@@ -81,9 +81,9 @@ class ZenFlowConfig(DSModel):
     """Fraction of gradient columns updated on the GPU each step."""
     select_strategy: str = "auto"
     """How important columns are chosen: "auto", "step" or "epoch"."""
-    select_interval: Union[str, DSInt] = "auto"
+    select_interval: Union[Literal["auto"], DSInt] = "auto"
     """Steps between re-selection, or "auto"."""
-    update_interval: Union[str, DSInt] = "auto"
+    update_interval: Union[Literal["auto"], DSInt] = "auto"
     """Steps between CPU updates, or "auto"."""
     overlap_step: bool = False
     """Overlap the CPU step with GPU compute."""
@@ -232,6 +232,8 @@ class ZeroConfig(DSModel):
             return data
         data = dict(data)
         pin = data.pop("cpu_offload_use_pin_memory", None)
+        if pin is not None and not isinstance(pin, bool):
+            raise ValueError(f"cpu_offload_use_pin_memory: expected a boolean (true or false), got {pin!r}")
         for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
             flag = data.pop(old, None)
             if flag is None:

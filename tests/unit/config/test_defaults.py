@@ -154,7 +154,12 @@ def test_alias_and_name_together_is_an_error() -> None:
 
 @pytest.mark.parametrize("value, stage", [(True, 1), (False, 0)])
 def test_legacy_zero_optimization_bool(value: bool, stage: int) -> None:
-    plan = resolve({**BASE, "zero_optimization": value}, world_size=1)
+    """DeepSpeed's legacy boolean form is an error naming the modern spelling; a warning with strict false."""
+    with pytest.raises(ConfigError, match=rf'zero_optimization: {str(value).lower()} is .* write '
+                                          rf'"zero_optimization": {{"stage": {stage}}}'):
+        resolve({**BASE, "zero_optimization": value}, world_size=1)
+    with pytest.warns(ConfigWarning, match="legacy form"):
+        plan = resolve({**BASE, "zero_optimization": value}, world_size=1, strict=False)
     assert plan.zero.stage == stage
 
 
