@@ -32,6 +32,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _ERROR_GRACE_S = 2.0  # after a rank fails, how long the others get to report before being killed
+_STARTUP_S = 300.0
+"""Budget for spawning, importing torch and meeting the other ranks; timeout_s starts only when every rank is
+in `fn`. A spawn takes ~2 s on a quiet 2-core machine and tens of seconds on a loaded one: counting it in
+timeout_s made short timeouts fail at random."""
+_POLL_S = 0.2
 RankFn = Callable[..., Any]  # fn(rank, world_size, **kwargs), module-level
 Outcome = tuple[str, Any, float]  # ("ok", value, 0) | ("error", traceback, failed_at) | ("skip", reason, failed_at)
 
@@ -41,7 +46,10 @@ class DistributedTestError(RuntimeError):
 
 
 class DistributedTimeoutError(DistributedTestError, TimeoutError):
-    """One or more ranks were still running when timeout_s expired."""
+    """One or more ranks were still running when timeout_s expired (or had not started within _STARTUP_S)."""
+
+    startup_s: float | None = None
+    """Seconds from the spawn until every rank was in `fn` (None: they never all got there)."""
 
 
 def _call_decorated(module: str, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -73,6 +81,7 @@ def _rank_main(rank: int, world_size: int, payload: bytes, run_dir: str, parent_
         store = dist.FileStore(os.path.join(run_dir, "store"), world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
+        Path(run_dir, f"ready-{rank}").touch()  # the parent's timeout_s starts when every rank is here
         outcome = ("ok", fn(rank, world_size, **kwargs), 0.0)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent as data
         outcome = _failure(exc)
@@ -105,16 +114,30 @@ def _stacks(procs: Sequence[Any], ranks: Sequence[int], run_dir: str) -> str:
     return "\n".join(f"--- rank {r} Python stack at timeout ---\n{texts[r] or '(not started yet)'}" for r in ranks)
 
 
-def _collect(procs: Sequence[Any], run_dir: str, timeout_s: float) -> list[Any]:
-    n, deadline = len(procs), time.monotonic() + timeout_s
+def _wait_for_outcomes(procs: Sequence[Any], run_dir: str, timeout_s: float
+                       ) -> tuple[dict[int, Outcome], float | None]:
+    """Outcomes of the ranks that ended before the deadline: _STARTUP_S until every rank is ready, then
+    timeout_s (shortened to _ERROR_GRACE_S once a rank has failed). Also returns the startup time."""
+    n, started = len(procs), time.monotonic()
     outcomes: dict[int, Outcome] = {}
+    deadline, ready_at = started + _STARTUP_S, None
     while len(outcomes) < n and time.monotonic() < deadline:
-        wait([p.sentinel for r, p in enumerate(procs) if r not in outcomes], deadline - time.monotonic())
+        now = time.monotonic()
+        if ready_at is None and all(r in outcomes or Path(run_dir, f"ready-{r}").exists() for r in range(n)):
+            ready_at, deadline = now, min(deadline, now + timeout_s)
+        wait([p.sentinel for r, p in enumerate(procs) if r not in outcomes],
+             max(0.0, min(deadline - now, _POLL_S if ready_at is None else deadline - now)))
         for r, p in enumerate(procs):
             if r not in outcomes and p.exitcode is not None:
                 outcomes[r] = _read_outcome(run_dir, r, p.exitcode)
                 if outcomes[r][0] != "ok":
                     deadline = min(deadline, time.monotonic() + _ERROR_GRACE_S)
+    return outcomes, None if ready_at is None else ready_at - started
+
+
+def _collect(procs: Sequence[Any], run_dir: str, timeout_s: float) -> list[Any]:
+    n = len(procs)
+    outcomes, startup_s = _wait_for_outcomes(procs, run_dir, timeout_s)
     hung = [r for r in range(n) if r not in outcomes]
     bad = sorted((r for r in outcomes if outcomes[r][0] != "ok"), key=lambda r: outcomes[r][2])  # by time raised
     if bad and outcomes[bad[0]][0] == "skip":
@@ -126,10 +149,14 @@ def _collect(procs: Sequence[Any], run_dir: str, timeout_s: float) -> list[Any]:
             f"rank {bad[0]} of {n} failed first (failed: {bad}, finished: {sorted(outcomes)}, killed after the "
             f"failure: {hung}); later failures are often fallout of the first one\n{details}")
     if hung:
-        raise DistributedTimeoutError(
-            f"rank(s) {hung} of {n} still running after timeout_s={timeout_s} (finished: {sorted(outcomes)}); "
+        when = (f"after timeout_s={timeout_s}" if startup_s is not None
+                else f"without starting within {_STARTUP_S:g} s (spawn, import, meeting the other ranks)")
+        error = DistributedTimeoutError(
+            f"rank(s) {hung} of {n} still running {when} (finished: {sorted(outcomes)}); "
             "a rank that skips or reorders a collective hangs its peers; fix the schedule or raise timeout_s\n"
             + _stacks(procs, hung, run_dir))
+        error.startup_s = startup_s
+        raise error
     return [outcomes[r][1] for r in range(n)]
 
 
