@@ -153,7 +153,8 @@ def _optimizer_problems(optimizer: Any, scalars: dict[str, Any], problems: list[
                                 f"({type(value).__name__}); expected a number")
 
 
-def scalar_problems(parts: EngineParts, scalars: Any, *, restore_engine: bool, load_optimizer_states: bool) -> list[str]:
+def scalar_problems(parts: EngineParts, scalars: Any, *, restore_engine: bool,
+                    load_optimizer_states: bool) -> list[str]:
     """Every scalar the load would restore whose JSON type does not fit (see [Note: load checks])."""
     problems: list[str] = []
     if not isinstance(scalars, dict):
