@@ -158,8 +158,8 @@ def _agree(parts: EngineParts, error: Exception | None, tmp: Path, what: str) ->
     if error is not None:
         raise error
     raise CheckpointError(f"save_checkpoint: rank(s) {failed} failed while {what} (the error on those ranks says "
-                          f"why); nothing was committed: {tmp} was removed and the previous checkpoint and `latest` "
-                          "are unchanged. Fix the cause and save again.")
+                          f"why); the save did not complete: {tmp} was removed and `latest` still names the previous "
+                          "checkpoint. Fix the cause and save again.")
 
 
 def _prepare(root: Path, tag: str) -> None:
@@ -225,8 +225,8 @@ def _on_disk(write: Callable[[], None], *, path: Path, needed: int, final: Path,
 
 
 def _write_error(exc: OSError, *, path: Path, needed: int, final: Path) -> CheckpointError:
-    unchanged = ("Nothing was committed: the unfinished save is removed, and the previous checkpoint and `latest` "
-                 "are unchanged.")
+    unchanged = ("The save did not complete: its unfinished files are removed and `latest` still names the previous "
+                 "checkpoint.")
     if exc.errno not in _DISK_FULL:
         return CheckpointError(f"save_checkpoint: writing {path} for checkpoint {final} failed: {exc}. {unchanged}")
     try:
