@@ -16,18 +16,20 @@ from typing import Any
 
 import torch
 
+from slipstream.checkpoint.checks import check_load
 from slipstream.checkpoint.deepspeed_import import DeepSpeedCheckpoint
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.reader import CheckpointReader
 from slipstream.checkpoint.state import EngineParts, collect_slices, restore_rng
-from slipstream.utils.logging import warn_once
 
 
 class DeepSpeedSource:
     """A DeepSpeed checkpoint (global tensors in memory) behind the reader's interface."""
 
-    def __init__(self, checkpoint: DeepSpeedCheckpoint) -> None:
+    def __init__(self, checkpoint: DeepSpeedCheckpoint, *, location: str = "<DeepSpeed checkpoint>") -> None:
         self.checkpoint = checkpoint
+        self.location = location
+        """Where the checkpoint was read from, for error messages."""
         self.tensors: dict[str, torch.Tensor] = {}
         for name, value in checkpoint.module.items():
             self.tensors[f"module/{name}"] = checkpoint.master.get(name, value)
@@ -48,6 +50,10 @@ class DeepSpeedSource:
     def keys(self) -> list[str]:
         return list(self.tensors)
 
+    def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """(global shape, dtype) of tensor `key`."""
+        return tuple(self.tensors[key].shape), self.tensors[key].dtype
+
     def read_flat_range(self, key: str, start: int, end: int) -> torch.Tensor:
         return self.tensors[key].reshape(-1)[start:end]
 
@@ -64,24 +70,21 @@ def open_source(path: Path) -> Any:
     if (path / "manifest.json").is_file():
         return CheckpointReader(path, verify="lazy")  # each rank hashes only the files it reads
     if is_deepspeed_checkpoint(path):
-        return DeepSpeedSource(read_deepspeed_checkpoint(path))
+        return DeepSpeedSource(read_deepspeed_checkpoint(path), location=str(path))
     raise CheckpointError(f"{path} is neither a Slipstream checkpoint (no manifest.json) nor a DeepSpeed one (no "
                           "*model_states.pt); pass the directory that save_checkpoint wrote")
 
 
-def load_engine(parts: EngineParts, source: Any, *, strict: bool, load_optimizer_states: bool) -> dict[str, Any]:
-    """Load module (and optimizer) state into the engine's tensors; returns the checkpoint's scalars."""
+def load_engine(parts: EngineParts, source: Any, *, strict: bool, load_optimizer_states: bool,
+                restore_engine: bool = True) -> dict[str, Any]:
+    """Load module (and optimizer) state into the engine's tensors; returns the checkpoint's scalars.
+
+    Everything is checked first (checks.check_load): a checkpoint that does not fit raises before any value is
+    copied. `restore_engine` says whether the caller will restore the engine scalars (counters, scheduler).
+    """
+    check_load(parts, source, strict=strict, load_optimizer_states=load_optimizer_states,
+               restore_engine=restore_engine)
     keys = set(source.keys())
-    names = [n for n, _ in parts.module.named_parameters()]
-    buffers = {n for n, _ in parts.module.named_buffers()}
-    saved = {k[len("module/"):] for k in keys if k.startswith("module/")} - buffers  # DeepSpeed keeps buffers there
-    missing, unexpected = sorted(set(names) - saved), sorted(saved - set(names))
-    if strict and (missing or unexpected):
-        raise CheckpointError(f"load_checkpoint: the checkpoint does not match the model: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}; pass load_module_strict=False to load what matches")
-    if missing or unexpected:
-        warn_once("ckpt-nonstrict", f"slipstream: load_checkpoint skipped parameters missing from the checkpoint "
-                  f"{missing[:8]} and checkpoint entries the model lacks {unexpected[:8]}")
     optimizer = parts.optimizer
     scalars = source.scalars
     state_scalars = (scalars.get("optimizer") or {}).get("state_scalars") or []

@@ -74,6 +74,11 @@ class CheckpointReader:
     def scalars(self) -> dict[str, Any]:
         return self.manifest.scalars
 
+    @property
+    def location(self) -> str:
+        """The checkpoint directory, for error messages."""
+        return str(self.ckpt_dir)
+
     def keys(self) -> list[str]:
         return list(self.manifest.tensors)
 
@@ -87,6 +92,11 @@ class CheckpointReader:
                                   + (f"; did you mean {close}?" if close else
                                      f"; it holds {len(self.manifest.tensors)} tensors"))
         return self.manifest.tensors[key]
+
+    def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """(global shape, dtype) of tensor `key`, from the manifest alone."""
+        entry = self.entry(key)
+        return entry.shape, entry.torch_dtype
 
     def _file(self, name: str) -> SafetensorsFile:
         if name not in self._files:

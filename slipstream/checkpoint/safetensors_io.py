@@ -12,6 +12,7 @@ Readers copy only the bytes asked for into fresh torch-owned tensors (no mmap st
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import io
@@ -72,6 +73,39 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
+_Expected = tuple[str, torch.dtype, tuple[int, ...], int]  # name, dtype, shape, bytes
+
+
+def _header(path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+            metadata: dict[str, str] | None) -> tuple[bytes, list[_Expected]]:
+    """The padded JSON header for `entries` (data offsets in order) and each entry's expected dtype, shape, size."""
+    header: dict[str, object] = {}
+    if metadata:
+        bad = {k: v for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)}
+        if bad:
+            raise CheckpointError(f"safetensors metadata must map str to str; {path} got {bad!r}. "
+                                  "Convert the values with str() or json.dumps() first.")
+        header["__metadata__"] = dict(metadata)
+    expected: list[_Expected] = []
+    offset = 0
+    for name, dtype, shape in entries:
+        if name in header or name == "__metadata__":
+            raise CheckpointError(f"tensor name {name!r} appears twice (or is reserved) in {path}")
+        shape = tuple(int(d) for d in shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": st_dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        expected.append((name, dtype, shape, nbytes))
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    return text + b" " * (-len(text) % 8), expected
+
+
+def file_bytes(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> int:
+    """The size of the safetensors file that `SafetensorsWriter(path, entries, metadata)` writes."""
+    text, expected = _header(Path("<planned>"), entries, metadata)
+    return 8 + len(text) + sum(entry[3] for entry in expected)
+
+
 class SafetensorsWriter:
     """Streams tensors into one safetensors file whose header is fixed by `entries` at construction.
 
@@ -83,32 +117,19 @@ class SafetensorsWriter:
                  metadata: dict[str, str] | None = None) -> None:
         _require_little_endian()
         self.path = Path(path)
-        header: dict[str, object] = {}
-        if metadata:
-            bad = {k: v for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)}
-            if bad:
-                raise CheckpointError(f"safetensors metadata must map str to str; {self.path} got {bad!r}. "
-                                      "Convert the values with str() or json.dumps() first.")
-            header["__metadata__"] = dict(metadata)
-        self._expected: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
-        offset = 0
-        for name, dtype, shape in entries:
-            if name in header or name == "__metadata__":
-                raise CheckpointError(f"tensor name {name!r} appears twice (or is reserved) in {self.path}")
-            shape = tuple(int(d) for d in shape)
-            nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": st_dtype_name(dtype), "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
-            self._expected.append((name, dtype, shape, nbytes))
-            offset += nbytes
-        text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        text += b" " * (-len(text) % 8)
+        text, self._expected = _header(self.path, entries, metadata)
+        self.planned_bytes = 8 + len(text) + sum(entry[3] for entry in self._expected)
+        """The size the file will have once every entry is written."""
         self._file: BinaryIO | None = open(self.path, "wb")
         self._digest = hashlib.sha256()
         self._next = 0
         self.bytes_written = 0
-        self._emit(memoryview(len(text).to_bytes(8, "little")))
-        self._emit(memoryview(text))
+        try:
+            self._emit(memoryview(len(text).to_bytes(8, "little")))
+            self._emit(memoryview(text))
+        except BaseException:  # e.g. a full disk: no `with` block will close the handle for us
+            self._abandon()
+            raise
 
     def _emit(self, data: memoryview) -> None:
         if self._file is None:
@@ -159,9 +180,16 @@ class SafetensorsWriter:
                  tb: TracebackType | None) -> None:
         if exc_type is None:
             self.close()
-        elif self._file is not None:  # an error is already on its way: release the handle, add nothing
-            self._file.close()
-            self._file = None
+        else:
+            self._abandon()
+
+    def _abandon(self) -> None:
+        """Release the handle after an error; the error on its way is the one to report, not a failed flush of
+        the bytes still buffered (a full disk fails that flush as well)."""
+        handle, self._file = self._file, None
+        if handle is not None:
+            with contextlib.suppress(OSError):
+                handle.close()
 
 
 def save_file(tensors: dict[str, torch.Tensor], path: str | os.PathLike[str],

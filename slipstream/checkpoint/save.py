@@ -2,45 +2,57 @@
 
 [Note: checkpoint save]
 1. All ranks check they were given the same tag (`checkpoint.tag_validation`: WARN, IGNORE or FAIL).
-2. Rank 0 creates `save_dir/.tmp-<tag>/` (removing a stale one); barrier. A rank that never called
-   save makes the others raise within the collective timeout, naming the missing ranks.
+2. Rank 0 creates save_dir, removes what earlier failed or killed saves left there (atomic.recover: any
+   `.tmp-*` directory, so a full disk does not stay full) and creates an empty `save_dir/.tmp-<tag>/`.
 3. Rank r writes `rank_<r>.safetensors` (its parameter slices -- fp32 masters where they exist --,
    optimizer-state slices, its RNG states; rank 0 also buffers and client tensors) and a small
-   `rank_<r>.json` listing its pieces and the file's sha256, fsynced; barrier.
+   `rank_<r>.json` listing its pieces and the file's sha256, fsynced.
 4. Rank 0 merges the rank lists into `manifest.json` (global shapes, pieces, sha256 per file, scalars),
    checks that the pieces cover every tensor, renames the directory into place (atomic.commit_dir) and
-   only then replaces `latest`; barrier. A crash at any point leaves the previous checkpoint and `latest`
-   untouched (atomic.recover tidies up what a crash left).
+   only then replaces `latest`.
+Each step ends with an all-gather of one failure flag per rank (`_agree`), not a bare barrier: when a rank
+fails (a full disk), every rank raises at once instead of waiting out the collective timeout, and rank 0
+removes the unfinished `.tmp-<tag>`. A write error names the checkpoint, the file and, for a full disk, the
+bytes needed and free; the failing rank deletes its partial file first. A rank that never called save makes
+the others raise within the collective timeout, naming the missing ranks. A crash at any point leaves the
+previous checkpoint and `latest` untouched (the next save, or atomic.recover, tidies up what it left).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from slipstream.checkpoint.atomic import (
+    LATEST_FILE,
     check_tag,
     commit_dir,
     fsync_file,
     make_tmp_dir,
+    recover,
     tmp_dir_for,
     write_latest,
+    write_text_atomic,
 )
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.manifest import (
     FORMAT_VERSION,
+    MANIFEST_FILE,
     Manifest,
     Piece,
     TensorEntry,
     check_coverage,
     dtype_name,
-    write_manifest,
 )
-from slipstream.checkpoint.safetensors_io import SafetensorsWriter
+from slipstream.checkpoint.safetensors_io import SafetensorsWriter, file_bytes
 from slipstream.checkpoint.state import (
     EngineParts,
     collect_slices,
@@ -50,9 +62,10 @@ from slipstream.checkpoint.state import (
 )
 from slipstream.comm import collectives
 from slipstream.comm.collectives import CollectiveTimeout
-from slipstream.utils.logging import warn_once
+from slipstream.utils.logging import get_logger, warn_once
 
 _Item = tuple[str, torch.Tensor, int, int, tuple[int, ...], bool]  # key, data, start, end, global shape, frozen
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
 def validate_tag(tag: str, mode: str, *, world_size: int) -> None:
@@ -105,38 +118,125 @@ def _items(parts: EngineParts, client_tensors: dict[str, torch.Tensor], exclude_
 def save_engine(parts: EngineParts, save_dir: str, tag: str, *, scalars: dict[str, Any],
                 client_tensors: dict[str, torch.Tensor], save_latest: bool, exclude_frozen: bool,
                 tag_validation: str, version: str) -> Path:
+    """See [Note: checkpoint save]; every phase ends with every rank learning whether some rank failed it."""
     check_tag(tag)
     validate_tag(tag, tag_validation, world_size=parts.world_size)
     root = Path(save_dir)
+    final, tmp = root / tag, tmp_dir_for(root, tag)
+    error = _attempt(lambda: _prepare(root, tag)) if parts.rank == 0 else None
+    _agree(parts, error, tmp, "preparing the save directory")
+    error = _attempt(lambda: _write_rank(parts, tmp, final, client_tensors, exclude_frozen))
+    _agree(parts, error, tmp, "writing its files")
     if parts.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        make_tmp_dir(root, tag)
-    _barrier_call(collectives.barrier, "save_checkpoint")
-    tmp = tmp_dir_for(root, tag)
-    name = f"rank_{parts.rank:05d}.safetensors"
+        error = _attempt(lambda: _commit(parts, tmp, final, tag=tag, scalars=scalars, version=version,
+                                         save_latest=save_latest))
+    _agree(parts, error, tmp, "committing the checkpoint")
+    return final
+
+
+def _attempt(step: Callable[[], None]) -> Exception | None:
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001 - re-raised by _agree once every rank knows
+        return exc
+    return None
+
+
+def _agree(parts: EngineParts, error: Exception | None, tmp: Path, what: str) -> None:
+    """Every rank learns whether any rank failed `what`, instead of waiting out the collective timeout at a
+    barrier the failed rank never reaches; then the unfinished save is removed and every rank raises."""
+    failed = [parts.rank] if error is not None else []
+    if parts.world_size > 1:
+        flags = torch.zeros(parts.world_size, dtype=torch.int64)
+        mine = torch.tensor([int(error is not None)], dtype=torch.int64)
+        _barrier_call(lambda: collectives.all_gather(flags, mine), "save_checkpoint")
+        failed = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+    if not failed:
+        return
+    if parts.rank == 0:  # every rank is past its writes: nothing of this save is in use any more
+        shutil.rmtree(tmp, ignore_errors=True)
+    if error is not None:
+        raise error
+    raise CheckpointError(f"save_checkpoint: rank(s) {failed} failed while {what} (the error on those ranks says "
+                          f"why); the save did not complete: {tmp} was removed and `latest` still names the previous "
+                          "checkpoint. Fix the cause and save again.")
+
+
+def _prepare(root: Path, tag: str) -> None:
+    """Rank 0: create save_dir, remove what earlier failed or killed saves left (a full disk must not stay
+    full), and create an empty temporary directory for this save."""
+    root.mkdir(parents=True, exist_ok=True)
+    for action in recover(root):
+        get_logger().warning(f"slipstream: save_checkpoint: {action}")
+    make_tmp_dir(root, tag)
+
+
+def _write_rank(parts: EngineParts, tmp: Path, final: Path, client_tensors: dict[str, torch.Tensor],
+                exclude_frozen: bool) -> None:
+    """This rank's safetensors file and its listing (`rank_<r>.json`), both fsynced."""
     items = _items(parts, client_tensors, exclude_frozen)
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = [(key, data.dtype, (end - start,))
                                                                for key, data, start, end, _, _ in items]
-    with SafetensorsWriter(tmp / name, entries) as writer:
-        for key, data, *_ in items:
-            writer.write(key, data.detach().reshape(-1).to("cpu"))
-        digest = writer.close()
-        size = writer.bytes_written
-    listing = {"file": name, "sha256": digest, "bytes": size,
+    path = tmp / f"rank_{parts.rank:05d}.safetensors"
+    written: dict[str, Any] = {}
+
+    def write_tensors() -> None:
+        with SafetensorsWriter(path, entries) as writer:
+            for key, data, *_ in items:
+                writer.write(key, data.detach().reshape(-1).to("cpu"))
+            written.update(sha256=writer.close(), bytes=writer.bytes_written)
+
+    _on_disk(write_tensors, path=path, needed=file_bytes(entries), final=final)
+    listing = {"file": path.name, "sha256": written["sha256"], "bytes": written["bytes"],
                "pieces": [[key, start, end, list(shape), dtype_name(data.dtype), frozen]
                           for key, data, start, end, shape, frozen in items]}
-    (tmp / f"rank_{parts.rank:05d}.json").write_text(json.dumps(listing))
-    fsync_file(tmp / f"rank_{parts.rank:05d}.json")
-    _barrier_call(collectives.barrier, "save_checkpoint")
-    final = root / tag
-    if parts.rank == 0:
-        manifest = _merge(tmp, parts, tag, scalars, version)
-        write_manifest(tmp, manifest)
-        commit_dir(tmp, final)
-        if save_latest:
-            write_latest(root, tag)
-    _barrier_call(collectives.barrier, "save_checkpoint")
-    return final
+    text = json.dumps(listing)
+    listing_path = tmp / f"rank_{parts.rank:05d}.json"
+
+    def write_listing() -> None:
+        listing_path.write_text(text)
+        fsync_file(listing_path)
+
+    _on_disk(write_listing, path=listing_path, needed=len(text.encode()), final=final)
+
+
+def _commit(parts: EngineParts, tmp: Path, final: Path, *, tag: str, scalars: dict[str, Any], version: str,
+            save_latest: bool) -> None:
+    """Rank 0: merge the listings into the manifest, rename the directory into place, then point `latest`."""
+    text = _merge(tmp, parts, tag, scalars, version).to_json()
+    _on_disk(lambda: write_text_atomic(tmp / MANIFEST_FILE, text), path=tmp / MANIFEST_FILE,
+             needed=len(text.encode()), final=final)
+    commit_dir(tmp, final)
+    if save_latest:  # write_text_atomic removes its own temporary file; `latest` itself must stay
+        _on_disk(lambda: write_latest(final.parent, tag), path=final.parent / LATEST_FILE, needed=len(tag.encode()),
+                 final=final, remove_partial=False)
+
+
+def _on_disk(write: Callable[[], None], *, path: Path, needed: int, final: Path, remove_partial: bool = True) -> None:
+    """Run `write`, which creates `path`; an OSError becomes a CheckpointError naming the checkpoint, the file,
+    and for a full disk the bytes needed and free. The partial file goes first, so it frees what it took."""
+    try:
+        write()
+    except OSError as exc:
+        if remove_partial:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        raise _write_error(exc, path=path, needed=needed, final=final) from exc
+
+
+def _write_error(exc: OSError, *, path: Path, needed: int, final: Path) -> CheckpointError:
+    unchanged = ("The save did not complete: its unfinished files are removed and `latest` still names the previous "
+                 "checkpoint.")
+    if exc.errno not in _DISK_FULL:
+        return CheckpointError(f"save_checkpoint: writing {path} for checkpoint {final} failed: {exc}. {unchanged}")
+    try:
+        free = f"{shutil.disk_usage(path.parent).free:,} bytes free"
+    except OSError:
+        free = "an unknown number of bytes free"
+    return CheckpointError(
+        f"save_checkpoint: no space left for checkpoint {final}: {path.name} needs {needed:,} bytes and the file "
+        f"system holding {path.parent} has {free} ({exc.strerror}, errno {exc.errno}). {unchanged} Free space "
+        f"(for example delete old tags under {final.parent}) or save to another save_dir, then save again.")
 
 
 def _merge(tmp: Path, parts: EngineParts, tag: str, scalars: dict[str, Any], version: str) -> Manifest:

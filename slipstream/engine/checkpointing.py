@@ -118,7 +118,7 @@ class Checkpointing:
             load_optimizer = load_optimizer_states and not load_module_only
             with self._resident():
                 scalars = load_engine(self._parts(), source, strict=load_module_strict,
-                                      load_optimizer_states=load_optimizer)
+                                      load_optimizer_states=load_optimizer, restore_engine=not load_module_only)
             client = dict(scalars.get("client_state") or {})
             client.update(client_tensors(source))
             if self.world_size > 1:

@@ -3,8 +3,10 @@
 `GatheredParameters(params, modifier_rank=None)` gathers the units of `params` on entry and holds them
 (module hooks do not free them inside); on exit, with `modifier_rank`, that rank's values are broadcast
 and every rank keeps its new slices (how Transformers initialises and resizes embeddings under stage 3),
-then the units are released. Plain (unsharded) parameters pass through untouched, and every rank must
-enter with the same parameters, as with DeepSpeed.
+then the units are released. Tensors taken inside the block (`state_dict()` values, `p.detach()`, views)
+keep their values after it, as in DeepSpeed: see [Note: aliases of gathered values] in stage3/unit.py.
+Plain (unsharded) parameters pass through untouched, and every rank must enter with the same parameters,
+as with DeepSpeed.
 `unwrap_model_for_generation(model)` gathers every unit once and holds it for the whole block, so
 `generate()` does not gather the model again for every token (docs/design.md P15).
 """
@@ -46,7 +48,7 @@ class GatheredParameters:
 
     def __enter__(self) -> GatheredParameters:
         for manager, units in self.groups:
-            manager.gather_units(units)
+            manager.gather_units(units, expose=True)  # tensors taken inside stay valid after the block
         return self
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:
@@ -67,7 +69,7 @@ def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
         yield module
         return
     units = [u for u in zero_model.units if not u.persistent]
-    zero_model.gather_units(units)
+    zero_model.gather_units(units, expose=True)
     try:
         yield module
     finally:

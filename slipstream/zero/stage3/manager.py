@@ -27,13 +27,18 @@ class UnitManager(abc.ABC):
     def _hold(self, unit: Unit, delta: int) -> int:
         """Change `unit`'s hold count by `delta`; return the new count."""
 
-    def gather_units(self, units: list[Unit]) -> None:
-        """Gather `units` (in the given order, the same on every rank) and hold them until released."""
+    def gather_units(self, units: list[Unit], *, expose: bool = False) -> None:
+        """Gather `units` (in the given order, the same on every rank) and hold them until released.
+
+        `expose`: user code sees the values and may keep aliases of them past the release (unit.py, [Note:
+        aliases of gathered values]).
+        """
         for unit in units:
             unit.start_gather()
         for unit in units:
             unit.finish_gather()
             self._hold(unit, +1)
+            unit.exposed = unit.exposed or expose
 
     def release_units(self, units: list[Unit]) -> None:
         for unit in units:

@@ -8,6 +8,19 @@ unit boundaries), which would otherwise mix two units' values silently. The redu
 trainable parameter's gradient is packed into its columns of a pooled rank-major staging buffer (zeros
 for parameters without a gradient on this rank), one `reduce_scatter` leaves this rank's columns, and
 those are added into the optimizer's gradient shards.
+
+[Note: aliases of gathered values] Releasing a unit resizes its buffer's storage to 0 bytes and the next
+gather grows the same storage again, so the module hooks reuse one allocation per unit and tensors autograd
+saved in the forward (views of the parameters) see the values again in the backward. A tensor that still
+shares the storage after the release would point at freed memory: reading it raises "data is not allocated
+yet" or, in torch 2.13 on the CPU, kills the process with SIGSEGV. User code inside GatheredParameters (or
+unwrap_model_for_generation) may keep such tensors -- `state_dict()` values, `p.detach()`, views -- and they
+stay valid in DeepSpeed, so those gathers mark the unit `exposed`. Releasing an exposed unit whose storage
+has other users (torch's use count of the storage) leaves that storage to them, freed when the last of them
+dies, and gives the unit and its parameters a fresh one. The aliases then keep the values of the gather.
+Hook gathers never do this: their aliases are autograd's saved views, which must see the regathered storage.
+The gather buffers of the pool are copied into the unit's buffer, never aliased, so reusing them cannot change
+what an alias sees.
 """
 
 from __future__ import annotations
@@ -68,6 +81,8 @@ class Unit:
         self.full = torch.empty(self.layout.full_numel, dtype=self.dtype, device=device)
         self.full_bytes = self.full.untyped_storage().nbytes()
         self._pending: tuple[Any, torch.Tensor] | None = None
+        self.exposed = False
+        """Gathered for user code (GatheredParameters, generation), which may keep aliases; see `release`."""
         self.records: list[ParamRecord] = []
         with torch.no_grad(), internal_access():
             for index, ((name, param), offset) in enumerate(zip(spec.params, self.layout.full_offsets)):
@@ -146,13 +161,33 @@ class Unit:
 
     # ---- release ----
     def release(self) -> None:
-        """Free the gathered values (persistent units stay gathered)."""
+        """Free the gathered values (persistent units stay gathered). See [Note: aliases of gathered values]."""
         if self.persistent or self.status is ZeroParamStatus.NOT_AVAILABLE:
             return
         if self.status is ZeroParamStatus.INFLIGHT:
             self.finish_gather()
+        if self.exposed and self._aliased():
+            self._fresh_storage()
+        self.exposed = False
         self._free_storage()
         self.status = ZeroParamStatus.NOT_AVAILABLE
+
+    def _aliased(self) -> bool:
+        """Whether tensors besides the unit's buffer and its parameters share the gathered storage."""
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if use_count is None:  # cannot tell: keep the values alive, at the cost of one allocation
+            return True
+        storage = self.full.untyped_storage()
+        return int(use_count(storage._cdata)) > len(self.params) + 2  # + self.full and `storage` itself
+
+    def _fresh_storage(self) -> None:
+        """Leave the gathered storage to its aliases (it is freed when the last of them dies) and point the
+        unit's buffer and parameters at a new one, which `_free_storage` empties and the next gather fills."""
+        fresh = torch.empty(self.layout.full_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad(), internal_access():
+            for param, record in zip(self.params, self.records):
+                param.data = fresh[record.full_offset: record.full_offset + record.numel].view(record.shape)
+        self.full = fresh
 
     def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)
