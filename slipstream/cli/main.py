@@ -7,7 +7,7 @@ import sys
 
 from slipstream import __version__
 
-SUBCOMMANDS = ("report", "run", "export", "plan")
+SUBCOMMANDS = ("report", "run", "export", "plan", "elastic")
 """Every subcommand name: a first argument outside this list may be DeepSpeed's short form of `run`."""
 
 
@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser = commands.add_parser("plan", help=plan_command.HELP, description=plan_command.HELP)
     plan_command.add_arguments(plan_parser)
     plan_parser.set_defaults(handler=plan_command.run)
+    from slipstream.cli import elastic as elastic_command
+
+    elastic_parser = commands.add_parser("elastic", help=elastic_command.HELP, description=elastic_command.HELP)
+    elastic_command.add_arguments(elastic_parser)
+    elastic_parser.set_defaults(handler=elastic_command.run)
     return parser
 
 

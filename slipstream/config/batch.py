@@ -9,15 +9,64 @@ An "auto" member arrives here as missing and is derived like one (its source say
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from typing import Optional
 
 from slipstream.config.keys import BATCH_KEYS
 from slipstream.config.plan import BatchPlan
 from slipstream.config.schema.top import DeepSpeedConfig
 
-__all__ = ["batch_plan"]
+__all__ = ["apply_elasticity", "batch_plan", "mark_elastic"]
 
 _TBS, _MICRO, _GAS = BATCH_KEYS
+
+
+def apply_elasticity(cfg: DeepSpeedConfig, ws: int, problems: list[str]) -> Optional[DeepSpeedConfig]:
+    """With `elasticity.enabled`: the batch triple from the elastic algorithm (config/elasticity.py) for this
+    world size, as DeepSpeed's config does. Batch keys given beside it are an error unless
+    `ignore_non_elastic_batch_info` (then they are replaced); a scheduler's copy of the section in
+    DEEPSPEED_ELASTICITY_CONFIG must agree on the keys that decide the batch. None after a problem."""
+    section = cfg.elasticity
+    if not section.enabled:
+        return cfg
+    from slipstream.config.elasticity import ElasticityError, elastic_result
+
+    given = [key for key in BATCH_KEYS if getattr(cfg, key) is not None]
+    if given and not section.ignore_non_elastic_batch_info:
+        problems.append(f"{', '.join(given)}: set together with elasticity.enabled; the elastic algorithm chooses "
+                        "the batch, so remove them or set elasticity.ignore_non_elastic_batch_info to true")
+        return None
+    disagreement = _scheduler_disagreement(section.model_dump())
+    if disagreement:
+        problems.extend(disagreement)
+        return None
+    try:
+        result = elastic_result(section.model_dump(), world_size=ws)
+    except ElasticityError as error:
+        text = str(error)
+        problems.append(text if text.startswith("elasticity") else f"elasticity: {text}")
+        return None
+    micro = result.micro_batch_size or 1
+    data_parallel = ws // section.model_parallel_size
+    return cfg.model_copy(update={_TBS: result.train_batch_size, _MICRO: micro,
+                                  _GAS: result.train_batch_size // (micro * data_parallel)})
+
+
+def _scheduler_disagreement(runtime: dict) -> list[str]:
+    raw = os.environ.get("DEEPSPEED_ELASTICITY_CONFIG")
+    if not raw:
+        return []
+    try:
+        scheduler = json.loads(raw)
+    except ValueError:
+        return [f"DEEPSPEED_ELASTICITY_CONFIG: not JSON ({raw[:80]!r})"]
+    scheduler = scheduler.get("elasticity", scheduler) if isinstance(scheduler, dict) else {}
+    return [f"elasticity.{key}: {runtime.get(key)!r} here, but the scheduler's copy (DEEPSPEED_ELASTICITY_CONFIG) "
+            f"has {scheduler.get(key)!r}; both must use the same elastic settings"
+            for key in ("max_train_batch_size", "micro_batch_sizes", "version")
+            if key in scheduler and scheduler[key] != runtime.get(key)]
 
 
 def batch_plan(cfg: DeepSpeedConfig, ws: int, auto: list[str], problems: list[str]) -> Optional[BatchPlan]:
@@ -98,3 +147,10 @@ def _no_batch_problem(auto: list[str]) -> str:
             'number; the caller (e.g. Transformers\' Trainer) fills "auto" in, or replace it with a value'
         )
     return f"{_TBS}, {_MICRO}: either {_TBS} or {_MICRO} needs to be provided ({_GAS} alone is not enough)"
+
+
+def mark_elastic(batch: BatchPlan, cfg: DeepSpeedConfig) -> BatchPlan:
+    """Sources that say the elastic algorithm chose the triple (it looks "given" to batch_plan)."""
+    if not cfg.elasticity.enabled:
+        return batch
+    return dataclasses.replace(batch, sources=dict.fromkeys(BATCH_KEYS, "elasticity (config/elasticity.py)"))

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from slipstream.config.batch import batch_plan
+from slipstream.config.batch import apply_elasticity, batch_plan, mark_elastic
 from slipstream.config.errors import ConfigError, ConfigWarning, pydantic_problems
 from slipstream.config.keys import BATCH_KEYS, KeyWalk, unimplemented_keys
 from slipstream.config.optimizers import DEEPSPEED_ONLY, REGISTRY, spec_for
@@ -88,7 +88,11 @@ def resolve(
     ws_ok = not problems or not problems[0].startswith("world_size")
     batch = None
     if ws_ok and not bad_sections.intersection(BATCH_KEYS):
-        batch = batch_plan(cfg, world_size, walk.auto_batch, problems)
+        elastic = apply_elasticity(cfg, world_size, problems)
+        if elastic is not None:
+            cfg = elastic
+            batch = batch_plan(cfg, world_size, walk.auto_batch, problems)
+            batch = batch and mark_elastic(batch, cfg)
     precision = _precision_plan(cfg, problems)
     aio = _aio_plan(cfg)
     zero = _zero_plan(cfg, aio, problems)

@@ -5,6 +5,9 @@
 - `queue_end_of_backward(callback)`: run `callback` when the current autograd backward pass finishes
   (ZeRO-3 reduces the remaining gradients and frees gathered parameters there). Only valid while a
   backward pass is running (inside an autograd hook).
+- `storage_use_count(tensor)`: how many references hold the tensor's storage, or None where torch does not
+  say (ZeRO-3 asks whether tensors taken inside GatheredParameters still alias a unit's gathered storage
+  before releasing it).
 """
 
 from __future__ import annotations
@@ -21,3 +24,11 @@ def no_subclass_dispatch() -> Any:
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def storage_use_count(tensor: torch.Tensor) -> int | None:
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return None
+    storage = tensor.untyped_storage()
+    return int(use_count(storage._cdata)) - 1  # without `storage`, the reference made here

@@ -139,7 +139,20 @@ class PipelineConfig(OpenSection):
 
 
 class ElasticityConfig(DSModel):
-    """`elasticity`: elastic training batch sizes."""
+    """`elasticity`: elastic training batch sizes (config/elasticity.py; applied to the batch by resolve)."""
+
+    IMPLEMENTED = {
+        "enabled": "batch.train_batch_size",
+        "max_train_batch_size": "batch.train_batch_size",
+        "micro_batch_sizes": "batch.micro_batch_size",
+        "min_gpus": "batch.train_batch_size",
+        "max_gpus": "batch.train_batch_size",
+        "num_gpus_per_node": "batch.train_batch_size",
+        "model_parallel_size": "batch.train_batch_size",
+        "prefer_larger_batch": "batch.train_batch_size",
+        "ignore_non_elastic_batch_info": "batch.train_batch_size",
+        "version": "batch.train_batch_size",
+    }
 
     enabled: bool = False
     """Compute the batch size from the elastic settings."""

@@ -34,6 +34,7 @@ from torch import nn
 
 from slipstream.comm import collectives
 from slipstream.offload.policy import CPUOffload
+from slipstream.utils.torch_shim import storage_use_count
 from slipstream.zero.stage3.pool import BufferPool
 from slipstream.zero.stage3.sharded_param import ParamRecord, ZeroParamStatus, internal_access, make_sharded
 from slipstream.zero.stage3.units import UnitSpec, shard_layout
@@ -174,11 +175,10 @@ class Unit:
 
     def _aliased(self) -> bool:
         """Whether tensors besides the unit's buffer and its parameters share the gathered storage."""
-        use_count = getattr(torch._C, "_storage_Use_Count", None)
-        if use_count is None:  # cannot tell: keep the values alive, at the cost of one allocation
+        count = storage_use_count(self.full)
+        if count is None:  # cannot tell: keep the values alive, at the cost of one allocation
             return True
-        storage = self.full.untyped_storage()
-        return int(use_count(storage._cdata)) > len(self.params) + 2  # + self.full and `storage` itself
+        return count > len(self.params) + 1  # the parameters and self.full
 
     def _fresh_storage(self) -> None:
         """Leave the gathered storage to its aliases (it is freed when the last of them dies) and point the

@@ -229,7 +229,7 @@ def test_implemented_keys_are_not_listed() -> None:
     [
         {"amp": {"enabled": True, "opt_level": "O1"}},
         {"pipeline": {"partition": "uniform"}},
-        {"elasticity": {"enabled": True}},
+        {"elasticity": {"enabled": False, "min_time": 20}},
         {"autotuning": {"enabled": True, "metric": "throughput"}},
         {"compression_training": {"weight_quantization": {}}},
         {"data_efficiency": {"enabled": True}},
