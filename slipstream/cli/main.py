@@ -7,7 +7,7 @@ import sys
 
 from slipstream import __version__
 
-SUBCOMMANDS = ("report", "run", "export", "plan", "elastic")
+SUBCOMMANDS = ("report", "run", "export", "plan", "elastic", "ssh")
 """Every subcommand name: a first argument outside this list may be DeepSpeed's short form of `run`."""
 
 
@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     elastic_parser = commands.add_parser("elastic", help=elastic_command.HELP, description=elastic_command.HELP)
     elastic_command.add_arguments(elastic_parser)
     elastic_parser.set_defaults(handler=elastic_command.run)
+    from slipstream.cli import ssh as ssh_command
+
+    ssh_parser = commands.add_parser("ssh", help=ssh_command.HELP, description=ssh_command.HELP)
+    ssh_command.add_arguments(ssh_parser)
+    ssh_parser.set_defaults(handler=ssh_command.run)
     return parser
 
 
