@@ -132,20 +132,21 @@ def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return tree
 
 
-def stuck_scale_message(scaler: Any, optimizer: ZeroOptimizer) -> str:
-    culprit = optimizer.last_nonfinite_param
-    where = (f"; the first parameter with non-finite gradients (in this rank's shard) is '{culprit}'" if culprit
-             else "; this rank's shard of the gradients is finite, another rank holds the overflow")
-    return (f"fp16 loss scale has been at its minimum ({scaler.scale:g}) with overflowing gradients for "
-            f"{getattr(scaler, 'window', '?')} steps: training is not learning{where}. Lower the learning rate, check the data "
-            "for inf/nan, or train in bf16")
+def _culprit(optimizer: ZeroOptimizer) -> str:
+    """Where the non-finite gradients are, as far as this rank can tell."""
+    name = optimizer.last_nonfinite_param
+    if name:
+        return f"the first parameter with non-finite gradients (in this rank's shard) is '{name}'"
+    return "this rank's shard of the gradients is finite; another rank holds the non-finite values"
 
+
+def stuck_scale_message(scaler: Any, optimizer: ZeroOptimizer) -> str:
+    return (f"fp16 loss scale has been at its minimum ({scaler.scale:g}) with overflowing gradients for "
+            f"{getattr(scaler, 'window', '?')} steps: training is not learning; {_culprit(optimizer)}. Lower the "
+            "learning rate, check the data for inf/nan, or train in bf16")
 
 
 def skipped_steps_message(count: int, optimizer: ZeroOptimizer) -> str:
-    culprit = optimizer.last_nonfinite_param
-    where = (f"the first parameter with non-finite gradients (in this rank's shard) is '{culprit}'" if culprit
-             else "this rank's shard of the gradients is finite; another rank holds the non-finite values")
     return (f"{count} optimizer steps in a row were skipped because gradients were not finite: training is not "
-            f"learning; {where}. Check the data and the loss for inf/nan, lower the learning rate, or raise "
-            "\"max_consecutive_skipped_steps\" (0 never stops)")
+            f"learning; {_culprit(optimizer)}. Check the data and the loss for inf/nan, lower the learning rate, "
+            "or raise \"max_consecutive_skipped_steps\" (0 never stops)")
