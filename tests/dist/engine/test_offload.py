@@ -67,7 +67,10 @@ def test_offload_matches_reference(tmp_path) -> None:  # type: ignore[no-untyped
         assert result["steps"] == 5, where
         torch.testing.assert_close(result["norms"], reference.grad_norms, rtol=1e-5, atol=0,
                                    msg=lambda m, where=where: f"{where} grad norms: {m}")
-        assert_slices_match([result["masters"], other["masters"]], reference.masters, rtol=2e-5, atol=2e-6,
+        # bf16: fp32 noise plus the rare rounding tie in the model copy; a skipped step moves masters by ~1e-2,
+        # dropped weight decay by ~1e-4
+        rtol, atol = (2e-5, 2e-6) if precision == "fp32" else (1e-4, 2e-5)
+        assert_slices_match([result["masters"], other["masters"]], reference.masters, rtol=rtol, atol=atol,
                             where=where)
         for name, value in result["params"].items():
             assert value.dtype == DTYPES[precision]
