@@ -20,7 +20,7 @@ def owned_state(engine: Any, keys: Sequence[str] = ()) -> dict[str, list[Slice]]
     """This rank's fp32 master slices ("master") and optimizer state slices (one entry per key in `keys`)."""
     out: dict[str, list[Slice]] = {"master": [], **{key: [] for key in keys}}
     optimizer = engine.optimizer
-    with optimizer.resident_state():  # NVMe offload: masters and states are read back into memory
+    with engine._resident():  # NVMe offload: parameter shards, masters and states are read back into memory
         for piece in optimizer.owned_slices(engine._param_names, for_save=False):
             out["master"].append((piece.name, piece.lo, piece.hi, piece.master.detach().float().clone()))
             state = optimizer.optimizer.state[piece.piece]
