@@ -100,12 +100,39 @@ def test_deepspeed_checkpoint_loads_into_the_engine(case: str, stage: int) -> No
         state = engine.optimizer.optimizer.state[piece.piece]
         exp_avg = torch.tensor(expected["exp_avg"][piece.name]).reshape(-1)[piece.lo:piece.hi]
         torch.testing.assert_close(piece.state_view(state, "exp_avg"), exp_avg, rtol=0, atol=0)
-    _train_tiny(engine)  # the loaded state trains on
+    _train_tiny(engine, expected)  # the loaded state trains on
 
 
-def _train_tiny(engine: slipstream.SlipstreamEngine) -> None:
+def _train_tiny(engine: slipstream.SlipstreamEngine, expected: dict) -> None:
+    """One more step: the step after the loaded one, and the AdamW update of the loaded masters and moments
+    (computed here by hand, with the loaded hyperparameters and the default clip of 1.0)."""
+    hyper = engine.optimizer.optimizer.param_groups[0]
+    assert hyper["weight_decay"] == 0.01  # the fixture's optimizer, not this config's default of 0
+    lr, (beta1, beta2), eps, decay = hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"]
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
-    out = engine(x.to(torch.bfloat16) if engine.bfloat16_enabled() else x)
+    model = TinyNet()  # the loaded masters, in the engine's dtype
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in expected["master"]:
+                param.copy_(torch.tensor(expected["master"][name]).reshape(param.shape))
+    model.to(dtype)
+    model(x.to(dtype)).float().pow(2).mean().backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if n in expected["master"]}
+    norm = float(torch.cat([g.reshape(-1) for g in grads.values()]).norm())
+    coef = min(1.0, 1.0 / (norm + 1e-6))
+    want, step = {}, expected["global_steps"] + 1
+    for name, grad in grads.items():
+        g = coef * grad.reshape(-1)
+        m = beta1 * torch.tensor(expected["exp_avg"][name]).reshape(-1) + (1 - beta1) * g
+        v = beta2 * torch.tensor(expected["exp_avg_sq"][name]).reshape(-1) + (1 - beta2) * g * g
+        master = torch.tensor(expected["master"][name]).reshape(-1) * (1 - lr * decay)
+        want[name] = master - lr * (m / (1 - beta1**step)) / ((v / (1 - beta2**step)).sqrt() + eps)
+    out = engine(x.to(dtype) if engine.bfloat16_enabled() else x)
     engine.backward(out.float().pow(2).mean())
     engine.step()
-    assert engine.global_steps >= 1
+    assert engine.global_steps == expected["global_steps"] + 1
+    assert engine.get_global_grad_norm() == pytest.approx(norm, rel=1e-5)
+    for piece in engine.optimizer.owned_slices(engine._param_names, for_save=False):
+        torch.testing.assert_close(piece.master, want[piece.name][piece.lo:piece.hi], rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, name=piece.name: f"{name}: {m}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import logging
 from pathlib import Path
@@ -10,8 +11,10 @@ import pytest
 import torch
 
 import slipstream
+from slipstream.engine.optimizers import Lamb
+from tests.compat.test_optimizer_registry import Elementwise
 from tests.harness.models import TinyMLP
-
+from tests.harness.reference import reference_run
 
 
 def train(engine: slipstream.SlipstreamEngine, steps: int, *, poison: bool = False) -> None:
@@ -101,9 +104,26 @@ def test_non_elementwise_optimizer_needs_explicit_permission() -> None:
     config = {"train_batch_size": 4, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
     with pytest.raises(ValueError, match="Lamb.*zero_allow_untested_optimizer"):
         slipstream.initialize(model=TinyMLP(), config=config)
+    # with permission it trains as Lamb does on the plain model: one parameter per ZeRO bucket, so the pieces
+    # Lamb sees are the model's tensors (its trust ratio is per tensor)
+    config = {"train_batch_size": 4, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+              "optimizer": {"type": "Lamb", "params": {"lr": 5e-2, "weight_decay": 0.1}},
+              "zero_optimization": {"stage": 0, "reduce_bucket_size": Elementwise.size}}
+    model = Elementwise()
+    reference = copy.deepcopy(model)
+    optimizer = Lamb(reference.parameters(), lr=5e-2, weight_decay=0.1)
     with pytest.warns(UserWarning, match="Lamb"):
-        engine, *_ = slipstream.initialize(model=TinyMLP(), config={**config, "zero_allow_untested_optimizer": True})
-    train(engine, 1)
+        engine, *_ = slipstream.initialize(model=copy.deepcopy(model), config=config)
+    for step in range(5):
+        x, y = Elementwise.make_batch(step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    for mine, theirs, initial in zip(engine.module.parameters(), reference.parameters(), model.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        assert float((mine - initial).abs().max()) > 1e-2  # it trained
     engine.destroy()
 
 
@@ -121,12 +141,26 @@ def test_scheduler_from_config_steps_once_per_optimizer_step() -> None:
 
 
 def test_offload_with_a_client_optimizer_needs_cpu_adam_or_permission() -> None:
-    config = {"train_batch_size": 4, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    config = {"train_batch_size": 4, "gradient_clipping": 0.3,
+              "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
     make_sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     with pytest.raises(ValueError, match="optimizer is SGD.*zero_force_ds_cpu_optimizer"):
         slipstream.initialize(model=TinyMLP(), config=config, optimizer=make_sgd)
     engine, *_ = slipstream.initialize(model=TinyMLP(), config={**config, "zero_force_ds_cpu_optimizer": False},
                                        optimizer=make_sgd)
-    train(engine, 2)
-    assert engine.global_steps == 2
+    assert engine.optimizer is not None and engine.optimizer.offload.on_host
+    norms = []
+    for step in range(3):
+        x, y = TinyMLP().make_batch(seed=step, batch_size=4)
+        engine.backward(TinyMLP.loss(engine(x), y))
+        engine.step()
+        norms.append(engine.get_global_grad_norm())
+    assert engine.global_steps == 3
+    # the same as torch's SGD in one process, clipped at every step (norms 0.6-0.8)
+    reference = reference_run(TinyMLP, [TinyMLP().make_batch(seed=s, batch_size=4) for s in range(3)], lr=0.1,
+                              steps=3, optimizer="sgd", grad_clip=0.3)
+    assert min(reference.grad_norms) > 0.5
+    torch.testing.assert_close(norms, reference.grad_norms, rtol=1e-5, atol=0)
+    for name, value in engine.module.named_parameters():
+        torch.testing.assert_close(value, reference.params[name], rtol=1e-5, atol=1e-6, msg=name)
     engine.destroy()

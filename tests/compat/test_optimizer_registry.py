@@ -1,6 +1,7 @@
 """The optimizer registry (config/optimizers.py) end to end, in one process: DeepSpeed's weight-decay default
-on the device and the CPU-offload path, and an optimizer added through the registry alone (Adafactor)
-against torch's own class."""
+on the device and the CPU-offload path, DeepSpeed 0.19's other defaults (betas, eps, Adam's adam_w_mode,
+torch_adam, Lamb's and Lion's), and an optimizer added through the registry alone (Adafactor) against torch's
+own class."""
 
 from __future__ import annotations
 
@@ -113,3 +114,36 @@ def test_per_tensor_optimizer_needs_the_explicit_opt_in() -> None:
               "zero_allow_untested_optimizer": False}
     with pytest.raises(ValueError, match=r"Adafactor is not known to be elementwise.*zero_allow_untested_optimizer"):
         slipstream.initialize(model=Elementwise(), config=config)
+
+
+_ADAM = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}  # FusedAdam and DeepSpeedCPUAdam
+_OFFLOAD = {"stage": 1, "offload_optimizer": {"device": "cpu"}}
+
+
+@pytest.mark.parametrize(("type_", "params", "zero", "cls", "expected"), [
+    # DeepSpeed 0.19: "Adam" is AdamW (decoupled decay) unless adam_w_mode is false, on both paths
+    ("Adam", {}, {"stage": 0}, "AdamW", _ADAM),
+    ("Adam", {}, _OFFLOAD, "DeepSpeedCPUAdam", {**_ADAM, "bias_correction": True, "adamw_mode": True}),
+    ("Adam", {"adam_w_mode": False}, {"stage": 0}, "Adam", _ADAM),
+    ("Adam", {"adam_w_mode": False}, _OFFLOAD, "DeepSpeedCPUAdam", {**_ADAM, "adamw_mode": False}),
+    ("AdamW", {}, _OFFLOAD, "DeepSpeedCPUAdam", {**_ADAM, "adamw_mode": True}),
+    ("Adam", {"torch_adam": True}, {"stage": 0}, "AdamW", {**_ADAM, "weight_decay": 0.01}),  # torch's own
+    ("Lamb", {}, {"stage": 0}, "Lamb", {**_ADAM, "bias_correction": True, "eps_inside_sqrt": False,
+                                        "max_coeff": 10.0, "min_coeff": 0.01}),  # FusedLamb
+    ("Lion", {}, {"stage": 0}, "Lion", {"betas": (0.9, 0.999), "weight_decay": 0.0}),  # FusedLion
+    ("Adagrad", {}, {"stage": 0}, "Adagrad", {"eps": 1e-10, "weight_decay": 0.0}),  # torch's, as DeepSpeed's
+])
+def test_deepspeed_optimizer_defaults(type_: str, params: dict, zero: dict, cls: str, expected: dict) -> None:
+    """An optimizer section with only lr gets DeepSpeed 0.19's class and defaults (betas, eps, weight decay,
+    Adam's decoupled mode) on the device and the CPU-offload path."""
+    config = {"train_batch_size": 4, "optimizer": {"type": type_, "params": {"lr": LR, **params}},
+              "zero_allow_untested_optimizer": True, "zero_optimization": zero}
+    engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
+    optimizer = engine.basic_optimizer
+    assert optimizer is not None and type(optimizer).__name__ == cls
+    group = optimizer.param_groups[0]
+    for key, value in expected.items():
+        got = optimizer.adamw_mode if key == "adamw_mode" else group[key]  # type: ignore[attr-defined]
+        assert (tuple(got) if isinstance(got, (list, tuple)) else got) == value, (key, got)
+    assert group["lr"] == LR
+    engine.destroy()

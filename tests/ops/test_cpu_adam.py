@@ -127,15 +127,22 @@ def test_bf16_params_fp32_states(op: ModuleType, adamw_mode: bool) -> None:
     grads = _grads(lengths, torch.bfloat16)
     params = [torch.randn(n).bfloat16() for n in lengths]
     ref = [p.clone() for p in params]
-    ref_m = [torch.zeros(n) for n in lengths]
-    ref_v = [torch.zeros(n) for n in lengths]
+    # the reference is torch's optimizer (not the fallback op, which is one of the ops under test): fp32 math
+    # from the bf16 values, rounded to bf16 after every step
+    p32 = [p.float().requires_grad_() for p in ref]
+    torch_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    ref_opt = torch_cls(p32, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                        weight_decay=wd, foreach=False)
     steps = 20
-    for s in range(1, steps + 1):  # fp32 math from the bf16 values, rounded to bf16 after every step
-        p32 = [p.float() for p in ref]
-        fallback_op.adam_update(p32, [g.float() for g in grads(s)], ref_m, ref_v, s, HYPER["lr"],
-                                HYPER["beta1"], HYPER["beta2"], HYPER["eps"], wd, True, adamw_mode, [])
+    for s in range(1, steps + 1):
+        for p, q, g in zip(ref, p32, grads(s)):
+            q.data.copy_(p)
+            q.grad = g.float()
+        ref_opt.step()
         for p, q in zip(ref, p32):
-            p.copy_(q)
+            p.copy_(q.detach())
+    ref_m = [ref_opt.state[q]["exp_avg"] for q in p32]
+    ref_v = [ref_opt.state[q]["exp_avg_sq"] for q in p32]
     ms, vs = _run_op(op, params, grads, steps=steps, weight_decay=wd, bias_correction=True,
                      adamw_mode=adamw_mode)
     for p, r, m, rm, v, rv in zip(params, ref, ms, ref_m, vs, ref_v):

@@ -1,7 +1,8 @@
 """ZeRO-Infinity: optimizer offload to NVMe (a temp dir here) at stages 1, 2 and 3, and parameter offload to NVMe
-at stage 3: the same parameters as the
-single-process reference after 5 steps; files live under nvme_path only while the run does; a directory left
-by a dead run is removed; a checkpoint taken with NVMe offload loads at another world size and stage."""
+at stage 3: the same parameters and per-step grad norms as the single-process reference after 5 steps clipped
+at CLIP (under every step's norm); files live under nvme_path only while the run does; a directory left by a
+dead run is removed; a checkpoint taken with NVMe offload (world 2, stage 2) loads at world 1, stage 0 with the
+reference's parameters and Adam moments, and trains on to the reference's parameters."""
 
 from __future__ import annotations
 
@@ -11,25 +12,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist.engine.test_engine_parity import LR, STEPS, global_batches
+from tests.dist.engine.test_engine_parity import CLIP, LR, STEPS, global_batches
 from tests.dist.zero.test_stage3 import train
 from tests.harness import run_distributed
+from tests.harness.checks import assert_slices_match, owned_state
 from tests.harness.models import TinyMLP
-from tests.harness.reference import train_reference
+from tests.harness.reference import reference_run
+
+SAVED_AT = 2
 
 
 def nvme_grid(rank: int, world: int, *, nvme: str, ckpt: str) -> list:
     results = []
     for stage in (1, 2, 3):
-        results.append(train(rank, world, model="mlp", micro=2, gas=2, torch_style=False, stage=stage,
+        results.append(train(rank, world, model="mlp", micro=2, gas=2, torch_style=False, stage=stage, clip=CLIP,
                              offload_optimizer={"device": "nvme", "nvme_path": nvme}))
     # stage 3 with the parameter shards on NVMe too (masters offloaded to the host)
-    results.append(train(rank, world, model="mlp", micro=2, gas=2, torch_style=True, stage=3,
+    results.append(train(rank, world, model="mlp", micro=2, gas=2, torch_style=True, stage=3, clip=CLIP,
                          offload_optimizer={"device": "cpu"}, offload_param={"device": "nvme", "nvme_path": nvme}))
     import slipstream
 
     # two engines alive in one process, stepping in turns: their swap files must never mix
     pair_config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                   "gradient_clipping": CLIP,
                    "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
                    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
     pair = [slipstream.initialize(model=TinyMLP(), config=pair_config)[0] for _ in range(2)]
@@ -40,13 +45,13 @@ def nvme_grid(rank: int, world: int, *, nvme: str, ckpt: str) -> list:
                 engine.backward(TinyMLP.loss(engine(inputs[start:start + 2]), targets[start:start + 2]))
                 engine.step()
     for engine in pair:
-        results.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
+        results.append({"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}})
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
     engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
     swapped = sorted(p.name for p in Path(nvme).glob("slipstream-*/*.swp"))
-    for inputs, targets in global_batches()[:2]:
+    for inputs, targets in global_batches()[:SAVED_AT]:
         engine.backward(TinyMLP.loss(engine(inputs[rank * 4:(rank + 1) * 4]), targets[rank * 4:(rank + 1) * 4]))
         engine.step()
     engine.save_checkpoint(ckpt)
@@ -59,34 +64,52 @@ def test_nvme_offload_matches_the_reference_and_cleans_up(tmp_path: Path) -> Non
     stale = nvme / "slipstream-999999999-rank0-optimizer0"  # a crashed run's leftovers: removed, never mixed in
     stale.mkdir()
     (stale / "group0_master.swp").write_bytes(b"old")
-    _, reference = train_reference(TinyMLP, global_batches(), lr=LR, steps=STEPS, optimizer="adamw",
-                                   weight_decay=0.01, grad_clip=1.0)
+    reference = reference_run(TinyMLP, global_batches(), lr=LR, steps=STEPS, optimizer="adamw", weight_decay=0.01,
+                              grad_clip=CLIP)
+    assert min(reference.grad_norms) > 3 * CLIP  # clipped at every step
     per_rank = run_distributed(nvme_grid, world_size=2, tmp_dir=tmp_path / "run", nvme=str(nvme),
                                ckpt=str(tmp_path / "ckpt"))
     for results, swapped in per_rank:
         assert any(name.endswith("_master.swp") for name in swapped), swapped  # masters really left memory
         assert len(results) == 6
         for stage, result in zip((1, 2, 3, "3 + offload_param", "2, engine A of 2", "2, engine B of 2"), results):
-            for name, value in reference.items():
-                torch.testing.assert_close(result[name], value, rtol=2e-5, atol=2e-6,
+            if "norms" in result:
+                torch.testing.assert_close(result["norms"], reference.grad_norms, rtol=1e-5, atol=0,
+                                           msg=lambda m, stage=stage: f"stage {stage} grad norms: {m}")
+            for name, value in reference.params.items():
+                torch.testing.assert_close(result["params"][name], value, rtol=2e-5, atol=2e-6,
                                            msg=lambda m, stage=stage, name=name: f"stage {stage} {name}: {m}")
     assert not stale.exists()
     assert not list(nvme.glob("slipstream-*")), "run directories are removed at exit"
-    # the NVMe-offloaded checkpoint loads in one process at stage 0
+    # the NVMe-offloaded checkpoint (world 2, stage 2, default clip 1.0) loads in one process at stage 0
     loaded = run_distributed(load_at_stage0, world_size=1, tmp_dir=tmp_path / "load", ckpt=str(tmp_path / "ckpt"))[0]
-    assert loaded["steps"] == 2 and loaded["exp_avg_nonzero"]
+    saved = reference_run(TinyMLP, global_batches(), lr=LR, steps=SAVED_AT, weight_decay=0.01, grad_clip=1.0)
+    assert loaded["steps"] == (SAVED_AT, STEPS)
+    assert_slices_match([loaded["master"]], saved.masters, rtol=2e-5, atol=2e-6, where="loaded masters")
+    for key in ("exp_avg", "exp_avg_sq"):
+        moments = {name: state[key] for name, state in saved.optimizer_state.items()}
+        assert_slices_match([loaded[key]], moments, rtol=2e-5, atol=1e-9, where=f"loaded {key}")
+    resumed = reference_run(TinyMLP, global_batches(), lr=LR, steps=STEPS, weight_decay=0.01, grad_clip=1.0)
+    for name, value in resumed.params.items():
+        torch.testing.assert_close(loaded["params"][name], value, rtol=2e-5, atol=2e-6,
+                                   msg=lambda m, name=name: f"trained on after the load {name}: {m}")
 
 
 def load_at_stage0(rank: int, world: int, *, ckpt: str) -> dict:
     import slipstream
 
-    config = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+    config = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": LR,
+                                                                                           "weight_decay": 0.01}},
               "zero_optimization": {"stage": 0}}
     engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
     engine.load_checkpoint(ckpt)
-    states = [s for s in engine.optimizer.optimizer.state.values() if "exp_avg" in s]
-    return {"steps": engine.global_steps, "exp_avg_nonzero": bool(states) and all(s["exp_avg"].abs().sum() > 0
-                                                                                   for s in states)}
+    out = owned_state(engine, keys=("exp_avg", "exp_avg_sq"))
+    steps = engine.global_steps
+    for inputs, targets in global_batches()[SAVED_AT:]:
+        engine.backward(TinyMLP.loss(engine(inputs), targets))
+        engine.step()
+    return {**out, "steps": (steps, engine.global_steps),
+            "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
 
 
 def test_nvme_path_must_be_a_writable_directory_with_room(tmp_path: Path) -> None:

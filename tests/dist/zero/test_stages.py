@@ -1,17 +1,22 @@
-"""ZeRO stages 0-2 driven directly (no engine): parity with single-process AdamW, sharded bytes, collectives."""
+"""ZeRO stages 0-2 driven directly (no engine): parity with single-process AdamW without clipping and clipped at
+CLIP (under every step's global norm, so a shard-local norm would clip differently), each step's global grad
+norm, sharded bytes, collectives. One spawn runs every case."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_distributed
+from tests.harness import run_distributed, run_subtests
 from tests.harness.models import TinyMLP
-from tests.harness.reference import train_reference
+from tests.harness.reference import reference_run
 
 STEPS = 4
 BATCH = 8
 LR = 1e-2
+CLIP = 0.1
+CASES = [{"stage": 0, "clip": 0.0}, {"stage": 1, "clip": 0.0}, {"stage": 2, "clip": 0.0},
+         {"stage": 0, "clip": CLIP}, {"stage": 1, "clip": CLIP}, {"stage": 2, "clip": CLIP}]
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -19,7 +24,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [model.make_batch(seed=s, batch_size=BATCH) for s in range(STEPS)]
 
 
-def run_stage(rank: int, world: int, *, stage: int, bucket: int) -> dict:
+def run_stage(rank: int, world: int, *, stage: int, clip: float, bucket: int = 600) -> dict:
     from slipstream.comm import count_collectives
     from slipstream.config import resolve
     from slipstream.zero.stage0 import Stage0Optimizer
@@ -33,29 +38,40 @@ def run_stage(rank: int, world: int, *, stage: int, bucket: int) -> dict:
                    world_size=world)
     zero = cls(inner, zero=plan.zero, precision=plan.precision)
     per_rank = BATCH // world
-    counts = []
+    counts, norms = [], []
     for inputs, targets in batches():
         x, y = inputs[rank * per_rank:(rank + 1) * per_rank], targets[rank * per_rank:(rank + 1) * per_rank]
         with count_collectives() as counter:
             model.loss(model(x), y).backward()
             zero.micro_step_done(reduce=True)
             # the mean over the global batch: each rank's loss is a mean over its half
-            zero.step(grad_divisor=world, clip=0.0)
+            norms.append(zero.step(grad_divisor=world, clip=clip).grad_norm)
         counts.append(dict(counter.calls))
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    dist.barrier()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms,
             "bytes": zero.owned_bytes(), "counts": counts,
             "num_buckets": sum(len(g.layout.buckets) for g in zero.groups)}
 
 
+def grid(rank: int, world: int) -> list[dict]:
+    return run_subtests(CASES, lambda stage, clip: run_stage(rank, world, stage=stage, clip=clip))
+
+
 def test_stages_match_reference_and_shard_state(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    _, reference = train_reference(TinyMLP, batches(), lr=LR, steps=STEPS, optimizer="adamw", weight_decay=0.01)
+    references = {clip: reference_run(TinyMLP, batches(), lr=LR, steps=STEPS, optimizer="adamw", weight_decay=0.01,
+                                      grad_clip=clip or None) for clip in (0.0, CLIP)}
+    assert min(references[CLIP].grad_norms) > 3 * CLIP  # clipped at every step
     numel = sum(p.numel() for p in TinyMLP().parameters())
-    for stage in (0, 1, 2):
-        results = run_distributed(run_stage, world_size=2, tmp_dir=tmp_path, stage=stage, bucket=600)
+    per_rank = run_distributed(grid, world_size=2, tmp_dir=tmp_path)
+    for case, *results in zip(CASES, *per_rank):
+        stage, reference = case["stage"], references[case["clip"]]
         for rank, result in enumerate(results):
+            torch.testing.assert_close(result["norms"], reference.grad_norms, rtol=1e-5, atol=0,
+                                       msg=lambda m, case=case, rank=rank: f"{case} rank {rank} grad norms: {m}")
             for name, value in result["params"].items():
-                torch.testing.assert_close(value, reference[name], rtol=2e-5, atol=1e-6,
-                                           msg=lambda m: f"stage {stage} rank {rank} {name}: {m}")
+                torch.testing.assert_close(value, reference.params[name], rtol=2e-5, atol=1e-6,
+                                           msg=lambda m, case=case, rank=rank, name=name: f"{case} rank {rank} "
+                                                                                          f"{name}: {m}")
         buckets = results[0]["num_buckets"]
         grads = results[0]["bytes"]["grads"]
         if stage < 2:  # full-size gradient storage (padded per bucket)

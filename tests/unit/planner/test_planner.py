@@ -1,6 +1,7 @@
 """The planner without a process group: the engine's layout rules by hand, the stage-3 schedule replay, model
-shapes (HF configs with known parameter counts), options and the cheapest fit, DeepSpeed's estimator names
-and output shape, the engine hooks, and the `slipstream plan` command."""
+shapes (HF configs with known parameter counts), options and the cheapest fit, DeepSpeed's estimator names,
+output shape and values (against DeepSpeed's formulas, by hand), the engine hooks, and the `slipstream plan`
+command."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -103,7 +106,8 @@ def test_estimate_rows_fits_and_cheapest() -> None:
     assert zero3.device["params"] < zero0.device["params"] / 7
     assert zero0.fits_device is False and plan.cheapest is not None
     cheapest = plan.estimate_for(plan.cheapest)
-    assert all(not (e.fits_device and e.fits_host) for e in plan.estimates if e.option.cost_rank < cheapest.option.cost_rank)
+    cheaper = [e for e in plan.estimates if e.option.cost_rank < cheapest.option.cost_rank]
+    assert all(not (e.fits_device and e.fits_host) for e in cheaper)
     text = format_plan(plan)
     assert f"*{plan.cheapest}" in text and "cheapest option that fits" in text
     data = json.loads(json.dumps(plan.to_dict()))
@@ -116,7 +120,8 @@ def test_ds_config_row_and_knobs() -> None:
               "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "offload_optimizer": {"device": "cpu"}}}
     plan = estimate(hf_config=GPT2, ds_config=config, gpus_per_node=4, seq=1024)
     row = plan.estimates[0]
-    assert row.option == Option(stage=2, offload_optimizer=True, label="config") and plan.settings.reduce_bucket_size == 1000
+    assert row.option == Option(stage=2, offload_optimizer=True, label="config")
+    assert plan.settings.reduce_bucket_size == 1000
     assert row.activations == transformer_activations(seq=1024, micro_batch=4, hidden=768, layers=12, heads=12,
                                                       vocab=50257, dtype_bytes=2, checkpointing=False)
     largest = 50257 * 768  # buckets of 1000 elements: the embedding gets a bucket of its own (a multiple of 4)
@@ -150,7 +155,8 @@ def test_deepspeed_names_signatures_and_output(capsys: pytest.CaptureFixture[str
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == ["Estimated memory needed for params, optim states and gradients for a:",
                          "HW: Setup with 1 node, 8 GPUs per node."]
-    assert re.fullmatch(r"SW: Model with (999|1000)M total params\.", lines[2]) and lines[3] == "  per CPU  |  per GPU |   Options"
+    assert re.fullmatch(r"SW: Model with (999|1000)M total params\.", lines[2])
+    assert lines[3] == "  per CPU  |  per GPU |   Options"
     assert re.fullmatch(r" +\d+\.\d\dGB \| +\d+\.\d\dGB \| offload_optimizer=cpu ", lines[4])
     assert len(lines) == 6 and lines[5].endswith("offload_optimizer=none") and len(rows) == 2
     with torch.device("meta"):
@@ -176,7 +182,7 @@ def test_engine_hooks() -> None:
     assert not should_warn_materialised(10**6, 8, 10**9) and "zero.Init" in materialised_warning(10**10, 8)
 
 
-def test_cli_json_png_and_cheap_import(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+def test_cli_json_png_and_cheap_import(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from slipstream.cli.main import main
 
     assert main(["plan", "--params", "1.3B", "--gpus-per-node", "2", "--json", "--device-memory", "24GB"]) == 0
@@ -206,3 +212,73 @@ def test_nvme_option_moves_offloaded_state_to_disk() -> None:
     assert nvme.nvme_per_rank == cpu.host["master"] + cpu.host["optimizer_state"] + cpu.host["offloaded_params"] > 0
     assert "offloaded_params" not in nvme.host and nvme.device == cpu.device
     assert cpu.nvme_per_rank == 0
+
+
+def _deepspeed_zero2(params: int, gpus: int, nodes: int, *, offload: bool, factor: float) -> tuple[int, int]:
+    """DeepSpeed 0.19's estimate_zero2_model_states_mem_needs: (cpu bytes, gpu bytes)."""
+    total_gpus = gpus * nodes
+    if offload:
+        return int(params * max(4 * total_gpus, 16) * factor), 2 * params
+    return int(params * 4 * gpus * factor), 4 * params + int(16 * params / total_gpus)
+
+
+def _deepspeed_zero3(params: int, largest: int, gpus: int, nodes: int, *, offload: bool, offload_params: bool,
+                     zero_init: bool, factor: float) -> tuple[int, int]:
+    """DeepSpeed 0.19's estimate_zero3_model_states_mem_needs: (cpu bytes, gpu bytes)."""
+    total_gpus, gpus_factor, largest_bytes = gpus * nodes, 1 / nodes, 4 * largest
+    if offload and offload_params:
+        cpu = params * (18 * gpus_factor if zero_init else max(4 * gpus, 18 * gpus_factor)) * factor
+        return int(cpu), largest_bytes
+    if offload:
+        cpu = params * (16 * gpus_factor if zero_init else max(4 * gpus, 16 * gpus_factor)) * factor
+        return int(cpu), largest_bytes + int(2 * params / total_gpus)
+    cpu = (largest if zero_init else params) * 4 * gpus * factor
+    return int(cpu), largest_bytes + int(18 * params / total_gpus)
+
+
+def test_deepspeed_estimators_against_deepspeed_formulas(capsys: pytest.CaptureFixture[str]) -> None:
+    """The printed numbers are the planner's (docs/planner.md), so they differ from DeepSpeed's fixed factors
+    where the accounting differs; where it is the same, they are equal to the byte: the sharded model states
+    (16 or 18 bytes per parameter over the world), the replicated bf16 parameters, the model build on the host.
+    Checked on 2 nodes x 2 GPUs with additional_buffer_factor 2 (so the world and the factor both show)."""
+    with torch.device("meta"):  # no biases: every tensor splits evenly over 4 ranks and none is persistent
+        model = nn.Sequential(nn.Linear(4096, 4096, bias=False), nn.Linear(4096, 1024, bias=False))
+    p, largest, gpus, nodes, factor = 4096 * 4096 + 4096 * 1024, 4096 * 4096, 2, 2, 2.0
+    world = gpus * nodes
+
+    def states(row: Any, *roles: str) -> int:
+        return sum(row.device[r] for r in roles)
+
+    zero2 = estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node=gpus, num_nodes=nodes,
+                                                           additional_buffer_factor=factor)
+    printed = capsys.readouterr().out.splitlines()[4:]
+    offload, plain = zero2
+    ds_cpu, ds_gpu = _deepspeed_zero2(p, gpus, nodes, offload=False, factor=factor)
+    # DeepSpeed: fp16 params and grads on every rank (4P) plus 16 bytes per param sharded; Slipstream keeps no
+    # full-size gradient (each one is reduced into its fp32 shard), so the same minus 2P
+    assert plain.device["params"] == 2 * p and states(plain, "grads", "master", "optimizer_state") == 16 * p // world
+    assert states(plain, "params", "grads", "master", "optimizer_state") == ds_gpu - 2 * p
+    assert plain.host_total * factor == ds_cpu  # every rank of a node builds the model in fp32
+    _, ds_gpu = _deepspeed_zero2(p, gpus, nodes, offload=True, factor=factor)
+    assert offload.device["params"] == ds_gpu  # only the bf16 parameters stay on the device
+    assert offload.host["master"] + offload.host["optimizer_state"] == 12 * p // world
+    zero3 = estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node=gpus, num_nodes=nodes,
+                                                           additional_buffer_factor=factor)
+    printed += capsys.readouterr().out.splitlines()[4:]
+    flags = [(True, True, True), (True, True, False), (True, False, True), (True, False, False),
+             (False, False, True), (False, False, False)]
+    for row, (off, off_params, zero_init) in zip(zero3, flags, strict=True):
+        assert (row.option.offload_optimizer, row.option.offload_param) == (off, off_params)
+        ds_cpu, ds_gpu = _deepspeed_zero3(p, largest, gpus, nodes, offload=off, offload_params=off_params,
+                                          zero_init=zero_init, factor=factor)
+        if not off:  # 18 bytes per param over the world (2 param, 4 grad, 4 master, 8 Adam); the host: the build
+            assert states(row, "params", "grads", "master", "optimizer_state") == ds_gpu - 4 * largest
+            assert row.host_total * factor == ds_cpu
+        elif not off_params:  # the bf16 parameter shard stays on the device: DeepSpeed's 2P / world
+            assert row.device["params"] == ds_gpu - 4 * largest == 2 * p // world
+        else:  # DeepSpeed's 18 bytes per param on the host, plus the bf16 copy the CPU Adam op writes (2)
+            host = sum(row.host[r] for r in ("offloaded_params", "master", "optimizer_state", "host_buffers"))
+            assert host * world == (18 + 2) * p and row.device["params"] == 0
+    for line, row in zip(printed, [*zero2, *zero3], strict=True):  # the table shows these rows' numbers
+        cpu, gpu = re.findall(r"(\d+\.\d\d)GB", line)
+        assert (cpu, gpu) == (f"{row.host_total * factor / GIB:.2f}", f"{sum(row.device.values()) / GIB:.2f}")
