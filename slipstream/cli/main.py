@@ -7,7 +7,7 @@ import sys
 
 from slipstream import __version__
 
-SUBCOMMANDS = ("report", "run", "export", "plan", "elastic")
+SUBCOMMANDS = ("report", "run", "export", "plan", "elastic", "bench")
 """Every subcommand name: a first argument outside this list may be DeepSpeed's short form of `run`."""
 
 
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     elastic_parser = commands.add_parser("elastic", help=elastic_command.HELP, description=elastic_command.HELP)
     elastic_command.add_arguments(elastic_parser)
     elastic_parser.set_defaults(handler=elastic_command.run)
+    from slipstream.cli import bench as bench_command
+
+    bench_command.add_arguments(commands.add_parser("bench", help=bench_command.HELP, description=bench_command.HELP))
     return parser
 
 
