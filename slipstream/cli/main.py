@@ -7,7 +7,7 @@ import sys
 
 from slipstream import __version__
 
-SUBCOMMANDS = ("report", "run", "export", "plan", "elastic", "bench")
+SUBCOMMANDS = ("report", "run", "export", "plan", "elastic", "bench", "io")
 """Every subcommand name: a first argument outside this list may be DeepSpeed's short form of `run`."""
 
 
@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     from slipstream.cli import bench as bench_command
 
     bench_command.add_arguments(commands.add_parser("bench", help=bench_command.HELP, description=bench_command.HELP))
+    from slipstream.cli import io_bench as io_command
+
+    io_parser = commands.add_parser("io", help=io_command.HELP, description=io_command.HELP)
+    io_command.add_arguments(io_parser)
+    io_parser.set_defaults(handler=io_command.run)
     return parser
 
 
