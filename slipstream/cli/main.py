@@ -7,7 +7,7 @@ import sys
 
 from slipstream import __version__
 
-SUBCOMMANDS = ("report", "run", "export", "plan", "elastic", "bench", "io")
+SUBCOMMANDS = ("report", "run", "export", "plan", "elastic", "bench", "io", "nvme")
 """Every subcommand name: a first argument outside this list may be DeepSpeed's short form of `run`."""
 
 
@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     io_parser = commands.add_parser("io", help=io_command.HELP, description=io_command.HELP)
     io_command.add_arguments(io_parser)
     io_parser.set_defaults(handler=io_command.run)
+    from slipstream.cli import nvme as nvme_command
+
+    nvme_command.add_arguments(commands.add_parser("nvme", help=nvme_command.HELP, description=nvme_command.HELP))
     return parser
 
 
