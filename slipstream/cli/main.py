@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from slipstream import __version__
 
-SUBCOMMANDS = ("report", "run", "export", "plan", "elastic", "ssh")
+COMMANDS: dict[str, tuple[str, str]] = {
+    "report": ("slipstream.report", "environment and native-op report (DeepSpeed's ds_report)"),
+    "run": ("slipstream.cli.run", ""),
+    "export": ("slipstream.cli.export", ""),
+    "plan": ("slipstream.cli.plan", ""),
+    "elastic": ("slipstream.cli.elastic", ""),
+    "ssh": ("slipstream.cli.ssh", ""),
+    "bench": ("slipstream.cli.bench", ""),
+    "io": ("slipstream.cli.io_bench", ""),
+    "nvme": ("slipstream.cli.nvme", ""),
+}
+"""Subcommand -> (the module that owns it, a help line when the module has no HELP). Each module has
+`add_arguments(parser)` and either `run(args)` or sets its own handlers (commands with sub-subcommands)."""
+SUBCOMMANDS = tuple(COMMANDS)
 """Every subcommand name: a first argument outside this list may be DeepSpeed's short form of `run`."""
 
 
@@ -15,36 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream", description="Slipstream: ZeRO training with DeepSpeed's API.")
     parser.add_argument("--version", action="version", version=f"slipstream {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from slipstream import report
-
-    report_parser = commands.add_parser("report", help="environment and native-op report (DeepSpeed's ds_report)")
-    report.add_arguments(report_parser)
-    report_parser.set_defaults(handler=report.run)
-    from slipstream.cli import run as run_command
-
-    run_parser = commands.add_parser("run", help=run_command.HELP, description=run_command.HELP)
-    run_command.add_arguments(run_parser)
-    run_parser.set_defaults(handler=run_command.run)
-    from slipstream.cli import export as export_command
-
-    export_parser = commands.add_parser("export", help=export_command.HELP, description=export_command.HELP)
-    export_command.add_arguments(export_parser)
-    export_parser.set_defaults(handler=export_command.run)
-    from slipstream.cli import plan as plan_command
-
-    plan_parser = commands.add_parser("plan", help=plan_command.HELP, description=plan_command.HELP)
-    plan_command.add_arguments(plan_parser)
-    plan_parser.set_defaults(handler=plan_command.run)
-    from slipstream.cli import elastic as elastic_command
-
-    elastic_parser = commands.add_parser("elastic", help=elastic_command.HELP, description=elastic_command.HELP)
-    elastic_command.add_arguments(elastic_parser)
-    elastic_parser.set_defaults(handler=elastic_command.run)
-    from slipstream.cli import ssh as ssh_command
-
-    ssh_parser = commands.add_parser("ssh", help=ssh_command.HELP, description=ssh_command.HELP)
-    ssh_command.add_arguments(ssh_parser)
-    ssh_parser.set_defaults(handler=ssh_command.run)
+    for name, (module_name, fallback_help) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        text = getattr(module, "HELP", fallback_help)
+        sub = commands.add_parser(name, help=text, description=text)
+        module.add_arguments(sub)
+        if hasattr(module, "run"):
+            sub.set_defaults(handler=module.run)
     return parser
 
 

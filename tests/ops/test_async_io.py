@@ -320,3 +320,21 @@ def test_engine_choice_default_and_unknown(native_op: ModuleType, monkeypatch: p
     monkeypatch.setenv("SLIPSTREAM_AIO_ENGINE", "spdk")
     with pytest.raises(RuntimeError, match="spdk: not compiled into this build"):
         native_op.aio_handle(BLOCK, 4, False, True, 1)
+
+
+def test_fallback_handle_collected_on_one_of_its_own_workers_does_not_block(tmp_path: Path) -> None:
+    """Garbage collection may finalize a handle in any thread, including one of its pool's workers; the
+    finalizer must not join the pool there (it waited for itself and hung)."""
+    import threading
+
+    handle = fallback_op.aio_handle(block_size=4096, queue_depth=2, intra_op_parallelism=1)
+    buffer = torch.arange(4096, dtype=torch.uint8)
+    handle.async_pwrite(buffer, str(tmp_path / "f.bin"), 0)
+    finished = threading.Event()
+
+    def finalize_on_worker() -> None:
+        handle.__del__()
+        finished.set()
+
+    handle._pool.submit(finalize_on_worker)
+    assert finished.wait(timeout=20), "the handle's finalizer blocked on its own worker"

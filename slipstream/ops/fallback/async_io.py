@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno as errno_codes
+import contextlib
 import functools
 import mmap
 import os
@@ -63,6 +64,11 @@ class _Request:
             if fd >= 0:
                 os.close(fd)
         self.fd_direct = self.fd_plain = -1
+
+    def __del__(self) -> None:
+        # a request abandoned by a handle that died before waiting: its files close when its last job is done
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 def _byte_view(tensor: torch.Tensor, method: str) -> memoryview:
@@ -257,11 +263,16 @@ class aio_handle:  # DeepSpeed's name, so both modules have the same face
             direct = False  # a partial direct transfer finishes with plain I/O (the rest may be unaligned)
 
     def __del__(self) -> None:
+        # Garbage collection can run this in any thread, even in a thread the pool's workers or a caller are
+        # waiting on; joining the workers here deadlocked (seen once in the NVMe tests). So never block: the
+        # workers finish what is queued and exit; a request's files are closed here only once it is done, and
+        # otherwise when the request object dies with its last future.
         pool = getattr(self, "_pool", None)
         if pool is not None:
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=False)
         for req in getattr(self, "_pending", []):
-            req.close()
+            if all(future.done() for future in req.futures):
+                req.close()
 
 
 @functools.cache
