@@ -2,7 +2,8 @@
 
 Every collective Slipstream issues goes through here (docs/design.md D13). Each one is counted
 (`counting.py`), numbered and recorded in the store (see [Note: collective sequence numbers] in
-`arrivals.py`), and waited on with a timeout: a rank that never arrives makes the others raise
+`arrivals.py`), given aliases of its tensors (see [Note: handing tensors to gloo] in `inflight.py`), and
+waited on with a timeout: a rank that never arrives makes the others raise
 `CollectiveTimeout` naming the operation, its number, the ranks that arrived and those that did not,
 instead of hanging. The timeout is the config's `collective_timeout` (seconds), else `SLIPSTREAM_TIMEOUT` seconds, else `DEEPSPEED_TIMEOUT` minutes
 (DeepSpeed's variable), else 5 minutes. Counted names are the logical operation: a reduce-scatter is
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slipstream.comm import arrivals, counting
+from slipstream.comm import arrivals, counting, inflight, teardown
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -73,24 +74,34 @@ def _describe(rank: int, arrival: arrivals.Arrival | None) -> str:
 class TimedWork:
     """An in-flight collective; `wait()` raises CollectiveTimeout instead of blocking forever."""
 
-    def __init__(self, work: Any, op: str, seq: int, tensor: torch.Tensor) -> None:
-        self._work, self._op, self._seq, self._tensor = work, op, seq, tensor
+    def __init__(self, entry: inflight.Handed, op: str, seq: int, tensor: torch.Tensor) -> None:
+        self._entry, self._op, self._seq, self._tensor = entry, op, seq, tensor
 
     def wait(self) -> None:
+        work = self._entry.work
+        if work is None:
+            return
         try:
             if self._tensor.device.type == "cpu":
-                self._work.wait(timeout=collective_timeout())
+                work.wait(timeout=collective_timeout())
             else:
-                self._work.wait()
+                work.wait()
         except RuntimeError as exc:
+            inflight.abandon(self._entry)  # its worker may wait on the peer for good: never join it
             raise CollectiveTimeout(self._op, self._seq, self._tensor, exc) from exc
+        self._entry.work = None  # the backend's worker now holds the last reference to the work, briefly
 
 
-def _issue(op: str, tensor: torch.Tensor, launch: Any, async_op: bool) -> TimedWork:
-    """Count, number and launch one collective; wait for it unless `async_op` (the caller then waits)."""
+def _issue(op: str, tensor: torch.Tensor, tensors: tuple[torch.Tensor, ...], launch: Any,
+           async_op: bool) -> TimedWork:
+    """Count, number and launch one collective on aliases of `tensors` (the backend sees only those; `tensor`
+    is the one counted and described); wait for it unless `async_op` (the caller then waits)."""
+    teardown.install(created=False)  # a group created elsewhere still needs its collectives drained at exit
     counting.record(op, tensor)
     seq = arrivals.record(op)
-    work = TimedWork(launch(), op, seq, tensor)
+    entry = inflight.hand(tensors, f"{op} #{seq}")
+    entry.work = launch(*entry.aliases)
+    work = TimedWork(entry, op, seq, tensor)
     if not async_op:
         work.wait()
     return work
@@ -99,28 +110,29 @@ def _issue(op: str, tensor: torch.Tensor, launch: Any, async_op: bool) -> TimedW
 def all_reduce(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                async_op: bool = False) -> TimedWork:
     """Sum `tensor` across the ranks of `group`, in place."""
-    return _issue("all_reduce", tensor, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group,
-                                                                 async_op=True), async_op)
+    return _issue("all_reduce", tensor, (tensor,), lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group,
+                                                                              async_op=True), async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                    async_op: bool = False) -> TimedWork:
     """Sum `input` (world * output.numel() elements) across ranks; rank r receives chunk r in `output`."""
-    return _issue("reduce_scatter", input, lambda: _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM,
-                                                                         group=group, async_op=True), async_op)
+    return _issue("reduce_scatter", input, (input, output), lambda i, o: _reduce_scatter_flat(
+        o, i, op=dist.ReduceOp.SUM, group=group, async_op=True), async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                async_op: bool = False) -> TimedWork:
     """Concatenate every rank's `input` into `output` (may be in place: input is output's chunk r)."""
-    return _issue("all_gather", output, lambda: _all_gather_flat(output, input, group=group, async_op=True),
-                  async_op)
+    return _issue("all_gather", output, (output, input), lambda o, i: _all_gather_flat(o, i, group=group,
+                                                                                         async_op=True), async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None = None) -> None:
     """Copy `tensor` from global rank `src` to every rank of `group`."""
-    _issue("broadcast", tensor, lambda: dist.broadcast(tensor, src=src, group=group, async_op=True), False)
+    _issue("broadcast", tensor, (tensor,), lambda t: dist.broadcast(t, src=src, group=group, async_op=True), False)
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
-    _issue("barrier", torch.empty(0), lambda: dist.barrier(group=group, async_op=True), False)
+    nothing = torch.empty(0)
+    _issue("barrier", nothing, (nothing,), lambda _: dist.barrier(group=group, async_op=True), False)

@@ -8,8 +8,6 @@ backend is the accelerator's (`gloo` on CPU, `nccl` on CUDA) unless given.
 
 from __future__ import annotations
 
-import atexit
-
 import datetime
 import logging
 import os
@@ -19,16 +17,6 @@ import torch.distributed as dist
 logger = logging.getLogger("slipstream")
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _destroy_at_exit() -> None:
-    """Tear down the process group Slipstream created before the interpreter's own teardown: a group left to
-    static destructors can abort the process at exit ("terminate called without an active exception")."""
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - exiting anyway; never turn a finished run into a failure
-        pass
 
 
 def is_initialized() -> bool:
@@ -43,6 +31,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     """Start the default process group unless one exists (DeepSpeed's signature; see module doc).
 
     `timeout` defaults to the collective timeout (SLIPSTREAM_TIMEOUT seconds / DEEPSPEED_TIMEOUT minutes / 5 min).
+    The group is torn down at exit as [Note: process group teardown] in teardown.py says.
     """
     del auto_mpi_discovery, config  # accepted for DeepSpeed compatibility; MPI discovery comes with the launcher
     if is_initialized():
@@ -51,6 +40,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialized; initialize it "
                            "first or pass dist_init_required=None")
     from slipstream.accelerator import get_accelerator
+    from slipstream.comm import teardown
     from slipstream.comm.collectives import collective_timeout
 
     timeout = timeout or collective_timeout()
@@ -70,7 +60,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         raise RuntimeError(f"the launcher environment is incomplete: {', '.join(missing)} not set while "
                            f"{', '.join(n for n in _LAUNCHER_VARS if n not in missing)} are; start the script "
                            "with torchrun / `slipstream run`, or unset them all for a single process")
-    atexit.register(_destroy_at_exit)
+    teardown.install(created=True)
     if verbose:
         logger.info("initialized torch.distributed: backend=%s rank=%d world_size=%d", backend,
                     dist.get_rank(), dist.get_world_size())

@@ -5,14 +5,22 @@
 - `queue_end_of_backward(callback)`: run `callback` when the current autograd backward pass finishes
   (ZeRO-3 reduces the remaining gradients and frees gathered parameters there). Only valid while a
   backward pass is running (inside an autograd hook).
+- `use_count(tensor)`: how many C++ references hold the tensor's TensorImpl (comm/inflight.py watches gloo's
+  worker threads let go of a collective's tensors with it).
+- `live_groups()`: every process group torch.distributed has registered (the default one and subgroups).
+- `forget_destroyed_groups()`: drop the references `torch.distributed.nn.functional` keeps to destroyed
+  groups, so a destroyed group can be freed and its worker threads joined (see the function).
 """
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def no_subclass_dispatch() -> Any:
@@ -21,3 +29,37 @@ def no_subclass_dispatch() -> Any:
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def use_count(tensor: torch.Tensor) -> int:
+    return int(tensor._use_count())  # type: ignore[attr-defined]
+
+
+def live_groups() -> list[Any]:
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return list(getattr(world, "pg_map", {}) or {})
+
+
+def forget_destroyed_groups() -> None:
+    """Reset `group=` defaults of `torch.distributed.nn.functional` that hold a destroyed group to None.
+
+    Its functions are declared `def broadcast(tensor, src, group=group.WORLD)`: the default is evaluated
+    when the module is first imported, which is None before init_process_group and the group itself after.
+    torch._dynamo imports it and every torch.optim optimizer imports torch._dynamo, so in a training script
+    the default group ends up held by ten function defaults: destroy_process_group cannot free it, and its
+    gloo worker threads live into interpreter finalization. None is what those defaults are when the module
+    is imported before the group exists (the functions then use the default group of the moment).
+    """
+    module = sys.modules.get("torch.distributed.nn.functional")
+    if module is None:
+        return
+    live = {id(group) for group in live_groups()}
+    for value in vars(module).values():
+        defaults = getattr(value, "__defaults__", None)
+        if not isinstance(value, types.FunctionType) or not defaults:
+            continue
+        if any(isinstance(item, dist.ProcessGroup) and id(item) not in live for item in defaults):
+            value.__defaults__ = tuple(None if isinstance(item, dist.ProcessGroup) and id(item) not in live
+                                       else item for item in defaults)
+
+
