@@ -30,10 +30,15 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      world_size: int = -1) -> None:
     """Start the default process group unless one exists (DeepSpeed's signature; see module doc).
 
-    `timeout` defaults to the collective timeout (SLIPSTREAM_TIMEOUT seconds / DEEPSPEED_TIMEOUT minutes / 5 min).
-    The group is torn down at exit as [Note: process group teardown] in teardown.py says.
+    `timeout` becomes the collective timeout (Slipstream's deadline and the group's own); without it the group
+    gets the collective timeout (SLIPSTREAM_TIMEOUT seconds / DEEPSPEED_TIMEOUT minutes / 5 min). The group is
+    torn down at exit as [Note: process group teardown] in teardown.py says.
     """
     del auto_mpi_discovery, config  # accepted for DeepSpeed compatibility; MPI discovery comes with the launcher
+    from slipstream.comm.collectives import collective_timeout, set_collective_timeout
+
+    if timeout is not None:
+        set_collective_timeout(timeout.total_seconds())  # reaches an existing group too (set_timeout)
     if is_initialized():
         return
     if dist_init_required is False:
@@ -41,9 +46,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                            "first or pass dist_init_required=None")
     from slipstream.accelerator import get_accelerator
     from slipstream.comm import teardown
-    from slipstream.comm.collectives import collective_timeout
 
-    timeout = timeout or collective_timeout()
+    timeout = collective_timeout()
     backend = dist_backend or get_accelerator().communication_backend_name()
     missing = [name for name in _LAUNCHER_VARS if name not in os.environ]
     if init_method is not None or rank >= 0:

@@ -5,7 +5,8 @@ run forks two rank processes that join a fresh process group (env://, rank 0 hos
 steps and end the way that run's ending says, through the interpreter's own exit:
 
 - return: fall off the end of the script;  destroy: call destroy_process_group() first;
-- exit: sys.exit(0);  raise: rank 1 raises after its first step (rank 0 then loses its peer).
+- exit: sys.exit(0);  raise: rank 1 raises after its first step (rank 0 then loses its peer);
+- kill: rank 1 kills itself (SIGKILL) after its first step.
 
 Forking saves the ~2 s of `import torch` per process, so dozens of real process exits fit in a minute; the
 ranks import torch._dynamo themselves (every optimizer does), after the group exists, as a script started by
@@ -86,6 +87,8 @@ def rank_main(rank: int, port: int, ending: str) -> None:
         engine.step()
         if ending == "raise" and rank == 1 and step == 0:
             raise RuntimeError("rank 1 fails on purpose")
+        if ending == "kill" and rank == 1 and step == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
     print(f"rank {rank}: mean loss {mean_over_ranks(loss):.3f}", flush=True)
     if ending == "destroy":
         torch.distributed.destroy_process_group()

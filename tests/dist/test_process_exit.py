@@ -46,6 +46,20 @@ def test_a_job_that_raises_exits_non_zero_and_never_aborts() -> None:
     for result in results:
         rank0, rank1 = result["codes"]
         assert rank1 == 1, result  # rank 1 raised: the interpreter's exit status for an uncaught exception
-        assert rank0 == 1, result  # rank 0 lost its peer mid-step: an error, exit 1, not SIGABRT
+        assert rank0 == 1, result  # rank 0 lost its peer mid-step: PeerLost, exit 1, not SIGABRT
     assert "terminate called" not in output
+    assert "slipstream.comm.errors.PeerLost: collective reduce_scatter" in output, output[-3000:]
     assert "RuntimeError: rank 1 fails on purpose" in output
+
+
+def test_a_killed_peer_is_reported_as_lost_at_once() -> None:
+    results, output = run_jobs(2, "kill")
+    for result in results:
+        assert result["codes"] == [1, -9], result  # rank 0 raised PeerLost and exited; rank 1 was SIGKILLed
+    lost = [line for line in output.splitlines() if "PeerLost: collective" in line]
+    assert len(lost) == 2, output[-3000:]
+    for line in lost:
+        assert "failed: the connection to a peer closed" in line and "missing ranks [1]" in line, line
+        assert "rank 1 (pid " in line and "on this host) has ended" in line, line
+        seconds = float(line.split(" on rank 0 after ", 1)[1].split(" s ", 1)[0])
+        assert seconds < 10, line  # a closed connection is seen at once; the timeout (20 s) plays no part
