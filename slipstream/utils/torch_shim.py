@@ -7,6 +7,8 @@
   backward pass is running (inside an autograd hook).
 - `use_count(tensor)`: how many C++ references hold the tensor's TensorImpl (comm/inflight.py watches gloo's
   worker threads let go of a collective's tensors with it).
+- `continue_stopped_ranks_on_close()`: the elastic agent follows the signal that stops a rank with SIGCONT,
+  so a rank stopped by SIGSTOP ends with the job instead of after the agent's grace period (see the function).
 - `live_groups()`: every process group torch.distributed has registered (the default one and subgroups).
 - `forget_destroyed_groups()`: drop the references `torch.distributed.nn.functional` keeps to destroyed
   groups, so a destroyed group can be freed and its worker threads joined (see the function).
@@ -14,6 +16,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import types
 from collections.abc import Callable
@@ -63,3 +67,27 @@ def forget_destroyed_groups() -> None:
                                        else item for item in defaults)
 
 
+def continue_stopped_ranks_on_close() -> None:
+    """Patch torch's SubprocessHandler (in the launcher process only) so that the signal the elastic agent sends
+    to stop a rank is followed by SIGCONT.
+
+    A rank stopped by SIGSTOP (or a debugger) cannot act on SIGTERM: the signal stays pending and the agent
+    waits its whole grace period (30 s in torch 2.13, whatever `shutdown_timeout` says) before SIGKILL. Once
+    continued, the rank meets the pending SIGTERM at once, so a job with a stopped rank ends when the others do.
+    """
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+
+    if getattr(SubprocessHandler.close, "_slipstream", False):
+        return
+    original = SubprocessHandler.close
+
+    def close(self: Any, death_sig: signal.Signals | None = None) -> None:
+        original(self, death_sig)
+        if os.name == "posix":
+            try:
+                os.killpg(self.proc.pid, signal.SIGCONT)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    close._slipstream = True  # type: ignore[attr-defined]
+    SubprocessHandler.close = close  # type: ignore[method-assign]
