@@ -57,11 +57,16 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         raise ValueError("initialize() needs model=<torch.nn.Module>")
     if mpu is not None or mesh_param is not None:
         raise NotImplementedError("model parallelism (mpu=, mesh_param=) is not available yet in Slipstream")
-    from slipstream.config import load_config, resolve
+    from slipstream.comm import collectives
+    from slipstream.config import collective_timeout_of, load_config, resolve
     from slipstream.engine.engine import SlipstreamEngine
 
     raw = load_config(_config_source(args, config, config_params))
+    timeout = collective_timeout_of(raw)
+    if timeout is not None:  # before the group exists, so it is created with it (an existing one gets set_timeout)
+        collectives.set_collective_timeout(timeout)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required, verbose=False)
+    collectives.apply_to_group()  # SLIPSTREAM_TIMEOUT / DEEPSPEED_TIMEOUT reach a group created elsewhere too
     if args is not None and hasattr(args, "local_rank"):
         import os
 

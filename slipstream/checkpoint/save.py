@@ -61,7 +61,7 @@ from slipstream.checkpoint.state import (
     trainable_names,
 )
 from slipstream.comm import collectives
-from slipstream.comm.collectives import CollectiveTimeout
+from slipstream.comm.collectives import CollectiveError
 from slipstream.utils.logging import get_logger, warn_once
 
 _Item = tuple[str, torch.Tensor, int, int, tuple[int, ...], bool]  # key, data, start, end, global shape, frozen
@@ -86,9 +86,9 @@ def validate_tag(tag: str, mode: str, *, world_size: int) -> None:
 def _barrier_call(call: Any, what: str) -> None:
     try:
         call()
-    except CollectiveTimeout as exc:
-        raise CheckpointError(f"{what}: ranks {exc.missing} never arrived (arrived: {exc.arrived}). Every rank must "
-                              f"call {what.split()[0]}, with the same arguments") from exc
+    except CollectiveError as exc:
+        raise CheckpointError(f"{what}: {exc.summary()}. Every rank must call {what.split()[0]}, with the same "
+                              "arguments") from exc
 
 
 def _items(parts: EngineParts, client_tensors: dict[str, torch.Tensor], exclude_frozen: bool) -> list[_Item]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from slipstream.comm.collectives import (
+    CollectiveError,
     CollectiveTimeout,
+    PeerLost,
     all_gather,
     all_reduce,
     barrier,
@@ -14,7 +16,9 @@ from slipstream.comm.counting import CollectiveCounter, count_collectives
 from slipstream.comm.init import init_distributed, is_initialized
 
 __all__ = [
+    "CollectiveError",
     "CollectiveTimeout",
+    "PeerLost",
     "CollectiveCounter",
     "all_gather",
     "all_reduce",

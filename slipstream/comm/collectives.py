@@ -1,96 +1,172 @@
 """The collectives of ZeRO, as thin typed wrappers over torch.distributed that are counted and time out.
 
 Every collective Slipstream issues goes through here (docs/design.md D13). Each one is counted
-(`counting.py`), numbered and recorded in the store (see [Note: collective sequence numbers] in
-`arrivals.py`), and waited on with a timeout: a rank that never arrives makes the others raise
-`CollectiveTimeout` naming the operation, its number, the ranks that arrived and those that did not,
-instead of hanging. The timeout is the config's `collective_timeout` (seconds), else `SLIPSTREAM_TIMEOUT` seconds, else `DEEPSPEED_TIMEOUT` minutes
-(DeepSpeed's variable), else 5 minutes. Counted names are the logical operation: a reduce-scatter is
-'reduce_scatter' whatever the backend does underneath.
-On NCCL, `wait()` orders the current stream rather than blocking the host, so there the process group's
-own timeout (set from the same value by `init_distributed`) is what fires.
+(`counting.py`), numbered and recorded in the store with its identity (see [Note: collective sequence
+numbers] in `arrivals.py`), given aliases of its tensors (see [Note: handing tensors to gloo] in
+`inflight.py`) and waited on against a deadline: a rank that never arrives, or a peer that dies, makes the
+others raise `CollectiveTimeout` or `PeerLost` (errors.py) naming the operation, where it was issued, the
+ranks that arrived and those that did not, instead of hanging.
+
+The timeout is, in order of precedence: the config's `collective_timeout` (seconds), `init_distributed(timeout=...)`,
+`SLIPSTREAM_TIMEOUT` seconds, `DEEPSPEED_TIMEOUT` minutes (DeepSpeed's variable), else 5 minutes. It is the
+process group's own timeout too (given when Slipstream creates the group, and through `set_timeout` to a
+group that exists), so gloo's operations and any point-to-point call give up at the same deadline. On the
+host Slipstream also keeps its own deadline, measured from the launch, through `Work.wait(timeout=...)`;
+gloo's flat reduce-scatter returns a work whose wait ignores that timeout and which never reports
+completion, so a host reduce-scatter is issued here as what gloo runs for it anyway (a copy of the input,
+an all-reduce, chunk r copied out). On NCCL `wait()` orders the current stream rather than blocking the
+host, so there the group's timeout is what fires. Counted names are the logical operation: a
+reduce-scatter is 'reduce_scatter' whatever the backend does underneath.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from slipstream.comm import arrivals, counting
+from slipstream.comm import arrivals, counting, inflight, teardown
+from slipstream.comm.errors import CollectiveError, CollectiveTimeout, OpInfo, PeerLost, is_lost_peer
+
+__all__ = ["CollectiveError", "CollectiveTimeout", "PeerLost", "TimedWork", "all_gather", "all_reduce", "barrier",
+           "broadcast", "collective_timeout", "reduce_scatter", "set_collective_timeout"]
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
+_COMM_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(_COMM_DIR)
+_LIBRARY_DIRS = (_PACKAGE_DIR, os.path.dirname(torch.__file__))  # a backward hook's caller is autograd's frame
 
 _configured_timeout: list[float] = []
 
 
 def set_collective_timeout(seconds: float | None) -> None:
-    """Use `seconds` from now on (the config's `collective_timeout`); None returns to the environment's."""
+    """Use `seconds` from now on (the config's `collective_timeout`, or `init_distributed(timeout=...)`), for
+    Slipstream's deadline and for the default process group's own; None returns to the environment's."""
     _configured_timeout[:] = [] if seconds is None else [float(seconds)]
+    apply_to_group()
 
 
-def collective_timeout() -> datetime.timedelta:
-    """The timeout of one collective (see the module doc)."""
+def configured_timeout() -> datetime.timedelta | None:
+    """The timeout someone chose (config, init_distributed, environment), or None for the default."""
     if _configured_timeout:
         return datetime.timedelta(seconds=_configured_timeout[0])
     if os.environ.get("SLIPSTREAM_TIMEOUT"):
         return datetime.timedelta(seconds=float(os.environ["SLIPSTREAM_TIMEOUT"]))
     if os.environ.get("DEEPSPEED_TIMEOUT"):
         return datetime.timedelta(minutes=float(os.environ["DEEPSPEED_TIMEOUT"]))
-    return datetime.timedelta(minutes=5)
+    return None
 
 
-class CollectiveTimeout(RuntimeError):
-    """A collective did not complete: some ranks never reached it (or failed on the way)."""
-
-    def __init__(self, op: str, seq: int, tensor: torch.Tensor, cause: BaseException) -> None:
-        world = dist.get_world_size()
-        me = dist.get_rank()
-        last = arrivals.last_arrivals(world)
-        arrived = sorted(r for r, a in last.items() if a is not None and a.seq >= seq)
-        missing = sorted(set(range(world)) - set(arrived) - {me})
-        arrived = sorted(set(arrived) | {me})
-        doing = "; ".join(_describe(r, last[r]) for r in missing)
-        self.op, self.seq, self.arrived, self.missing = op, seq, arrived, missing
-        super().__init__(
-            f"collective {op} #{seq} ({tuple(tensor.shape)}, {tensor.dtype}) did not complete on rank {me} within "
-            f"{collective_timeout().total_seconds():g} s: arrived ranks {arrived}, missing ranks {missing}"
-            f"{' (' + doing + ')' if doing else ''}. Every rank must run the same forward/backward/step and the "
-            f"same collective calls (save_checkpoint too). Underlying error: {cause}")
+def collective_timeout() -> datetime.timedelta:
+    """The timeout of one collective (see the module doc)."""
+    return configured_timeout() or datetime.timedelta(minutes=5)
 
 
-def _describe(rank: int, arrival: arrivals.Arrival | None) -> str:
-    return f"rank {rank} reached no collective" if arrival is None else \
-        f"rank {rank} last reached #{arrival.seq} {arrival.op}"
+def apply_to_group() -> None:
+    """Give the default process group the chosen timeout, so the backend's own operations (and any
+    point-to-point call) give up when Slipstream's deadline does. A group nobody chose a timeout for keeps its own."""
+    chosen = configured_timeout()
+    if chosen is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    group = dist.group.WORLD
+    if group is not None and hasattr(group, "set_timeout"):
+        group.set_timeout(chosen)
+
+
+def _sites() -> tuple[str, str]:
+    """(the line that issued the collective, the first line outside Slipstream and torch that led there, or '')."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_COMM_DIR):
+        frame = frame.f_back
+    site = _where(frame)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame = frame.f_back
+    origin = _where(frame)
+    return site, "" if origin == site else origin
+
+
+def _where(frame: Any) -> str:
+    path = frame.f_code.co_filename
+    shown = "slipstream/" + os.path.relpath(path, _PACKAGE_DIR) if path.startswith(_PACKAGE_DIR) else \
+        os.path.basename(path)
+    return f"{shown}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
 class TimedWork:
-    """An in-flight collective; `wait()` raises CollectiveTimeout instead of blocking forever."""
+    """An in-flight collective; `wait()` raises CollectiveTimeout or PeerLost instead of blocking forever."""
 
-    def __init__(self, work: Any, op: str, seq: int, tensor: torch.Tensor) -> None:
-        self._work, self._op, self._seq, self._tensor = work, op, seq, tensor
+    def __init__(self, entry: inflight.Handed, info: OpInfo, device: str, finish: Callable[[], Any] | None) -> None:
+        self._entry, self._info, self._device, self._finish = entry, info, device, finish
+        self._started = time.monotonic()
+        self._done = False
 
     def wait(self) -> None:
+        if self._done:
+            return
+        if self._device == "cpu":
+            self._wait_host()
+        elif self._entry.work is not None:
+            try:
+                self._entry.work.wait()  # orders the stream; the group's own timeout fires on NCCL
+            except RuntimeError as exc:
+                self._entry.error = exc.with_traceback(None)
+            self._entry.work = None
+        self._done = True
+        if self._entry.error is not None:
+            raise self._failure(self._entry.error)
+        if self._finish is not None:
+            self._finish()
+
+    def _wait_host(self) -> None:
+        work = self._entry.work
+        if work is None:  # seen complete already (inflight polls on every launch)
+            return
+        left = self._started + self._info.timeout_s - time.monotonic()
         try:
-            if self._tensor.device.type == "cpu":
-                self._work.wait(timeout=collective_timeout())
-            else:
-                self._work.wait()
+            work.wait(timeout=datetime.timedelta(seconds=max(left, 0.001)))  # 0 would mean: no timeout
         except RuntimeError as exc:
-            raise CollectiveTimeout(self._op, self._seq, self._tensor, exc) from exc
+            if not work.is_completed():  # the deadline passed while the backend still waits on a peer
+                inflight.abandon(self._entry)  # its worker may wait for good: never join it
+                self._done = True
+                raise self._failure(None) from None
+            self._entry.error = exc.with_traceback(None)
+        self._entry.work = None
+
+    def _failure(self, cause: BaseException | None) -> CollectiveError:
+        elapsed = time.monotonic() - self._started
+        if cause is None or "timed out" in str(cause).lower():
+            return CollectiveTimeout(self._info, elapsed, cause)
+        if is_lost_peer(cause):
+            return PeerLost(self._info, elapsed, cause)
+        return CollectiveError(self._info, elapsed, cause, "failed")
 
 
-def _issue(op: str, tensor: torch.Tensor, launch: Any, async_op: bool) -> TimedWork:
-    """Count, number and launch one collective; wait for it unless `async_op` (the caller then waits)."""
-    counting.record(op, tensor)
-    seq = arrivals.record(op)
-    work = TimedWork(launch(), op, seq, tensor)
+def _issue(kind: str, shown: torch.Tensor, tensors: tuple[torch.Tensor, ...], launch: Callable[..., Any],
+           async_op: bool, finish: Callable[[], Any] | None = None) -> TimedWork:
+    """Count, number, record and launch one collective on aliases of `tensors` (the backend sees only those;
+    `shown` is what the error describes); `finish` runs once it completed. Waits unless `async_op` (the
+    caller then waits)."""
+    teardown.install(created=False)  # a group created elsewhere still needs its collectives drained at exit
+    counting.record(kind, shown)
+    site, origin = _sites()
+    identity = f"{kind} {shown.numel()} {site}"
+    seq = arrivals.record(identity)
+    info = OpInfo(kind, seq, identity, tuple(shown.shape), str(shown.dtype).removeprefix("torch."), site, origin,
+                  collective_timeout().total_seconds())
+    entry = inflight.hand(tensors, f"{kind} #{seq} from {site}")
+    try:
+        entry.work = launch(*entry.aliases)
+    except RuntimeError as exc:  # gloo raises at once when a peer is already gone
+        entry.error = exc.with_traceback(None)
+    work = TimedWork(entry, info, shown.device.type, finish)
     if not async_op:
         work.wait()
     return work
@@ -99,28 +175,39 @@ def _issue(op: str, tensor: torch.Tensor, launch: Any, async_op: bool) -> TimedW
 def all_reduce(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                async_op: bool = False) -> TimedWork:
     """Sum `tensor` across the ranks of `group`, in place."""
-    return _issue("all_reduce", tensor, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group,
-                                                                 async_op=True), async_op)
+    return _issue("all_reduce", tensor, (tensor,), lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group,
+                                                                              async_op=True), async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                    async_op: bool = False) -> TimedWork:
-    """Sum `input` (world * output.numel() elements) across ranks; rank r receives chunk r in `output`."""
-    return _issue("reduce_scatter", input, lambda: _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM,
-                                                                         group=group, async_op=True), async_op)
+    """Sum `input` (world * output.numel() elements) across ranks; rank r receives chunk r in `output`.
+
+    On the host this is what gloo itself does for a flat reduce-scatter (a copy of `input`, an all-reduce of
+    it, chunk r copied out), issued here so that the all-reduce's completion can be watched: gloo's own
+    version returns a work that never reports completion and whose wait() ignores its timeout."""
+    if input.device.type != "cpu":
+        return _issue("reduce_scatter", input, (input, output), lambda i, o: _reduce_scatter_flat(
+            o, i, op=dist.ReduceOp.SUM, group=group, async_op=True), async_op)
+    summed = input.clone()
+    chunk = summed.chunk(dist.get_world_size(group))[dist.get_rank(group)]
+    return _issue("reduce_scatter", input, (summed,), lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group,
+                                                                                async_op=True),
+                  async_op, finish=lambda: output.copy_(chunk))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                async_op: bool = False) -> TimedWork:
     """Concatenate every rank's `input` into `output` (may be in place: input is output's chunk r)."""
-    return _issue("all_gather", output, lambda: _all_gather_flat(output, input, group=group, async_op=True),
-                  async_op)
+    return _issue("all_gather", output, (output, input), lambda o, i: _all_gather_flat(o, i, group=group,
+                                                                                         async_op=True), async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None = None) -> None:
     """Copy `tensor` from global rank `src` to every rank of `group`."""
-    _issue("broadcast", tensor, lambda: dist.broadcast(tensor, src=src, group=group, async_op=True), False)
+    _issue("broadcast", tensor, (tensor,), lambda t: dist.broadcast(t, src=src, group=group, async_op=True), False)
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
-    _issue("barrier", torch.empty(0), lambda: dist.barrier(group=group, async_op=True), False)
+    nothing = torch.empty(0)
+    _issue("barrier", nothing, (nothing,), lambda _: dist.barrier(group=group, async_op=True), False)

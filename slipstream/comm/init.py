@@ -8,8 +8,6 @@ backend is the accelerator's (`gloo` on CPU, `nccl` on CUDA) unless given.
 
 from __future__ import annotations
 
-import atexit
-
 import datetime
 import logging
 import os
@@ -19,16 +17,6 @@ import torch.distributed as dist
 logger = logging.getLogger("slipstream")
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _destroy_at_exit() -> None:
-    """Tear down the process group Slipstream created before the interpreter's own teardown: a group left to
-    static destructors can abort the process at exit ("terminate called without an active exception")."""
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - exiting anyway; never turn a finished run into a failure
-        pass
 
 
 def is_initialized() -> bool:
@@ -42,18 +30,24 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      world_size: int = -1) -> None:
     """Start the default process group unless one exists (DeepSpeed's signature; see module doc).
 
-    `timeout` defaults to the collective timeout (SLIPSTREAM_TIMEOUT seconds / DEEPSPEED_TIMEOUT minutes / 5 min).
+    `timeout` becomes the collective timeout (Slipstream's deadline and the group's own); without it the group
+    gets the collective timeout (SLIPSTREAM_TIMEOUT seconds / DEEPSPEED_TIMEOUT minutes / 5 min). The group is
+    torn down at exit as [Note: process group teardown] in teardown.py says.
     """
     del auto_mpi_discovery, config  # accepted for DeepSpeed compatibility; MPI discovery comes with the launcher
+    from slipstream.comm.collectives import collective_timeout, set_collective_timeout
+
+    if timeout is not None:
+        set_collective_timeout(timeout.total_seconds())  # reaches an existing group too (set_timeout)
     if is_initialized():
         return
     if dist_init_required is False:
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialized; initialize it "
                            "first or pass dist_init_required=None")
     from slipstream.accelerator import get_accelerator
-    from slipstream.comm.collectives import collective_timeout
+    from slipstream.comm import teardown
 
-    timeout = timeout or collective_timeout()
+    timeout = collective_timeout()
     backend = dist_backend or get_accelerator().communication_backend_name()
     missing = [name for name in _LAUNCHER_VARS if name not in os.environ]
     if init_method is not None or rank >= 0:
@@ -70,7 +64,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         raise RuntimeError(f"the launcher environment is incomplete: {', '.join(missing)} not set while "
                            f"{', '.join(n for n in _LAUNCHER_VARS if n not in missing)} are; start the script "
                            "with torchrun / `slipstream run`, or unset them all for a single process")
-    atexit.register(_destroy_at_exit)
+    teardown.install(created=True)
     if verbose:
         logger.info("initialized torch.distributed: backend=%s rank=%d world_size=%d", backend,
                     dist.get_rank(), dist.get_world_size())

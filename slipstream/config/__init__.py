@@ -23,7 +23,7 @@ from slipstream.config.plan import (
     Stage3Plan,
     ZeroPlan,
 )
-from slipstream.config.resolve import resolve
+from slipstream.config.resolve import collective_timeout_of, resolve
 
 __all__ = [
     "AioPlan",
@@ -44,6 +44,7 @@ __all__ = [
     "SchedulerPlan",
     "Stage3Plan",
     "ZeroPlan",
+    "collective_timeout_of",
     "load_config",
     "resolve",
 ]

@@ -55,7 +55,7 @@ from slipstream.config.plan import (
 from slipstream.config.schema.top import DeepSpeedConfig
 from slipstream.config.schema.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
-__all__ = ["default_stage3_plan", "resolve", "resolve_zero_init"]
+__all__ = ["collective_timeout_of", "default_stage3_plan", "resolve", "resolve_zero_init"]
 DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 _TBS, _MICRO, _GAS = BATCH_KEYS
 
@@ -375,3 +375,12 @@ def _resolved(cfg: DeepSpeedConfig, batch: BatchPlan) -> dict[str, Any]:
     zero = cfg.zero_optimization
     data["zero_optimization"]["overlap_comm"] = zero.overlap_comm if zero.overlap_comm is not None else zero.stage == 3
     return data
+
+
+def collective_timeout_of(raw: dict[str, Any]) -> float | None:
+    """The config's `collective_timeout` ahead of resolve(), which needs the world size and so the process group,
+    which should be created with this timeout. A value resolve() rejects is left for resolve() to report."""
+    value = raw.get("collective_timeout")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        return None
+    return float(value)

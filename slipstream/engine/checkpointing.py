@@ -27,7 +27,7 @@ from slipstream.checkpoint.state import (
     to_json,
 )
 from slipstream.comm import collectives
-from slipstream.comm.collectives import CollectiveTimeout
+from slipstream.comm.collectives import CollectiveError
 from slipstream.utils.logging import log_rank0, warn_once
 
 
@@ -123,9 +123,9 @@ class Checkpointing:
             client.update(client_tensors(source))
             if self.world_size > 1:
                 collectives.barrier()
-        except CollectiveTimeout as exc:
-            raise CheckpointError(f"load_checkpoint: ranks {exc.missing} never arrived (arrived: {exc.arrived}); every "
-                                  "rank must call load_checkpoint, with the same arguments") from exc
+        except CollectiveError as exc:
+            raise CheckpointError(f"load_checkpoint: {exc.summary()}. Every rank must call load_checkpoint, with the "
+                                  "same arguments") from exc
         finally:
             source.close()
         if not load_module_only:

@@ -16,8 +16,10 @@ failure it raises names the rank, pid and exit code, and the log paths are ours)
   Without `--enable_each_rank_log` the directory is a fresh temp dir, removed after a clean exit and
   kept (and named) when anything failed.
 
-When a rank exits non-zero the agent stops every other local rank (SIGTERM to its process group, then
-SIGKILL after `SHUTDOWN_TIMEOUT_S`); we then print host, rank, exit code and the last `TAIL_LINES`
+When a rank exits non-zero the agent stops every other local rank (SIGTERM to its process group, followed
+by SIGCONT so that a rank stopped by SIGSTOP acts on it too (`torch_shim.continue_stopped_ranks_on_close`),
+then SIGKILL after a grace period: torch 2.13's agent uses 30 s there, not `SHUTDOWN_TIMEOUT_S`, which
+applies when the launcher itself is signalled); we then print host, rank, exit code and the last `TAIL_LINES`
 lines of that rank's log, and return the exit code (non-zero). SIGINT/SIGTERM/SIGHUP/SIGQUIT to this
 process reach every rank through the agent, and we return 128 + the signal number.
 
@@ -185,6 +187,9 @@ def run_node(plan: LaunchPlan, *, node_rank: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from slipstream.utils.torch_shim import continue_stopped_ranks_on_close
+
+    continue_stopped_ranks_on_close()
     if not 0 <= node_rank < plan.num_nodes:
         raise ValueError(f"--node_rank {node_rank} is outside 0..{plan.num_nodes - 1} for hosts {list(plan.world)}")
     host = list(plan.world)[node_rank]

@@ -8,14 +8,26 @@
 - `storage_use_count(tensor)`: how many references hold the tensor's storage, or None where torch does not
   say (ZeRO-3 asks whether tensors taken inside GatheredParameters still alias a unit's gathered storage
   before releasing it).
+- `use_count(tensor)`: how many C++ references hold the tensor's TensorImpl (comm/inflight.py watches gloo's
+  worker threads let go of a collective's tensors with it).
+- `continue_stopped_ranks_on_close()`: the elastic agent follows the signal that stops a rank with SIGCONT,
+  so a rank stopped by SIGSTOP ends with the job instead of after the agent's grace period (see the function).
+- `live_groups()`: every process group torch.distributed has registered (the default one and subgroups).
+- `forget_destroyed_groups()`: drop the references `torch.distributed.nn.functional` keeps to destroyed
+  groups, so a destroyed group can be freed and its worker threads joined (see the function).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def no_subclass_dispatch() -> Any:
@@ -32,3 +44,60 @@ def storage_use_count(tensor: torch.Tensor) -> int | None:
         return None
     storage = tensor.untyped_storage()
     return int(use_count(storage._cdata)) - 1  # without `storage`, the reference made here
+
+def use_count(tensor: torch.Tensor) -> int:
+    return int(tensor._use_count())  # type: ignore[attr-defined]
+
+
+def live_groups() -> list[Any]:
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return list(getattr(world, "pg_map", {}) or {})
+
+
+def forget_destroyed_groups() -> None:
+    """Reset `group=` defaults of `torch.distributed.nn.functional` that hold a destroyed group to None.
+
+    Its functions are declared `def broadcast(tensor, src, group=group.WORLD)`: the default is evaluated
+    when the module is first imported, which is None before init_process_group and the group itself after.
+    torch._dynamo imports it and every torch.optim optimizer imports torch._dynamo, so in a training script
+    the default group ends up held by ten function defaults: destroy_process_group cannot free it, and its
+    gloo worker threads live into interpreter finalization. None is what those defaults are when the module
+    is imported before the group exists (the functions then use the default group of the moment).
+    """
+    module = sys.modules.get("torch.distributed.nn.functional")
+    if module is None:
+        return
+    live = {id(group) for group in live_groups()}
+    for value in vars(module).values():
+        defaults = getattr(value, "__defaults__", None)
+        if not isinstance(value, types.FunctionType) or not defaults:
+            continue
+        if any(isinstance(item, dist.ProcessGroup) and id(item) not in live for item in defaults):
+            value.__defaults__ = tuple(None if isinstance(item, dist.ProcessGroup) and id(item) not in live
+                                       else item for item in defaults)
+
+
+def continue_stopped_ranks_on_close() -> None:
+    """Patch torch's SubprocessHandler (in the launcher process only) so that the signal the elastic agent sends
+    to stop a rank is followed by SIGCONT.
+
+    A rank stopped by SIGSTOP (or a debugger) cannot act on SIGTERM: the signal stays pending and the agent
+    waits its whole grace period (30 s in torch 2.13, whatever `shutdown_timeout` says) before SIGKILL. Once
+    continued, the rank meets the pending SIGTERM at once, so a job with a stopped rank ends when the others do.
+    """
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+
+    if getattr(SubprocessHandler.close, "_slipstream", False):
+        return
+    original = SubprocessHandler.close
+
+    def close(self: Any, death_sig: signal.Signals | None = None) -> None:
+        original(self, death_sig)
+        if os.name == "posix":
+            try:
+                os.killpg(self.proc.pid, signal.SIGCONT)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    close._slipstream = True  # type: ignore[attr-defined]
+    SubprocessHandler.close = close  # type: ignore[method-assign]

@@ -1,4 +1,5 @@
-"""A rank that skips a step makes the others fail fast with an error that names it, instead of hanging."""
+"""A rank that skips a step makes the others fail fast with an error that names it, instead of hanging; the
+config's collective_timeout is the process group's own timeout too, even for a group created before it."""
 
 from __future__ import annotations
 
@@ -36,3 +37,69 @@ def test_missing_rank_is_named_within_the_timeout(tmp_path) -> None:  # type: ig
     assert rank0.startswith("reduce_scatter #"), rank0
     assert "rank 1 last reached #" in rank0 and "within 3 s" in rank0
     assert time.monotonic() - started < 40
+
+
+GROUP_TIMEOUT_S = 3
+PEER_SLEEP_S = 15  # rank 1 stays away this long; the group gave up long before if it got the config's timeout
+
+
+def own_collective_times_out(rank: int, world: int) -> object:
+    import torch
+    import torch.distributed as dist
+
+    import slipstream
+
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2}, "collective_timeout": GROUP_TIMEOUT_S}
+    slipstream.initialize(model=TinyMLP(), config=config)  # the harness created the group, with 60 s
+    if rank == 1:
+        time.sleep(PEER_SLEEP_S)
+        return "slept"
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))  # the script's own collective: only the group's timeout guards it
+    except RuntimeError as exc:
+        return (time.monotonic() - started, str(exc)[:200])
+    return "no error"
+
+
+def test_the_config_timeout_reaches_a_group_created_before_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    rank0, rank1 = run_distributed(own_collective_times_out, world_size=2, tmp_dir=tmp_path, timeout_s=60)
+    assert rank1 == "slept"
+    assert isinstance(rank0, tuple), rank0
+    elapsed, message = rank0
+    # gloo gives up at the timeout; the margin covers a loaded machine, and stays under rank 1's absence
+    assert elapsed < GROUP_TIMEOUT_S + 7, (elapsed, message)
+    assert "Timed out" in message or "timed out" in message, message
+
+
+DEADLINE_S = 2
+
+
+def reduce_scatter_alone(rank: int, world: int) -> object:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from slipstream.comm import CollectiveTimeout, collectives
+
+    collectives.set_collective_timeout(DEADLINE_S)
+    dist.group.WORLD.set_timeout(datetime.timedelta(seconds=60))  # the backend alone would wait this long
+    if rank == 1:
+        time.sleep(PEER_SLEEP_S)
+        return "slept"
+    started = time.monotonic()
+    try:
+        collectives.reduce_scatter(torch.zeros(2), torch.ones(4))
+    except CollectiveTimeout as exc:
+        return (time.monotonic() - started, str(exc))
+    return "no error"
+
+
+def test_slipstream_keeps_its_own_deadline_for_a_reduce_scatter(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    rank0, rank1 = run_distributed(reduce_scatter_alone, world_size=2, tmp_dir=tmp_path, timeout_s=60)
+    assert rank1 == "slept" and isinstance(rank0, tuple), rank0
+    elapsed, message = rank0
+    assert elapsed < DEADLINE_S + 6, (elapsed, message)  # gloo's own reduce-scatter work ignores wait(timeout)
+    assert "reduce_scatter #" in message and "did not complete within 2 s" in message and "missing ranks [1]" in message

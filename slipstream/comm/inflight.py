@@ -1,0 +1,98 @@
+"""The collectives whose tensors the backend may still hold, until its worker threads let go of them.
+
+[Note: handing tensors to gloo]
+A gloo worker thread marks a collective complete and only afterwards drops its own reference to the work,
+and with it to the work's tensors. When that drop is the last reference to a tensor whose Python object
+has already died (torch then keeps the object alive from C++), the worker takes the GIL to free it. If the
+main thread has meanwhile returned from the script and the interpreter is finalizing, taking the GIL ends
+the worker with pthread_exit inside a noexcept destructor, and libstdc++ calls std::terminate: "terminate
+called without an active exception", SIGABRT, exit 134, after a run that trained to the end (issue 25,
+1 run in 8 to 25 on a loaded 2-core machine; a core dump shows the worker in ~AsyncWork -> decref_pyobject
+-> take_gil -> pthread_exit while the main thread is in Py_FinalizeEx).
+
+So each collective gets fresh aliases of its tensors (`detach()`: the same storage, a TensorImpl no one
+else holds) and Slipstream keeps them until their reference count says the backend let go. The worker then
+never frees a Python object. `drain()` waits for that at exit. An operation that never completed (timed out,
+or its peer was lost) is *abandoned*: its worker may be blocked on a dead peer, so it is never joined and its
+aliases are kept for the life of the process (see teardown.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from slipstream.utils.torch_shim import use_count
+
+_POLL_S = 0.001
+
+
+class Handed:
+    """One launched collective: the backend's work until it completed, and the aliases given to it."""
+
+    __slots__ = ("aliases", "error", "label", "work")
+
+    def __init__(self, aliases: tuple[torch.Tensor, ...], label: str) -> None:
+        self.aliases, self.label = aliases, label
+        self.work: Any = None
+        self.error: BaseException | None = None
+
+    def poll(self) -> bool:
+        """True once the backend finished it (successfully or not); then drops the work, so only the worker's
+        own reference, briefly, keeps the aliases."""
+        work = self.work
+        if work is None:
+            return True
+        if not work.is_completed():
+            return False
+        try:
+            work.wait()  # returns at once for a completed work; raises its error if it failed
+        except RuntimeError as exc:
+            self.error = exc.with_traceback(None)  # its frames would keep `work`, and so the aliases, alive
+        self.work = None
+        return True
+
+    def released(self) -> bool:
+        """The backend holds none of the aliases any more (ours is the only reference)."""
+        return self.work is None and all(use_count(alias) <= 1 for alias in self.aliases)
+
+
+_live: list[Handed] = []
+_abandoned: list[Handed] = []
+
+
+def hand(tensors: tuple[torch.Tensor, ...], label: str) -> Handed:
+    """Aliases of `tensors` to give to the backend, registered until it lets go of them."""
+    _prune()
+    entry = Handed(tuple(tensor.detach() for tensor in tensors), label)
+    _live.append(entry)
+    return entry
+
+
+def abandon(entry: Handed) -> None:
+    """`entry` will never be waited on again (its deadline passed): keep it until the process ends."""
+    if entry in _live:
+        _live.remove(entry)
+    _abandoned.append(entry)
+
+
+def _prune() -> None:
+    _live[:] = [entry for entry in _live if not (entry.poll() and entry.released())]
+
+
+def drain(timeout_s: float) -> list[Handed]:
+    """Wait up to `timeout_s` for the backend to let go of every completed collective; return what it still
+    holds: the abandoned ones, those never completed, and any it did not release in time."""
+    unfinished = [entry for entry in _live if not entry.poll()]  # nobody waits for these now; a peer may never come
+    _abandoned.extend(unfinished)
+    _live[:] = [entry for entry in _live if entry not in unfinished]
+    deadline = time.monotonic() + timeout_s
+    _prune()
+    while _live and time.monotonic() < deadline:
+        time.sleep(_POLL_S)  # the worker only needs a moment of CPU to drop its reference
+        _prune()
+    _abandoned.extend(_live)
+    _live.clear()
+    return list(_abandoned)
