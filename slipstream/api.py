@@ -32,11 +32,15 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     if args is not None:
         from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if given is not None and from_args is not None:
-        raise ValueError("the config was given twice: as initialize(config=...) and as args.deepspeed_config="
-                         f"{from_args!r}; pass only one")
+        raise ValueError(
+            "the config was given twice: as initialize(config=...) and as args.deepspeed_config="
+            f"{from_args!r}; pass only one"
+        )
     if given is None and from_args is None:
-        raise ValueError("no config given: pass initialize(config=dict_or_path) or --deepspeed_config path.json "
-                         "(with add_config_arguments(parser))")
+        raise ValueError(
+            "no config given: pass initialize(config=dict_or_path) or --deepspeed_config path.json "
+            "(with add_config_arguments(parser))"
+        )
     return given if given is not None else from_args
 
 
@@ -47,11 +51,23 @@ def _given_keys(resolved: Any, given: Any) -> Any:
     return {key: _given_keys(resolved.get(key, value), value) for key, value in given.items()}
 
 
-def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
-               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
-               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
-               collate_fn: Any = None, config: Any = None, mesh_param: Any = None, config_params: Any = None,
-               *, strict: bool | None = None) -> tuple[Any, Any, Any, Any]:
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+    *,
+    strict: bool | None = None,
+) -> tuple[Any, Any, Any, Any]:
     """Build the engine. Returns `(engine, optimizer, training_dataloader, lr_scheduler)` as DeepSpeed does."""
     if model is None:
         raise ValueError("initialize() needs model=<torch.nn.Module>")
@@ -73,8 +89,16 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
     plan = resolve(raw, world_size=dist.get_world_size(), strict=strict, hidden_size=hidden_size)
-    log_rank0("config as given, resolved: " + json.dumps(_given_keys(plan.resolved, raw), default=str),
-              rank=dist.get_rank())
-    engine = SlipstreamEngine(model, plan, optimizer=optimizer, model_parameters=model_parameters,
-                              lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+    log_rank0(
+        "config as given, resolved: " + json.dumps(_given_keys(plan.resolved, raw), default=str), rank=dist.get_rank()
+    )
+    engine = SlipstreamEngine(
+        model,
+        plan,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        training_data=training_data,
+        collate_fn=collate_fn,
+    )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

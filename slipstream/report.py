@@ -40,8 +40,16 @@ def op_rows() -> list[dict[str, Any]]:
             loads_as = "jit (cached)" if builder.jit_cached() else "jit (compiles on first use)"
         else:
             loads_as = "fallback"
-        rows.append({"name": name, "build_var": builder.BUILD_VAR, "installed": installed,
-                     "compatible": compat.ok, "reason": compat.reason, "loads_as": loads_as})
+        rows.append(
+            {
+                "name": name,
+                "build_var": builder.BUILD_VAR,
+                "installed": installed,
+                "compatible": compat.ok,
+                "reason": compat.reason,
+                "loads_as": loads_as,
+            }
+        )
     return rows
 
 
@@ -114,16 +122,24 @@ def format_report(data: dict[str, Any]) -> str:
     """The human-readable table."""
     line = "-" * 78
     env = data["environment"]
-    out = [line, "Slipstream native op report", line,
-           "Ops not built at install are compiled just in time on first use (needs a C++ compiler and",
-           "ninja); where that is impossible the op runs its PyTorch fallback, with one warning.", line,
-           f"{'ninja':<20} {env['ninja'] or 'NOT FOUND (pip install ninja)'}",
-           f"{'C++ compiler':<20} {env['cxx_compiler_version'] or 'NOT FOUND'}",
-           f"{'CPU SIMD':<20} {env['cpu_simd']}", line,
-           f"{'op name':<16}{'installed':<11}{'compatible':<12}loads as"]
+    out = [
+        line,
+        "Slipstream native op report",
+        line,
+        "Ops not built at install are compiled just in time on first use (needs a C++ compiler and",
+        "ninja); where that is impossible the op runs its PyTorch fallback, with one warning.",
+        line,
+        f"{'ninja':<20} {env['ninja'] or 'NOT FOUND (pip install ninja)'}",
+        f"{'C++ compiler':<20} {env['cxx_compiler_version'] or 'NOT FOUND'}",
+        f"{'CPU SIMD':<20} {env['cpu_simd']}",
+        line,
+        f"{'op name':<16}{'installed':<11}{'compatible':<12}loads as",
+    ]
     for row in data["ops"]:
-        out.append(f"{row['name']:<16}{'[YES]' if row['installed'] else '[NO]':<11}"
-                   f"{'[OKAY]' if row['compatible'] else '[NO]':<12}{row['loads_as']}")
+        out.append(
+            f"{row['name']:<16}{'[YES]' if row['installed'] else '[NO]':<11}"
+            f"{'[OKAY]' if row['compatible'] else '[NO]':<12}{row['loads_as']}"
+        )
         if not row["compatible"]:
             out.append(f"{'':<16}reason: {row['reason']}")
     shm = env["shm_bytes"]
@@ -132,15 +148,19 @@ def format_report(data: dict[str, Any]) -> str:
         shm_text += " (WARNING: under 512 MiB; multi-process data loading and gloo may fail)"
     out += [line, "Slipstream general environment info:"]
     pairs = [
-        ("torch install path", env["torch_path"]), ("torch version", env["torch_version"]),
-        ("torch cuda version", env["torch_cuda_version"]), ("torch hip version", env["torch_hip_version"]),
-        ("nccl version", env["nccl_version"]), ("nvcc version", env["nvcc_version"]),
+        ("torch install path", env["torch_path"]),
+        ("torch version", env["torch_version"]),
+        ("torch cuda version", env["torch_cuda_version"]),
+        ("torch hip version", env["torch_hip_version"]),
+        ("nccl version", env["nccl_version"]),
+        ("nvcc version", env["nvcc_version"]),
         ("accelerator", env["accelerator"]),
         ("slipstream install path", env["slipstream_path"]),
         ("slipstream info", f"{env['slipstream_version']}, {env['git_hash']}, {env['git_branch']}"),
         ("slipstream build", _build_text(env)),
         ("python", f"{env['python_version']} ({env['python_path']})"),
-        ("platform", env["platform"]), ("shared memory (/dev/shm) size", shm_text),
+        ("platform", env["platform"]),
+        ("shared memory (/dev/shm) size", shm_text),
         ("SLIPSTREAM_OPS", env["ops_policy"]),
     ]
     out += [f"{key + ' ':.<34} {value if value is not None else 'none'}" for key, value in pairs]
@@ -151,8 +171,10 @@ def format_report(data: dict[str, Any]) -> str:
 def _build_text(env: dict[str, Any]) -> str:
     if env["build_mode"] == "jit":
         return "source checkout without build info: no op built at install, all JIT or fallback"
-    return (f"installed; ops built against torch {env['built_with_torch']['version']} "
-            f"for accelerator {env['built_for_accelerator']}")
+    return (
+        f"installed; ops built against torch {env['built_with_torch']['version']} "
+        f"for accelerator {env['built_for_accelerator']}"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

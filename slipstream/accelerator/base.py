@@ -156,7 +156,7 @@ class Accelerator(abc.ABC):
     # ------------------------------------------------------------------ streams and events
     @property
     @abc.abstractmethod
-    def Stream(self) -> type[StreamLike]:  # noqa: N802 - DeepSpeed's name
+    def Stream(self) -> type[StreamLike]:
         """The stream class; `Stream()` makes a new stream."""
 
     @abc.abstractmethod
@@ -173,7 +173,7 @@ class Accelerator(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def Event(self) -> type[EventLike]:  # noqa: N802 - DeepSpeed's name
+    def Event(self) -> type[EventLike]:
         """The event class; `Event(enable_timing=True)` makes a timing event."""
 
     # ------------------------------------------------------------------ memory (bytes)
@@ -296,7 +296,6 @@ class Accelerator(abc.ABC):
         """Choose the `torch.compile` backend; any non-empty name is accepted and checked by torch.compile."""
         if not isinstance(backend, str) or not backend.strip():
             raise ValueError(
-                f"compile backend must be a non-empty string such as {DEFAULT_COMPILE_BACKEND!r}, "
-                f"got {backend!r}"
+                f"compile backend must be a non-empty string such as {DEFAULT_COMPILE_BACKEND!r}, got {backend!r}"
             )
         self._compile_backend = backend.strip()

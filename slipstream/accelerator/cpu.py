@@ -65,9 +65,7 @@ class HostStream:
 class HostEvent:
     """An event on a synchronous device: `record` notes the host clock, so `elapsed_time` is wall time."""
 
-    def __init__(
-        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
-    ) -> None:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
         self.enable_timing = enable_timing
         self._recorded_at: float | None = None
 
@@ -88,9 +86,7 @@ class HostEvent:
     def elapsed_time(self, end_event: HostEvent) -> float:
         """Milliseconds between this event's and `end_event`'s `record()` calls."""
         if self._recorded_at is None or end_event._recorded_at is None:
-            raise RuntimeError(
-                "elapsed_time needs both events recorded; call start.record() and end.record() first"
-            )
+            raise RuntimeError("elapsed_time needs both events recorded; call start.record() and end.record() first")
         return (end_event._recorded_at - self._recorded_at) * 1000.0
 
 
@@ -243,9 +239,7 @@ class CpuAccelerator(Accelerator):
         except ValueError:
             count = 0
         if count < 1:
-            raise ValueError(
-                f"env LOCAL_SIZE={raw!r} must be a positive integer (ranks per node); unset it or fix it"
-            )
+            raise ValueError(f"env LOCAL_SIZE={raw!r} must be a positive integer (ranks per node); unset it or fix it")
         return count
 
     def synchronize(self, device_index: int | None = None) -> None:
@@ -273,7 +267,7 @@ class CpuAccelerator(Accelerator):
         return torch.default_generator
 
     @property
-    def Stream(self) -> type[HostStream]:  # noqa: N802 - DeepSpeed's name
+    def Stream(self) -> type[HostStream]:
         return HostStream
 
     def stream(self, stream: StreamLike | None) -> contextlib.AbstractContextManager[object]:
@@ -286,7 +280,7 @@ class CpuAccelerator(Accelerator):
         return HostStream()
 
     @property
-    def Event(self) -> type[EventLike]:  # noqa: N802 - DeepSpeed's name
+    def Event(self) -> type[EventLike]:
         return HostEvent  # type: ignore[return-value]
 
     def empty_cache(self) -> None:

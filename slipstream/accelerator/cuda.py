@@ -83,7 +83,7 @@ class CudaAccelerator(Accelerator):
         return torch.cuda.default_generators[device_index]
 
     @property
-    def Stream(self) -> type[StreamLike]:  # noqa: N802 - DeepSpeed's name
+    def Stream(self) -> type[StreamLike]:
         return torch.cuda.Stream  # type: ignore[return-value]
 
     def stream(self, stream: StreamLike | None) -> contextlib.AbstractContextManager[object]:
@@ -96,7 +96,7 @@ class CudaAccelerator(Accelerator):
         return torch.cuda.default_stream(device_index)  # type: ignore[return-value]
 
     @property
-    def Event(self) -> type[EventLike]:  # noqa: N802 - DeepSpeed's name
+    def Event(self) -> type[EventLike]:
         return torch.cuda.Event  # type: ignore[return-value]
 
     def empty_cache(self) -> None:

@@ -84,7 +84,7 @@ class MpsAccelerator(Accelerator):
         return getter()
 
     @property
-    def Stream(self) -> type[StreamLike]:  # noqa: N802 - DeepSpeed's name
+    def Stream(self) -> type[StreamLike]:
         return HostStream
 
     def stream(self, stream: StreamLike | None) -> contextlib.AbstractContextManager[object]:
@@ -97,7 +97,7 @@ class MpsAccelerator(Accelerator):
         return HostStream()
 
     @property
-    def Event(self) -> type[EventLike]:  # noqa: N802 - DeepSpeed's name
+    def Event(self) -> type[EventLike]:
         return torch.mps.Event  # type: ignore[return-value]
 
     def empty_cache(self) -> None:

@@ -68,8 +68,7 @@ def _from_env(requested: str) -> Accelerator:
     reason = backend.unavailable_reason()
     if reason is not None:
         raise RuntimeError(
-            f"{ENV_VAR}={name} but {reason}. Unset {ENV_VAR} to auto-detect, or set it to a backend this "
-            f"machine has."
+            f"{ENV_VAR}={name} but {reason}. Unset {ENV_VAR} to auto-detect, or set it to a backend this machine has."
         )
     logger.info("Setting accelerator to %s (from env %s)", name, ENV_VAR)
     return backend.cls()

@@ -24,10 +24,19 @@ _OLD_PREFIX = ".old-"
 
 def check_tag(tag: str) -> str:
     """Return `tag` if it can name a checkpoint directory, else raise ValueError saying why."""
-    if (not isinstance(tag, str) or not tag or tag in (".", "..", LATEST_FILE) or tag.startswith(".")
-            or "/" in tag or "\\" in tag or "\0" in tag):
-        raise ValueError(f"checkpoint tag {tag!r} cannot name a directory: use a non-empty name without '/', "
-                         f"not starting with '.' and not {LATEST_FILE!r} (the default is 'global_step<N>')")
+    if (
+        not isinstance(tag, str)
+        or not tag
+        or tag in (".", "..", LATEST_FILE)
+        or tag.startswith(".")
+        or "/" in tag
+        or "\\" in tag
+        or "\0" in tag
+    ):
+        raise ValueError(
+            f"checkpoint tag {tag!r} cannot name a directory: use a non-empty name without '/', "
+            f"not starting with '.' and not {LATEST_FILE!r} (the default is 'global_step<N>')"
+        )
     return tag
 
 
@@ -93,8 +102,10 @@ def commit_dir(tmp: str | os.PathLike[str], final: str | os.PathLike[str]) -> No
     """Atomically put the finished directory `tmp` at `final`. See [Note: checkpoint commit]."""
     tmp, final = Path(tmp), Path(final)
     if tmp.parent.resolve() != final.parent.resolve():
-        raise ValueError(f"commit_dir needs {tmp} and {final} in the same directory (a rename must not cross "
-                         "file systems); write the save into tmp_dir_for(save_dir, tag)")
+        raise ValueError(
+            f"commit_dir needs {tmp} and {final} in the same directory (a rename must not cross "
+            "file systems); write the save into tmp_dir_for(save_dir, tag)"
+        )
     for path in sorted(tmp.rglob("*")):
         if path.is_file():
             fsync_file(path)
@@ -117,7 +128,7 @@ def _old_tag(name: str) -> str | None:
     """`<tag>` out of `.old-<tag>-<pid>`, or None for any other name."""
     if not name.startswith(_OLD_PREFIX):
         return None
-    tag, sep, pid = name[len(_OLD_PREFIX):].rpartition("-")
+    tag, sep, pid = name[len(_OLD_PREFIX) :].rpartition("-")
     return tag if sep and tag and pid.isdigit() else None
 
 

@@ -45,22 +45,29 @@ def _tensor_problem(key: str, source: Any, shape: tuple[int, ...], dtype: torch.
     stored_shape, stored_dtype = source.info(key)
     if tuple(stored_shape) == tuple(shape) and _fits_dtype(stored_dtype, dtype):
         return None
-    return (f"{key}: the checkpoint has shape {list(stored_shape)} {_dtype_text(stored_dtype)}, the model's {what} "
-            f"has shape {list(shape)} {_dtype_text(dtype)}")
+    return (
+        f"{key}: the checkpoint has shape {list(stored_shape)} {_dtype_text(stored_dtype)}, the model's {what} "
+        f"has shape {list(shape)} {_dtype_text(dtype)}"
+    )
 
 
 def check_names(parts: EngineParts, keys: set[str], *, strict: bool) -> None:
     """Parameters on one side only: an error when strict, a warning otherwise (see [Note: load checks])."""
     names = [n for n, _ in parts.module.named_parameters()]
     buffers = {n for n, _ in parts.module.named_buffers()}
-    saved = {k[len("module/"):] for k in keys if k.startswith("module/")} - buffers  # DeepSpeed keeps buffers there
+    saved = {k[len("module/") :] for k in keys if k.startswith("module/")} - buffers  # DeepSpeed keeps buffers there
     missing, unexpected = sorted(set(names) - saved), sorted(saved - set(names))
     if strict and (missing or unexpected):
-        raise CheckpointError(f"load_checkpoint: the checkpoint does not match the model: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}; pass load_module_strict=False to load what matches")
+        raise CheckpointError(
+            f"load_checkpoint: the checkpoint does not match the model: missing {missing[:8]}, "
+            f"unexpected {unexpected[:8]}; pass load_module_strict=False to load what matches"
+        )
     if missing or unexpected:
-        warn_once("ckpt-nonstrict", f"slipstream: load_checkpoint skipped parameters missing from the checkpoint "
-                  f"{missing[:8]} and checkpoint entries the model lacks {unexpected[:8]}")
+        warn_once(
+            "ckpt-nonstrict",
+            f"slipstream: load_checkpoint skipped parameters missing from the checkpoint "
+            f"{missing[:8]} and checkpoint entries the model lacks {unexpected[:8]}",
+        )
 
 
 def tensor_problems(parts: EngineParts, source: Any, *, load_optimizer_states: bool) -> list[str]:
@@ -74,8 +81,9 @@ def tensor_problems(parts: EngineParts, source: Any, *, load_optimizer_states: b
         if load_optimizer_states and parts.optimizer is not None:
             prefix = f"optimizer/{name}/"
             for key in sorted(k for k in keys if k.startswith(prefix)):
-                problems.append(_tensor_problem(key, source, shape, torch.float32,
-                                                f"optimizer state of {name!r}") or "")
+                problems.append(
+                    _tensor_problem(key, source, shape, torch.float32, f"optimizer state of {name!r}") or ""
+                )
     for name, buffer in parts.module.named_buffers():
         key = next((k for k in (f"buffer/{name}", f"module/{name}") if k in keys), None)
         if key is not None:
@@ -109,8 +117,9 @@ def _engine_problems(scalars: dict[str, Any], problems: list[str]) -> None:
         for name in _ENGINE_COUNTERS:
             value = engine.get(name, 0)
             if not _is_int(value) or value < 0:
-                problems.append(f"scalars.engine.{name} is {value!r} ({type(value).__name__}); expected a "
-                                "non-negative integer")
+                problems.append(
+                    f"scalars.engine.{name} is {value!r} ({type(value).__name__}); expected a non-negative integer"
+                )
     for name in ("lr_scheduler", "loss_scaler", "client_state"):
         if scalars.get(name) is not None:
             _typed(problems, name, scalars[name], dict, "an object (or null)")
@@ -126,8 +135,10 @@ def _group_problems(optimizer: Any, saved: dict[str, Any], index: int, problems:
         where = f"optimizer.param_groups[{index}].{name}"
         if isinstance(current, tuple):
             if not isinstance(value, (list, tuple)) or len(value) != len(current) or not all(map(_is_number, value)):
-                problems.append(f"scalars.{where} is {value!r}; expected a list of {len(current)} numbers "
-                                f"(the optimizer's value is {current!r})")
+                problems.append(
+                    f"scalars.{where} is {value!r}; expected a list of {len(current)} numbers "
+                    f"(the optimizer's value is {current!r})"
+                )
         elif _is_number(current) and not _is_number(value):
             problems.append(f"scalars.{where} is {value!r} ({type(value).__name__}); expected a number")
 
@@ -149,12 +160,15 @@ def _optimizer_problems(optimizer: Any, scalars: dict[str, Any], problems: list[
             continue
         for name, value in values.items():
             if not _is_number(value):
-                problems.append(f"scalars.optimizer.state_scalars[{index}].{name} is {value!r} "
-                                f"({type(value).__name__}); expected a number")
+                problems.append(
+                    f"scalars.optimizer.state_scalars[{index}].{name} is {value!r} "
+                    f"({type(value).__name__}); expected a number"
+                )
 
 
-def scalar_problems(parts: EngineParts, scalars: Any, *, restore_engine: bool,
-                    load_optimizer_states: bool) -> list[str]:
+def scalar_problems(
+    parts: EngineParts, scalars: Any, *, restore_engine: bool, load_optimizer_states: bool
+) -> list[str]:
     """Every scalar the load would restore whose JSON type does not fit (see [Note: load checks])."""
     problems: list[str] = []
     if not isinstance(scalars, dict):
@@ -166,26 +180,33 @@ def scalar_problems(parts: EngineParts, scalars: Any, *, restore_engine: bool,
     return problems
 
 
-def check_load(parts: EngineParts, source: Any, *, strict: bool, load_optimizer_states: bool,
-               restore_engine: bool) -> None:
+def check_load(
+    parts: EngineParts, source: Any, *, strict: bool, load_optimizer_states: bool, restore_engine: bool
+) -> None:
     """Raise one CheckpointError listing every name, shape, dtype and scalar problem; see [Note: load checks]."""
     check_names(parts, set(source.keys()), strict=strict)
     shapes = tensor_problems(parts, source, load_optimizer_states=load_optimizer_states)
-    scalars = scalar_problems(parts, source.scalars, restore_engine=restore_engine,
-                              load_optimizer_states=load_optimizer_states)
+    scalars = scalar_problems(
+        parts, source.scalars, restore_engine=restore_engine, load_optimizer_states=load_optimizer_states
+    )
     if not shapes and not scalars:
         return
     lines = (shapes + scalars)[:_SHOWN]
     more = len(shapes) + len(scalars) - len(lines)
     fix = []
     if shapes:
-        fix.append("A tensor loads only into a parameter, optimizer state or buffer of the same shape; "
-                   "load_module_strict=False skips names that one side lacks, never a shape mismatch. Build the "
-                   "model with the checkpoint's shapes, or read the tensors you need with "
-                   "slipstream.checkpoint.CheckpointReader and copy them yourself.")
+        fix.append(
+            "A tensor loads only into a parameter, optimizer state or buffer of the same shape; "
+            "load_module_strict=False skips names that one side lacks, never a shape mismatch. Build the "
+            "model with the checkpoint's shapes, or read the tensors you need with "
+            "slipstream.checkpoint.CheckpointReader and copy them yourself."
+        )
     if scalars:
-        fix.append("The checkpoint's scalars (the 'scalars' of manifest.json) were edited or damaged: restore the "
-                   "checkpoint from a copy, or pass load_module_only=True to load the weights alone.")
-    raise CheckpointError(f"load_checkpoint: checkpoint {source.location} does not fit this engine; nothing was "
-                          "loaded:\n  " + "\n  ".join(lines) + (f"\n  ... and {more} more" if more > 0 else "")
-                          + "\n" + " ".join(fix))
+        fix.append(
+            "The checkpoint's scalars (the 'scalars' of manifest.json) were edited or damaged: restore the "
+            "checkpoint from a copy, or pass load_module_only=True to load the weights alone."
+        )
+    raise CheckpointError(
+        f"load_checkpoint: checkpoint {source.location} does not fit this engine; nothing was "
+        "loaded:\n  " + "\n  ".join(lines) + (f"\n  ... and {more} more" if more > 0 else "") + "\n" + " ".join(fix)
+    )

@@ -29,12 +29,29 @@ from slipstream.checkpoint.safe_pickle import DeepSpeedStub, safe_load
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Keys DeepSpeed itself writes into *_model_states.pt (engine._common_checkpoint_state); the rest is client_state.
-_DS_MODEL_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-    "checkpoint_parallel_dimensions", "ds_config", "ds_version",
-})
+_DS_MODEL_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "checkpoint_parallel_dimensions",
+        "ds_config",
+        "ds_version",
+    }
+)
 _MP00 = "mp_rank_00_model_states.pt"
 _ZERO3_MODEL = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 _OPTIM = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
@@ -93,11 +110,14 @@ def read_deepspeed_checkpoint(path: str | Path, tag: str | None = None) -> DeepS
         raise CheckpointError(
             f"{path} is not a DeepSpeed checkpoint: expected a `latest` file naming a tag directory, or a tag "
             f"directory with *model_states.pt files (tag={tag!r}, looked in {tag_dir}). Pass the save_dir given "
-            "to save_checkpoint, or the global_stepN directory inside it.")
+            "to save_checkpoint, or the global_stepN directory inside it."
+        )
     if any(tag_dir.glob("mp_rank_01_*")) or any(tag_dir.glob("*_mp_rank_01_*")) or any(tag_dir.glob("layer_*")):
-        raise CheckpointError(f"{tag_dir} was saved with tensor or pipeline parallelism (mp_rank_01 / layer_* "
-                              "files); only data-parallel DeepSpeed checkpoints can be imported. Convert it with "
-                              "DeepSpeed's zero_to_fp32.py first.")
+        raise CheckpointError(
+            f"{tag_dir} was saved with tensor or pipeline parallelism (mp_rank_01 / layer_* "
+            "files); only data-parallel DeepSpeed checkpoints can be imported. Convert it with "
+            "DeepSpeed's zero_to_fp32.py first."
+        )
     stage3 = any(tag_dir.glob(_ZERO3_MODEL.format(rank="*")))
     if stage3:
         _require_files(tag_dir, [_ZERO3_MODEL.format(rank=0)])
@@ -113,9 +133,11 @@ def read_deepspeed_checkpoint(path: str | Path, tag: str | None = None) -> DeepS
         optim = _read_optim_files(tag_dir, world_size)
         stage = _zero_stage(optim[0], tag_dir)
         if stage3 != (stage == 3):
-            raise CheckpointError(f"{tag_dir}: the optimizer files say zero_stage={stage} but the model files are "
-                                  f"laid out for {'stage 3' if stage3 else 'stages 0-2'}; the directory mixes "
-                                  "two checkpoints. Re-save it, or copy one checkpoint's files only.")
+            raise CheckpointError(
+                f"{tag_dir}: the optimizer files say zero_stage={stage} but the model files are "
+                f"laid out for {'stage 3' if stage3 else 'stages 0-2'}; the directory mixes "
+                "two checkpoints. Re-save it, or copy one checkpoint's files only."
+            )
         reader = _read_stage3 if stage == 3 else _read_stage12
         result = reader(first, optim, world_size)
     module, master, opt_state, step, groups = result
@@ -124,14 +146,27 @@ def read_deepspeed_checkpoint(path: str | Path, tag: str | None = None) -> DeepS
         _merge_zero3_frozen(first, others, module)
     _apply_shared_params(first.get("shared_params") or {}, module, master)
     return DeepSpeedCheckpoint(
-        tag=tag_dir.name, zero_stage=stage, world_size=world_size, dtype=_model_dtype(first),
-        module=module, master=master, optimizer_state=opt_state, optimizer_step=step, param_groups=groups,
+        tag=tag_dir.name,
+        zero_stage=stage,
+        world_size=world_size,
+        dtype=_model_dtype(first),
+        module=module,
+        master=master,
+        optimizer_state=opt_state,
+        optimizer_step=step,
+        param_groups=groups,
         scalars=_scalars(first, optim[0] if optim else None),
-        client_state={k: v for k, v in first.items() if k not in _DS_MODEL_KEYS})
+        client_state={k: v for k, v in first.items() if k not in _DS_MODEL_KEYS},
+    )
 
 
-_Parts = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], "int | None",
-               list[dict[str, Any]]]
+_Parts = tuple[
+    dict[str, torch.Tensor],
+    dict[str, torch.Tensor],
+    dict[str, dict[str, torch.Tensor]],
+    "int | None",
+    list[dict[str, Any]],
+]
 
 
 def _require_files(tag_dir: Path, names: list[str]) -> None:
@@ -140,7 +175,8 @@ def _require_files(tag_dir: Path, names: list[str]) -> None:
         raise CheckpointError(
             f"DeepSpeed checkpoint {tag_dir} is incomplete: missing {missing} (one file per data-parallel rank, "
             f"{len(names)} expected). A rank did not finish saving or the files were not all copied; copy the "
-            "missing files from every node, or load an earlier tag.")
+            "missing files from every node, or load an earlier tag."
+        )
 
 
 def _read_optim_files(tag_dir: Path, world_size: int) -> list[dict[str, Any]]:
@@ -151,8 +187,10 @@ def _read_optim_files(tag_dir: Path, world_size: int) -> list[dict[str, Any]]:
     for name in names:
         loaded = safe_load(tag_dir / name)
         if not isinstance(loaded, dict) or not isinstance(loaded.get("optimizer_state_dict"), dict):
-            raise CheckpointError(f"{tag_dir / name} has no 'optimizer_state_dict'; it is not a DeepSpeed ZeRO "
-                                  "optimizer file. Restore the file DeepSpeed wrote.")
+            raise CheckpointError(
+                f"{tag_dir / name} has no 'optimizer_state_dict'; it is not a DeepSpeed ZeRO "
+                "optimizer file. Restore the file DeepSpeed wrote."
+            )
         states.append(loaded["optimizer_state_dict"])
     return states
 
@@ -164,8 +202,10 @@ def _as_int(value: Any) -> int:
 def _zero_stage(osd: Mapping[str, Any], tag_dir: Path) -> int:
     stage = _as_int(osd.get("zero_stage", -1))
     if stage not in (1, 2, 3):
-        raise CheckpointError(f"{tag_dir}: unknown zero_stage {osd.get('zero_stage')!r} in the optimizer files; "
-                              "only DeepSpeed ZeRO stages 0, 1, 2 and 3 can be imported.")
+        raise CheckpointError(
+            f"{tag_dir}: unknown zero_stage {osd.get('zero_stage')!r} in the optimizer files; "
+            "only DeepSpeed ZeRO stages 0, 1, 2 and 3 can be imported."
+        )
     return stage
 
 
@@ -200,8 +240,10 @@ def _read_stage0(first: Mapping[str, Any]) -> _Parts:
     if opt is None:
         return module, {n: module[n].float() for n in names}, {}, None, []
     if "fp32_groups_flat" in opt:
-        raise CheckpointError("stage-0 fp16 checkpoints (DeepSpeed FP16_Optimizer, 'fp32_groups_flat') cannot be "
-                              "imported yet; convert it with DeepSpeed's zero_to_fp32.py or save with bf16/ZeRO.")
+        raise CheckpointError(
+            "stage-0 fp16 checkpoints (DeepSpeed FP16_Optimizer, 'fp32_groups_flat') cannot be "
+            "imported yet; convert it with DeepSpeed's zero_to_fp32.py or save with bf16/ZeRO."
+        )
     base = opt["optimizer_state_dict"] if "fp32_groups" in opt else opt
     masters = [t for group in opt["fp32_groups"] for t in group] if "fp32_groups" in opt else [module[n] for n in names]
     indices = [i for group in base["param_groups"] for i in group["params"]]
@@ -209,7 +251,8 @@ def _read_stage0(first: Mapping[str, Any]) -> _Parts:
         raise CheckpointError(
             f"stage-0 checkpoint: the optimizer holds {len(indices)} parameters but the module has {len(names)} "
             f"({names}); frozen or tied parameters make the mapping ambiguous. Import with load_optimizer_states="
-            "False, or convert with DeepSpeed's zero_to_fp32.py.")
+            "False, or convert with DeepSpeed's zero_to_fp32.py."
+        )
     master = {n: m.float() for n, m in zip(names, masters)}
     opt_state: dict[str, dict[str, torch.Tensor]] = {}
     step = None
@@ -247,7 +290,7 @@ def _read_stage12(first: Mapping[str, Any], optim: list[dict[str, Any]], world_s
         for i, (name, shape) in enumerate(shapes.items()):
             numel = math.prod(shape)
             _check_room(name, offset + numel, flats["master"].numel(), g)
-            pieces = {k: v[offset: offset + numel].view(tuple(shape)).clone() for k, v in flats.items()}
+            pieces = {k: v[offset : offset + numel].view(tuple(shape)).clone() for k, v in flats.items()}
             master[name] = pieces.pop("master")
             opt_state[name] = pieces
             offset += numel + (int(paddings[g][i]) if paddings else 0)
@@ -263,15 +306,17 @@ def _read_stage12(first: Mapping[str, Any], optim: list[dict[str, Any]], world_s
 
 def _check_room(name: str, needed: int, available: int, group: int) -> None:
     if needed > available:
-        raise CheckpointError(f"parameter {name!r} of group {group} needs elements up to {needed} but the rank "
-                              f"partitions hold only {available}; the optimizer files do not match param_shapes "
-                              "(mixed checkpoints or a different world size). Re-save the checkpoint.")
+        raise CheckpointError(
+            f"parameter {name!r} of group {group} needs elements up to {needed} but the rank "
+            f"partitions hold only {available}; the optimizer files do not match param_shapes "
+            "(mixed checkpoints or a different world size). Re-save the checkpoint."
+        )
 
 
 def _zero3_param(flats: list[torch.Tensor], offset: int, numel: int, shape: Any) -> torch.Tensor:
     """One parameter from stage-3 rank flats: ceil(numel/ws) elements from each rank, padding dropped."""
     chunk = math.ceil(numel / len(flats))
-    return torch.cat([flat[offset: offset + chunk] for flat in flats])[:numel].view(tuple(shape)).clone()
+    return torch.cat([flat[offset : offset + chunk] for flat in flats])[:numel].view(tuple(shape)).clone()
 
 
 def _read_stage3(first: Mapping[str, Any], optim: list[dict[str, Any]], world_size: int) -> _Parts:
@@ -299,8 +344,9 @@ def _read_stage3(first: Mapping[str, Any], optim: list[dict[str, Any]], world_si
     return module, master, opt_state, _step_of(states[0][0]), _strip_params(base["param_groups"])
 
 
-def _merge_zero3_frozen(first: Mapping[str, Any], others: list[dict[str, Any]],
-                        module: dict[str, torch.Tensor]) -> None:
+def _merge_zero3_frozen(
+    first: Mapping[str, Any], others: list[dict[str, Any]], module: dict[str, torch.Tensor]
+) -> None:
     """Frozen stage-3 parameters are saved as each rank's padded fragment in `frozen_param_fragments`."""
     for name, shape in first["frozen_param_shapes"].items():
         fragments = [states["frozen_param_fragments"][name] for states in [first, *others]]
@@ -320,8 +366,19 @@ def _loss_scaler(value: Any) -> Any:
 
 
 def _scalars(first: Mapping[str, Any], osd: Mapping[str, Any] | None) -> dict[str, Any]:
-    keys = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "data_sampler", "random_ltd",
-            "ds_config", "ds_version", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions")
+    keys = (
+        "global_steps",
+        "global_samples",
+        "skipped_steps",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "ds_config",
+        "ds_version",
+        "dp_world_size",
+        "mp_world_size",
+        "checkpoint_parallel_dimensions",
+    )
     scalars = {key: first.get(key) for key in keys}
     opt = first.get("optimizer")
     if osd is not None:
@@ -332,4 +389,3 @@ def _scalars(first: Mapping[str, Any], osd: Mapping[str, Any] | None) -> dict[st
         scalars["loss_scaler"] = {"cur_scale": opt["cur_scale"], "cur_iter": opt.get("cur_iter")}
         scalars["dynamic_loss_scale"] = opt.get("dynamic_loss_scale")
     return scalars
-

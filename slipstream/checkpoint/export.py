@@ -27,8 +27,18 @@ from slipstream.checkpoint.safetensors_io import SafetensorsWriter
 MODULE_PREFIX = "module/"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 EXPORT_DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -40,8 +50,10 @@ def parse_size(size: int | str) -> int:
         match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", str(size))
         unit = match.group(2).upper() if match else ""
         if match is None or unit not in _UNITS:
-            raise ValueError(f"size {size!r} is not understood; write an integer byte count or a number with a "
-                             "unit: B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. '5GB'")
+            raise ValueError(
+                f"size {size!r} is not understood; write an integer byte count or a number with a "
+                "unit: B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. '5GB'"
+            )
         value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
         raise ValueError(f"size {size!r} must be positive, e.g. '5GB'")
@@ -109,8 +121,10 @@ class _Progress:
             return
         filled = int(30 * self.done / self.total)
         rate = self.done / max(time.monotonic() - self.started, 1e-6) / 1e6
-        sys.stderr.write(f"\rexport [{'#' * filled}{'.' * (30 - filled)}] {100 * self.done / self.total:5.1f}% "
-                         f"{self.done / 1e6:,.0f}/{self.total / 1e6:,.0f} MB {rate:,.0f} MB/s {name[:40]:<40}")
+        sys.stderr.write(
+            f"\rexport [{'#' * filled}{'.' * (30 - filled)}] {100 * self.done / self.total:5.1f}% "
+            f"{self.done / 1e6:,.0f}/{self.total / 1e6:,.0f} MB {rate:,.0f} MB/s {name[:40]:<40}"
+        )
         sys.stderr.flush()
 
     def finish(self) -> None:
@@ -119,20 +133,28 @@ class _Progress:
             sys.stderr.flush()
 
 
-def export_items(reader: CheckpointReader, *, dtype: str | None = None,
-                 exclude_frozen: bool = False) -> list[ExportItem]:
+def export_items(
+    reader: CheckpointReader, *, dtype: str | None = None, exclude_frozen: bool = False
+) -> list[ExportItem]:
     """The `module/` tensors of a checkpoint as export items, names without the prefix, in manifest order."""
     items = []
     for key, entry in reader.manifest.tensors.items():
         if not key.startswith(MODULE_PREFIX) or (exclude_frozen and entry.frozen):
             continue
-        items.append(ExportItem(key=key, name=key[len(MODULE_PREFIX):],
-                                dtype=_output_dtype(entry.torch_dtype, dtype), shape=tuple(entry.shape)))
+        items.append(
+            ExportItem(
+                key=key,
+                name=key[len(MODULE_PREFIX) :],
+                dtype=_output_dtype(entry.torch_dtype, dtype),
+                shape=tuple(entry.shape),
+            )
+        )
     return items
 
 
-def write_items(reader: CheckpointReader, items: list[ExportItem], out_dir: Path, *, max_shard_size: int,
-                progress: bool) -> list[Path]:
+def write_items(
+    reader: CheckpointReader, items: list[ExportItem], out_dir: Path, *, max_shard_size: int, progress: bool
+) -> list[Path]:
     """Stream `items` into HF-named shards under `out_dir` (+ the index when there are several); returns the files."""
     shards = plan_shards(items, max_shard_size)
     names = shard_file_names(len(shards))
@@ -149,15 +171,24 @@ def write_items(reader: CheckpointReader, items: list[ExportItem], out_dir: Path
         written.append(out_dir / file_name)
     bar.finish()
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(item.nbytes for item in items)},
-                 "weight_map": {item.name: file_name for file_name, shard in zip(names, shards) for item in shard}}
+        index = {
+            "metadata": {"total_size": sum(item.nbytes for item in items)},
+            "weight_map": {item.name: file_name for file_name, shard in zip(names, shards) for item in shard},
+        }
         write_text_atomic(out_dir / INDEX_FILE, json.dumps(index, indent=2) + "\n")
         written.append(out_dir / INDEX_FILE)
     return written
 
 
-def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, tag: str | None = None,
-                      dtype: str | None = None, max_shard_size: int | str = "5GB", progress: bool = True) -> Path:
+def export_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    dtype: str | None = None,
+    max_shard_size: int | str = "5GB",
+    progress: bool = True,
+) -> Path:
     """Write the model weights of a checkpoint as HF-style safetensors under `out_dir`; returns `out_dir`.
 
     `ckpt_dir` is a save_dir (the tag comes from `tag` or its `latest` file) or a checkpoint directory holding
@@ -165,16 +196,18 @@ def export_checkpoint(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLi
     Only the files holding model weights are verified against their sha256.
     """
     if dtype is not None and dtype not in EXPORT_DTYPES:
-        raise ValueError(f"export dtype {dtype!r} is not supported; use one of {EXPORT_DTYPES} or None to keep "
-                         "the stored dtypes")
+        raise ValueError(
+            f"export dtype {dtype!r} is not supported; use one of {EXPORT_DTYPES} or None to keep the stored dtypes"
+        )
     limit = parse_size(max_shard_size)
     source = resolve_checkpoint_dir(ckpt_dir, tag)
     out = Path(out_dir)
     with CheckpointReader(source, verify=False) as reader:
         items = export_items(reader, dtype=dtype)
         if not items:
-            raise CheckpointError(f"checkpoint {source} holds no model tensors (keys starting with "
-                                  f"{MODULE_PREFIX!r}); nothing to export")
+            raise CheckpointError(
+                f"checkpoint {source} holds no model tensors (keys starting with {MODULE_PREFIX!r}); nothing to export"
+            )
         needed = {piece.file for item in items for piece in reader.entry(item.key).pieces}
         verify_files(source, reader.manifest, files=needed)
         out.mkdir(parents=True, exist_ok=True)

@@ -40,8 +40,10 @@ class DeepSpeedSource:
         groups = [dict(g) for g in checkpoint.param_groups]
         self.scalars: dict[str, Any] = {
             "engine": {k: checkpoint.scalars.get(k, 0) for k in ("global_steps", "global_samples", "skipped_steps")},
-            "optimizer": {"param_groups": groups,
-                          "state_scalars": [{"step": float(step)} if step is not None else {} for _ in groups]},
+            "optimizer": {
+                "param_groups": groups,
+                "state_scalars": [{"step": float(step)} if step is not None else {} for _ in groups],
+            },
             "lr_scheduler": checkpoint.scalars.get("lr_scheduler"),
             "client_state": {k: v for k, v in checkpoint.client_state.items() if not isinstance(v, torch.Tensor)},
         }
@@ -71,19 +73,21 @@ def open_source(path: Path) -> Any:
         return CheckpointReader(path, verify="lazy")  # each rank hashes only the files it reads
     if is_deepspeed_checkpoint(path):
         return DeepSpeedSource(read_deepspeed_checkpoint(path), location=str(path))
-    raise CheckpointError(f"{path} is neither a Slipstream checkpoint (no manifest.json) nor a DeepSpeed one (no "
-                          "*model_states.pt); pass the directory that save_checkpoint wrote")
+    raise CheckpointError(
+        f"{path} is neither a Slipstream checkpoint (no manifest.json) nor a DeepSpeed one (no "
+        "*model_states.pt); pass the directory that save_checkpoint wrote"
+    )
 
 
-def load_engine(parts: EngineParts, source: Any, *, strict: bool, load_optimizer_states: bool,
-                restore_engine: bool = True) -> dict[str, Any]:
+def load_engine(
+    parts: EngineParts, source: Any, *, strict: bool, load_optimizer_states: bool, restore_engine: bool = True
+) -> dict[str, Any]:
     """Load module (and optimizer) state into the engine's tensors; returns the checkpoint's scalars.
 
     Everything is checked first (checks.check_load): a checkpoint that does not fit raises before any value is
     copied. `restore_engine` says whether the caller will restore the engine scalars (counters, scheduler).
     """
-    check_load(parts, source, strict=strict, load_optimizer_states=load_optimizer_states,
-               restore_engine=restore_engine)
+    check_load(parts, source, strict=strict, load_optimizer_states=load_optimizer_states, restore_engine=restore_engine)
     keys = set(source.keys())
     optimizer = parts.optimizer
     scalars = source.scalars
@@ -102,7 +106,7 @@ def load_engine(parts: EngineParts, source: Any, *, strict: bool, load_optimizer
                 continue
             state = optimizer.optimizer.state[piece.piece]
             prefix = f"optimizer/{piece.name}/"
-            for state_key in sorted(k[len(prefix):] for k in keys if k.startswith(prefix)):
+            for state_key in sorted(k[len(prefix) :] for k in keys if k.startswith(prefix)):
                 if state_key not in state:
                     state[state_key] = torch.zeros_like(piece.piece, dtype=torch.float32)
                 piece.state_view(state, state_key).copy_(source.read_flat_range(prefix + state_key, piece.lo, piece.hi))
@@ -132,4 +136,4 @@ def load_engine(parts: EngineParts, source: Any, *, strict: bool, load_optimizer
 
 
 def client_tensors(source: Any) -> dict[str, torch.Tensor]:
-    return {k[len("client/"):]: source.read(k) for k in source.keys() if k.startswith("client/")}
+    return {k[len("client/") :]: source.read(k) for k in source.keys() if k.startswith("client/")}

@@ -31,8 +31,15 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
-    "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
     "bool": torch.bool,
 }
 """Short dtype names written in manifests; `parse_dtype` also accepts torch's names ("float32", "torch.half")."""
@@ -53,8 +60,10 @@ def parse_dtype(name: str) -> torch.dtype:
     candidate = getattr(torch, name.removeprefix("torch."), None)
     if isinstance(candidate, torch.dtype) and candidate in _SHORT_NAMES:
         return candidate
-    raise CheckpointError(f"unknown dtype {name!r} in a checkpoint; expected one of {sorted(DTYPE_NAMES)} "
-                          "or a torch dtype name such as 'float32'")
+    raise CheckpointError(
+        f"unknown dtype {name!r} in a checkpoint; expected one of {sorted(DTYPE_NAMES)} "
+        "or a torch dtype name such as 'float32'"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,19 +122,31 @@ class Manifest:
     def to_json(self) -> str:
         tensors = {}
         for key, entry in self.tensors.items():
-            record: dict[str, Any] = {"shape": list(entry.shape), "dtype": entry.dtype,
-                                      "pieces": [[p.file, p.name, p.start, p.end] for p in entry.pieces]}
+            record: dict[str, Any] = {
+                "shape": list(entry.shape),
+                "dtype": entry.dtype,
+                "pieces": [[p.file, p.name, p.start, p.end] for p in entry.pieces],
+            }
             if entry.frozen:
                 record["frozen"] = True
             tensors[key] = record
-        document = {"format_version": self.format_version, "slipstream_version": self.slipstream_version,
-                    "tag": self.tag, "world_size": self.world_size, "zero_stage": self.zero_stage,
-                    "files": self.files, "tensors": tensors, "scalars": self.scalars}
+        document = {
+            "format_version": self.format_version,
+            "slipstream_version": self.slipstream_version,
+            "tag": self.tag,
+            "world_size": self.world_size,
+            "zero_stage": self.zero_stage,
+            "files": self.files,
+            "tensors": tensors,
+            "scalars": self.scalars,
+        }
         try:
             return json.dumps(document, indent=1, allow_nan=True)
         except TypeError as exc:
-            raise CheckpointError(f"manifest of checkpoint {self.tag!r} holds a value JSON cannot store ({exc}); "
-                                  "scalars must be plain JSON (dict, list, str, int, float, bool, None)") from None
+            raise CheckpointError(
+                f"manifest of checkpoint {self.tag!r} holds a value JSON cannot store ({exc}); "
+                "scalars must be plain JSON (dict, list, str, int, float, bool, None)"
+            ) from None
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "manifest") -> Manifest:
@@ -137,38 +158,57 @@ class Manifest:
             raise CheckpointCorrupt(f"{source} holds a JSON {type(document).__name__}, expected an object")
         version = document.get("format_version")
         if version != FORMAT_VERSION:
-            raise CheckpointError(f"{source} has format_version {version!r}; this Slipstream reads format_version "
-                                  f"{FORMAT_VERSION}. Use the Slipstream release that wrote it (its manifest says "
-                                  f"slipstream_version={document.get('slipstream_version')!r}).")
+            raise CheckpointError(
+                f"{source} has format_version {version!r}; this Slipstream reads format_version "
+                f"{FORMAT_VERSION}. Use the Slipstream release that wrote it (its manifest says "
+                f"slipstream_version={document.get('slipstream_version')!r})."
+            )
         try:
             tensors = {key: _entry_from_json(record) for key, record in document["tensors"].items()}
-            manifest = cls(format_version=version, slipstream_version=str(document["slipstream_version"]),
-                           tag=str(document["tag"]), world_size=int(document["world_size"]),
-                           zero_stage=int(document["zero_stage"]), files=dict(document["files"]),
-                           tensors=tensors, scalars=dict(document.get("scalars", {})))
+            manifest = cls(
+                format_version=version,
+                slipstream_version=str(document["slipstream_version"]),
+                tag=str(document["tag"]),
+                world_size=int(document["world_size"]),
+                zero_stage=int(document["zero_stage"]),
+                files=dict(document["files"]),
+                tensors=tensors,
+                scalars=dict(document.get("scalars", {})),
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CheckpointCorrupt(f"{source} is missing or has a malformed field ({exc!r}); the checkpoint is "
-                                    "damaged or was not written by Slipstream") from None
+            raise CheckpointCorrupt(
+                f"{source} is missing or has a malformed field ({exc!r}); the checkpoint is "
+                "damaged or was not written by Slipstream"
+            ) from None
         for name, record in manifest.files.items():
             _check_file_name(name, source)
-            if not isinstance(record, dict) or not isinstance(record.get("sha256"), str) or not isinstance(
-                    record.get("bytes"), int):
-                raise CheckpointCorrupt(f"{source}: file record {name!r} must be {{'sha256': str, 'bytes': int}}, "
-                                        f"got {record!r}")
+            if (
+                not isinstance(record, dict)
+                or not isinstance(record.get("sha256"), str)
+                or not isinstance(record.get("bytes"), int)
+            ):
+                raise CheckpointCorrupt(
+                    f"{source}: file record {name!r} must be {{'sha256': str, 'bytes': int}}, got {record!r}"
+                )
         return manifest
 
 
 def _entry_from_json(record: dict[str, Any]) -> TensorEntry:
     pieces = [Piece(file=str(f), name=str(n), start=int(s), end=int(e)) for f, n, s, e in record["pieces"]]
-    return TensorEntry(shape=tuple(int(d) for d in record["shape"]), dtype=str(record["dtype"]), pieces=pieces,
-                       frozen=bool(record.get("frozen", False)))
+    return TensorEntry(
+        shape=tuple(int(d) for d in record["shape"]),
+        dtype=str(record["dtype"]),
+        pieces=pieces,
+        frozen=bool(record.get("frozen", False)),
+    )
 
 
 def _check_file_name(name: str, source: str) -> None:
     """File names in a manifest are plain names inside the checkpoint directory, never paths out of it."""
     if not name or name != os.path.basename(name) or name.startswith(".") or "\\" in name:
-        raise CheckpointCorrupt(f"{source} lists file {name!r}; only plain file names inside the checkpoint "
-                                "directory are allowed")
+        raise CheckpointCorrupt(
+            f"{source} lists file {name!r}; only plain file names inside the checkpoint directory are allowed"
+        )
 
 
 def write_manifest(ckpt_dir: str | os.PathLike[str], manifest: Manifest) -> Path:
@@ -183,9 +223,11 @@ def read_manifest(ckpt_dir: str | os.PathLike[str]) -> Manifest:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise CheckpointError(f"{path} does not exist: {ckpt_dir} is not a Slipstream checkpoint directory. "
-                              "Pass the tag directory (save_dir/<tag>), or the save_dir together with a tag "
-                              "or a `latest` file") from None
+        raise CheckpointError(
+            f"{path} does not exist: {ckpt_dir} is not a Slipstream checkpoint directory. "
+            "Pass the tag directory (save_dir/<tag>), or the save_dir together with a tag "
+            "or a `latest` file"
+        ) from None
     return Manifest.from_json(text, source=str(path))
 
 
@@ -199,22 +241,31 @@ def check_coverage(manifest: Manifest) -> None:
             if piece.file not in manifest.files:
                 problems.append(f"{key}: piece {piece.name!r} is in {piece.file!r}, which the manifest does not list")
             if piece.start != position or piece.end < piece.start:
-                what = ("ends before it starts" if piece.end < piece.start else
-                        "overlaps the previous piece" if piece.start < position else "leaves a gap before it")
-                problems.append(f"{key}: piece [{piece.start}, {piece.end}) in {piece.file} {what} "
-                                f"(expected start {position})")
+                what = (
+                    "ends before it starts"
+                    if piece.end < piece.start
+                    else "overlaps the previous piece"
+                    if piece.start < position
+                    else "leaves a gap before it"
+                )
+                problems.append(
+                    f"{key}: piece [{piece.start}, {piece.end}) in {piece.file} {what} (expected start {position})"
+                )
             position = max(position, piece.end)
         if position != numel:
             problems.append(f"{key}: pieces end at element {position} but shape {list(entry.shape)} has {numel}")
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise CheckpointError(f"the pieces of {len(problems)} tensor slice(s) do not cover their tensors exactly "
-                              f"once (checkpoint {manifest.tag!r}):\n  {shown}{more}")
+        raise CheckpointError(
+            f"the pieces of {len(problems)} tensor slice(s) do not cover their tensors exactly "
+            f"once (checkpoint {manifest.tag!r}):\n  {shown}{more}"
+        )
 
 
-def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest, *, files: set[str] | None = None,
-                 hash_files: bool = True) -> None:
+def verify_files(
+    ckpt_dir: str | os.PathLike[str], manifest: Manifest, *, files: set[str] | None = None, hash_files: bool = True
+) -> None:
     """Check the pieces (`check_coverage`), then each listed file's presence, size and sha256.
 
     All file problems are reported at once in one CheckpointCorrupt. `files` limits the file checks to those
@@ -242,6 +293,7 @@ def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest, *, files:
         if digest != record.get("sha256"):
             problems.append(f"{name}: sha256 is {digest}, the manifest says {record.get('sha256')}")
     if problems:
-        raise CheckpointCorrupt(f"checkpoint {ckpt_dir} is damaged; {len(problems)} file(s) do not match its "
-                                "manifest:\n  " + "\n  ".join(problems) +
-                                "\nRestore these files from a copy, or load an older tag.")
+        raise CheckpointCorrupt(
+            f"checkpoint {ckpt_dir} is damaged; {len(problems)} file(s) do not match its "
+            "manifest:\n  " + "\n  ".join(problems) + "\nRestore these files from a copy, or load an older tag."
+        )

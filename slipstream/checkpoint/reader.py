@@ -38,13 +38,17 @@ def resolve_checkpoint_dir(path: str | os.PathLike[str], tag: str | None = None)
             return path
         tag = read_latest(path)
         if tag is None:
-            raise CheckpointError(f"{path} has neither {MANIFEST_FILE} nor a `latest` file; pass tag=... (the "
-                                  "name of a checkpoint directory under it) or the checkpoint directory itself")
+            raise CheckpointError(
+                f"{path} has neither {MANIFEST_FILE} nor a `latest` file; pass tag=... (the "
+                "name of a checkpoint directory under it) or the checkpoint directory itself"
+            )
     ckpt_dir = path / tag
     if not (ckpt_dir / MANIFEST_FILE).is_file():
         tags = sorted(p.name for p in path.glob("*") if (p / MANIFEST_FILE).is_file()) if path.is_dir() else []
-        raise CheckpointError(f"checkpoint tag {tag!r} not found: {ckpt_dir / MANIFEST_FILE} does not exist. "
-                              f"Tags with a manifest under {path}: {tags or 'none'}")
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} not found: {ckpt_dir / MANIFEST_FILE} does not exist. "
+            f"Tags with a manifest under {path}: {tags or 'none'}"
+        )
     return ckpt_dir
 
 
@@ -88,9 +92,10 @@ class CheckpointReader:
     def entry(self, key: str) -> TensorEntry:
         if key not in self.manifest.tensors:
             close = difflib.get_close_matches(key, self.manifest.tensors, n=3)
-            raise CheckpointError(f"checkpoint {self.ckpt_dir} has no tensor {key!r}"
-                                  + (f"; did you mean {close}?" if close else
-                                     f"; it holds {len(self.manifest.tensors)} tensors"))
+            raise CheckpointError(
+                f"checkpoint {self.ckpt_dir} has no tensor {key!r}"
+                + (f"; did you mean {close}?" if close else f"; it holds {len(self.manifest.tensors)} tensors")
+            )
         return self.manifest.tensors[key]
 
     def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
@@ -105,8 +110,9 @@ class CheckpointReader:
             self._files[name] = SafetensorsFile(self.ckpt_dir / name)
         return self._files[name]
 
-    def _read_piece_range(self, key: str, entry: TensorEntry, piece: Piece, start: int, end: int,
-                          out: torch.Tensor) -> None:
+    def _read_piece_range(
+        self, key: str, entry: TensorEntry, piece: Piece, start: int, end: int, out: torch.Tensor
+    ) -> None:
         """Global elements [start, end) (inside `piece`) into `out`."""
         handle = self._file(piece.file)
         dtype, shape = handle.info(piece.name)
@@ -114,22 +120,26 @@ class CheckpointReader:
         for dim in shape:
             stored *= dim
         if stored != piece.end - piece.start or dtype != entry.torch_dtype:
-            raise CheckpointError(f"{key}: piece {piece.name!r} in {handle.path} is {dtype} with {stored} elements, "
-                                  f"but the manifest says {entry.dtype} [{piece.start}, {piece.end}); the "
-                                  "checkpoint is inconsistent")
+            raise CheckpointError(
+                f"{key}: piece {piece.name!r} in {handle.path} is {dtype} with {stored} elements, "
+                f"but the manifest says {entry.dtype} [{piece.start}, {piece.end}); the "
+                "checkpoint is inconsistent"
+            )
         handle.get_flat_range(piece.name, start - piece.start, end - piece.start, out=out)
 
     def read_flat_range(self, key: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of the flattened global tensor `key`, reading only the overlapping pieces."""
         entry = self.entry(key)
         if not 0 <= start <= end <= entry.numel:
-            raise CheckpointError(f"range [{start}, {end}) is outside {key!r}, which has {entry.numel} elements "
-                                  f"(shape {list(entry.shape)})")
+            raise CheckpointError(
+                f"range [{start}, {end}) is outside {key!r}, which has {entry.numel} elements "
+                f"(shape {list(entry.shape)})"
+            )
         out = torch.empty(end - start, dtype=entry.torch_dtype)
         for piece in entry.pieces:
             low, high = max(start, piece.start), min(end, piece.end)
             if low < high:
-                self._read_piece_range(key, entry, piece, low, high, out[low - start:high - start])
+                self._read_piece_range(key, entry, piece, low, high, out[low - start : high - start])
         return out
 
     def read(self, key: str) -> torch.Tensor:
@@ -145,6 +155,7 @@ class CheckpointReader:
     def __enter__(self) -> CheckpointReader:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()

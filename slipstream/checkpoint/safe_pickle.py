@@ -80,27 +80,58 @@ DEEPSPEED_STUBS: dict[str, type[DeepSpeedStub]] = {
     )
 }
 
-_STORAGES = ("Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte", "Bool",
-             "ComplexFloat", "ComplexDouble")
+_STORAGES = (
+    "Float",
+    "Double",
+    "Half",
+    "BFloat16",
+    "Long",
+    "Int",
+    "Short",
+    "Char",
+    "Byte",
+    "Bool",
+    "ComplexFloat",
+    "ComplexDouble",
+)
 _DTYPES = sorted(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))
 
 # Everything else a plain tensor / container pickle (torch.save protocol 2) refers to.
-TORCH_AND_BUILTIN_GLOBALS: frozenset[str] = frozenset({
-    "torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
-    "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state",
-    "torch._tensor._rebuild_from_type_v2", "torch.Tensor", "torch.nn.parameter.Parameter", "torch.Size",
-    "torch.device", "torch.storage.UntypedStorage", "torch.storage.TypedStorage",
-    *(f"torch.{kind}Storage" for kind in _STORAGES), *(f"torch.{dtype}" for dtype in _DTYPES),
-    "collections.OrderedDict", "builtins.set", "builtins.frozenset", "builtins.tuple", "builtins.list",
-    "builtins.dict", "builtins.slice", "builtins.complex", "_codecs.encode",
-})
+TORCH_AND_BUILTIN_GLOBALS: frozenset[str] = frozenset(
+    {
+        "torch._utils._rebuild_tensor",
+        "torch._utils._rebuild_tensor_v2",
+        "torch._utils._rebuild_tensor_v3",
+        "torch._utils._rebuild_parameter",
+        "torch._utils._rebuild_parameter_with_state",
+        "torch._tensor._rebuild_from_type_v2",
+        "torch.Tensor",
+        "torch.nn.parameter.Parameter",
+        "torch.Size",
+        "torch.device",
+        "torch.storage.UntypedStorage",
+        "torch.storage.TypedStorage",
+        *(f"torch.{kind}Storage" for kind in _STORAGES),
+        *(f"torch.{dtype}" for dtype in _DTYPES),
+        "collections.OrderedDict",
+        "builtins.set",
+        "builtins.frozenset",
+        "builtins.tuple",
+        "builtins.list",
+        "builtins.dict",
+        "builtins.slice",
+        "builtins.complex",
+        "_codecs.encode",
+    }
+)
 ALLOWED_GLOBALS: frozenset[str] = TORCH_AND_BUILTIN_GLOBALS | frozenset(DEEPSPEED_STUBS)
 
 # Builtins torch's restricted unpickler does not allow by itself; registered next to the stubs.
 _EXTRA_SAFE_GLOBALS: list[Any] = [set, frozenset, slice, complex]
 
-_STRING_OPS = frozenset({"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE",
-                         "BINUNICODE8"})
+_STRING_OPS = frozenset(
+    {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
+)
 _MARK = object()
 _UNKNOWN = object()
 # A torch legacy (non-zip) file is five pickles in a row followed by raw storage bytes.
@@ -164,7 +195,7 @@ def _apply_stack_effect(stack: list[Any], op: pickletools.OpcodeInfo) -> None:
         num_pops = before.index(pickletools.markobject)
     else:
         num_pops = len(before)
-    del stack[max(0, len(stack) - num_pops):]
+    del stack[max(0, len(stack) - num_pops) :]
     stack.extend([_UNKNOWN] * len(op.stack_after))
 
 
@@ -176,7 +207,8 @@ def _pickle_bytes(path: Path) -> tuple[bytes, int]:
             if len(records) != 1:
                 raise CheckpointCorrupt(
                     f"{path} is a zip file but not a torch.save checkpoint: expected one data.pkl record, found "
-                    f"{records}. Re-save it with torch.save, or point at the right file.")
+                    f"{records}. Re-save it with torch.save, or point at the right file."
+                )
             return archive.read(records[0]), 1
     return path.read_bytes(), _LEGACY_NUM_PICKLES
 
@@ -188,15 +220,17 @@ def check_globals(path: str | os.PathLike[str]) -> list[str]:
     try:
         names = pickle_globals(data, max_pickles=num_pickles)
     except (ValueError, EOFError, IndexError, pickle.UnpicklingError) as exc:
-        raise CheckpointCorrupt(f"{path} is not a readable pickle ({exc}); the file is truncated or corrupt, "
-                                "restore it from a good copy.") from exc
+        raise CheckpointCorrupt(
+            f"{path} is not a readable pickle ({exc}); the file is truncated or corrupt, restore it from a good copy."
+        ) from exc
     refused = sorted({name for name in names if name not in ALLOWED_GLOBALS})
     if refused:
         raise UnsafeCheckpoint(
             f"refusing to load {path}: its pickle imports {', '.join(refused)}, which the restricted loader "
             "does not allow (it could run code). Only tensors, plain containers and the DeepSpeed globals "
             f"{sorted(DEEPSPEED_STUBS)} are accepted; if you trust this file, convert it with its own tooling "
-            "to safetensors first.")
+            "to safetensors first."
+        )
     return names
 
 
@@ -209,8 +243,9 @@ def safe_load(path: str | os.PathLike[str]) -> Any:
     """
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} does not exist; check the path and that every rank's "
-                              "files were copied.")
+        raise CheckpointError(
+            f"checkpoint file {path} does not exist; check the path and that every rank's files were copied."
+        )
     check_globals(path)
     with torch.serialization.safe_globals([*DEEPSPEED_STUBS.values(), *_EXTRA_SAFE_GLOBALS]):
         try:
@@ -218,5 +253,7 @@ def safe_load(path: str | os.PathLike[str]) -> Any:
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpoint(f"refusing to load {path}: torch's restricted unpickler rejected it: {exc}") from exc
         except (RuntimeError, EOFError, ValueError) as exc:
-            raise CheckpointCorrupt(f"{path} could not be read as a torch checkpoint ({exc}); the file is "
-                                    "truncated or corrupt, restore it from a good copy.") from exc
+            raise CheckpointCorrupt(
+                f"{path} could not be read as a torch checkpoint ({exc}); the file is "
+                "truncated or corrupt, restore it from a good copy."
+            ) from exc

@@ -30,8 +30,15 @@ import torch
 from slipstream.checkpoint.errors import CheckpointError
 
 ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 """safetensors dtype string -> torch dtype, for every dtype this module reads and writes."""
@@ -42,15 +49,19 @@ _MAX_HEADER_BYTES = 100 << 20  # the reference implementation's limit
 
 def _require_little_endian() -> None:
     if sys.byteorder != "little":
-        raise CheckpointError(f"safetensors data is little-endian; this host is {sys.byteorder}-endian, "
-                              "which Slipstream does not support for checkpoints")
+        raise CheckpointError(
+            f"safetensors data is little-endian; this host is {sys.byteorder}-endian, "
+            "which Slipstream does not support for checkpoints"
+        )
 
 
 def st_dtype_name(dtype: torch.dtype) -> str:
     """The safetensors name of a torch dtype ("F32", "BF16", ...)."""
     if dtype not in _ST_NAMES:
-        raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors here; supported: "
-                              f"{sorted(str(d) for d in _ST_NAMES)}. Cast the tensor first.")
+        raise CheckpointError(
+            f"dtype {dtype} cannot be stored in safetensors here; supported: "
+            f"{sorted(str(d) for d in _ST_NAMES)}. Cast the tensor first."
+        )
     return _ST_NAMES[dtype]
 
 
@@ -68,7 +79,7 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     digest = hashlib.sha256()
     with open(path, "rb", buffering=0) as handle:
         view = memoryview(bytearray(max(1, min(_HASH_CHUNK, os.fstat(handle.fileno()).st_size))))
-        while (count := handle.readinto(view)):
+        while count := handle.readinto(view):
             digest.update(view[:count])
     return digest.hexdigest()
 
@@ -76,15 +87,18 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 _Expected = tuple[str, torch.dtype, tuple[int, ...], int]  # name, dtype, shape, bytes
 
 
-def _header(path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-            metadata: dict[str, str] | None) -> tuple[bytes, list[_Expected]]:
+def _header(
+    path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None
+) -> tuple[bytes, list[_Expected]]:
     """The padded JSON header for `entries` (data offsets in order) and each entry's expected dtype, shape, size."""
     header: dict[str, object] = {}
     if metadata:
         bad = {k: v for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)}
         if bad:
-            raise CheckpointError(f"safetensors metadata must map str to str; {path} got {bad!r}. "
-                                  "Convert the values with str() or json.dumps() first.")
+            raise CheckpointError(
+                f"safetensors metadata must map str to str; {path} got {bad!r}. "
+                "Convert the values with str() or json.dumps() first."
+            )
         header["__metadata__"] = dict(metadata)
     expected: list[_Expected] = []
     offset = 0
@@ -113,8 +127,12 @@ class SafetensorsWriter:
     entry was written, fsyncs and returns the sha256 of the whole file. `bytes_written` is the file size.
     """
 
-    def __init__(self, path: str | os.PathLike[str], entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         _require_little_endian()
         self.path = Path(path)
         text, self._expected = _header(self.path, entries, metadata)
@@ -135,7 +153,7 @@ class SafetensorsWriter:
         if self._file is None:
             raise CheckpointError(f"{self.path} is already closed; create a new SafetensorsWriter")
         for begin in range(0, len(data), _HASH_CHUNK):
-            chunk = data[begin:begin + _HASH_CHUNK]
+            chunk = data[begin : begin + _HASH_CHUNK]
             self._file.write(chunk)
             self._digest.update(chunk)
         self.bytes_written += len(data)
@@ -143,15 +161,21 @@ class SafetensorsWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append `tensor` as entry `name`; it must be the next entry, with the declared dtype and shape."""
         if self._next >= len(self._expected):
-            raise CheckpointError(f"{self.path}: write({name!r}) after all {len(self._expected)} entries were "
-                                  "written; declare every tensor in `entries`")
+            raise CheckpointError(
+                f"{self.path}: write({name!r}) after all {len(self._expected)} entries were "
+                "written; declare every tensor in `entries`"
+            )
         expected_name, dtype, shape, _ = self._expected[self._next]
         if name != expected_name:
-            raise CheckpointError(f"{self.path}: got tensor {name!r} but the next entry is {expected_name!r}; "
-                                  "write tensors in the order given to SafetensorsWriter(entries=...)")
+            raise CheckpointError(
+                f"{self.path}: got tensor {name!r} but the next entry is {expected_name!r}; "
+                "write tensors in the order given to SafetensorsWriter(entries=...)"
+            )
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise CheckpointError(f"{self.path}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)} but was "
-                                  f"declared {dtype} {shape}; cast or reshape it, or fix the entries")
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)} but was "
+                f"declared {dtype} {shape}; cast or reshape it, or fix the entries"
+            )
         data = tensor.detach().to("cpu").contiguous()
         self._emit(_byte_view(data))
         self._next += 1
@@ -164,9 +188,11 @@ class SafetensorsWriter:
         handle, self._file = self._file, None
         try:
             if self._next != len(self._expected):
-                missing = [entry[0] for entry in self._expected[self._next:]]
-                raise CheckpointError(f"{self.path} closed before these entries were written: {missing[:10]}"
-                                      f"{' ...' if len(missing) > 10 else ''}; call write() for each of them")
+                missing = [entry[0] for entry in self._expected[self._next :]]
+                raise CheckpointError(
+                    f"{self.path} closed before these entries were written: {missing[:10]}"
+                    f"{' ...' if len(missing) > 10 else ''}; call write() for each of them"
+                )
             handle.flush()
             os.fsync(handle.fileno())
         finally:
@@ -176,8 +202,9 @@ class SafetensorsWriter:
     def __enter__(self) -> SafetensorsWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
         else:
@@ -192,8 +219,9 @@ class SafetensorsWriter:
                 handle.close()
 
 
-def save_file(tensors: dict[str, torch.Tensor], path: str | os.PathLike[str],
-              metadata: dict[str, str] | None = None) -> str:
+def save_file(
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike[str], metadata: dict[str, str] | None = None
+) -> str:
     """Write `tensors` to one safetensors file; returns its sha256 hex digest."""
     entries = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
     with SafetensorsWriter(path, entries, metadata) as writer:
@@ -202,14 +230,16 @@ def save_file(tensors: dict[str, torch.Tensor], path: str | os.PathLike[str],
     return writer.close()
 
 
-def _parse_header(path: Path, raw: bytes, data_len: int) -> tuple[dict[str, str], dict[str, tuple[str, list[int],
-                                                                                               int, int]]]:
+def _parse_header(
+    path: Path, raw: bytes, data_len: int
+) -> tuple[dict[str, str], dict[str, tuple[str, list[int], int, int]]]:
     """Validate a header; returns (metadata, {name: (st dtype, shape, begin, end)})."""
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({exc}); the file is corrupt "
-                              "or not a safetensors file") from None
+        raise CheckpointError(
+            f"{path}: the safetensors header is not valid JSON ({exc}); the file is corrupt or not a safetensors file"
+        ) from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the safetensors header is {type(header).__name__}, expected a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -225,14 +255,21 @@ def _parse_header(path: Path, raw: bytes, data_len: int) -> tuple[dict[str, str]
             raise CheckpointError(f"{where} has dtype {dtype!r}; this reader knows {sorted(ST_DTYPES)}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise CheckpointError(f"{where} has shape {shape!r}; expected a list of non-negative integers")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= data_len):
-            raise CheckpointError(f"{where} has data_offsets {offsets!r} outside the {data_len} data bytes; "
-                                  "the file is truncated or corrupt")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_len
+        ):
+            raise CheckpointError(
+                f"{where} has data_offsets {offsets!r} outside the {data_len} data bytes; "
+                "the file is truncated or corrupt"
+            )
         nbytes = math.prod(shape) * ST_DTYPES[dtype].itemsize
         if offsets[1] - offsets[0] != nbytes:
-            raise CheckpointError(f"{where} spans {offsets[1] - offsets[0]} bytes but {dtype} {shape} needs "
-                                  f"{nbytes}; the file is corrupt")
+            raise CheckpointError(
+                f"{where} spans {offsets[1] - offsets[0]} bytes but {dtype} {shape} needs {nbytes}; the file is corrupt"
+            )
         entries[name] = (dtype, shape, offsets[0], offsets[1])
     spans = sorted((begin, end, name) for name, (_, _, begin, end) in entries.items() if end > begin)
     for (_, end_a, name_a), (begin_b, _, name_b) in itertools.pairwise(spans):
@@ -258,8 +295,10 @@ class SafetensorsFile:
                 raise CheckpointError(f"{self.path} is {size} bytes, too short for a safetensors header")
             header_len = int.from_bytes(prefix, "little")
             if header_len > min(size - 8, _MAX_HEADER_BYTES):
-                raise CheckpointError(f"{self.path}: header length {header_len} does not fit the {size}-byte file; "
-                                      "the file is truncated or not a safetensors file")
+                raise CheckpointError(
+                    f"{self.path}: header length {header_len} does not fit the {size}-byte file; "
+                    "the file is truncated or not a safetensors file"
+                )
             raw = self._file.read(header_len)
             self._data_start = 8 + header_len
             self.metadata, self._entries = _parse_header(self.path, raw, size - self._data_start)
@@ -275,8 +314,10 @@ class SafetensorsFile:
 
     def _entry(self, name: str) -> tuple[str, list[int], int, int]:
         if name not in self._entries:
-            raise CheckpointError(f"{self.path} has no tensor {name!r}; it holds {len(self._entries)} tensors, "
-                                  f"e.g. {list(self._entries)[:5]}")
+            raise CheckpointError(
+                f"{self.path} has no tensor {name!r}; it holds {len(self._entries)} tensors, "
+                f"e.g. {list(self._entries)[:5]}"
+            )
         return self._entries[name]
 
     def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
@@ -294,8 +335,7 @@ class SafetensorsFile:
             count = self._file.readinto(view[filled:])
             if not count:
                 position = self._data_start + offset + filled
-                raise CheckpointError(f"{self.path}: unexpected end of file at byte {position}; the file is "
-                                      "truncated")
+                raise CheckpointError(f"{self.path}: unexpected end of file at byte {position}; the file is truncated")
             filled += count
 
     def get(self, name: str) -> torch.Tensor:
@@ -313,14 +353,14 @@ class SafetensorsFile:
         st_dtype, shape, begin, _ = self._entry(name)
         dtype, numel = ST_DTYPES[st_dtype], math.prod(shape)
         if not 0 <= start <= end <= numel:
-            raise CheckpointError(f"{self.path}: range [{start}, {end}) is outside tensor {name!r} of {numel} "
-                                  "elements")
+            raise CheckpointError(f"{self.path}: range [{start}, {end}) is outside tensor {name!r} of {numel} elements")
         if out is None:
             out = torch.empty(end - start, dtype=dtype)
-        elif (out.dtype != dtype or out.numel() != end - start or out.device.type != "cpu"
-              or not out.is_contiguous()):
-            raise CheckpointError(f"{self.path}: `out` for {name!r} must be a contiguous CPU {dtype} tensor of "
-                                  f"{end - start} elements, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        elif out.dtype != dtype or out.numel() != end - start or out.device.type != "cpu" or not out.is_contiguous():
+            raise CheckpointError(
+                f"{self.path}: `out` for {name!r} must be a contiguous CPU {dtype} tensor of "
+                f"{end - start} elements, got {out.dtype} {tuple(out.shape)} on {out.device}"
+            )
         self._read_into(begin + start * out.element_size(), out)
         return out
 
@@ -332,6 +372,7 @@ class SafetensorsFile:
     def __enter__(self) -> SafetensorsFile:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()

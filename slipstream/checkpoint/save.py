@@ -76,8 +76,10 @@ def validate_tag(tag: str, mode: str, *, world_size: int) -> None:
     mine = torch.tensor([digest], dtype=torch.int64)
     _barrier_call(lambda: collectives.all_gather(tags, mine), "save_checkpoint (tag check)")
     if len(set(tags.tolist())) > 1:
-        message = (f"save_checkpoint: the ranks passed different tags (this rank: {tag!r}); pass the same tag on "
-                   "every rank (or none: the default global_step<N> is the same everywhere)")
+        message = (
+            f"save_checkpoint: the ranks passed different tags (this rank: {tag!r}); pass the same tag on "
+            "every rank (or none: the default global_step<N> is the same everywhere)"
+        )
         if mode.upper() == "FAIL":
             raise CheckpointError(message)
         warn_once(f"tag-mismatch:{tag}", "slipstream: " + message)
@@ -87,8 +89,9 @@ def _barrier_call(call: Any, what: str) -> None:
     try:
         call()
     except CollectiveError as exc:
-        raise CheckpointError(f"{what}: {exc.summary()}. Every rank must call {what.split()[0]}, with the same "
-                              "arguments") from exc
+        raise CheckpointError(
+            f"{what}: {exc.summary()}. Every rank must call {what.split()[0]}, with the same arguments"
+        ) from exc
 
 
 def _items(parts: EngineParts, client_tensors: dict[str, torch.Tensor], exclude_frozen: bool) -> list[_Item]:
@@ -103,8 +106,16 @@ def _items(parts: EngineParts, client_tensors: dict[str, torch.Tensor], exclude_
         if piece.piece is not None and parts.optimizer is not None:
             state = parts.optimizer.optimizer.state.get(piece.piece, {})
             for key in flat_state_keys(parts.optimizer, piece.piece):
-                items.append((f"optimizer/{piece.name}/{key}", piece.state_view(state, key), piece.lo, piece.hi,
-                              piece.shape, False))
+                items.append(
+                    (
+                        f"optimizer/{piece.name}/{key}",
+                        piece.state_view(state, key),
+                        piece.lo,
+                        piece.hi,
+                        piece.shape,
+                        False,
+                    )
+                )
     for name, tensor in rng_tensors().items():
         items.append((f"rng/{parts.rank}/{name}", tensor, 0, tensor.numel(), (tensor.numel(),), False))
     if parts.rank == 0:
@@ -115,9 +126,18 @@ def _items(parts: EngineParts, client_tensors: dict[str, torch.Tensor], exclude_
     return items
 
 
-def save_engine(parts: EngineParts, save_dir: str, tag: str, *, scalars: dict[str, Any],
-                client_tensors: dict[str, torch.Tensor], save_latest: bool, exclude_frozen: bool,
-                tag_validation: str, version: str) -> Path:
+def save_engine(
+    parts: EngineParts,
+    save_dir: str,
+    tag: str,
+    *,
+    scalars: dict[str, Any],
+    client_tensors: dict[str, torch.Tensor],
+    save_latest: bool,
+    exclude_frozen: bool,
+    tag_validation: str,
+    version: str,
+) -> Path:
     """See [Note: checkpoint save]; every phase ends with every rank learning whether some rank failed it."""
     check_tag(tag)
     validate_tag(tag, tag_validation, world_size=parts.world_size)
@@ -128,8 +148,9 @@ def save_engine(parts: EngineParts, save_dir: str, tag: str, *, scalars: dict[st
     error = _attempt(lambda: _write_rank(parts, tmp, final, client_tensors, exclude_frozen))
     _agree(parts, error, tmp, "writing its files")
     if parts.rank == 0:
-        error = _attempt(lambda: _commit(parts, tmp, final, tag=tag, scalars=scalars, version=version,
-                                         save_latest=save_latest))
+        error = _attempt(
+            lambda: _commit(parts, tmp, final, tag=tag, scalars=scalars, version=version, save_latest=save_latest)
+        )
     _agree(parts, error, tmp, "committing the checkpoint")
     return final
 
@@ -137,7 +158,7 @@ def save_engine(parts: EngineParts, save_dir: str, tag: str, *, scalars: dict[st
 def _attempt(step: Callable[[], None]) -> Exception | None:
     try:
         step()
-    except Exception as exc:  # noqa: BLE001 - re-raised by _agree once every rank knows
+    except Exception as exc:
         return exc
     return None
 
@@ -157,9 +178,11 @@ def _agree(parts: EngineParts, error: Exception | None, tmp: Path, what: str) ->
         shutil.rmtree(tmp, ignore_errors=True)
     if error is not None:
         raise error
-    raise CheckpointError(f"save_checkpoint: rank(s) {failed} failed while {what} (the error on those ranks says "
-                          f"why); the save did not complete: {tmp} was removed and `latest` still names the previous "
-                          "checkpoint. Fix the cause and save again.")
+    raise CheckpointError(
+        f"save_checkpoint: rank(s) {failed} failed while {what} (the error on those ranks says "
+        f"why); the save did not complete: {tmp} was removed and `latest` still names the previous "
+        "checkpoint. Fix the cause and save again."
+    )
 
 
 def _prepare(root: Path, tag: str) -> None:
@@ -171,12 +194,14 @@ def _prepare(root: Path, tag: str) -> None:
     make_tmp_dir(root, tag)
 
 
-def _write_rank(parts: EngineParts, tmp: Path, final: Path, client_tensors: dict[str, torch.Tensor],
-                exclude_frozen: bool) -> None:
+def _write_rank(
+    parts: EngineParts, tmp: Path, final: Path, client_tensors: dict[str, torch.Tensor], exclude_frozen: bool
+) -> None:
     """This rank's safetensors file and its listing (`rank_<r>.json`), both fsynced."""
     items = _items(parts, client_tensors, exclude_frozen)
-    entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = [(key, data.dtype, (end - start,))
-                                                               for key, data, start, end, _, _ in items]
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
+        (key, data.dtype, (end - start,)) for key, data, start, end, _, _ in items
+    ]
     path = tmp / f"rank_{parts.rank:05d}.safetensors"
     written: dict[str, Any] = {}
 
@@ -187,9 +212,15 @@ def _write_rank(parts: EngineParts, tmp: Path, final: Path, client_tensors: dict
             written.update(sha256=writer.close(), bytes=writer.bytes_written)
 
     _on_disk(write_tensors, path=path, needed=file_bytes(entries), final=final)
-    listing = {"file": path.name, "sha256": written["sha256"], "bytes": written["bytes"],
-               "pieces": [[key, start, end, list(shape), dtype_name(data.dtype), frozen]
-                          for key, data, start, end, shape, frozen in items]}
+    listing = {
+        "file": path.name,
+        "sha256": written["sha256"],
+        "bytes": written["bytes"],
+        "pieces": [
+            [key, start, end, list(shape), dtype_name(data.dtype), frozen]
+            for key, data, start, end, shape, frozen in items
+        ],
+    }
     text = json.dumps(listing)
     listing_path = tmp / f"rank_{parts.rank:05d}.json"
 
@@ -200,16 +231,26 @@ def _write_rank(parts: EngineParts, tmp: Path, final: Path, client_tensors: dict
     _on_disk(write_listing, path=listing_path, needed=len(text.encode()), final=final)
 
 
-def _commit(parts: EngineParts, tmp: Path, final: Path, *, tag: str, scalars: dict[str, Any], version: str,
-            save_latest: bool) -> None:
+def _commit(
+    parts: EngineParts, tmp: Path, final: Path, *, tag: str, scalars: dict[str, Any], version: str, save_latest: bool
+) -> None:
     """Rank 0: merge the listings into the manifest, rename the directory into place, then point `latest`."""
     text = _merge(tmp, parts, tag, scalars, version).to_json()
-    _on_disk(lambda: write_text_atomic(tmp / MANIFEST_FILE, text), path=tmp / MANIFEST_FILE,
-             needed=len(text.encode()), final=final)
+    _on_disk(
+        lambda: write_text_atomic(tmp / MANIFEST_FILE, text),
+        path=tmp / MANIFEST_FILE,
+        needed=len(text.encode()),
+        final=final,
+    )
     commit_dir(tmp, final)
     if save_latest:  # write_text_atomic removes its own temporary file; `latest` itself must stay
-        _on_disk(lambda: write_latest(final.parent, tag), path=final.parent / LATEST_FILE, needed=len(tag.encode()),
-                 final=final, remove_partial=False)
+        _on_disk(
+            lambda: write_latest(final.parent, tag),
+            path=final.parent / LATEST_FILE,
+            needed=len(tag.encode()),
+            final=final,
+            remove_partial=False,
+        )
 
 
 def _on_disk(write: Callable[[], None], *, path: Path, needed: int, final: Path, remove_partial: bool = True) -> None:
@@ -225,8 +266,9 @@ def _on_disk(write: Callable[[], None], *, path: Path, needed: int, final: Path,
 
 
 def _write_error(exc: OSError, *, path: Path, needed: int, final: Path) -> CheckpointError:
-    unchanged = ("The save did not complete: its unfinished files are removed and `latest` still names the previous "
-                 "checkpoint.")
+    unchanged = (
+        "The save did not complete: its unfinished files are removed and `latest` still names the previous checkpoint."
+    )
     if exc.errno not in _DISK_FULL:
         return CheckpointError(f"save_checkpoint: writing {path} for checkpoint {final} failed: {exc}. {unchanged}")
     try:
@@ -236,7 +278,8 @@ def _write_error(exc: OSError, *, path: Path, needed: int, final: Path) -> Check
     return CheckpointError(
         f"save_checkpoint: no space left for checkpoint {final}: {path.name} needs {needed:,} bytes and the file "
         f"system holding {path.parent} has {free} ({exc.strerror}, errno {exc.errno}). {unchanged} Free space "
-        f"(for example delete old tags under {final.parent}) or save to another save_dir, then save again.")
+        f"(for example delete old tags under {final.parent}) or save to another save_dir, then save again."
+    )
 
 
 def _merge(tmp: Path, parts: EngineParts, tag: str, scalars: dict[str, Any], version: str) -> Manifest:
@@ -257,8 +300,15 @@ def _merge(tmp: Path, parts: EngineParts, tag: str, scalars: dict[str, Any], ver
     for key, found in pieces.items():
         shape, dtype, frozen = meta[key]
         tensors[key] = TensorEntry(shape=shape, dtype=dtype, pieces=sorted(found, key=lambda p: p.start), frozen=frozen)
-    manifest = Manifest(format_version=FORMAT_VERSION, slipstream_version=version, tag=tag,
-                        world_size=parts.world_size, zero_stage=parts.stage, files=files, tensors=tensors,
-                        scalars=scalars)
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        slipstream_version=version,
+        tag=tag,
+        world_size=parts.world_size,
+        zero_stage=parts.stage,
+        files=files,
+        tensors=tensors,
+        scalars=scalars,
+    )
     check_coverage(manifest)
     return manifest

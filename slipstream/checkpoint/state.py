@@ -57,8 +57,9 @@ def collect_slices(parts: EngineParts, *, for_save: bool) -> list[OwnedSlice]:
 def flat_state_keys(optimizer: Any, piece: torch.Tensor) -> list[str]:
     """The state entries of `piece` shaped like it (exp_avg, exp_avg_sq, momentum_buffer, ...)."""
     state = optimizer.optimizer.state.get(piece, {})
-    return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0
-                  and v.numel() == piece.numel())
+    return sorted(
+        k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == piece.numel()
+    )
 
 
 def scalar_state(optimizer: Any) -> list[dict[str, Any]]:
@@ -69,16 +70,21 @@ def scalar_state(optimizer: Any) -> list[dict[str, Any]]:
         for piece in group["params"]:
             state = optimizer.optimizer.state.get(piece)
             if state:
-                values = {k: to_json(v, f"optimizer state {k!r}") for k, v in state.items()
-                          if not (isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == piece.numel())}
+                values = {
+                    k: to_json(v, f"optimizer state {k!r}")
+                    for k, v in state.items()
+                    if not (isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == piece.numel())
+                }
                 break
         out.append(values)
     return out
 
 
 def hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
-    return [{k: to_json(v, f"param group {k!r}") for k, v in group.items() if k != "params"}
-            for group in optimizer.optimizer.param_groups]
+    return [
+        {k: to_json(v, f"param group {k!r}") for k, v in group.items() if k != "params"}
+        for group in optimizer.optimizer.param_groups
+    ]
 
 
 def to_json(value: Any, what: str) -> Any:
@@ -95,8 +101,10 @@ def to_json(value: Any, what: str) -> Any:
         return [to_json(v, what) for v in value]
     if isinstance(value, dict):
         return {str(k): to_json(v, f"{what}[{k!r}]") for k, v in value.items()}
-    raise CheckpointError(f"{what} is a {type(value).__name__}, which a checkpoint cannot store; use JSON values "
-                          "(numbers, strings, lists, dicts) or tensors")
+    raise CheckpointError(
+        f"{what} is a {type(value).__name__}, which a checkpoint cannot store; use JSON values "
+        "(numbers, strings, lists, dicts) or tensors"
+    )
 
 
 def split_client_state(client_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

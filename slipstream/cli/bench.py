@@ -25,8 +25,10 @@ if TYPE_CHECKING:
     from slipstream.comm.bench import CommResult
 
 HELP = "benchmarks: `comm` times the collectives on the current world (DeepSpeed's ds_bench)"
-COMM_HELP = ("time all_reduce, all_gather, reduce_scatter, all_to_all, broadcast and send/recv over a range "
-             "of sizes: time, algorithm and bus bandwidth (DeepSpeed's ds_bench)")
+COMM_HELP = (
+    "time all_reduce, all_gather, reduce_scatter, all_to_all, broadcast and send/recv over a range "
+    "of sizes: time, algorithm and bus bandwidth (DeepSpeed's ds_bench)"
+)
 LAUNCH = "slipstream run --num_gpus N --module slipstream.cli.bench comm [flags]"
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")  # comm/bench.py's OPS
 DTYPES = ("float32", "float16", "bfloat16")
@@ -36,8 +38,9 @@ def parse_ops(text: str) -> list[str]:
     ops = [op.strip().replace("-", "_") for op in text.split(",") if op.strip()]
     unknown = [op for op in ops if op not in OPS]
     if unknown or not ops:
-        raise argparse.ArgumentTypeError(f"{text!r}: unknown op(s) {', '.join(unknown) or '(none given)'}; "
-                                         f"choose from {','.join(OPS)}")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown op(s) {', '.join(unknown) or '(none given)'}; choose from {','.join(OPS)}"
+        )
     return ops
 
 
@@ -52,8 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ops", type=parse_ops, default=list(OPS), help=f"comma-separated, default {','.join(OPS)}")
-    parser.add_argument("--sizes", type=parse_bytes_list, default=None,
-                        help="comma-separated message sizes, e.g. 64K,1M,16M (K/M/G are powers of 2; the default)")
+    parser.add_argument(
+        "--sizes",
+        type=parse_bytes_list,
+        default=None,
+        help="comma-separated message sizes, e.g. 64K,1M,16M (K/M/G are powers of 2; the default)",
+    )
     parser.add_argument("--scan", action="store_true", help="every power of 2 from 1K to --maxsize instead of --sizes")
     parser.add_argument("--maxsize", type=parse_bytes, default=1 << 24, help="largest size of --scan (default 16M)")
     parser.add_argument("--trials", type=positive_int, default=20, help="timed calls per size (default 20)")
@@ -89,14 +96,22 @@ def run_comm(args: argparse.Namespace) -> int:
         print(f"slipstream bench comm: error: {error}; launch it with `{LAUNCH}`", file=sys.stderr)
         return 2
     if alone:
-        print("slipstream bench comm: note: no launcher environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), "
-              f"so this is a world of one and no data crosses between processes; to measure N ranks: `{LAUNCH}`",
-              file=sys.stderr)
-    results = comm_bench.run(args.ops, sizes_of(args), trials=args.trials, warmups=args.warmups,
-                             dtype=getattr(torch, args.dtype))
+        print(
+            "slipstream bench comm: note: no launcher environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), "
+            f"so this is a world of one and no data crosses between processes; to measure N ranks: `{LAUNCH}`",
+            file=sys.stderr,
+        )
+    results = comm_bench.run(
+        args.ops, sizes_of(args), trials=args.trials, warmups=args.warmups, dtype=getattr(torch, args.dtype)
+    )
     if dist.get_rank() == 0:
-        header = {"world_size": dist.get_world_size(), "backend": str(dist.get_backend()), "dtype": args.dtype,
-                  "trials": args.trials, "warmups": args.warmups}
+        header = {
+            "world_size": dist.get_world_size(),
+            "backend": str(dist.get_backend()),
+            "dtype": args.dtype,
+            "trials": args.trials,
+            "warmups": args.warmups,
+        }
         if args.json:
             print(json.dumps({**header, "results": [_json_row(r.as_dict()) for r in results]}), flush=True)
         else:
@@ -110,9 +125,11 @@ def _json_row(row: dict[str, object]) -> dict[str, object]:
 
 
 def format_table(header: dict[str, object], results: list[CommResult]) -> str:
-    title = (f"world size {header['world_size']} ({header['backend']}), {header['dtype']}, {header['trials']} timed "
-             f"calls after {header['warmups']} warmups per size; time: the median call (its slowest rank); "
-             "GB/s = 1e9 B/s")
+    title = (
+        f"world size {header['world_size']} ({header['backend']}), {header['dtype']}, {header['trials']} timed "
+        f"calls after {header['warmups']} warmups per size; time: the median call (its slowest rank); "
+        "GB/s = 1e9 B/s"
+    )
     lines = [title, f"{'op':<15}{'size':>11}{'elements':>12}{'time (us)':>12}{'algbw (GB/s)':>14}{'busbw (GB/s)':>14}"]
     for r in results:
         head = f"{r.op:<15}{format_bytes(r.size_bytes):>11}{r.elements:>12}"

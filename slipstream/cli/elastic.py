@@ -27,18 +27,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"slipstream elastic: error: {error}", file=sys.stderr)
         return 2
     section = config["elasticity"]
-    result = {"train_batch_size": figures[0], "valid_world_sizes": figures[1],
-              "min_time_minutes": section.get("min_time", 0), "version": section.get("version", 0.2)}
+    result = {
+        "train_batch_size": figures[0],
+        "valid_world_sizes": figures[1],
+        "min_time_minutes": section.get("min_time", 0),
+        "version": section.get("version", 0.2),
+    }
     if args.world_size > 0:
         data_parallel = args.world_size // int(section.get("model_parallel_size", 1))
-        result.update(world_size=args.world_size, micro_batch_size=figures[2],
-                      gradient_accumulation_steps=figures[0] // (figures[2] * data_parallel))
+        result.update(
+            world_size=args.world_size,
+            micro_batch_size=figures[2],
+            gradient_accumulation_steps=figures[0] // (figures[2] * data_parallel),
+        )
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"elastic batch size: {result['train_batch_size']}")
     print(f"valid world sizes ({len(figures[1])}): {', '.join(str(n) for n in figures[1])}")
     if args.world_size > 0:
-        print(f"world size {args.world_size}: micro batch {result['micro_batch_size']} x accumulation "
-              f"{result['gradient_accumulation_steps']} x data-parallel {args.world_size // int(section.get('model_parallel_size', 1))}")
+        print(
+            f"world size {args.world_size}: micro batch {result['micro_batch_size']} x accumulation "
+            f"{result['gradient_accumulation_steps']} x data-parallel {args.world_size // int(section.get('model_parallel_size', 1))}"
+        )
     return 0

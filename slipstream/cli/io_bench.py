@@ -40,8 +40,12 @@ def parse_ops(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="an existing directory on the drive to measure (files are made and removed)")
-    parser.add_argument("--sizes", type=parse_bytes_list, default=[64 << 20],
-                        help="bytes per transfer, comma-separated, e.g. 16M,256M (default 64M)")
+    parser.add_argument(
+        "--sizes",
+        type=parse_bytes_list,
+        default=[64 << 20],
+        help="bytes per transfer, comma-separated, e.g. 16M,256M (default 64M)",
+    )
     parser.add_argument("--ops", type=parse_ops, default=["write", "read"], help="write, read or both (default)")
     parser.add_argument("--loops", type=positive_int, default=5, help="timed transfers per op and size (default 5)")
     add_settings_arguments(parser)
@@ -54,35 +58,69 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
 
     aio = AioPlan()
     group = parser.add_argument_group("aio settings (the config's `aio` section; defaults are its defaults)")
-    group.add_argument("--block-size", "--block_size", dest="block_size", type=parse_bytes, default=aio.block_size,
-                       help=f"bytes per I/O request (default {format_bytes(aio.block_size)})")
-    group.add_argument("--queue-depth", "--queue_depth", dest="queue_depth", type=positive_int,
-                       default=aio.queue_depth, help=f"requests in flight (default {aio.queue_depth})")
-    group.add_argument("--intra-op-parallelism", "--intra_op_parallelism", "--io_parallel",
-                       dest="intra_op_parallelism", type=positive_int, default=aio.intra_op_parallelism,
-                       help=f"threads per operation (default {aio.intra_op_parallelism})")
-    group.add_argument("--single-submit", "--single_submit", dest="single_submit",
-                       action=argparse.BooleanOptionalAction, default=aio.single_submit,
-                       help="submit requests one at a time")
-    group.add_argument("--overlap-events", "--overlap_events", dest="overlap_events",
-                       action=argparse.BooleanOptionalAction, default=aio.overlap_events,
-                       help="overlap submission and completion")
+    group.add_argument(
+        "--block-size",
+        "--block_size",
+        dest="block_size",
+        type=parse_bytes,
+        default=aio.block_size,
+        help=f"bytes per I/O request (default {format_bytes(aio.block_size)})",
+    )
+    group.add_argument(
+        "--queue-depth",
+        "--queue_depth",
+        dest="queue_depth",
+        type=positive_int,
+        default=aio.queue_depth,
+        help=f"requests in flight (default {aio.queue_depth})",
+    )
+    group.add_argument(
+        "--intra-op-parallelism",
+        "--intra_op_parallelism",
+        "--io_parallel",
+        dest="intra_op_parallelism",
+        type=positive_int,
+        default=aio.intra_op_parallelism,
+        help=f"threads per operation (default {aio.intra_op_parallelism})",
+    )
+    group.add_argument(
+        "--single-submit",
+        "--single_submit",
+        dest="single_submit",
+        action=argparse.BooleanOptionalAction,
+        default=aio.single_submit,
+        help="submit requests one at a time",
+    )
+    group.add_argument(
+        "--overlap-events",
+        "--overlap_events",
+        dest="overlap_events",
+        action=argparse.BooleanOptionalAction,
+        default=aio.overlap_events,
+        help="overlap submission and completion",
+    )
 
 
 def settings_from(args: argparse.Namespace) -> AioSettings:
     from slipstream.ops.aio.bench import AioSettings
 
-    return AioSettings(block_size=args.block_size, queue_depth=args.queue_depth,
-                       intra_op_parallelism=args.intra_op_parallelism, single_submit=args.single_submit,
-                       overlap_events=args.overlap_events)
+    return AioSettings(
+        block_size=args.block_size,
+        queue_depth=args.queue_depth,
+        intra_op_parallelism=args.intra_op_parallelism,
+        single_submit=args.single_submit,
+        overlap_events=args.overlap_events,
+    )
 
 
 def check_directory(command: str, path: str) -> str | None:
     """Why `path` cannot be measured (an error line), or None."""
     if not Path(path).is_dir():
         what = "does not exist" if not Path(path).exists() else "is not a directory"
-        return (f"slipstream {command}: error: {path} {what}; give an existing directory on the drive to measure "
-                "(e.g. the nvme_path of your offload config)")
+        return (
+            f"slipstream {command}: error: {path} {what}; give an existing directory on the drive to measure "
+            "(e.g. the nvme_path of your offload config)"
+        )
     if not os.access(path, os.W_OK):
         return f"slipstream {command}: error: {path} is not writable; give a directory you can write to"
     return None
@@ -122,24 +160,36 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         bench.close()
-    report = {"path": str(Path(args.path).resolve()), "o_direct": direct_io_supported(args.path),
-              **implementation, "aio": used, "results": [r.as_dict() for r in results]}
+    report = {
+        "path": str(Path(args.path).resolve()),
+        "o_direct": direct_io_supported(args.path),
+        **implementation,
+        "aio": used,
+        "results": [r.as_dict() for r in results],
+    }
     print(json.dumps(report) if args.json else format_report(report, results))
     if bad:
-        print(f"slipstream io: error: the data read back differs from what was written for size(s) "
-              f"{', '.join(format_bytes(n) for n in bad)}: the drive, the file system or the op is faulty",
-              file=sys.stderr)
+        print(
+            f"slipstream io: error: the data read back differs from what was written for size(s) "
+            f"{', '.join(format_bytes(n) for n in bad)}: the drive, the file system or the op is faulty",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 def format_report(report: dict[str, Any], results: list[Throughput]) -> str:
     direct = "yes" if report["o_direct"] else "no: the figures include the page cache"
-    lines = [f"async_io: {report['note']}", f"path: {report['path']} (O_DIRECT: {direct})",
-             "aio: " + ", ".join(f"{k} {str(v).lower()}" for k, v in report["aio"].items()),
-             f"{'op':<7}{'size':>11}{'loops':>7}{'GB/s':>9}{'min':>8}{'max':>8}   (median transfer; GB/s = 1e9 B/s)"]
+    lines = [
+        f"async_io: {report['note']}",
+        f"path: {report['path']} (O_DIRECT: {direct})",
+        "aio: " + ", ".join(f"{k} {str(v).lower()}" for k, v in report["aio"].items()),
+        f"{'op':<7}{'size':>11}{'loops':>7}{'GB/s':>9}{'min':>8}{'max':>8}   (median transfer; GB/s = 1e9 B/s)",
+    ]
     for result in results:
         row = result.as_dict()
-        lines.append(f"{row['op']:<7}{format_bytes(row['size_bytes']):>11}{row['loops']:>7}{row['gb_s']:>9.3f}"
-                     f"{row['min_gb_s']:>8.3f}{row['max_gb_s']:>8.3f}")
+        lines.append(
+            f"{row['op']:<7}{format_bytes(row['size_bytes']):>11}{row['loops']:>7}{row['gb_s']:>9.3f}"
+            f"{row['min_gb_s']:>8.3f}{row['max_gb_s']:>8.3f}"
+        )
     return "\n".join(lines)

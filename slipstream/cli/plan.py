@@ -25,34 +25,66 @@ def parse_count(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (one of --params, --model, --hf-config)")
     model.add_argument("--params", type=parse_count, default=None, help="parameter count, e.g. 7e9 or 7B")
-    model.add_argument("--model", default=None, help="'package.module:factory' returning an nn.Module (built on "
-                                                     "the meta device: no memory used)")
-    model.add_argument("--hf-config", "--hf_config", dest="hf_config", default=None,
-                       help="a Hugging Face config.json (parameter count and shapes from it)")
-    for name, text in (("hidden", "hidden size (activations; shapes the synthetic model)"),
-                       ("layers", "transformer layers (activations; shapes the synthetic model)"),
-                       ("heads", "attention heads (activations)"),
-                       ("vocab", "vocabulary size (activations; embeddings of the synthetic model)"),
-                       ("seq", "sequence length (activations)"),
-                       ("micro-batch", "micro batch per GPU (activations; default: the config's, else 1)")):
+    model.add_argument(
+        "--model",
+        default=None,
+        help="'package.module:factory' returning an nn.Module (built on the meta device: no memory used)",
+    )
+    model.add_argument(
+        "--hf-config",
+        "--hf_config",
+        dest="hf_config",
+        default=None,
+        help="a Hugging Face config.json (parameter count and shapes from it)",
+    )
+    for name, text in (
+        ("hidden", "hidden size (activations; shapes the synthetic model)"),
+        ("layers", "transformer layers (activations; shapes the synthetic model)"),
+        ("heads", "attention heads (activations)"),
+        ("vocab", "vocabulary size (activations; embeddings of the synthetic model)"),
+        ("seq", "sequence length (activations)"),
+        ("micro-batch", "micro batch per GPU (activations; default: the config's, else 1)"),
+    ):
         flags = dict.fromkeys([f"--{name}", f"--{name.replace('-', '_')}"])
-        model.add_argument(*flags, dest=name.replace("-", "_"), type=int, default=None,
-                           help=text)
-    model.add_argument("--fused-attention", action="store_true",
-                       help="flash/memory-efficient attention: no seq x seq scores in the activation estimate")
+        model.add_argument(*flags, dest=name.replace("-", "_"), type=int, default=None, help=text)
+    model.add_argument(
+        "--fused-attention",
+        action="store_true",
+        help="flash/memory-efficient attention: no seq x seq scores in the activation estimate",
+    )
     run = parser.add_argument_group("run")
-    run.add_argument("config", nargs="?", default=None, help="a DeepSpeed JSON config to evaluate (its own row "
-                                                             "first, its knobs for every row)")
-    run.add_argument("--deepspeed_config", "--deepspeed-config", "--config", dest="config_option", default=None,
-                     help="same as the positional CONFIG")
+    run.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="a DeepSpeed JSON config to evaluate (its own row first, its knobs for every row)",
+    )
+    run.add_argument(
+        "--deepspeed_config",
+        "--deepspeed-config",
+        "--config",
+        dest="config_option",
+        default=None,
+        help="same as the positional CONFIG",
+    )
     run.add_argument("--gpus-per-node", "--gpus_per_node", "--num_gpus", dest="gpus_per_node", type=int, default=1)
     run.add_argument("--nodes", "--num_nodes", dest="nodes", type=int, default=1)
-    run.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16",
-                     help="parameter dtype without a config (default bf16)")
-    run.add_argument("--device-memory", "--device_memory", dest="device_memory", default=None,
-                     help="memory of one accelerator, e.g. 80GB (powers of 10) or 80GiB")
-    run.add_argument("--host-memory", "--host_memory", dest="host_memory", default=None,
-                     help="memory of one host, e.g. 512GB")
+    run.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default="bf16",
+        help="parameter dtype without a config (default bf16)",
+    )
+    run.add_argument(
+        "--device-memory",
+        "--device_memory",
+        dest="device_memory",
+        default=None,
+        help="memory of one accelerator, e.g. 80GB (powers of 10) or 80GiB",
+    )
+    run.add_argument(
+        "--host-memory", "--host_memory", dest="host_memory", default=None, help="memory of one host, e.g. 512GB"
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     out.add_argument("--png", default=None, metavar="FILE", help="also draw a stacked bar chart (needs matplotlib)")
@@ -65,22 +97,39 @@ def run(args: argparse.Namespace) -> int:
 
     config = args.config or args.config_option
     if args.params is None and args.model is None and args.hf_config is None and not (args.hidden and args.layers):
-        print("slipstream plan: error: give the model: --params N, --model module:factory or --hf-config "
-              "config.json (or --hidden and --layers)", file=sys.stderr)
+        print(
+            "slipstream plan: error: give the model: --params N, --model module:factory or --hf-config "
+            "config.json (or --hidden and --layers)",
+            file=sys.stderr,
+        )
         return 2
     try:
-        plan = estimate(params=args.params, model=args.model, hf_config=args.hf_config, hidden=args.hidden,
-                        layers=args.layers, seq=args.seq, micro_batch=args.micro_batch, vocab=args.vocab,
-                        heads=args.heads, gpus_per_node=args.gpus_per_node, nodes=args.nodes, dtype=args.dtype,
-                        ds_config=config, fused_attention=args.fused_attention,
-                        device_memory=parse_size(args.device_memory) if args.device_memory else None,
-                        host_memory=parse_size(args.host_memory) if args.host_memory else None)
+        plan = estimate(
+            params=args.params,
+            model=args.model,
+            hf_config=args.hf_config,
+            hidden=args.hidden,
+            layers=args.layers,
+            seq=args.seq,
+            micro_batch=args.micro_batch,
+            vocab=args.vocab,
+            heads=args.heads,
+            gpus_per_node=args.gpus_per_node,
+            nodes=args.nodes,
+            dtype=args.dtype,
+            ds_config=config,
+            fused_attention=args.fused_attention,
+            device_memory=parse_size(args.device_memory) if args.device_memory else None,
+            host_memory=parse_size(args.host_memory) if args.host_memory else None,
+        )
     except (ConfigError, ValueError, TypeError, OSError, ImportError, AttributeError) as exc:
         print(f"slipstream plan: error: {exc}", file=sys.stderr)
         return 1
     print(plan_json(plan) if args.json else format_plan(plan))
     if args.png:
         skipped = draw_png(plan, args.png)
-        print(f"slipstream plan: {skipped}" if skipped else f"chart written to {args.png}",
-              file=sys.stderr if skipped else sys.stdout)
+        print(
+            f"slipstream plan: {skipped}" if skipped else f"chart written to {args.png}",
+            file=sys.stderr if skipped else sys.stdout,
+        )
     return 0

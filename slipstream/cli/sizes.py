@@ -9,8 +9,19 @@ from __future__ import annotations
 import argparse
 import re
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GIB": 1 << 30,
-          "KB": 10**3, "MB": 10**6, "GB": 10**9}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GIB": 1 << 30,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -18,8 +29,10 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).upper() if match else ""
     if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write bytes or a number with K, M, G (powers "
-                                         "of 2, as DeepSpeed's tools) or KB, MB, GB (powers of 10), e.g. 1M")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; write bytes or a number with K, M, G (powers "
+            "of 2, as DeepSpeed's tools) or KB, MB, GB (powers of 10), e.g. 1M"
+        )
     value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least one byte")

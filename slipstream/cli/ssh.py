@@ -15,8 +15,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-H", "--hostfile", default=DEFAULT_HOSTFILE, help="hostfile (`host slots=N` lines)")
     parser.add_argument("-i", "--include", default="", help="only these hosts (DeepSpeed's -i syntax)")
     parser.add_argument("-e", "--exclude", default="", help="not these hosts (DeepSpeed's -e syntax)")
-    parser.add_argument("--launcher_args", "--ssh_args", dest="launcher_args", default="",
-                        help="ssh client options, e.g. \"-p 2222 -i ~/.ssh/key\"")
+    parser.add_argument(
+        "--launcher_args",
+        "--ssh_args",
+        dest="launcher_args",
+        default="",
+        help='ssh client options, e.g. "-p 2222 -i ~/.ssh/key"',
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds before a host's command is killed")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
 
@@ -29,10 +34,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         resources = read_hostfile(args.hostfile)
         if resources is None:
-            raise ValueError(f"hostfile {args.hostfile} does not exist; pass -H with a hostfile of `host slots=N` "
-                             "lines")
-        world = filter_world(world_of(resources), include=args.include, exclude=args.exclude,
-                             source=f"hostfile {args.hostfile}")
+            raise ValueError(
+                f"hostfile {args.hostfile} does not exist; pass -H with a hostfile of `host slots=N` lines"
+            )
+        world = filter_world(
+            world_of(resources), include=args.include, exclude=args.exclude, source=f"hostfile {args.hostfile}"
+        )
         results = run_on_hosts(list(world), command, launcher_args=args.launcher_args, timeout_s=args.timeout)
     except ValueError as error:
         print(f"slipstream ssh: error: {error}", file=sys.stderr)

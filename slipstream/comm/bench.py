@@ -150,14 +150,28 @@ def _slowest_per_call(seconds: list[float], device: torch.device) -> list[float]
     return [float(x) for x in every.view(dist.get_world_size(), len(seconds)).max(dim=0).values.cpu()]
 
 
-def measure(op: str, nbytes: int, *, trials: int, warmups: int, dtype: torch.dtype,
-            device: torch.device, synchronize: Callable[[], None]) -> CommResult:
+def measure(
+    op: str,
+    nbytes: int,
+    *,
+    trials: int,
+    warmups: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    synchronize: Callable[[], None],
+) -> CommResult:
     """Time `op` at about `nbytes` (see the module doc); every rank of the world must call it alike."""
     world = dist.get_world_size()
     element_size = torch.empty(0, dtype=dtype).element_size()
     numel = elements_for(op, nbytes, element_size, world)
-    base = CommResult(op=op, size_bytes=numel * element_size, elements=numel, dtype=str(dtype).split(".")[-1],
-                      world_size=world, trials=trials)
+    base = CommResult(
+        op=op,
+        size_bytes=numel * element_size,
+        elements=numel,
+        dtype=str(dtype).split(".")[-1],
+        world_size=world,
+        trials=trials,
+    )
     issue = make_issue(op, numel, dtype, device)
     reason = _agree_supported(op, issue, device)
     if reason is not None:
@@ -175,12 +189,18 @@ def measure(op: str, nbytes: int, *, trials: int, warmups: int, dtype: torch.dty
     per_call = _slowest_per_call(seconds, device)
     median = statistics.median(per_call)
     algbw = base.size_bytes / median / 1e9
-    return dataclasses.replace(base, time_s=median, mean_time_s=statistics.fmean(per_call), algbw_gb_s=algbw,
-                               busbw_gb_s=algbw * BUS_FACTORS[op](world))
+    return dataclasses.replace(
+        base,
+        time_s=median,
+        mean_time_s=statistics.fmean(per_call),
+        algbw_gb_s=algbw,
+        busbw_gb_s=algbw * BUS_FACTORS[op](world),
+    )
 
 
-def run(ops: Sequence[str], sizes: Sequence[int], *, trials: int = 20, warmups: int = 3,
-        dtype: torch.dtype = torch.float32) -> list[CommResult]:
+def run(
+    ops: Sequence[str], sizes: Sequence[int], *, trials: int = 20, warmups: int = 3, dtype: torch.dtype = torch.float32
+) -> list[CommResult]:
     """Every op at every size, in that order, on the default process group (which must be initialized)."""
     from slipstream.accelerator import get_accelerator
 
@@ -194,6 +214,15 @@ def run(ops: Sequence[str], sizes: Sequence[int], *, trials: int = 20, warmups: 
     results = []
     for op in ops:
         for nbytes in sizes:
-            results.append(measure(op, nbytes, trials=trials, warmups=warmups, dtype=dtype, device=device,
-                                   synchronize=accelerator.synchronize))
+            results.append(
+                measure(
+                    op,
+                    nbytes,
+                    trials=trials,
+                    warmups=warmups,
+                    dtype=dtype,
+                    device=device,
+                    synchronize=accelerator.synchronize,
+                )
+            )
     return results

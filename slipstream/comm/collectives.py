@@ -34,8 +34,19 @@ import torch.distributed as dist
 from slipstream.comm import arrivals, counting, inflight, teardown
 from slipstream.comm.errors import CollectiveError, CollectiveTimeout, OpInfo, PeerLost, is_lost_peer
 
-__all__ = ["CollectiveError", "CollectiveTimeout", "PeerLost", "TimedWork", "all_gather", "all_reduce", "barrier",
-           "broadcast", "collective_timeout", "reduce_scatter", "set_collective_timeout"]
+__all__ = [
+    "CollectiveError",
+    "CollectiveTimeout",
+    "PeerLost",
+    "TimedWork",
+    "all_gather",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "collective_timeout",
+    "reduce_scatter",
+    "set_collective_timeout",
+]
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -95,8 +106,9 @@ def _sites() -> tuple[str, str]:
 
 def _where(frame: Any) -> str:
     path = frame.f_code.co_filename
-    shown = "slipstream/" + os.path.relpath(path, _PACKAGE_DIR) if path.startswith(_PACKAGE_DIR) else \
-        os.path.basename(path)
+    shown = (
+        "slipstream/" + os.path.relpath(path, _PACKAGE_DIR) if path.startswith(_PACKAGE_DIR) else os.path.basename(path)
+    )
     return f"{shown}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
@@ -149,8 +161,14 @@ class TimedWork:
         return CollectiveError(self._info, elapsed, cause, "failed")
 
 
-def _issue(kind: str, shown: torch.Tensor, tensors: tuple[torch.Tensor, ...], launch: Callable[..., Any],
-           async_op: bool, finish: Callable[[], Any] | None = None) -> TimedWork:
+def _issue(
+    kind: str,
+    shown: torch.Tensor,
+    tensors: tuple[torch.Tensor, ...],
+    launch: Callable[..., Any],
+    async_op: bool,
+    finish: Callable[[], Any] | None = None,
+) -> TimedWork:
     """Count, number, record and launch one collective on aliases of `tensors` (the backend sees only those;
     `shown` is what the error describes); `finish` runs once it completed. Waits unless `async_op` (the
     caller then waits)."""
@@ -159,8 +177,16 @@ def _issue(kind: str, shown: torch.Tensor, tensors: tuple[torch.Tensor, ...], la
     site, origin = _sites()
     identity = f"{kind} {shown.numel()} {site}"
     seq = arrivals.record(identity)
-    info = OpInfo(kind, seq, identity, tuple(shown.shape), str(shown.dtype).removeprefix("torch."), site, origin,
-                  collective_timeout().total_seconds())
+    info = OpInfo(
+        kind,
+        seq,
+        identity,
+        tuple(shown.shape),
+        str(shown.dtype).removeprefix("torch."),
+        site,
+        origin,
+        collective_timeout().total_seconds(),
+    )
     entry = inflight.hand(tensors, f"{kind} #{seq} from {site}")
     try:
         entry.work = launch(*entry.aliases)
@@ -172,35 +198,52 @@ def _issue(kind: str, shown: torch.Tensor, tensors: tuple[torch.Tensor, ...], la
     return work
 
 
-def all_reduce(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None,
-               async_op: bool = False) -> TimedWork:
+def all_reduce(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None, async_op: bool = False) -> TimedWork:
     """Sum `tensor` across the ranks of `group`, in place."""
-    return _issue("all_reduce", tensor, (tensor,), lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group,
-                                                                              async_op=True), async_op)
+    return _issue(
+        "all_reduce",
+        tensor,
+        (tensor,),
+        lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True),
+        async_op,
+    )
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None,
-                   async_op: bool = False) -> TimedWork:
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> TimedWork:
     """Sum `input` (world * output.numel() elements) across ranks; rank r receives chunk r in `output`.
 
     On the host this is what gloo itself does for a flat reduce-scatter (a copy of `input`, an all-reduce of
     it, chunk r copied out), issued here so that the all-reduce's completion can be watched: gloo's own
     version returns a work that never reports completion and whose wait() ignores its timeout."""
     if input.device.type != "cpu":
-        return _issue("reduce_scatter", input, (input, output), lambda i, o: _reduce_scatter_flat(
-            o, i, op=dist.ReduceOp.SUM, group=group, async_op=True), async_op)
+        return _issue(
+            "reduce_scatter",
+            input,
+            (input, output),
+            lambda i, o: _reduce_scatter_flat(o, i, op=dist.ReduceOp.SUM, group=group, async_op=True),
+            async_op,
+        )
     summed = input.clone()
     chunk = summed.chunk(dist.get_world_size(group))[dist.get_rank(group)]
-    return _issue("reduce_scatter", input, (summed,), lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group,
-                                                                                async_op=True),
-                  async_op, finish=lambda: output.copy_(chunk))
+    return _issue(
+        "reduce_scatter",
+        input,
+        (summed,),
+        lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True),
+        async_op,
+        finish=lambda: output.copy_(chunk),
+    )
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None,
-               async_op: bool = False) -> TimedWork:
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> TimedWork:
     """Concatenate every rank's `input` into `output` (may be in place: input is output's chunk r)."""
-    return _issue("all_gather", output, (output, input), lambda o, i: _all_gather_flat(o, i, group=group,
-                                                                                         async_op=True), async_op)
+    return _issue(
+        "all_gather", output, (output, input), lambda o, i: _all_gather_flat(o, i, group=group, async_op=True), async_op
+    )
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None = None) -> None:

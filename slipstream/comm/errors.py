@@ -17,10 +17,19 @@ import torch.distributed as dist
 from slipstream.comm import arrivals
 
 # How a closed connection reads in gloo's and the socket layer's messages.
-_LOST_PEER_SIGNS = ("connection closed", "connection reset", "broken pipe", "econnreset", "epipe",
-                    "connection refused", "no route to host")
-_ADVICE = ("Every rank must run the same forward/backward/step and the same collective calls (save_checkpoint "
-           "and load_checkpoint too)")
+_LOST_PEER_SIGNS = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "econnreset",
+    "epipe",
+    "connection refused",
+    "no route to host",
+)
+_ADVICE = (
+    "Every rank must run the same forward/backward/step and the same collective calls (save_checkpoint "
+    "and load_checkpoint too)"
+)
 
 
 def is_lost_peer(error: BaseException) -> bool:
@@ -60,7 +69,8 @@ class CollectiveError(RuntimeError):
             f"collective {info.kind} #{info.seq} ({info.shape}, {info.dtype}) from {info.site}{origin} {what} on "
             f"rank {me} after {elapsed_s:.1f} s (collective timeout {info.timeout_s:g} s): arrived ranks "
             f"{self.arrived}, missing ranks {self.missing}{' (' + self.detail + ')' if self.detail else ''}. "
-            f"{self._advice()}{f'. Underlying error: {cause}' if cause is not None else ''}")
+            f"{self._advice()}{f'. Underlying error: {cause}' if cause is not None else ''}"
+        )
 
     def _advice(self) -> str:
         return _ADVICE
@@ -68,8 +78,10 @@ class CollectiveError(RuntimeError):
     def summary(self) -> str:
         """Who arrived, who did not and why, and what ended the wait, for errors that wrap this one."""
         detail = f"; {self.detail}" if self.detail else ""
-        return (f"ranks {self.missing} never arrived (arrived: {self.arrived}{detail}); {self._ending()} after "
-                f"{self.elapsed_s:.1f} s")
+        return (
+            f"ranks {self.missing} never arrived (arrived: {self.arrived}{detail}); {self._ending()} after "
+            f"{self.elapsed_s:.1f} s"
+        )
 
     def _ending(self) -> str:
         return f"{self.op} #{self.seq} failed"

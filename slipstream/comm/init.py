@@ -23,11 +23,18 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int = 29500, verbose: bool = True,
-                     timeout: datetime.timedelta | None = None, init_method: str | None = None,
-                     dist_init_required: bool | None = None, config: object = None, rank: int = -1,
-                     world_size: int = -1) -> None:
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout: datetime.timedelta | None = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: object = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
     """Start the default process group unless one exists (DeepSpeed's signature; see module doc).
 
     `timeout` becomes the collective timeout (Slipstream's deadline and the group's own); without it the group
@@ -42,8 +49,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if is_initialized():
         return
     if dist_init_required is False:
-        raise RuntimeError("dist_init_required=False but torch.distributed is not initialized; initialize it "
-                           "first or pass dist_init_required=None")
+        raise RuntimeError(
+            "dist_init_required=False but torch.distributed is not initialized; initialize it "
+            "first or pass dist_init_required=None"
+        )
     from slipstream.accelerator import get_accelerator
     from slipstream.comm import teardown
 
@@ -52,8 +61,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     missing = [name for name in _LAUNCHER_VARS if name not in os.environ]
     if init_method is not None or rank >= 0:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
-        dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank,
-                                world_size=world_size)
+        dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size)
     elif not missing:
         if "LOCAL_RANK" in os.environ:
             get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
@@ -61,10 +69,16 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     elif len(missing) == len(_LAUNCHER_VARS):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        raise RuntimeError(f"the launcher environment is incomplete: {', '.join(missing)} not set while "
-                           f"{', '.join(n for n in _LAUNCHER_VARS if n not in missing)} are; start the script "
-                           "with torchrun / `slipstream run`, or unset them all for a single process")
+        raise RuntimeError(
+            f"the launcher environment is incomplete: {', '.join(missing)} not set while "
+            f"{', '.join(n for n in _LAUNCHER_VARS if n not in missing)} are; start the script "
+            "with torchrun / `slipstream run`, or unset them all for a single process"
+        )
     teardown.install(created=True)
     if verbose:
-        logger.info("initialized torch.distributed: backend=%s rank=%d world_size=%d", backend,
-                    dist.get_rank(), dist.get_world_size())
+        logger.info(
+            "initialized torch.distributed: backend=%s rank=%d world_size=%d",
+            backend,
+            dist.get_rank(),
+            dist.get_world_size(),
+        )

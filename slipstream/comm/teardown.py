@@ -54,13 +54,15 @@ def at_exit() -> None:
         keep_forever([*abandoned, *torch_shim.live_groups()])
         rank = dist.get_rank() if dist.is_initialized() else "?"
         names = ", ".join(entry.label for entry in abandoned[:3]) + (", ..." if len(abandoned) > 3 else "")
-        sys.stderr.write(f"slipstream: rank {rank} exits without joining the process group's threads: "
-                         f"{len(abandoned)} collective(s) never completed ({names})\n")
+        sys.stderr.write(
+            f"slipstream: rank {rank} exits without joining the process group's threads: "
+            f"{len(abandoned)} collective(s) never completed ({names})\n"
+        )
         sys.stderr.flush()
         return
     try:
         if _state["created"] and dist.is_initialized():
             dist.destroy_process_group()
         torch_shim.forget_destroyed_groups()
-    except Exception as exc:  # noqa: BLE001 - exiting anyway; a finished run must not turn into a failure
+    except Exception as exc:
         sys.stderr.write(f"slipstream: destroying the process group at exit failed: {exc!r}\n")

@@ -33,14 +33,18 @@ class EngineGetters:
         batch = self.plan.batch
         per_step = batch.micro_batch_size * batch.world_size
         if train_batch_size % per_step:
-            raise ValueError(f"train_batch_size {train_batch_size} is not a multiple of micro batch "
-                             f"{batch.micro_batch_size} x world size {batch.world_size}")
+            raise ValueError(
+                f"train_batch_size {train_batch_size} is not a multiple of micro batch "
+                f"{batch.micro_batch_size} x world size {batch.world_size}"
+            )
         self._replace_batch(train_batch_size=train_batch_size, gradient_accumulation_steps=train_batch_size // per_step)
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         batch = self.plan.batch
-        self._replace_batch(micro_batch_size=micro_batch_size,
-                            train_batch_size=micro_batch_size * batch.gradient_accumulation_steps * batch.world_size)
+        self._replace_batch(
+            micro_batch_size=micro_batch_size,
+            train_batch_size=micro_batch_size * batch.gradient_accumulation_steps * batch.world_size,
+        )
 
     def _replace_batch(self, **changes: int) -> None:
         import dataclasses

@@ -40,7 +40,7 @@ class DeepSpeedParamAttrs:
     @property
     def ds_tensor(self) -> Any:
         record = self.ds_record
-        return record.unit.shard[record.shard_offset: record.shard_offset + record.shard_numel]
+        return record.unit.shard[record.shard_offset : record.shard_offset + record.shard_numel]
 
     @property
     def ds_process_group(self) -> Any:
@@ -59,7 +59,14 @@ class DeepSpeedParamAttrs:
         self.ds_record.unit.manager.release_units([self.ds_record.unit])
 
     def ds_summary(self) -> dict[str, Any]:
-        return {"id": self.ds_id, "status": self.ds_status.name, "numel": self.ds_numel,
-                "ds_numel": self.ds_numel, "shape": tuple(self.ds_shape), "ds_shape": tuple(self.ds_shape),
-                "requires_grad": bool(getattr(self, "requires_grad", False)),
-                "persist": self.ds_persist, "active_sub_modules": self.ds_active_sub_modules}
+        return {
+            "id": self.ds_id,
+            "status": self.ds_status.name,
+            "numel": self.ds_numel,
+            "ds_numel": self.ds_numel,
+            "shape": tuple(self.ds_shape),
+            "ds_shape": tuple(self.ds_shape),
+            "requires_grad": bool(getattr(self, "requires_grad", False)),
+            "persist": self.ds_persist,
+            "active_sub_modules": self.ds_active_sub_modules,
+        }

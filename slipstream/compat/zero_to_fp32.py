@@ -19,8 +19,9 @@ from slipstream.checkpoint.export import export_items, parse_size, write_items
 from slipstream.checkpoint.reader import CheckpointReader, resolve_checkpoint_dir
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[str], tag: str | None = None,
-                                             exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir: str | os.PathLike[str], tag: str | None = None, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor]:
     """The model's full state dict (floating tensors in fp32) from a checkpoint save_dir or tag directory."""
     source = resolve_checkpoint_dir(checkpoint_dir, tag)
     state_dict: dict[str, torch.Tensor] = {}
@@ -30,15 +31,21 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[s
     return state_dict
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike[str],
-                                               output_dir: str | os.PathLike[str], max_shard_size: int | str = "5GB",
-                                               safe_serialization: bool = True, tag: str | None = None,
-                                               exclude_frozen_parameters: bool = False) -> None:
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    max_shard_size: int | str = "5GB",
+    safe_serialization: bool = True,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> None:
     """Write the fp32 model weights as `model.safetensors` (or shards + index) under `output_dir`."""
     if not safe_serialization:
-        raise ValueError("convert_zero_checkpoint_to_fp32_state_dict(safe_serialization=False) would write a "
-                         "pickle (pytorch_model.bin); Slipstream writes only safetensors. Pass "
-                         "safe_serialization=True: transformers' from_pretrained reads model.safetensors.")
+        raise ValueError(
+            "convert_zero_checkpoint_to_fp32_state_dict(safe_serialization=False) would write a "
+            "pickle (pytorch_model.bin); Slipstream writes only safetensors. Pass "
+            "safe_serialization=True: transformers' from_pretrained reads model.safetensors."
+        )
     limit = parse_size(max_shard_size)
     source = resolve_checkpoint_dir(checkpoint_dir, tag)
     out = Path(output_dir)
@@ -48,8 +55,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
         write_items(reader, items, out, max_shard_size=limit, progress=True)
 
 
-def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str | os.PathLike[str],
-                                         tag: str | None = None) -> torch.nn.Module:
+def load_state_dict_from_zero_checkpoint(
+    model: torch.nn.Module, checkpoint_dir: str | os.PathLike[str], tag: str | None = None
+) -> torch.nn.Module:
     """Move `model` to CPU and load the checkpoint's fp32 weights into it (strict=False, as DeepSpeed)."""
     state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag)
     model = model.cpu()
@@ -58,19 +66,28 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m slipstream.utils.zero_to_fp32",
-                                     description="Write a checkpoint's fp32 model weights as safetensors.")
+    parser = argparse.ArgumentParser(
+        prog="python -m slipstream.utils.zero_to_fp32",
+        description="Write a checkpoint's fp32 model weights as safetensors.",
+    )
     parser.add_argument("checkpoint_dir", help="the save_dir, or one checkpoint (tag) directory")
     parser.add_argument("output_dir", help="directory for model*.safetensors")
     parser.add_argument("--max_shard_size", default="5GB", help="largest output file (default 5GB)")
-    parser.add_argument("--safe_serialization", action="store_true", help="accepted for DeepSpeed compatibility; "
-                        "the output is always safetensors")
+    parser.add_argument(
+        "--safe_serialization",
+        action="store_true",
+        help="accepted for DeepSpeed compatibility; the output is always safetensors",
+    )
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the `latest` file)")
     parser.add_argument("--exclude_frozen_parameters", action="store_true", help="skip requires_grad=False params")
     args = parser.parse_args(argv)
-    convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir,
-                                               max_shard_size=args.max_shard_size, tag=args.tag,
-                                               exclude_frozen_parameters=args.exclude_frozen_parameters)
+    convert_zero_checkpoint_to_fp32_state_dict(
+        args.checkpoint_dir,
+        args.output_dir,
+        max_shard_size=args.max_shard_size,
+        tag=args.tag,
+        exclude_frozen_parameters=args.exclude_frozen_parameters,
+    )
     return 0
 
 

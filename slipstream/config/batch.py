@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
 
 from slipstream.config.keys import BATCH_KEYS
 from slipstream.config.plan import BatchPlan
@@ -23,7 +22,7 @@ __all__ = ["apply_elasticity", "batch_plan", "mark_elastic"]
 _TBS, _MICRO, _GAS = BATCH_KEYS
 
 
-def apply_elasticity(cfg: DeepSpeedConfig, ws: int, problems: list[str]) -> Optional[DeepSpeedConfig]:
+def apply_elasticity(cfg: DeepSpeedConfig, ws: int, problems: list[str]) -> DeepSpeedConfig | None:
     """With `elasticity.enabled`: the batch triple from the elastic algorithm (config/elasticity.py) for this
     world size, as DeepSpeed's config does. Batch keys given beside it are an error unless
     `ignore_non_elastic_batch_info` (then they are replaced); a scheduler's copy of the section in
@@ -35,8 +34,10 @@ def apply_elasticity(cfg: DeepSpeedConfig, ws: int, problems: list[str]) -> Opti
 
     given = [key for key in BATCH_KEYS if getattr(cfg, key) is not None]
     if given and not section.ignore_non_elastic_batch_info:
-        problems.append(f"{', '.join(given)}: set together with elasticity.enabled; the elastic algorithm chooses "
-                        "the batch, so remove them or set elasticity.ignore_non_elastic_batch_info to true")
+        problems.append(
+            f"{', '.join(given)}: set together with elasticity.enabled; the elastic algorithm chooses "
+            "the batch, so remove them or set elasticity.ignore_non_elastic_batch_info to true"
+        )
         return None
     disagreement = _scheduler_disagreement(section.model_dump())
     if disagreement:
@@ -50,8 +51,9 @@ def apply_elasticity(cfg: DeepSpeedConfig, ws: int, problems: list[str]) -> Opti
         return None
     micro = result.micro_batch_size or 1
     data_parallel = ws // section.model_parallel_size
-    return cfg.model_copy(update={_TBS: result.train_batch_size, _MICRO: micro,
-                                  _GAS: result.train_batch_size // (micro * data_parallel)})
+    return cfg.model_copy(
+        update={_TBS: result.train_batch_size, _MICRO: micro, _GAS: result.train_batch_size // (micro * data_parallel)}
+    )
 
 
 def _scheduler_disagreement(runtime: dict) -> list[str]:
@@ -63,13 +65,15 @@ def _scheduler_disagreement(runtime: dict) -> list[str]:
     except ValueError:
         return [f"DEEPSPEED_ELASTICITY_CONFIG: not JSON ({raw[:80]!r})"]
     scheduler = scheduler.get("elasticity", scheduler) if isinstance(scheduler, dict) else {}
-    return [f"elasticity.{key}: {runtime.get(key)!r} here, but the scheduler's copy (DEEPSPEED_ELASTICITY_CONFIG) "
-            f"has {scheduler.get(key)!r}; both must use the same elastic settings"
-            for key in ("max_train_batch_size", "micro_batch_sizes", "version")
-            if key in scheduler and scheduler[key] != runtime.get(key)]
+    return [
+        f"elasticity.{key}: {runtime.get(key)!r} here, but the scheduler's copy (DEEPSPEED_ELASTICITY_CONFIG) "
+        f"has {scheduler.get(key)!r}; both must use the same elastic settings"
+        for key in ("max_train_batch_size", "micro_batch_sizes", "version")
+        if key in scheduler and scheduler[key] != runtime.get(key)
+    ]
 
 
-def batch_plan(cfg: DeepSpeedConfig, ws: int, auto: list[str], problems: list[str]) -> Optional[BatchPlan]:
+def batch_plan(cfg: DeepSpeedConfig, ws: int, auto: list[str], problems: list[str]) -> BatchPlan | None:
     """DeepSpeed's `_set_batch_related_parameters`: any two of the triple derive the third."""
     tbs, micro, gas = (
         cfg.train_batch_size,
@@ -79,7 +83,7 @@ def batch_plan(cfg: DeepSpeedConfig, ws: int, auto: list[str], problems: list[st
     sources = {key: "given" for key, v in zip(BATCH_KEYS, (tbs, micro, gas), strict=True) if v is not None}
     derived: dict[str, tuple[int, str]] = {}
 
-    def split(total: int, by: int, by_text: str, target: str) -> Optional[int]:
+    def split(total: int, by: int, by_text: str, target: str) -> int | None:
         if total % by:
             problems.append(
                 f"{_TBS}: {total} is not divisible by {by_text} = {by}, so {target} cannot be "

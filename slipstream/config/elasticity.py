@@ -34,9 +34,46 @@ __all__ = [
 
 MINIMUM_DEEPSPEED_VERSION = (0, 3, 8)
 LATEST_VERSION = 0.2
-HIGHLY_COMPOSITE = (1, 2, 4, 6, 12, 24, 36, 48, 60, 120, 180, 240, 360, 720, 840, 1260, 1680, 2520, 5040, 7560,
-                    10080, 15120, 20160, 25200, 27720, 45360, 50400, 55440, 83160, 110880, 166320, 221760, 277200,
-                    332640, 498960, 554400, 665280, 720720)
+HIGHLY_COMPOSITE = (
+    1,
+    2,
+    4,
+    6,
+    12,
+    24,
+    36,
+    48,
+    60,
+    120,
+    180,
+    240,
+    360,
+    720,
+    840,
+    1260,
+    1680,
+    2520,
+    5040,
+    7560,
+    10080,
+    15120,
+    20160,
+    25200,
+    27720,
+    45360,
+    50400,
+    55440,
+    83160,
+    110880,
+    166320,
+    221760,
+    277200,
+    332640,
+    498960,
+    554400,
+    665280,
+    720720,
+)
 
 
 class ElasticityError(ValueError):
@@ -69,23 +106,35 @@ def elasticity_enabled(ds_config: dict[str, Any]) -> bool:
 def _settings(section: dict[str, Any]) -> dict[str, Any]:
     """The section's values with DeepSpeed's defaults, checked (errors name `elasticity.<key>`)."""
     if "max_train_batch_size" not in section or "micro_batch_sizes" not in section:
-        raise ElasticityConfigError("elasticity: max_train_batch_size and micro_batch_sizes are required with "
-                                    "enabled: true (e.g. 2000 and [2, 4, 6])")
+        raise ElasticityConfigError(
+            "elasticity: max_train_batch_size and micro_batch_sizes are required with "
+            "enabled: true (e.g. 2000 and [2, 4, 6])"
+        )
     micro = section["micro_batch_sizes"]
-    if not isinstance(micro, list) or not micro or not all(
-            isinstance(m, int) and not isinstance(m, bool) and m > 0 for m in micro):
-        raise ElasticityConfigError(f"elasticity.micro_batch_sizes: expected a non-empty list of positive "
-                                    f"integers, got {micro!r}")
-    values = {"max_train_batch_size": section["max_train_batch_size"], "micro_batch_sizes": micro,
-              "min_gpus": section.get("min_gpus", 1), "max_gpus": section.get("max_gpus", 10000),
-              "num_gpus_per_node": section.get("num_gpus_per_node", 1),
-              "model_parallel_size": section.get("model_parallel_size", 1)}
+    if (
+        not isinstance(micro, list)
+        or not micro
+        or not all(isinstance(m, int) and not isinstance(m, bool) and m > 0 for m in micro)
+    ):
+        raise ElasticityConfigError(
+            f"elasticity.micro_batch_sizes: expected a non-empty list of positive integers, got {micro!r}"
+        )
+    values = {
+        "max_train_batch_size": section["max_train_batch_size"],
+        "micro_batch_sizes": micro,
+        "min_gpus": section.get("min_gpus", 1),
+        "max_gpus": section.get("max_gpus", 10000),
+        "num_gpus_per_node": section.get("num_gpus_per_node", 1),
+        "model_parallel_size": section.get("model_parallel_size", 1),
+    }
     for key, value in values.items():
         if key != "micro_batch_sizes" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ElasticityConfigError(f"elasticity.{key}: expected a positive integer, got {value!r}")
     if max(micro) > values["max_train_batch_size"]:
-        raise ElasticityConfigError(f"elasticity.micro_batch_sizes: {max(micro)} is larger than "
-                                    f"max_train_batch_size {values['max_train_batch_size']}")
+        raise ElasticityConfigError(
+            f"elasticity.micro_batch_sizes: {max(micro)} is larger than "
+            f"max_train_batch_size {values['max_train_batch_size']}"
+        )
     values["prefer_larger"] = section.get("prefer_larger_batch", True) is not False
     values["version"] = float(section.get("version", LATEST_VERSION))
     return values
@@ -128,12 +177,17 @@ def _micro_for(batch: int, data_parallel: int, micro: list[int]) -> int | None:
 def _search_v02(s: dict[str, Any], world_size: int) -> tuple[int, list[int]]:
     per_node, parallel = s["num_gpus_per_node"], s["model_parallel_size"]
     if per_node % parallel:
-        raise ElasticityConfigError(f"elasticity.num_gpus_per_node: {per_node} is not divisible by "
-                                    f"model_parallel_size {parallel}")
+        raise ElasticityConfigError(
+            f"elasticity.num_gpus_per_node: {per_node} is not divisible by model_parallel_size {parallel}"
+        )
     dp_per_node = per_node // parallel
-    batch, nodes = _search_v01(s["micro_batch_sizes"], s["max_train_batch_size"] // dp_per_node,
-                               max(1, s["min_gpus"] // per_node), max(1, s["max_gpus"] // per_node),
-                               s["prefer_larger"])
+    batch, nodes = _search_v01(
+        s["micro_batch_sizes"],
+        s["max_train_batch_size"] // dp_per_node,
+        max(1, s["min_gpus"] // per_node),
+        max(1, s["max_gpus"] // per_node),
+        s["prefer_larger"],
+    )
     batch, valid = batch * dp_per_node, [n * dp_per_node for n in nodes]
     data_parallel = world_size // parallel
     if data_parallel in valid:
@@ -148,8 +202,9 @@ def _check_version(target: str, version: float, parallel: int) -> None:
     if tuple(parts + [0] * (3 - len(parts))) < MINIMUM_DEEPSPEED_VERSION:
         raise ElasticityError(f"target DeepSpeed version {target} predates elasticity (needs >= 0.3.8)")
     if version > LATEST_VERSION:
-        raise ElasticityConfigError(f"elasticity.version: {version} is newer than the latest supported "
-                                    f"({LATEST_VERSION})")
+        raise ElasticityConfigError(
+            f"elasticity.version: {version} is newer than the latest supported ({LATEST_VERSION})"
+        )
     if version not in (0.1, 0.2):
         raise ElasticityConfigError(f"elasticity.version: expected 0.1 or 0.2, got {version}")
     if parallel > 1 and version != 0.2:
@@ -164,27 +219,32 @@ def elastic_result(section: dict[str, Any], *, world_size: int = 0, target_versi
     if s["version"] == 0.2:
         current = world_size or int(os.environ.get("WORLD_SIZE", "0") or 0)
         if current <= 0:
-            raise ElasticityConfigError("elasticity version 0.2 needs the world size: pass world_size or set "
-                                        "WORLD_SIZE")
+            raise ElasticityConfigError(
+                "elasticity version 0.2 needs the world size: pass world_size or set WORLD_SIZE"
+            )
         batch, valid = _search_v02(s, current)
     else:
-        batch, valid = _search_v01(s["micro_batch_sizes"], s["max_train_batch_size"], s["min_gpus"], s["max_gpus"],
-                                   s["prefer_larger"])
+        batch, valid = _search_v01(
+            s["micro_batch_sizes"], s["max_train_batch_size"], s["min_gpus"], s["max_gpus"], s["prefer_larger"]
+        )
     if world_size <= 0:
         return ElasticResult(train_batch_size=int(batch), valid_world_sizes=tuple(valid))
     data_parallel = world_size // s["model_parallel_size"]
     if data_parallel not in valid:
-        raise ElasticityIncompatibleWorldSize(f"world size {world_size} is not one the elastic batch size "
-                                              f"{batch} allows; use one of {valid}")
+        raise ElasticityIncompatibleWorldSize(
+            f"world size {world_size} is not one the elastic batch size {batch} allows; use one of {valid}"
+        )
     micro = _micro_for(batch, data_parallel, sorted(set(s["micro_batch_sizes"])))
     if micro is None:
-        raise ElasticityConfigError(f"elasticity.micro_batch_sizes: none of {s['micro_batch_sizes']} divides "
-                                    f"{batch} / {data_parallel} per rank")
+        raise ElasticityConfigError(
+            f"elasticity.micro_batch_sizes: none of {s['micro_batch_sizes']} divides {batch} / {data_parallel} per rank"
+        )
     return ElasticResult(train_batch_size=int(batch), valid_world_sizes=tuple(valid), micro_batch_size=micro)
 
 
-def compute_elastic_config(ds_config: dict[str, Any], target_deepspeed_version: str, world_size: int = 0,
-                           return_microbatch: bool = False) -> tuple[Any, ...]:
+def compute_elastic_config(
+    ds_config: dict[str, Any], target_deepspeed_version: str, world_size: int = 0, return_microbatch: bool = False
+) -> tuple[Any, ...]:
     """DeepSpeed's `deepspeed.elasticity.compute_elastic_config`: (batch, valid GPU counts[, micro batch])."""
     if not isinstance(ds_config, dict):
         raise ValueError(f"ds_config: expected a dict, got {type(ds_config).__name__}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -18,13 +18,11 @@ __all__ = ["ConfigError", "ConfigWarning", "describe", "dotted", "pydantic_probl
 class ConfigError(ValueError):
     """A DeepSpeed config that cannot be used; `.problems` lists every problem found, one line each."""
 
-    def __init__(self, problems: Sequence[str], *, header: Optional[str] = None) -> None:
+    def __init__(self, problems: Sequence[str], *, header: str | None = None) -> None:
         self.problems: list[str] = list(problems)
         count = len(self.problems)
         head = header or (
-            f"{count} problem in the DeepSpeed config"
-            if count == 1
-            else f"{count} problems in the DeepSpeed config"
+            f"{count} problem in the DeepSpeed config" if count == 1 else f"{count} problems in the DeepSpeed config"
         )
         super().__init__(head + ":\n" + "\n".join(f"  - {p}" for p in self.problems))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -39,7 +39,7 @@ class KeyWalk:
     """One raw pass over a config; collects problems, warns for ignored keys, records what "auto" became."""
 
     strict: bool
-    hidden_size: Optional[int]
+    hidden_size: int | None
     problems: list[str] = field(default_factory=list)
     auto_batch: list[str] = field(default_factory=list)
     auto_filled: dict[str, int] = field(default_factory=dict)
@@ -90,8 +90,10 @@ class KeyWalk:
         """DeepSpeed's legacy `"zero_optimization": true` (stage 1) / `false` (stage 0): easy to misread as
         "ZeRO on" (which stage?), so an error with the modern spelling, or one warning with strict false."""
         stage = 1 if value else 0
-        message = (f'zero_optimization: {str(value).lower()} is DeepSpeed\'s legacy form of stage {stage}; write '
-                   f'"zero_optimization": {{"stage": {stage}}} (or the stage you meant)')
+        message = (
+            f"zero_optimization: {str(value).lower()} is DeepSpeed's legacy form of stage {stage}; write "
+            f'"zero_optimization": {{"stage": {stage}}} (or the stage you meant)'
+        )
         if self.strict:
             self.problems.append(message)
         else:
@@ -118,20 +120,18 @@ class KeyWalk:
         if len(here) == 2 and here[0] == "zero_optimization" and name in _hidden_size_rules(1):
             if self.hidden_size is None:
                 self.problems.append(
-                    f'{key}: "auto" needs the model\'s hidden size; pass hidden_size=... to '
-                    "resolve() or set a number"
+                    f'{key}: "auto" needs the model\'s hidden size; pass hidden_size=... to resolve() or set a number'
                 )
                 return _DROP
             self.auto_filled[key] = _hidden_size_rules(self.hidden_size)[name]
             return self.auto_filled[key]
         self.problems.append(
-            f'{key}: "auto" must be filled in by the caller (e.g. Transformers\' Trainer) '
-            "or replaced with a value"
+            f'{key}: "auto" must be filled in by the caller (e.g. Transformers\' Trainer) or replaced with a value'
         )
         return _DROP
 
 
-def _section_holding(key: str, model: type[DSModel], prefix: str = "", depth: int = 0) -> Optional[str]:
+def _section_holding(key: str, model: type[DSModel], prefix: str = "", depth: int = 0) -> str | None:
     """The dotted place below `model` where `key` is valid (a key put at the wrong level), if there is one."""
     for name, info in model.model_fields.items():
         sub = model_of(info.annotation)

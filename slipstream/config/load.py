@@ -34,9 +34,7 @@ def _parse_json(text: str, origin: str) -> dict[str, Any]:
     try:
         data = json.loads(text, object_pairs_hook=_reject_duplicates)
     except json.JSONDecodeError as exc:
-        raise ConfigError(
-            [f"{origin}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"]
-        ) from None
+        raise ConfigError([f"{origin}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"]) from None
     except ConfigError as exc:
         raise ConfigError([f"{origin}: {p}" for p in exc.problems]) from None
     if not isinstance(data, dict):

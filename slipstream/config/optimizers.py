@@ -64,18 +64,42 @@ class OptimizerSpec:
 
 _ADAM_DEFAULTS = {"weight_decay": 0.0}
 _ENTRIES = (
-    OptimizerSpec(name="adamw", target="torch.optim:AdamW", states=_adam_states, defaults=_ADAM_DEFAULTS,
-                  host_target="slipstream.ops.adam:DeepSpeedCPUAdam", class_names=("AdamW", "DeepSpeedCPUAdam")),
-    OptimizerSpec(name="adam", target="torch.optim:Adam", states=_adam_states, defaults=_ADAM_DEFAULTS,
-                  host_target="slipstream.ops.adam:DeepSpeedCPUAdam", class_names=("Adam", "FusedAdam")),
+    OptimizerSpec(
+        name="adamw",
+        target="torch.optim:AdamW",
+        states=_adam_states,
+        defaults=_ADAM_DEFAULTS,
+        host_target="slipstream.ops.adam:DeepSpeedCPUAdam",
+        class_names=("AdamW", "DeepSpeedCPUAdam"),
+    ),
+    OptimizerSpec(
+        name="adam",
+        target="torch.optim:Adam",
+        states=_adam_states,
+        defaults=_ADAM_DEFAULTS,
+        host_target="slipstream.ops.adam:DeepSpeedCPUAdam",
+        class_names=("Adam", "FusedAdam"),
+    ),
     OptimizerSpec(name="sgd", target="torch.optim:SGD", states=_momentum_states, class_names=("SGD",)),
     OptimizerSpec(name="adagrad", target="torch.optim:Adagrad", states=_fixed(1), class_names=("Adagrad",)),
-    OptimizerSpec(name="lamb", target="slipstream.engine.optimizers:Lamb", states=_fixed(2), elementwise=False,
-                  class_names=("Lamb", "FusedLamb")),
-    OptimizerSpec(name="lion", target="slipstream.engine.optimizers:Lion", states=_fixed(1),
-                  class_names=("Lion", "FusedLion")),
-    OptimizerSpec(name="adafactor", target="torch.optim:Adafactor", states=_fixed(1), elementwise=False,
-                  class_names=("Adafactor",), min_torch=(2, 5)),
+    OptimizerSpec(
+        name="lamb",
+        target="slipstream.engine.optimizers:Lamb",
+        states=_fixed(2),
+        elementwise=False,
+        class_names=("Lamb", "FusedLamb"),
+    ),
+    OptimizerSpec(
+        name="lion", target="slipstream.engine.optimizers:Lion", states=_fixed(1), class_names=("Lion", "FusedLion")
+    ),
+    OptimizerSpec(
+        name="adafactor",
+        target="torch.optim:Adafactor",
+        states=_fixed(1),
+        elementwise=False,
+        class_names=("Adafactor",),
+        min_torch=(2, 5),
+    ),
     # torch.optim classes by their torch names (DeepSpeed passes unknown names to torch.optim as well).
     OptimizerSpec(name="Adamax", target="torch.optim:Adamax", states=_fixed(2), class_names=("Adamax",)),
     OptimizerSpec(name="NAdam", target="torch.optim:NAdam", states=_fixed(2), class_names=("NAdam",)),
@@ -104,7 +128,7 @@ def spec_for_class(class_name: str) -> OptimizerSpec | None:
     return None
 
 
-def states_per_element(name: str, params: Mapping[str, Any] = {}) -> int:  # noqa: B006 (read only)
+def states_per_element(name: str, params: Mapping[str, Any] = {}) -> int:
     """Full-size state tensors per master element for an optimizer name or class name (2 when unknown)."""
     spec = spec_for(name) or spec_for_class(name)
     return 2 if spec is None else spec.states(params)

@@ -9,7 +9,7 @@ resolve.py). Dtypes are named "fp32" | "bf16" | "fp16"; DeepSpeed key spellings 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 __all__ = [
     "AioPlan",
@@ -47,7 +47,7 @@ class BatchPlan:
 class LossScalePlan:
     """fp16 loss scaling; static_scale None means dynamic scaling starting at 2**initial_scale_power."""
 
-    static_scale: Optional[float]
+    static_scale: float | None
     initial_scale_power: int
     window: int
     hysteresis: int
@@ -62,7 +62,7 @@ class PrecisionPlan:
     param_dtype: str
     grad_accum_dtype: str
     master_dtype: str
-    loss_scale: Optional[LossScalePlan]
+    loss_scale: LossScalePlan | None
     check_grad_overflow: bool
     max_consecutive_skips: int
     """Raise after this many consecutive steps skipped for non-finite gradients (0: never)."""
@@ -150,7 +150,7 @@ class ZeroPlan:
     stage: int
     reduce_bucket_size: int
     offload_optimizer: OffloadTarget
-    stage3: Optional[Stage3Plan]
+    stage3: Stage3Plan | None
     force_host_optimizer: bool
     """With optimizer offload, only an optimizer with a host kernel may run (zero_force_ds_cpu_optimizer)."""
     allow_untested_optimizer: bool
@@ -185,9 +185,9 @@ class SchedulerPlan:
 class MonitorPlan:
     """Output paths of the enabled monitors; None means that monitor is disabled."""
 
-    csv_output_path: Optional[str]
+    csv_output_path: str | None
     csv_job_name: str
-    tensorboard_output_path: Optional[str]
+    tensorboard_output_path: str | None
     tensorboard_job_name: str
 
 
@@ -195,7 +195,7 @@ class MonitorPlan:
 class LoggingPlan:
     """Progress logging and monitors."""
 
-    steps_per_print: Optional[int]
+    steps_per_print: int | None
     wall_clock_breakdown: bool
     monitor: MonitorPlan
 
@@ -207,13 +207,13 @@ class EnginePlan:
     batch: BatchPlan
     precision: PrecisionPlan
     zero: ZeroPlan
-    optimizer: Optional[OptimizerPlan]
-    scheduler: Optional[SchedulerPlan]
+    optimizer: OptimizerPlan | None
+    scheduler: SchedulerPlan | None
     gradient_clipping: float
     logging: LoggingPlan
     dataloader_drop_last: bool
     checkpoint: CheckpointPlan
-    collective_timeout: Optional[float]
+    collective_timeout: float | None
     """Seconds before a collective that some rank never reached raises; None: the environment's default."""
     unimplemented: tuple[str, ...]
     """Dotted keys the user set that Slipstream accepts but does not implement yet (the engine warns once

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -64,8 +64,8 @@ def resolve(
     config: dict[str, Any],
     *,
     world_size: int,
-    strict: Optional[bool] = None,
-    hidden_size: Optional[int] = None,
+    strict: bool | None = None,
+    hidden_size: int | None = None,
 ) -> EnginePlan:
     """Validate `config` for a data-parallel `world_size` and return the frozen plans.
 
@@ -139,9 +139,7 @@ def _argument_problems(world_size: Any, hidden_size: Any) -> list[str]:
     if hidden_size is not None and (
         isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1
     ):
-        problems.append(
-            f"hidden_size: expected an integer >= 1 (the model's hidden size), got {hidden_size!r}"
-        )
+        problems.append(f"hidden_size: expected an integer >= 1 (the model's hidden size), got {hidden_size!r}")
     return problems
 
 
@@ -172,9 +170,13 @@ def _precision_plan(cfg: DeepSpeedConfig, problems: list[str]) -> PrecisionPlan:
 
 def _aio_plan(cfg: DeepSpeedConfig) -> AioPlan:
     aio = cfg.aio
-    return AioPlan(block_size=aio.block_size, queue_depth=aio.queue_depth,
-                   intra_op_parallelism=aio.intra_op_parallelism, single_submit=aio.single_submit,
-                   overlap_events=aio.overlap_events)
+    return AioPlan(
+        block_size=aio.block_size,
+        queue_depth=aio.queue_depth,
+        intra_op_parallelism=aio.intra_op_parallelism,
+        single_submit=aio.single_submit,
+        overlap_events=aio.overlap_events,
+    )
 
 
 def _offload_target(section: OffloadOptimizerConfig | OffloadParamConfig | None, aio: AioPlan) -> OffloadTarget:
@@ -192,13 +194,9 @@ def _zero_plan(cfg: DeepSpeedConfig, aio: AioPlan, problems: list[str]) -> ZeroP
     off = zero.offload_optimizer
     if off is not None and offload.on_host:
         if isinstance(offload, NvmeTarget) and not off.nvme_path:
-            problems.append(
-                f'{prefix}.offload_optimizer.nvme_path: required with device "nvme"; set a directory'
-            )
+            problems.append(f'{prefix}.offload_optimizer.nvme_path: required with device "nvme"; set a directory')
         if off.ratio < 1.0 and zero.stage != 3:
-            problems.append(
-                f"{prefix}.offload_optimizer.ratio: {off.ratio} < 1 needs stage 3; set ratio to 1.0"
-            )
+            problems.append(f"{prefix}.offload_optimizer.ratio: {off.ratio} < 1 needs stage 3; set ratio to 1.0")
         if zero.stage == 0:
             warnings.warn(
                 f"{prefix}.offload_optimizer has no effect at stage 0; set {prefix}.stage to 1, 2 or 3",
@@ -231,11 +229,14 @@ def _param_offload_problems(param_off: OffloadTarget, optimizer_off: OffloadTarg
         return []
     problems = []
     if not param_off.path:
-        problems.append(f'{prefix}.offload_param.nvme_path: required with device "nvme"; set it to a directory on '
-                        "a fast local disk")
+        problems.append(
+            f'{prefix}.offload_param.nvme_path: required with device "nvme"; set it to a directory on a fast local disk'
+        )
     if not optimizer_off.on_host:
-        problems.append(f'{prefix}.offload_param.device: "nvme" needs offload_optimizer too (device cpu or nvme): '
-                        "the fp32 master weights cannot live in the NVMe-resident shards")
+        problems.append(
+            f'{prefix}.offload_param.device: "nvme" needs offload_optimizer too (device cpu or nvme): '
+            "the fp32 master weights cannot live in the NVMe-resident shards"
+        )
     return problems
 
 
@@ -261,7 +262,7 @@ def default_stage3_plan(**changes: Any) -> Stage3Plan:
     return dataclasses.replace(_stage3_plan(ZeroConfig(), NoOffloadTarget()), **changes)
 
 
-def resolve_zero_init(config: dict[str, Any], *, remote_device: Optional[str] = None) -> tuple[Stage3Plan, str]:
+def resolve_zero_init(config: dict[str, Any], *, remote_device: str | None = None) -> tuple[Stage3Plan, str]:
     """(stage-3 plan, parameter dtype) for zero.Init from a DeepSpeed config dict, before initialize().
     `remote_device` ("cpu", "nvme" or "none"; zero.Init's argument) overrides offload_param.device.
 
@@ -288,7 +289,7 @@ def resolve_zero_init(config: dict[str, Any], *, remote_device: Optional[str] = 
     return stage3, "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
 
 
-def _optimizer_plan(cfg: DeepSpeedConfig, problems: list[str]) -> Optional[OptimizerPlan]:
+def _optimizer_plan(cfg: DeepSpeedConfig, problems: list[str]) -> OptimizerPlan | None:
     """DeepSpeed's `_configure_basic_optimizer` naming over the registry (config/optimizers.py): its names
     lower-cased, torch.optim names as given; DeepSpeed's defaults filled in."""
     if cfg.optimizer is None:
@@ -337,7 +338,7 @@ def _torch_class(module: str, name: str) -> bool:
     return isinstance(found, type)
 
 
-def _scheduler_plan(cfg: DeepSpeedConfig, problems: list[str]) -> Optional[SchedulerPlan]:
+def _scheduler_plan(cfg: DeepSpeedConfig, problems: list[str]) -> SchedulerPlan | None:
     if cfg.scheduler is None:
         return None
     name = cfg.scheduler.type

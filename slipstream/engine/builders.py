@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slipstream.comm import collectives
 from slipstream.config.plan import EnginePlan, LossScalePlan, MonitorPlan
 from slipstream.engine.dataloader import make_training_dataloader
 from slipstream.engine.monitor import CsvMonitor, TensorboardMonitor
@@ -31,19 +30,25 @@ def warn_if_materialised(model: nn.Module) -> None:
         warn_once("z3-materialised", materialised_warning(whole, dist.get_world_size()))
 
 
-def make_basic_optimizer(module: nn.Module, plan: EnginePlan, client: Any,
-                         model_parameters: Any) -> torch.optim.Optimizer | None:
+def make_basic_optimizer(
+    module: nn.Module, plan: EnginePlan, client: Any, model_parameters: Any
+) -> torch.optim.Optimizer | None:
     """The client optimizer (instance or callable), or the one the config names, or None (inference)."""
-    params = list(model_parameters) if model_parameters is not None else \
-        [p for p in module.parameters() if p.requires_grad]
+    params = (
+        list(model_parameters) if model_parameters is not None else [p for p in module.parameters() if p.requires_grad]
+    )
     if client is not None:
         if plan.optimizer is not None:
-            raise ValueError("both an optimizer object (initialize(optimizer=...)) and an 'optimizer' config section "
-                             "were given; remove one of them")
+            raise ValueError(
+                "both an optimizer object (initialize(optimizer=...)) and an 'optimizer' config section "
+                "were given; remove one of them"
+            )
         optimizer = client(params) if callable(client) and not isinstance(client, torch.optim.Optimizer) else client
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"initialize(optimizer=...) must be a torch.optim.Optimizer or a callable returning one; "
-                            f"got {type(optimizer).__name__}")
+            raise TypeError(
+                f"initialize(optimizer=...) must be a torch.optim.Optimizer or a callable returning one; "
+                f"got {type(optimizer).__name__}"
+            )
         return optimizer
     if plan.optimizer is None:
         return None
@@ -59,12 +64,17 @@ def check_host_memory(optimizer: ZeroOptimizer, *, rank: int) -> None:
         return
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     need, available = per_rank * local_ranks, host_available_bytes()
-    log_rank0(f"offload: host memory needed {per_rank / 2**30:.3f} GiB per rank, {need / 2**30:.3f} GiB for "
-              f"{local_ranks} local rank(s); available {available / 2**30:.3f} GiB", rank=rank)
+    log_rank0(
+        f"offload: host memory needed {per_rank / 2**30:.3f} GiB per rank, {need / 2**30:.3f} GiB for "
+        f"{local_ranks} local rank(s); available {available / 2**30:.3f} GiB",
+        rank=rank,
+    )
     if available and need > available:
-        raise RuntimeError(f"optimizer offload needs {need / 2**30:.2f} GiB of host memory on this node "
-                           f"({local_ranks} ranks x {per_rank / 2**30:.2f} GiB) but only {available / 2**30:.2f} GiB is "
-                           "available; use fewer ranks per node, a higher ZeRO stage, or a larger host")
+        raise RuntimeError(
+            f"optimizer offload needs {need / 2**30:.2f} GiB of host memory on this node "
+            f"({local_ranks} ranks x {per_rank / 2**30:.2f} GiB) but only {available / 2**30:.2f} GiB is "
+            "available; use fewer ranks per node, a higher ZeRO stage, or a larger host"
+        )
 
 
 def log_memory_plan(plan: EnginePlan, module: nn.Module, *, world_size: int, rank: int) -> None:
@@ -74,8 +84,9 @@ def log_memory_plan(plan: EnginePlan, module: nn.Module, *, world_size: int, ran
     from slipstream.planner import engine_line
 
     try:
-        line = engine_line(plan=plan, model=module, world_size=world_size,
-                           gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        line = engine_line(
+            plan=plan, model=module, world_size=world_size, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        )
     except (ValueError, TypeError, NotImplementedError) as exc:  # an estimate must never stop a run
         line = f"memory plan: not available for this model ({exc})"
     log_rank0(line, rank=rank)
@@ -84,8 +95,10 @@ def log_memory_plan(plan: EnginePlan, module: nn.Module, *, world_size: int, ran
 def make_scheduler(plan: EnginePlan, optimizer: torch.optim.Optimizer | None, client: Any) -> Any:
     if client is not None:
         if plan.scheduler is not None:
-            raise ValueError("both a scheduler object (initialize(lr_scheduler=...)) and a 'scheduler' config "
-                             "section were given; remove one of them")
+            raise ValueError(
+                "both a scheduler object (initialize(lr_scheduler=...)) and a 'scheduler' config "
+                "section were given; remove one of them"
+            )
         if callable(client) and not hasattr(client, "step"):
             return client(optimizer)
         return client
@@ -107,9 +120,14 @@ def make_loss_scaler(plan: LossScalePlan | None) -> Any:
 def make_dataloader(plan: EnginePlan, data: Any, collate_fn: Any, rank: int, world_size: int) -> Any:
     if data is None:
         return None
-    return make_training_dataloader(data, micro_batch_size=plan.batch.micro_batch_size, rank=rank,
-                                    world_size=world_size, drop_last=plan.dataloader_drop_last,
-                                    collate_fn=collate_fn)
+    return make_training_dataloader(
+        data,
+        micro_batch_size=plan.batch.micro_batch_size,
+        rank=rank,
+        world_size=world_size,
+        drop_last=plan.dataloader_drop_last,
+        collate_fn=collate_fn,
+    )
 
 
 def make_monitors(plan: MonitorPlan) -> list[Any]:
@@ -141,12 +159,16 @@ def _culprit(optimizer: ZeroOptimizer) -> str:
 
 
 def stuck_scale_message(scaler: Any, optimizer: ZeroOptimizer) -> str:
-    return (f"fp16 loss scale has been at its minimum ({scaler.scale:g}) with overflowing gradients for "
-            f"{getattr(scaler, 'window', '?')} steps: training is not learning; {_culprit(optimizer)}. Lower the "
-            "learning rate, check the data for inf/nan, or train in bf16")
+    return (
+        f"fp16 loss scale has been at its minimum ({scaler.scale:g}) with overflowing gradients for "
+        f"{getattr(scaler, 'window', '?')} steps: training is not learning; {_culprit(optimizer)}. Lower the "
+        "learning rate, check the data for inf/nan, or train in bf16"
+    )
 
 
 def skipped_steps_message(count: int, optimizer: ZeroOptimizer) -> str:
-    return (f"{count} optimizer steps in a row were skipped because gradients were not finite: training is not "
-            f"learning; {_culprit(optimizer)}. Check the data and the loss for inf/nan, lower the learning rate, "
-            "or raise \"max_consecutive_skipped_steps\" (0 never stops)")
+    return (
+        f"{count} optimizer steps in a row were skipped because gradients were not finite: training is not "
+        f"learning; {_culprit(optimizer)}. Check the data and the loss for inf/nan, lower the learning rate, "
+        'or raise "max_consecutive_skipped_steps" (0 never stops)'
+    )

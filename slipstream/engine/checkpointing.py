@@ -60,12 +60,24 @@ class Checkpointing:
         return stack
 
     def _parts(self) -> EngineParts:
-        return EngineParts(module=self.module, optimizer=self.optimizer, zero_model=self.zero_model,
-                           names=self._param_names, rank=self.global_rank, world_size=self.world_size,
-                           stage=self.plan.zero.stage)
+        return EngineParts(
+            module=self.module,
+            optimizer=self.optimizer,
+            zero_model=self.zero_model,
+            names=self._param_names,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            stage=self.plan.zero.stage,
+        )
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
         """Write a checkpoint every rank can load at any world size and stage; returns True (DeepSpeed's)."""
         from slipstream import __version__
         from slipstream.checkpoint.save import save_engine
@@ -74,29 +86,54 @@ class Checkpointing:
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         values, tensors = split_client_state(client_state or {})
         scalars: dict[str, Any] = {
-            "engine": {"global_steps": self.global_steps, "global_samples": self.global_samples,
-                       "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps},
-            "world_size": self.world_size, "zero_stage": self.plan.zero.stage,
+            "engine": {
+                "global_steps": self.global_steps,
+                "global_samples": self.global_samples,
+                "skipped_steps": self.skipped_steps,
+                "micro_steps": self.micro_steps,
+            },
+            "world_size": self.world_size,
+            "zero_stage": self.plan.zero.stage,
             "lr_scheduler": to_json(self.lr_scheduler.state_dict(), "lr_scheduler.state_dict()")
-            if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict") else None,
+            if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict")
+            else None,
             "loss_scaler": to_json(self.loss_scaler.state_dict(), "loss scaler state")
-            if self.loss_scaler is not None else None,
-            "client_state": values, "config": to_json(self.config, "config"),
+            if self.loss_scaler is not None
+            else None,
+            "client_state": values,
+            "config": to_json(self.config, "config"),
         }
         if self.optimizer is not None:
-            scalars["optimizer"] = {"param_groups": hyperparameters(self.optimizer),
-                                    "state_scalars": scalar_state(self.optimizer)}
+            scalars["optimizer"] = {
+                "param_groups": hyperparameters(self.optimizer),
+                "state_scalars": scalar_state(self.optimizer),
+            }
         tag_validation = self.plan.checkpoint.tag_validation
         with self._resident():
-            path = save_engine(self._parts(), save_dir, tag, scalars=scalars, client_tensors=tensors,
-                               save_latest=save_latest, exclude_frozen=exclude_frozen_parameters,
-                               tag_validation=tag_validation, version=__version__)
+            path = save_engine(
+                self._parts(),
+                save_dir,
+                tag,
+                scalars=scalars,
+                client_tensors=tensors,
+                save_latest=save_latest,
+                exclude_frozen=exclude_frozen_parameters,
+                tag_validation=tag_validation,
+                version=__version__,
+            )
         log_rank0(f"checkpoint: saved {path}", rank=self.global_rank)
         return True
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[Any, Any]:
         """Load a Slipstream (any world size, any stage) or DeepSpeed 0.19 checkpoint; returns
         (path, client_state), or (None, None) with a warning when there is nothing to load."""
         from slipstream.checkpoint.load import client_tensors, load_engine, open_source
@@ -109,23 +146,32 @@ class Checkpointing:
                 if (root / "manifest.json").is_file() or list(root.glob("*model_states.pt")):
                     tag, root = root.name, root.parent
                 else:
-                    warn_once(f"no-ckpt:{root}", f"slipstream: load_checkpoint found no `latest` file in {root}; "
-                              "nothing loaded (pass tag=... to pick a checkpoint)")
+                    warn_once(
+                        f"no-ckpt:{root}",
+                        f"slipstream: load_checkpoint found no `latest` file in {root}; "
+                        "nothing loaded (pass tag=... to pick a checkpoint)",
+                    )
                     return None, None
         path = root / str(tag)
         source = open_source(path)
         try:
             load_optimizer = load_optimizer_states and not load_module_only
             with self._resident():
-                scalars = load_engine(self._parts(), source, strict=load_module_strict,
-                                      load_optimizer_states=load_optimizer, restore_engine=not load_module_only)
+                scalars = load_engine(
+                    self._parts(),
+                    source,
+                    strict=load_module_strict,
+                    load_optimizer_states=load_optimizer,
+                    restore_engine=not load_module_only,
+                )
             client = dict(scalars.get("client_state") or {})
             client.update(client_tensors(source))
             if self.world_size > 1:
                 collectives.barrier()
         except CollectiveError as exc:
-            raise CheckpointError(f"load_checkpoint: {exc.summary()}. Every rank must call load_checkpoint, with the "
-                                  "same arguments") from exc
+            raise CheckpointError(
+                f"load_checkpoint: {exc.summary()}. Every rank must call load_checkpoint, with the same arguments"
+            ) from exc
         finally:
             source.close()
         if not load_module_only:
@@ -146,7 +192,8 @@ class Checkpointing:
             f"gradients accumulated since the last optimizer step (gradient_accumulation_steps is {gas}), and {why}; "
             f"a checkpoint is saved and loaded only at an optimizer-step boundary. Call {what} after "
             f"{_micro_batches(remaining, 'more ')} (engine.step() calls), right after the step that advances "
-            "engine.global_steps")
+            "engine.global_steps"
+        )
 
     def _restore_scalars(self, scalars: dict[str, Any], *, load_lr_scheduler_states: bool) -> None:
         engine = scalars.get("engine") or {}

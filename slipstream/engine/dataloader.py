@@ -9,11 +9,18 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 
-def make_training_dataloader(dataset: Dataset, *, micro_batch_size: int, rank: int, world_size: int,
-                             drop_last: bool, collate_fn: Callable[[list[Any]], Any] | None,
-                             seed: int = 0) -> DataLoader:
+def make_training_dataloader(
+    dataset: Dataset,
+    *,
+    micro_batch_size: int,
+    rank: int,
+    world_size: int,
+    drop_last: bool,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    seed: int = 0,
+) -> DataLoader:
     """A DataLoader over `dataset` with a DistributedSampler (shuffled, seeded) for this rank."""
-    sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
-                                 drop_last=drop_last)
-    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
-                      drop_last=drop_last)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop_last
+    )
+    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last)

@@ -42,8 +42,17 @@ from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
     """DeepSpeed's `DeepSpeedEngine`, for ZeRO stages 0-3. Build it with `slipstream.initialize`."""
 
-    def __init__(self, model: nn.Module, plan: EnginePlan, *, optimizer: Any = None, model_parameters: Any = None,
-                 lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: EnginePlan,
+        *,
+        optimizer: Any = None,
+        model_parameters: Any = None,
+        lr_scheduler: Any = None,
+        training_data: Any = None,
+        collate_fn: Any = None,
+    ) -> None:
         super().__init__()
         self.plan = plan
         self.config = plan.resolved
@@ -63,8 +72,10 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         self.module, self.zero_model = zero.module, zero.zero_model
         self._param_names = {id(p): n for n, p in self.module.named_parameters()}
         for key in plan.unimplemented:
-            warn_once(f"unimplemented:{key}", f"slipstream: config key '{key}' is accepted but not implemented yet; "
-                      "it has no effect")
+            warn_once(
+                f"unimplemented:{key}",
+                f"slipstream: config key '{key}' is accepted but not implemented yet; it has no effect",
+            )
 
         self.basic_optimizer = builders.make_basic_optimizer(self.module, plan, optimizer, model_parameters)
         self.optimizer: ZeroOptimizer | None = None
@@ -75,8 +86,9 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         builders.log_memory_plan(plan, self.module, world_size=self.world_size, rank=self.global_rank)
         self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler)
         self.loss_scaler = builders.make_loss_scaler(plan.precision.loss_scale)
-        self.training_dataloader = builders.make_dataloader(plan, training_data, collate_fn, self.global_rank,
-                                                            self.world_size)
+        self.training_dataloader = builders.make_dataloader(
+            plan, training_data, collate_fn, self.global_rank, self.world_size
+        )
         self.monitors = builders.make_monitors(plan.logging.monitor) if self.global_rank == 0 else []
 
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
@@ -93,12 +105,14 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         self._last_loss: float | None = None
         self._window_started = time.perf_counter()
         self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        log_rank0(f"engine: ZeRO stage {plan.zero.stage}, world size {self.world_size}, params "
-                  f"{plan.precision.param_dtype}, master {plan.precision.master_dtype}, grad accumulation "
-                  f"{plan.precision.grad_accum_dtype}; batch {plan.batch.train_batch_size} = micro "
-                  f"{plan.batch.micro_batch_size} x accumulation {plan.batch.gradient_accumulation_steps} x "
-                  f"world {self.world_size} ({'; '.join(f'{k}: {v}' for k, v in plan.batch.sources.items())})",
-                  rank=self.global_rank)
+        log_rank0(
+            f"engine: ZeRO stage {plan.zero.stage}, world size {self.world_size}, params "
+            f"{plan.precision.param_dtype}, master {plan.precision.master_dtype}, grad accumulation "
+            f"{plan.precision.grad_accum_dtype}; batch {plan.batch.train_batch_size} = micro "
+            f"{plan.batch.micro_batch_size} x accumulation {plan.batch.gradient_accumulation_steps} x "
+            f"world {self.world_size} ({'; '.join(f'{k}: {v}' for k, v in plan.batch.sources.items())})",
+            rank=self.global_rank,
+        )
         if self.global_rank == 0:
             get_logger().debug("resolved config (defaults included): %s", json.dumps(plan.resolved, default=str))
 
@@ -115,8 +129,10 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of `loss` (loss scaling included); the step itself happens in `step()`."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
-            raise ValueError("engine.backward(loss) needs a scalar tensor that requires grad (the output of a loss "
-                             f"function); got {type(loss).__name__} with shape {getattr(loss, 'shape', None)}")
+            raise ValueError(
+                "engine.backward(loss) needs a scalar tensor that requires grad (the output of a loss "
+                f"function); got {type(loss).__name__} with shape {getattr(loss, 'shape', None)}"
+            )
         started = time.perf_counter()
         self._loss_totals[0] += loss.detach().double().reshape(())
         self._loss_totals[1] += 1
@@ -145,8 +161,10 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Skip gradient reduction for the backward passes inside (stages 0 and 1)."""
         if self.plan.zero.stage >= 2:
-            raise RuntimeError(f"no_sync() is not available at ZeRO stage {self.plan.zero.stage}: gradients are "
-                               "reduced during backward; use gradient_accumulation_steps instead")
+            raise RuntimeError(
+                f"no_sync() is not available at ZeRO stage {self.plan.zero.stage}: gradients are "
+                "reduced during backward; use gradient_accumulation_steps instead"
+            )
         self._in_no_sync = True
         try:
             yield
@@ -162,11 +180,15 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Call after every micro-batch; the optimizer steps at the accumulation boundary."""
         if self._in_no_sync:
-            raise RuntimeError("engine.step() was called inside no_sync(); leave the no_sync() block for the last "
-                               "micro-batch of the accumulation window, then call step()")
+            raise RuntimeError(
+                "engine.step() was called inside no_sync(); leave the no_sync() block for the last "
+                "micro-batch of the accumulation window, then call step()"
+            )
         if self.optimizer is None:
-            raise RuntimeError("engine.step() needs an optimizer: pass optimizer= to initialize() or add an "
-                               "'optimizer' section to the config")
+            raise RuntimeError(
+                "engine.step() needs an optimizer: pass optimizer= to initialize() or add an "
+                "'optimizer' section to the config"
+            )
         started = time.perf_counter()
         self._check_fp16_scaled()
         self.optimizer.micro_step_done(reduce=True)
@@ -182,16 +204,17 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
     def _check_fp16_scaled(self) -> None:
         if self.loss_scaler is None or self._scaled_this_micro:
             return
-        raise RuntimeError("fp16 training with loss scaling: the backward of this micro-batch did not go through "
-                           "the loss scale. Use engine.backward(loss), or engine.scale(loss).backward() for a "
-                           "PyTorch-style backward; a plain loss.backward() would underflow fp16 gradients")
+        raise RuntimeError(
+            "fp16 training with loss scaling: the backward of this micro-batch did not go through "
+            "the loss scale. Use engine.backward(loss), or engine.scale(loss).backward() for a "
+            "PyTorch-style backward; a plain loss.backward() would underflow fp16 gradients"
+        )
 
     def _optimizer_step(self, lr_kwargs: dict[str, Any]) -> None:
         assert self.optimizer is not None
         gas = 1 if self._user_scaled_window else self.gradient_accumulation_steps()
         loss_scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-        result = self.optimizer.step(grad_divisor=self.world_size * gas * loss_scale,
-                                     clip=self.plan.gradient_clipping)
+        result = self.optimizer.step(grad_divisor=self.world_size * gas * loss_scale, clip=self.plan.gradient_clipping)
         self._grad_norm = result.grad_norm
         self._step_applied = not result.overflow
         if result.overflow:
@@ -222,12 +245,17 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         if self.global_rank != 0 or not every or self.global_steps % every != 0:
             return
         elapsed = time.perf_counter() - self._window_started
-        figures = StepFigures(step=self.global_steps, samples=self.global_samples, loss=self._last_loss,
-                              lr=self.get_lr()[0], grad_norm=self._grad_norm,
-                              loss_scale=None if self.loss_scaler is None else float(self.loss_scaler.scale),
-                              samples_per_s=every * self.train_batch_size() / max(elapsed, 1e-9),
-                              step_time_s=elapsed / every,
-                              breakdown=dict(self._timers) if self.plan.logging.wall_clock_breakdown else None)
+        figures = StepFigures(
+            step=self.global_steps,
+            samples=self.global_samples,
+            loss=self._last_loss,
+            lr=self.get_lr()[0],
+            grad_norm=self._grad_norm,
+            loss_scale=None if self.loss_scaler is None else float(self.loss_scaler.scale),
+            samples_per_s=every * self.train_batch_size() / max(elapsed, 1e-9),
+            step_time_s=elapsed / every,
+            breakdown=dict(self._timers) if self.plan.logging.wall_clock_breakdown else None,
+        )
         log_rank0(figures.line(), rank=self.global_rank)
         if self.loss_scaler is not None and (report := self.loss_scaler.take_report()):
             log_rank0(report, rank=self.global_rank)
@@ -263,4 +291,3 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
             self.optimizer.remove_hooks()
         if self.zero_model is not None:
             self.zero_model.detach_hooks()
-

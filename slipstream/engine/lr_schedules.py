@@ -36,15 +36,18 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     inner = getattr(optimizer, "optimizer", None)
     if isinstance(inner, torch.optim.Optimizer):
         return inner
-    raise TypeError(f"an LR schedule needs a torch.optim.Optimizer (or a wrapper with .optimizer), "
-                    f"got {type(optimizer).__name__}")
+    raise TypeError(
+        f"an LR schedule needs a torch.optim.Optimizer (or a wrapper with .optimizer), got {type(optimizer).__name__}"
+    )
 
 
 def _per_group(value: PerGroup, name: str, num_groups: int) -> list[float]:
     if isinstance(value, (list, tuple)):
         if len(value) != num_groups:
-            raise ValueError(f"{name} has {len(value)} values but the optimizer has {num_groups} parameter "
-                             f"groups; give one number, or one per group")
+            raise ValueError(
+                f"{name} has {len(value)} values but the optimizer has {num_groups} parameter "
+                f"groups; give one number, or one per group"
+            )
         return [float(v) for v in value]
     return [float(value)] * num_groups  # type: ignore[arg-type]
 
@@ -59,11 +62,13 @@ def _check_warmup(warmup_num_steps: Any, warmup_type: str) -> int:
 
 def _check_total(total_num_steps: Any, warmup_num_steps: int) -> None:
     if isinstance(total_num_steps, bool) or not isinstance(total_num_steps, (int, float)) or total_num_steps < 0:
-        raise ValueError(f"total_num_steps must be a non-negative number of optimizer steps, "
-                         f"got {total_num_steps!r}")
+        raise ValueError(f"total_num_steps must be a non-negative number of optimizer steps, got {total_num_steps!r}")
     if total_num_steps < warmup_num_steps:
-        warnings.warn(f"total_num_steps {total_num_steps} is less than warmup_num_steps {warmup_num_steps}: "
-                      "the schedule leaves warmup at its decayed end", stacklevel=3)
+        warnings.warn(
+            f"total_num_steps {total_num_steps} is less than warmup_num_steps {warmup_num_steps}: "
+            "the schedule leaves warmup at its decayed end",
+            stacklevel=3,
+        )
 
 
 def _warmup_fraction(it: int, warmup_num_steps: int, warmup_type: str) -> float:
@@ -103,8 +108,10 @@ class _Schedule:
     def get_last_lr(self) -> list[float]:
         """The lrs last written into the optimizer, one per parameter group."""
         if self._last_lr is None:
-            raise RuntimeError(f"{type(self).__name__}.get_last_lr(): no lr has been written yet (the schedule "
-                               "was built with last_batch_iteration != -1); call step() first")
+            raise RuntimeError(
+                f"{type(self).__name__}.get_last_lr(): no lr has been written yet (the schedule "
+                "was built with last_batch_iteration != -1); call step() first"
+            )
         return list(self._last_lr)
 
     def state_dict(self) -> dict[str, Any]:
@@ -121,8 +128,15 @@ class WarmupLR(_Schedule):
     warmup_max_lr None means the optimizer's first group lr (DeepSpeed's default).
     """
 
-    def __init__(self, optimizer: Any, warmup_min_lr: PerGroup = 0.0, warmup_max_lr: PerGroup | None = None,
-                 warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        warmup_min_lr: PerGroup = 0.0,
+        warmup_max_lr: PerGroup | None = None,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         self.warmup_num_steps = _check_warmup(warmup_num_steps, warmup_type)
         self.warmup_type = warmup_type
@@ -154,12 +168,18 @@ class WarmupLR(_Schedule):
 class WarmupDecayLR(WarmupLR):
     """WarmupLR, then linear decay to 0 at total_num_steps: gamma = max(0, (T - it) / max(1, T - W))."""
 
-    def __init__(self, optimizer: Any, total_num_steps: int, warmup_min_lr: PerGroup = 0.0,
-                 warmup_max_lr: PerGroup = 0.001, warmup_num_steps: int = 1000, warmup_type: str = "log",
-                 last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        total_num_steps: int,
+        warmup_min_lr: PerGroup = 0.0,
+        warmup_max_lr: PerGroup = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ) -> None:
         self.total_num_steps = total_num_steps
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
-                         last_batch_iteration)
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
 
     def _check_total(self) -> None:
         _check_total(self.total_num_steps, self.warmup_num_steps)
@@ -168,8 +188,9 @@ class WarmupDecayLR(WarmupLR):
         it = self.last_batch_iteration
         if it < self.warmup_num_steps:
             return _warmup_fraction(it, self.warmup_num_steps, self.warmup_type)
-        return max(0.0, float(self.total_num_steps - it) / float(max(1.0, self.total_num_steps -
-                                                                      self.warmup_num_steps)))
+        return max(
+            0.0, float(self.total_num_steps - it) / float(max(1.0, self.total_num_steps - self.warmup_num_steps))
+        )
 
 
 class WarmupCosineLR(_Schedule):
@@ -179,9 +200,16 @@ class WarmupCosineLR(_Schedule):
     r = max(0, c + (1 - c) * (1 + cos(pi * p)) / 2). Before the first step (it = -1) the lr is 0.
     """
 
-    def __init__(self, optimizer: Any, total_num_steps: int, warmup_min_ratio: float = 0.0,
-                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
-                 last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        total_num_steps: int,
+        warmup_min_ratio: float = 0.0,
+        warmup_num_steps: int = 1000,
+        cos_min_ratio: float = 0.0001,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         self.warmup_num_steps = _check_warmup(warmup_num_steps, warmup_type)
         self.warmup_type = warmup_type
@@ -215,13 +243,20 @@ class LRRangeTest(_Schedule):
     interval = (it + 1) / step_size, floored when lr_range_test_staircase.
     """
 
-    def __init__(self, optimizer: Any, lr_range_test_min_lr: PerGroup = 1e-3, lr_range_test_step_size: int = 2000,
-                 lr_range_test_step_rate: float = 1.0, lr_range_test_staircase: bool = False,
-                 last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        lr_range_test_min_lr: PerGroup = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         if lr_range_test_step_size <= 0:
-            raise ValueError(f"lr_range_test_step_size must be a positive number of steps, "
-                             f"got {lr_range_test_step_size!r}")
+            raise ValueError(
+                f"lr_range_test_step_size must be a positive number of steps, got {lr_range_test_step_size!r}"
+            )
         self.min_lr = _per_group(lr_range_test_min_lr, "lr_range_test_min_lr", len(self.optimizer.param_groups))
         self.step_size = lr_range_test_step_size
         self.step_rate = float(lr_range_test_step_rate)
@@ -249,25 +284,40 @@ class OneCycle(_Schedule):
     As in DeepSpeed, the betas written are (momentum, 0.99): beta2 is set to 0.99.
     """
 
-    def __init__(self, optimizer: Any, cycle_min_lr: PerGroup, cycle_max_lr: PerGroup, decay_lr_rate: float = 0.0,
-                 cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
-                 cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
-                 decay_step_size: int = 0, cycle_momentum: bool = True, cycle_min_mom: float = 0.8,
-                 cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0, last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        cycle_min_lr: PerGroup,
+        cycle_max_lr: PerGroup,
+        decay_lr_rate: float = 0.0,
+        cycle_first_step_size: int = 2000,
+        cycle_second_step_size: int | None = None,
+        cycle_first_stair_count: int = 0,
+        cycle_second_stair_count: int | None = None,
+        decay_step_size: int = 0,
+        cycle_momentum: bool = True,
+        cycle_min_mom: float = 0.8,
+        cycle_max_mom: float = 0.9,
+        decay_mom_rate: float = 0.0,
+        last_batch_iteration: int = -1,
+    ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         if cycle_first_step_size <= 0:
             raise ValueError(f"cycle_first_step_size must be a positive number of steps, got {cycle_first_step_size!r}")
         if cycle_second_step_size is not None and cycle_second_step_size <= 0:
-            raise ValueError(f"cycle_second_step_size must be a positive number of steps or null, "
-                             f"got {cycle_second_step_size!r}")
+            raise ValueError(
+                f"cycle_second_step_size must be a positive number of steps or null, got {cycle_second_step_size!r}"
+            )
         self.first_step_size = float(cycle_first_step_size)
-        self.second_step_size = (float(cycle_second_step_size) if cycle_second_step_size is not None
-                                 else self.first_step_size)
+        self.second_step_size = (
+            float(cycle_second_step_size) if cycle_second_step_size is not None else self.first_step_size
+        )
         self.total_size = self.first_step_size + self.second_step_size
         self.step_ratio = self.first_step_size / self.total_size
         self.first_stair_count = cycle_first_stair_count
-        self.second_stair_count = (cycle_first_stair_count if cycle_second_stair_count is None
-                                   else cycle_second_stair_count)
+        self.second_stair_count = (
+            cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+        )
         self.decay_step_size = decay_step_size
         num_groups = len(self.optimizer.param_groups)
         self.min_lrs = _per_group(cycle_min_lr, "cycle_min_lr", num_groups)
@@ -276,8 +326,11 @@ class OneCycle(_Schedule):
         self.skip_lr_decay = math.isclose(decay_step_size, 0) or math.isclose(self.decay_lr_rate, 0)
         self.cycle_momentum = bool(cycle_momentum) and "betas" in self.optimizer.defaults
         if cycle_momentum and not self.cycle_momentum:
-            warnings.warn(f"OneCycle: cycle_momentum is disabled because {type(self.optimizer).__name__} has no "
-                          "'betas' in its defaults", stacklevel=2)
+            warnings.warn(
+                f"OneCycle: cycle_momentum is disabled because {type(self.optimizer).__name__} has no "
+                "'betas' in its defaults",
+                stacklevel=2,
+            )
         self.min_moms = _per_group(cycle_min_mom, "cycle_min_mom", num_groups)
         self.max_moms = _per_group(cycle_max_mom, "cycle_max_mom", num_groups)
         self.decay_mom_rate = float(decay_mom_rate)
@@ -343,6 +396,9 @@ class OneCycle(_Schedule):
 
 
 SCHEDULES: dict[str, type[_Schedule]] = {
-    "WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
-    "OneCycle": OneCycle, "LRRangeTest": LRRangeTest,
+    "WarmupLR": WarmupLR,
+    "WarmupDecayLR": WarmupDecayLR,
+    "WarmupCosineLR": WarmupCosineLR,
+    "OneCycle": OneCycle,
+    "LRRangeTest": LRRangeTest,
 }

@@ -40,21 +40,27 @@ class ModelSaving:
                 continue
             gathered = params.get(param.ds_record.name)  # keyed by the name its unit knows it by
             if gathered is None:
-                raise RuntimeError(f"consolidating the ZeRO-3 model left out parameter '{name}': refusing to return "
-                                   "a partial state dict")
+                raise RuntimeError(
+                    f"consolidating the ZeRO-3 model left out parameter '{name}': refusing to return "
+                    "a partial state dict"
+                )
             state[name] = gathered
         for name, buffer in self.module.named_buffers():
             state[name] = buffer.detach().to("cpu", copy=True)
         return state
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
         """Write the full 16-bit (model dtype) weights; at stage 3 only with gather_16bit_weights_on_model_save."""
         stage3 = self.plan.zero.stage3
         if self.zero_model is not None and not (stage3 and stage3.gather_16bit_on_save):
-            warn_once("save-16bit", "slipstream: save_16bit_model did nothing: at ZeRO stage 3 it needs "
-                      "\"stage3_gather_16bit_weights_on_model_save\": true in zero_optimization (gathering the whole "
-                      "model costs time and host memory on rank 0); use save_checkpoint otherwise")
+            warn_once(
+                "save-16bit",
+                "slipstream: save_16bit_model did nothing: at ZeRO stage 3 it needs "
+                '"stage3_gather_16bit_weights_on_model_save": true in zero_optimization (gathering the whole '
+                "model costs time and host memory on rank 0); use save_checkpoint otherwise",
+            )
             return False
         state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         if self.global_rank == 0:

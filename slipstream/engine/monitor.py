@@ -27,9 +27,12 @@ class StepFigures:
     breakdown: dict[str, float] | None = None
 
     def line(self) -> str:
-        parts = [f"step {self.step}", f"loss {self.loss:.4f}" if self.loss is not None else "loss n/a",
-                 f"lr {self.lr:.3e}",
-                 f"grad_norm {self.grad_norm:.4f}" if self.grad_norm is not None else "grad_norm n/a"]
+        parts = [
+            f"step {self.step}",
+            f"loss {self.loss:.4f}" if self.loss is not None else "loss n/a",
+            f"lr {self.lr:.3e}",
+            f"grad_norm {self.grad_norm:.4f}" if self.grad_norm is not None else "grad_norm n/a",
+        ]
         if self.loss_scale is not None:
             parts.append(f"loss_scale {self.loss_scale:g}")
         parts += [f"{self.samples_per_s:.1f} samples/s", f"step {self.step_time_s * 1000:.1f} ms"]
@@ -69,8 +72,10 @@ class TensorboardMonitor:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise RuntimeError("the tensorboard section is enabled but the tensorboard package is not installed; "
-                               "`pip install tensorboard` or set tensorboard.enabled to false") from exc
+            raise RuntimeError(
+                "the tensorboard section is enabled but the tensorboard package is not installed; "
+                "`pip install tensorboard` or set tensorboard.enabled to false"
+            ) from exc
         self.writer: Any = SummaryWriter(log_dir=os.path.join(output_path or "runs", job_name))
 
     def write(self, events: dict[str, float], samples: int) -> None:

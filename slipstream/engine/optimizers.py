@@ -38,25 +38,44 @@ def _math_dtype(p: Tensor) -> torch.dtype:
 class Lamb(torch.optim.Optimizer):
     """LAMB (https://arxiv.org/abs/1904.00962) with DeepSpeed FusedLamb's arguments and per-tensor trust ratio."""
 
-    def __init__(self, params: Params, lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
-                 weight_decay: float = 0.0, max_grad_norm: float = 0.0, max_coeff: float = 10.0,
-                 min_coeff: float = 0.01, amsgrad: bool = False) -> None:
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        amsgrad: bool = False,
+    ) -> None:
         if amsgrad:
-            raise ValueError("Lamb does not support amsgrad=True (DeepSpeed's FusedLamb does not either); "
-                             "remove optimizer.params.amsgrad")
+            raise ValueError(
+                "Lamb does not support amsgrad=True (DeepSpeed's FusedLamb does not either); "
+                "remove optimizer.params.amsgrad"
+            )
         if max_grad_norm:
-            raise ValueError(f"Lamb max_grad_norm={max_grad_norm} is not supported; use the top-level "
-                             "'gradient_clipping' config key instead")
+            raise ValueError(
+                f"Lamb max_grad_norm={max_grad_norm} is not supported; use the top-level "
+                "'gradient_clipping' config key instead"
+            )
         if lr < 0 or eps < 0 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"Lamb needs lr >= 0, eps >= 0 and betas in [0, 1); got lr={lr}, eps={eps}, "
-                             f"betas={betas}")
+            raise ValueError(f"Lamb needs lr >= 0, eps >= 0 and betas in [0, 1); got lr={lr}, eps={eps}, betas={betas}")
         if not 0.0 < min_coeff <= max_coeff:
-            raise ValueError(f"Lamb needs 0 < min_coeff <= max_coeff; got min_coeff={min_coeff}, "
-                             f"max_coeff={max_coeff}")
-        defaults = {"lr": lr, "bias_correction": bias_correction, "betas": betas, "eps": eps,
-                    "weight_decay": weight_decay, "eps_inside_sqrt": eps_inside_sqrt, "max_coeff": max_coeff,
-                    "min_coeff": min_coeff}
+            raise ValueError(f"Lamb needs 0 < min_coeff <= max_coeff; got min_coeff={min_coeff}, max_coeff={max_coeff}")
+        defaults = {
+            "lr": lr,
+            "bias_correction": bias_correction,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "eps_inside_sqrt": eps_inside_sqrt,
+            "max_coeff": max_coeff,
+            "min_coeff": min_coeff,
+        }
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -98,8 +117,9 @@ class Lamb(torch.optim.Optimizer):
 class Lion(torch.optim.Optimizer):
     """Lion (https://arxiv.org/abs/2302.06675) with decoupled weight decay, DeepSpeed FusedLion's arguments."""
 
-    def __init__(self, params: Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 weight_decay: float = 0.0) -> None:
+    def __init__(
+        self, params: Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0
+    ) -> None:
         if lr < 0 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"Lion needs lr >= 0 and betas in [0, 1); got lr={lr}, betas={betas}")
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
@@ -128,7 +148,7 @@ class Lion(torch.optim.Optimizer):
 
 def _accepted(cls: Any, skip: int = 1) -> list[str] | None:
     """Keyword names `cls(params, ...)` accepts after the params, or None when it takes **kwargs."""
-    parameters = list(inspect.signature(cls.__init__).parameters.values())[1 + skip:]
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1 + skip :]
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return None
     return [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL]
@@ -141,8 +161,9 @@ def _check_params(section: str, cls: type, params: dict[str, Any], *, drop: tupl
     allowed = [name for name in accepted if name not in drop]
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise ValueError(f"{section}.params {unknown} not accepted by {cls.__module__}.{cls.__name__}; "
-                         f"it accepts {allowed}")
+        raise ValueError(
+            f"{section}.params {unknown} not accepted by {cls.__module__}.{cls.__name__}; it accepts {allowed}"
+        )
     check_params(section, cls, params)  # kinds and ranges, naming the dotted key
 
 
@@ -168,8 +189,10 @@ def _registry_class(spec: OptimizerSpec, on_host: bool) -> Any:
     if spec.min_torch is not None:
         have = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
         if have < spec.min_torch:
-            raise ValueError(f"optimizer.type={spec.name!r} needs torch >= {spec.min_torch[0]}.{spec.min_torch[1]}; "
-                             f"this is torch {torch.__version__}. Upgrade torch or pick another optimizer")
+            raise ValueError(
+                f"optimizer.type={spec.name!r} needs torch >= {spec.min_torch[0]}.{spec.min_torch[1]}; "
+                f"this is torch {torch.__version__}. Upgrade torch or pick another optimizer"
+            )
     return _resolve_target(spec.host_target if on_host and spec.host_target else spec.target)
 
 
@@ -185,8 +208,10 @@ def build_optimizer(plan: OptimizerPlan, params: Iterable[Any], *, on_host: bool
     if spec is None:
         found: Any = getattr(torch.optim, plan.name, None)
         if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)) or found is torch.optim.Optimizer:
-            raise ValueError(f"optimizer.type={plan.name!r} is not supported; use one of {sorted(REGISTRY)} or a "
-                             "torch.optim class name spelled as in torch (e.g. 'RMSprop', 'NAdam')")
+            raise ValueError(
+                f"optimizer.type={plan.name!r} is not supported; use one of {sorted(REGISTRY)} or a "
+                "torch.optim class name spelled as in torch (e.g. 'RMSprop', 'NAdam')"
+            )
         _check_params("optimizer", found, kwargs)
         return found(param_list, **kwargs)
     cls = _registry_class(spec, on_host)
@@ -196,17 +221,25 @@ def build_optimizer(plan: OptimizerPlan, params: Iterable[Any], *, on_host: bool
     accepted = _accepted(cls)
     if "bias_correction" in kwargs and accepted is not None and "bias_correction" not in accepted:
         if kwargs.pop("bias_correction") is not True:  # DeepSpeed's Adam key; torch's Adam always corrects
-            raise ValueError(f"optimizer.params.bias_correction=False is only supported with CPU offload "
-                             f"(DeepSpeedCPUAdam); {cls.__name__} always bias-corrects. Remove the key")
+            raise ValueError(
+                f"optimizer.params.bias_correction=False is only supported with CPU offload "
+                f"(DeepSpeedCPUAdam); {cls.__name__} always bias-corrects. Remove the key"
+            )
     _check_params("optimizer", cls, kwargs)
-    return _torch_fast(cls, param_list, kwargs) if cls.__module__.startswith("torch.optim") else cls(param_list,
-                                                                                                       **kwargs)
+    return (
+        _torch_fast(cls, param_list, kwargs) if cls.__module__.startswith("torch.optim") else cls(param_list, **kwargs)
+    )
 
 
 def _torch_schedulers() -> list[str]:
     sched = torch.optim.lr_scheduler
-    return sorted(n for n in dir(sched) if isinstance(getattr(sched, n), type) and n != "LRScheduler" and
-                  (issubclass(getattr(sched, n), sched.LRScheduler) or n == "ReduceLROnPlateau"))
+    return sorted(
+        n
+        for n in dir(sched)
+        if isinstance(getattr(sched, n), type)
+        and n != "LRScheduler"
+        and (issubclass(getattr(sched, n), sched.LRScheduler) or n == "ReduceLROnPlateau")
+    )
 
 
 def build_scheduler(plan: SchedulerPlan, optimizer: torch.optim.Optimizer) -> Any:
@@ -215,16 +248,23 @@ def build_scheduler(plan: SchedulerPlan, optimizer: torch.optim.Optimizer) -> An
     if cls is None and plan.name in _torch_schedulers():
         cls = getattr(torch.optim.lr_scheduler, plan.name)
     if cls is None:
-        raise ValueError(f"scheduler.type={plan.name!r} is not supported; use one of {sorted(SCHEDULES)} or a "
-                         f"torch.optim.lr_scheduler class: {_torch_schedulers()}")
+        raise ValueError(
+            f"scheduler.type={plan.name!r} is not supported; use one of {sorted(SCHEDULES)} or a "
+            f"torch.optim.lr_scheduler class: {_torch_schedulers()}"
+        )
     _check_params("scheduler", cls, dict(plan.params))
     accepted = _accepted(cls) or []
     init: Any = cls.__init__
-    required = [p.name for p in list(inspect.signature(init).parameters.values())[2:]
-                if p.default is inspect.Parameter.empty and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                                        inspect.Parameter.KEYWORD_ONLY)]
+    required = [
+        p.name
+        for p in list(inspect.signature(init).parameters.values())[2:]
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
     missing = [name for name in required if name in accepted and name not in plan.params]
     if missing:
-        raise ValueError(f"scheduler.params is missing {missing}, required by {cls.__name__}; add them to the "
-                         "'scheduler.params' section of the config")
+        raise ValueError(
+            f"scheduler.params is missing {missing}, required by {cls.__name__}; add them to the "
+            "'scheduler.params' section of the config"
+        )
     return cls(optimizer, **plan.params)

@@ -56,7 +56,7 @@ def check_params(section: str, cls: Any, params: dict[str, Any], *, skip: int = 
     misread. Parameters the checker cannot type (no default, no simple annotation) are left to the class."""
     signature = inspect.signature(cls.__init__)
     hints = _hints(cls)
-    parameters = list(signature.parameters.values())[1 + skip:]
+    parameters = list(signature.parameters.values())[1 + skip :]
     for param in parameters:
         if param.name not in params:
             continue
@@ -69,7 +69,7 @@ def _hints(cls: Any) -> dict[str, Any]:
     """Resolved annotations of `cls.__init__`, or {} when they cannot be resolved (then defaults decide)."""
     try:
         return typing.get_type_hints(cls.__init__)
-    except Exception:  # noqa: BLE001 (an unresolvable annotation only means: decide by the default)
+    except Exception:
         return {}
 
 
@@ -112,8 +112,11 @@ def _kinds_of_hint(hint: Any) -> list[Any]:
         return found
     if origin is tuple and args and Ellipsis not in args:
         return [[_kinds_of_hint(arg) or [_NUMBER, _NONE] for arg in args]]
-    if origin in (list, collections.abc.Sequence) and len(args) == 1 and _kinds_of_hint(args[0]) in (
-            [_NUMBER], [_INT], [_NUMBER, _INT], [_INT, _NUMBER]):
+    if (
+        origin in (list, collections.abc.Sequence)
+        and len(args) == 1
+        and _kinds_of_hint(args[0]) in ([_NUMBER], [_INT], [_NUMBER, _INT], [_INT, _NUMBER])
+    ):
         return [_NUMBERS]
     simple = {bool: _BOOL, int: _INT, float: _NUMBER, str: _STR, type(None): _NONE}
     return [simple[hint]] if hint in simple else []
@@ -121,15 +124,19 @@ def _kinds_of_hint(hint: Any) -> list[Any]:
 
 def _matches(value: Any, kind: Any) -> bool:
     if isinstance(kind, list):
-        return isinstance(value, (list, tuple)) and len(value) == len(kind) and all(
-            any(_matches(v, k) for k in ks) for v, ks in zip(value, kind))
+        return (
+            isinstance(value, (list, tuple))
+            and len(value) == len(kind)
+            and all(any(_matches(v, k) for k in ks) for v, ks in zip(value, kind))
+        )
     if kind == _NUMBERS:
         return isinstance(value, (list, tuple)) and all(_matches(v, _NUMBER) for v in value)
     if kind == _BOOL:
         return isinstance(value, bool)
     if kind == _INT:
         return (isinstance(value, int) and not isinstance(value, bool)) or (
-            isinstance(value, float) and value.is_integer())
+            isinstance(value, float) and value.is_integer()
+        )
     if kind == _NUMBER:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind == _STR:

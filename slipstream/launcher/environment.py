@@ -76,9 +76,7 @@ def read_env_file(path: Path, environ: Mapping[str, str]) -> list[Export]:
     return exports
 
 
-def collect_exports(
-    environ: Mapping[str, str], *, cwd: Path | None = None, home: Path | None = None
-) -> list[Export]:
+def collect_exports(environ: Mapping[str, str], *, cwd: Path | None = None, home: Path | None = None) -> list[Export]:
     """Every variable to export, sorted by name; env-file entries override prefix matches."""
     by_name: dict[str, Export] = {
         name: Export(name=name, value=value, source="environment")
@@ -101,9 +99,11 @@ def as_mapping(exports: list[Export]) -> dict[str, str]:
 def describe_exports(exports: list[Export]) -> str:
     """The start-up listing: names and sources, never values (they may be secrets)."""
     if not exports:
-        return "slipstream: exporting no environment variables to the nodes (allow-list: " + ", ".join(
-            f"{prefix}*" for prefix in EXPORT_PREFIXES
-        ) + f", and names in {DEFAULT_ENV_FILE_NAME})"
+        return (
+            "slipstream: exporting no environment variables to the nodes (allow-list: "
+            + ", ".join(f"{prefix}*" for prefix in EXPORT_PREFIXES)
+            + f", and names in {DEFAULT_ENV_FILE_NAME})"
+        )
     lines = [f"slipstream: exporting {len(exports)} environment variable(s) to the nodes (values not shown):"]
     lines += [f"  {export.name}  ({export.source})" for export in exports]
     return "\n".join(lines)

@@ -97,9 +97,7 @@ def parse_node_spec(spec: str, *, flag: str) -> dict[str, list[int]]:
                     )
                 slots.append(int(item))
         if name in parsed:
-            raise HostfileError(
-                f"{flag} {spec!r}: host {name!r} appears twice; list its slots once, e.g. '{name}:0,1'"
-            )
+            raise HostfileError(f"{flag} {spec!r}: host {name!r} appears twice; list its slots once, e.g. '{name}:0,1'")
         parsed[name] = slots
     return parsed
 
@@ -110,9 +108,7 @@ def _check_known(filters: dict[str, list[int]], world: World, *, flag: str, sour
             raise HostfileError(f"{flag}: unknown host {host!r}; {source} lists {list(world)}")
         unknown = [slot for slot in slots if slot not in world[host]]
         if unknown:
-            raise HostfileError(
-                f"{flag}: no slot {unknown[0]} on host {host!r}; {source} gives it slots {world[host]}"
-            )
+            raise HostfileError(f"{flag}: no slot {unknown[0]} on host {host!r}; {source} gives it slots {world[host]}")
 
 
 def world_of(resources: dict[str, int]) -> World:
@@ -127,9 +123,7 @@ def filter_world(world: World, *, include: str = "", exclude: str = "", source: 
     """
     available = world
     if include and exclude:
-        raise HostfileError(
-            f"--include {include!r} and --exclude {exclude!r} were both given; use one of them"
-        )
+        raise HostfileError(f"--include {include!r} and --exclude {exclude!r} were both given; use one of them")
     if include:
         wanted = parse_node_spec(include, flag=f"--include {include!r}")
         _check_known(wanted, available, flag=f"--include {include!r}", source=source)

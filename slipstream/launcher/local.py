@@ -128,8 +128,10 @@ def describe_failures(failures: Mapping[int, object], *, host: str, paths: dict[
         how = f"exit code {code}" if code >= 0 else f"signal {failure.signal_name()}"  # type: ignore[attr-defined]
         path = paths.get(rank, "?")
         verb = "failed" if index == 0 else "also ended"
-        out.append(f"slipstream: host {host} rank {rank} (local rank {getattr(failure, 'local_rank', '?')}) "
-                   f"{verb} with {how}; log: {path}")
+        out.append(
+            f"slipstream: host {host} rank {rank} (local rank {getattr(failure, 'local_rank', '?')}) "
+            f"{verb} with {how}; log: {path}"
+        )
         if index == 0:
             tail = read_tail(path)
             out.append(f"----- last {len(tail)} lines of rank {rank} on {host} -----")
@@ -197,8 +199,11 @@ def run_node(plan: LaunchPlan, *, node_rank: int) -> int:
     log_dir = tempfile.mkdtemp(prefix="slipstream-logs-") if temporary else str(plan.ranks.log_dir)
     os.makedirs(log_dir, exist_ok=True)
     specs = _log_specs_class()(log_dir, time.strftime("%Y%m%d%H%M%S"))
-    print(f"slipstream: host {host} (node {node_rank}/{plan.num_nodes}) starts {len(plan.world[host])} rank(s) "
-          f"of {plan.world_size}; per-rank logs in {log_dir}", flush=True)
+    print(
+        f"slipstream: host {host} (node {node_rank}/{plan.num_nodes}) starts {len(plan.world[host])} rank(s) "
+        f"of {plan.world_size}; per-rank logs in {log_dir}",
+        flush=True,
+    )
     config = launch_config(plan, node_rank=node_rank, log_specs=specs)
     try:
         elastic_launch(config, sys.executable)(*rank_exec_args(plan, host=host))  # type: ignore[arg-type]
@@ -207,8 +212,11 @@ def run_node(plan: LaunchPlan, *, node_rank: int) -> int:
         print(describe_failures(error.failures, host=host, paths=specs.paths), file=sys.stderr, flush=True)
         return exit_code_of(error.failures)
     except SignalException as error:
-        print(f"slipstream: host {host} got {error.sigval.name}; stopped every rank of this node "
-              f"(logs in {log_dir})", file=sys.stderr, flush=True)
+        print(
+            f"slipstream: host {host} got {error.sigval.name}; stopped every rank of this node (logs in {log_dir})",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + int(error.sigval)
     if temporary:
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -66,8 +66,21 @@ def srun_argv(hosts: list[str], *, argv: list[str], cwd: str, launcher_args: str
     """One Slurm step with one task per host; any task failing ends the step (`--kill-on-bad-exit`)."""
     count = str(len(hosts))
     return [
-        "srun", "--nodes", count, "--ntasks", count, "--ntasks-per-node", "1", "--nodelist", ",".join(hosts),
-        "--kill-on-bad-exit=1", "--export=ALL", "--chdir", cwd, *shlex.split(launcher_args), *argv,
+        "srun",
+        "--nodes",
+        count,
+        "--ntasks",
+        count,
+        "--ntasks-per-node",
+        "1",
+        "--nodelist",
+        ",".join(hosts),
+        "--kill-on-bad-exit=1",
+        "--export=ALL",
+        "--chdir",
+        cwd,
+        *shlex.split(launcher_args),
+        *argv,
     ]
 
 
@@ -77,6 +90,16 @@ def mpirun_argv(
     """One OpenMPI job with one process per host; values of `export_names` come from mpirun's environment."""
     exports = [item for name in sorted(export_names) for item in ("-x", name)]
     return [
-        "mpirun", "-n", str(len(hosts)), "--host", ",".join(hosts), "--map-by", "ppr:1:node", "--wdir", cwd,
-        *exports, *shlex.split(launcher_args), *argv,
+        "mpirun",
+        "-n",
+        str(len(hosts)),
+        "--host",
+        ",".join(hosts),
+        "--map-by",
+        "ppr:1:node",
+        "--wdir",
+        cwd,
+        *exports,
+        *shlex.split(launcher_args),
+        *argv,
     ]

@@ -61,8 +61,11 @@ def _watch_lifeline() -> None:
     # interpreter aborts at exit ("could not acquire lock for <stdin>").
     while os.read(0, 4096):
         pass
-    print(f"slipstream: host {socket.gethostname()}: the launcher went away; stopping this node", file=sys.stderr,
-          flush=True)
+    print(
+        f"slipstream: host {socket.gethostname()}: the launcher went away; stopping this node",
+        file=sys.stderr,
+        flush=True,
+    )
     os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -33,8 +33,14 @@ def _pump(host: str, stream: IO[str], out: IO[str], lock: threading.Lock) -> Non
             out.flush()
 
 
-def run_on_hosts(hosts: Sequence[str], command: Sequence[str], *, launcher_args: str = "",
-                 timeout_s: float | None = None, out: IO[str] | None = None) -> list[HostResult]:
+def run_on_hosts(
+    hosts: Sequence[str],
+    command: Sequence[str],
+    *,
+    launcher_args: str = "",
+    timeout_s: float | None = None,
+    out: IO[str] | None = None,
+) -> list[HostResult]:
     """Start `command` on every host in parallel, stream prefixed output to `out`, and wait for all of them.
     A host still running after `timeout_s` is killed and reported with exit status 124."""
     if not command:
@@ -44,8 +50,14 @@ def run_on_hosts(hosts: Sequence[str], command: Sequence[str], *, launcher_args:
     lock = threading.Lock()
     procs, pumps = [], []
     for host in hosts:
-        proc = subprocess.Popen(ssh_argv(host, command=remote, launcher_args=launcher_args), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        proc = subprocess.Popen(
+            ssh_argv(host, command=remote, launcher_args=launcher_args),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
         procs.append(proc)
         pump = threading.Thread(target=_pump, args=(host, proc.stdout, out, lock), daemon=True)
         pump.start()

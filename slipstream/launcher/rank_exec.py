@@ -79,15 +79,21 @@ def main(argv: list[str]) -> None:
         if args.visible_devices:
             env[name] = args.visible_devices
     if args.bind_cores:
-        available = (parse_core_list(args.core_list) if args.core_list
-                     else sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                     else list(range(os.cpu_count() or 1)))
+        available = (
+            parse_core_list(args.core_list)
+            if args.core_list
+            else sorted(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else list(range(os.cpu_count() or 1))
+        )
         mine = cores_for_rank(available, local_rank=local_rank, local_size=local_size)
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, mine)
         else:
-            print("slipstream: --bind_cores_to_rank: this platform has no sched_setaffinity; only "
-                  "OMP_NUM_THREADS is set", file=sys.stderr)
+            print(
+                "slipstream: --bind_cores_to_rank: this platform has no sched_setaffinity; only OMP_NUM_THREADS is set",
+                file=sys.stderr,
+            )
         env["OMP_NUM_THREADS"] = str(len(mine))
     final = build_command(command, local_rank=local_rank, mode=args.mode, no_local_rank=args.no_local_rank)
     sys.stdout.flush()

@@ -51,8 +51,12 @@ STOP_GRACE_S = 15.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """DeepSpeed's launcher flags (same names and defaults; `--launcher` defaults to ssh, see above)."""
     add = parser.add_argument
-    add("-H", "--hostfile", default=None, help=f"MPI-style hostfile `host slots=N` (default {DEFAULT_HOSTFILE}; "
-        "absent means this machine only)")
+    add(
+        "-H",
+        "--hostfile",
+        default=None,
+        help=f"MPI-style hostfile `host slots=N` (default {DEFAULT_HOSTFILE}; absent means this machine only)",
+    )
     add("-i", "--include", default="", help="only these hosts/slots: 'worker-0@worker-1:0,2'")
     add("-e", "--exclude", default="", help="all but these hosts/slots: 'worker-1:0'")
     add("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
@@ -79,8 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("user_args", nargs=argparse.REMAINDER, help="arguments of the training script")
 
 
-def _local_slots(args: argparse.Namespace, environ: Mapping[str, str], visible_envs: list[str],
-                 device_count: int) -> World:
+def _local_slots(
+    args: argparse.Namespace, environ: Mapping[str, str], visible_envs: list[str], device_count: int
+) -> World:
     """This machine's world: the visible-devices list if set (and no filter), else 0..N-1."""
     visible = next((environ[name] for name in visible_envs if environ.get(name, "").strip()), "")
     if visible:
@@ -108,8 +113,10 @@ def _busy_port_message(addr: str, port: int) -> str | None:
         try:
             probe.bind((addr, port))
         except OSError as error:
-            return (f"--master_port {port} on {addr} cannot be used ({error.strerror or error}): another job may "
-                    "hold it; pass --master_port with a free port")
+            return (
+                f"--master_port {port} on {addr} cannot be used ({error.strerror or error}): another job may "
+                "hold it; pass --master_port with a free port"
+            )
     return None
 
 
@@ -120,20 +127,27 @@ def _note_ignored_visible_devices(environ: Mapping[str, str], visible_envs: list
     """A visible-devices variable the accelerator does not read would be ignored without a word; say so."""
     for name in _OTHER_VISIBLE_ENVS:
         if name not in visible_envs and environ.get(name, "").strip():
-            print(f"slipstream run: note: {name}={environ[name]} is ignored: the accelerator here does not use it "
-                  "(DS_ACCELERATOR / no such devices); --num_gpus N sets the ranks per node", file=sys.stderr)
+            print(
+                f"slipstream run: note: {name}={environ[name]} is ignored: the accelerator here does not use it "
+                "(DS_ACCELERATOR / no such devices); --num_gpus N sets the ranks per node",
+                file=sys.stderr,
+            )
 
 
-def resolve_world(args: argparse.Namespace, environ: Mapping[str, str], *, visible_envs: list[str],
-                  device_count: int) -> tuple[World, bool]:
+def resolve_world(
+    args: argparse.Namespace, environ: Mapping[str, str], *, visible_envs: list[str], device_count: int
+) -> tuple[World, bool]:
     """(world, from_hostfile). Errors name the flag, the value and the fix."""
     for flag, value in (("--num_gpus", args.num_gpus), ("--num_nodes", args.num_nodes)):
         if value == 0 or value < -1:
-            raise HostfileError(f"{flag} {value}: expected a positive count, or leave {flag} out to use every "
-                                "slot (-1, the default)")
+            raise HostfileError(
+                f"{flag} {value}: expected a positive count, or leave {flag} out to use every slot (-1, the default)"
+            )
     if (args.include or args.exclude) and (args.num_nodes > 0 or args.num_gpus > 0):
-        raise HostfileError("--include/--exclude cannot be combined with --num_nodes/--num_gpus; "
-                            "say which slots to use with one of them only")
+        raise HostfileError(
+            "--include/--exclude cannot be combined with --num_nodes/--num_gpus; "
+            "say which slots to use with one of them only"
+        )
     path = args.hostfile or DEFAULT_HOSTFILE
     resources = read_hostfile(path)
     if resources is None:
@@ -149,15 +163,25 @@ def build_plan(args: argparse.Namespace, world: World, *, multi: bool, visible_e
         raise ValueError("--module and --no_python exclude each other: a module needs python -m")
     mode = "module" if args.module else ("binary" if args.no_python else "script")
     master = args.master_addr or (next(iter(world)) if multi else "127.0.0.1")
-    rendezvous = Rendezvous(master_addr=master, master_port=args.master_port, elastic=args.elastic_training,
-                            min_nodes=args.min_elastic_nodes, max_nodes=args.max_elastic_nodes,
-                            max_restarts=args.max_restarts if args.elastic_training else 0)
+    rendezvous = Rendezvous(
+        master_addr=master,
+        master_port=args.master_port,
+        elastic=args.elastic_training,
+        min_nodes=args.min_elastic_nodes,
+        max_nodes=args.max_elastic_nodes,
+        max_restarts=args.max_restarts if args.elastic_training else 0,
+    )
     log_dir = str(Path(args.enable_each_rank_log).resolve()) if args.enable_each_rank_log else None
     return LaunchPlan(
-        world=world, rendezvous=rendezvous,
+        world=world,
+        rendezvous=rendezvous,
         program=Program(command=[args.user_script, *args.user_args], mode=mode, no_local_rank=args.no_local_rank),
-        ranks=RankOptions(log_dir=log_dir, bind_cores=args.bind_cores_to_rank or bool(args.bind_core_list),
-                          core_list=args.bind_core_list, visible_envs=visible_envs),
+        ranks=RankOptions(
+            log_dir=log_dir,
+            bind_cores=args.bind_cores_to_rank or bool(args.bind_core_list),
+            core_list=args.bind_core_list,
+            visible_envs=visible_envs,
+        ),
     )
 
 
@@ -195,22 +219,37 @@ def run(args: argparse.Namespace) -> int:
     return run_multinode(plan, launcher=args.launcher, launcher_args=launcher_args)
 
 
-def launch_commands(plan: LaunchPlan, *, launcher: str, launcher_args: str, exports: dict[str, str],
-                    cwd: str) -> list[tuple[str, list[str]]]:
+def launch_commands(
+    plan: LaunchPlan, *, launcher: str, launcher_args: str, exports: dict[str, str], cwd: str
+) -> list[tuple[str, list[str]]]:
     """(label, argv) per process the runner starts: one per host for ssh, one in all otherwise."""
     token, hosts = encode_plan(plan), list(plan.world)
     if launcher == "ssh":
-        return [(host, multinode.ssh_argv(host, launcher_args=launcher_args, command=multinode.remote_command(
-            multinode.node_argv(token, node_rank=str(rank), env_from_stdin=True), cwd=cwd)))
-            for rank, host in enumerate(hosts)]
+        return [
+            (
+                host,
+                multinode.ssh_argv(
+                    host,
+                    launcher_args=launcher_args,
+                    command=multinode.remote_command(
+                        multinode.node_argv(token, node_rank=str(rank), env_from_stdin=True), cwd=cwd
+                    ),
+                ),
+            )
+            for rank, host in enumerate(hosts)
+        ]
     if launcher == "pdsh":
         command = multinode.remote_command(multinode.node_argv(token, node_rank="%n"), cwd=cwd, env=exports)
         return [("pdsh", multinode.pdsh_argv(hosts, command=command, launcher_args=launcher_args))]
     argv = multinode.node_argv(token, node_rank="-1")
     if launcher == "slurm":
         return [("srun", multinode.srun_argv(hosts, argv=argv, cwd=cwd, launcher_args=launcher_args))]
-    return [("mpirun", multinode.mpirun_argv(hosts, argv=argv, cwd=cwd, export_names=list(exports),
-                                             launcher_args=launcher_args))]
+    return [
+        (
+            "mpirun",
+            multinode.mpirun_argv(hosts, argv=argv, cwd=cwd, export_names=list(exports), launcher_args=launcher_args),
+        )
+    ]
 
 
 def _stop(processes: dict[str, subprocess.Popen[bytes]], *, grace_s: float) -> None:
@@ -236,11 +275,13 @@ def run_multinode(plan: LaunchPlan, *, launcher: str, launcher_args: str) -> int
     print(describe_exports(exports), flush=True)
     mapping = as_mapping(exports)
     child_env = {**os.environ, **mapping, **({"PDSH_RCMD_TYPE": "ssh"} if launcher == "pdsh" else {})}
-    commands = launch_commands(plan, launcher=launcher, launcher_args=launcher_args, exports=mapping,
-                               cwd=os.getcwd())
-    print(f"slipstream: {plan.num_nodes} nodes x {plan.world_size} ranks in all via {launcher}: "
-          f"{', '.join(f'{h}:{s}' for h, s in plan.world.items())}; master {plan.rendezvous.master_addr}:"
-          f"{plan.rendezvous.master_port}", flush=True)
+    commands = launch_commands(plan, launcher=launcher, launcher_args=launcher_args, exports=mapping, cwd=os.getcwd())
+    print(
+        f"slipstream: {plan.num_nodes} nodes x {plan.world_size} ranks in all via {launcher}: "
+        f"{', '.join(f'{h}:{s}' for h, s in plan.world.items())}; master {plan.rendezvous.master_addr}:"
+        f"{plan.rendezvous.master_port}",
+        flush=True,
+    )
     stop_signal: list[int] = []
 
     def handler(signum: int, _frame: object) -> None:
@@ -265,15 +306,19 @@ def run_multinode(plan: LaunchPlan, *, launcher: str, launcher_args: str) -> int
             if failed:
                 label, code = failed[0]
                 where = f"host {label}" if launcher == "ssh" else f"{label} (see the node report above)"
-                print(f"slipstream: {where} exited with code {code}; stopping the other nodes", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"slipstream: {where} exited with code {code}; stopping the other nodes",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 _stop(processes, grace_s=STOP_GRACE_S)
                 return int(code) if code and code > 0 else 1
             if all(code == 0 for code in codes.values()):
                 return 0
             time.sleep(0.2)
-        print(f"slipstream: got {signal.Signals(stop_signal[0]).name}; stopping every node", file=sys.stderr,
-              flush=True)
+        print(
+            f"slipstream: got {signal.Signals(stop_signal[0]).name}; stopping every node", file=sys.stderr, flush=True
+        )
         _stop(processes, grace_s=5.0)
         return 128 + stop_signal[0]
     finally:

@@ -54,7 +54,7 @@ def clean_stale_dirs(root: Path, rank: int) -> list[str]:
     removed = []
     for path in root.glob(f"{_PREFIX}*-rank{rank}-*"):
         try:
-            pid = int(path.name[len(_PREFIX):].split("-")[0])
+            pid = int(path.name[len(_PREFIX) :].split("-")[0])
         except ValueError:
             continue
         if pid != os.getpid() and not _pid_alive(pid):
@@ -68,8 +68,10 @@ def make_run_dir(nvme_path: str, rank: int, role: str, *, key: str) -> Path:
     removing what dead runs left there."""
     root = Path(nvme_path)
     if not root.is_dir() or not os.access(root, os.W_OK):
-        raise ValueError(f"zero_optimization.{key}={nvme_path!r} is not a writable directory; create it (on a fast "
-                         "local disk) or point nvme_path at one")
+        raise ValueError(
+            f"zero_optimization.{key}={nvme_path!r} is not a writable directory; create it (on a fast "
+            "local disk) or point nvme_path at one"
+        )
     for path in clean_stale_dirs(root, rank):
         log_rank0(f"offload: removed {path}, left by a run that no longer exists", rank=rank)
     directory = root / f"{_PREFIX}{os.getpid()}-rank{rank}-{role}{next(_instances)}"
@@ -86,8 +88,9 @@ class Swapper:
 
         self.directory = directory
         module = AsyncIOBuilder().load()
-        self.handle = module.aio_handle(aio.block_size, aio.queue_depth, aio.single_submit, aio.overlap_events,
-                                        aio.intra_op_parallelism)
+        self.handle = module.aio_handle(
+            aio.block_size, aio.queue_depth, aio.single_submit, aio.overlap_events, aio.intra_op_parallelism
+        )
         self._where: dict[int, tuple[str, int]] = {}
         self._file_bytes: dict[str, int] = {}
         self._reading: set[int] = set()
@@ -146,7 +149,6 @@ class Swapper:
             self._reading.clear()
 
 
-
 class NVMeShardStore:
     """ZeRO-3 parameter offload to NVMe: a unit's shard is read in for a gather or an update and released
     after (written back only when it changed)."""
@@ -183,8 +185,12 @@ class NVMeOffload(CPUOffload):
     # ---- step hooks (see offload/policy.py) ----
     def prepare(self, groups: SteppedGroups) -> None:
         """Check the room for masters and two Adam-sized states, then move every group to its files."""
-        masters = sum(t.numel() for number in range(groups.num_groups) for t, name in groups.swappable(number)
-                      if name.endswith("_master"))
+        masters = sum(
+            t.numel()
+            for number in range(groups.num_groups)
+            for t, name in groups.swappable(number)
+            if name.endswith("_master")
+        )
         self.check_room(3 * 4 * masters)
         for number in range(groups.num_groups):
             self.swapper.swap_out(groups.swappable(number))
@@ -220,6 +226,8 @@ class NVMeOffload(CPUOffload):
         assert self.directory is not None
         free = shutil.disk_usage(self.directory).free
         if needed_bytes > free:
-            raise RuntimeError(f"NVMe offload needs {needed_bytes / 2**30:.2f} GiB on {self.nvme_path} for this rank "
-                               f"(fp32 master weights and optimizer states) but only {free / 2**30:.2f} GiB is free; "
-                               "free space, use another nvme_path, or offload to cpu")
+            raise RuntimeError(
+                f"NVMe offload needs {needed_bytes / 2**30:.2f} GiB on {self.nvme_path} for this rank "
+                f"(fp32 master weights and optimizer states) but only {free / 2**30:.2f} GiB is free; "
+                "free space, use another nvme_path, or offload to cpu"
+            )

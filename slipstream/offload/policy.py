@@ -117,9 +117,12 @@ class CPUOffload(OffloadPolicy):
         size = numel * tensor.element_size()
         available = host_available_bytes()
         if available and self.pinned_bytes + size > _PIN_FRACTION * available:
-            warn_once("offload-pin", f"slipstream: pinning {(self.pinned_bytes + size) / 2**30:.2f} GiB would exceed "
-                      f"half of the host's available {available / 2**30:.2f} GiB; using pageable memory for the "
-                      "rest (set offload_optimizer.pin_memory false to silence this)")
+            warn_once(
+                "offload-pin",
+                f"slipstream: pinning {(self.pinned_bytes + size) / 2**30:.2f} GiB would exceed "
+                f"half of the host's available {available / 2**30:.2f} GiB; using pageable memory for the "
+                "rest (set offload_optimizer.pin_memory false to silence this)",
+            )
             return tensor
         from slipstream.accelerator import get_accelerator
 

@@ -15,11 +15,26 @@ seq * micro_batch * vocab * (dtype bytes + 4).
 from __future__ import annotations
 
 
-def transformer_activations(*, seq: int, micro_batch: int, hidden: int, layers: int, heads: int, vocab: int | None,
-                            dtype_bytes: int, checkpointing: bool, fused_attention: bool = False) -> int:
+def transformer_activations(
+    *,
+    seq: int,
+    micro_batch: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    vocab: int | None,
+    dtype_bytes: int,
+    checkpointing: bool,
+    fused_attention: bool = False,
+) -> int:
     """Bytes of activations one rank keeps for backward at the peak (end of forward)."""
-    for name, value in (("seq", seq), ("micro_batch", micro_batch), ("hidden", hidden), ("layers", layers),
-                        ("heads", heads)):
+    for name, value in (
+        ("seq", seq),
+        ("micro_batch", micro_batch),
+        ("hidden", hidden),
+        ("layers", layers),
+        ("heads", heads),
+    ):
         if value < 1:
             raise ValueError(f"activations: {name} must be >= 1, got {value}")
     tokens_hidden = seq * micro_batch * hidden

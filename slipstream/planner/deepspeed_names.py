@@ -29,9 +29,11 @@ GIB = 2**30
 def _header(num_nodes: int, num_gpus_per_node: int, sw: str) -> None:
     nodes_str = "nodes" if num_nodes > 1 else "node"
     gpus_str = "GPUs" if num_gpus_per_node > 1 else "GPU"
-    print("Estimated memory needed for params, optim states and gradients for a:\n"
-          f"HW: Setup with {num_nodes} {nodes_str}, {num_gpus_per_node} {gpus_str} per node.\n"
-          f"SW: {sw}")
+    print(
+        "Estimated memory needed for params, optim states and gradients for a:\n"
+        f"HW: Setup with {num_nodes} {nodes_str}, {num_gpus_per_node} {gpus_str} per node.\n"
+        f"SW: {sw}"
+    )
     print("  per CPU  |  per GPU |   Options")
 
 
@@ -45,25 +47,40 @@ def _zero2(shape: ModelShape, num_gpus_per_node: int, num_nodes: int, factor: fl
     _header(num_nodes, num_gpus_per_node, f"Model with {int(shape.total / 1e6)}M total params.")
     rows = []
     for offload in (True, False):
-        est = estimate_option(shape, Option(stage=2, offload_optimizer=offload), settings=Settings(),
-                              world=num_gpus_per_node * num_nodes, gpus_per_node=num_gpus_per_node)
+        est = estimate_option(
+            shape,
+            Option(stage=2, offload_optimizer=offload),
+            settings=Settings(),
+            world=num_gpus_per_node * num_nodes,
+            gpus_per_node=num_gpus_per_node,
+        )
         _row(est, factor, f"offload_optimizer={'cpu ' if offload else 'none'}")
         rows.append(est)
     return rows
 
 
-def _zero3(shape: ModelShape, largest_layer_params: int, num_gpus_per_node: int, num_nodes: int,
-           factor: float) -> list[OptionEstimate]:
-    _header(num_nodes, num_gpus_per_node, f"Model with {int(shape.total / 1e6)}M total params, "
-                                          f"{int(largest_layer_params / 1e6)}M largest layer params.")
+def _zero3(
+    shape: ModelShape, largest_layer_params: int, num_gpus_per_node: int, num_nodes: int, factor: float
+) -> list[OptionEstimate]:
+    _header(
+        num_nodes,
+        num_gpus_per_node,
+        f"Model with {int(shape.total / 1e6)}M total params, {int(largest_layer_params / 1e6)}M largest layer params.",
+    )
     rows = []
     for offload, offload_param in ((True, True), (True, False), (False, False)):
         for zero_init in (True, False):
-            est = estimate_option(shape, Option(stage=3, offload_optimizer=offload, offload_param=offload_param),
-                                  settings=Settings(zero_init=zero_init), world=num_gpus_per_node * num_nodes,
-                                  gpus_per_node=num_gpus_per_node)
-            options = (f"offload_param={'cpu ' if offload_param else 'none'}, "
-                       f"offload_optimizer={'cpu ' if offload else 'none'}, zero_init={int(zero_init)}")
+            est = estimate_option(
+                shape,
+                Option(stage=3, offload_optimizer=offload, offload_param=offload_param),
+                settings=Settings(zero_init=zero_init),
+                world=num_gpus_per_node * num_nodes,
+                gpus_per_node=num_gpus_per_node,
+            )
+            options = (
+                f"offload_param={'cpu ' if offload_param else 'none'}, "
+                f"offload_optimizer={'cpu ' if offload else 'none'}, zero_init={int(zero_init)}"
+            )
             _row(est, factor, options)
             rows.append(est)
     return rows
@@ -74,30 +91,40 @@ def _largest_layer(model: Any) -> int:
     return max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
 
 
-def estimate_zero2_model_states_mem_needs_all_live(model: Any, num_gpus_per_node: int = 1, num_nodes: int = 1,
-                                                   additional_buffer_factor: float = 1.5) -> list[OptionEstimate]:
+def estimate_zero2_model_states_mem_needs_all_live(
+    model: Any, num_gpus_per_node: int = 1, num_nodes: int = 1, additional_buffer_factor: float = 1.5
+) -> list[OptionEstimate]:
     """Print the ZeRO-2 needs of `model` (an nn.Module, meta or real) with and without optimizer offload."""
     return _zero2(from_module(model), num_gpus_per_node, num_nodes, additional_buffer_factor)
 
 
-def estimate_zero2_model_states_mem_needs_all_cold(total_params: float, num_gpus_per_node: int = 1,
-                                                   num_nodes: int = 1, additional_buffer_factor: float = 1.5
-                                                   ) -> list[OptionEstimate]:
+def estimate_zero2_model_states_mem_needs_all_cold(
+    total_params: float, num_gpus_per_node: int = 1, num_nodes: int = 1, additional_buffer_factor: float = 1.5
+) -> list[OptionEstimate]:
     """Print the ZeRO-2 needs of a hypothetical model of `total_params` parameters (a synthetic decoder)."""
-    return _zero2(synthetic(params=total_params, hidden=None, layers=None, vocab=None, heads=None),
-                  num_gpus_per_node, num_nodes, additional_buffer_factor)
+    return _zero2(
+        synthetic(params=total_params, hidden=None, layers=None, vocab=None, heads=None),
+        num_gpus_per_node,
+        num_nodes,
+        additional_buffer_factor,
+    )
 
 
-def estimate_zero3_model_states_mem_needs_all_live(model: Any, num_gpus_per_node: int = 1, num_nodes: int = 1,
-                                                   additional_buffer_factor: float = 1.5) -> list[OptionEstimate]:
+def estimate_zero3_model_states_mem_needs_all_live(
+    model: Any, num_gpus_per_node: int = 1, num_nodes: int = 1, additional_buffer_factor: float = 1.5
+) -> list[OptionEstimate]:
     """Print the ZeRO-3 needs of `model` for each offload choice, with and without zero.Init."""
     shape = from_module(model)
     return _zero3(shape, _largest_layer(model), num_gpus_per_node, num_nodes, additional_buffer_factor)
 
 
-def estimate_zero3_model_states_mem_needs_all_cold(total_params: float, largest_layer_params: float,
-                                                   num_gpus_per_node: int = 1, num_nodes: int = 1,
-                                                   additional_buffer_factor: float = 1.5) -> list[OptionEstimate]:
+def estimate_zero3_model_states_mem_needs_all_cold(
+    total_params: float,
+    largest_layer_params: float,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    additional_buffer_factor: float = 1.5,
+) -> list[OptionEstimate]:
     """Print the ZeRO-3 needs of a hypothetical model: a synthetic decoder of `total_params` parameters whose
     largest matrix (hidden x 4 hidden) has `largest_layer_params` elements."""
     hidden = max(64, round(math.sqrt(max(float(largest_layer_params), 1.0) / 4) / 64) * 64)

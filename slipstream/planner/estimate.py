@@ -20,12 +20,26 @@ from slipstream.planner.types import DTYPE_BYTES, STANDARD_OPTIONS, Option, Opti
 from slipstream.planner.zero_bytes import pinned_rounding, stage012_bytes, stage3_bytes
 
 
-def estimate(*, params: float | None = None, model: Any = None, hf_config: Any = None, hidden: int | None = None,
-             layers: int | None = None, seq: int | None = None, micro_batch: int | None = None,
-             vocab: int | None = None, heads: int | None = None, gpus_per_node: int = 1, nodes: int = 1,
-             dtype: str = "bf16", ds_config: Any = None, options: Sequence[Option] | None = None,
-             device_memory: int | None = None, host_memory: int | None = None,
-             fused_attention: bool = False) -> Plan:
+def estimate(
+    *,
+    params: float | None = None,
+    model: Any = None,
+    hf_config: Any = None,
+    hidden: int | None = None,
+    layers: int | None = None,
+    seq: int | None = None,
+    micro_batch: int | None = None,
+    vocab: int | None = None,
+    heads: int | None = None,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    dtype: str = "bf16",
+    ds_config: Any = None,
+    options: Sequence[Option] | None = None,
+    device_memory: int | None = None,
+    host_memory: int | None = None,
+    fused_attention: bool = False,
+) -> Plan:
     """Bytes per device and per host of each option (default: `STANDARD_OPTIONS`).
 
     The model is `model` (an nn.Module, meta or real, or a "module:factory" string built on the meta device),
@@ -43,23 +57,46 @@ def estimate(*, params: float | None = None, model: Any = None, hf_config: Any =
     shape = model_shape(params=params, model=model, hf_config=hf_config, dims=dims)
     settings, config_option, config_micro = Settings(dtype=dtype), None, None
     if ds_config is not None:
-        settings, config_option, config_micro = settings_from_config(ds_config, world_size=world,
-                                                                     hidden_size=shape.dims.hidden)
+        settings, config_option, config_micro = settings_from_config(
+            ds_config, world_size=world, hidden_size=shape.dims.hidden
+        )
     rows = list(options) if options is not None else list(STANDARD_OPTIONS)
     if config_option is not None and options is None:
         rows.insert(0, config_option)
     micro = micro_batch or config_micro
     notes = [f"model: {shape.source}, {shape.total:,} parameters ({shape.total - shape.frozen_numel:,} trainable)"]
-    activations, checkpointed = _activations(shape.dims, seq=seq, micro_batch=micro, settings=settings, notes=notes,
-                                             fused_attention=fused_attention)
-    estimates = [estimate_option(shape, option, settings=settings, world=world, gpus_per_node=gpus_per_node,
-                                 activations=activations, activations_checkpointed=checkpointed,
-                                 device_memory=device_memory, host_memory=host_memory) for option in rows]
+    activations, checkpointed = _activations(
+        shape.dims, seq=seq, micro_batch=micro, settings=settings, notes=notes, fused_attention=fused_attention
+    )
+    estimates = [
+        estimate_option(
+            shape,
+            option,
+            settings=settings,
+            world=world,
+            gpus_per_node=gpus_per_node,
+            activations=activations,
+            activations_checkpointed=checkpointed,
+            device_memory=device_memory,
+            host_memory=host_memory,
+        )
+        for option in rows
+    ]
     cheapest, needs_ac = _cheapest(estimates, device_memory=device_memory, host_memory=host_memory)
-    return Plan(total_params=shape.total, trainable_params=shape.total - shape.frozen_numel, world_size=world,
-                gpus_per_node=gpus_per_node, nodes=nodes, settings=settings, estimates=tuple(estimates),
-                device_memory=device_memory, host_memory=host_memory, cheapest=cheapest,
-                cheapest_needs_checkpointing=needs_ac, notes=tuple(notes))
+    return Plan(
+        total_params=shape.total,
+        trainable_params=shape.total - shape.frozen_numel,
+        world_size=world,
+        gpus_per_node=gpus_per_node,
+        nodes=nodes,
+        settings=settings,
+        estimates=tuple(estimates),
+        device_memory=device_memory,
+        host_memory=host_memory,
+        cheapest=cheapest,
+        cheapest_needs_checkpointing=needs_ac,
+        notes=tuple(notes),
+    )
 
 
 def model_shape(*, params: float | None, model: Any, hf_config: Any, dims: Dims) -> ModelShape:
@@ -76,8 +113,9 @@ def _with_dims(shape: ModelShape, dims: Dims) -> ModelShape:
     return dataclasses.replace(shape, dims=merged)
 
 
-def settings_from_config(ds_config: Any, *, world_size: int, hidden_size: int | None = None
-                         ) -> tuple[Settings, Option, int]:
+def settings_from_config(
+    ds_config: Any, *, world_size: int, hidden_size: int | None = None
+) -> tuple[Settings, Option, int]:
     """(knobs, the config's own option, its micro batch) from a DeepSpeed config dict or JSON path."""
     from slipstream.config import load_config, resolve
 
@@ -95,21 +133,39 @@ def settings_from_plan(plan: Any) -> tuple[Settings, Option]:
     offload_param = stage3 is not None and stage3.offload_param.on_host
     optimizer = plan.optimizer
     settings = Settings(
-        dtype=precision.param_dtype, grad_accum_dtype=precision.grad_accum_dtype, master_dtype=precision.master_dtype,
-        reduce_bucket_size=int(zero.reduce_bucket_size), stage3=stage3 or Settings().stage3,
+        dtype=precision.param_dtype,
+        grad_accum_dtype=precision.grad_accum_dtype,
+        master_dtype=precision.master_dtype,
+        reduce_bucket_size=int(zero.reduce_bucket_size),
+        stage3=stage3 or Settings().stage3,
         pin_memory=offload.pin_memory if isinstance(offload, CpuTarget) else True,
         optimizer=optimizer.name if optimizer is not None else "adamw",
-        optimizer_params=tuple(sorted((k, v) for k, v in (optimizer.params if optimizer else {}).items()
-                                      if k in ("amsgrad", "momentum", "centered"))))
-    option = Option(stage=zero.stage, offload_optimizer=offload.on_host, offload_param=offload_param,
-                    nvme=isinstance(offload, NvmeTarget), label="config")
+        optimizer_params=tuple(
+            sorted(
+                (k, v)
+                for k, v in (optimizer.params if optimizer else {}).items()
+                if k in ("amsgrad", "momentum", "centered")
+            )
+        ),
+    )
+    option = Option(
+        stage=zero.stage,
+        offload_optimizer=offload.on_host,
+        offload_param=offload_param,
+        nvme=isinstance(offload, NvmeTarget),
+        label="config",
+    )
     return settings, option
 
 
-def _activations(dims: Dims, *, seq: int | None, micro_batch: int | None, settings: Settings,
-                 notes: list[str], fused_attention: bool) -> tuple[int | None, int | None]:
-    missing = [name for name, value in (("seq", seq), ("hidden", dims.hidden), ("layers", dims.layers),
-                                        ("heads", dims.heads)) if not value]
+def _activations(
+    dims: Dims, *, seq: int | None, micro_batch: int | None, settings: Settings, notes: list[str], fused_attention: bool
+) -> tuple[int | None, int | None]:
+    missing = [
+        name
+        for name, value in (("seq", seq), ("hidden", dims.hidden), ("layers", dims.layers), ("heads", dims.heads))
+        if not value
+    ]
     if missing:
         notes.append(f"activations not estimated: give {', '.join('--' + m for m in missing)}")
         return None, None
@@ -117,51 +173,91 @@ def _activations(dims: Dims, *, seq: int | None, micro_batch: int | None, settin
     micro = micro_batch or 1
     if not micro_batch:
         notes.append("activations for micro batch 1 (give --micro-batch or a config)")
-    return tuple(transformer_activations(  # type: ignore[return-value]
-        seq=seq, micro_batch=micro, hidden=dims.hidden, layers=dims.layers, heads=dims.heads, vocab=dims.vocab,
-        dtype_bytes=DTYPE_BYTES[settings.dtype], fused_attention=fused_attention, checkpointing=checkpointing)
-        for checkpointing in (False, True))
+    return tuple(
+        transformer_activations(  # type: ignore[return-value]
+            seq=seq,
+            micro_batch=micro,
+            hidden=dims.hidden,
+            layers=dims.layers,
+            heads=dims.heads,
+            vocab=dims.vocab,
+            dtype_bytes=DTYPE_BYTES[settings.dtype],
+            fused_attention=fused_attention,
+            checkpointing=checkpointing,
+        )
+        for checkpointing in (False, True)
+    )
 
 
-def estimate_option(shape: ModelShape, option: Option, *, settings: Settings, world: int, gpus_per_node: int,
-                    activations: int | None = None, activations_checkpointed: int | None = None,
-                    device_memory: int | None = None, host_memory: int | None = None) -> OptionEstimate:
+def estimate_option(
+    shape: ModelShape,
+    option: Option,
+    *,
+    settings: Settings,
+    world: int,
+    gpus_per_node: int,
+    activations: int | None = None,
+    activations_checkpointed: int | None = None,
+    device_memory: int | None = None,
+    host_memory: int | None = None,
+) -> OptionEstimate:
     """One option's figures (model states from the engine's layout rules)."""
     if option.stage == 3:
         z3 = settings.stage3
         units = shape.units(z3.persistence_threshold, z3.leaf_classes, z3.leaf_names)
-        figures, _pool = stage3_bytes(units, world=world, settings=settings, offload=option.offload_optimizer,
-                                      offload_param=option.offload_param)
+        figures, _pool = stage3_bytes(
+            units, world=world, settings=settings, offload=option.offload_optimizer, offload_param=option.offload_param
+        )
         largest_unit = max((sum(u.numels) for u in units), default=0)
         init = (largest_unit if settings.zero_init else shape.total) * 4
     else:
-        figures = stage012_bytes(shape.trainable_numels, shape.frozen_numel, stage=option.stage, world=world,
-                                 settings=settings, offload=option.offload_optimizer)
+        figures = stage012_bytes(
+            shape.trainable_numels,
+            shape.frozen_numel,
+            stage=option.stage,
+            world=world,
+            settings=settings,
+            offload=option.offload_optimizer,
+        )
         init = shape.total * 4
     host = dict(figures.host)
     if settings.pin_memory:
         host["pinned_rounding"] = pinned_rounding(figures.pinned_blocks)
     owned = dict(figures.owned)
-    model_states = sum(owned[k] for k in ("params", "master", "grads", "optimizer_state", "host_buffers",
-                                          "comm_buffers"))
+    model_states = sum(
+        owned[k] for k in ("params", "master", "grads", "optimizer_state", "host_buffers", "comm_buffers")
+    )
     nvme = 0
     if option.nvme:
         nvme = host.get("master", 0) + host.get("optimizer_state", 0) + host.get("offloaded_params", 0)
         host.pop("pinned_rounding", None)  # NVMe-swapped buffers are pageable
         host.pop("offloaded_params", None)  # parameter shards are read in per unit, not kept on the host
-    result = OptionEstimate(option=option, device=dict(figures.device), host=host, activations=activations,
-                            activations_checkpointed=activations_checkpointed, host_init_per_rank=init,
-                            model_states=model_states, owned=owned, gpus_per_node=gpus_per_node, nvme_per_rank=nvme)
+    result = OptionEstimate(
+        option=option,
+        device=dict(figures.device),
+        host=host,
+        activations=activations,
+        activations_checkpointed=activations_checkpointed,
+        host_init_per_rank=init,
+        model_states=model_states,
+        owned=owned,
+        gpus_per_node=gpus_per_node,
+        nvme_per_rank=nvme,
+    )
     fits_host = None if host_memory is None else result.host_total <= host_memory
     if device_memory is None:
         return dataclasses.replace(result, fits_host=fits_host)
-    return dataclasses.replace(result, fits_device=result.device_total <= device_memory,
-                               fits_device_checkpointed=result.device_total_checkpointed <= device_memory,
-                               fits_host=fits_host)
+    return dataclasses.replace(
+        result,
+        fits_device=result.device_total <= device_memory,
+        fits_device_checkpointed=result.device_total_checkpointed <= device_memory,
+        fits_host=fits_host,
+    )
 
 
-def _cheapest(estimates: list[OptionEstimate], *, device_memory: int | None, host_memory: int | None
-              ) -> tuple[str | None, bool]:
+def _cheapest(
+    estimates: list[OptionEstimate], *, device_memory: int | None, host_memory: int | None
+) -> tuple[str | None, bool]:
     """The cheapest option (`Option.cost_rank`) that fits; without checkpointing if any does."""
     if device_memory is None and host_memory is None:
         return None, False

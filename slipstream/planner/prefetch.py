@@ -121,8 +121,9 @@ class _Replay:
             live += size
 
 
-def simulate_pool(units: Sequence[UnitShape], *, world: int, dtype_bytes: int, prefetch_numel: int,
-                  max_live_numel: int) -> PoolFigures:
+def simulate_pool(
+    units: Sequence[UnitShape], *, world: int, dtype_bytes: int, prefetch_numel: int, max_live_numel: int
+) -> PoolFigures:
     """Replay two training steps (the first records the order) and return the pool and gathered figures."""
     replay = _Replay(units, world=world, dtype_bytes=dtype_bytes)
     persistent = [i for i, u in enumerate(units) if u.persistent]
@@ -142,8 +143,12 @@ def simulate_pool(units: Sequence[UnitShape], *, world: int, dtype_bytes: int, p
             replay.finish(i)
     sizes = replay.allocated
     pool_bytes = sum(size * count for size, count in sizes.items()) * dtype_bytes
-    return PoolFigures(pool_bytes=pool_bytes, buffers=sum(sizes.values()), gathered_peak_bytes=replay.gathered_peak,
-                       held_grads_peak_bytes=_held_gradients(units, others[::-1], dtype_bytes))
+    return PoolFigures(
+        pool_bytes=pool_bytes,
+        buffers=sum(sizes.values()),
+        gathered_peak_bytes=replay.gathered_peak,
+        held_grads_peak_bytes=_held_gradients(units, others[::-1], dtype_bytes),
+    )
 
 
 def _held_gradients(units: Sequence[UnitShape], backward: list[int], dtype_bytes: int) -> int:
@@ -161,8 +166,11 @@ def _held_gradients(units: Sequence[UnitShape], backward: list[int], dtype_bytes
             if i in ready:
                 continue
             unit = units[i]
-            complete = step is None or (i == step and not unit.persistent) or (
-                unit.persistent and bool(unit.hosts) and set(unit.hosts) <= done)
+            complete = (
+                step is None
+                or (i == step and not unit.persistent)
+                or (unit.persistent and bool(unit.hosts) and set(unit.hosts) <= done)
+            )
             if complete and not (unit.is_root and step is not None):
                 ready.add(i)
                 held += grads[i]
@@ -173,8 +181,9 @@ def _held_gradients(units: Sequence[UnitShape], backward: list[int], dtype_bytes
     return peak
 
 
-def _forward(replay: _Replay, order: list[int], roots: list[int], prefetching: bool, budget: int,
-             max_live: int) -> None:
+def _forward(
+    replay: _Replay, order: list[int], roots: list[int], prefetching: bool, budget: int, max_live: int
+) -> None:
     for pos, i in enumerate(order):
         for owner in replay.owners(i):
             replay.finish(owner)
@@ -197,8 +206,9 @@ def _drop_holds(replay: _Replay, i: int) -> None:
             replay.release(owner)
 
 
-def _backward(replay: _Replay, order: list[int], roots: list[int], prefetching: bool, budget: int,
-              max_live: int) -> None:
+def _backward(
+    replay: _Replay, order: list[int], roots: list[int], prefetching: bool, budget: int, max_live: int
+) -> None:
     for pos, i in enumerate(order):
         for owner in replay.owners(i):
             replay.finish(owner)

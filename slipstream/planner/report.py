@@ -8,11 +8,21 @@ from slipstream.planner.types import Plan
 
 GIB = 2**30
 _W = 10
-_DEVICE_COLUMNS = (("params", ("params", "frozen_params")), ("grads", ("grads",)), ("master", ("master",)),
-                   ("optim", ("optimizer_state",)), ("comm+gather", ("comm_buffers", "gathered_params")),
-                   ("transient", ("transient",)))
-_HOST_COLUMNS = (("master", ("master",)), ("optim", ("optimizer_state",)), ("buffers", ("host_buffers",)),
-                 ("params", ("offloaded_params",)), ("pinned+", ("pinned_rounding",)))
+_DEVICE_COLUMNS = (
+    ("params", ("params", "frozen_params")),
+    ("grads", ("grads",)),
+    ("master", ("master",)),
+    ("optim", ("optimizer_state",)),
+    ("comm+gather", ("comm_buffers", "gathered_params")),
+    ("transient", ("transient",)),
+)
+_HOST_COLUMNS = (
+    ("master", ("master",)),
+    ("optim", ("optimizer_state",)),
+    ("buffers", ("host_buffers",)),
+    ("params", ("offloaded_params",)),
+    ("pinned+", ("pinned_rounding",)),
+)
 
 
 def _gib(value: int | None) -> str:
@@ -26,12 +36,16 @@ def _fits(value: bool | None) -> str:
 def format_plan(plan: Plan) -> str:
     """Two tables (per device, per host) with one row per option; the cheapest fitting option is marked '*'."""
     s = plan.settings
-    title = (f"slipstream plan: {plan.total_params:,} parameters ({plan.trainable_params:,} trainable), "
-             f"{plan.world_size} ranks ({plan.nodes} node(s) x {plan.gpus_per_node}), params {s.dtype}, "
-             f"master {s.master_dtype}, grad accumulation {s.grad_accum_dtype}, optimizer {s.optimizer}")
+    title = (
+        f"slipstream plan: {plan.total_params:,} parameters ({plan.trainable_params:,} trainable), "
+        f"{plan.world_size} ranks ({plan.nodes} node(s) x {plan.gpus_per_node}), params {s.dtype}, "
+        f"master {s.master_dtype}, grad accumulation {s.grad_accum_dtype}, optimizer {s.optimizer}"
+    )
     lines = [title]
-    limits = [f"device {plan.device_memory / 1e9:.1f} GB = {_gib(plan.device_memory)} GiB" if plan.device_memory else "",
-              f"host {plan.host_memory / 1e9:.1f} GB = {_gib(plan.host_memory)} GiB" if plan.host_memory else ""]
+    limits = [
+        f"device {plan.device_memory / 1e9:.1f} GB = {_gib(plan.device_memory)} GiB" if plan.device_memory else "",
+        f"host {plan.host_memory / 1e9:.1f} GB = {_gib(plan.host_memory)} GiB" if plan.host_memory else "",
+    ]
     if any(limits):
         lines.append("memory given: " + ", ".join(x for x in limits if x))
     width = max(len(e.option.name) for e in plan.estimates) + 2
@@ -43,17 +57,29 @@ def format_plan(plan: Plan) -> str:
         fits = _fits(est.fits_device)
         if est.fits_device is False and est.fits_device_checkpointed:
             fits = "ckpt"
-        cells += [_gib(est.activations), _gib(est.activations_checkpointed), _gib(est.device_total),
-                  _gib(est.device_total_checkpointed), fits]
+        cells += [
+            _gib(est.activations),
+            _gib(est.activations_checkpointed),
+            _gib(est.device_total),
+            _gib(est.device_total_checkpointed),
+            fits,
+        ]
         lines.append(f"{mark}{est.option.name:<{width - 1}}" + " ".join(f"{c:>{_W}}" for c in cells))
     head = [name for name, _ in _HOST_COLUMNS] + ["build", "node total", "fits", "nvme/rank"]
-    lines += ["", f"per host (GiB; roles per rank, totals for {plan.gpus_per_node} rank(s) per node)",
-              f"{'option':<{width}}" + " ".join(f"{h:>{_W}}" for h in head)]
+    lines += [
+        "",
+        f"per host (GiB; roles per rank, totals for {plan.gpus_per_node} rank(s) per node)",
+        f"{'option':<{width}}" + " ".join(f"{h:>{_W}}" for h in head),
+    ]
     for est in plan.estimates:
         mark = "*" if est.option.name == plan.cheapest else " "
         cells = [_gib(sum(est.host.get(r, 0) for r in roles)) for _, roles in _HOST_COLUMNS]
-        cells += [_gib(est.host_init_per_rank), _gib(est.host_total), _fits(est.fits_host),
-                  _gib(est.nvme_per_rank) if est.option.nvme else "-"]
+        cells += [
+            _gib(est.host_init_per_rank),
+            _gib(est.host_total),
+            _fits(est.fits_host),
+            _gib(est.nvme_per_rank) if est.option.nvme else "-",
+        ]
         lines.append(f"{mark}{est.option.name:<{width - 1}}" + " ".join(f"{c:>{_W}}" for c in cells))
     lines.append("")
     if plan.cheapest is not None:
@@ -81,12 +107,18 @@ def draw_png(plan: Plan, path: str) -> str | None:
     names = [e.option.name for e in plan.estimates]
     figure, (device_axis, host_axis) = plt.subplots(1, 2, figsize=(max(10, 1.3 * len(names)), 5))
     device_parts: list[tuple[str, list[float]]] = [
-        (label, [sum(e.device.get(r, 0) for r in roles) / GIB for e in plan.estimates]) for label, roles in _DEVICE_COLUMNS]
+        (label, [sum(e.device.get(r, 0) for r in roles) / GIB for e in plan.estimates])
+        for label, roles in _DEVICE_COLUMNS
+    ]
     device_parts.append(("activations", [(e.activations or 0) / GIB for e in plan.estimates]))
-    host_parts = [(label, [sum(e.host.get(r, 0) for r in roles) * e.gpus_per_node / GIB for e in plan.estimates])
-                  for label, roles in _HOST_COLUMNS]
-    for axis, parts, title, limit in ((device_axis, device_parts, "per device (GiB)", plan.device_memory),
-                                      (host_axis, host_parts, "per host (GiB)", plan.host_memory)):
+    host_parts = [
+        (label, [sum(e.host.get(r, 0) for r in roles) * e.gpus_per_node / GIB for e in plan.estimates])
+        for label, roles in _HOST_COLUMNS
+    ]
+    for axis, parts, title, limit in (
+        (device_axis, device_parts, "per device (GiB)", plan.device_memory),
+        (host_axis, host_parts, "per host (GiB)", plan.host_memory),
+    ):
         bottom = [0.0] * len(names)
         for label, values in parts:
             axis.bar(names, values, bottom=bottom, label=label)
@@ -100,5 +132,3 @@ def draw_png(plan: Plan, path: str) -> str | None:
     figure.savefig(path)
     plt.close(figure)
     return None
-
-

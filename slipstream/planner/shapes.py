@@ -38,7 +38,8 @@ class ModelShape:
     dims: Dims
     source: str
     _units: dict[tuple[int, tuple[str, ...], tuple[str, ...]], list[UnitShape]] = dataclasses.field(
-        default_factory=dict)
+        default_factory=dict
+    )
 
     @property
     def total(self) -> int:
@@ -52,11 +53,14 @@ class ModelShape:
     def frozen_numel(self) -> int:
         return sum(n for n, t in zip(self.numels, self.trainable) if not t)
 
-    def units(self, threshold: int, leaf_classes: tuple[str, ...] = (), leaf_names: tuple[str, ...] = ()) -> list[UnitShape]:
+    def units(
+        self, threshold: int, leaf_classes: tuple[str, ...] = (), leaf_names: tuple[str, ...] = ()
+    ) -> list[UnitShape]:
         key = (threshold, leaf_classes, leaf_names)
         if key not in self._units:
-            self._units[key] = plan_unit_shapes(self.module, threshold=threshold, leaf_classes=leaf_classes,
-                                                leaf_names=leaf_names)
+            self._units[key] = plan_unit_shapes(
+                self.module, threshold=threshold, leaf_classes=leaf_classes, leaf_names=leaf_names
+            )
         return self._units[key]
 
 
@@ -65,8 +69,13 @@ def from_module(module: Any, *, source: str = "model", dims: Dims | None = None)
     found = dims or Dims()
     if dims is None or dims.hidden is None:
         found = _guess_dims(module, found)
-    return ModelShape(module=module, numels=tuple(p.numel() for p in params),
-                      trainable=tuple(bool(p.requires_grad) for p in params), dims=found, source=source)
+    return ModelShape(
+        module=module,
+        numels=tuple(p.numel() for p in params),
+        trainable=tuple(bool(p.requires_grad) for p in params),
+        dims=found,
+        source=source,
+    )
 
 
 def from_factory(spec: str) -> ModelShape:
@@ -99,14 +108,17 @@ def _guess_dims(module: Any, dims: Dims) -> Dims:
                 return value
         return None
 
-    return Dims(hidden=dims.hidden or first("hidden_size", "n_embd", "d_model"),
-                layers=dims.layers or first("num_hidden_layers", "n_layer", "num_layers"),
-                heads=dims.heads or first("num_attention_heads", "n_head"),
-                vocab=dims.vocab or first("vocab_size"))
+    return Dims(
+        hidden=dims.hidden or first("hidden_size", "n_embd", "d_model"),
+        layers=dims.layers or first("num_hidden_layers", "n_layer", "num_layers"),
+        heads=dims.heads or first("num_attention_heads", "n_head"),
+        vocab=dims.vocab or first("vocab_size"),
+    )
 
 
-def plan_unit_shapes(module: Any, *, threshold: int, leaf_classes: tuple[str, ...] = (),
-                     leaf_names: tuple[str, ...] = ()) -> list[UnitShape]:
+def plan_unit_shapes(
+    module: Any, *, threshold: int, leaf_classes: tuple[str, ...] = (), leaf_names: tuple[str, ...] = ()
+) -> list[UnitShape]:
     """The engine's stage-3 units of `module` (`plan_units`) and, per hooked unit, the units it borrows from."""
     from slipstream.zero.stage3.units import plan_units
 
@@ -121,8 +133,11 @@ def plan_unit_shapes(module: Any, *, threshold: int, leaf_classes: tuple[str, ..
             del m._z3_leaf
     owner = {id(p): i for i, spec in enumerate(specs) for _, p in spec.params}
     hooked = {id(spec.module) for spec in specs if spec.module is not None}
-    subtree = {i: {id(p) for p in spec.module.parameters()} for i, spec in enumerate(specs)
-               if spec.module is not None and spec.module is not module}
+    subtree = {
+        i: {id(p) for p in spec.module.parameters()}
+        for i, spec in enumerate(specs)
+        if spec.module is not None and spec.module is not module
+    }
     shapes = []
     for i, spec in enumerate(specs):
         borrow: list[int] = []
@@ -141,17 +156,37 @@ def plan_unit_shapes(module: Any, *, threshold: int, leaf_classes: tuple[str, ..
             hosts = tuple(j for j, inside in subtree.items() if ids & inside)
             if any(not any(id(p) in inside for inside in subtree.values()) for _, p in spec.params if p.requires_grad):
                 hosts = ()  # some parameter lives with the root: complete only at the end of backward
-        shapes.append(UnitShape(name=spec.name, numels=tuple(p.numel() for _, p in spec.params),
-                                trainable=tuple(bool(p.requires_grad) for _, p in spec.params),
-                                persistent=spec.persistent, hooked=spec.module is not None,
-                                is_root=spec.module is module, borrow=tuple(borrow), hosts=hosts))
+        shapes.append(
+            UnitShape(
+                name=spec.name,
+                numels=tuple(p.numel() for _, p in spec.params),
+                trainable=tuple(bool(p.requires_grad) for _, p in spec.params),
+                persistent=spec.persistent,
+                hooked=spec.module is not None,
+                is_root=spec.module is module,
+                borrow=tuple(borrow),
+                hosts=hosts,
+            )
+        )
     return shapes
 
 
 # ---- synthetic and Hugging Face shapes (meta-device modules) ----
 
-def _decoder(*, hidden: int, layers: int, intermediate: int, vocab: int, kv_hidden: int, tied: bool,
-             bias: bool, norm_bias: bool, positions: int, gated: bool = False) -> Any:
+
+def _decoder(
+    *,
+    hidden: int,
+    layers: int,
+    intermediate: int,
+    vocab: int,
+    kv_hidden: int,
+    tied: bool,
+    bias: bool,
+    norm_bias: bool,
+    positions: int,
+    gated: bool = False,
+) -> Any:
     """A decoder-only transformer on the meta device with Hugging Face's module tree (model.layers.N, lm_head)."""
     import torch
     from torch import nn
@@ -194,8 +229,9 @@ def _decoder(*, hidden: int, layers: int, intermediate: int, vocab: int, kv_hidd
         return Decoder()
 
 
-def synthetic(*, params: float | None, hidden: int | None, layers: int | None, vocab: int | None,
-              heads: int | None) -> ModelShape:
+def synthetic(
+    *, params: float | None, hidden: int | None, layers: int | None, vocab: int | None, heads: int | None
+) -> ModelShape:
     """A GPT-style decoder of about `params` parameters. Missing dimensions follow the usual aspect ratio
     (hidden = 128 x layers, MLP 4 x hidden); with `params` given, the MLP width is chosen so the total matches."""
     if params is None and (hidden is None or layers is None):
@@ -216,8 +252,17 @@ def synthetic(*, params: float | None, hidden: int | None, layers: int | None, v
         # per layer: 4h^2 + 2hI weights, 4h + I biases, 4h norm parameters; plus 2 vocab h and a final norm
         per_layer = (total - 2 * vocab * hidden - 2 * hidden) / layers
         intermediate = max(1, round((per_layer - 4 * hidden * hidden - 8 * hidden) / (2 * hidden + 1)))
-    module = _decoder(hidden=hidden, layers=layers, intermediate=intermediate, vocab=vocab, kv_hidden=hidden,
-                      tied=False, bias=True, norm_bias=True, positions=0)
+    module = _decoder(
+        hidden=hidden,
+        layers=layers,
+        intermediate=intermediate,
+        vocab=vocab,
+        kv_hidden=hidden,
+        tied=False,
+        bias=True,
+        norm_bias=True,
+        positions=0,
+    )
     dims = Dims(hidden=hidden, layers=layers, heads=heads or max(1, hidden // 128), vocab=vocab or None)
     return from_module(module, source=f"synthetic decoder ({layers} x {hidden}, MLP {intermediate})", dims=dims)
 
@@ -235,8 +280,10 @@ def from_hf_config(config: dict[str, Any] | str | Path) -> ModelShape:
     hidden = get("hidden_size", "n_embd", "d_model")
     layers = get("num_hidden_layers", "n_layer", "num_layers")
     if hidden is None or layers is None:
-        raise ValueError("--hf-config: the config has no hidden_size/n_embd or num_hidden_layers/n_layer; "
-                         "pass --params with --hidden and --layers instead")
+        raise ValueError(
+            "--hf-config: the config has no hidden_size/n_embd or num_hidden_layers/n_layer; "
+            "pass --params with --hidden and --layers instead"
+        )
     hidden, layers = int(hidden), int(layers)
     heads = get("num_attention_heads", "n_head", default=max(1, hidden // 128))
     kv_heads = get("num_key_value_heads", default=heads)
@@ -244,12 +291,25 @@ def from_hf_config(config: dict[str, Any] | str | Path) -> ModelShape:
     gpt2 = get("model_type") == "gpt2" or "n_embd" in values
     intermediate = get("intermediate_size", "n_inner", "ffn_dim", default=None) or 4 * hidden
     vocab = get("vocab_size", default=0)
-    gated = not gpt2 and get("model_type") != "gpt_neox" and get("hidden_act", default="silu") in (
-        "silu", "swiglu", "gelu_pytorch_tanh")
-    module = _decoder(hidden=hidden, layers=layers, intermediate=intermediate, vocab=vocab,
-                      kv_hidden=kv_heads * head_dim, tied=bool(get("tie_word_embeddings", default=gpt2)),
-                      bias=bool(get("attention_bias", "mlp_bias", default=gpt2)), norm_bias=gpt2,
-                      positions=get("n_positions", default=0) if gpt2 else 0, gated=gated)
-    return from_module(module, source=f"hf config ({get('model_type', default='decoder')})",
-                       dims=Dims(hidden=hidden, layers=layers, heads=heads, vocab=vocab or None))
-
+    gated = (
+        not gpt2
+        and get("model_type") != "gpt_neox"
+        and get("hidden_act", default="silu") in ("silu", "swiglu", "gelu_pytorch_tanh")
+    )
+    module = _decoder(
+        hidden=hidden,
+        layers=layers,
+        intermediate=intermediate,
+        vocab=vocab,
+        kv_hidden=kv_heads * head_dim,
+        tied=bool(get("tie_word_embeddings", default=gpt2)),
+        bias=bool(get("attention_bias", "mlp_bias", default=gpt2)),
+        norm_bias=gpt2,
+        positions=get("n_positions", default=0) if gpt2 else 0,
+        gated=gated,
+    )
+    return from_module(
+        module,
+        source=f"hf config ({get('model_type', default='decoder')})",
+        dims=Dims(hidden=hidden, layers=layers, heads=heads, vocab=vocab or None),
+    )

@@ -26,8 +26,16 @@ from slipstream.config.plan import Stage3Plan
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OWNED_ROLES = ("params", "master", "grads", "optimizer_state", "host_buffers", "comm_buffers")
-DEVICE_ROLES = ("params", "frozen_params", "gathered_params", "grads", "master", "optimizer_state",
-                "comm_buffers", "transient")
+DEVICE_ROLES = (
+    "params",
+    "frozen_params",
+    "gathered_params",
+    "grads",
+    "master",
+    "optimizer_state",
+    "comm_buffers",
+    "transient",
+)
 HOST_ROLES = ("master", "optimizer_state", "host_buffers", "offloaded_params", "pinned_rounding")
 
 
@@ -49,8 +57,10 @@ class Option:
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"Option.stage must be 0, 1, 2 or 3, got {self.stage}")
         if self.offload_param and self.stage != 3:
-            raise ValueError(f"Option: offload_param needs stage 3 (got stage {self.stage}); "
-                             "zero_optimization.offload_param has no effect below stage 3")
+            raise ValueError(
+                f"Option: offload_param needs stage 3 (got stage {self.stage}); "
+                "zero_optimization.offload_param has no effect below stage 3"
+            )
         if self.nvme and not self.offload_optimizer:
             raise ValueError("Option: nvme needs offload_optimizer (NVMe holds what offload moves off the device)")
 
@@ -73,9 +83,14 @@ class Option:
 
 
 STANDARD_OPTIONS = (
-    Option(stage=0), Option(stage=1), Option(stage=2), Option(stage=3),
-    Option(stage=0, offload_optimizer=True), Option(stage=1, offload_optimizer=True),
-    Option(stage=2, offload_optimizer=True), Option(stage=3, offload_optimizer=True),
+    Option(stage=0),
+    Option(stage=1),
+    Option(stage=2),
+    Option(stage=3),
+    Option(stage=0, offload_optimizer=True),
+    Option(stage=1, offload_optimizer=True),
+    Option(stage=2, offload_optimizer=True),
+    Option(stage=3, offload_optimizer=True),
     Option(stage=3, offload_optimizer=True, offload_param=True),
     Option(stage=3, offload_optimizer=True, offload_param=True, nvme=True),
 )
@@ -119,8 +134,9 @@ class Settings:
             if getattr(self, key) not in DTYPE_BYTES:
                 raise ValueError(f"Settings.{key} must be one of {sorted(DTYPE_BYTES)}, got {getattr(self, key)!r}")
         if self.reduce_bucket_size < 1:
-            raise ValueError("zero_optimization.reduce_bucket_size must be >= 1 element, got "
-                             f"{self.reduce_bucket_size}")
+            raise ValueError(
+                f"zero_optimization.reduce_bucket_size must be >= 1 element, got {self.reduce_bucket_size}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,16 +181,27 @@ class OptionEstimate:
         return self.gpus_per_node * max(sum(self.host.values()), self.host_init_per_rank)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"option": self.option.name, "stage": self.option.stage,
-                "offload_optimizer": self.option.offload_optimizer, "offload_param": self.option.offload_param,
-                "nvme": self.option.nvme, "nvme_bytes_per_rank": self.nvme_per_rank,
-                "device_bytes": dict(self.device), "host_bytes_per_rank": dict(self.host),
-                "activations": self.activations, "activations_checkpointed": self.activations_checkpointed,
-                "device_total": self.device_total, "device_total_checkpointed": self.device_total_checkpointed,
-                "host_init_per_rank": self.host_init_per_rank, "host_total_per_node": self.host_total,
-                "model_states": self.model_states, "owned_bytes": dict(self.owned),
-                "fits_device": self.fits_device, "fits_device_checkpointed": self.fits_device_checkpointed,
-                "fits_host": self.fits_host}
+        return {
+            "option": self.option.name,
+            "stage": self.option.stage,
+            "offload_optimizer": self.option.offload_optimizer,
+            "offload_param": self.option.offload_param,
+            "nvme": self.option.nvme,
+            "nvme_bytes_per_rank": self.nvme_per_rank,
+            "device_bytes": dict(self.device),
+            "host_bytes_per_rank": dict(self.host),
+            "activations": self.activations,
+            "activations_checkpointed": self.activations_checkpointed,
+            "device_total": self.device_total,
+            "device_total_checkpointed": self.device_total_checkpointed,
+            "host_init_per_rank": self.host_init_per_rank,
+            "host_total_per_node": self.host_total,
+            "model_states": self.model_states,
+            "owned_bytes": dict(self.owned),
+            "fits_device": self.fits_device,
+            "fits_device_checkpointed": self.fits_device_checkpointed,
+            "fits_host": self.fits_host,
+        }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -202,9 +229,17 @@ class Plan:
         raise KeyError(f"no option named {name!r}; the plan has {[e.option.name for e in self.estimates]}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"total_params": self.total_params, "trainable_params": self.trainable_params,
-                "world_size": self.world_size, "gpus_per_node": self.gpus_per_node, "nodes": self.nodes,
-                "settings": dataclasses.asdict(self.settings), "device_memory": self.device_memory,
-                "host_memory": self.host_memory, "cheapest": self.cheapest,
-                "cheapest_needs_checkpointing": self.cheapest_needs_checkpointing, "notes": list(self.notes),
-                "options": [e.to_dict() for e in self.estimates]}
+        return {
+            "total_params": self.total_params,
+            "trainable_params": self.trainable_params,
+            "world_size": self.world_size,
+            "gpus_per_node": self.gpus_per_node,
+            "nodes": self.nodes,
+            "settings": dataclasses.asdict(self.settings),
+            "device_memory": self.device_memory,
+            "host_memory": self.host_memory,
+            "cheapest": self.cheapest,
+            "cheapest_needs_checkpointing": self.cheapest_needs_checkpointing,
+            "notes": list(self.notes),
+            "options": [e.to_dict() for e in self.estimates],
+        }

@@ -30,6 +30,7 @@ from slipstream.planner.prefetch import PoolFigures, UnitShape, simulate_pool
 from slipstream.planner.types import DTYPE_BYTES, Settings
 from slipstream.zero.layout import build_layout
 
+
 def optimizer_states_per_element(name: str, params: Sequence[tuple[str, Any]] = ()) -> int:
     """Full-size state tensors the optimizer keeps per master element (scalars such as `step` excluded), from
     the optimizer registry (config/optimizers.py)."""
@@ -62,36 +63,58 @@ def _optimizer_roles(owned: int, *, settings: Settings, offload: bool, aliased: 
     param, master = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.master_dtype]
     states = optimizer_states_per_element(settings.optimizer, settings.optimizer_params)
     state_bytes = param if aliased else master
-    host_buffers = (owned * master + (owned * param if settings.dtype != settings.master_dtype else 0)) if offload else 0
-    return {"master": 0 if aliased else owned * master, "optimizer_state": states * owned * state_bytes,
-            "host_buffers": host_buffers}
+    host_buffers = (
+        (owned * master + (owned * param if settings.dtype != settings.master_dtype else 0)) if offload else 0
+    )
+    return {
+        "master": 0 if aliased else owned * master,
+        "optimizer_state": states * owned * state_bytes,
+        "host_buffers": host_buffers,
+    }
 
 
-def _place(owned: dict[str, int], *, offload: bool, device_extra: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
-    device = {"params": owned["params"], "grads": owned["grads"], "comm_buffers": owned["comm_buffers"],
-              "master": 0 if offload else owned["master"],
-              "optimizer_state": 0 if offload else owned["optimizer_state"], **device_extra}
-    host = {"master": owned["master"] if offload else 0, "optimizer_state": owned["optimizer_state"] if offload else 0,
-            "host_buffers": owned["host_buffers"], "offloaded_params": 0, "pinned_rounding": 0}
+def _place(
+    owned: dict[str, int], *, offload: bool, device_extra: dict[str, int]
+) -> tuple[dict[str, int], dict[str, int]]:
+    device = {
+        "params": owned["params"],
+        "grads": owned["grads"],
+        "comm_buffers": owned["comm_buffers"],
+        "master": 0 if offload else owned["master"],
+        "optimizer_state": 0 if offload else owned["optimizer_state"],
+        **device_extra,
+    }
+    host = {
+        "master": owned["master"] if offload else 0,
+        "optimizer_state": owned["optimizer_state"] if offload else 0,
+        "host_buffers": owned["host_buffers"],
+        "offloaded_params": 0,
+        "pinned_rounding": 0,
+    }
     return device, host
 
 
-def stage012_bytes(trainable: Sequence[int], frozen: int, *, stage: int, world: int, settings: Settings,
-                   offload: bool) -> ZeroBytes:
+def stage012_bytes(
+    trainable: Sequence[int], frozen: int, *, stage: int, world: int, settings: Settings, offload: bool
+) -> ZeroBytes:
     """Stages 0-2 for one param group whose trainable parameters have these element counts (registration
     order); `frozen` is the element count of the parameters without gradients."""
     param, grad = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.grad_accum_dtype]
     if not trainable:
         zero = dict.fromkeys(("params", "master", "grads", "optimizer_state", "host_buffers", "comm_buffers"), 0)
-        device, host = _place(zero, offload=offload, device_extra={"frozen_params": frozen * param,
-                                                                   "gathered_params": 0, "transient": 0})
+        device, host = _place(
+            zero, offload=offload, device_extra={"frozen_params": frozen * param, "gathered_params": 0, "transient": 0}
+        )
         return ZeroBytes(device=device, host=host, owned=zero, pinned_blocks=())
     layout = build_layout(list(trainable), world_size=world, bucket_numel=settings.reduce_bucket_size)
     owned_numel = layout.flat_numel if stage == 0 else layout.shard_numel
     aliased = settings.dtype == settings.master_dtype and not offload
-    owned = {"params": layout.flat_numel * param,
-             "grads": (layout.flat_numel if stage in (0, 1) else owned_numel) * grad,
-             "comm_buffers": 0, **_optimizer_roles(owned_numel, settings=settings, offload=offload, aliased=aliased)}
+    owned = {
+        "params": layout.flat_numel * param,
+        "grads": (layout.flat_numel if stage in (0, 1) else owned_numel) * grad,
+        "comm_buffers": 0,
+        **_optimizer_roles(owned_numel, settings=settings, offload=offload, aliased=aliased),
+    }
     if stage == 2:
         largest = max(b.padded_numel for b in layout.buckets)
         owned["comm_buffers"] = 2 * largest * grad + 2 * (largest // world + 1) * grad
@@ -105,21 +128,31 @@ def stage012_bytes(trainable: Sequence[int], frozen: int, *, stage: int, world: 
     return ZeroBytes(device=device, host=host, owned=owned, pinned_blocks=blocks)
 
 
-def stage3_bytes(units: Sequence[UnitShape], *, world: int, settings: Settings, offload: bool,
-                 offload_param: bool) -> tuple[ZeroBytes, PoolFigures]:
+def stage3_bytes(
+    units: Sequence[UnitShape], *, world: int, settings: Settings, offload: bool, offload_param: bool
+) -> tuple[ZeroBytes, PoolFigures]:
     """Stage 3 for the units of `prefetch.UnitShape` (in the engine's unit order)."""
     param, grad = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.grad_accum_dtype]
     shard_numels = [sum(-(-n // world) for n in u.numels) for u in units]
     trainable_shard = [sum(-(-n // world) for n, t in zip(u.numels, u.trainable) if t) for u in units]
     total_trainable = sum(trainable_shard)
     aliased = settings.dtype == settings.master_dtype and not offload
-    pool = simulate_pool(units, world=world, dtype_bytes=param, prefetch_numel=settings.stage3.prefetch_numel,
-                         max_live_numel=settings.stage3.max_live_numel)
+    pool = simulate_pool(
+        units,
+        world=world,
+        dtype_bytes=param,
+        prefetch_numel=settings.stage3.prefetch_numel,
+        max_live_numel=settings.stage3.max_live_numel,
+    )
     largest = max(trainable_shard, default=0)
     staging = 2 * largest * world * grad + 2 * largest * grad if total_trainable else 0
     shards = sum(shard_numels) * param
-    owned = {"params": shards, "grads": total_trainable * grad, "comm_buffers": staging + pool.pool_bytes,
-             **_optimizer_roles(total_trainable, settings=settings, offload=offload, aliased=aliased)}
+    owned = {
+        "params": shards,
+        "grads": total_trainable * grad,
+        "comm_buffers": staging + pool.pool_bytes,
+        **_optimizer_roles(total_trainable, settings=settings, offload=offload, aliased=aliased),
+    }
     extra = {"frozen_params": 0, "gathered_params": pool.gathered_peak_bytes, "transient": pool.held_grads_peak_bytes}
     device, host = _place(owned, offload=offload, device_extra=extra)
     blocks: list[int] = []

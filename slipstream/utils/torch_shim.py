@@ -45,6 +45,7 @@ def storage_use_count(tensor: torch.Tensor) -> int | None:
     storage = tensor.untyped_storage()
     return int(use_count(storage._cdata)) - 1  # without `storage`, the reference made here
 
+
 def use_count(tensor: torch.Tensor) -> int:
     return int(tensor._use_count())  # type: ignore[attr-defined]
 
@@ -73,8 +74,9 @@ def forget_destroyed_groups() -> None:
         if not isinstance(value, types.FunctionType) or not defaults:
             continue
         if any(isinstance(item, dist.ProcessGroup) and id(item) not in live for item in defaults):
-            value.__defaults__ = tuple(None if isinstance(item, dist.ProcessGroup) and id(item) not in live
-                                       else item for item in defaults)
+            value.__defaults__ = tuple(
+                None if isinstance(item, dist.ProcessGroup) and id(item) not in live else item for item in defaults
+            )
 
 
 def continue_stopped_ranks_on_close() -> None:

@@ -30,8 +30,12 @@ from slipstream.zero.stage3.sharded_param import ShardedParameter
 
 __all__ = ["STAGES", "ZeroBuild", "build_zero"]
 
-STAGES: dict[int, type[ZeroOptimizer]] = {0: Stage0Optimizer, 1: Stage1Optimizer, 2: Stage2Optimizer,
-                                          3: Stage3Optimizer}
+STAGES: dict[int, type[ZeroOptimizer]] = {
+    0: Stage0Optimizer,
+    1: Stage1Optimizer,
+    2: Stage2Optimizer,
+    3: Stage3Optimizer,
+}
 
 
 @dataclasses.dataclass
@@ -47,8 +51,13 @@ class ZeroBuild:
     def wrap(self, optimizer: torch.optim.Optimizer, *, rank: int) -> ZeroOptimizer:
         """The stage's ZeRO optimizer around `optimizer` (whose param groups it re-points at master pieces)."""
         check_optimizer_kind(optimizer, self.zero)
-        return STAGES[self.zero.stage](optimizer, zero=self.zero, precision=self.precision, model=self.zero_model,
-                                       offload=policy_for(self.zero.offload_optimizer, rank=rank))
+        return STAGES[self.zero.stage](
+            optimizer,
+            zero=self.zero,
+            precision=self.precision,
+            model=self.zero_model,
+            offload=policy_for(self.zero.offload_optimizer, rank=rank),
+        )
 
 
 def build_zero(model: nn.Module, *, zero: ZeroPlan, precision: PrecisionPlan, device: torch.device) -> ZeroBuild:
@@ -60,8 +69,9 @@ def build_zero(model: nn.Module, *, zero: ZeroPlan, precision: PrecisionPlan, de
         if zero.stage3 is None:
             raise RuntimeError("ZeRO stage 3 without a Stage3Plan: build plans with slipstream.config.resolve")
         _place_for_stage3(model, precision, device)
-        return ZeroBuild(module=model, zero_model=ZeroModel(model, zero.stage3, device=device), zero=zero,
-                         precision=precision)
+        return ZeroBuild(
+            module=model, zero_model=ZeroModel(model, zero.stage3, device=device), zero=zero, precision=precision
+        )
     _place_replicated(model, precision, device)
     return ZeroBuild(module=model, zero_model=None, zero=zero, precision=precision)
 
@@ -84,8 +94,10 @@ def _place_for_stage3(model: nn.Module, precision: PrecisionPlan, device: torch.
         for param in model.parameters():
             if isinstance(param, ShardedParameter):
                 if param.dtype != dtype:
-                    raise ValueError(f"parameter '{param.ds_record.name}' was sharded by zero.Init as {param.dtype} "
-                                     f"but the config trains in {dtype}; pass dtype={dtype} to zero.Init")
+                    raise ValueError(
+                        f"parameter '{param.ds_record.name}' was sharded by zero.Init as {param.dtype} "
+                        f"but the config trains in {dtype}; pass dtype={dtype} to zero.Init"
+                    )
                 continue
             param.data = param.data.to(device=device, dtype=dtype if param.is_floating_point() else param.dtype)
         for module in model.modules():
@@ -105,16 +117,20 @@ def check_optimizer_kind(optimizer: torch.optim.Optimizer, zero: ZeroPlan) -> No
     name = type(optimizer).__name__
     host_kernel = getattr(type(optimizer), "writes_low_precision_copy", False)
     if zero.offload_optimizer.on_host and not host_kernel and zero.force_host_optimizer:
-        raise ValueError(f"offload_optimizer runs the optimizer on the host, but the optimizer is {name}; use "
-                         "DeepSpeedCPUAdam (an 'optimizer' section of type Adam/AdamW does that for you) or set "
-                         "\"zero_force_ds_cpu_optimizer\": false to run this one on the host anyway")
+        raise ValueError(
+            f"offload_optimizer runs the optimizer on the host, but the optimizer is {name}; use "
+            "DeepSpeedCPUAdam (an 'optimizer' section of type Adam/AdamW does that for you) or set "
+            '"zero_force_ds_cpu_optimizer": false to run this one on the host anyway'
+        )
     spec: Any = spec_for_class(name)
     if spec is not None and spec.elementwise:
         return
-    message = (f"optimizer {name} is not known to be elementwise: ZeRO's flat shards (used at every stage) "
-               "would change per-tensor math such as Lamb's trust ratio. Use one of "
-               f"{', '.join(elementwise_class_names())}, or set \"zero_allow_untested_optimizer\": true to use it "
-               "anyway")
+    message = (
+        f"optimizer {name} is not known to be elementwise: ZeRO's flat shards (used at every stage) "
+        "would change per-tensor math such as Lamb's trust ratio. Use one of "
+        f'{", ".join(elementwise_class_names())}, or set "zero_allow_untested_optimizer": true to use it '
+        "anyway"
+    )
     if not zero.allow_untested_optimizer:
         raise ValueError(message)
     warn_once(f"untested-optimizer:{name}", "slipstream: " + message)

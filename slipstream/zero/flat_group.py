@@ -26,14 +26,25 @@ from slipstream.zero.master_group import MasterGroup
 class FlatGroup(MasterGroup):
     """Flat buffers of one param group; `owns_all` means stage 0 (every rank owns every bucket)."""
 
-    def __init__(self, params: list[nn.Parameter], *, layout: GroupLayout, rank: int, owns_all: bool,
-                 master_dtype: torch.dtype, grad_dtype: torch.dtype, full_grad_storage: bool,
-                 offload: OffloadPolicy) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        *,
+        layout: GroupLayout,
+        rank: int,
+        owns_all: bool,
+        master_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        full_grad_storage: bool,
+        offload: OffloadPolicy,
+    ) -> None:
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
         if len(dtypes) > 1 or len(devices) > 1:
-            raise ValueError(f"a param group mixes dtypes {sorted(map(str, dtypes))} or devices "
-                             f"{sorted(map(str, devices))}; cast the model to one dtype and device first")
+            raise ValueError(
+                f"a param group mixes dtypes {sorted(map(str, dtypes))} or devices "
+                f"{sorted(map(str, devices))}; cast the model to one dtype and device first"
+            )
         self.params = params
         self.layout = layout
         self.rank = rank
@@ -43,7 +54,7 @@ class FlatGroup(MasterGroup):
         self.flat_params = torch.zeros(layout.flat_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for param, slot in zip(params, layout.slots):
-                view = self.flat_params[slot.flat_offset: slot.flat_offset + slot.numel]
+                view = self.flat_params[slot.flat_offset : slot.flat_offset + slot.numel]
                 view.copy_(param.data.reshape(-1))
                 param.data = view.view_as(param)
 
@@ -63,8 +74,11 @@ class FlatGroup(MasterGroup):
         size = layout.flat_numel if full_grad_storage else owned_numel
         self.grad_storage = torch.zeros(size, dtype=grad_dtype, device=self.device)
         self.full_grad_storage = full_grad_storage
-        self.owned_grads = ([self.grad_storage[s:e] for s, e in self.piece_ranges] if full_grad_storage
-                            else self._split(self.grad_storage))
+        self.owned_grads = (
+            [self.grad_storage[s:e] for s, e in self.piece_ranges]
+            if full_grad_storage
+            else self._split(self.grad_storage)
+        )
         self._allocate_host_buffers(owned_numel, master_dtype)
         for piece, grad in zip(self.master_pieces, self.host_grad_pieces or self.owned_grads):
             piece.grad = grad if grad.dtype == piece.dtype else None
@@ -77,21 +91,21 @@ class FlatGroup(MasterGroup):
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         pieces, offset = [], 0
         for start, end in self.piece_ranges:
-            pieces.append(flat[offset: offset + end - start])
+            pieces.append(flat[offset : offset + end - start])
             offset += end - start
         return pieces
 
     def full_grad_view(self, index: int) -> torch.Tensor:
         """The slice of full-size grad storage that holds parameter `index` (stages 0 and 1)."""
         slot = self.layout.slots[index]
-        return self.grad_storage[slot.flat_offset: slot.flat_offset + slot.numel]
+        return self.grad_storage[slot.flat_offset : slot.flat_offset + slot.numel]
 
     def bucket_grads(self, bucket: Bucket) -> torch.Tensor:
         """The full-size grad storage of one bucket, padding included (stages 0 and 1)."""
-        return self.grad_storage[bucket.flat_offset: bucket.flat_offset + bucket.padded_numel]
+        return self.grad_storage[bucket.flat_offset : bucket.flat_offset + bucket.padded_numel]
 
     def bucket_params(self, bucket: Bucket) -> torch.Tensor:
-        return self.flat_params[bucket.flat_offset: bucket.flat_offset + bucket.padded_numel]
+        return self.flat_params[bucket.flat_offset : bucket.flat_offset + bucket.padded_numel]
 
     def copy_master_to_params(self, *, from_low_precision: bool) -> None:
         """After a step: the updated master pieces (or the optimizer's low-precision copy) into the flat params."""

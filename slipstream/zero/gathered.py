@@ -41,8 +41,9 @@ def _managers_and_units(params: Any) -> list[tuple[Any, list[Any]]]:
 class GatheredParameters:
     """DeepSpeed's `deepspeed.zero.GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True)`."""
 
-    def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None,
-                 enabled: bool = True) -> None:
+    def __init__(
+        self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None, enabled: bool = True
+    ) -> None:
         self.modifier_rank = modifier_rank
         self.groups = _managers_and_units(params) if enabled else []
 

@@ -34,8 +34,9 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class StagingUnits(UnitManager):
     """The manager of the units zero.Init creates (one per module, no hooks)."""
 
-    def __init__(self, *, device: torch.device, shard_device: torch.device, pin_memory: bool,
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, *, device: torch.device, shard_device: torch.device, pin_memory: bool, group: dist.ProcessGroup | None
+    ) -> None:
         self.device, self.shard_device, self.group = device, shard_device, group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.pool = BufferPool(device)
@@ -59,9 +60,20 @@ class StagingUnits(UnitManager):
                 if self.world_size > 1:
                     collectives.broadcast(param.data, src=0, group=self.group)
         spec = UnitSpec(name=f"<init {type(module).__name__} #{len(self.units)}>", module=None, params=tuple(params))
-        self.units.append(Unit(len(self.units), spec, manager=self, rank=self.rank, world_size=self.world_size,
-                               group=self.group, device=self.device, shard_device=self.shard_device, pool=self.pool,
-                               allocate_shard=self._allocate))
+        self.units.append(
+            Unit(
+                len(self.units),
+                spec,
+                manager=self,
+                rank=self.rank,
+                world_size=self.world_size,
+                group=self.group,
+                device=self.device,
+                shard_device=self.shard_device,
+                pool=self.pool,
+                allocate_shard=self._allocate,
+            )
+        )
 
 
 def _config_dict(config_dict_or_path: Any) -> dict[str, Any]:
@@ -87,10 +99,20 @@ class Init:
     """DeepSpeed's `deepspeed.zero.Init` (see the module doc). Arguments DeepSpeed has but Slipstream does not
     use (`mem_efficient_linear`, `mpu`, quantization, ...) are accepted and ignored."""
 
-    def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
-                 mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
-                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
-                 dtype: torch.dtype | None = None, mpu: Any = None, **ignored: Any) -> None:
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: Any = None,
+        **ignored: Any,
+    ) -> None:
         self.enabled = enabled
         if not enabled:
             return
@@ -105,7 +127,9 @@ class Init:
         cfg = _config_dict(config_dict_or_path if config_dict_or_path is not None else config)
         stage3, param_dtype = resolve_zero_init(cfg, remote_device=remote_device)
         if isinstance(stage3.offload_param, NvmeTarget):
-            raise NotImplementedError("zero.Init(remote_device='nvme') is not available yet; use 'cpu' or leave it unset")
+            raise NotImplementedError(
+                "zero.Init(remote_device='nvme') is not available yet; use 'cpu' or leave it unset"
+            )
         if dtype is None:
             dtype = _DTYPES.get(param_dtype)
         self.dtype = dtype
@@ -113,8 +137,12 @@ class Init:
         device = accelerator.device(accelerator.current_device())
         on_host = stage3.offload_param.on_host
         pinned = on_host and isinstance(stage3.offload_param, CpuTarget) and stage3.offload_param.pin_memory
-        self.staging = StagingUnits(device=device, shard_device=torch.device("cpu") if on_host else device,
-                                    pin_memory=pin_memory or pinned, group=data_parallel_group)
+        self.staging = StagingUnits(
+            device=device,
+            shard_device=torch.device("cpu") if on_host else device,
+            pin_memory=pin_memory or pinned,
+            group=data_parallel_group,
+        )
         self._patched: list[tuple[type, Any]] = []
         if module is not None:
             from slipstream.zero.stage3.model import ZeroModel
@@ -156,4 +184,5 @@ class Init:
             if depth == 0:
                 module.__dict__.pop("_slipstream_init_depth", None)
                 staging.shard_module(module, dtype)
+
         return __init__

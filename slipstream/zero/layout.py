@@ -96,9 +96,22 @@ def build_layout(numels: Sequence[int], *, world_size: int, bucket_numel: int) -
             slots[i] = ParamSlot(index=i, numel=numels[i], bucket=bucket_id, flat_offset=offset)
             offset += numels[i]
         piece = padded // world_size
-        buckets.append(Bucket(flat_offset=flat, numel=numel, padded_numel=padded, piece_numel=piece,
-                              shard_offset=shard, param_indices=tuple(members)))
+        buckets.append(
+            Bucket(
+                flat_offset=flat,
+                numel=numel,
+                padded_numel=padded,
+                piece_numel=piece,
+                shard_offset=shard,
+                param_indices=tuple(members),
+            )
+        )
         flat += padded
         shard += piece
-    return GroupLayout(world_size=world_size, slots=tuple(slots[i] for i in range(len(numels))),
-                       buckets=tuple(buckets), flat_numel=flat, shard_numel=shard)
+    return GroupLayout(
+        world_size=world_size,
+        slots=tuple(slots[i] for i in range(len(numels))),
+        buckets=tuple(buckets),
+        flat_numel=flat,
+        shard_numel=shard,
+    )

@@ -87,12 +87,14 @@ class _OverflowCounter:
         if count == 0:
             return None
         noun = "step" if count == 1 else "steps"
-        return (f"fp16: {count} overflow {noun} skipped since step {since}; "
-                f"loss scale now {_format_scale(self.scale)}")
+        return f"fp16: {count} overflow {noun} skipped since step {since}; loss scale now {_format_scale(self.scale)}"
 
     def _counter_state(self) -> dict[str, Any]:
-        return {"num_updates": self.num_updates, "overflow_count_since_report": self.overflow_count_since_report,
-                "report_since_step": self._report_since_step}
+        return {
+            "num_updates": self.num_updates,
+            "overflow_count_since_report": self.overflow_count_since_report,
+            "report_since_step": self._report_since_step,
+        }
 
     def _load_counter_state(self, state: Mapping[str, Any]) -> None:
         self.num_updates = int(state["num_updates"])
@@ -107,8 +109,10 @@ class StaticLossScaler(_OverflowCounter):
         super().__init__()
         scale = float(scale)
         if not (scale > 0 and scale != float("inf")):
-            raise ValueError(f"fp16.loss_scale={scale} is not a usable static loss scale; give a finite number > 0, "
-                             "or 0 for dynamic loss scaling")
+            raise ValueError(
+                f"fp16.loss_scale={scale} is not a usable static loss scale; give a finite number > 0, "
+                "or 0 for dynamic loss scaling"
+            )
         self.scale = scale
 
     def update(self, overflow: bool) -> None:
@@ -133,15 +137,19 @@ class DynamicLossScaler(_OverflowCounter):
     def __init__(self, plan: LossScalePlan) -> None:
         super().__init__()
         if plan.static_scale is not None:
-            raise ValueError(f"DynamicLossScaler got a static plan (static_scale={plan.static_scale}); build it with "
-                             "make_loss_scaler(plan), which returns a StaticLossScaler for that case")
-        checks = {"fp16.loss_scale_window": (plan.window, plan.window >= 1),
-                  "fp16.hysteresis": (plan.hysteresis, plan.hysteresis >= 1),
-                  "fp16.min_loss_scale": (plan.min_scale, plan.min_scale > 0)}
+            raise ValueError(
+                f"DynamicLossScaler got a static plan (static_scale={plan.static_scale}); build it with "
+                "make_loss_scaler(plan), which returns a StaticLossScaler for that case"
+            )
+        checks = {
+            "fp16.loss_scale_window": (plan.window, plan.window >= 1),
+            "fp16.hysteresis": (plan.hysteresis, plan.hysteresis >= 1),
+            "fp16.min_loss_scale": (plan.min_scale, plan.min_scale > 0),
+        }
         for key, (value, ok) in checks.items():
             if not ok:
                 raise ValueError(f"{key}={value} is invalid; it must be >= 1 (window, hysteresis) or > 0 (min scale)")
-        self.scale = float(2.0 ** plan.initial_scale_power)
+        self.scale = float(2.0**plan.initial_scale_power)
         self.window = int(plan.window)
         self.min_scale = float(plan.min_scale)
         self.hysteresis = int(plan.hysteresis)
@@ -183,9 +191,14 @@ class DynamicLossScaler(_OverflowCounter):
         return self.at_minimum_for(self.window)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "cur_hysteresis": self.cur_hysteresis, "cur_iter": self.cur_iter,
-                "last_overflow_iter": self.last_overflow_iter, "num_overflows_at_min": self.num_overflows_at_min,
-                **self._counter_state()}
+        return {
+            "scale": self.scale,
+            "cur_hysteresis": self.cur_hysteresis,
+            "cur_iter": self.cur_iter,
+            "last_overflow_iter": self.last_overflow_iter,
+            "num_overflows_at_min": self.num_overflows_at_min,
+            **self._counter_state(),
+        }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the scale and counters; window, hysteresis and min_scale stay as configured."""

@@ -56,5 +56,9 @@ class MasterGroup(abc.ABC):
     def owned_bytes(self) -> dict[str, int]:
         """Bytes of the tensors this group owns, by role (for the memory tests and the planner)."""
         master = 0 if self.master_flat is None else _nbytes([self.master_flat])
-        return {"params": self._param_bytes(), "master": master, "grads": _nbytes([self.grad_storage]),
-                "host_buffers": _nbytes(self.host_grad_pieces) + _nbytes(self.low_precision_pieces)}
+        return {
+            "params": self._param_bytes(),
+            "master": master,
+            "grads": _nbytes([self.grad_storage]),
+            "host_buffers": _nbytes(self.host_grad_pieces) + _nbytes(self.low_precision_pieces),
+        }

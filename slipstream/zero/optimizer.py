@@ -46,9 +46,16 @@ class ZeroOptimizer(abc.ABC):
     owns_all: bool = False
     full_grad_storage: bool = True
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, zero: ZeroPlan, precision: PrecisionPlan,
-                 offload: OffloadPolicy | None = None, group: dist.ProcessGroup | None = None,
-                 model: Any = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        zero: ZeroPlan,
+        precision: PrecisionPlan,
+        offload: OffloadPolicy | None = None,
+        group: dist.ProcessGroup | None = None,
+        model: Any = None,
+    ) -> None:
         """The stage reads its knobs from `zero` and `precision` (config/plan.py); `model` is stage 3's
         ZeroModel (Stage3Optimizer reads it), None below stage 3."""
         self.optimizer = optimizer
@@ -65,8 +72,9 @@ class ZeroOptimizer(abc.ABC):
         """id(parameter) -> qualified name, set by the engine for error messages."""
         self.last_nonfinite_param: str | None = None
         self._hooks: list[Any] = []
-        self.groups: list[Any] = self._build_groups(bucket_numel=bucket_numel, master_dtype=DTYPES[master_dtype],
-                                                    grad_dtype=DTYPES[grad_dtype])
+        self.groups: list[Any] = self._build_groups(
+            bucket_numel=bucket_numel, master_dtype=DTYPES[master_dtype], grad_dtype=DTYPES[grad_dtype]
+        )
         self._repoint_optimizer()
         self._low_precision_out = self._low_precision_targets()  # fixed for the optimizer's lifetime
         self._low_precision_by_group = self._split_by_group(self._low_precision_out)
@@ -80,11 +88,17 @@ class ZeroOptimizer(abc.ABC):
             params = [p for p in hyper["params"] if p.requires_grad]
             if not params:
                 continue
-            layout = build_layout([p.numel() for p in params], world_size=self.world_size,
-                                  bucket_numel=bucket_numel)
-            flat = FlatGroup(params, layout=layout, rank=self.rank, owns_all=self.owns_all,
-                             master_dtype=master_dtype, grad_dtype=grad_dtype,
-                             full_grad_storage=self.full_grad_storage, offload=self.offload)
+            layout = build_layout([p.numel() for p in params], world_size=self.world_size, bucket_numel=bucket_numel)
+            flat = FlatGroup(
+                params,
+                layout=layout,
+                rank=self.rank,
+                owns_all=self.owns_all,
+                master_dtype=master_dtype,
+                grad_dtype=grad_dtype,
+                full_grad_storage=self.full_grad_storage,
+                offload=self.offload,
+            )
             groups.append(flat)
             for index, param in enumerate(params):
                 self._param_location[id(param)] = (flat, index)
@@ -93,8 +107,11 @@ class ZeroOptimizer(abc.ABC):
 
     def _repoint_optimizer(self) -> None:
         """Give the wrapped optimizer the master pieces instead of the model parameters (state reset)."""
-        hypers = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
-                  if any(p.requires_grad for p in g["params"])]
+        hypers = [
+            {k: v for k, v in g.items() if k != "params"}
+            for g in self.optimizer.param_groups
+            if any(p.requires_grad for p in g["params"])
+        ]
         self.optimizer.param_groups = []
         self.optimizer.state.clear()
         for hyper, flat in zip(hypers, self.groups):
@@ -190,7 +207,7 @@ class ZeroOptimizer(abc.ABC):
     def _split_by_group(self, low_precision: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         outs, start = [], 0
         for group in self.optimizer.param_groups:
-            outs.append(low_precision[start: start + len(group["params"])] if low_precision else [])
+            outs.append(low_precision[start : start + len(group["params"])] if low_precision else [])
             start += len(group["params"])
         return outs
 
@@ -220,8 +237,9 @@ class ZeroOptimizer(abc.ABC):
             if self.owns_all or self.world_size == 1:
                 continue
             for bucket, (start, end) in zip(flat.layout.buckets, flat.piece_ranges):
-                collectives.all_gather(flat.bucket_params(bucket), flat.flat_params[start:end],
-                                       group=self.process_group)
+                collectives.all_gather(
+                    flat.bucket_params(bucket), flat.flat_params[start:end], group=self.process_group
+                )
 
     # ---- introspection, DeepSpeed's surface ----
     @property
@@ -260,9 +278,12 @@ class ZeroOptimizer(abc.ABC):
         owned = self.owned_bytes()
         if not self.offload.on_host:
             return owned.get("offloaded_params", 0)
-        masters = [f.master_flat.numel() * f.master_flat.element_size() for f in self.groups
-                   if f.master_flat is not None]
-        return self.offload.resident_master_bytes(masters) * 3 + owned["host_buffers"] + owned.get("offloaded_params", 0)
+        masters = [
+            f.master_flat.numel() * f.master_flat.element_size() for f in self.groups if f.master_flat is not None
+        ]
+        return (
+            self.offload.resident_master_bytes(masters) * 3 + owned["host_buffers"] + owned.get("offloaded_params", 0)
+        )
 
     def _comm_buffer_bytes(self) -> int:
         """Bytes of the reusable communication buffers (stage 2's staging and receive buffers)."""
@@ -277,17 +298,29 @@ class ZeroOptimizer(abc.ABC):
         out: list[OwnedSlice] = []
         for number, flat in enumerate(self.groups):
             for b, (bucket, (start, end)) in enumerate(zip(flat.layout.buckets, flat.piece_ranges)):
-                lo_cut, hi_cut = flat.layout.piece_range(bucket, self.rank) if (self.owns_all and for_save) else (start, end)
+                lo_cut, hi_cut = (
+                    flat.layout.piece_range(bucket, self.rank) if (self.owns_all and for_save) else (start, end)
+                )
                 for index in bucket.param_indices:
                     slot = flat.layout.slots[index]
                     a, z = max(slot.flat_offset, lo_cut), min(slot.flat_offset + slot.numel, hi_cut)
                     if z <= a:
                         continue
                     param = flat.params[index]
-                    master = flat.master_pieces[b][a - start: z - start]
-                    out.append(OwnedSlice(name=names[id(param)], shape=tuple(param.shape), lo=a - slot.flat_offset,
-                                          hi=z - slot.flat_offset, value=flat.flat_params[a:z], master=master,
-                                          piece=flat.master_pieces[b], piece_offset=a - start, group_index=number))
+                    master = flat.master_pieces[b][a - start : z - start]
+                    out.append(
+                        OwnedSlice(
+                            name=names[id(param)],
+                            shape=tuple(param.shape),
+                            lo=a - slot.flat_offset,
+                            hi=z - slot.flat_offset,
+                            value=flat.flat_params[a:z],
+                            master=master,
+                            piece=flat.master_pieces[b],
+                            piece_offset=a - start,
+                            group_index=number,
+                        )
+                    )
         return out
 
     def publish_loaded(self) -> None:
@@ -301,4 +334,3 @@ class ZeroOptimizer(abc.ABC):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-

@@ -33,4 +33,4 @@ class OwnedSlice:
         return self.hi - self.lo
 
     def state_view(self, state: dict[str, torch.Tensor], key: str) -> torch.Tensor:
-        return state[key][self.piece_offset: self.piece_offset + self.numel]
+        return state[key][self.piece_offset : self.piece_offset + self.numel]

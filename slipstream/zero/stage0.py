@@ -15,7 +15,10 @@ class Stage0Optimizer(ZeroOptimizer):
     def _reduce_for_step(self) -> None:
         if self.world_size == 1:
             return
-        works = [collectives.all_reduce(flat.bucket_grads(bucket), group=self.process_group, async_op=True)
-                 for flat in self.groups for bucket in flat.layout.buckets]
+        works = [
+            collectives.all_reduce(flat.bucket_grads(bucket), group=self.process_group, async_op=True)
+            for flat in self.groups
+            for bucket in flat.layout.buckets
+        ]
         for work in works:
             work.wait()

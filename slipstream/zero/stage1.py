@@ -21,7 +21,10 @@ class Stage1Optimizer(ZeroOptimizer):
         works = []
         for flat in self.groups:
             for bucket, (start, end) in zip(flat.layout.buckets, flat.piece_ranges):
-                works.append(collectives.reduce_scatter(flat.grad_storage[start:end], flat.bucket_grads(bucket),
-                                                        group=self.process_group, async_op=True))
+                works.append(
+                    collectives.reduce_scatter(
+                        flat.grad_storage[start:end], flat.bucket_grads(bucket), group=self.process_group, async_op=True
+                    )
+                )
         for work in works:
             work.wait()

@@ -34,14 +34,16 @@ class Stage2Optimizer(ZeroOptimizer):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._order: list[tuple[FlatGroup, int]] = [(flat, b) for flat in self.groups
-                                                    for b in range(len(flat.layout.buckets))]
+        self._order: list[tuple[FlatGroup, int]] = [
+            (flat, b) for flat in self.groups for b in range(len(flat.layout.buckets))
+        ]
         self._position = {(id(flat), b): i for i, (flat, b) in enumerate(self._order)}
         largest = max((b.padded_numel for flat in self.groups for b in flat.layout.buckets), default=0)
         grad_dtype = self.groups[0].grad_storage.dtype if self.groups else torch.float32
         device = self.groups[0].device if self.groups else None
-        self._ring = StagingRing(staging_numel=largest, receive_numel=largest // max(self.world_size, 1) + 1,
-                                 dtype=grad_dtype, device=device)
+        self._ring = StagingRing(
+            staging_numel=largest, receive_numel=largest // max(self.world_size, 1) + 1, dtype=grad_dtype, device=device
+        )
         self._pending: dict[tuple[int, int], dict[int, torch.Tensor]] = collections.defaultdict(dict)
         self._next = 0
 
@@ -52,7 +54,8 @@ class Stage2Optimizer(ZeroOptimizer):
             raise RuntimeError(
                 f"ZeRO stage 2 got a second gradient for parameter {index} of a bucket it already reduced in this "
                 "micro-batch (backward ran twice over the same parameters). Call engine.step() after each "
-                "backward, combine the losses before one backward, or use stage 1.")
+                "backward, combine the losses before one backward, or use stage 1."
+            )
         self._pending[(id(flat), bucket_id)][index] = grad
         while self._next < len(self._order):
             next_flat, next_bucket = self._order[self._next]
@@ -70,15 +73,17 @@ class Stage2Optimizer(ZeroOptimizer):
             grad = grads.get(index)
             if grad is not None:
                 start = flat.layout.slots[index].flat_offset - bucket.flat_offset
-                staging[start: start + grad.numel()].copy_(grad.reshape(-1))
+                staging[start : start + grad.numel()].copy_(grad.reshape(-1))
         work = collectives.reduce_scatter(receive, staging, group=self.process_group, async_op=True)
         self._ring.launched(slot, work, receive, flat.owned_grads[bucket_id].add_)
         self._next += 1
 
     def micro_step_done(self, *, reduce: bool) -> None:
         if not reduce:
-            raise RuntimeError("ZeRO stage 2 reduces gradients during every backward; no_sync() is not "
-                               "available (use stage 0 or 1 for no_sync, or rely on gradient_accumulation_steps)")
+            raise RuntimeError(
+                "ZeRO stage 2 reduces gradients during every backward; no_sync() is not "
+                "available (use stage 0 or 1 for no_sync, or rely on gradient_accumulation_steps)"
+            )
         while self._next < len(self._order):
             self._launch(*self._order[self._next])
         self._ring.finish_all()

@@ -18,8 +18,9 @@ _NUM_SLOTS = 2
 
 
 class StagingRing:
-    def __init__(self, *, staging_numel: int, receive_numel: int, dtype: torch.dtype,
-                 device: torch.device | None) -> None:
+    def __init__(
+        self, *, staging_numel: int, receive_numel: int, dtype: torch.dtype, device: torch.device | None
+    ) -> None:
         self.staging = [torch.zeros(staging_numel, dtype=dtype, device=device) for _ in range(_NUM_SLOTS)]
         self.receive = [torch.zeros(receive_numel, dtype=dtype, device=device) for _ in range(_NUM_SLOTS)]
         self._in_flight: dict[int, tuple[Any, torch.Tensor, Callable[[torch.Tensor], Any]]] = {}

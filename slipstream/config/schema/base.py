@@ -9,7 +9,7 @@ on; `slipstream.config.resolve` reports any other field set to a non-default val
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Optional
+from typing import Annotated, Any, ClassVar
 
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -77,7 +77,7 @@ def accepted_keys(model: type[BaseModel]) -> dict[str, str]:
     return keys
 
 
-def model_of(annotation: Any) -> Optional[type[DSModel]]:
+def model_of(annotation: Any) -> type[DSModel] | None:
     """The DSModel class inside a field annotation (`X`, `Optional[X]`, `X | bool`), if there is one."""
     if isinstance(annotation, type) and issubclass(annotation, DSModel):
         return annotation

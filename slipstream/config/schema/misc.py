@@ -7,7 +7,7 @@ Setting any of them (enabled, or a non-default value) puts its dotted name in En
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -31,7 +31,7 @@ class ActivationCheckpointingConfig(DSModel):
 
     partition_activations: bool = False
     """Partition checkpointed activations across model-parallel ranks."""
-    number_checkpoints: Optional[DSInt] = None
+    number_checkpoints: DSInt | None = None
     """Number of checkpoints, for contiguous memory."""
     contiguous_memory_optimization: bool = False
     """Copy checkpoints into one buffer."""
@@ -86,7 +86,7 @@ class CheckpointConfig(DSModel):
     """Parallel write options."""
     checkpoint_serialization: bool = True
     """Use torch serialization for checkpoints."""
-    writer: Optional[CheckpointWriterConfig] = None
+    writer: CheckpointWriterConfig | None = None
     """Fast checkpoint writer options."""
 
     @field_validator("tag_validation", mode="before")
@@ -124,7 +124,7 @@ class PipelineConfig(OpenSection):
     """`pipeline`: pipeline parallelism."""
 
     LITERAL_AUTO = frozenset({"stages"})
-    stages: Union[Literal["auto"], DSInt] = "auto"
+    stages: Literal["auto"] | DSInt = "auto"
     """Number of pipeline stages, or "auto"."""
     partition: str = "best"
     """Layer partitioning method."""
@@ -223,9 +223,9 @@ class TensorParallelConfig(OpenSection):
     """Tensor-parallel degree; 0 disables AutoTP."""
     tp_overlap_comm: bool = False
     """Overlap tensor-parallel communication."""
-    tp: Optional[dict[str, Any]] = None
+    tp: dict[str, Any] | None = None
     """{"tp_size": 1, ...}."""
-    partition_config: Optional[dict[str, Any]] = None
+    partition_config: dict[str, Any] | None = None
     """Custom partition rules."""
 
 

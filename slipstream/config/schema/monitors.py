@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pydantic import Field
 
 from slipstream.config.schema.base import DSFloat, DSInt, DSModel
@@ -58,9 +56,9 @@ class WandbConfig(DSModel):
 
     enabled: bool = False
     """Log to W&B."""
-    group: Optional[str] = None
+    group: str | None = None
     """W&B group."""
-    team: Optional[str] = None
+    team: str | None = None
     """W&B team (entity)."""
     project: str = "deepspeed"
     """W&B project."""
@@ -73,19 +71,19 @@ class CometConfig(DSModel):
     """Log to Comet."""
     samples_log_interval: DSInt = Field(100, ge=1)
     """Log every N samples."""
-    project: Optional[str] = None
+    project: str | None = None
     """Comet project."""
-    workspace: Optional[str] = None
+    workspace: str | None = None
     """Comet workspace."""
-    api_key: Optional[str] = None
+    api_key: str | None = None
     """Comet API key."""
-    experiment_name: Optional[str] = None
+    experiment_name: str | None = None
     """Experiment name."""
-    experiment_key: Optional[str] = None
+    experiment_key: str | None = None
     """Experiment key."""
-    online: Optional[bool] = None
+    online: bool | None = None
     """Log online."""
-    mode: Optional[str] = None
+    mode: str | None = None
     """Comet mode ("get", "create", "get_or_create")."""
 
 
@@ -119,7 +117,7 @@ class FlopsProfilerConfig(DSModel):
     """Top modules to list."""
     detailed: bool = True
     """Print the per-module profile."""
-    output_file: Optional[str] = None
+    output_file: str | None = None
     """File to write; None prints to stdout."""
 
 

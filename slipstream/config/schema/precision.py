@@ -7,7 +7,6 @@ minimum scale > 0 when dynamic) are checked here; fp16-with-bf16 is a cross-sect
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -39,7 +38,7 @@ _DTYPE_NAMES = {
 }
 
 
-def canonical_dtype(value: Optional[str]) -> Optional[str]:
+def canonical_dtype(value: str | None) -> str | None:
     """ "fp32" | "fp16" | "bf16" for any DeepSpeed/torch spelling; ValueError naming the choices otherwise."""
     if value is None:
         return None
@@ -95,9 +94,7 @@ class FP16Config(DSModel):
                     f"loss_scale_window must be > 0 for dynamic loss scaling, got {self.loss_scale_window}"
                 )
             if self.min_loss_scale <= 0:
-                raise ValueError(
-                    f"min_loss_scale must be > 0 for dynamic loss scaling, got {self.min_loss_scale}"
-                )
+                raise ValueError(f"min_loss_scale must be > 0 for dynamic loss scaling, got {self.min_loss_scale}")
         return self
 
 
@@ -131,7 +128,7 @@ class AmpConfig(OpenSection):
 
     enabled: bool = False
     """Use Apex AMP."""
-    opt_level: Optional[str] = None
+    opt_level: str | None = None
     """Apex optimisation level, e.g. "O1"."""
 
 
@@ -140,9 +137,9 @@ class TorchAutocastConfig(DSModel):
 
     enabled: bool = False
     """Use torch.autocast in forward."""
-    dtype: Optional[str] = None
+    dtype: str | None = None
     """Autocast dtype, e.g. "bfloat16"."""
-    lower_precision_safe_modules: Optional[list[str]] = None
+    lower_precision_safe_modules: list[str] | None = None
     """Class paths of modules whose parameters are kept in the lower precision."""
 
 
@@ -152,14 +149,14 @@ class DataTypesConfig(DSModel):
     IMPLEMENTED = {
         "grad_accum_dtype": "precision.grad_accum_dtype",
     }
-    grad_accum_dtype: Optional[str] = None
+    grad_accum_dtype: str | None = None
     """Gradient accumulation dtype: "fp32", "fp16" or "bf16" (None: fp32 in Slipstream)."""
-    param_dtype: Optional[str] = None
+    param_dtype: str | None = None
     """Parameter dtype override."""
-    buffer_dtype: Optional[str] = None
+    buffer_dtype: str | None = None
     """Buffer dtype override."""
 
     @field_validator("grad_accum_dtype", "param_dtype", "buffer_dtype")
     @classmethod
-    def _known_dtype(cls, value: Optional[str]) -> Optional[str]:
+    def _known_dtype(cls, value: str | None) -> str | None:
         return canonical_dtype(value)

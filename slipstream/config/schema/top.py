@@ -7,7 +7,7 @@ Defaults are DeepSpeed 0.19's (`runtime/config.py`); `gradient_clipping` default
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -45,7 +45,7 @@ from slipstream.config.schema.zero import ZeroConfig
 
 __all__ = ["DeepSpeedConfig"]
 
-FreeForm = Optional[dict[str, Any]]
+FreeForm = dict[str, Any] | None
 
 
 class DeepSpeedConfig(DSModel):
@@ -65,17 +65,17 @@ class DeepSpeedConfig(DSModel):
         "dataloader_drop_last": "dataloader_drop_last",
         "strict": "",
     }
-    train_batch_size: Optional[DSInt] = Field(None, gt=0)
+    train_batch_size: DSInt | None = Field(None, gt=0)
     """Global batch: micro batch * gradient accumulation steps * data-parallel world size."""
-    train_micro_batch_size_per_gpu: Optional[DSInt] = Field(None, gt=0)
+    train_micro_batch_size_per_gpu: DSInt | None = Field(None, gt=0)
     """Samples per rank per forward/backward."""
-    gradient_accumulation_steps: Optional[DSInt] = Field(None, gt=0)
+    gradient_accumulation_steps: DSInt | None = Field(None, gt=0)
     """Micro batches accumulated before each optimizer step."""
     managed_gradient_accumulation: bool = True
     """The engine scales the loss by 1/gradient_accumulation_steps and skips steps between boundaries."""
-    steps_per_print: Optional[DSInt] = Field(None, gt=0)
+    steps_per_print: DSInt | None = Field(None, gt=0)
     """Log progress every N optimizer steps; None disables."""
-    collective_timeout: Optional[float] = Field(None, gt=0)
+    collective_timeout: float | None = Field(None, gt=0)
     """Slipstream only: seconds a collective may wait for every rank before CollectiveTimeout names the ranks
     that did not arrive; None uses SLIPSTREAM_TIMEOUT / DEEPSPEED_TIMEOUT / 5 minutes."""
     max_consecutive_skipped_steps: DSInt = Field(100, ge=0)
@@ -96,7 +96,7 @@ class DeepSpeedConfig(DSModel):
     """Divide gradients by this before the all-reduce and by world_size / factor after."""
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"
     """How gradients are combined across ranks."""
-    communication_data_type: Optional[str] = None
+    communication_data_type: str | None = None
     """Dtype of gradient communication ("fp32", "fp16", "bf16"); None: the gradient dtype."""
     seq_parallel_communication_data_type: str = "fp32"
     """Dtype of sequence-parallel communication."""
@@ -110,23 +110,23 @@ class DeepSpeedConfig(DSModel):
     """With CPU offload, require DeepSpeed's CPU optimizer for a client optimizer."""
     dataloader_drop_last: bool = False
     """Drop the last incomplete batch of the training data loader."""
-    log_level: Optional[str] = None
+    log_level: str | None = None
     """Log level of the engine's logger."""
-    vocabulary_size: Optional[DSInt] = None
+    vocabulary_size: DSInt | None = None
     """Vocabulary size (a warning when not a multiple of 8)."""
     use_data_before_expert_parallelism: bool = False
     """Use the data before expert parallelism splits it."""
     graph_harvesting: bool = False
     """Capture CUDA graphs (accelerators that support it)."""
-    sequence_parallel_size: Optional[DSInt] = Field(None, gt=0)
+    sequence_parallel_size: DSInt | None = Field(None, gt=0)
     """Sequence-parallel degree of the device mesh."""
-    data_parallel_size: Optional[DSInt] = Field(None, gt=0)
+    data_parallel_size: DSInt | None = Field(None, gt=0)
     """Data-parallel degree of the device mesh."""
     strict: bool = True
     """Slipstream only: false turns unknown keys into one warning each instead of an error."""
-    optimizer: Optional[OptimizerConfig] = None
+    optimizer: OptimizerConfig | None = None
     """Optimizer built by the engine when the caller passes none."""
-    scheduler: Optional[SchedulerConfig] = None
+    scheduler: SchedulerConfig | None = None
     """LR scheduler built by the engine when the caller passes none."""
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     """ZeRO settings; `true` is stage 1."""
@@ -134,15 +134,13 @@ class DeepSpeedConfig(DSModel):
     """fp16 mixed precision."""
     bf16: BF16Config = aliased(BF16Config(), "bf16", "bfloat16")
     """bf16 mixed precision (also spelled `bfloat16`)."""
-    amp: Optional[AmpConfig] = None
+    amp: AmpConfig | None = None
     """Apex AMP."""
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     """torch.autocast in forward."""
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     """Gradient-accumulation and other dtypes."""
-    activation_checkpointing: ActivationCheckpointingConfig = Field(
-        default_factory=ActivationCheckpointingConfig
-    )
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     """Activation checkpointing."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint I/O."""
@@ -199,5 +197,5 @@ class DeepSpeedConfig(DSModel):
 
     @field_validator("communication_data_type")
     @classmethod
-    def _known_dtype(cls, value: Optional[str]) -> Optional[str]:
+    def _known_dtype(cls, value: str | None) -> str | None:
         return canonical_dtype(value)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -31,7 +31,7 @@ class OffloadOptimizerConfig(DSModel):
     }
     device: OffloadDevice = "none"
     """Where optimizer state lives: "none", "cpu" or "nvme"."""
-    nvme_path: Optional[str] = None
+    nvme_path: str | None = None
     """Directory for NVMe offload."""
     buffer_count: DSInt = Field(4, ge=0)
     """Number of buffers in the offload buffer pool."""
@@ -61,7 +61,7 @@ class OffloadParamConfig(DSModel):
     }
     device: OffloadDevice = "none"
     """Where parameters live between uses: "none", "cpu" or "nvme"."""
-    nvme_path: Optional[str] = None
+    nvme_path: str | None = None
     """Directory for NVMe offload."""
     buffer_count: DSInt = Field(5, ge=0)
     """Number of parameter buffers."""
@@ -81,9 +81,9 @@ class ZenFlowConfig(DSModel):
     """Fraction of gradient columns updated on the GPU each step."""
     select_strategy: str = "auto"
     """How important columns are chosen: "auto", "step" or "epoch"."""
-    select_interval: Union[Literal["auto"], DSInt] = "auto"
+    select_interval: Literal["auto"] | DSInt = "auto"
     """Steps between re-selection, or "auto"."""
-    update_interval: Union[Literal["auto"], DSInt] = "auto"
+    update_interval: Literal["auto"] | DSInt = "auto"
     """Steps between CPU updates, or "auto"."""
     overlap_step: bool = False
     """Overlap the CPU step with GPU compute."""
@@ -95,7 +95,7 @@ class ZenFlowConfig(DSModel):
     """Steps of full updates before selective updates begin."""
     pt_reserved_cores_perc: DSFloat = Field(0.5, ge=0.0, le=1.0)
     """Share of host cores reserved for PyTorch."""
-    steps_per_epoch: Optional[DSInt] = None
+    steps_per_epoch: DSInt | None = None
     """Steps per epoch, for the "epoch" strategy."""
 
 
@@ -131,29 +131,27 @@ class ZeroConfig(DSModel):
     """All-gather updated partitions (true) or broadcast them (false) after the step."""
     allgather_bucket_size: DSInt = Field(500_000_000, ge=0)
     """Elements all-gathered at a time."""
-    overlap_comm: Optional[bool] = None
+    overlap_comm: bool | None = None
     """Overlap gradient reduction with backward; None means true for stage 3, false otherwise."""
     load_from_fp32_weights: bool = True
     """Initialise fp32 master weights from the checkpoint's fp32 copy."""
     elastic_checkpoint: bool = False
     """Load optimizer state saved with a different data-parallel size (legacy)."""
-    offload_param: Optional[OffloadParamConfig] = None
+    offload_param: OffloadParamConfig | None = None
     """Parameter offload (stage 3)."""
-    offload_optimizer: Optional[OffloadOptimizerConfig] = None
+    offload_optimizer: OffloadOptimizerConfig | None = None
     """Optimizer-state offload (stages 1-3)."""
-    zenflow: Optional[ZenFlowConfig] = None
+    zenflow: ZenFlowConfig | None = None
     """ZenFlow stall-free offload."""
     sub_group_size: DSInt = Field(1_000_000_000, ge=0)
     """Elements per optimizer sub-group (stage 3)."""
-    cpu_offload: Optional[bool] = None
+    cpu_offload: bool | None = None
     """Deprecated: true means offload_optimizer.device = "cpu"."""
-    cpu_offload_param: Optional[bool] = None
+    cpu_offload_param: bool | None = None
     """Deprecated: true means offload_param.device = "cpu"."""
-    cpu_offload_use_pin_memory: Optional[bool] = None
+    cpu_offload_use_pin_memory: bool | None = None
     """Deprecated: pin_memory of the offload sections."""
-    prefetch_bucket_size: DSInt = aliased(
-        50_000_000, "stage3_prefetch_bucket_size", "prefetch_bucket_size", ge=0
-    )
+    prefetch_bucket_size: DSInt = aliased(50_000_000, "stage3_prefetch_bucket_size", "prefetch_bucket_size", ge=0)
     """Elements of parameters prefetched ahead of use (stage 3)."""
     param_persistence_threshold: DSInt = aliased(
         100_000, "stage3_param_persistence_threshold", "param_persistence_threshold", ge=0
@@ -163,13 +161,9 @@ class ZeroConfig(DSModel):
         sys.maxsize, "stage3_model_persistence_threshold", "model_persistence_threshold", ge=0
     )
     """Upper bound on elements kept unpartitioned by the persistence threshold (stage 3)."""
-    max_live_parameters: DSInt = aliased(
-        1_000_000_000, "stage3_max_live_parameters", "max_live_parameters", ge=0
-    )
+    max_live_parameters: DSInt = aliased(1_000_000_000, "stage3_max_live_parameters", "max_live_parameters", ge=0)
     """Most gathered parameter elements alive at once (stage 3)."""
-    max_reuse_distance: DSInt = aliased(
-        1_000_000_000, "stage3_max_reuse_distance", "max_reuse_distance", ge=0
-    )
+    max_reuse_distance: DSInt = aliased(1_000_000_000, "stage3_max_reuse_distance", "max_reuse_distance", ge=0)
     """Keep a gathered parameter if it is reused within this many elements (stage 3)."""
     gather_16bit_weights_on_model_save: bool = aliased(
         False,
@@ -202,7 +196,7 @@ class ZeroConfig(DSModel):
     """Keep non-trainable weights quantized."""
     zero_quantized_gradients: bool = False
     """ZeRO++ quantized gradient communication."""
-    zeropp_loco_param: Optional[dict[str, Any]] = None
+    zeropp_loco_param: dict[str, Any] | None = None
     """ZeRO++ LoCo parameters, e.g. {"err_beta": 0.8, "reset_T": 1024}."""
     mics_shard_size: DSInt = -1
     """MiCS shard size; -1 disables MiCS."""
@@ -220,7 +214,7 @@ class ZeroConfig(DSModel):
     """Extra stage-3 consistency checks."""
     save_muon_momentum_buffer_in_memory: bool = False
     """Keep Muon momentum in memory (stage 3)."""
-    leaf_module: Optional[dict[str, Any]] = None
+    leaf_module: dict[str, Any] | None = None
     """Modules treated as leaves by stage 3: {"classes": [...], "names": [...]}."""
 
     @model_validator(mode="before")

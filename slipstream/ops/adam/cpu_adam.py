@@ -35,16 +35,27 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
     """`step(low_precision_out=...)` writes the new values in the parameter dtype in the same pass (the ZeRO
     optimizer asks for this capability, not for the class)."""
 
-    def __init__(self, model_params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
-                 bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0, amsgrad: bool = False, adamw_mode: bool = True,
-                 fp32_optimizer_states: bool = True) -> None:
+    def __init__(
+        self,
+        model_params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
         if amsgrad:
-            raise ValueError("DeepSpeedCPUAdam does not support amsgrad=True (DeepSpeed's does not either); "
-                             "pass amsgrad=False, or use torch.optim.Adam(params, amsgrad=True) for AMSGrad")
+            raise ValueError(
+                "DeepSpeedCPUAdam does not support amsgrad=True (DeepSpeed's does not either); "
+                "pass amsgrad=False, or use torch.optim.Adam(params, amsgrad=True) for AMSGrad"
+            )
         _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, amsgrad=False)
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction, amsgrad=False
+        )
         super().__init__(model_params, defaults)
         self.adamw_mode = adamw_mode
         self.fp32_optimizer_states = fp32_optimizer_states
@@ -60,13 +71,19 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
 
     def _init_state(self, p: Tensor) -> dict[str, Tensor]:
         dtype = self._state_dtype(p)
-        return {"step": torch.tensor(0.0, dtype=torch.float32),
-                "exp_avg": torch.zeros(p.shape, dtype=dtype),
-                "exp_avg_sq": torch.zeros(p.shape, dtype=dtype)}
+        return {
+            "step": torch.tensor(0.0, dtype=torch.float32),
+            "exp_avg": torch.zeros(p.shape, dtype=dtype),
+            "exp_avg_sq": torch.zeros(p.shape, dtype=dtype),
+        }
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
-             low_precision_out: Sequence[Tensor] | None = None) -> float | None:
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], float] | None = None,
+        *,
+        low_precision_out: Sequence[Tensor] | None = None,
+    ) -> float | None:
         """One Adam step over every param with a grad; params with grad None are skipped.
 
         low_precision_out: None, or one bf16/fp16 CPU tensor per param of all groups in order (same numel),
@@ -103,13 +120,30 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
                 self._update(group, ps, gs, ms, vs, os_, step=step, native=native)
         return loss
 
-    def _update(self, group: dict[str, Any], ps: list[Tensor], gs: list[Tensor], ms: list[Tensor],
-                vs: list[Tensor], outs: list[Tensor], *, step: int, native: bool) -> None:
+    def _update(
+        self,
+        group: dict[str, Any],
+        ps: list[Tensor],
+        gs: list[Tensor],
+        ms: list[Tensor],
+        vs: list[Tensor],
+        outs: list[Tensor],
+        *,
+        step: int,
+        native: bool,
+    ) -> None:
         beta1, beta2 = group["betas"]
-        hyper: dict[str, Any] = dict(step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                     eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                     bias_correction=bool(group["bias_correction"]), adamw_mode=self.adamw_mode,
-                     low_precision_out=outs)
+        hyper: dict[str, Any] = dict(
+            step=step,
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            bias_correction=bool(group["bias_correction"]),
+            adamw_mode=self.adamw_mode,
+            low_precision_out=outs,
+        )
         if native:
             self._op.adam_update(ps, gs, ms, vs, **hyper)
         else:
@@ -130,8 +164,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
             restored: dict[str, Any] = dict(saved)
             restored["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone()
             for key in ("exp_avg", "exp_avg_sq"):
-                restored[key] = saved[key].detach().to(device="cpu", dtype=self._state_dtype(p),
-                                                       copy=True).contiguous()
+                restored[key] = saved[key].detach().to(device="cpu", dtype=self._state_dtype(p), copy=True).contiguous()
             self.state[p] = restored
 
 
@@ -155,15 +188,20 @@ def _check_hyper(*, lr: float, betas: tuple[float, float], eps: float, weight_de
 
 def _check_param(p: Tensor, index: int) -> None:
     if p.device.type != "cpu":
-        raise ValueError(f"DeepSpeedCPUAdam: param {index} is on {p.device}, but every param must be on the "
-                         "CPU; keep the model on CPU, or enable ZeRO-Offload (\"offload_optimizer\": "
-                         "{\"device\": \"cpu\"}) so that the optimizer sees CPU copies")
+        raise ValueError(
+            f"DeepSpeedCPUAdam: param {index} is on {p.device}, but every param must be on the "
+            'CPU; keep the model on CPU, or enable ZeRO-Offload ("offload_optimizer": '
+            '{"device": "cpu"}) so that the optimizer sees CPU copies'
+        )
     if p.dtype not in _PARAM_DTYPES:
-        raise TypeError(f"DeepSpeedCPUAdam: param {index} has dtype {p.dtype}; supported are float32, "
-                        "bfloat16 and float16")
+        raise TypeError(
+            f"DeepSpeedCPUAdam: param {index} has dtype {p.dtype}; supported are float32, bfloat16 and float16"
+        )
     if not p.is_contiguous():
-        raise ValueError(f"DeepSpeedCPUAdam: param {index} (shape {tuple(p.shape)}) is not contiguous and "
-                         "cannot be updated in place; make it contiguous before building the optimizer")
+        raise ValueError(
+            f"DeepSpeedCPUAdam: param {index} (shape {tuple(p.shape)}) is not contiguous and "
+            "cannot be updated in place; make it contiguous before building the optimizer"
+        )
 
 
 def _checked_grad(p: Tensor, index: int) -> Tensor | None:
@@ -173,14 +211,17 @@ def _checked_grad(p: Tensor, index: int) -> Tensor | None:
         return None
     _check_param(p, index)
     if grad.is_sparse:
-        raise RuntimeError(f"DeepSpeedCPUAdam: param {index} has a sparse gradient, which is not supported; "
-                           "use dense gradients (e.g. nn.Embedding(sparse=False))")
+        raise RuntimeError(
+            f"DeepSpeedCPUAdam: param {index} has a sparse gradient, which is not supported; "
+            "use dense gradients (e.g. nn.Embedding(sparse=False))"
+        )
     if grad.device.type != "cpu":
-        raise ValueError(f"DeepSpeedCPUAdam: the grad of param {index} is on {grad.device}; it must be on "
-                         "the CPU")
+        raise ValueError(f"DeepSpeedCPUAdam: the grad of param {index} is on {grad.device}; it must be on the CPU")
     if grad.dtype != p.dtype or grad.shape != p.shape:
-        raise TypeError(f"DeepSpeedCPUAdam: the grad of param {index} has dtype {grad.dtype} and shape "
-                        f"{tuple(grad.shape)}, the param {p.dtype} and {tuple(p.shape)}; they must match")
+        raise TypeError(
+            f"DeepSpeedCPUAdam: the grad of param {index} has dtype {grad.dtype} and shape "
+            f"{tuple(grad.shape)}, the param {p.dtype} and {tuple(p.shape)}; they must match"
+        )
     return grad if grad.is_contiguous() else grad.contiguous()
 
 
@@ -189,18 +230,26 @@ def _check_low_precision_out(outs: Sequence[Tensor] | None, params: list[Tensor]
         return []
     outs = list(outs)
     if len(outs) != len(params):
-        raise ValueError(f"DeepSpeedCPUAdam.step: low_precision_out has {len(outs)} tensors but the "
-                         f"optimizer has {len(params)} params (all groups, in order); pass one tensor per "
-                         "param")
+        raise ValueError(
+            f"DeepSpeedCPUAdam.step: low_precision_out has {len(outs)} tensors but the "
+            f"optimizer has {len(params)} params (all groups, in order); pass one tensor per "
+            "param"
+        )
     for index, (out, p) in enumerate(zip(outs, params)):
         if out.dtype not in _OUT_DTYPES:
-            raise TypeError(f"DeepSpeedCPUAdam.step: low_precision_out[{index}] has dtype {out.dtype}; it "
-                            "must be torch.bfloat16 or torch.float16")
+            raise TypeError(
+                f"DeepSpeedCPUAdam.step: low_precision_out[{index}] has dtype {out.dtype}; it "
+                "must be torch.bfloat16 or torch.float16"
+            )
         if out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError(f"DeepSpeedCPUAdam.step: low_precision_out[{index}] must be a contiguous CPU "
-                             f"tensor (got device {out.device}, contiguous={out.is_contiguous()}); copy it "
-                             "to the device after the step")
+            raise ValueError(
+                f"DeepSpeedCPUAdam.step: low_precision_out[{index}] must be a contiguous CPU "
+                f"tensor (got device {out.device}, contiguous={out.is_contiguous()}); copy it "
+                "to the device after the step"
+            )
         if out.numel() != p.numel():
-            raise ValueError(f"DeepSpeedCPUAdam.step: low_precision_out[{index}] has {out.numel()} elements "
-                             f"but param {index} has {p.numel()}")
+            raise ValueError(
+                f"DeepSpeedCPUAdam.step: low_precision_out[{index}] has {out.numel()} elements "
+                f"but param {index} has {p.numel()}"
+            )
     return outs

@@ -58,8 +58,15 @@ class Throughput:
 
     def as_dict(self) -> dict[str, Any]:
         rates = [self.size_bytes / s / 1e9 for s in self.seconds]
-        return {"op": self.op, "size_bytes": self.size_bytes, "loops": len(self.seconds), "gb_s": self.gb_s,
-                "min_gb_s": min(rates), "max_gb_s": max(rates), "median_s": statistics.median(self.seconds)}
+        return {
+            "op": self.op,
+            "size_bytes": self.size_bytes,
+            "loops": len(self.seconds),
+            "gb_s": self.gb_s,
+            "min_gb_s": min(rates),
+            "max_gb_s": max(rates),
+            "median_s": statistics.median(self.seconds),
+        }
 
 
 def direct_io_supported(directory: str | os.PathLike[str]) -> bool:
@@ -83,13 +90,19 @@ def implementation(handle: AsyncIOHandle) -> dict[str, str]:
     status = AsyncIOBuilder().load_status()
     if handle.engine != "python":
         how = status.how if status is not None else "loaded"
-        return {"engine": handle.engine, "kind": f"native {how}", "note": f"native async_io op ({how}), "
-                f"engine {handle.engine}"}
+        return {
+            "engine": handle.engine,
+            "kind": f"native {how}",
+            "note": f"native async_io op ({how}), engine {handle.engine}",
+        }
     reason = status.reason if status is not None and status.how == "fallback" else "not loaded through the builder"
-    return {"engine": "python", "kind": "fallback",
-            "note": "the native async_io op is unavailable here, so its pure-Python thread-pool fallback ran "
-                    f"(min(intra_op_parallelism x queue_depth, 8) threads of pread/pwrite; single_submit and "
-                    f"overlap_events change nothing in it); why: {reason}"}
+    return {
+        "engine": "python",
+        "kind": "fallback",
+        "note": "the native async_io op is unavailable here, so its pure-Python thread-pool fallback ran "
+        f"(min(intra_op_parallelism x queue_depth, 8) threads of pread/pwrite; single_submit and "
+        f"overlap_events change nothing in it); why: {reason}",
+    }
 
 
 class IoBench:
@@ -115,9 +128,13 @@ class IoBench:
     def reported_settings(self, settings: AioSettings) -> dict[str, int | bool]:
         """The five settings as the handle made for `settings` reports them (what the op really uses)."""
         handle = self.handle(settings)
-        return {"block_size": handle.get_block_size(), "queue_depth": handle.get_queue_depth(),
-                "intra_op_parallelism": handle.get_intra_op_parallelism(),
-                "single_submit": handle.get_single_submit(), "overlap_events": handle.get_overlap_events()}
+        return {
+            "block_size": handle.get_block_size(),
+            "queue_depth": handle.get_queue_depth(),
+            "intra_op_parallelism": handle.get_intra_op_parallelism(),
+            "single_submit": handle.get_single_submit(),
+            "overlap_events": handle.get_overlap_events(),
+        }
 
     def path(self, size: int) -> Path:
         return self.directory / f"{self._tag}-{size}.bin"

@@ -29,8 +29,18 @@ class AsyncIOError(OSError):
     requests of the `wait()` that raised (this error describes the first).
     """
 
-    def __init__(self, errno: int, operation: str, filename: str, offset: int, size: int, detail: str = "", *,
-                 at: int | None = None, num_failed: int = 1) -> None:
+    def __init__(
+        self,
+        errno: int,
+        operation: str,
+        filename: str,
+        offset: int,
+        size: int,
+        detail: str = "",
+        *,
+        at: int | None = None,
+        num_failed: int = 1,
+    ) -> None:
         super().__init__(errno, os.strerror(errno), filename)
         self.operation = operation
         self.offset = offset
@@ -40,8 +50,7 @@ class AsyncIOError(OSError):
         self.num_failed = num_failed
 
     def __str__(self) -> str:
-        text = (f"async_io {self.operation} of {self.size} bytes at offset {self.offset} of "
-                f"'{self.filename}' failed")
+        text = f"async_io {self.operation} of {self.size} bytes at offset {self.offset} of '{self.filename}' failed"
         if self.at is not None and self.at != self.offset:
             text += f" at file offset {self.at}"
         text += f": [Errno {self.errno}] {self.strerror}"
@@ -55,10 +64,13 @@ class AsyncIOError(OSError):
         return text
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self.errno, self.operation, self.filename, self.offset, self.size, self.detail,
-                           self.at, self.num_failed))
+        return (
+            _rebuild,
+            (self.errno, self.operation, self.filename, self.offset, self.size, self.detail, self.at, self.num_failed),
+        )
 
 
-def _rebuild(errno: int, operation: str, filename: str, offset: int, size: int, detail: str, at: int | None,
-             num_failed: int) -> AsyncIOError:
+def _rebuild(
+    errno: int, operation: str, filename: str, offset: int, size: int, detail: str, at: int | None, num_failed: int
+) -> AsyncIOError:
     return AsyncIOError(errno, operation, filename, offset, size, detail, at=at, num_failed=num_failed)

@@ -22,17 +22,32 @@ PathLike = str | os.PathLike[str]
 class AsyncIOHandle:
     """Asynchronous tensor reads and writes to files; the `aio` config section's five settings."""
 
-    def __init__(self, *, block_size: int = 1_048_576, queue_depth: int = 8, single_submit: bool = False,
-                 overlap_events: bool = True, intra_op_parallelism: int = 1, module: ModuleType | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        block_size: int = 1_048_576,
+        queue_depth: int = 8,
+        single_submit: bool = False,
+        overlap_events: bool = True,
+        intra_op_parallelism: int = 1,
+        module: ModuleType | None = None,
+    ) -> None:
         self.module = module if module is not None else AsyncIOBuilder().load()
-        self._handle: Any = self.module.aio_handle(block_size, queue_depth, single_submit, overlap_events,
-                                                   intra_op_parallelism)
+        self._handle: Any = self.module.aio_handle(
+            block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism
+        )
 
     @classmethod
     def from_settings(cls, aio: Any, *, module: ModuleType | None = None) -> AsyncIOHandle:
         """From any object with the `aio` section's attributes (the resolved plan's `AioPlan`)."""
-        return cls(block_size=aio.block_size, queue_depth=aio.queue_depth, single_submit=aio.single_submit,
-                   overlap_events=aio.overlap_events, intra_op_parallelism=aio.intra_op_parallelism, module=module)
+        return cls(
+            block_size=aio.block_size,
+            queue_depth=aio.queue_depth,
+            single_submit=aio.single_submit,
+            overlap_events=aio.overlap_events,
+            intra_op_parallelism=aio.intra_op_parallelism,
+            module=module,
+        )
 
     @property
     def engine(self) -> str:
@@ -81,11 +96,12 @@ class AsyncIOHandle:
     def get_intra_op_parallelism(self) -> int:
         return int(self._handle.get_intra_op_parallelism())
 
-    def __enter__(self) -> AsyncIOHandle:  # noqa: PYI034
+    def __enter__(self) -> AsyncIOHandle:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.wait()
             return

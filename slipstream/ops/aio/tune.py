@@ -48,8 +48,11 @@ class Candidate:
         """GB/s of the median write, the median read and the median cycle (2 x size moved)."""
         if not self.write_s:
             return {"write_gb_s": math.nan, "read_gb_s": math.nan, "cycle_gb_s": math.nan}
-        return {"write_gb_s": size / statistics.median(self.write_s) / 1e9,
-                "read_gb_s": size / statistics.median(self.read_s) / 1e9, "cycle_gb_s": 2 * size / self.cycle_s / 1e9}
+        return {
+            "write_gb_s": size / statistics.median(self.write_s) / 1e9,
+            "read_gb_s": size / statistics.median(self.read_s) / 1e9,
+            "cycle_gb_s": 2 * size / self.cycle_s / 1e9,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +80,19 @@ class TuneReport:
     verdict: Verdict
 
 
-def grid(defaults: AioSettings, *, block_sizes: Sequence[int], queue_depths: Sequence[int],
-         parallelisms: Sequence[int], overlap_events: Sequence[bool]) -> list[AioSettings]:
+def grid(
+    defaults: AioSettings,
+    *,
+    block_sizes: Sequence[int],
+    queue_depths: Sequence[int],
+    parallelisms: Sequence[int],
+    overlap_events: Sequence[bool],
+) -> list[AioSettings]:
     """Every combination (single_submit as in the defaults), the defaults first and once."""
-    combos = [dataclasses.replace(defaults, block_size=b, queue_depth=q, intra_op_parallelism=p, overlap_events=o)
-              for b, q, p, o in itertools.product(block_sizes, queue_depths, parallelisms, overlap_events)]
+    combos = [
+        dataclasses.replace(defaults, block_size=b, queue_depth=q, intra_op_parallelism=p, overlap_events=o)
+        for b, q, p, o in itertools.product(block_sizes, queue_depths, parallelisms, overlap_events)
+    ]
     return list(dict.fromkeys([defaults, *combos]))
 
 
@@ -93,26 +104,36 @@ def sign_test_p(faster: int, pairs: int) -> float:
 def decide(defaults: AioSettings, best: AioSettings, pairs: Sequence[tuple[float, float]]) -> Verdict:
     """`pairs` are (defaults' cycle, best's cycle) seconds, measured back to back; see the module doc."""
     if best == defaults or not pairs:
-        return Verdict(False, defaults, 0, 0, 0.0, 1.0, "the defaults are already best: no other settings was "
-                       "faster in the sweep")
+        return Verdict(
+            False, defaults, 0, 0, 0.0, 1.0, "the defaults are already best: no other settings was faster in the sweep"
+        )
     faster = sum(1 for d, b in pairs if b < d)
     gain = statistics.median(d / b for d, b in pairs) - 1
     p = sign_test_p(faster, len(pairs))
-    evidence = (f"faster in {faster} of {len(pairs)} back-to-back pairs (chance alone: p = {p:.2g}), median "
-                f"cycle {gain:+.1%}")
+    evidence = (
+        f"faster in {faster} of {len(pairs)} back-to-back pairs (chance alone: p = {p:.2g}), median cycle {gain:+.1%}"
+    )
     if p < SIGNIFICANCE and gain >= MIN_GAIN:
         return Verdict(True, best, len(pairs), faster, gain, p, f"the tuned settings beat the defaults: {evidence}")
-    return Verdict(False, defaults, len(pairs), faster, gain, p,
-                   f"the defaults are already best: the sweep's fastest ({best.describe()}) was {evidence}, not "
-                   f"a clear win (needs p < {SIGNIFICANCE:g} and at least {MIN_GAIN:.0%})")
+    return Verdict(
+        False,
+        defaults,
+        len(pairs),
+        faster,
+        gain,
+        p,
+        f"the defaults are already best: the sweep's fastest ({best.describe()}) was {evidence}, not "
+        f"a clear win (needs p < {SIGNIFICANCE:g} and at least {MIN_GAIN:.0%})",
+    )
 
 
 def _cycle(bench: IoBench, settings: AioSettings, size: int) -> tuple[float, float]:
     return bench.transfer(settings, size, "write"), bench.transfer(settings, size, "read")
 
 
-def _screen(bench: IoBench, candidates: list[Candidate], size: int, *, until: float, max_rounds: int,
-            clock: Callable[[], float]) -> int:
+def _screen(
+    bench: IoBench, candidates: list[Candidate], size: int, *, until: float, max_rounds: int, clock: Callable[[], float]
+) -> int:
     """Screening rounds until the clock passes `until` (the defaults, first, are always measured once);
     returns the rounds begun. Candidates the budget did not reach keep no cycles."""
     rounds = 0
@@ -128,8 +149,9 @@ def _screen(bench: IoBench, candidates: list[Candidate], size: int, *, until: fl
     return rounds
 
 
-def _confirm(bench: IoBench, defaults: AioSettings, best: AioSettings, size: int, *, until: float,
-             clock: Callable[[], float]) -> list[tuple[float, float]]:
+def _confirm(
+    bench: IoBench, defaults: AioSettings, best: AioSettings, size: int, *, until: float, clock: Callable[[], float]
+) -> list[tuple[float, float]]:
     pairs: list[tuple[float, float]] = []
     while len(pairs) < MAX_PAIRS and (len(pairs) < MIN_PAIRS or clock() < until):
         if len(pairs) % 2 == 0:
@@ -141,15 +163,30 @@ def _confirm(bench: IoBench, defaults: AioSettings, best: AioSettings, size: int
     return pairs
 
 
-def tune(bench: IoBench, defaults: AioSettings, settings: Sequence[AioSettings], size: int, budget_s: float, *,
-         screen_share: float = 0.6, max_rounds: int = 3, clock: Callable[[], float] = time.monotonic) -> TuneReport:
+def tune(
+    bench: IoBench,
+    defaults: AioSettings,
+    settings: Sequence[AioSettings],
+    size: int,
+    budget_s: float,
+    *,
+    screen_share: float = 0.6,
+    max_rounds: int = 3,
+    clock: Callable[[], float] = time.monotonic,
+) -> TuneReport:
     """Sweep `settings` (which should hold the defaults) on `bench` within about `budget_s` seconds."""
     start = clock()
     candidates = [Candidate(s) for s in dict.fromkeys([defaults, *settings])]
-    rounds = _screen(bench, candidates, size, until=start + screen_share * budget_s, max_rounds=max_rounds,
-                     clock=clock)
+    rounds = _screen(bench, candidates, size, until=start + screen_share * budget_s, max_rounds=max_rounds, clock=clock)
     ranked = sorted(candidates, key=lambda c: c.cycle_s)
     best = ranked[0].settings
     pairs = [] if best == defaults else _confirm(bench, defaults, best, size, until=start + budget_s, clock=clock)
-    return TuneReport(size=size, budget_s=budget_s, spent_s=clock() - start, rounds=rounds, defaults=defaults,
-                      candidates=ranked, verdict=decide(defaults, best, pairs))
+    return TuneReport(
+        size=size,
+        budget_s=budget_s,
+        spent_s=clock() - start,
+        rounds=rounds,
+        defaults=defaults,
+        candidates=ranked,
+        verdict=decide(defaults, best, pairs),
+    )

@@ -10,10 +10,10 @@ single_submit and overlap_events are accepted and reported, and change nothing h
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import errno as errno_codes
-import contextlib
 import functools
 import mmap
 import os
@@ -56,8 +56,16 @@ class _Request:
                 self.err, self.err_at, self.detail = err, at, detail
 
     def error(self, err: int, detail: str, *, at: int | None = None, num_failed: int = 1) -> AsyncIOError:
-        return AsyncIOError(err, "read" if self.is_read else "write", self.filename, self.offset, self.nbytes,
-                            detail, at=at, num_failed=num_failed)
+        return AsyncIOError(
+            err,
+            "read" if self.is_read else "write",
+            self.filename,
+            self.offset,
+            self.nbytes,
+            detail,
+            at=at,
+            num_failed=num_failed,
+        )
 
     def close(self) -> None:
         for fd in (self.fd_direct, self.fd_plain):
@@ -73,11 +81,14 @@ class _Request:
 
 def _byte_view(tensor: torch.Tensor, method: str) -> memoryview:
     if tensor.device.type != "cpu":
-        raise ValueError(f"aio_handle.{method}: the tensor is on {tensor.device}; async_io moves CPU tensors "
-                         "(copy to a pinned host buffer first)")
+        raise ValueError(
+            f"aio_handle.{method}: the tensor is on {tensor.device}; async_io moves CPU tensors "
+            "(copy to a pinned host buffer first)"
+        )
     if not tensor.is_contiguous():
-        raise ValueError(f"aio_handle.{method}: the tensor (shape {list(tensor.shape)}) is not contiguous; "
-                         "pass tensor.contiguous()")
+        raise ValueError(
+            f"aio_handle.{method}: the tensor (shape {list(tensor.shape)}) is not contiguous; pass tensor.contiguous()"
+        )
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(bytearray())
@@ -93,20 +104,29 @@ def _open_error_detail(err: int, is_read: bool) -> str:
 class aio_handle:  # DeepSpeed's name, so both modules have the same face
     """Asynchronous tensor reads and writes to files; see the module docstring."""
 
-    def __init__(self, block_size: int = 1048576, queue_depth: int = 128, single_submit: bool = False,
-                 overlap_events: bool = True, intra_op_parallelism: int = 1) -> None:
+    def __init__(
+        self,
+        block_size: int = 1048576,
+        queue_depth: int = 128,
+        single_submit: bool = False,
+        overlap_events: bool = True,
+        intra_op_parallelism: int = 1,
+    ) -> None:
         if not (0 < block_size <= 1 << 30 and 0 < queue_depth <= 4096 and 0 < intra_op_parallelism <= 256):
-            raise ValueError("aio_handle: block_size must be in [1, 2**30], queue_depth in [1, 4096] and "
-                             f"intra_op_parallelism in [1, 256] (got {block_size}, {queue_depth}, "
-                             f"{intra_op_parallelism})")
+            raise ValueError(
+                "aio_handle: block_size must be in [1, 2**30], queue_depth in [1, 4096] and "
+                f"intra_op_parallelism in [1, 256] (got {block_size}, {queue_depth}, "
+                f"{intra_op_parallelism})"
+            )
         self._block_size = block_size
         self._queue_depth = queue_depth
         self._single_submit = single_submit
         self._overlap_events = overlap_events
         self._intra_op_parallelism = intra_op_parallelism
         self._use_direct = os.environ.get("SLIPSTREAM_AIO_DIRECT", "1") != "0" and hasattr(os, "O_DIRECT")
-        self._pool = ThreadPoolExecutor(max_workers=min(intra_op_parallelism * queue_depth, _MAX_THREADS),
-                                        thread_name_prefix="slipstream-aio")
+        self._pool = ThreadPoolExecutor(
+            max_workers=min(intra_op_parallelism * queue_depth, _MAX_THREADS), thread_name_prefix="slipstream-aio"
+        )
         self._pending: list[_Request] = []
         self._locked: set[int] = set()
 
@@ -183,8 +203,9 @@ class aio_handle:  # DeepSpeed's name, so both modules have the same face
         return "python"
 
     # ---- requests ----
-    def _submit(self, is_read: bool, tensor: torch.Tensor, filename: str | os.PathLike[str], offset: int,
-                method: str) -> None:
+    def _submit(
+        self, is_read: bool, tensor: torch.Tensor, filename: str | os.PathLike[str], offset: int, method: str
+    ) -> None:
         view = _byte_view(tensor, method)
         if offset < 0:
             raise ValueError(f"async_io: file_offset must be >= 0, got {offset}")
@@ -211,14 +232,17 @@ class aio_handle:  # DeepSpeed's name, so both modules have the same face
         end = req.offset + req.nbytes
         size = os.fstat(req.fd_plain).st_size
         if req.is_read and req.nbytes > 0 and size < end:
-            raise req.error(errno_codes.EIO, f"short read: the file is {size} bytes long, the read needs bytes "
-                                             f"[{req.offset}, {end})")
+            raise req.error(
+                errno_codes.EIO,
+                f"short read: the file is {size} bytes long, the read needs bytes [{req.offset}, {end})",
+            )
         body_begin, body_end = _body(req.offset, end)
         aligned = (req.tensor.data_ptr() + body_begin - req.offset) % ALIGNMENT == 0
         if self._use_direct and body_end > body_begin and aligned:
             try:
-                req.fd_direct = os.open(req.filename, (os.O_RDONLY if req.is_read else os.O_WRONLY) | os.O_DIRECT
-                                        | os.O_CLOEXEC)
+                req.fd_direct = os.open(
+                    req.filename, (os.O_RDONLY if req.is_read else os.O_WRONLY) | os.O_DIRECT | os.O_CLOEXEC
+                )
             except OSError:
                 req.fd_direct = -1  # this file system has no O_DIRECT: plain I/O
         if not req.is_read and size < end:
@@ -230,8 +254,10 @@ class aio_handle:  # DeepSpeed's name, so both modules have the same face
         """(position in the request, length, direct) of each transfer."""
         end = req.offset + req.nbytes
         if req.fd_direct < 0:
-            return [(p - req.offset, min(self._block_size, end - p), False)
-                    for p in range(req.offset, end, self._block_size)]
+            return [
+                (p - req.offset, min(self._block_size, end - p), False)
+                for p in range(req.offset, end, self._block_size)
+            ]
         body_begin, body_end = _body(req.offset, end)
         step = (self._block_size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
         jobs = [(0, body_begin - req.offset, False)] if body_begin > req.offset else []
@@ -247,7 +273,7 @@ class aio_handle:  # DeepSpeed's name, so both modules have the same face
                 return  # the request already failed; do not spend the disk on the rest
             at = req.offset + pos + done
             fd = req.fd_direct if direct else req.fd_plain
-            part = req.view[pos + done:pos + length]
+            part = req.view[pos + done : pos + length]
             try:
                 n = os.preadv(fd, [part], at) if req.is_read else os.pwritev(fd, [part], at)
             except InterruptedError:
@@ -256,8 +282,13 @@ class aio_handle:  # DeepSpeed's name, so both modules have the same face
                 req.fail(exc.errno or errno_codes.EIO, at)
                 return
             if n == 0:
-                req.fail(errno_codes.EIO, at, f"short read: the file ends at byte {at} (truncated while the read "
-                                              "was in flight?)" if req.is_read else "the write made no progress")
+                req.fail(
+                    errno_codes.EIO,
+                    at,
+                    f"short read: the file ends at byte {at} (truncated while the read was in flight?)"
+                    if req.is_read
+                    else "the write made no progress",
+                )
                 return
             done += n
             direct = False  # a partial direct transfer finishes with plain I/O (the rest may be unaligned)

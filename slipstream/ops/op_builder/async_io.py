@@ -45,7 +45,15 @@ def search_dirs() -> tuple[list[str], list[str]]:
     """(include directories, library directories) searched for the libraries' development files."""
     multiarch = sysconfig.get_config_var("MULTIARCH") or ""
     includes = [*_env_dirs("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH"), "/usr/local/include", "/usr/include"]
-    libs = [*_env_dirs("LIBRARY_PATH"), "/usr/local/lib", "/usr/local/lib64", "/usr/lib64", "/usr/lib", "/lib64", "/lib"]
+    libs = [
+        *_env_dirs("LIBRARY_PATH"),
+        "/usr/local/lib",
+        "/usr/local/lib64",
+        "/usr/lib64",
+        "/usr/lib",
+        "/lib64",
+        "/lib",
+    ]
     if multiarch:
         includes.append(f"/usr/include/{multiarch}")
         libs[1:1] = [f"/usr/local/lib/{multiarch}", f"/usr/lib/{multiarch}", f"/lib/{multiarch}"]
@@ -69,10 +77,12 @@ def found_libraries(includes: list[str] | None = None, libs: list[str] | None = 
 
 def missing_reason() -> str:
     """Why the op cannot be built without either library, and what to install."""
-    return ("neither liburing nor libaio development files were found (liburing.h + liburing.so, or "
-            "libaio.h + libaio.so); install one: `apt-get install liburing-dev` or `apt-get install libaio-dev` "
-            "(Debian/Ubuntu), `dnf install liburing-devel` or `libaio-devel` (Fedora/RHEL); if it is installed "
-            "elsewhere, add its include directory to CPATH and its lib directory to LIBRARY_PATH")
+    return (
+        "neither liburing nor libaio development files were found (liburing.h + liburing.so, or "
+        "libaio.h + libaio.so); install one: `apt-get install liburing-dev` or `apt-get install libaio-dev` "
+        "(Debian/Ubuntu), `dnf install liburing-devel` or `libaio-devel` (Fedora/RHEL); if it is installed "
+        "elsewhere, add its include directory to CPATH and its lib directory to LIBRARY_PATH"
+    )
 
 
 class AsyncIOBuilder(OpBuilder):

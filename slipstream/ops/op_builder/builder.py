@@ -54,8 +54,9 @@ def ops_policy() -> str:
     """The validated value of SLIPSTREAM_OPS."""
     value = os.environ.get("SLIPSTREAM_OPS", "auto").strip().lower() or "auto"
     if value not in OPS_POLICIES:
-        raise ValueError(f"SLIPSTREAM_OPS={value!r} is not one of {', '.join(OPS_POLICIES)}; "
-                         "unset it for the default 'auto'")
+        raise ValueError(
+            f"SLIPSTREAM_OPS={value!r} is not one of {', '.join(OPS_POLICIES)}; unset it for the default 'auto'"
+        )
     return value
 
 
@@ -97,8 +98,12 @@ class OpBuilder:
         except ImportError:
             return Compatibility(False, "torch is not importable; install torch first")
         if toolchain.cxx_compiler() is None:
-            which = "cl.exe (Visual Studio Build Tools)" if sys.platform == "win32" else "a C++ compiler (g++ or clang++)"
-            return Compatibility(False, f"no C++ compiler found (CXX={os.environ.get('CXX', 'c++')!r}); install {which}")
+            which = (
+                "cl.exe (Visual Studio Build Tools)" if sys.platform == "win32" else "a C++ compiler (g++ or clang++)"
+            )
+            return Compatibility(
+                False, f"no C++ compiler found (CXX={os.environ.get('CXX', 'c++')!r}); install {which}"
+            )
         return Compatibility(True)
 
     # ---- paths ----
@@ -147,17 +152,26 @@ class OpBuilder:
         build_dir, module_name = self.jit_location()
         if verbose:
             print(f"slipstream: building op '{self.NAME}' in {build_dir}", file=sys.stderr)
-        return jit.build(op_name=self.NAME, module_name=module_name, build_dir=build_dir,
-                         sources=self.source_paths(), include_paths=self.include_dirs(),
-                         cxx_args=self.cxx_args(), ldflags=self.extra_ldflags(),
-                         cuda_args=self.cuda_args())
+        return jit.build(
+            op_name=self.NAME,
+            module_name=module_name,
+            build_dir=build_dir,
+            sources=self.source_paths(),
+            include_paths=self.include_dirs(),
+            cxx_args=self.cxx_args(),
+            ldflags=self.extra_ldflags(),
+            cuda_args=self.cuda_args(),
+        )
 
     def jit_location(self) -> tuple[Path, str]:
         """(cache directory, module name) of this op's JIT build for the current sources and flags."""
         compiler = toolchain.cxx_compiler() or "none"
-        key = jit.cache_key(sources=self.source_paths(), headers=self.header_paths(),
-                            flags=self.cxx_args() + self.extra_ldflags() + (self.cuda_args() or []),
-                            compiler_id=f"{compiler}:{toolchain.compiler_version(compiler)}")
+        key = jit.cache_key(
+            sources=self.source_paths(),
+            headers=self.header_paths(),
+            flags=self.cxx_args() + self.extra_ldflags() + (self.cuda_args() or []),
+            compiler_id=f"{compiler}:{toolchain.compiler_version(compiler)}",
+        )
         return jit.cache_root() / f"{self.NAME}-{key}", f"slipstream_{self.NAME}_{key[:12]}"
 
     def jit_cached(self) -> bool:
@@ -186,20 +200,28 @@ class OpBuilder:
 
         built_with = str(torch_info.get("version", ""))
         if _major_minor(built_with) != _major_minor(torch.__version__):
-            _warn_once(f"{self.NAME}:prebuilt", f"op '{self.NAME}' was built for torch {built_with} but torch {torch.__version__} "
-                       "is installed; compiling it again just in time (reinstall slipstream to avoid this)")
+            _warn_once(
+                f"{self.NAME}:prebuilt",
+                f"op '{self.NAME}' was built for torch {built_with} but torch {torch.__version__} "
+                "is installed; compiling it again just in time (reinstall slipstream to avoid this)",
+            )
             return None
         try:
             return importlib.import_module(self.absolute_name())
         except ImportError as exc:
-            _warn_once(f"{self.NAME}:prebuilt", f"prebuilt op '{self.NAME}' failed to import ({exc}); compiling it just in time")
+            _warn_once(
+                f"{self.NAME}:prebuilt",
+                f"prebuilt op '{self.NAME}' failed to import ({exc}); compiling it just in time",
+            )
             return None
 
     def _use_fallback(self, reason: str, *, warn: bool) -> ModuleType:
         module = importlib.import_module(self.FALLBACK)
         if warn:
-            _warn_once(f"{self.NAME}:fallback", f"op '{self.NAME}' uses its PyTorch fallback because the native build is "
-                       f"unavailable: {reason}")
+            _warn_once(
+                f"{self.NAME}:fallback",
+                f"op '{self.NAME}' uses its PyTorch fallback because the native build is unavailable: {reason}",
+            )
         _LOADED[self.NAME] = LoadedOp(module, "fallback", reason)
         return module
 
@@ -211,10 +233,13 @@ class OpBuilder:
         def rel(path: Path) -> str:
             return os.path.relpath(path, root)
 
-        return CppExtension(name=self.absolute_name(), sources=[rel(p) for p in self.source_paths()],
-                            include_dirs=[str(p) for p in self.include_dirs()],
-                            extra_compile_args={"cxx": self.cxx_args()},
-                            extra_link_args=self.extra_ldflags())
+        return CppExtension(
+            name=self.absolute_name(),
+            sources=[rel(p) for p in self.source_paths()],
+            include_dirs=[str(p) for p in self.include_dirs()],
+            extra_compile_args={"cxx": self.cxx_args()},
+            extra_link_args=self.extra_ldflags(),
+        )
 
 
 class CPUOpBuilder(OpBuilder):

@@ -40,8 +40,9 @@ class CUDAOpBuilder(OpBuilder):
         hip = getattr(torch.version, "hip", None)
         if hip:
             if toolchain.rocm_home() is None:
-                return Compatibility(False, f"torch {torch.__version__} is a ROCm build but no ROCm toolkit was "
-                                     "found; set ROCM_HOME")
+                return Compatibility(
+                    False, f"torch {torch.__version__} is a ROCm build but no ROCm toolkit was found; set ROCM_HOME"
+                )
             return Compatibility(True)
         if torch.version.cuda is None:
             return Compatibility(False, f"torch {torch.__version__} is a CPU build; install a CUDA build of torch")
@@ -54,16 +55,21 @@ class CUDAOpBuilder(OpBuilder):
         if not cuda_versions_compatible(nvcc, torch.version.cuda):
             if os.environ.get("DS_SKIP_CUDA_CHECK", "0") == "1":
                 return Compatibility(True, f"nvcc {nvcc} vs torch CUDA {torch.version.cuda} (DS_SKIP_CUDA_CHECK=1)")
-            return Compatibility(False, f"nvcc {nvcc} in {home} does not match the CUDA {torch.version.cuda} torch "
-                                 "was built with; install a matching toolkit (or point CUDA_HOME at one), or set "
-                                 "DS_SKIP_CUDA_CHECK=1 to try anyway")
+            return Compatibility(
+                False,
+                f"nvcc {nvcc} in {home} does not match the CUDA {torch.version.cuda} torch "
+                "was built with; install a matching toolkit (or point CUDA_HOME at one), or set "
+                "DS_SKIP_CUDA_CHECK=1 to try anyway",
+            )
         return Compatibility(True)
 
     def setuptools_extension(self, root: Path) -> Any:
         from torch.utils.cpp_extension import CUDAExtension
 
-        return CUDAExtension(name=self.absolute_name(),
-                             sources=[os.path.relpath(p, root) for p in self.source_paths()],
-                             include_dirs=[str(p) for p in self.include_dirs()],
-                             extra_compile_args={"cxx": self.cxx_args(), "nvcc": self.nvcc_args()},
-                             extra_link_args=self.extra_ldflags())
+        return CUDAExtension(
+            name=self.absolute_name(),
+            sources=[os.path.relpath(p, root) for p in self.source_paths()],
+            include_dirs=[str(p) for p in self.include_dirs()],
+            extra_compile_args={"cxx": self.cxx_args(), "nvcc": self.nvcc_args()},
+            extra_link_args=self.extra_ldflags(),
+        )

@@ -69,14 +69,13 @@ def cache_key(*, sources: list[Path], headers: list[Path], flags: list[str], com
 def exclusive_lock(lock_path: Path, *, what: str) -> Iterator[None]:
     """Hold an OS-level exclusive lock on `lock_path`; released by the kernel if this process dies."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(lock_path, "a+b")  # noqa: SIM115 (closed in finally)
+    handle = open(lock_path, "a+b")
     started = time.monotonic()
     noticed = False
     try:
         while not _try_lock(handle):
             if not noticed and time.monotonic() - started > _LOCK_NOTICE_S:
-                print(f"slipstream: waiting for another process that is building {what} ({lock_path})",
-                      file=sys.stderr)
+                print(f"slipstream: waiting for another process that is building {what} ({lock_path})", file=sys.stderr)
                 noticed = True
             time.sleep(_LOCK_POLL_S)
         yield
@@ -144,8 +143,17 @@ def import_built(build_dir: Path, module_name: str) -> ModuleType | None:
     return module
 
 
-def build(*, op_name: str, module_name: str, build_dir: Path, sources: list[Path], include_paths: list[Path],
-          cxx_args: list[str], ldflags: list[str], cuda_args: list[str] | None = None) -> ModuleType:
+def build(
+    *,
+    op_name: str,
+    module_name: str,
+    build_dir: Path,
+    sources: list[Path],
+    include_paths: list[Path],
+    cxx_args: list[str],
+    ldflags: list[str],
+    cuda_args: list[str] | None = None,
+) -> ModuleType:
     """Compile (or reuse) the op under the cache lock and import it; raises OpBuildError on failure."""
     built = import_built(build_dir, module_name)
     if built is not None:
@@ -170,8 +178,16 @@ def build(*, op_name: str, module_name: str, build_dir: Path, sources: list[Path
         return module
 
 
-def _compile(op_name: str, module_name: str, build_dir: Path, sources: list[Path], include_paths: list[Path],
-             cxx_args: list[str], ldflags: list[str], cuda_args: list[str] | None) -> ModuleType:
+def _compile(
+    op_name: str,
+    module_name: str,
+    build_dir: Path,
+    sources: list[Path],
+    include_paths: list[Path],
+    cxx_args: list[str],
+    ldflags: list[str],
+    cuda_args: list[str] | None,
+) -> ModuleType:
     from torch.utils import cpp_extension
 
     try:
@@ -187,8 +203,12 @@ def _compile(op_name: str, module_name: str, build_dir: Path, sources: list[Path
             verbose=False,
         )
     except (RuntimeError, OSError, SystemError, ImportError) as exc:
-        raise OpBuildError(op_name, _ninja_command(build_dir), first_error_lines(str(exc)),
-                           hint="set SLIPSTREAM_OPS=fallback to skip native ops") from exc
+        raise OpBuildError(
+            op_name,
+            _ninja_command(build_dir),
+            first_error_lines(str(exc)),
+            hint="set SLIPSTREAM_OPS=fallback to skip native ops",
+        ) from exc
 
 
 def _ninja_command(build_dir: Path) -> str:

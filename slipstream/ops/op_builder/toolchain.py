@@ -33,7 +33,7 @@ def cxx_compiler() -> str | None:
     return shutil.which(candidate)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiler_version(compiler: str) -> str:
     """First line of `<compiler> --version`, or 'unknown'."""
     result = _run([compiler, "--version"], timeout=10)
@@ -51,7 +51,7 @@ def ninja_path() -> str | None:
     return str(scripts) if scripts.is_file() else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ninja_version() -> str | None:
     path = ninja_path()
     if path is None:
@@ -60,7 +60,7 @@ def ninja_version() -> str | None:
     return result.stdout.strip() if result is not None and result.returncode == 0 else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def openmp_flags(compiler: str) -> tuple[list[str], list[str]]:
     """(compile flags, link flags) that enable OpenMP with this compiler; empty when it has none (Apple clang).
 
@@ -114,7 +114,7 @@ def rocm_home() -> str | None:
     return "/opt/rocm" if Path("/opt/rocm").is_dir() else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nvcc_version(home: str | None) -> str | None:
     """'major.minor' of the nvcc under `home`, or None."""
     if home is None:

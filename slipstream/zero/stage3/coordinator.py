@@ -88,7 +88,7 @@ class OrderTrace:
             self.recording = False
 
     def upcoming(self) -> list[int]:
-        return self.order[self.position:]
+        return self.order[self.position :]
 
 
 @dataclasses.dataclass
@@ -109,8 +109,15 @@ class _UnitState:
 class Coordinator:
     """Drives the units of one ZeroModel (see [Note: ZeRO-3 schedule])."""
 
-    def __init__(self, units: list[Unit], borrow: dict[int, list[Unit]], *, prefetch_numel: int,
-                 max_live_numel: int, reuse_distance: int) -> None:
+    def __init__(
+        self,
+        units: list[Unit],
+        borrow: dict[int, list[Unit]],
+        *,
+        prefetch_numel: int,
+        max_live_numel: int,
+        reuse_distance: int,
+    ) -> None:
         self.units = units
         self._by_uid = {u.uid: u for u in units}
         self.state = {u.uid: _UnitState(borrow=borrow.get(u.uid, [u])) for u in units}
@@ -138,7 +145,9 @@ class Coordinator:
             indices = trainable.get(unit.uid, frozenset())
             self.state[unit.uid].expected = indices
             for index in indices:
-                self.hooks.append(unit.params[index].register_post_accumulate_grad_hook(self._make_grad_hook(unit, index)))
+                self.hooks.append(
+                    unit.params[index].register_post_accumulate_grad_hook(self._make_grad_hook(unit, index))
+                )
 
     def detach(self) -> None:
         for handle in self.hooks:
@@ -151,12 +160,14 @@ class Coordinator:
             if not torch.is_grad_enabled():
                 return None
             return self._mark_inputs(unit, args, kwargs)
+
         return hook
 
     def _make_post(self, unit: Unit) -> Any:
         def hook(module: Any, args: Any, output: Any) -> Any:
             self.post_forward(unit, output)
             return None
+
         return hook
 
     def _make_grad_hook(self, unit: Unit, index: int) -> Any:
@@ -166,6 +177,7 @@ class Coordinator:
                 param.grad = None
             if grad is not None:
                 self.gradient_arrived(unit, index, grad)
+
         return hook
 
     # ---- forward ----
@@ -259,7 +271,8 @@ class Coordinator:
         if index in state.received and index not in state.grads:
             raise RuntimeError(
                 f"ZeRO-3 got a second gradient for '{unit.records[index].name}' in one backward pass after its unit "
-                f"'{unit.name}' was already reduced; combine the losses before one backward call")
+                f"'{unit.name}' was already reduced; combine the losses before one backward call"
+            )
         state.grads[index] = state.grads[index] + grad if index in state.grads else grad
         state.received.add(index)
         if len(state.received) == len(state.expected):
@@ -289,8 +302,11 @@ class Coordinator:
     # ---- order and prefetch ----
     def _prefetch(self, upcoming: list[int]) -> None:
         budget = self.prefetch_numel
-        live = sum(u.layout.full_numel for u in self.units if u.status is not ZeroParamStatus.NOT_AVAILABLE
-                   and not u.persistent)
+        live = sum(
+            u.layout.full_numel
+            for u in self.units
+            if u.status is not ZeroParamStatus.NOT_AVAILABLE and not u.persistent
+        )
         for uid in upcoming:
             unit = self._by_uid[uid]
             if unit.status is not ZeroParamStatus.NOT_AVAILABLE:

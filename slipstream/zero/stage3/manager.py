@@ -67,7 +67,8 @@ class UnitManager(abc.ABC):
                 f"ZeRO-3 gather of unit '{name}' met other units on other ranks (by rank: "
                 f"{self.unit_names_for_tags(tags.tolist())}): the ranks ran different modules at this point. Every "
                 "rank must run the same sharding units in the same order; put rank-dependent branches (MoE experts, "
-                "optional layers) inside one unit, e.g. slipstream.zero.set_z3_leaf_modules(model, [YourMoELayer])")
+                "optional layers) inside one unit, e.g. slipstream.zero.set_z3_leaf_modules(model, [YourMoELayer])"
+            )
 
     def unit_names_for_tags(self, tags: list[float]) -> list[str]:
         names = []

@@ -30,8 +30,15 @@ from slipstream.zero.stage3.units import UnitSpec, plan_units
 class ZeroModel(UnitManager):
     """The units of one module, their hooks (coordinator) and the gather/release API used by the helpers."""
 
-    def __init__(self, module: nn.Module, plan: Stage3Plan, *, device: torch.device,
-                 group: dist.ProcessGroup | None = None, attach_hooks: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: Stage3Plan,
+        *,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        attach_hooks: bool = True,
+    ) -> None:
         self.module, self.plan, self.device, self.group = module, plan, device, group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -42,8 +49,9 @@ class ZeroModel(UnitManager):
         target = plan.offload_param
         shard_device = torch.device("cpu") if target.on_host else device
         self.shards_in_host_memory = target.on_host and not isinstance(target, NvmeTarget)
-        allocate = host_or_device_allocator(isinstance(target, CpuTarget) and target.pin_memory
-                                            and self.shards_in_host_memory)
+        allocate = host_or_device_allocator(
+            isinstance(target, CpuTarget) and target.pin_memory and self.shards_in_host_memory
+        )
         store: Any = None  # a ShardStore (unit.py) or offload/nvme.py's NVMeShardStore
         if isinstance(target, NvmeTarget):
             from slipstream.offload.nvme import NVMeShardStore
@@ -62,9 +70,21 @@ class ZeroModel(UnitManager):
                 with torch.no_grad():
                     for param in plain:
                         collectives.broadcast(param.data, src=0, group=group)
-            self.units.append(Unit(uid, spec, manager=self, rank=self.rank, world_size=self.world_size, group=group,
-                                   device=device, shard_device=shard_device, pool=self.pool, allocate_shard=allocate,
-                                   store=store))
+            self.units.append(
+                Unit(
+                    uid,
+                    spec,
+                    manager=self,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    group=group,
+                    device=device,
+                    shard_device=shard_device,
+                    pool=self.pool,
+                    allocate_shard=allocate,
+                    store=store,
+                )
+            )
             for old in old_units:  # re-sharded: free an old unit once none of its parameters is left in it
                 if all(p.ds_record.unit is not old for p in old.params if isinstance(p, ShardedParameter)):
                     old.persistent = False
@@ -72,8 +92,13 @@ class ZeroModel(UnitManager):
         for unit in self.units:
             if unit.persistent:
                 unit.refresh_persistent()
-        self.coordinator = Coordinator(self.units, self._borrowing(specs), prefetch_numel=plan.prefetch_numel,
-                                       max_live_numel=plan.max_live_numel, reuse_distance=plan.reuse_distance)
+        self.coordinator = Coordinator(
+            self.units,
+            self._borrowing(specs),
+            prefetch_numel=plan.prefetch_numel,
+            max_live_numel=plan.max_live_numel,
+            reuse_distance=plan.reuse_distance,
+        )
         if attach_hooks:
             self.coordinator.attach(module)
         module._slipstream_zero_model = self  # type: ignore[assignment]
@@ -114,11 +139,16 @@ class ZeroModel(UnitManager):
     def owned_bytes(self) -> dict[str, int]:
         shards = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)
-        return {"params": shards, "gathered": gathered, "comm_buffers": self.pool.allocated_bytes,
-                "offloaded_params": shards if self.shards_in_host_memory else 0}
+        return {
+            "params": shards,
+            "gathered": gathered,
+            "comm_buffers": self.pool.allocated_bytes,
+            "offloaded_params": shards if self.shards_in_host_memory else 0,
+        }
 
-    def full_state(self, *, dtype: torch.dtype | None = None, only_rank0: bool = True,
-                   exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+    def full_state(
+        self, *, dtype: torch.dtype | None = None, only_rank0: bool = True, exclude_frozen: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The whole model's parameters on the host, gathered one unit at a time (rank 0 only by default)."""
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
@@ -141,11 +171,21 @@ class ZeroModel(UnitManager):
         for unit in self.units:
             for record, param in zip(unit.records, unit.params):
                 name = names.get(id(param), record.name)
-                lo, hi = min(record.numel, self.rank * record.shard_numel), min(record.numel, (self.rank + 1) * record.shard_numel)
+                lo, hi = (
+                    min(record.numel, self.rank * record.shard_numel),
+                    min(record.numel, (self.rank + 1) * record.shard_numel),
+                )
                 if name in skip or hi <= lo:
                     continue
-                out.append(OwnedSlice(name=name, shape=tuple(record.shape), lo=lo, hi=hi,
-                                      value=unit.shard[record.shard_offset: record.shard_offset + hi - lo]))
+                out.append(
+                    OwnedSlice(
+                        name=name,
+                        shape=tuple(record.shape),
+                        lo=lo,
+                        hi=hi,
+                        value=unit.shard[record.shard_offset : record.shard_offset + hi - lo],
+                    )
+                )
         return out
 
     @contextlib.contextmanager
@@ -168,7 +208,6 @@ class ZeroModel(UnitManager):
                 unit.finish_gather()
 
 
-
 def _mark_leaves(module: nn.Module, plan: Stage3Plan) -> None:
     if not plan.leaf_classes and not plan.leaf_names:
         return
@@ -179,8 +218,10 @@ def _mark_leaves(module: nn.Module, plan: Stage3Plan) -> None:
             found.update({type(child).__name__, name})
     missing = sorted(set(plan.leaf_classes + plan.leaf_names) - found)
     if missing:
-        raise ValueError(f"zero_optimization.leaf_module names {missing}, which match no module class or module "
-                         "name of the model; fix the names or remove them")
+        raise ValueError(
+            f"zero_optimization.leaf_module names {missing}, which match no module class or module "
+            "name of the model; fix the names or remove them"
+        )
 
 
 def _sharded_owners(spec: UnitSpec) -> list[Unit]:

@@ -39,21 +39,28 @@ class Run:
 class Stage3Group(MasterGroup):
     """One optimizer param group's view of the shards: master pieces, gradient shards, host buffers."""
 
-    def __init__(self, runs: list[Run], *, device: torch.device, master_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 offload: OffloadPolicy) -> None:
+    def __init__(
+        self,
+        runs: list[Run],
+        *,
+        device: torch.device,
+        master_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        offload: OffloadPolicy,
+    ) -> None:
         self.runs, self.device, self.offload = runs, device, offload
         total = sum(r.numel for r in runs)
         self.dtype = runs[0].unit.dtype
         self.aliased_master = master_dtype == self.dtype and not offload.on_host
         self.master_flat: torch.Tensor | None = None
         if self.aliased_master:
-            self.master_pieces = [r.unit.shard[r.shard_start: r.shard_start + r.numel] for r in runs]
+            self.master_pieces = [r.unit.shard[r.shard_start : r.shard_start + r.numel] for r in runs]
         else:
             self.master_flat = offload.allocate(total, master_dtype, offload.master_device(device))
             self.master_pieces = self._split(self.master_flat)
             for run, piece in zip(runs, self.master_pieces):
                 run.unit.store.fetch(run.unit.shard)  # NVMe-resident shards: read in, copied, released
-                piece.copy_(run.unit.shard[run.shard_start: run.shard_start + run.numel])
+                piece.copy_(run.unit.shard[run.shard_start : run.shard_start + run.numel])
                 run.unit.store.release(run.unit.shard, dirty=False)
         self.grad_storage = torch.zeros(total, dtype=grad_dtype, device=device)
         self.owned_grads = self._split(self.grad_storage)
@@ -62,7 +69,7 @@ class Stage3Group(MasterGroup):
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         pieces, offset = [], 0
         for run in self.runs:
-            pieces.append(flat[offset: offset + run.numel])
+            pieces.append(flat[offset : offset + run.numel])
             offset += run.numel
         return pieces
 
@@ -72,7 +79,9 @@ class Stage3Group(MasterGroup):
         source = self.low_precision_pieces if from_low_precision else self.master_pieces
         for run, piece in zip(self.runs, source):
             run.unit.store.fetch(run.unit.shard)
-            run.unit.shard[run.shard_start: run.shard_start + run.numel].copy_(piece, non_blocking=self.offload.on_host)
+            run.unit.shard[run.shard_start : run.shard_start + run.numel].copy_(
+                piece, non_blocking=self.offload.on_host
+            )
             run.unit.store.release(run.unit.shard, dirty=True)
 
 
@@ -91,9 +100,11 @@ class Stage3Optimizer(ZeroOptimizer):
         for number, hyper in enumerate(self.optimizer.param_groups):
             for param in hyper["params"]:
                 if not isinstance(param, ShardedParameter) or param.ds_record.unit.manager is not self.model:
-                    raise ValueError("ZeRO-3: the optimizer holds a parameter that is not part of the engine's model "
-                                     f"({type(param).__name__} of shape {tuple(param.shape)}); build the optimizer "
-                                     "from model.parameters()")
+                    raise ValueError(
+                        "ZeRO-3: the optimizer holds a parameter that is not part of the engine's model "
+                        f"({type(param).__name__} of shape {tuple(param.shape)}); build the optimizer "
+                        "from model.parameters()"
+                    )
                 if param.requires_grad:
                     group_of[id(param)] = number
         runs: dict[int, list[Run]] = {n: [] for n in range(len(self.optimizer.param_groups))}
@@ -111,18 +122,33 @@ class Stage3Optimizer(ZeroOptimizer):
             current: list[int] = []
             for index in indices + [-1]:
                 run_group = group_of.get(id(unit.params[index])) if index >= 0 else None
-                if current and (index < 0 or index != current[-1] + 1 or run_group != group_of[id(unit.params[current[0]])]):
+                if current and (
+                    index < 0 or index != current[-1] + 1 or run_group != group_of[id(unit.params[current[0]])]
+                ):
                     first = current[0]
-                    runs[group_of[id(unit.params[first])]].append(Run(
-                        unit=unit, indices=tuple(current), shard_start=unit.layout.shard_offsets[first],
-                        numel=sum(unit.layout.shard_numels[i] for i in current),
-                        receive_start=offsets[indices.index(first)]))
+                    runs[group_of[id(unit.params[first])]].append(
+                        Run(
+                            unit=unit,
+                            indices=tuple(current),
+                            shard_start=unit.layout.shard_offsets[first],
+                            numel=sum(unit.layout.shard_numels[i] for i in current),
+                            receive_start=offsets[indices.index(first)],
+                        )
+                    )
                     current = []
                 if index >= 0:
                     current.append(index)
         self._group_numbers = [n for n in sorted(runs) if runs[n]]
-        groups = [Stage3Group(runs[n], device=self.model.device, master_dtype=master_dtype, grad_dtype=grad_dtype,
-                              offload=self.offload) for n in self._group_numbers]
+        groups = [
+            Stage3Group(
+                runs[n],
+                device=self.model.device,
+                master_dtype=master_dtype,
+                grad_dtype=grad_dtype,
+                offload=self.offload,
+            )
+            for n in self._group_numbers
+        ]
         self._targets: dict[int, list[tuple[int, int, torch.Tensor]]] = {u.uid: [] for u in self.model.units}
         for group in groups:
             for run, grad in zip(group.runs, group.owned_grads):
@@ -130,12 +156,14 @@ class Stage3Optimizer(ZeroOptimizer):
         # Reverse registration order (roughly backward's), then the root and persistent units: they complete only
         # at the end of backward, and a unit waiting for them would hold its full-size gradients until then.
         last = [u for u in self.model.units if u.persistent or u.name == "<root>"]
-        self._order = [u.uid for u in [*reversed([u for u in self.model.units if u not in last]), *last]
-                       if self._trainable[u.uid]]
+        self._order = [
+            u.uid for u in [*reversed([u for u in self.model.units if u not in last]), *last] if self._trainable[u.uid]
+        ]
         self._units = {u.uid: u for u in self.model.units}
         largest = max(self._receive_numel.values(), default=0)
-        self._ring = StagingRing(staging_numel=largest * self.world_size, receive_numel=largest, dtype=grad_dtype,
-                                 device=self.model.device)
+        self._ring = StagingRing(
+            staging_numel=largest * self.world_size, receive_numel=largest, dtype=grad_dtype, device=self.model.device
+        )
         self._ready: dict[int, dict[int, torch.Tensor]] = {}
         self._next = 0
         self.model.coordinator.watch_gradients(self, {uid: frozenset(ix) for uid, ix in self._trainable.items()})
@@ -167,8 +195,9 @@ class Stage3Optimizer(ZeroOptimizer):
     def _launch(self, uid: int, grads: dict[int, torch.Tensor]) -> None:
         width = self._receive_numel[uid]
         slot, staging, receive = self._ring.take(width * self.world_size, width)
-        work = self._units[uid].reduce_gradients(grads, self._trainable[uid], staging, receive,
-                                                 self._receive_offsets[uid])
+        work = self._units[uid].reduce_gradients(
+            grads, self._trainable[uid], staging, receive, self._receive_offsets[uid]
+        )
         grads.clear()  # the full-size gradients are packed: drop them now, not at the end of backward
         targets = self._targets[uid]
 
@@ -181,8 +210,10 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def micro_step_done(self, *, reduce: bool) -> None:
         if not reduce:
-            raise RuntimeError("ZeRO stage 3 reduces gradients at the end of every backward; no_sync() is not "
-                               "available (rely on gradient_accumulation_steps)")
+            raise RuntimeError(
+                "ZeRO stage 3 reduces gradients at the end of every backward; no_sync() is not "
+                "available (rely on gradient_accumulation_steps)"
+            )
         self.model.check_deferred_tags()
 
     def _reduce_for_step(self) -> None:
@@ -209,12 +240,25 @@ class Stage3Optimizer(ZeroOptimizer):
                 offset = 0
                 for index in run.indices:
                     record = run.unit.records[index]
-                    lo, hi = min(record.numel, self.rank * record.shard_numel), min(record.numel, (self.rank + 1) * record.shard_numel)
+                    lo, hi = (
+                        min(record.numel, self.rank * record.shard_numel),
+                        min(record.numel, (self.rank + 1) * record.shard_numel),
+                    )
                     if hi > lo:
-                        value = run.unit.shard[record.shard_offset: record.shard_offset + hi - lo]
-                        out.append(OwnedSlice(name=names.get(id(run.unit.params[index]), record.name), shape=tuple(record.shape), lo=lo, hi=hi, value=value,
-                                              master=master[offset: offset + hi - lo], piece=master, piece_offset=offset,
-                                              group_index=number))
+                        value = run.unit.shard[record.shard_offset : record.shard_offset + hi - lo]
+                        out.append(
+                            OwnedSlice(
+                                name=names.get(id(run.unit.params[index]), record.name),
+                                shape=tuple(record.shape),
+                                lo=lo,
+                                hi=hi,
+                                value=value,
+                                master=master[offset : offset + hi - lo],
+                                piece=master,
+                                piece_offset=offset,
+                                group_index=number,
+                            )
+                        )
                     offset += record.shard_numel
         return out
 
@@ -224,7 +268,7 @@ class Stage3Optimizer(ZeroOptimizer):
                 offset = 0
                 for index in run.indices:
                     piece = run.unit.layout.shard_numels[index]
-                    if not bool(torch.isfinite(grad[offset: offset + piece]).all()):
+                    if not bool(torch.isfinite(grad[offset : offset + piece]).all()):
                         return run.unit.records[index].name
                     offset += piece
         return None

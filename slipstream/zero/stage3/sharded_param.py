@@ -76,12 +76,53 @@ def internal_access() -> Iterator[None]:
         _INTERNAL[0] -= 1
 
 
-_PROPERTIES = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "layout", "is_cuda",
-               "is_meta", "is_sparse", "is_quantized", "is_mps", "is_cpu", "is_nested", "names", "_is_view",
-               "itemsize", "output_nr", "_version", "_base", "is_mkldnn", "is_xpu")
-_METHODS = ("size", "dim", "numel", "nelement", "ndimension", "element_size", "is_floating_point", "is_complex",
-            "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__len__", "type",
-            "__hash__", "get_device", "is_signed", "is_inference", "_is_zerotensor", "is_contiguous")
+_PROPERTIES = (
+    "shape",
+    "dtype",
+    "device",
+    "requires_grad",
+    "is_leaf",
+    "grad",
+    "grad_fn",
+    "ndim",
+    "layout",
+    "is_cuda",
+    "is_meta",
+    "is_sparse",
+    "is_quantized",
+    "is_mps",
+    "is_cpu",
+    "is_nested",
+    "names",
+    "_is_view",
+    "itemsize",
+    "output_nr",
+    "_version",
+    "_base",
+    "is_mkldnn",
+    "is_xpu",
+)
+_METHODS = (
+    "size",
+    "dim",
+    "numel",
+    "nelement",
+    "ndimension",
+    "element_size",
+    "is_floating_point",
+    "is_complex",
+    "requires_grad_",
+    "register_hook",
+    "register_post_accumulate_grad_hook",
+    "__len__",
+    "type",
+    "__hash__",
+    "get_device",
+    "is_signed",
+    "is_inference",
+    "_is_zerotensor",
+    "is_contiguous",
+)
 
 
 def _metadata_functions() -> set[Any]:
@@ -132,8 +173,10 @@ class ShardedParameter(DeepSpeedParamAttrs, nn.Parameter):
         if record.unit.status is ZeroParamStatus.AVAILABLE:
             with internal_access():
                 return f"ShardedParameter({record.name}, gathered):\n{torch.Tensor.__repr__(self.detach())}"
-        return (f"ShardedParameter({record.name}, shape={tuple(record.shape)}, dtype={self.dtype}, sharded over "
-                f"{record.unit.world_size} ranks)")
+        return (
+            f"ShardedParameter({record.name}, shape={tuple(record.shape)}, dtype={self.dtype}, sharded over "
+            f"{record.unit.world_size} ranks)"
+        )
 
     def __deepcopy__(self, memo: Any) -> Any:
         raise ShardedParameterError(_access_message(self, "copy.deepcopy"))
@@ -145,10 +188,12 @@ class ShardedParameter(DeepSpeedParamAttrs, nn.Parameter):
 def _access_message(param: ShardedParameter, func: Any) -> str:
     name = getattr(func, "__name__", str(func))
     record = param.ds_record
-    return (f"parameter '{record.name}' (shape {tuple(record.shape)}) is sharded (ZeRO-3) and its values are not "
-            f"gathered on this rank, so '{name}' cannot use them. Wrap the code in "
-            f"`with slipstream.zero.GatheredParameters([param]):` (add modifier_rank=0 to change the values), or "
-            "run it inside the model's forward")
+    return (
+        f"parameter '{record.name}' (shape {tuple(record.shape)}) is sharded (ZeRO-3) and its values are not "
+        f"gathered on this rank, so '{name}' cannot use them. Wrap the code in "
+        f"`with slipstream.zero.GatheredParameters([param]):` (add modifier_rank=0 to change the values), or "
+        "run it inside the model's forward"
+    )
 
 
 _SUBCLASSES: dict[type, type] = {nn.Parameter: ShardedParameter}

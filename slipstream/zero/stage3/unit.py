@@ -58,15 +58,28 @@ class UnitOrderError(RuntimeError):
 class Unit:
     """Buffers and collectives of one unit. `manager` is the ZeroModel that owns it."""
 
-    def __init__(self, uid: int, spec: UnitSpec, *, manager: Any, rank: int, world_size: int,
-                 group: dist.ProcessGroup | None, device: torch.device, shard_device: torch.device,
-                 pool: BufferPool, allocate_shard: Callable[[int, torch.dtype, torch.device], torch.Tensor],
-                 store: ShardStore | None = None) -> None:
+    def __init__(
+        self,
+        uid: int,
+        spec: UnitSpec,
+        *,
+        manager: Any,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        shard_device: torch.device,
+        pool: BufferPool,
+        allocate_shard: Callable[[int, torch.dtype, torch.device], torch.Tensor],
+        store: ShardStore | None = None,
+    ) -> None:
         params = [p for _, p in spec.params]
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
-            raise ValueError(f"ZeRO-3 unit '{spec.name}' mixes parameter dtypes {sorted(map(str, dtypes))}; cast "
-                             "the model to one dtype first")
+            raise ValueError(
+                f"ZeRO-3 unit '{spec.name}' mixes parameter dtypes {sorted(map(str, dtypes))}; cast "
+                "the model to one dtype first"
+            )
         self.uid, self.name, self.module, self.persistent = uid, spec.name, spec.module, spec.persistent
         self.manager, self.rank, self.world_size, self.group = manager, rank, world_size, group
         self.device, self.pool = device, pool
@@ -90,14 +103,22 @@ class Unit:
                 numel, piece, start = param.numel(), self.layout.shard_numels[index], self.layout.shard_offsets[index]
                 flat = param.data.reshape(-1)
                 lo, hi = min(numel, self.rank * piece), min(numel, (self.rank + 1) * piece)
-                self.shard[start: start + hi - lo].copy_(flat[lo:hi])
-                self.shard[start + hi - lo: start + piece].zero_()
+                self.shard[start : start + hi - lo].copy_(flat[lo:hi])
+                self.shard[start + hi - lo : start + piece].zero_()
                 if self.persistent:
-                    self.full[offset: offset + numel].copy_(flat)
-                param.data = self.full[offset: offset + numel].view(param.shape)
-                record = ParamRecord(name=name, shape=param.shape, numel=numel, unit=self, index=index,
-                                     shard_offset=start, shard_numel=piece, full_offset=offset,
-                                     persistent=spec.persistent)
+                    self.full[offset : offset + numel].copy_(flat)
+                param.data = self.full[offset : offset + numel].view(param.shape)
+                record = ParamRecord(
+                    name=name,
+                    shape=param.shape,
+                    numel=numel,
+                    unit=self,
+                    index=index,
+                    shard_offset=start,
+                    shard_numel=piece,
+                    full_offset=offset,
+                    persistent=spec.persistent,
+                )
                 self.records.append(record)
                 make_sharded(param, record)
         if not self.persistent:
@@ -111,7 +132,9 @@ class Unit:
     def _keep_own_slices(self) -> None:
         """Copy this rank's slice of every parameter from the full buffer into the shard."""
         for offset, piece, start in zip(self.layout.full_offsets, self.layout.shard_numels, self.layout.shard_offsets):
-            self.shard[start: start + piece].copy_(self.full[offset + self.rank * piece: offset + (self.rank + 1) * piece])
+            self.shard[start : start + piece].copy_(
+                self.full[offset + self.rank * piece : offset + (self.rank + 1) * piece]
+            )
 
     def start_gather(self) -> None:
         """Launch the all-gather (asynchronous); `finish_gather` completes it."""
@@ -146,10 +169,12 @@ class Unit:
                 work.wait()
                 rows = self._rows(buffer)
                 self._check_tags(rows[:, -1])
-                for offset, piece, start in zip(self.layout.full_offsets, self.layout.shard_numels,
-                                                self.layout.shard_offsets):
-                    self.full[offset: offset + piece * self.world_size].view(self.world_size, piece).copy_(
-                        rows[:, start: start + piece])
+                for offset, piece, start in zip(
+                    self.layout.full_offsets, self.layout.shard_numels, self.layout.shard_offsets
+                ):
+                    self.full[offset : offset + piece * self.world_size].view(self.world_size, piece).copy_(
+                        rows[:, start : start + piece]
+                    )
                 self.pool.give(buffer)
         self._pending = None
         self.status = ZeroParamStatus.AVAILABLE
@@ -186,7 +211,7 @@ class Unit:
         fresh = torch.empty(self.layout.full_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad(), internal_access():
             for param, record in zip(self.params, self.records):
-                param.data = fresh[record.full_offset: record.full_offset + record.numel].view(record.shape)
+                param.data = fresh[record.full_offset : record.full_offset + record.numel].view(record.shape)
         self.full = fresh
 
     def _free_storage(self) -> None:
@@ -214,8 +239,14 @@ class Unit:
             self.store.release(self.shard, dirty=True)
 
     # ---- gradients ----
-    def reduce_gradients(self, grads: dict[int, torch.Tensor], trainable: list[int], staging: torch.Tensor,
-                         receive: torch.Tensor, shard_offsets: list[int]) -> Any:
+    def reduce_gradients(
+        self,
+        grads: dict[int, torch.Tensor],
+        trainable: list[int],
+        staging: torch.Tensor,
+        receive: torch.Tensor,
+        shard_offsets: list[int],
+    ) -> Any:
         """Pack `grads` (by parameter index) into the staging rows and launch the reduce-scatter into `receive`.
 
         `trainable` lists the parameter indices that take part, `shard_offsets` their offsets in `receive`.
@@ -233,15 +264,14 @@ class Unit:
                 flat = grad.reshape(-1)
                 whole = flat.numel() // piece if piece else 0
                 if whole:
-                    rows[:whole, start: start + piece].copy_(flat[: whole * piece].view(whole, piece))
+                    rows[:whole, start : start + piece].copy_(flat[: whole * piece].view(whole, piece))
                 rest = flat.numel() - whole * piece
                 if rest:
-                    rows[whole, start: start + rest].copy_(flat[whole * piece:])
+                    rows[whole, start : start + rest].copy_(flat[whole * piece :])
         if self.world_size == 1:
             receive.copy_(rows[0])
             return None
         return collectives.reduce_scatter(receive, staging, group=self.group, async_op=True)
-
 
 
 def host_or_device_allocator(pin: bool) -> Callable[[int, torch.dtype, torch.device], torch.Tensor]:
@@ -253,4 +283,5 @@ def host_or_device_allocator(pin: bool) -> Callable[[int, torch.dtype, torch.dev
         if device.type == "cpu":
             return host.allocate(numel, dtype, device)
         return torch.zeros(numel, dtype=dtype, device=device)
+
     return allocate

@@ -61,9 +61,15 @@ def shard_layout(numels: Sequence[int], world_size: int) -> ShardLayout:
         full_offsets.append(full)
         shard += piece
         full += piece * world_size
-    return ShardLayout(world_size=world_size, numels=tuple(numels), shard_numels=pieces,
-                       shard_offsets=tuple(shard_offsets), full_offsets=tuple(full_offsets), shard_numel=shard,
-                       full_numel=full)
+    return ShardLayout(
+        world_size=world_size,
+        numels=tuple(numels),
+        shard_numels=pieces,
+        shard_offsets=tuple(shard_offsets),
+        full_offsets=tuple(full_offsets),
+        shard_numel=shard,
+        full_numel=full,
+    )
 
 
 def _is_leaf_marked(module: nn.Module, leaf_classes: tuple[type, ...]) -> bool:
@@ -74,7 +80,9 @@ def _holds_container(module: nn.Module) -> bool:
     return any(isinstance(m, _CONTAINERS) for m in module.modules())
 
 
-def _choose_unit_modules(root: nn.Module, leaf_classes: tuple[type, ...], threshold: int) -> list[tuple[str, nn.Module]]:
+def _choose_unit_modules(
+    root: nn.Module, leaf_classes: tuple[type, ...], threshold: int
+) -> list[tuple[str, nn.Module]]:
     marked = [(n, m) for n, m in root.named_modules() if m is not root and _is_leaf_marked(m, leaf_classes)]
     if marked:
         chosen: list[tuple[str, nn.Module]] = []
@@ -137,8 +145,10 @@ def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | s
     wanted = tuple(leaf_module_classes)
     marked = []
     for module in model.modules():
-        if any((isinstance(c, str) and type(module).__name__ == c) or (isinstance(c, type) and isinstance(module, c))
-               for c in wanted):
+        if any(
+            (isinstance(c, str) and type(module).__name__ == c) or (isinstance(c, type) and isinstance(module, c))
+            for c in wanted
+        ):
             module._z3_leaf = True  # type: ignore[assignment]
             marked.append(module)
     if not marked:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import types
 import typing
 from pathlib import Path
 
@@ -64,7 +65,8 @@ def _field_type(owner: type, name: str) -> type | None:
         return None
     hint = hints[name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    hint = args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+    is_union = typing.get_origin(hint) is typing.Union or isinstance(hint, types.UnionType)
+    hint = args[0] if is_union and len(args) == 1 else hint
     return hint if isinstance(hint, type) else object
 
 

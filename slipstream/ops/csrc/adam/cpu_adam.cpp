@@ -1,6 +1,6 @@
 // Native CPU Adam/AdamW op (`slipstream_cpu_adam`): one fused, vectorized, OpenMP-parallel pass over all tensors.
 //
-// Interface (see CONTRACT.md; slipstream/ops/fallback/cpu_adam.py has the same functions):
+// Interface (slipstream/ops/fallback/cpu_adam.py has the same functions):
 //   adam_update(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay,
 //               bias_correction, adamw_mode, low_precision_out) -> None
 //   simd_level() -> "avx512" | "avx2" | "neon" | "scalar"
