@@ -18,36 +18,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from slipstream.config import load_config
-    from slipstream.config.elasticity import ElasticityError, compute_elastic_config
+    from slipstream.config.elasticity import ElasticityConfigError, ElasticityError, elastic_result, parse_section
 
     try:
         config = load_config(args.config)
-        figures = compute_elastic_config(config, "0.19.0", world_size=args.world_size)
+        if not isinstance(config.get("elasticity"), dict) or config["elasticity"].get("enabled") is not True:
+            raise ElasticityConfigError("elasticity.enabled: the config has no enabled elasticity section")
+        section = parse_section(config["elasticity"])
+        result = elastic_result(section, world_size=args.world_size)
     except (ElasticityError, OSError, ValueError) as error:
         print(f"slipstream elastic: error: {error}", file=sys.stderr)
         return 2
-    section = config["elasticity"]
-    result = {
-        "train_batch_size": figures[0],
-        "valid_world_sizes": figures[1],
-        "min_time_minutes": section.get("min_time", 0),
-        "version": section.get("version", 0.2),
+    figures: dict[str, object] = {
+        "train_batch_size": result.train_batch_size,
+        "valid_world_sizes": list(result.valid_world_sizes),
+        "min_time_minutes": section.min_time,
+        "version": section.version,
     }
-    if args.world_size > 0:
-        data_parallel = args.world_size // int(section.get("model_parallel_size", 1))
-        result.update(
+    if result.micro_batch_size is not None:
+        data_parallel = args.world_size // section.model_parallel_size
+        accumulation = result.train_batch_size // (result.micro_batch_size * data_parallel)
+        figures.update(
             world_size=args.world_size,
-            micro_batch_size=figures[2],
-            gradient_accumulation_steps=figures[0] // (figures[2] * data_parallel),
+            micro_batch_size=result.micro_batch_size,
+            gradient_accumulation_steps=accumulation,
         )
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(figures))
         return 0
-    print(f"elastic batch size: {result['train_batch_size']}")
-    print(f"valid world sizes ({len(figures[1])}): {', '.join(str(n) for n in figures[1])}")
-    if args.world_size > 0:
+    print(f"elastic batch size: {result.train_batch_size}")
+    print(f"valid world sizes ({len(result.valid_world_sizes)}): {', '.join(map(str, result.valid_world_sizes))}")
+    if result.micro_batch_size is not None:
         print(
-            f"world size {args.world_size}: micro batch {result['micro_batch_size']} x accumulation "
-            f"{result['gradient_accumulation_steps']} x data-parallel {args.world_size // int(section.get('model_parallel_size', 1))}"
+            f"world size {args.world_size}: micro batch {result.micro_batch_size} x accumulation {accumulation} "
+            f"x data-parallel {data_parallel}"
         )
     return 0

@@ -23,12 +23,9 @@ HELP = "read and write throughput of the async_io op in a directory (DeepSpeed's
 
 def default_settings() -> AioSettings:
     """The `aio` section's defaults (config/plan.py's AioPlan, the schema's values)."""
-    import dataclasses
-
     from slipstream.config.plan import AioPlan
-    from slipstream.ops.aio.bench import AioSettings
 
-    return AioSettings(**dataclasses.asdict(AioPlan()))
+    return AioPlan()
 
 
 def parse_ops(text: str) -> list[str]:
@@ -102,9 +99,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> AioSettings:
-    from slipstream.ops.aio.bench import AioSettings
+    from slipstream.config.plan import AioPlan
 
-    return AioSettings(
+    return AioPlan(
         block_size=args.block_size,
         queue_depth=args.queue_depth,
         intra_op_parallelism=args.intra_op_parallelism,

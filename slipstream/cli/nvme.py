@@ -93,12 +93,14 @@ def run_tune(args: argparse.Namespace) -> int:
 
 
 def report_json(report: Any, implementation: dict[str, str], path: str) -> dict[str, Any]:
+    from slipstream.ops.aio.bench import as_section
+
     rows = []
     for candidate in report.candidates:
         rates = {k: (None if math.isnan(v) else v) for k, v in candidate.rates(report.size).items()}
         rows.append(
             {
-                **candidate.settings.as_section(),
+                **as_section(candidate.settings),
                 **rates,
                 "cycles": len(candidate.write_s),
                 "is_defaults": candidate.settings == report.defaults,
@@ -122,8 +124,8 @@ def report_json(report: Any, implementation: dict[str, str], path: str) -> dict[
             "median_gain": verdict.median_gain,
             "p_value": verdict.p_value,
         },
-        "defaults": report.defaults.as_section(),
-        "recommended": verdict.recommended.as_section(),
+        "defaults": as_section(report.defaults),
+        "recommended": as_section(verdict.recommended),
     }
 
 

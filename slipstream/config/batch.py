@@ -44,7 +44,7 @@ def apply_elasticity(cfg: DeepSpeedConfig, ws: int, problems: list[str]) -> Deep
         problems.extend(disagreement)
         return None
     try:
-        result = elastic_result(section.model_dump(), world_size=ws)
+        result = elastic_result(section, world_size=ws)
     except ElasticityError as error:
         text = str(error)
         problems.append(text if text.startswith("elasticity") else f"elasticity: {text}")

@@ -22,6 +22,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
+from slipstream.config.errors import pydantic_problems
+from slipstream.config.schema.misc import ElasticityConfig
+
 __all__ = [
     "ElasticityConfigError",
     "ElasticityError",
@@ -30,6 +35,7 @@ __all__ = [
     "compute_elastic_config",
     "elastic_result",
     "elasticity_enabled",
+    "parse_section",
 ]
 
 MINIMUM_DEEPSPEED_VERSION = (0, 3, 8)
@@ -103,41 +109,41 @@ def elasticity_enabled(ds_config: dict[str, Any]) -> bool:
     return isinstance(section, dict) and section.get("enabled", False) is True
 
 
-def _settings(section: dict[str, Any]) -> dict[str, Any]:
-    """The section's values with DeepSpeed's defaults, checked (errors name `elasticity.<key>`)."""
-    if "max_train_batch_size" not in section or "micro_batch_sizes" not in section:
+def parse_section(raw: Any) -> ElasticityConfig:
+    """A raw `elasticity` dict through the config schema (its defaults and types are the only ones)."""
+    try:
+        return ElasticityConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ElasticityConfigError("; ".join(pydantic_problems(exc, ("elasticity",)))) from None
+
+
+def _settings(section: ElasticityConfig) -> dict[str, Any]:
+    """The values the search uses; what the schema cannot say is checked here (errors name `elasticity.<key>`)."""
+    if not {"max_train_batch_size", "micro_batch_sizes"} <= section.model_fields_set:
         raise ElasticityConfigError(
             "elasticity: max_train_batch_size and micro_batch_sizes are required with "
             "enabled: true (e.g. 2000 and [2, 4, 6])"
         )
-    micro = section["micro_batch_sizes"]
-    if (
-        not isinstance(micro, list)
-        or not micro
-        or not all(isinstance(m, int) and not isinstance(m, bool) and m > 0 for m in micro)
-    ):
+    micro = list(section.micro_batch_sizes)
+    if not micro or min(micro) < 1:
         raise ElasticityConfigError(
             f"elasticity.micro_batch_sizes: expected a non-empty list of positive integers, got {micro!r}"
         )
-    values = {
-        "max_train_batch_size": section["max_train_batch_size"],
-        "micro_batch_sizes": micro,
-        "min_gpus": section.get("min_gpus", 1),
-        "max_gpus": section.get("max_gpus", 10000),
-        "num_gpus_per_node": section.get("num_gpus_per_node", 1),
-        "model_parallel_size": section.get("model_parallel_size", 1),
-    }
-    for key, value in values.items():
-        if key != "micro_batch_sizes" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ElasticityConfigError(f"elasticity.{key}: expected a positive integer, got {value!r}")
-    if max(micro) > values["max_train_batch_size"]:
+    if max(micro) > section.max_train_batch_size:
         raise ElasticityConfigError(
             f"elasticity.micro_batch_sizes: {max(micro)} is larger than "
-            f"max_train_batch_size {values['max_train_batch_size']}"
+            f"max_train_batch_size {section.max_train_batch_size}"
         )
-    values["prefer_larger"] = section.get("prefer_larger_batch", True) is not False
-    values["version"] = float(section.get("version", LATEST_VERSION))
-    return values
+    return {
+        "max_train_batch_size": section.max_train_batch_size,
+        "micro_batch_sizes": micro,
+        "min_gpus": section.min_gpus,
+        "max_gpus": section.max_gpus,
+        "num_gpus_per_node": section.num_gpus_per_node,
+        "model_parallel_size": section.model_parallel_size,
+        "prefer_larger": section.prefer_larger_batch,
+        "version": float(section.version),
+    }
 
 
 def _largest_hcn_at_most(value: int) -> int:
@@ -211,7 +217,7 @@ def _check_version(target: str, version: float, parallel: int) -> None:
         raise ElasticityConfigError(f"elasticity.model_parallel_size: {parallel} needs version 0.2")
 
 
-def elastic_result(section: dict[str, Any], *, world_size: int = 0, target_version: str = "0.19.0") -> ElasticResult:
+def elastic_result(section: ElasticityConfig, *, world_size: int = 0, target_version: str = "0.19.0") -> ElasticResult:
     """The batch size and valid world sizes of an enabled `elasticity` section (and the micro batch for
     `world_size` when given). Errors name the key and what is allowed."""
     s = _settings(section)
@@ -256,7 +262,8 @@ def compute_elastic_config(
         world_size = int(os.environ.get("WORLD_SIZE", "0") or 0)
         if world_size <= 0:
             raise ElasticityConfigError("return_microbatch needs the world size: pass world_size or set WORLD_SIZE")
-    result = elastic_result(ds_config["elasticity"], world_size=world_size, target_version=target_deepspeed_version)
+    section = parse_section(ds_config["elasticity"])
+    result = elastic_result(section, world_size=world_size, target_version=target_deepspeed_version)
     valid = list(result.valid_world_sizes)
     if world_size > 0:
         return result.train_batch_size, valid, result.micro_batch_size

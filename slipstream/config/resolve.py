@@ -143,6 +143,10 @@ def _argument_problems(world_size: Any, hidden_size: Any) -> list[str]:
     return problems
 
 
+def _param_dtype(cfg: DeepSpeedConfig) -> str:
+    return "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+
+
 def _precision_plan(cfg: DeepSpeedConfig, problems: list[str]) -> PrecisionPlan:
     fp16, bf16, accum = cfg.fp16, cfg.bf16, cfg.data_types.grad_accum_dtype
     if fp16.enabled and bf16.enabled:
@@ -157,7 +161,7 @@ def _precision_plan(cfg: DeepSpeedConfig, problems: list[str]) -> PrecisionPlan:
             consecutive_hysteresis=fp16.consecutive_hysteresis,
             min_scale=fp16.min_loss_scale,
         )
-    param_dtype = "fp16" if fp16.enabled else "bf16" if bf16.enabled else "fp32"
+    param_dtype = _param_dtype(cfg)
     return PrecisionPlan(
         param_dtype=param_dtype,
         grad_accum_dtype=accum or "fp32",
@@ -274,11 +278,7 @@ def resolve_zero_init(config: dict[str, Any], *, remote_device: str | None = Non
         warnings.simplefilter("ignore")
         walk = KeyWalk(strict=False, hidden_size=None)
         cleaned = walk.clean(config, DeepSpeedConfig)
-        problems: list[str] = []
-        try:
-            cfg = DeepSpeedConfig.model_validate(cleaned)
-        except ValidationError:
-            cfg, _bad = _validate(cleaned, problems)
+        cfg, _bad = _validate(cleaned, [])
     zero = cfg.zero_optimization
     section = zero.offload_param or OffloadParamConfig()
     if remote_device is not None:
@@ -286,7 +286,7 @@ def resolve_zero_init(config: dict[str, Any], *, remote_device: str | None = Non
             raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected 'none', 'cpu' or 'nvme'")
         section = section.model_copy(update={"device": remote_device})
     stage3 = _stage3_plan(zero, _offload_target(section, _aio_plan(cfg)))
-    return stage3, "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+    return stage3, _param_dtype(cfg)
 
 
 def _optimizer_plan(cfg: DeepSpeedConfig, problems: list[str]) -> OptimizerPlan | None:

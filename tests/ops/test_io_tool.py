@@ -19,7 +19,7 @@ from slipstream.config.plan import AioPlan
 from slipstream.ops.aio.bench import AioSettings, IoBench
 from slipstream.ops.op_builder import AsyncIOBuilder
 
-DEFAULTS = AioSettings(**dataclasses.asdict(AioPlan()))
+DEFAULTS = AioPlan()
 
 
 def _json_of(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:

@@ -23,7 +23,7 @@ from slipstream.config.plan import AioPlan
 from slipstream.ops.aio.bench import AioSettings, IoBench
 from slipstream.ops.aio.tune import decide, grid, sign_test_p, tune
 
-DEFAULTS = AioSettings(**dataclasses.asdict(AioPlan()))
+DEFAULTS = AioPlan()
 FAST = dataclasses.replace(DEFAULTS, block_size=4 << 20, queue_depth=16)
 
 
@@ -49,8 +49,9 @@ def _simulated_drive(seconds_for: dict[AioSettings, float], default_s: float) ->
     class Handle(fallback_op.aio_handle):
         def wait(self) -> int:
             done = super().wait()
-            settings = AioSettings(self.get_block_size(), self.get_queue_depth(), self.get_intra_op_parallelism(),
-                                   self.get_single_submit(), self.get_overlap_events())
+            settings = AioPlan(block_size=self.get_block_size(), queue_depth=self.get_queue_depth(),
+                               intra_op_parallelism=self.get_intra_op_parallelism(),
+                               single_submit=self.get_single_submit(), overlap_events=self.get_overlap_events())
             time.sleep(seconds_for.get(settings, default_s) * done)
             return done
 

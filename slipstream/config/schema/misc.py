@@ -156,17 +156,17 @@ class ElasticityConfig(DSModel):
 
     enabled: bool = False
     """Compute the batch size from the elastic settings."""
-    max_train_batch_size: DSInt = 2000
+    max_train_batch_size: DSInt = Field(2000, ge=1)
     """Largest acceptable global batch."""
     micro_batch_sizes: list[DSInt] = Field(default_factory=lambda: [2, 4, 6])
     """Acceptable micro batch sizes."""
-    min_gpus: DSInt = 1
+    min_gpus: DSInt = Field(1, ge=1)
     """Fewest GPUs."""
-    max_gpus: DSInt = 10000
+    max_gpus: DSInt = Field(10000, ge=1)
     """Most GPUs."""
-    num_gpus_per_node: DSInt = 1
+    num_gpus_per_node: DSInt = Field(1, ge=1)
     """GPUs per node."""
-    model_parallel_size: DSInt = 1
+    model_parallel_size: DSInt = Field(1, ge=1)
     """Model-parallel size."""
     min_time: DSInt = 0
     """Minimum running time before scaling."""

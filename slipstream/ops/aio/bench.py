@@ -18,29 +18,38 @@ import time
 import uuid
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from slipstream.ops.aio.handle import AsyncIOHandle
 
+SETTING_NAMES = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events")
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class AioSettings:
-    """The `aio` config section's five settings (the CLI fills them from the config's defaults)."""
 
-    block_size: int
-    queue_depth: int
-    intra_op_parallelism: int
-    single_submit: bool
-    overlap_events: bool
+class AioSettings(Protocol):
+    """The `aio` config section's five settings: the resolved plan's `AioPlan` (config/plan.py) is one; this
+    layer only reads them, so it needs no import of the config layer (ops is a leaf)."""
 
-    def as_section(self) -> dict[str, int | bool]:
-        """The `aio` section of a DeepSpeed config with these settings."""
-        return dataclasses.asdict(self)
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def intra_op_parallelism(self) -> int: ...
+    @property
+    def single_submit(self) -> bool: ...
+    @property
+    def overlap_events(self) -> bool: ...
 
-    def describe(self) -> str:
-        return ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in self.as_section().items())
+
+def as_section(settings: AioSettings) -> dict[str, int | bool]:
+    """The `aio` section of a DeepSpeed config with these settings."""
+    return {name: getattr(settings, name) for name in SETTING_NAMES}
+
+
+def describe(settings: AioSettings) -> str:
+    return ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in as_section(settings).items())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

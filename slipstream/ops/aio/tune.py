@@ -22,8 +22,9 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from slipstream.ops.aio.bench import AioSettings, IoBench
+from slipstream.ops.aio.bench import AioSettings, IoBench, describe
 
 MIN_PAIRS = 8
 MAX_PAIRS = 500
@@ -88,9 +89,11 @@ def grid(
     parallelisms: Sequence[int],
     overlap_events: Sequence[bool],
 ) -> list[AioSettings]:
-    """Every combination (single_submit as in the defaults), the defaults first and once."""
+    """Every combination (single_submit as in the defaults), the defaults first and once. `defaults` is a
+    frozen dataclass (the plan's AioPlan), so its variations are too."""
+    base: Any = defaults
     combos = [
-        dataclasses.replace(defaults, block_size=b, queue_depth=q, intra_op_parallelism=p, overlap_events=o)
+        dataclasses.replace(base, block_size=b, queue_depth=q, intra_op_parallelism=p, overlap_events=o)
         for b, q, p, o in itertools.product(block_sizes, queue_depths, parallelisms, overlap_events)
     ]
     return list(dict.fromkeys([defaults, *combos]))
@@ -122,7 +125,7 @@ def decide(defaults: AioSettings, best: AioSettings, pairs: Sequence[tuple[float
         faster,
         gain,
         p,
-        f"the defaults are already best: the sweep's fastest ({best.describe()}) was {evidence}, not "
+        f"the defaults are already best: the sweep's fastest ({describe(best)}) was {evidence}, not "
         f"a clear win (needs p < {SIGNIFICANCE:g} and at least {MIN_GAIN:.0%})",
     )
 

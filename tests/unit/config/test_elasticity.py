@@ -119,3 +119,10 @@ def test_the_elastic_command(section: dict[str, Any], tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "slipstream.cli.main", "elastic", "-c", str(path), "-w", "128"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "use one of [32, 34" in bad.stderr
+
+
+def test_initialize_needs_the_same_keys_as_compute_elastic_config(section: dict[str, Any]) -> None:
+    """The schema's defaults fill every field, so the keys DeepSpeed requires are checked on what the user set."""
+    partial = {k: v for k, v in section.items() if k != "micro_batch_sizes"}
+    with pytest.raises(ConfigError, match="micro_batch_sizes are required"):
+        resolve({"elasticity": partial}, world_size=64)
