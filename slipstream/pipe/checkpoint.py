@@ -1,0 +1,1 @@
+"""Pipeline checkpoints (filled in below)."""
