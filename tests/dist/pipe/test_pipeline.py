@@ -85,7 +85,96 @@ TWO = [
 ]
 
 
-def test_two_stages_match_single_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    results = run_distributed(run_cases, world_size=2, tmp_dir=tmp_path, timeout_s=180, cases=TWO)
+
+
+def _eval_loss(engine: object) -> float:
+    batches = iter([pm.micro_batch(99, 0, m) for m in range(4)])  # the same data on every rank
+    return float(engine.eval_batch(batches))  # type: ignore[attr-defined]
+
+
+def save_then_load(rank: int, world: int, *, save_stages: int, load_stages: list[int], path: str) -> list[dict]:
+    """Train 2 batches at `save_stages`, save; then at each of `load_stages`: load, compare."""
+    engine = _engine(save_stages, zero=1, micros=4)
+    for step in range(2):
+        engine.train_batch(_batches(engine, step, 4, None))  # type: ignore[attr-defined]
+    engine.save_checkpoint(path, tag="t")  # type: ignore[attr-defined]
+    out = [{"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},  # type: ignore[attr-defined]
+            "eval": _eval_loss(engine)}]
+    engine.destroy()  # type: ignore[attr-defined]
+    for stages in load_stages:
+        engine = _engine(stages, zero=2, micros=4)
+        engine.load_checkpoint(path)  # type: ignore[attr-defined]
+        out.append({"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},  # type: ignore[attr-defined]
+                    "eval": _eval_loss(engine), "steps": engine.global_steps})  # type: ignore[attr-defined]
+        engine.train_batch(_batches(engine, 2, 4, None))  # type: ignore[attr-defined] - optimizer state loads and steps
+        engine.destroy()  # type: ignore[attr-defined]
+    return out
+
+
+def _check_reload(results: list[list[dict]], loads: int) -> None:
+    saved = {n: v for rank in results for n, v in rank[0]["params"].items()}
+    for i in range(1, loads + 1):
+        assert len({round(rank[i]["eval"], 6) for rank in results}) == 1
+        assert abs(results[0][i]["eval"] - results[0][0]["eval"]) <= 1e-6 * abs(results[0][0]["eval"]) + 1e-7
+        for rank in results:
+            assert rank[i]["steps"] == 2
+            for name, value in rank[i]["params"].items():
+                torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def failing_stage(rank: int, world: int) -> str:
+    """Stage 1 raises in its third micro-batch's forward; every rank must raise within the timeout."""
+    import time
+
+    engine = _engine(world, zero=0, micros=4)
+    boom = {"calls": 0}
+    if engine.is_last_stage():  # type: ignore[attr-defined]
+        def loss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            boom["calls"] += 1
+            if boom["calls"] == 3:
+                raise ValueError("boom in the loss")
+            return pm.loss_fn(out, labels)
+        engine.module.loss_fn = loss  # type: ignore[attr-defined]
+    started = time.monotonic()
+    try:
+        engine.train_batch(_batches(engine, 0, 4, None))  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{time.monotonic() - started:.1f}|{exc}"
+    return "no error"
+
+
+def two_process_suite(rank: int, world: int, *, path: str) -> dict:
+    from slipstream.comm import collectives
+
+    out = {"cases": run_cases(rank, world, cases=TWO),
+           "reload": save_then_load(rank, world, save_stages=2, load_stages=[1], path=path)}
+    collectives.set_collective_timeout(6.0)
+    out["failure"] = failing_stage(rank, world)
+    return out
+
+
+def test_two_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = run_distributed(two_process_suite, world_size=2, tmp_dir=tmp_path / "run", timeout_s=240,
+                              path=str(tmp_path / "ckpt"))
     for i, case in enumerate(TWO):
-        _check(case, [results[r][i] for r in range(2)], 2)
+        _check(case, [results[r]["cases"][i] for r in range(2)], 2)
+    _check_reload([r["reload"] for r in results], loads=1)
+    for rank, result in enumerate(results):
+        seconds, _, message = result["failure"].partition("|")
+        assert message and float(seconds) < 12, f"rank {rank}: {result['failure']}"
+        assert "stage 1" in message and "rank 1" in message and "boom in the loss" in message, message
+
+FOUR = [dict(stages=2, zero=1), dict(stages=2, zero=2, schedule="interleaved_1f1b")]
+
+
+def four_process_suite(rank: int, world: int, *, path: str) -> dict:
+    return {"cases": run_cases(rank, world, cases=FOUR),
+            "reload": save_then_load(rank, world, save_stages=2, load_stages=[4, 1], path=path)}
+
+
+def test_four_processes_two_stages_by_two_replicas(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = run_distributed(four_process_suite, world_size=4, tmp_dir=tmp_path / "run", timeout_s=240,
+                              path=str(tmp_path / "ckpt"))
+    for i, case in enumerate(FOUR):
+        _check(case, [results[r]["cases"][i] for r in range(4)], 4)
+    _check_reload([r["reload"] for r in results], loads=2)
