@@ -14,7 +14,7 @@ from slipstream.git_version_info import git_branch as __git_branch__
 from slipstream.git_version_info import git_hash as __git_hash__
 from slipstream.git_version_info import version as __version__
 
-_LAZY_SUBMODULES = ("accelerator", "ops", "cli", "comm", "config", "zero", "engine", "planner", "checkpoint")
+_LAZY_SUBMODULES = ("accelerator", "ops", "cli", "comm", "config", "zero", "engine", "planner", "checkpoint", "pipe")
 _LAZY_ATTRIBUTES = {
     "initialize": "slipstream.api",
     "init_distributed": "slipstream.api",
@@ -23,6 +23,8 @@ _LAZY_ATTRIBUTES = {
     "SlipstreamEngine": "slipstream.engine.engine",
     "DeepSpeedEngine": "slipstream.engine.engine",
     "ConfigError": "slipstream.config",
+    "PipelineModule": "slipstream.pipe.module",
+    "PipelineEngine": "slipstream.pipe.engine",
 }
 
 _install_aliases()  # DeepSpeed's module paths (compat/aliases.py)

@@ -89,7 +89,7 @@ def initialize(
         args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
     pipeline = _is_pipeline(model)
-    data_world = dist.get_world_size() // (model.num_stages if pipeline else 1)  # type: ignore[operator]
+    data_world = dist.get_world_size() // (int(getattr(model, "num_stages", 1)) if pipeline else 1)
     plan = resolve(raw, world_size=data_world, strict=strict, hidden_size=hidden_size)
     log_rank0(
         "config as given, resolved: " + json.dumps(_given_keys(plan.resolved, raw), default=str), rank=dist.get_rank()

@@ -66,13 +66,19 @@ def _error(what: str, peer: int, started: float, cause: BaseException | None) ->
     lost = cause is not None and is_lost_peer(cause)
     notes = failure_notes()
     failed = "; ".join(f"rank {r}: {text}" for r, text in sorted(notes.items()))
-    ending = "the connection to it closed" if lost else f"nothing arrived within {collective_timeout().total_seconds():g} s"
+    ending = (
+        "the connection to it closed" if lost else f"nothing arrived within {collective_timeout().total_seconds():g} s"
+    )
     state = arrivals.process_state(peer)
     return PointToPointError(
         f"{what} with rank {peer} failed on rank {dist.get_rank()} after {elapsed:.1f} s: {ending}"
         f"{' (' + state + ')' if state else ''}. "
-        + (f"Failed first: {failed}" if failed else "No rank recorded a failure: check that every rank runs the "
-           "same schedule (train_batch/eval_batch on all of them)")
+        + (
+            f"Failed first: {failed}"
+            if failed
+            else "No rank recorded a failure: check that every rank runs the "
+            "same schedule (train_batch/eval_batch on all of them)"
+        )
         + (f". Underlying error: {cause}" if cause is not None else ""),
         peer=peer,
         lost=lost,

@@ -30,8 +30,11 @@ from slipstream.comm import collectives
 def _state_slices(optimizer: Any, item: Any) -> dict[str, torch.Tensor]:
     state = optimizer.optimizer.state.get(item.piece, {})
     n = item.hi - item.lo
-    return {k: v[item.piece_offset : item.piece_offset + n] for k, v in state.items()
-            if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return {
+        k: v[item.piece_offset : item.piece_offset + n]
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    }
 
 
 def _create_state(optimizer: Any, piece: torch.Tensor, keys: list[str]) -> None:
@@ -66,9 +69,15 @@ def save_pipeline(engine: Any, save_dir: str, tag: str, client_state: dict, *, s
     save_file(tensors, tmp / f"rank_{rank}.safetensors")
     write_text_atomic(tmp / f"rank_{rank}.json", json.dumps(index))
     if rank == 0:
-        meta = {"format": "slipstream-pipeline-1", "stages": engine.num_stages, "data_parallel": engine.dp_world_size,
-                "world_size": dist.get_world_size(), "global_steps": engine.global_steps,
-                "global_samples": engine.global_samples, "client_state": client_state}
+        meta = {
+            "format": "slipstream-pipeline-1",
+            "stages": engine.num_stages,
+            "data_parallel": engine.dp_world_size,
+            "world_size": dist.get_world_size(),
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "client_state": client_state,
+        }
         write_text_atomic(tmp / "pipeline.json", json.dumps(meta, default=str))
     collectives.barrier()
     if rank == 0:
@@ -78,15 +87,19 @@ def save_pipeline(engine: Any, save_dir: str, tag: str, client_state: dict, *, s
     collectives.barrier()
 
 
-def load_pipeline(engine: Any, load_dir: str, tag: str | None, *, load_optimizer_states: bool) -> tuple[str | None, dict]:
+def load_pipeline(
+    engine: Any, load_dir: str, tag: str | None, *, load_optimizer_states: bool
+) -> tuple[str | None, dict]:
     tag = tag or read_latest(load_dir)
     if tag is None:
         return None, {}
     root = Path(load_dir) / tag
     meta_path = root / "pipeline.json"
     if not meta_path.exists():
-        raise CheckpointError(f"{root} is not a Slipstream pipeline checkpoint (no pipeline.json); save it with a "
-                              "pipeline engine's save_checkpoint")
+        raise CheckpointError(
+            f"{root} is not a Slipstream pipeline checkpoint (no pipeline.json); save it with a "
+            "pipeline engine's save_checkpoint"
+        )
     meta = json.loads(meta_path.read_text())
     saved: dict[str, list[tuple[int, int, Path]]] = {}
     scalars: dict[str, float] = {}
@@ -103,8 +116,10 @@ def load_pipeline(engine: Any, load_dir: str, tag: str | None, *, load_optimizer
         with torch.no_grad(), optimizer.resident_state():
             for item in optimizer.owned_slices(optimizer.param_names, for_save=False):
                 if item.name not in saved:
-                    raise CheckpointError(f"parameter '{item.name}' is not in the checkpoint {root}; it was saved "
-                                          f"from another model (saved: {sorted(saved)[:8]}...)")
+                    raise CheckpointError(
+                        f"parameter '{item.name}' is not in the checkpoint {root}; it was saved "
+                        f"from another model (saved: {sorted(saved)[:8]}...)"
+                    )
                 if load_optimizer_states and item.name in state_keys:
                     _create_state(optimizer, item.piece, state_keys[item.name])
                 states = _state_slices(optimizer, item) if load_optimizer_states else {}
@@ -115,14 +130,18 @@ def load_pipeline(engine: Any, load_dir: str, tag: str | None, *, load_optimizer
                         continue
                     source = files.setdefault(path, SafetensorsFile(path))
                     item.master[a - item.lo : z - item.lo].copy_(
-                        source.get_flat_range(f"{item.name}@{lo}", a - lo, z - lo).to(item.master.dtype))
+                        source.get_flat_range(f"{item.name}@{lo}", a - lo, z - lo).to(item.master.dtype)
+                    )
                     for key, value in states.items():
                         value[a - item.lo : z - item.lo].copy_(
-                            source.get_flat_range(f"{item.name}@{lo}#{key}", a - lo, z - lo).to(value.dtype))
+                            source.get_flat_range(f"{item.name}@{lo}#{key}", a - lo, z - lo).to(value.dtype)
+                        )
                     covered += z - a
                 if covered < item.hi - item.lo:
-                    raise CheckpointError(f"the checkpoint {root} covers {covered} of the {item.hi - item.lo} "
-                                          f"elements of '{item.name}' this rank needs: it is incomplete")
+                    raise CheckpointError(
+                        f"the checkpoint {root} covers {covered} of the {item.hi - item.lo} "
+                        f"elements of '{item.name}' this rank needs: it is incomplete"
+                    )
                 if load_optimizer_states and item.name in scalars and item.piece in optimizer.optimizer.state:
                     state = optimizer.optimizer.state[item.piece]
                     if isinstance(state.get("step"), torch.Tensor):

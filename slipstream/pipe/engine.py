@@ -39,9 +39,15 @@ _ONLY_TRAIN_BATCH = "Only train_batch() is accessible in pipeline mode (DeepSpee
 class PipelineEngine(nn.Module):
     """Trains a PipelineModule; built by `slipstream.initialize`."""
 
-    def __init__(self, module: PipelineModule, plan: EnginePlan, *,
-                 make_optimizer: Callable[[nn.Module], torch.optim.Optimizer | None],
-                 make_scheduler: Callable[[Any], Any], make_dataloader: Callable[[int, int], Any]) -> None:
+    def __init__(
+        self,
+        module: PipelineModule,
+        plan: EnginePlan,
+        *,
+        make_optimizer: Callable[[nn.Module], torch.optim.Optimizer | None],
+        make_scheduler: Callable[[Any], Any],
+        make_dataloader: Callable[[int, int], Any],
+    ) -> None:
         super().__init__()
         if plan.zero.stage == 3:
             raise PipelineError(
@@ -66,21 +72,33 @@ class PipelineEngine(nn.Module):
         if self.basic_optimizer is not None:
             check_optimizer_kind(self.basic_optimizer, plan.zero)
             cls = pipeline_optimizer_class(STAGES[plan.zero.stage])
-            self.optimizer = cls(self.basic_optimizer, zero=plan.zero, precision=plan.precision,
-                                 offload=policy_for(plan.zero.offload_optimizer, rank=self.global_rank),
-                                 group=self.grid.dp_group)
+            self.optimizer = cls(
+                self.basic_optimizer,
+                zero=plan.zero,
+                precision=plan.precision,
+                offload=policy_for(plan.zero.offload_optimizer, rank=self.global_rank),
+                group=self.grid.dp_group,
+            )
             tied = [(p, group, module.is_tied_owner(key)) for key, p, group, _ in module.tied_parameters()]
-            self.optimizer.attach_pipeline(tied=tied, pipe_group=self.grid.pp_group,  # type: ignore[attr-defined]
-                                           pipe_size=self.num_stages)
+            self.optimizer.attach_pipeline(  # type: ignore[attr-defined]
+                tied=tied,
+                pipe_group=self.grid.pp_group,
+                pipe_size=self.num_stages,
+            )
             self.optimizer.param_names = {id(p): n for n, p in module.named_parameters()}
         self.lr_scheduler = make_scheduler(self.basic_optimizer)
         self.training_dataloader = make_dataloader(self.dp_rank, self.dp_world_size)
         self.data_iterator: Iterator[Any] | None = None
         self.batch_fn: Callable[[Any], Any] | None = None
-        exchanger = Exchanger(num_virtual=module.num_virtual_stages, max_micro=max(self.micro_batches, 1),
-                              dynamic=module.dynamic_shape, device=self.device)
-        self._runner = StageRunner(module, exchanger, ranks_of_stage=self.grid.stage_to_global,
-                                   after_backward=self._after_backward)
+        exchanger = Exchanger(
+            num_virtual=module.num_virtual_stages,
+            max_micro=max(self.micro_batches, 1),
+            dynamic=module.dynamic_shape,
+            device=self.device,
+        )
+        self._runner = StageRunner(
+            module, exchanger, ranks_of_stage=self.grid.stage_to_global, after_backward=self._after_backward
+        )
         self.global_steps = self.global_samples = self.micro_steps = 0
         self._grad_norm: float | None = None
         self._last_loss: torch.Tensor | None = None
@@ -148,8 +166,10 @@ class PipelineEngine(nn.Module):
             return [None] * self.micro_batches, [None] * self.micro_batches
         if self.data_iterator is None:
             if self.training_dataloader is None:
-                raise PipelineError("train_batch() needs data: pass data_iter=, call set_dataiterator(), or give "
-                                    "initialize(training_data=...)")
+                raise PipelineError(
+                    "train_batch() needs data: pass data_iter=, call set_dataiterator(), or give "
+                    "initialize(training_data=...)"
+                )
             self.data_iterator = iter(RepeatingLoader(self.training_dataloader))
         inputs, labels = [], []
         for _ in range(self.micro_batches):
@@ -171,8 +191,13 @@ class PipelineEngine(nn.Module):
 
                 self._actions[key] = [Action(v, "F", m) for v, m in order]
             else:
-                self._actions[key] = actions_for(self.module.schedule, rank=self.stage_id, stages=self.num_stages,
-                                                 chunks=self.module.stage_chunks, micros=self.micro_batches)
+                self._actions[key] = actions_for(
+                    self.module.schedule,
+                    rank=self.stage_id,
+                    stages=self.num_stages,
+                    chunks=self.module.stage_chunks,
+                    micros=self.micro_batches,
+                )
         return self._actions[key]
 
     def _after_backward(self, weights: list[torch.Tensor] | None) -> None:
@@ -189,8 +214,9 @@ class PipelineEngine(nn.Module):
         self.module.train()
         inputs, labels = self._next_micro_batches(data_iter)
         losses = self._runner.run(self._schedule("train"), inputs, labels, train=True)
-        result = self.optimizer.step(grad_divisor=self.dp_world_size * self.micro_batches,
-                                     clip=self.plan.gradient_clipping)
+        result = self.optimizer.step(
+            grad_divisor=self.dp_world_size * self.micro_batches, clip=self.plan.gradient_clipping
+        )
         self._grad_norm = result.grad_norm
         if not result.overflow and self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -200,8 +226,11 @@ class PipelineEngine(nn.Module):
         self._last_loss = self._mean_over_batch(losses)
         every = self.plan.logging.steps_per_print
         if every and self.global_steps % every == 0:
-            log_rank0(f"pipeline step {self.global_steps}: loss {float(self._last_loss):.6g}, grad norm "
-                      f"{self._grad_norm:.4g}", rank=self.global_rank)
+            log_rank0(
+                f"pipeline step {self.global_steps}: loss {float(self._last_loss):.6g}, grad norm "
+                f"{self._grad_norm:.4g}",
+                rank=self.global_rank,
+            )
         return self._last_loss
 
     def _mean_over_batch(self, losses: list[torch.Tensor]) -> torch.Tensor:
@@ -212,8 +241,13 @@ class PipelineEngine(nn.Module):
         return (total / (self.dp_world_size * self.micro_batches)).float().reshape(())
 
     @torch.no_grad()
-    def eval_batch(self, data_iter: Iterator[Any], return_logits: bool = False, compute_loss: bool = True,
-                   reduce_output: str | None = "avg") -> Any:
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any],
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+    ) -> Any:
         """Forward only over one batch. With `compute_loss` (and a loss_fn), the loss ('avg' over micro-batches
         and data-parallel ranks, on every rank; None: the list of per-micro-batch losses, last stage only);
         `return_logits`: also the last stage's outputs (None on other stages)."""
@@ -238,16 +272,28 @@ class PipelineEngine(nn.Module):
         return result
 
     # ---- checkpoints ----
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True) -> bool:
+    def save_checkpoint(
+        self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True
+    ) -> bool:
         from slipstream.pipe.checkpoint import save_pipeline
 
-        save_pipeline(self, os.fspath(save_dir), tag or f"global_step{self.global_steps}", client_state or {},
-                      save_latest=save_latest)
+        save_pipeline(
+            self,
+            os.fspath(save_dir),
+            tag or f"global_step{self.global_steps}",
+            client_state or {},
+            save_latest=save_latest,
+        )
         return True
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, **_: Any) -> tuple[str | None, dict]:
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        **_: Any,
+    ) -> tuple[str | None, dict]:
         from slipstream.pipe.checkpoint import load_pipeline
 
         return load_pipeline(self, os.fspath(load_dir), tag, load_optimizer_states=load_optimizer_states)
@@ -293,5 +339,3 @@ def _to_device(tree: Any, device: torch.device) -> Any:
     if isinstance(tree, dict):
         return {k: _to_device(v, device) for k, v in tree.items()}
     return tree
-
-

@@ -17,10 +17,21 @@ import torch
 
 from slipstream.comm import p2p
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool,
-)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 _PARTS = 1024  # messages per transfer (2 + the tensors)
 
 
@@ -33,7 +44,9 @@ def flatten(tree: Any) -> tuple[Any, list[torch.Tensor]]:
             tensors.append(node)
             dtype = str(node.dtype).removeprefix("torch.")
             if dtype not in _DTYPES:
-                raise TypeError(f"pipeline activations of dtype {node.dtype} cannot be sent; use one of {sorted(_DTYPES)}")
+                raise TypeError(
+                    f"pipeline activations of dtype {node.dtype} cannot be sent; use one of {sorted(_DTYPES)}"
+                )
             return {"t": len(tensors) - 1, "shape": list(node.shape), "dtype": dtype, "grad": node.requires_grad}
         if isinstance(node, tuple):
             return {"tuple": [walk(x) for x in node]}

@@ -52,8 +52,15 @@ class TiedLayerSpec(LayerSpec):
     """A layer whose `tied_weight_attr` parameters are shared by every layer with the same `key` (embeddings and
     the output head): built once per stage that uses it, equal at start, gradients summed over those stages."""
 
-    def __init__(self, key: str, typename: type, *module_args: Any, forward_fn: Callable[..., Any] | None = None,
-                 tied_weight_attr: str | Sequence[str] = "weight", **module_kwargs: Any) -> None:
+    def __init__(
+        self,
+        key: str,
+        typename: type,
+        *module_args: Any,
+        forward_fn: Callable[..., Any] | None = None,
+        tied_weight_attr: str | Sequence[str] = "weight",
+        **module_kwargs: Any,
+    ) -> None:
         super().__init__(typename, *module_args, **module_kwargs)
         self.key, self.forward_fn = key, forward_fn
         self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
@@ -85,13 +92,24 @@ class PipelineModule(nn.Module):
     "interleaved_zero_bubble", "zbv_zero_bubble") and `stage_chunks` (virtual stages per stage; 2 by default
     for the interleaved ones), which decide how the layers are laid out; `dynamic_shape` defaults to True."""
 
-    def __init__(self, layers: Sequence[Any], num_stages: int | None = None, topology: ProcessTopology | None = None,
-                 loss_fn: Callable[..., Any] | None = None, seed_layers: bool = False,
-                 seed_fn: Callable[[int], Any] | None = None, base_seed: int = 1234,
-                 partition_method: str | Sequence[int] = "parameters", activation_checkpoint_interval: int = 0,
-                 activation_checkpoint_func: Callable[..., Any] | None = None,
-                 checkpointable_layers: Sequence[str] | None = None, dynamic_shape: bool = True, *,
-                 schedule: str = "1f1b", stage_chunks: int | None = None) -> None:
+    def __init__(
+        self,
+        layers: Sequence[Any],
+        num_stages: int | None = None,
+        topology: ProcessTopology | None = None,
+        loss_fn: Callable[..., Any] | None = None,
+        seed_layers: bool = False,
+        seed_fn: Callable[[int], Any] | None = None,
+        base_seed: int = 1234,
+        partition_method: str | Sequence[int] = "parameters",
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func: Callable[..., Any] | None = None,
+        checkpointable_layers: Sequence[str] | None = None,
+        dynamic_shape: bool = True,
+        *,
+        schedule: str = "1f1b",
+        stage_chunks: int | None = None,
+    ) -> None:
         super().__init__()
         if num_stages is None and topology is None:
             raise RuntimeError("PipelineModule needs num_stages= or topology=")
@@ -128,8 +146,13 @@ class PipelineModule(nn.Module):
         self.partition_method = partition_method
         self.layer_params = self._count_layer_params()
         virtual = self.num_stages * self.stage_chunks
-        self.parts = partition(partition_method, num_layers=len(self._layer_specs), num_parts=virtual,
-                               param_counts=self.layer_params, type_names=[_type_name(x) for x in self._layer_specs])
+        self.parts = partition(
+            partition_method,
+            num_layers=len(self._layer_specs),
+            num_parts=virtual,
+            param_counts=self.layer_params,
+            type_names=[_type_name(x) for x in self._layer_specs],
+        )
         self.local_virtual = [v for v in range(virtual) if owner_of(v, self.num_stages, chunk_style) == self.stage_id]
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}

@@ -50,8 +50,14 @@ def partition_balanced(weights: Sequence[int], num_parts: int) -> list[int]:
     return best
 
 
-def partition(method: str | Sequence[int], *, num_layers: int, num_parts: int, param_counts: Sequence[int],
-              type_names: Sequence[str]) -> list[int]:
+def partition(
+    method: str | Sequence[int],
+    *,
+    num_layers: int,
+    num_parts: int,
+    param_counts: Sequence[int],
+    type_names: Sequence[str],
+) -> list[int]:
     """The boundaries for `method`; an explicit list is checked (num_parts + 1 increasing values 0..num_layers)."""
     if not isinstance(method, str):
         parts = list(method)
@@ -73,6 +79,5 @@ def partition(method: str | Sequence[int], *, num_layers: int, num_parts: int, p
             raise ValueError(f"partition_method={method!r} matches no layer type (types: {sorted(set(type_names))})")
         return partition_balanced(marks, num_parts)
     raise ValueError(
-        f"partition_method={method!r} is not known; use 'parameters', 'uniform', 'type:<regex>' or a list of "
-        "boundaries"
+        f"partition_method={method!r} is not known; use 'parameters', 'uniform', 'type:<regex>' or a list of boundaries"
     )

@@ -45,15 +45,23 @@ def _needing_grad(tree: Any) -> list[torch.Tensor]:
 class StageRunner:
     """Executes actions for one PipelineModule; one instance per engine, reused every batch."""
 
-    def __init__(self, module: PipelineModule, exchanger: Exchanger, *, ranks_of_stage: Callable[[int], int],
-                 after_backward: Callable[[list[torch.Tensor] | None], None]) -> None:
+    def __init__(
+        self,
+        module: PipelineModule,
+        exchanger: Exchanger,
+        *,
+        ranks_of_stage: Callable[[int], int],
+        after_backward: Callable[[Any], None],
+    ) -> None:
         self.module, self.exchanger = module, exchanger
         self.ranks_of_stage = ranks_of_stage
         self.after_backward = after_backward
         self.last = module.num_virtual_stages - 1
         self.rank = dist.get_rank()
-        self._weights = {v: _unique([p for _, f in module.chunk_funcs[v] for p in _params(f) if p.requires_grad])
-                         for v in module.local_virtual}
+        self._weights = {
+            v: _unique([p for _, f in module.chunk_funcs[v] for p in _params(f) if p.requires_grad])
+            for v in module.local_virtual
+        }
 
     def _peer(self, virtual: int) -> int | None:
         owner = self.module.stage_owner(virtual)
@@ -96,8 +104,9 @@ class StageRunner:
             if peer is None:
                 x = self.local.pop(("act", s - 1, m))
             else:
-                x = self.exchanger.recv(src=peer, direction="act", stage=s - 1, micro=m,
-                                        what=self._what("receive of the input", s, m))
+                x = self.exchanger.recv(
+                    src=peer, direction="act", stage=s - 1, micro=m, what=self._what("receive of the input", s, m)
+                )
         with torch.set_grad_enabled(train):
             out = self.module.run_chunk(s, x)
             if s == self.last:
@@ -110,8 +119,9 @@ class StageRunner:
             if peer is None:
                 self.local[("act", s, m)] = _grad_leaves(out) if train else out
             else:
-                self.exchanger.send(out, dst=peer, direction="act", stage=s, micro=m,
-                                    what=self._what("send of the output", s, m))
+                self.exchanger.send(
+                    out, dst=peer, direction="act", stage=s, micro=m, what=self._what("send of the output", s, m)
+                )
         if train:
             self.saved[(s, m)] = (x, out)
 
@@ -121,8 +131,9 @@ class StageRunner:
         peer = self._peer(s + 1)
         if peer is None:
             return self.local.pop(("grad", s, m))
-        got = self.exchanger.recv(src=peer, direction="grad", stage=s, micro=m,
-                                  what=self._what("receive of the output gradient", s, m))
+        got = self.exchanger.recv(
+            src=peer, direction="grad", stage=s, micro=m, what=self._what("receive of the output gradient", s, m)
+        )
         return list(got)
 
     def _send_input_grads(self, s: int, m: int, x: Any) -> None:
@@ -133,8 +144,14 @@ class StageRunner:
         if peer is None:
             self.local[("grad", s - 1, m)] = grads
         else:
-            self.exchanger.send(grads, dst=peer, direction="grad", stage=s - 1, micro=m,
-                                what=self._what("send of the input gradient", s, m))
+            self.exchanger.send(
+                grads,
+                dst=peer,
+                direction="grad",
+                stage=s - 1,
+                micro=m,
+                what=self._what("send of the input gradient", s, m),
+            )
 
     def _backward(self, action: Action) -> None:
         s, m = action.stage, action.micro
@@ -152,8 +169,10 @@ class StageRunner:
         grads = self._output_grads(s, m)
         outputs = [out] if s == self.last else _needing_grad(out)
         if grads is not None and len(grads) != len(outputs):
-            raise RuntimeError(f"stage output has {len(outputs)} tensors that need gradients but {len(grads)} "
-                               "gradients arrived: the stage's output structure changed between forward and backward")
+            raise RuntimeError(
+                f"stage output has {len(outputs)} tensors that need gradients but {len(grads)} "
+                "gradients arrived: the stage's output structure changed between forward and backward"
+            )
         if action.kind == "I":
             inputs = _needing_grad(x)
             if inputs:

@@ -26,7 +26,7 @@ class ProcessTopology:
         self.ProcessCoord = collections.namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]
         self.mapping: dict[Any, int] = {}
         for rank, coord in enumerate(itertools.product(*[range(d) for d in self.dims])):
-            self.mapping[self.ProcessCoord(*coord)] = rank
+            self.mapping[self.ProcessCoord(*coord)] = rank  # type: ignore[arg-type]
 
     def get_rank(self, **coord_kwargs: int) -> int:
         if sorted(coord_kwargs) != sorted(self.axes):
@@ -54,8 +54,9 @@ class ProcessTopology:
             size *= d
         return size
 
-    def get_rank_repr(self, rank: int, omit_axes: tuple[str, ...] = ("data", "pipe"), inner_sep: str = "_",
-                      outer_sep: str = "-") -> str:
+    def get_rank_repr(
+        self, rank: int, omit_axes: tuple[str, ...] = ("data", "pipe"), inner_sep: str = "_", outer_sep: str = "-"
+    ) -> str:
         coord = self.get_coord(rank)
         return outer_sep.join(f"{a}{inner_sep}{getattr(coord, a):02d}" for a in self.axes if a not in omit_axes)
 

@@ -108,8 +108,7 @@ def continue_stopped_ranks_on_close() -> None:
     SubprocessHandler.close = close  # type: ignore[method-assign]
 
 
-def backward_input(outputs: list[torch.Tensor], grads: list[torch.Tensor] | None, inputs: list[torch.Tensor],
-                   weights: list[torch.Tensor]) -> Any:
+def backward_input(outputs: Any, grads: Any, inputs: Any, weights: Any) -> Any:
     """Gradients of `inputs` only (set as their .grad); returns what `backward_weight` needs."""
     from torch.distributed.pipelining import _backward
 
@@ -117,7 +116,7 @@ def backward_input(outputs: list[torch.Tensor], grads: list[torch.Tensor] | None
     return state
 
 
-def backward_weight(weights: list[torch.Tensor], state: Any) -> None:
+def backward_weight(weights: Any, state: Any) -> None:
     """The weight gradients of a split backward, added to each weight's .grad (no accumulation hooks run)."""
     from torch.distributed.pipelining import _backward
 

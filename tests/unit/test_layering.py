@@ -66,6 +66,12 @@ def test_zero_reaches_compat_only_for_the_parameter_attributes() -> None:
     assert not bad, f"zero/ may use compat's ds_* attribute mixin (a leaf) and nothing else of compat: {bad}"
 
 
+def test_pipe_builds_on_zero_and_comm_but_not_the_engine() -> None:
+    allowed = {"accelerator", "config", "comm", "zero", "offload", "checkpoint", "planner"} | LEAF_HELPERS
+    bad = _violations(_imports(), "pipe", allowed)
+    assert not bad, f"pipe/ runs stages over zero/ and comm/; the engine's builders reach it from api.py: {bad}"
+
+
 def test_the_rules_see_a_violation() -> None:
     graph = {"slipstream.comm.x": {"slipstream.zero.layout"}, "slipstream.config.y": {"slipstream.utils.logging"}}
     assert _violations(graph, "comm", set(LEAF_HELPERS)) == ["slipstream.comm.x imports slipstream.zero.layout"]

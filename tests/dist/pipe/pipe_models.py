@@ -118,7 +118,7 @@ def reference(kind: str, *, steps: int, dp: int, micros: int, seqs: list[int] | 
                     x = f(x)
                 loss = loss_fn(x, y)
                 (loss / (dp * micros)).backward()
-                total += float(loss)
+                total += float(loss.detach())
         norms.append(float(torch.nn.utils.clip_grad_norm_(root.parameters(), CLIP)))
         optimizer.step()
         optimizer.zero_grad()

@@ -18,19 +18,39 @@ RTOL = 2e-5
 
 
 def _config(stage: int, micros: int, dp: int, **extra: object) -> dict:
-    return {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": micros,
-            "train_batch_size": 3 * micros * dp, "gradient_clipping": pm.CLIP,
-            "optimizer": {"type": "AdamW", "params": {"lr": pm.LR, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200}, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": micros,
+        "train_batch_size": 3 * micros * dp,
+        "gradient_clipping": pm.CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": pm.LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 200},
+        **extra,
+    }
 
 
-def _engine(stages: int, *, zero: int, micros: int, kind: str = "plain", schedule: str = "1f1b",
-            interval: int = 0, partition: object = "parameters") -> object:
+def _engine(
+    stages: int,
+    *,
+    zero: int,
+    micros: int,
+    kind: str = "plain",
+    schedule: str = "1f1b",
+    interval: int = 0,
+    partition: object = "parameters",
+) -> object:
     import slipstream
     from slipstream.pipe import PipelineModule
 
-    module = PipelineModule(pm.specs(kind), num_stages=stages, loss_fn=pm.loss_fn, seed_layers=True,
-                            partition_method=partition, activation_checkpoint_interval=interval, schedule=schedule)
+    module = PipelineModule(
+        pm.specs(kind),
+        num_stages=stages,
+        loss_fn=pm.loss_fn,
+        seed_layers=True,
+        partition_method=partition,
+        activation_checkpoint_interval=interval,
+        schedule=schedule,
+    )
     dp = dist.get_world_size() // stages
     engine, *_ = slipstream.initialize(model=module, config=_config(zero, micros, dp))
     return engine
@@ -41,8 +61,15 @@ def _batches(engine: object, step: int, micros: int, seqs: list[int] | None) -> 
     return iter([pm.micro_batch(step, dp_rank, m, seq=None if seqs is None else seqs[m]) for m in range(micros)])
 
 
-def train_case(stages: int, zero: int, micros: int = 4, kind: str = "plain", schedule: str = "1f1b",
-               interval: int = 0, seqs: list[int] | None = None) -> dict:
+def train_case(
+    stages: int,
+    zero: int,
+    micros: int = 4,
+    kind: str = "plain",
+    schedule: str = "1f1b",
+    interval: int = 0,
+    seqs: list[int] | None = None,
+) -> dict:
     engine = _engine(stages, zero=zero, micros=micros, kind=kind, schedule=schedule, interval=interval)
     losses, norms = [], []
     for step in range(STEPS):
@@ -60,17 +87,29 @@ def run_cases(rank: int, world: int, *, cases: list[dict]) -> list[dict]:
 
 def _check(case: dict, results: list[dict], world: int) -> None:
     dp = world // case["stages"]
-    ref = pm.reference(case.get("kind", "plain"), steps=STEPS, dp=dp, micros=case.get("micros", 4),
-                       seqs=case.get("seqs"))
+    ref = pm.reference(
+        case.get("kind", "plain"), steps=STEPS, dp=dp, micros=case.get("micros", 4), seqs=case.get("seqs")
+    )
     seen: set[str] = set()
     for result in results:
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=1e-6,
-                                   msg=lambda m: f"{case}: losses {m}")
-        torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(ref["norms"]), rtol=RTOL, atol=1e-6,
-                                   msg=lambda m: f"{case}: grad norms {m}")
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]),
+            torch.tensor(ref["losses"]),
+            rtol=RTOL,
+            atol=1e-6,
+            msg=lambda m: f"{case}: losses {m}",
+        )
+        torch.testing.assert_close(
+            torch.tensor(result["norms"]),
+            torch.tensor(ref["norms"]),
+            rtol=RTOL,
+            atol=1e-6,
+            msg=lambda m: f"{case}: grad norms {m}",
+        )
         for name, value in result["params"].items():
-            torch.testing.assert_close(value, ref["params"][name], rtol=RTOL, atol=1e-6,
-                                       msg=lambda m, n=name: f"{case}: {n} {m}")
+            torch.testing.assert_close(
+                value, ref["params"][name], rtol=RTOL, atol=1e-6, msg=lambda m, n=name: f"{case}: {n} {m}"
+            )
             seen.add(name)
     assert seen == set(ref["params"]), f"{case}: parameters missing across stages: {set(ref['params']) - seen}"
 
@@ -85,8 +124,6 @@ TWO = [
 ]
 
 
-
-
 def _eval_loss(engine: object) -> float:
     batches = iter([pm.micro_batch(99, 0, m) for m in range(4)])  # the same data on every rank
     return float(engine.eval_batch(batches))  # type: ignore[attr-defined]
@@ -98,14 +135,23 @@ def save_then_load(rank: int, world: int, *, save_stages: int, load_stages: list
     for step in range(2):
         engine.train_batch(_batches(engine, step, 4, None))  # type: ignore[attr-defined]
     engine.save_checkpoint(path, tag="t")  # type: ignore[attr-defined]
-    out = [{"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},  # type: ignore[attr-defined]
-            "eval": _eval_loss(engine)}]
+    out = [
+        {
+            "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},  # type: ignore[attr-defined]
+            "eval": _eval_loss(engine),
+        }
+    ]
     engine.destroy()  # type: ignore[attr-defined]
     for stages in load_stages:
         engine = _engine(stages, zero=2, micros=4)
         engine.load_checkpoint(path)  # type: ignore[attr-defined]
-        out.append({"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},  # type: ignore[attr-defined]
-                    "eval": _eval_loss(engine), "steps": engine.global_steps})  # type: ignore[attr-defined]
+        out.append(
+            {
+                "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},  # type: ignore[attr-defined]
+                "eval": _eval_loss(engine),
+                "steps": engine.global_steps,
+            }
+        )  # type: ignore[attr-defined]
         engine.train_batch(_batches(engine, 2, 4, None))  # type: ignore[attr-defined] - optimizer state loads and steps
         engine.destroy()  # type: ignore[attr-defined]
     return out
@@ -127,18 +173,27 @@ def failing_stage(rank: int, world: int) -> str:
     import time
 
     engine = _engine(world, zero=0, micros=4)
+    for call in (engine.backward, engine.step):  # type: ignore[attr-defined]
+        try:
+            call(torch.zeros(()))
+        except Exception as exc:
+            assert "train_batch" in str(exc), exc
+        else:
+            raise AssertionError(f"{call.__name__}() on a pipeline engine must raise")
     boom = {"calls": 0}
     if engine.is_last_stage():  # type: ignore[attr-defined]
+
         def loss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             boom["calls"] += 1
             if boom["calls"] == 3:
                 raise ValueError("boom in the loss")
             return pm.loss_fn(out, labels)
+
         engine.module.loss_fn = loss  # type: ignore[attr-defined]
     started = time.monotonic()
     try:
         engine.train_batch(_batches(engine, 0, 4, None))  # type: ignore[attr-defined]
-    except Exception as exc:  # noqa: BLE001 - the message is the result
+    except Exception as exc:
         return f"{time.monotonic() - started:.1f}|{exc}"
     return "no error"
 
@@ -146,16 +201,19 @@ def failing_stage(rank: int, world: int) -> str:
 def two_process_suite(rank: int, world: int, *, path: str) -> dict:
     from slipstream.comm import collectives
 
-    out = {"cases": run_cases(rank, world, cases=TWO),
-           "reload": save_then_load(rank, world, save_stages=2, load_stages=[1], path=path)}
+    out = {
+        "cases": run_cases(rank, world, cases=TWO),
+        "reload": save_then_load(rank, world, save_stages=2, load_stages=[1], path=path),
+    }
     collectives.set_collective_timeout(6.0)
     out["failure"] = failing_stage(rank, world)
     return out
 
 
 def test_two_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    results = run_distributed(two_process_suite, world_size=2, tmp_dir=tmp_path / "run", timeout_s=240,
-                              path=str(tmp_path / "ckpt"))
+    results = run_distributed(
+        two_process_suite, world_size=2, tmp_dir=tmp_path / "run", timeout_s=240, path=str(tmp_path / "ckpt")
+    )
     for i, case in enumerate(TWO):
         _check(case, [results[r]["cases"][i] for r in range(2)], 2)
     _check_reload([r["reload"] for r in results], loads=1)
@@ -164,17 +222,21 @@ def test_two_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
         assert message and float(seconds) < 12, f"rank {rank}: {result['failure']}"
         assert "stage 1" in message and "rank 1" in message and "boom in the loss" in message, message
 
+
 FOUR = [dict(stages=2, zero=1), dict(stages=2, zero=2, schedule="interleaved_1f1b")]
 
 
 def four_process_suite(rank: int, world: int, *, path: str) -> dict:
-    return {"cases": run_cases(rank, world, cases=FOUR),
-            "reload": save_then_load(rank, world, save_stages=2, load_stages=[4, 1], path=path)}
+    return {
+        "cases": run_cases(rank, world, cases=FOUR),
+        "reload": save_then_load(rank, world, save_stages=2, load_stages=[4, 1], path=path),
+    }
 
 
 def test_four_processes_two_stages_by_two_replicas(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    results = run_distributed(four_process_suite, world_size=4, tmp_dir=tmp_path / "run", timeout_s=240,
-                              path=str(tmp_path / "ckpt"))
+    results = run_distributed(
+        four_process_suite, world_size=4, tmp_dir=tmp_path / "run", timeout_s=240, path=str(tmp_path / "ckpt")
+    )
     for i, case in enumerate(FOUR):
         _check(case, [results[r]["cases"][i] for r in range(4)], 4)
     _check_reload([r["reload"] for r in results], loads=2)
