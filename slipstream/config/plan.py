@@ -201,6 +201,14 @@ class LoggingPlan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PipelinePlan:
+    """What the pipeline engine takes from the `pipeline` section (slipstream/pipe/engine.py)."""
+
+    activation_checkpoint_interval: int
+    """Layers per activation checkpoint; > 0 overrides the PipelineModule's own interval (as in DeepSpeed)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EnginePlan:
     """Everything the engine needs, resolved from one DeepSpeed config."""
 
@@ -213,6 +221,7 @@ class EnginePlan:
     logging: LoggingPlan
     dataloader_drop_last: bool
     checkpoint: CheckpointPlan
+    pipeline: PipelinePlan
     collective_timeout: float | None
     """Seconds before a collective that some rank never reached raises; None: the environment's default."""
     unimplemented: tuple[str, ...]

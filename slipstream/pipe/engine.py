@@ -66,6 +66,8 @@ class PipelineEngine(nn.Module):
         self.device = get_accelerator().device(get_accelerator().current_device())
         for key in plan.unimplemented:
             warn_once(f"unimplemented:{key}", f"slipstream: config key '{key}' is accepted but not implemented yet")
+        if plan.pipeline.activation_checkpoint_interval > 0:  # the config seeds the module's interval (DeepSpeed)
+            module.activation_checkpoint_interval = plan.pipeline.activation_checkpoint_interval
         self._place()
         self.basic_optimizer = make_optimizer(module)
         self.optimizer: ZeroOptimizer | None = None

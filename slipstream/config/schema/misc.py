@@ -123,6 +123,8 @@ class AioConfig(DSModel):
 class PipelineConfig(OpenSection):
     """`pipeline`: pipeline parallelism."""
 
+    IMPLEMENTED = {"activation_checkpoint_interval": "pipeline.activation_checkpoint_interval"}
+
     LITERAL_AUTO = frozenset({"stages"})
     stages: Literal["auto"] | DSInt = "auto"
     """Number of pipeline stages, or "auto"."""

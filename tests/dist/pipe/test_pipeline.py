@@ -38,6 +38,7 @@ def _engine(
     schedule: str = "1f1b",
     interval: int = 0,
     partition: object = "parameters",
+    config_interval: int = 0,
 ) -> object:
     import slipstream
     from slipstream.pipe import PipelineModule
@@ -49,11 +50,23 @@ def _engine(
         seed_layers=True,
         partition_method=partition,
         activation_checkpoint_interval=interval,
+        activation_checkpoint_func=_counting_checkpoint,
         schedule=schedule,
     )
     dp = dist.get_world_size() // stages
-    engine, *_ = slipstream.initialize(model=module, config=_config(zero, micros, dp))
+    extra = {"pipeline": {"activation_checkpoint_interval": config_interval}} if config_interval else {}
+    engine, *_ = slipstream.initialize(model=module, config=_config(zero, micros, dp, **extra))
     return engine
+
+
+CHECKPOINTED = [0]
+
+
+def _counting_checkpoint(function: object, *args: object) -> object:
+    from torch.utils.checkpoint import checkpoint
+
+    CHECKPOINTED[0] += 1
+    return checkpoint(function, *args, use_reentrant=False)  # type: ignore[arg-type]
 
 
 def _batches(engine: object, step: int, micros: int, seqs: list[int] | None) -> object:
@@ -69,8 +82,18 @@ def train_case(
     schedule: str = "1f1b",
     interval: int = 0,
     seqs: list[int] | None = None,
+    config_interval: int = 0,
 ) -> dict:
-    engine = _engine(stages, zero=zero, micros=micros, kind=kind, schedule=schedule, interval=interval)
+    CHECKPOINTED[0] = 0
+    engine = _engine(
+        stages,
+        zero=zero,
+        micros=micros,
+        kind=kind,
+        schedule=schedule,
+        interval=interval,
+        config_interval=config_interval,
+    )
     losses, norms = [], []
     for step in range(STEPS):
         losses.append(float(engine.train_batch(_batches(engine, step, micros, seqs))))  # type: ignore[attr-defined]
@@ -78,7 +101,7 @@ def train_case(
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}  # type: ignore[attr-defined]
     engine.destroy()  # type: ignore[attr-defined]
     dist.barrier()
-    return {"params": params, "losses": losses, "norms": norms}
+    return {"params": params, "losses": losses, "norms": norms, "checkpointed": CHECKPOINTED[0]}
 
 
 def run_cases(rank: int, world: int, *, cases: list[dict]) -> list[dict]:
@@ -116,7 +139,7 @@ def _check(case: dict, results: list[dict], world: int) -> None:
 
 TWO = [
     dict(stages=2, zero=0),
-    dict(stages=2, zero=1, interval=1),
+    dict(stages=2, zero=1, config_interval=1),  # the config's pipeline.activation_checkpoint_interval
     dict(stages=2, zero=2, schedule="interleaved_1f1b"),
     dict(stages=2, zero=1, schedule="interleaved_zero_bubble"),
     dict(stages=2, zero=2, schedule="zbv_zero_bubble"),
@@ -216,6 +239,8 @@ def test_two_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
     )
     for i, case in enumerate(TWO):
         _check(case, [results[r]["cases"][i] for r in range(2)], 2)
+        checkpointed = [results[r]["cases"][i]["checkpointed"] for r in range(2)]
+        assert all(checkpointed) if case.get("config_interval") else not any(checkpointed), (case, checkpointed)
     _check_reload([r["reload"] for r in results], loads=1)
     for rank, result in enumerate(results):
         seconds, _, message = result["failure"].partition("|")
