@@ -111,6 +111,7 @@ def _serve(args: argparse.Namespace) -> None:
         from deepspeed.pipe import LayerSpec, PipelineModule
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        deepspeed.init_distributed(dist_backend="gloo")  # adopts the group created above
         module = PipelineModule([LayerSpec(Block) for _ in range(args.blocks)], num_stages=2, loss_fn=F.mse_loss,
                                 partition_method="uniform")
         engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=_ds_config(args))

@@ -94,7 +94,6 @@ class PipelineEngine(nn.Module):
         self.batch_fn: Callable[[Any], Any] | None = None
         exchanger = Exchanger(
             num_virtual=module.num_virtual_stages,
-            max_micro=max(self.micro_batches, 1),
             dynamic=module.dynamic_shape,
             device=self.device,
         )
@@ -242,17 +241,30 @@ class PipelineEngine(nn.Module):
         collectives.all_reduce(total)
         return (total / (self.dp_world_size * self.micro_batches)).float().reshape(())
 
-    @torch.no_grad()
     def eval_batch(
         self,
         data_iter: Iterator[Any],
         return_logits: bool = False,
         compute_loss: bool = True,
         reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
     ) -> Any:
-        """Forward only over one batch. With `compute_loss` (and a loss_fn), the loss ('avg' over micro-batches
-        and data-parallel ranks, on every rank; None: the list of per-micro-batch losses, last stage only);
-        `return_logits`: also the last stage's outputs (None on other stages)."""
+        """Forward only over one batch (`num_micro_batches`, default gradient_accumulation_steps). With
+        `compute_loss` (and a loss_fn), the loss ('avg' over micro-batches and data-parallel ranks, on every
+        rank, or on the last stage only without `bcast_loss`; None: the list of per-micro-batch losses, last
+        stage only); `return_logits`: also the last stage's outputs (None on other stages)."""
+        saved_micros = self.micro_batches
+        self.micro_batches = int(num_micro_batches or saved_micros)
+        try:
+            return self._eval(data_iter, return_logits, compute_loss, reduce_output, bcast_loss)
+        finally:
+            self.micro_batches = saved_micros
+
+    @torch.no_grad()
+    def _eval(
+        self, data_iter: Any, return_logits: bool, compute_loss: bool, reduce_output: str | None, bcast_loss: bool
+    ) -> Any:
         self.module.eval()
         inputs, labels = self._next_micro_batches(data_iter)
         saved_loss = self.module.loss_fn
@@ -267,6 +279,7 @@ class PipelineEngine(nn.Module):
             self.module.loss_fn = saved_loss
         if reduce_output == "avg" and compute_loss:
             result: Any = self._mean_over_batch(outputs)
+            result = result if bcast_loss or self.is_last_stage() else None
         else:
             result = outputs if self.is_last_stage() else None
         if return_logits:

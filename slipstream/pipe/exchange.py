@@ -33,6 +33,7 @@ _DTYPES = {
     )
 }
 _PARTS = 1024  # messages per transfer (2 + the tensors)
+_MICROS = 4096  # micro-batches per batch that tags can tell apart
 
 
 def flatten(tree: Any) -> tuple[Any, list[torch.Tensor]]:
@@ -97,15 +98,17 @@ def tensor_specs(spec: Any) -> list[dict[str, Any]]:
 class Exchanger:
     """Sends and receives pytrees between pipeline stages for one engine (keeps pending sends until `flush`)."""
 
-    def __init__(self, *, num_virtual: int, max_micro: int, dynamic: bool, device: torch.device) -> None:
-        self.num_virtual, self.max_micro, self.dynamic, self.device = num_virtual, max_micro, dynamic, device
+    def __init__(self, *, num_virtual: int, dynamic: bool, device: torch.device) -> None:
+        self.num_virtual, self.dynamic, self.device = num_virtual, dynamic, device
         self._pending: list[tuple[p2p.PendingSend, Any]] = []
         self._sent_specs: dict[tuple[int, str], str] = {}
         self._recv_specs: dict[tuple[int, str], Any] = {}
 
     def _tag(self, direction: str, stage: int, micro: int, part: int) -> int:
+        if micro >= _MICROS:
+            raise ValueError(f"a pipeline batch has at most {_MICROS} micro-batches; got micro-batch {micro}")
         kind = 0 if direction == "act" else 1
-        return (((kind * self.num_virtual + stage) * self.max_micro + micro) * _PARTS) + part
+        return (((kind * self.num_virtual + stage) * _MICROS + micro) * _PARTS) + part
 
     def send(self, tree: Any, *, dst: int, direction: str, stage: int, micro: int, what: str) -> None:
         spec, tensors = flatten(tree)

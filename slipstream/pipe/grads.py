@@ -60,17 +60,13 @@ class _PipelineGrads:
 
     def _reduce_for_step(self) -> None:
         super()._reduce_for_step()  # type: ignore[misc]
-        for key in sorted(self._tied, key=lambda k: self._tied_order(k)):
-            param, group, _ = self._tied[key]
+        for key, (param, group, _) in self._tied.items():  # in tied-key order on every rank (module.py)
             total = self._tied_grads[key]
             collectives.all_reduce(total, group=group)
             flat_total = total.reshape(-1)
             for grad, cut in self._owned_parts(param):
                 grad.add_(flat_total[cut].to(grad.dtype))
             total.zero_()
-
-    def _tied_order(self, key: int) -> int:
-        return list(self._tied).index(key)
 
     def _local_grad_stats(self, owned: list[torch.Tensor]) -> torch.Tensor:
         stats = super()._local_grad_stats(owned)  # type: ignore[misc]

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from slipstream.pipe.partition import partition
 from slipstream.pipe.schedule import SCHEDULES
-from slipstream.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
+from slipstream.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology, group_of
 
 __all__ = ["LayerSpec", "PipelineError", "PipelineModule", "TiedLayerSpec", "owner_of"]
 
@@ -215,7 +215,7 @@ class PipelineModule(nn.Module):
             if len(stages) < 2 and self._grid.data_parallel_size == 1:
                 continue
             ranks = sorted(r for s in stages for r in self._topo.filter_match(pipe=s))
-            group = dist.new_group(ranks) if len(ranks) < dist.get_world_size() else dist.group.WORLD
+            group = group_of(ranks)
             if self.stage_id in stages:
                 groups[key] = (group, ranks)
         return groups

@@ -15,6 +15,20 @@ from typing import Any
 
 import torch.distributed as dist
 
+_GROUPS: dict[tuple[int, tuple[int, ...]], tuple[Any, Any]] = {}
+
+
+def group_of(ranks: list[int]) -> Any:
+    """The process group of `ranks` (WORLD when that is every rank), created once per default group and kept:
+    every rank asks for every group in the same order, so the caches agree and new_group is called in step."""
+    if len(ranks) == dist.get_world_size():
+        return dist.group.WORLD
+    world = dist.group.WORLD
+    key = (id(world), tuple(ranks))  # the entry keeps `world` alive, so its id is not reused while cached
+    if key not in _GROUPS:
+        _GROUPS[key] = (world, dist.new_group(list(ranks)))
+    return _GROUPS[key][1]
+
 
 class ProcessTopology:
     """Maps n-dimensional coordinates (one per axis) to linear ranks and back."""
@@ -108,11 +122,11 @@ class PipelineParallelGrid:
         self.dp_group: Any = None
         self.pp_group: Any = None
         for ranks in topology.get_axis_comm_lists("data") or [[r] for r in range(self.world_size)]:
-            group = dist.new_group(ranks) if len(ranks) < self.world_size else dist.group.WORLD
+            group = group_of(ranks)
             if self.global_rank in ranks:
                 self.dp_group, self.dp_ranks = group, ranks
         for ranks in topology.get_axis_comm_lists("pipe") or [[r] for r in range(self.world_size)]:
-            group = dist.new_group(ranks) if len(ranks) < self.world_size else dist.group.WORLD
+            group = group_of(ranks)
             if self.global_rank in ranks:
                 self.pp_group, self.pipe_ranks = group, ranks
 
