@@ -3,8 +3,8 @@ keys, and constants), with shapes that may change from one micro-batch to the ne
 
 One transfer is: a header (an int64 tensor with the byte length of the description), the description (a
 JSON text: the tree with each tensor's shape, dtype and requires_grad), then each tensor. With
-`dynamic_shape=False` the description is sent with the first transfer of each (stage, direction) only and
-reused. Every message of one transfer has its own tag, derived from the direction, the virtual stage, the
+`dynamic_shape=False` the description is sent only when it differs from the last one sent for that (stage,
+direction); a header of 0 says "as before". Every message of one transfer has its own tag, derived from the direction, the virtual stage, the
 micro-batch and its position, so messages never match the wrong receive.
 """
 

@@ -141,7 +141,8 @@ class PipelineModule(nn.Module):
         )
         self.checkpointable_layers = checkpointable_layers
         self.dynamic_shape = bool(dynamic_shape)
-        """True (default): activation structure and shapes are sent with every micro-batch; False caches them."""
+        """True (default): each transfer carries the activation's description (structure, shapes, dtypes); False:
+        only when it differs from the previous one on that link (one message less per transfer)."""
         self._layer_specs = list(layers)
         self.partition_method = partition_method
         self.layer_params = self._count_layer_params()

@@ -39,6 +39,7 @@ def _engine(
     interval: int = 0,
     partition: object = "parameters",
     config_interval: int = 0,
+    dynamic_shape: bool = True,
 ) -> object:
     import slipstream
     from slipstream.pipe import PipelineModule
@@ -51,6 +52,7 @@ def _engine(
         partition_method=partition,
         activation_checkpoint_interval=interval,
         activation_checkpoint_func=_counting_checkpoint,
+        dynamic_shape=dynamic_shape,
         schedule=schedule,
     )
     dp = dist.get_world_size() // stages
@@ -83,6 +85,7 @@ def train_case(
     interval: int = 0,
     seqs: list[int] | None = None,
     config_interval: int = 0,
+    dynamic_shape: bool = True,
 ) -> dict:
     CHECKPOINTED[0] = 0
     engine = _engine(
@@ -93,6 +96,7 @@ def train_case(
         schedule=schedule,
         interval=interval,
         config_interval=config_interval,
+        dynamic_shape=dynamic_shape,
     )
     losses, norms = [], []
     for step in range(STEPS):
@@ -143,7 +147,8 @@ TWO = [
     dict(stages=2, zero=2, schedule="interleaved_1f1b"),
     dict(stages=2, zero=1, schedule="interleaved_zero_bubble"),
     dict(stages=2, zero=2, schedule="zbv_zero_bubble"),
-    dict(stages=2, zero=1, kind="dict", seqs=[5, 3, 7, 4]),
+    # a dict activation whose shapes change; dynamic_shape=False still resends the description when it changes
+    dict(stages=2, zero=1, kind="dict", seqs=[5, 3, 7, 4], dynamic_shape=False),
 ]
 
 
