@@ -50,6 +50,19 @@ def _one_f_one_b(rank: int, stages: int, micros: int) -> list[Action]:
 
 
 def _torch_table(class_name: str, rank: int, stages: int, chunks: int, micros: int) -> list[Action]:
+    try:
+        return _read_torch_table(class_name, rank, stages, chunks, micros)
+    except (ImportError, AttributeError, TypeError, KeyError) as exc:
+        import torch
+
+        raise RuntimeError(
+            f"the pipeline schedule from torch.distributed.pipelining.{class_name} could not be read with torch "
+            f"{torch.__version__} ({type(exc).__name__}: {exc}); Slipstream reads its tables as torch 2.13 lays "
+            "them out. Use schedule='1f1b' (Slipstream's own) or torch 2.13"
+        ) from exc
+
+
+def _read_torch_table(class_name: str, rank: int, stages: int, chunks: int, micros: int) -> list[Action]:
     from torch.distributed.pipelining import schedules
 
     cls = getattr(schedules, class_name)
