@@ -254,6 +254,19 @@ class _CompositeLoader:
         return None
 
 
+def _declared_below_target(fullname: str) -> str | None:
+    """The declared DeepSpeed path that `fullname` spells through an alias's target, or None.
+
+    `from slipstream.runtime.zero import config` looks up `config` below the module's own name,
+    `slipstream.zero`; that name stands for the declared `slipstream.runtime.zero.config`."""
+    for alias, target in ALIASES.items():
+        if fullname.startswith(target + "."):
+            candidate = alias + fullname[len(target) :]
+            if candidate in ALIASES or candidate in COMPOSITES:
+                return candidate
+    return None
+
+
 def _is_ours(fullname: str) -> bool:
     """True when `fullname` is a file of the package under its own name (the regular finders load it)."""
     import importlib.machinery
@@ -278,13 +291,15 @@ class _AliasFinder:
         if fullname in COMPOSITES:
             if _is_ours(fullname):
                 return None  # a package of ours that also answers DeepSpeed names (its __getattr__)
-            return importlib.util.spec_from_loader(fullname, _CompositeLoader(), is_package=True)
-        target_name = _target(fullname)
+            composite: Any = _CompositeLoader()
+            return importlib.util.spec_from_loader(fullname, composite, is_package=True)
+        target_name = _target(fullname) or _declared_below_target(fullname)
         if target_name is None:
             return None
         if target_name not in COMPOSITES and importlib.util.find_spec(target_name) is None:
             return None
-        return importlib.util.spec_from_loader(fullname, _AliasLoader(target_name))
+        loader: Any = _AliasLoader(target_name)
+        return importlib.util.spec_from_loader(fullname, loader)
 
 
 def add_prefix(prefix: str, target: str) -> None:
