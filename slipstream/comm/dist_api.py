@@ -43,7 +43,16 @@ __all__ = [
     "enable_symm_mem_for_group",
     "gather",
     "get_all_ranks_from_group",
+    "get_comm_operation_count",
     "get_global_rank",
+    "get_local_rank_from_launcher",
+    "get_logged_comm_ops",
+    "get_world_rank_from_launcher",
+    "get_world_size_from_launcher",
+    "has_comm_data",
+    "init_deepspeed_backend",
+    "reset_log",
+    "set_backend",
     "get_local_rank",
     "get_rank",
     "get_world_group",
@@ -347,6 +356,18 @@ def in_dlts() -> bool:
     return "DLTS_JOB_ID" in os.environ
 
 
+def get_local_rank_from_launcher() -> int:
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
+
+
+def get_world_rank_from_launcher() -> int:
+    return int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+
+
+def get_world_size_from_launcher() -> int:
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+
+
 def timed_op(func: Callable[..., Any]) -> Callable[..., Any]:
     """DeepSpeed's timing decorator: collectives here are counted by `count_collectives`; returns `func`."""
     return func
@@ -365,6 +386,12 @@ _LOGGER = (
 )
 configure = _not_implemented("configure", _LOGGER)
 log_summary = _not_implemented("log_summary", _LOGGER)
+reset_log = _not_implemented("reset_log", _LOGGER)
+has_comm_data = _not_implemented("has_comm_data", _LOGGER)
+get_comm_operation_count = _not_implemented("get_comm_operation_count", _LOGGER)
+get_logged_comm_ops = _not_implemented("get_logged_comm_ops", _LOGGER)
+set_backend = _not_implemented("set_backend", "the backend is chosen by init_distributed(dist_backend=...)")
+init_deepspeed_backend = _not_implemented("init_deepspeed_backend", "DeepSpeed's own backends (ccl, hccl) are not used")
 mpi_discovery = _not_implemented("mpi_discovery", "start MPI jobs with `slipstream run --launcher openmpi`")
 patch_aml_env_for_torch_nccl_backend = _not_implemented(
     "patch_aml_env_for_torch_nccl_backend", "set MASTER_ADDR/MASTER_PORT yourself"
