@@ -64,6 +64,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "RepeatingLoader": "slipstream.engine.dataloader:RepeatingLoader",
         "clip_grad_norm_": f"{_RT}:clip_grad_norm_",
         "get_global_norm": f"{_RT}:get_global_norm",
+        "move_to_device": f"{_RT}:move_to_device",
     },
     "slipstream.runtime.dataloader": {
         "RepeatingLoader": "slipstream.engine.dataloader:RepeatingLoader",
@@ -109,6 +110,13 @@ COMPOSITES: dict[str, dict[str, str]] = {
     "slipstream.runtime.checkpoint_engine.torch_checkpoint_engine": {
         "TorchCheckpointEngine": "slipstream.compat.checkpoint_engine:TorchCheckpointEngine",
     },
+    "slipstream.ops.adagrad": {
+        "DeepSpeedCPUAdagrad": "torch.optim:Adagrad",
+    },
+    "slipstream.ops.lion": {
+        "DeepSpeedCPULion": "slipstream.engine.optimizers:Lion",
+        "FusedLion": "slipstream.engine.optimizers:Lion",
+    },
     "slipstream.checkpoint.utils": {
         "clone_tensors_for_torch_save": f"{_RT}:clone_tensors_for_torch_save",
     },
@@ -136,6 +144,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
             )
         },
         "groups": "slipstream.compat.groups",
+        "is_initialized": "slipstream.comm.init:is_initialized",
     },
     "slipstream.utils.groups": {
         name: f"slipstream.compat.groups:{name}"

@@ -24,6 +24,7 @@ __all__ = [
     "get_global_norm",
     "is_zero_supported_optimizer",
     "log_dist",
+    "move_to_device",
     "logger",
     "required_torch_version",
     "see_memory_usage",
@@ -127,6 +128,20 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") 
         return type(item)(clone_tensors_for_torch_save(v, device) for v in item)
     if isinstance(item, dict):
         return type(item)({k: clone_tensors_for_torch_save(v, device) for k, v in item.items()})
+    return item
+
+
+def move_to_device(item: Any, device: Any, criterion_func: Callable[[Any], bool] | None = None) -> Any:
+    """Move the tensors in `item` (nested lists, tuples, dicts) that `criterion_func` accepts (all, when None)
+    to `device`, in place (their `.data` changes, so references stay valid); returns the same structure."""
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    if isinstance(item, torch.Tensor) and (criterion_func is None or criterion_func(item)):
+        item.data = item.data.to(device)
     return item
 
 

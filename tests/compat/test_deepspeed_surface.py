@@ -147,6 +147,17 @@ def test_runtime_paths() -> None:
     set_random_seed(7)
     assert torch.equal(first, torch.rand(3))
     see_memory_usage("surface test", force=True)
+    from slipstream.runtime.utils import move_to_device
+
+    moved = move_to_device({"a": [torch.zeros(1, dtype=torch.float64)]}, "cpu", lambda t: t.dtype == torch.float64)
+    assert moved["a"][0].device.type == "cpu"
+    from slipstream.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME
+    from slipstream.ops.adagrad import DeepSpeedCPUAdagrad
+    from slipstream.ops.lion import DeepSpeedCPULion
+
+    assert DEEPSPEED_ENVIRONMENT_NAME == ".deepspeed_env"
+    for cls in (DeepSpeedCPUAdagrad, DeepSpeedCPULion):  # Accelerate builds them from a torch optimizer's defaults
+        assert cls([torch.nn.Parameter(torch.zeros(1))], lr=0.1, weight_decay=0.0).param_groups[0]["lr"] == 0.1
     loader = RepeatingLoader([1, 2])
     assert [next(loader) for _ in range(5)] == [1, 2, 1, 2, 1]
 
@@ -180,6 +191,7 @@ def test_utils_checkpoint_ops_and_top_level(tmp_path) -> None:  # type: ignore[n
     from slipstream.utils.torch import required_torch_version
 
     assert logger.name == "slipstream" and RepeatingLoader.__name__ == "RepeatingLoader"
+    assert slipstream.utils.is_initialized() is False  # transformers' ESMFold asks deepspeed.utils
     assert groups.get_data_parallel_world_size() == 1 and groups.get_model_parallel_world_size() == 1
     assert required_torch_version(min_version=1.9) and not required_torch_version(max_version=1.0)
     assert callable(set_z3_leaf_modules)
