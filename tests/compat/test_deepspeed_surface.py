@@ -181,7 +181,28 @@ def test_runtime_paths() -> None:
     assert fp16.DynamicLossScaler.__name__ == "DynamicLossScaler" and bf16_optimizer.BF16_Optimizer is not None
     assert importlib.import_module("slipstream.runtime.fp16.loss_scaler").DynamicLossScaler is fp16.DynamicLossScaler
     assert isinstance(checkpoint_engine.TorchCheckpointEngine(), checkpoint_engine.CheckpointEngine)
-    assert importlib.import_module("slipstream.runtime.zero.stage3") is importlib.import_module("slipstream.zero.stage3")
+    from slipstream.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from slipstream.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from slipstream.zero.optimizer import ZeroOptimizer
+    from slipstream.zero.stage3.optimizer import Stage3Optimizer
+
+    assert DeepSpeedZeroOptimizer_Stage3 is Stage3Optimizer and DeepSpeedZeroOptimizer is ZeroOptimizer
+    ours = importlib.import_module("slipstream.zero.stage3")  # DeepSpeed's stage3 path does not capture ours
+    assert ours.__name__ == "slipstream.zero.stage3" and not hasattr(ours, "DeepSpeedZeroOptimizer_Stage3")
+    from slipstream.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from slipstream.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    assert FP16_Optimizer is FP16_UnfusedOptimizer is ZeroOptimizer
+    from slipstream.runtime.activation_checkpointing import checkpointing
+
+    assert checkpointing is slipstream.checkpointing
+    assert importlib.import_module("slipstream.runtime.activation_checkpointing.checkpointing") is checkpointing
+    layer = torch.nn.Linear(3, 3)
+    inputs = torch.ones(2, 3, requires_grad=True)
+    checkpointing.checkpoint(layer, inputs).sum().backward()
+    assert inputs.grad is not None and layer.weight.grad is not None
+    with pytest.raises(NotImplementedError, match="partition_activations"):
+        checkpointing.configure(None, partition_activations=True)
 
 
 def test_utils_checkpoint_ops_and_top_level(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -194,7 +215,17 @@ def test_utils_checkpoint_ops_and_top_level(tmp_path) -> None:  # type: ignore[n
     assert slipstream.utils.is_initialized() is False  # transformers' ESMFold asks deepspeed.utils
     assert groups.get_data_parallel_world_size() == 1 and groups.get_model_parallel_world_size() == 1
     assert required_torch_version(min_version=1.9) and not required_torch_version(max_version=1.0)
-    assert callable(set_z3_leaf_modules)
+    from slipstream.utils import get_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+
+    model = TinyMLP()
+    marked = set_z3_leaf_modules(model, [torch.nn.Linear])
+    assert get_z3_leaf_modules(model) == marked and z3_leaf_module(marked[0])
+    unset_z3_leaf_modules(model, ["Linear"])
+    assert get_z3_leaf_modules(model) == []
+    with slipstream.OnDevice(dtype=torch.bfloat16, device="meta"):
+        built = torch.nn.Linear(4, 4)
+    assert built.weight.device.type == "meta" and built.weight.dtype == torch.bfloat16
+    assert torch.get_default_dtype() == torch.float32 and torch.ones(1).device.type == "cpu"
     flat = torch.arange(10.0)
     saved = clone_tensors_for_torch_save({"a": [flat[2:4]], "b": 1})
     assert saved["a"][0].tolist() == [2.0, 3.0] and saved["a"][0].untyped_storage().nbytes() == 8
