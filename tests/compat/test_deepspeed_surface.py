@@ -113,6 +113,13 @@ def test_comm_has_deepspeed_functions_counted_in_one_process() -> None:
     assert counter.calls["all_reduce"] == 2 and counter.calls["barrier"] == 1 and counter.calls["all_gather"] == 1
     with pytest.raises(NotImplementedError, match="log_summary"):
         comm.log_summary()
+    from slipstream.utils.deprecation import SlipstreamDeprecationWarning
+
+    with pytest.warns(SlipstreamDeprecationWarning, match="all_gather_into_tensor"):
+        comm.all_gather(flat := torch.empty(2), torch.tensor([4.0, 5.0]))  # Slipstream 0.1's flat form
+    with pytest.warns(SlipstreamDeprecationWarning, match="reduce_scatter_tensor"):
+        comm.reduce_scatter(part := torch.empty(2), torch.tensor([6.0, 7.0]))
+    assert flat.tolist() == [4.0, 5.0] and part.tolist() == [6.0, 7.0]
 
 
 def test_runtime_paths() -> None:
