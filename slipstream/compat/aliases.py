@@ -31,6 +31,7 @@ __all__ = ["ALIASES", "COMPOSITES", "add_prefix", "composite_attribute", "compos
 ALIASES: dict[str, str] = {
     "slipstream.utils.zero_to_fp32": "slipstream.compat.zero_to_fp32",
     "slipstream.checkpointing": "slipstream.compat.checkpointing",
+    "slipstream.comm.comm": "slipstream.comm.dist_api",
     "slipstream.runtime.activation_checkpointing.checkpointing": "slipstream.compat.checkpointing",
     "slipstream.runtime.zero": "slipstream.zero",
     "slipstream.runtime.zero.partition_parameters": "slipstream.zero.init",
@@ -50,6 +51,9 @@ COMPOSITES: dict[str, dict[str, str]] = {
     },
     "slipstream.runtime.lr_schedules": {
         "*": "slipstream.engine.lr_schedules slipstream.compat.lr_names",
+    },
+    "slipstream.constants": {
+        "TORCH_DISTRIBUTED_DEFAULT_PORT": "slipstream.comm.init:TORCH_DISTRIBUTED_DEFAULT_PORT",
     },
     "slipstream.runtime.engine": {
         "DeepSpeedEngine": "slipstream.engine.engine:SlipstreamEngine",

@@ -153,6 +153,10 @@ def test_comm_has_deepspeed_functions_counted_in_one_process() -> None:
         "timed_op",
     ]
     assert not [n for n in names if not hasattr(comm, n)]
+    from slipstream.comm.comm import init_distributed  # DeepSpeed's deepspeed.comm.comm
+    from slipstream.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+
+    assert init_distributed is comm.init_distributed and TORCH_DISTRIBUTED_DEFAULT_PORT == 29500
     assert comm.get_rank() == 0 and comm.get_world_size() == 1 and comm.get_local_rank() == 0
     comm.init_distributed()
     assert comm.is_initialized()
