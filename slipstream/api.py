@@ -122,6 +122,7 @@ def _pipeline_engine(
     """DeepSpeed's engine selection: a PipelineModule gets the pipeline engine (the optimizer, scheduler and
     data loader are made by the engine's builders, which only this entry point may use)."""
     from slipstream.engine import builders
+    from slipstream.engine.dataloader import RepeatingLoader
     from slipstream.pipe.engine import PipelineEngine
 
     engine = PipelineEngine(
@@ -130,5 +131,6 @@ def _pipeline_engine(
         make_optimizer=lambda module: builders.make_basic_optimizer(module, plan, optimizer, model_parameters),
         make_scheduler=lambda basic: builders.make_scheduler(plan, basic, lr_scheduler),
         make_dataloader=lambda rank, world: builders.make_dataloader(plan, training_data, collate_fn, rank, world),
+        repeat=RepeatingLoader,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

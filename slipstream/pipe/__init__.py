@@ -13,13 +13,12 @@ __all__ = [
     "PipelineModule",
     "PipelineParallelGrid",
     "ProcessTopology",
-    "RepeatingLoader",
     "TiedLayerSpec",
 ]
 
 
 def __getattr__(name: str) -> object:
-    if name in ("PipelineEngine", "RepeatingLoader"):
+    if name == "PipelineEngine":
         from slipstream.pipe import engine
 
         return getattr(engine, name)

@@ -47,6 +47,7 @@ class PipelineEngine(nn.Module):
         make_optimizer: Callable[[nn.Module], torch.optim.Optimizer | None],
         make_scheduler: Callable[[Any], Any],
         make_dataloader: Callable[[int, int], Any],
+        repeat: Callable[[Any], Any] = iter,
     ) -> None:
         super().__init__()
         if plan.zero.stage == 3:
@@ -90,6 +91,8 @@ class PipelineEngine(nn.Module):
             self.optimizer.param_names = {id(p): n for n, p in module.named_parameters()}
         self.lr_scheduler = make_scheduler(self.basic_optimizer)
         self.training_dataloader = make_dataloader(self.dp_rank, self.dp_world_size)
+        self._repeat = repeat
+        """Wraps the training loader so it restarts at its end (the engine's RepeatingLoader, from api.py)."""
         self.data_iterator: Iterator[Any] | None = None
         self.batch_fn: Callable[[Any], Any] | None = None
         exchanger = Exchanger(
@@ -171,7 +174,7 @@ class PipelineEngine(nn.Module):
                     "train_batch() needs data: pass data_iter=, call set_dataiterator(), or give "
                     "initialize(training_data=...)"
                 )
-            self.data_iterator = iter(RepeatingLoader(self.training_dataloader))
+            self.data_iterator = iter(self._repeat(self.training_dataloader))
         inputs, labels = [], []
         for _ in range(self.micro_batches):
             batch = next(self.data_iterator)
@@ -327,23 +330,6 @@ class _Capture:
     def __call__(self, outputs: Any, labels: Any) -> Any:
         self.into.append(outputs)
         return self.loss_fn(outputs, labels)
-
-
-class RepeatingLoader:
-    """DeepSpeed's `RepeatingLoader`: iterates a loader forever, restarting it when it ends."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader, self.data_iter = loader, iter(loader)
-
-    def __iter__(self) -> RepeatingLoader:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            return next(self.data_iter)
-        except StopIteration:
-            self.data_iter = iter(self.loader)
-            return next(self.data_iter)
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
