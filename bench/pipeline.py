@@ -53,8 +53,10 @@ def _data(args: argparse.Namespace, step: int):
     import torch
 
     gen = torch.Generator().manual_seed(step)
-    return [(torch.randn(args.micro, args.width, generator=gen), torch.randn(args.micro, args.width, generator=gen))
-            for _ in range(args.micros)]
+    return [
+        (torch.randn(args.micro, args.width, generator=gen), torch.randn(args.micro, args.width, generator=gen))
+        for _ in range(args.micros)
+    ]
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -62,13 +64,25 @@ def _serve(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    os.environ.update({"RANK": str(args.rank), "LOCAL_RANK": str(args.rank), "WORLD_SIZE": str(args.world),
-                       "LOCAL_WORLD_SIZE": str(args.world), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(args.port)})
+    os.environ.update(
+        {
+            "RANK": str(args.rank),
+            "LOCAL_RANK": str(args.rank),
+            "WORLD_SIZE": str(args.world),
+            "LOCAL_WORLD_SIZE": str(args.world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(args.port),
+        }
+    )
     torch.set_num_threads(1)
     if args.world > 1:
-        dist.init_process_group("gloo", store=dist.FileStore(args.store, args.world), rank=args.rank,
-                                world_size=args.world, timeout=timedelta(minutes=10))
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(args.store, args.world),
+            rank=args.rank,
+            world_size=args.world,
+            timeout=timedelta(minutes=10),
+        )
     torch.manual_seed(0)
     Block, _ = _torch_modules(args.width, 0)
     row = args.serve
@@ -113,8 +127,9 @@ def _serve(args: argparse.Namespace) -> None:
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         deepspeed.init_distributed(dist_backend="gloo")  # adopts the group created above
-        module = PipelineModule([LayerSpec(Block) for _ in range(args.blocks)], num_stages=2, loss_fn=F.mse_loss,
-                                partition_method="uniform")
+        module = PipelineModule(
+            [LayerSpec(Block) for _ in range(args.blocks)], num_stages=2, loss_fn=F.mse_loss, partition_method="uniform"
+        )
         engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=_ds_config(args))
 
         def step(batch: list) -> float:
@@ -123,9 +138,14 @@ def _serve(args: argparse.Namespace) -> None:
         import slipstream
         from slipstream.pipe import LayerSpec, PipelineModule
 
-        module = PipelineModule([LayerSpec(Block) for _ in range(args.blocks)], num_stages=2, loss_fn=F.mse_loss,
-                                partition_method="uniform", schedule=row.removeprefix("ss_"),
-                                dynamic_shape=False)
+        module = PipelineModule(
+            [LayerSpec(Block) for _ in range(args.blocks)],
+            num_stages=2,
+            loss_fn=F.mse_loss,
+            partition_method="uniform",
+            schedule=row.removeprefix("ss_"),
+            dynamic_shape=False,
+        )
         engine, *_ = slipstream.initialize(model=module, config=_ds_config(args))
 
         def step(batch: list) -> float:
@@ -146,10 +166,14 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _ds_config(args: argparse.Namespace) -> dict:
-    return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.micros,
-            "train_batch_size": args.micro * args.micros, "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": 0}}
+    return {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": args.micros,
+        "train_batch_size": args.micro * args.micros,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 0},
+    }
 
 
 def _run_row(row: str, args: argparse.Namespace, python: str) -> dict | None:
@@ -157,8 +181,22 @@ def _run_row(row: str, args: argparse.Namespace, python: str) -> dict | None:
     with tempfile.TemporaryDirectory(prefix="pipe-bench-") as tmp:
         procs = []
         for rank in range(world):
-            cmd = [python, str(Path(__file__).resolve()), "--serve", row, "--rank", str(rank), "--world", str(world),
-                   "--store", f"{tmp}/store", "--out", f"{tmp}/out{rank}.json", "--port", str(29700 + rank)]
+            cmd = [
+                python,
+                str(Path(__file__).resolve()),
+                "--serve",
+                row,
+                "--rank",
+                str(rank),
+                "--world",
+                str(world),
+                "--store",
+                f"{tmp}/store",
+                "--out",
+                f"{tmp}/out{rank}.json",
+                "--port",
+                str(29700 + rank),
+            ]
             cmd += [f"--{k}={getattr(args, k)}" for k in ("width", "blocks", "micro", "micros", "warmup", "batches")]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
@@ -168,15 +206,20 @@ def _run_row(row: str, args: argparse.Namespace, python: str) -> dict | None:
             return None
         results = [json.loads(Path(f"{tmp}/out{r}.json").read_text()) for r in range(world)]
     batch = statistics.median(max(r["times"][i] for r in results) for i in range(args.batches))
-    return {"batch_s": batch, "samples_s": args.micro * args.micros / batch,
-            "peak_mib": [round(r["peak_mib"]) for r in results]}
+    return {
+        "batch_s": batch,
+        "samples_s": args.micro * args.micros / batch,
+        "peak_mib": [round(r["peak_mib"]) for r in results],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small model and 2 batches (smoke run)")
     parser.add_argument("--rows", default=",".join(ROWS))
-    parser.add_argument("--peer-python", default=os.environ.get("BENCH_PEER_PYTHON", str(REPO / ".bench-venv/bin/python")))
+    parser.add_argument(
+        "--peer-python", default=os.environ.get("BENCH_PEER_PYTHON", str(REPO / ".bench-venv/bin/python"))
+    )
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--micro", type=int, default=8)
@@ -193,8 +236,10 @@ def main() -> None:
     if args.quick:
         args.width, args.warmup, args.batches = 256, 1, 2
     params = args.blocks * 2 * (args.width * args.width + args.width)
-    print(f"MLP {args.blocks} blocks x width {args.width} ({params / 1e6:.1f}M params), micro-batch {args.micro}, "
-          f"{args.micros} micro-batches, 2 stages (gloo, 1 thread per rank)")
+    print(
+        f"MLP {args.blocks} blocks x width {args.width} ({params / 1e6:.1f}M params), micro-batch {args.micro}, "
+        f"{args.micros} micro-batches, 2 stages (gloo, 1 thread per rank)"
+    )
     results: dict[str, dict | None] = {}
     for _ in range(args.repeat):  # on a shared machine the best of several cycles is the least disturbed
         for row in args.rows.split(","):
