@@ -106,21 +106,46 @@ def build_reference(layer_specs: list, base_seed: int = 1234) -> tuple[nn.Module
 
 
 def reference(kind: str, *, steps: int, dp: int, micros: int, seqs: list[int] | None = None) -> dict:
+    batches = [
+        [micro_batch(step, r, m, seq=None if seqs is None else seqs[m]) for r in range(dp) for m in range(micros)]
+        for step in range(steps)
+    ]
+    return reference_on(kind, batches)
+
+
+def dataset(rows: int = 24) -> list[tuple[Tensor, Tensor]]:
+    """(tokens, labels) rows for initialize(training_data=...)."""
+    tokens, labels = micro_batch(7, 0, 0, size=rows)
+    return list(zip(tokens, labels))
+
+
+def loader_batches(rows: int, micro: int, micros: int, steps: int) -> list[list[tuple[Tensor, Tensor]]]:
+    """The micro-batches the engine's training loader gives one data-parallel rank (shuffled with seed 0, the
+    same order every epoch), restarted at its end, grouped by train_batch."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = dataset(rows)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)  # type: ignore[var-annotated]
+    order = list(DataLoader(data, batch_size=micro, sampler=sampler))  # type: ignore[arg-type]
+    flat = [order[i % len(order)] for i in range(micros * steps)]
+    return [[(b[0], b[1]) for b in flat[s * micros : (s + 1) * micros]] for s in range(steps)]
+
+
+def reference_on(kind: str, batches: list[list[tuple[Tensor, Tensor]]]) -> dict:
     root, funcs = build_reference(specs(kind))
     optimizer = torch.optim.AdamW(root.parameters(), lr=LR, weight_decay=0.0)
     losses, norms = [], []
-    for step in range(steps):
+    for batch in batches:
         total = 0.0
-        for r in range(dp):
-            for m in range(micros):
-                x, y = micro_batch(step, r, m, seq=None if seqs is None else seqs[m])
-                for f in funcs:
-                    x = f(x)
-                loss = loss_fn(x, y)
-                (loss / (dp * micros)).backward()
-                total += float(loss.detach())
+        for x, y in batch:
+            for f in funcs:
+                x = f(x)
+            loss = loss_fn(x, y)
+            (loss / len(batch)).backward()
+            total += float(loss.detach())
         norms.append(float(torch.nn.utils.clip_grad_norm_(root.parameters(), CLIP)))
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(total / (dp * micros))
+        losses.append(total / len(batch))
     return {"params": {n: p.detach().clone() for n, p in root.named_parameters()}, "losses": losses, "norms": norms}

@@ -226,12 +226,26 @@ def failing_stage(rank: int, world: int) -> str:
     return "no error"
 
 
+def data_case(rank: int, world: int) -> dict:
+    """initialize(training_data=...) and train_batch() without an iterator: the engine's loader, restarted."""
+    import slipstream
+    from slipstream.pipe import PipelineModule
+
+    module = PipelineModule(pm.specs(), num_stages=world, loss_fn=pm.loss_fn, seed_layers=True)
+    engine, _, loader, _ = slipstream.initialize(model=module, config=_config(1, 4, 1), training_data=pm.dataset())
+    losses = [float(engine.train_batch()) for _ in range(3)]
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"losses": losses, "params": params, "loader_batches": len(loader)}
+
+
 def two_process_suite(rank: int, world: int, *, path: str) -> dict:
     from slipstream.comm import collectives
 
     out = {
         "cases": run_cases(rank, world, cases=TWO),
         "reload": save_then_load(rank, world, save_stages=2, load_stages=[1], path=path),
+        "data": data_case(rank, world),
     }
     collectives.set_collective_timeout(6.0)
     out["failure"] = failing_stage(rank, world)
@@ -247,6 +261,14 @@ def test_two_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
         checkpointed = [results[r]["cases"][i]["checkpointed"] for r in range(2)]
         assert all(checkpointed) if case.get("config_interval") else not any(checkpointed), (case, checkpointed)
     _check_reload([r["reload"] for r in results], loads=1)
+    ref = pm.reference_on("plain", pm.loader_batches(24, 3, 4, 3))
+    assert results[0]["data"]["loader_batches"] == 8  # 12 micro-batches were drawn: the loader restarted
+    for result in results:
+        torch.testing.assert_close(
+            torch.tensor(result["data"]["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=1e-6
+        )
+        for name, value in result["data"]["params"].items():
+            torch.testing.assert_close(value, ref["params"][name], rtol=RTOL, atol=1e-6)
     for rank, result in enumerate(results):
         seconds, _, message = result["failure"].partition("|")
         assert message and float(seconds) < 12, f"rank {rank}: {result['failure']}"
