@@ -187,6 +187,16 @@ def save_then_load(rank: int, world: int, *, save_stages: int, load_stages: list
 
 def _check_reload(results: list[list[dict]], loads: int) -> None:
     saved = {n: v for rank in results for n, v in rank[0]["params"].items()}
+    root, funcs = pm.build_reference(pm.specs())
+    root.load_state_dict(saved)  # eval_batch of the saving engine against one process with its parameters
+    with torch.no_grad():
+        expected = []
+        for m in range(4):
+            x, y = pm.micro_batch(99, 0, m)
+            for f in funcs:
+                x = f(x)
+            expected.append(float(pm.loss_fn(x, y)))
+    assert abs(results[0][0]["eval"] - sum(expected) / 4) <= RTOL * abs(results[0][0]["eval"])
     for i in range(1, loads + 1):
         assert len({round(rank[i]["eval"], 6) for rank in results}) == 1
         assert abs(results[0][i]["eval"] - results[0][0]["eval"]) <= 1e-6 * abs(results[0][0]["eval"]) + 1e-7
