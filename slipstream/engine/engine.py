@@ -37,6 +37,7 @@ from slipstream.engine.model_saving import ModelSaving
 from slipstream.engine.monitor import StepFigures
 from slipstream.engine.observe import CommsLog, StepProfiler
 from slipstream.utils.logging import get_logger, log_rank0, warn_once
+from slipstream.utils.progress import Progress
 from slipstream.zero.build import build_zero
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
@@ -101,6 +102,11 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
             )
         )
         self._comms_log = None if comms is None else CommsLog(comms, rank=self.global_rank)
+        self._progress = (
+            Progress("train", unit="step", lines=False)  # a bar in a terminal; the step lines otherwise
+            if self.global_rank == 0 and plan.logging.steps_per_print
+            else None
+        )
         if plan.activation_checkpointing is not None:
             checkpointing.configure_from_plan(plan.activation_checkpointing)
 
@@ -261,6 +267,8 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         totals.zero_()
         self._user_scaled_window = False
         every = self.plan.logging.steps_per_print
+        if self._progress is not None:
+            self._progress.advance(1, "" if self._last_loss is None else f"loss {self._last_loss:.4f}")
         if not every or self.global_steps % every != 0:
             return
         if self._comms_log is not None:
@@ -278,6 +286,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
             samples_per_s=every * self.train_batch_size() / max(elapsed, 1e-9),
             step_time_s=elapsed / every,
             breakdown=dict(self._timers) if self.plan.logging.wall_clock_breakdown else None,
+            memory_bytes=self.accelerator.memory_allocated() if self.monitors else None,
             rates=""
             if self._step_profiler is None
             else self._step_profiler.rates(
@@ -328,6 +337,8 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
     def destroy(self) -> None:
         if self._comms_log is not None:
             self._comms_log.close()
+        if self._progress is not None:
+            self._progress.finish()
         if self.optimizer is not None:
             self.optimizer.remove_hooks()
         if self.zero_model is not None:

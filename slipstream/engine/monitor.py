@@ -1,7 +1,8 @@
 """Training figures: the rank-0 progress line every `steps_per_print` steps, and the csv/tensorboard monitors.
 
 Events use DeepSpeed's names (`Train/Samples/train_loss`, `Train/Samples/lr`, `Train/Samples/loss_scale`,
-`Train/Samples/grad_norm`), indexed by global samples as DeepSpeed does. The csv monitor writes one file per
+`Train/Samples/grad_norm`), indexed by global samples as DeepSpeed does, plus `Train/Samples/samples_per_sec` and
+`Train/Samples/memory_bytes` (what `slipstream plot` draws). The csv monitor writes one file per
 event, `<output_path>/<job_name>/<event with / as _>.csv`, with a `step,value` header.
 """
 
@@ -28,6 +29,7 @@ class StepFigures:
     step_time_s: float
     breakdown: dict[str, float] | None = None
     rates: str = ""  # achieved FLOP/s and MFU once the flops profiler has counted a step
+    memory_bytes: int | None = None  # the accelerator's allocated bytes (process RSS on the CPU)
 
     def line(self) -> str:
         parts = [
@@ -53,6 +55,9 @@ class StepFigures:
             out["Train/Samples/grad_norm"] = self.grad_norm
         if self.loss_scale is not None:
             out["Train/Samples/loss_scale"] = self.loss_scale
+        out["Train/Samples/samples_per_sec"] = self.samples_per_s
+        if self.memory_bytes is not None:
+            out["Train/Samples/memory_bytes"] = float(self.memory_bytes)
         return out
 
 
