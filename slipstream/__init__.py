@@ -25,6 +25,7 @@ _LAZY_SUBMODULES = (
     "planner",
     "checkpoint",
     "checkpointing",
+    "profiling",
 )
 _LAZY_ATTRIBUTES = {
     "initialize": "slipstream.api",

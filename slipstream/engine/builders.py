@@ -14,7 +14,7 @@ from torch import nn
 
 from slipstream.config.plan import EnginePlan, LossScalePlan, MonitorPlan
 from slipstream.engine.dataloader import make_training_dataloader
-from slipstream.engine.monitor import CsvMonitor, TensorboardMonitor
+from slipstream.engine.monitor import CometMonitor, CsvMonitor, TensorboardMonitor, WandbMonitor
 from slipstream.offload.policy import host_available_bytes
 from slipstream.utils.logging import log_rank0, warn_once
 from slipstream.zero.optimizer import ZeroOptimizer
@@ -136,6 +136,10 @@ def make_monitors(plan: MonitorPlan) -> list[Any]:
         monitors.append(CsvMonitor(plan.csv_output_path, plan.csv_job_name))
     if plan.tensorboard_output_path is not None:
         monitors.append(TensorboardMonitor(plan.tensorboard_output_path, plan.tensorboard_job_name))
+    if plan.wandb is not None:
+        monitors.append(WandbMonitor(plan.wandb))
+    if plan.comet is not None:
+        monitors.append(CometMonitor(plan.comet))
     return monitors
 
 
