@@ -56,7 +56,7 @@ def make_basic_optimizer(
             )
         if plan.optimizer is not None:
             warn_once(
-                "client-and-config-optimizer",
+                f"client-and-config-optimizer:{type(optimizer).__name__}:{plan.optimizer.name}",
                 f"slipstream: both initialize(optimizer=...) ({type(optimizer).__name__}) and the config's "
                 f"'optimizer' section (type {plan.optimizer.name!r}) were given; using the client's "
                 f"{type(optimizer).__name__}, as DeepSpeed does. Remove one of them to silence this warning",
@@ -104,13 +104,15 @@ def log_memory_plan(plan: EnginePlan, module: nn.Module, *, world_size: int, ran
     log_rank0(line, rank=rank)
 
 
-def make_scheduler(plan: EnginePlan, optimizer: torch.optim.Optimizer | None, client: Any, client_optimizer: Any) -> Any:
+def make_scheduler(
+    plan: EnginePlan, optimizer: torch.optim.Optimizer | None, client: Any, client_optimizer: Any
+) -> Any:
     """The client's scheduler (instance, or callable of the optimizer), else the config's, else None. A client
     scheduler wins over a `scheduler` config section, with a warning naming both (DeepSpeed: silently)."""
     if client is not None:
         if plan.scheduler is not None:
             warn_once(
-                "client-and-config-scheduler",
+                f"client-and-config-scheduler:{type(client).__name__}:{plan.scheduler.name}",
                 f"slipstream: both initialize(lr_scheduler=...) ({type(client).__name__}) and the config's "
                 f"'scheduler' section (type {plan.scheduler.name!r}) were given; using the client's, as "
                 "DeepSpeed does. Remove one of them to silence this warning",

@@ -121,7 +121,9 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         or mixed precision, and returns the client's (or the config's) own object otherwise. The engine
         always steps through its ZeRO optimizer (`engine.optimizer`); the basic one holds the hyperparameters."""
         precision = self.plan.precision
-        unwrapped = self.plan.zero.stage == 0 and precision.param_dtype == "fp32" and precision.grad_accum_dtype == "fp32"
+        unwrapped = (
+            self.plan.zero.stage == 0 and precision.param_dtype == "fp32" and precision.grad_accum_dtype == "fp32"
+        )
         return self.basic_optimizer if unwrapped else self.optimizer
 
     # ---- forward / backward ----

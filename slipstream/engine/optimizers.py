@@ -222,8 +222,9 @@ def build_optimizer(plan: OptimizerPlan, params: Iterable[Any], *, on_host: bool
     if torch_adam:  # DeepSpeed's "torch_adam": true builds torch's own class
         cls = torch.optim.AdamW if spec.name == "adamw" else torch.optim.Adam
     elif spec.name in ("adam", "adamw"):  # FusedAdam: Adam or AdamW by adam_w_mode
-        _check_params("optimizer", cls, kwargs, drop=("adam_w_mode",))
-        return cls(param_list, adam_w_mode=(spec.name == "adamw"), **kwargs)
+        kwargs.setdefault("adam_w_mode", spec.name == "adamw")  # resolve() folds the config's into the name
+        _check_params("optimizer", cls, kwargs)
+        return cls(param_list, **kwargs)
     accepted = _accepted(cls)
     if "bias_correction" in kwargs and accepted is not None and "bias_correction" not in accepted:
         if kwargs.pop("bias_correction") is not True:  # DeepSpeed's Adam key; torch's Adam always corrects

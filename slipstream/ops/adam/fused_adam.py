@@ -47,7 +47,7 @@ class FusedAdam(torch.optim.Adam):
             )
         self.adam_w_mode = bool(adam_w_mode)
         self.set_grad_none = bool(set_grad_none)
-        params = list(params)
+        param_list: list[Any] = list(params)  # tried twice below (fused, then foreach)
         common: dict[str, Any] = dict(
             lr=lr,
             betas=betas,
@@ -60,12 +60,12 @@ class FusedAdam(torch.optim.Adam):
             decoupled_weight_decay=self.adam_w_mode,
         )
         if fused is not None or foreach is not None or differentiable:
-            super().__init__(params, foreach=foreach, fused=fused, **common)
+            super().__init__(param_list, foreach=foreach, fused=fused, **common)
             return
         try:
-            super().__init__(params, fused=True, **common)
+            super().__init__(param_list, fused=True, **common)
         except RuntimeError:  # no fused kernel for these parameters' device or dtype
-            super().__init__(params, foreach=True, **common)
+            super().__init__(param_list, foreach=True, **common)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override]
         """DeepSpeed's FusedAdam: gradients become None when `set_grad_none` (the default), else zeros."""

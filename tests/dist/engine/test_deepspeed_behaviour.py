@@ -27,10 +27,13 @@ ROWS = 2 * MICRO * GAS
 
 
 def _config(stage: int, gas: int = GAS, **extra: object) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 700,
-                                  "stage3_param_persistence_threshold": 0}, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "stage3_param_persistence_threshold": 0},
+        **extra,
+    }
 
 
 def _full_params(engine: object) -> dict[str, torch.Tensor]:
@@ -52,7 +55,7 @@ def accumulate_like_accelerate(rank: int, world: int, *, stages: list[int]) -> l
                 boundary = m == GAS - 1
                 engine.set_gradient_accumulation_boundary(boundary)  # what Accelerate's backward does
                 start = (m * world + rank) * MICRO
-                engine.backward(TinyMLP.loss(engine(inputs[start:start + MICRO]), targets[start:start + MICRO]))
+                engine.backward(TinyMLP.loss(engine(inputs[start : start + MICRO]), targets[start : start + MICRO]))
                 if boundary:
                     engine.step()
         assert engine.global_steps == STEPS, (stage, engine.global_steps)
@@ -69,8 +72,13 @@ def test_caller_driven_accumulation_matches_the_reference_at_every_stage(tmp_pat
     first, second = run_distributed(accumulate_like_accelerate, world_size=2, tmp_dir=tmp_path, stages=stages)
     for stage, mine, other in zip(stages, first, second):
         torch.testing.assert_close(mine, other, rtol=0, atol=0, msg=lambda m, s=stage: f"stage {s} ranks: {m}")
-        torch.testing.assert_close(mine, {n: v.float() for n, v in reference.params.items()}, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, s=stage: f"stage {s} vs reference: {m}")
+        torch.testing.assert_close(
+            mine,
+            {n: v.float() for n, v in reference.params.items()},
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, s=stage: f"stage {s} vs reference: {m}",
+        )
 
 
 def tags_per_rank(rank: int, world: int, *, root: str) -> dict:
@@ -79,10 +87,11 @@ def tags_per_rank(rank: int, world: int, *, root: str) -> dict:
     results: dict = {}
     inputs, targets = global_batches()[0]
     for mode in ("FAIL", "WARN", "IGNORE"):
-        engine, *_ = slipstream.initialize(model=TinyMLP(), config=_config(1, gas=1,
-                                                                           checkpoint={"tag_validation": mode}))
+        engine, *_ = slipstream.initialize(
+            model=TinyMLP(), config=_config(1, gas=1, checkpoint={"tag_validation": mode})
+        )
         start = rank * MICRO
-        engine.backward(TinyMLP.loss(engine(inputs[start:start + MICRO]), targets[start:start + MICRO]))
+        engine.backward(TinyMLP.loss(engine(inputs[start : start + MICRO]), targets[start : start + MICRO]))
         engine.step()
         save_dir = f"{root}/{mode}"
         with warnings.catch_warnings(record=True) as caught:
