@@ -6,8 +6,8 @@ parameters are cast to `dtype`, made equal to rank 0's values (one broadcast per
 into a *staging unit*: this rank keeps its `ceil(numel / world)` slice of each, and the full values are
 freed. So the peak memory of construction is about the largest module plus this rank's shards. In fp32
 the initial values are those of the same model built without Init under the same seed (the RNG is consumed
-exactly as without it); in bf16/fp16 the constructors below create the tensors in that dtype, as DeepSpeed's do. The engine later regroups the staging units into its units (model.py), gathering
-one staging unit at a time. `Init(module=m)` shards an existing model into units at once.
+exactly as without it); in bf16/fp16 the constructors below create the tensors in that dtype, as DeepSpeed's
+do. The engine later regroups the staging units into its units (model.py), gathering one staging unit at a time. `Init(module=m)` shards an existing model into units at once.
 
 Tensor constructors: inside the context, as in DeepSpeed, `torch.tensor`, `empty`, `zeros`, `ones`, `full`,
 `arange`, `eye` and `randn` create their tensors on the accelerator device unless the call names a device,
@@ -33,15 +33,28 @@ from torch import nn
 
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
+from slipstream.zero.gathered import GatheredParameters, register_external_parameter
 from slipstream.zero.stage3.manager import UnitManager
 from slipstream.zero.stage3.pool import BufferPool
-from slipstream.zero.stage3.sharded_param import ShardedParameter
+from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus
 from slipstream.zero.stage3.unit import Unit, host_or_device_allocator
 from slipstream.zero.stage3.units import UnitSpec
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-__all__ = ["Init", "get_accelerator", "zero_wrapper_for_fp_tensor_constructor"]
+# This module is also DeepSpeed's `deepspeed.runtime.zero.partition_parameters` (compat/aliases.py), whose
+# names below libraries read and swap while they build a model (Transformers replaces
+# `zero_wrapper_for_fp_tensor_constructor` and `_orig_torch_arange`); code that uses them must read them from
+# this module when it runs, never bind them at import.
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "get_accelerator",
+    "is_zero_param",
+    "register_external_parameter",
+    "zero_wrapper_for_fp_tensor_constructor",
+]
 
 # The constructors zero.Init wraps, as DeepSpeed's partition_parameters names them (see the module doc).
 TENSOR_CONSTRUCTORS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
@@ -83,6 +96,11 @@ def _override_names(tensor_overrides: Any) -> set[str]:
     if unknown:
         raise ValueError(f"zero.Init(tensor_overrides=...): unknown {sorted(unknown)}; use 'dtype' and/or 'device'")
     return names
+
+
+def is_zero_param(parameter: Any) -> bool:
+    """True for a parameter ZeRO-3 shards (it has DeepSpeed's `ds_id`)."""
+    return isinstance(parameter, torch.Tensor) and hasattr(parameter, "ds_id")
 
 
 class StagingUnits(UnitManager):
