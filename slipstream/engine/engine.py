@@ -85,7 +85,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
             self.optimizer.param_names = self._param_names
             builders.check_host_memory(self.optimizer, rank=self.global_rank)
         builders.log_memory_plan(plan, self.module, world_size=self.world_size, rank=self.global_rank)
-        self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler, optimizer)
+        self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler)
         self.loss_scaler = builders.make_loss_scaler(plan.precision.loss_scale)
         self.training_dataloader = builders.make_dataloader(
             plan, training_data, collate_fn, self.global_rank, self.world_size
