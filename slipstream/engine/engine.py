@@ -136,6 +136,16 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         if self.global_rank == 0:
             get_logger().debug("resolved config (defaults included): %s", json.dumps(plan.resolved, default=str))
 
+    def _optimizer_to_return(self) -> Any:
+        """The optimizer `initialize()` returns: DeepSpeed wraps the basic optimizer only with ZeRO (stage >= 1)
+        or mixed precision, and returns the client's (or the config's) own object otherwise. The engine
+        always steps through its ZeRO optimizer (`engine.optimizer`); the basic one holds the hyperparameters."""
+        precision = self.plan.precision
+        unwrapped = (
+            self.plan.zero.stage == 0 and precision.param_dtype == "fp32" and precision.grad_accum_dtype == "fp32"
+        )
+        return self.basic_optimizer if unwrapped else self.optimizer
+
     # ---- forward / backward ----
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
