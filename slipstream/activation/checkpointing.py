@@ -222,7 +222,7 @@ class _Stash:
                 continue
             self.shapes.append((arg.shape, arg.device))
             if self.group is not None:
-                arg = _Partition.apply(arg, self.group)
+                arg = _Partition.apply(arg, self.group)  # type: ignore[no-untyped-call]
             if self.to_host:
                 arg = arg.to("cpu", non_blocking=True)
             kept.append(arg)
@@ -236,7 +236,7 @@ class _Stash:
                 if self.to_host:
                     arg = arg.to(device, non_blocking=True)
                 if self.group is not None:
-                    arg = _Gather.apply(arg, self.group, full_shape)
+                    arg = _Gather.apply(arg, self.group, full_shape)  # type: ignore[no-untyped-call]
             restored.append(arg)
         return tuple(restored)
 
