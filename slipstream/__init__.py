@@ -26,6 +26,7 @@ _LAZY_SUBMODULES = (
     "checkpoint",
     "checkpointing",
     "pipe",
+    "profiling",
 )
 _LAZY_ATTRIBUTES = {
     "initialize": "slipstream.api",

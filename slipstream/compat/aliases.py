@@ -30,9 +30,9 @@ __all__ = ["ALIASES", "COMPOSITES", "add_prefix", "composite_attribute", "compos
 
 ALIASES: dict[str, str] = {
     "slipstream.utils.zero_to_fp32": "slipstream.compat.zero_to_fp32",
-    "slipstream.checkpointing": "slipstream.compat.checkpointing",
+    "slipstream.checkpointing": "slipstream.activation.checkpointing",
     "slipstream.comm.comm": "slipstream.comm.dist_api",
-    "slipstream.runtime.activation_checkpointing.checkpointing": "slipstream.compat.checkpointing",
+    "slipstream.runtime.activation_checkpointing.checkpointing": "slipstream.activation.checkpointing",
     "slipstream.runtime.zero": "slipstream.zero",
     "slipstream.runtime.zero.partition_parameters": "slipstream.zero.init",
     "slipstream.runtime.fp16.loss_scaler": "slipstream.zero.loss_scaler",
@@ -97,7 +97,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "estimate_zero2_model_states_mem_needs_all_cold": "slipstream.planner:estimate_zero2_model_states_mem_needs_all_cold",
     },
     "slipstream.runtime.activation_checkpointing": {
-        "checkpointing": "slipstream.compat.checkpointing",
+        "checkpointing": "slipstream.activation.checkpointing",
     },
     "slipstream.runtime.zero.offload_config": {
         "DeepSpeedZeroOffloadParamConfig": f"{_CFG}.zero:OffloadParamConfig",

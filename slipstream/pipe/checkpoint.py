@@ -47,7 +47,7 @@ def _create_state(optimizer: Any, piece: torch.Tensor, keys: list[str]) -> None:
         state["step"] = torch.tensor(0.0)
 
 
-def save_pipeline(engine: Any, save_dir: str, tag: str, client_state: dict, *, save_latest: bool) -> None:
+def save_pipeline(engine: Any, save_dir: str, tag: str, client_state: dict[str, Any], *, save_latest: bool) -> None:
     rank = dist.get_rank()
     tmp = Path(save_dir) / f".tmp-{tag}"
     if rank == 0:
@@ -89,7 +89,7 @@ def save_pipeline(engine: Any, save_dir: str, tag: str, client_state: dict, *, s
 
 def load_pipeline(
     engine: Any, load_dir: str, tag: str | None, *, load_optimizer_states: bool
-) -> tuple[str | None, dict]:
+) -> tuple[str | None, dict[str, Any]]:
     tag = tag or read_latest(load_dir)
     if tag is None:
         return None, {}

@@ -291,7 +291,11 @@ class PipelineEngine(nn.Module):
 
     # ---- checkpoints ----
     def save_checkpoint(
-        self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
     ) -> bool:
         from slipstream.pipe.checkpoint import save_pipeline
 
@@ -311,7 +315,7 @@ class PipelineEngine(nn.Module):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         **_: Any,
-    ) -> tuple[str | None, dict]:
+    ) -> tuple[str | None, dict[str, Any]]:
         from slipstream.pipe.checkpoint import load_pipeline
 
         return load_pipeline(self, os.fspath(load_dir), tag, load_optimizer_states=load_optimizer_states)

@@ -69,7 +69,7 @@ class _PipelineGrads:
             total.zero_()
 
     def _local_grad_stats(self, owned: list[torch.Tensor]) -> torch.Tensor:
-        stats = super()._local_grad_stats(owned)  # type: ignore[misc]
+        stats: torch.Tensor = super()._local_grad_stats(owned)  # type: ignore[misc]
         for param, _group, counted in self._tied.values():
             if counted:
                 continue

@@ -192,7 +192,8 @@ class PipelineModule(nn.Module):
         elif isinstance(layer, nn.Module):
             module = layer
         elif callable(layer):
-            return layer
+            function: Callable[..., Any] = layer
+            return function
         else:
             raise PipelineError(f"layer {index} is {type(layer).__name__}: use a LayerSpec, nn.Module or callable")
         self.add_module(str(index), module)

@@ -130,7 +130,8 @@ class StageRunner:
             return None
         peer = self._peer(s + 1)
         if peer is None:
-            return self.local.pop(("grad", s, m))
+            grads: list[torch.Tensor] = self.local.pop(("grad", s, m))
+            return grads
         got = self.exchanger.recv(
             src=peer, direction="grad", stage=s, micro=m, what=self._what("receive of the output gradient", s, m)
         )
