@@ -41,6 +41,7 @@ __all__ = [
     "TimedWork",
     "all_gather",
     "all_reduce",
+    "all_to_all",
     "barrier",
     "broadcast",
     "collective_timeout",
@@ -243,6 +244,20 @@ def all_gather(
     """Concatenate every rank's `input` into `output` (may be in place: input is output's chunk r)."""
     return _issue(
         "all_gather", output, (output, input), lambda o, i: _all_gather_flat(o, i, group=group, async_op=True), async_op
+    )
+
+
+def all_to_all(
+    output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> TimedWork:
+    """Split `input` into world equal chunks along dim 0; chunk j goes to rank j, and rank j's chunk for this
+    rank lands in chunk j of `output` (same shape as `input`). gloo, NCCL and the CPU backends all run it."""
+    return _issue(
+        "all_to_all",
+        input,
+        (output, input),
+        lambda o, i: dist.all_to_all_single(o, i, group=group, async_op=True),
+        async_op,
     )
 
 
