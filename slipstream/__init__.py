@@ -14,11 +14,13 @@ from slipstream.git_version_info import git_branch as __git_branch__
 from slipstream.git_version_info import git_hash as __git_hash__
 from slipstream.git_version_info import version as __version__
 
-_LAZY_SUBMODULES = ("accelerator", "ops", "cli", "comm", "config", "zero", "engine", "planner", "checkpoint")
+_LAZY_SUBMODULES = ("accelerator", "ops", "cli", "comm", "config", "zero", "engine", "planner", "checkpoint",
+                    "parallel", "sequence")
 _LAZY_ATTRIBUTES = {
     "initialize": "slipstream.api",
     "init_distributed": "slipstream.api",
     "add_config_arguments": "slipstream.api",
+    "tp_model_init": "slipstream.api",
     "get_accelerator": "slipstream.accelerator",
     "SlipstreamEngine": "slipstream.engine.engine",
     "DeepSpeedEngine": "slipstream.engine.engine",

@@ -45,6 +45,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "collective_timeout",
+    "first_rank",
     "reduce_scatter",
     "set_collective_timeout",
 ]
@@ -259,6 +260,11 @@ def all_to_all(
         lambda o, i: dist.all_to_all_single(o, i, group=group, async_op=True),
         async_op,
     )
+
+
+def first_rank(group: dist.ProcessGroup | None) -> int:
+    """Global rank of `group`'s rank 0 (the `src` of a broadcast from the group's first member)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None = None) -> None:
