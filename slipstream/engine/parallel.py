@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from slipstream.checkpoint.tp_slices import TpLayout
 from slipstream.comm import collectives
 from slipstream.config.plan import EnginePlan
 from slipstream.parallel import (
@@ -46,6 +47,23 @@ class ParallelSetup:
     @property
     def sp_size(self) -> int:
         return 1 if self.topology is None else self.topology.sp
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.topology is None else self.topology.rank % self.topology.tp
+
+    def checkpoint_layouts(self, model: nn.Module) -> dict[str, TpLayout] | None:
+        """Per TP parameter, where this rank's shard sits in the global tensor (checkpoint/tp_slices.py)."""
+        if self.tp_model is None:
+            return None
+        layouts = {}
+        for name, local, spec in self.tp_model.param_specs(model):
+            dim = spec.shard_dim
+            step = 0 if dim is None else -(-spec.shape[dim] // self.tp_size)
+            layouts[name] = TpLayout(tuple(spec.shape), dim, 0 if dim is None else min(self.tp_rank * step, spec.shape[dim]))
+        for name, param in model.named_parameters():
+            layouts.setdefault(name, TpLayout(tuple(param.shape), None, 0))
+        return layouts
 
     def loader_rank_and_size(self) -> tuple[int, int]:
         """(which batch, how many distinct batches): the ranks of a TP or SP group read the same batch."""

@@ -48,7 +48,6 @@ __all__ = [
     "TensorParallelError",
     "TensorParallelModel",
     "apply_tensor_parallel",
-    "parse_partition_config",
     "plan_tensor_parallel",
 ]
 
@@ -70,34 +69,6 @@ class TensorParallelError(ValueError):
 class Rule:
     pattern: re.Pattern[str]
     kind: str
-
-
-def parse_partition_config(config: Mapping[str, Any] | None) -> tuple[tuple[tuple[str, str], ...], bool]:
-    """DeepSpeed's `partition_config` -> ((regex, kind), ...), use_default_specs. Unsupported spec keys
-    (`shape`, `partition_dim`, sub-parameter splits) are refused by name."""
-    if not config:
-        return (), True
-    rules: list[tuple[str, str]] = []
-    for number, spec in enumerate(config.get("layer_specs") or []):
-        where = f"tensor_parallel.partition_config.layer_specs[{number}]"
-        unknown = set(spec) - {"patterns", "partition_type", "gather_output"}
-        if unknown:
-            raise TensorParallelError(
-                f"{where}: {', '.join(sorted(unknown))} not implemented (sub-parameter splits); give whole-layer "
-                "rules with patterns and partition_type only"
-            )
-        kind = str(spec.get("partition_type", "")).lower()
-        if kind not in (COLUMN, ROW, SKIP):
-            raise TensorParallelError(f"{where}.partition_type: expected 'column', 'row' or 'skip', got {kind!r}")
-        if kind == COLUMN and spec.get("gather_output"):
-            kind = GATHERED
-        for pattern in spec.get("patterns") or []:
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise TensorParallelError(f"{where}.patterns: {pattern!r} is not a regular expression ({exc})") from None
-            rules.append((pattern, kind))
-    return tuple(rules), bool(config.get("use_default_specs", True))
 
 
 def _default_kind(name: str, module: nn.Module, tied: bool) -> str | None:
