@@ -173,10 +173,8 @@ class ParallelPlan:
     tp_size: int = 1
     """`tensor_parallel.autotp_size` (0 and 1 both mean no TP)."""
     tp_rules: tuple[tuple[str, str], ...] = ()
-    """`tensor_parallel.partition_config` layer specs: (regex on parameter names, "column" | "row" | "skip" |
-    "gathered")."""
-    tp_default_rules: bool = True
-    """`partition_config.use_default_specs`: apply the built-in rules after `tp_rules`."""
+    """`tensor_parallel.partition_config` layer specs, tried before the built-in rules: (regex on parameter
+    names, "column" | "row" | "skip" | "gathered"). `use_default_specs: false` ends them with (".*", "skip")."""
     sp_size: int = 1
     """`sequence_parallel_size`: Ulysses group size."""
 

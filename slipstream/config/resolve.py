@@ -133,7 +133,6 @@ def _parallel_plan(cfg: DeepSpeedConfig, world_size: int, problems: list[str]) -
         )
         tp = sp = 1
     rules: list[tuple[str, str]] = []
-    use_default = True
     partition = tp_section.partition_config
     if partition:
         for number, spec in enumerate(partition.get("layer_specs") or []):
@@ -141,14 +140,17 @@ def _parallel_plan(cfg: DeepSpeedConfig, world_size: int, problems: list[str]) -
             extra = sorted(set(spec) - {"patterns", "partition_type", "gather_output"})
             kind = str(spec.get("partition_type", "")).lower()
             if extra:
-                problems.append(f"{where}: {', '.join(extra)} not implemented (sub-parameter splits); use whole-layer "
-                                "rules with patterns, partition_type and gather_output")
+                problems.append(
+                    f"{where}: {', '.join(extra)} not implemented (sub-parameter splits); use whole-layer "
+                    "rules with patterns, partition_type and gather_output"
+                )
             if kind not in ("column", "row", "skip"):
                 problems.append(f"{where}.partition_type: expected 'column', 'row' or 'skip', got {kind!r}")
             kind = "gathered" if kind == "column" and spec.get("gather_output") else kind
             rules += [(str(pattern), kind) for pattern in spec.get("patterns") or []]
-        use_default = bool(partition.get("use_default_specs", True))
-    return ParallelPlan(tp_size=tp, tp_rules=tuple(rules), tp_default_rules=use_default, sp_size=sp)
+        if not partition.get("use_default_specs", True):
+            rules.append((".*", "skip"))  # no built-in rules: every other layer stays replicated
+    return ParallelPlan(tp_size=tp, tp_rules=tuple(rules), sp_size=sp)
 
 
 def _validate(cleaned: dict[str, Any], problems: list[str]) -> tuple[DeepSpeedConfig, set[str]]:

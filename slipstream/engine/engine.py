@@ -222,7 +222,9 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         assert self.optimizer is not None
         gas = 1 if self._user_scaled_window else self.gradient_accumulation_steps()
         loss_scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-        result = self.optimizer.step(grad_divisor=self.dp_world_size * gas * loss_scale, clip=self.plan.gradient_clipping)
+        result = self.optimizer.step(
+            grad_divisor=self.dp_world_size * gas * loss_scale, clip=self.plan.gradient_clipping
+        )
         self._grad_norm = result.grad_norm
         self._step_applied = not result.overflow
         if result.overflow:

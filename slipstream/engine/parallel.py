@@ -57,10 +57,12 @@ class ParallelSetup:
         if self.tp_model is None:
             return None
         layouts = {}
-        for name, local, spec in self.tp_model.param_specs(model):
+        for name, _local, spec in self.tp_model.param_specs(model):
             dim = spec.shard_dim
             step = 0 if dim is None else -(-spec.shape[dim] // self.tp_size)
-            layouts[name] = TpLayout(tuple(spec.shape), dim, 0 if dim is None else min(self.tp_rank * step, spec.shape[dim]))
+            layouts[name] = TpLayout(
+                tuple(spec.shape), dim, 0 if dim is None else min(self.tp_rank * step, spec.shape[dim])
+            )
         for name, param in model.named_parameters():
             layouts.setdefault(name, TpLayout(tuple(param.shape), None, 0))
         return layouts
@@ -112,9 +114,7 @@ def setup_parallel(model: nn.Module, plan: EnginePlan, device: torch.device, ran
     topology = build_topology(tp=tp, sp=sp, device_type=device.type)
     tp_model = None
     if tp > 1:
-        decisions = plan_tensor_parallel(
-            model, tp, rules=plan.parallel.tp_rules, use_default_specs=plan.parallel.tp_default_rules
-        )
+        decisions = plan_tensor_parallel(model, tp, rules=plan.parallel.tp_rules)
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 collectives.broadcast(tensor.data, src=0)

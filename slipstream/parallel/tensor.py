@@ -252,7 +252,7 @@ def _forward_with_dtensors(
     from torch.distributed.tensor import DTensor
 
     params = module._parameters
-    local = {name: params[name] for name in specs}
+    local: dict[str, Any] = {name: params[name] for name in specs}
     try:
         for name, spec in specs.items():
             params[name] = DTensor.from_local(  # type: ignore[assignment]

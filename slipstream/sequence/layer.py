@@ -55,9 +55,7 @@ class _SeqAllToAll(torch.autograd.Function):
         return _swap(grad.contiguous(), cat_dim, split_dim, ctx.group), None, None, None
 
 
-def seq_all_to_all(
-    x: torch.Tensor, *, split_dim: int, cat_dim: int, group: dist.ProcessGroup | None
-) -> torch.Tensor:
+def seq_all_to_all(x: torch.Tensor, *, split_dim: int, cat_dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Differentiable all-to-all: `split_dim` is scattered over the group and `cat_dim` gathered."""
     out: torch.Tensor = _SeqAllToAll.apply(x, split_dim, cat_dim, group)
     return out

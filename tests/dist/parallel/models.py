@@ -57,8 +57,9 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, *, heads: int = HEADS, kv_heads: int = KV_HEADS, layers: int = 2, sp_group: Any = None,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, *, heads: int = HEADS, kv_heads: int = KV_HEADS, layers: int = 2, sp_group: Any = None, seed: int = 0
+    ) -> None:
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -36,9 +36,15 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 def make_engine(tp: int, sp: int, stage: int) -> Any:
     import slipstream
 
-    config = {"train_batch_size": BATCH, "gradient_clipping": CLIP, "steps_per_print": 1000,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "zero_optimization": {"stage": stage},
-              "tensor_parallel": {"autotp_size": tp}, "sequence_parallel_size": sp}
+    config = {
+        "train_batch_size": BATCH,
+        "gradient_clipping": CLIP,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage},
+        "tensor_parallel": {"autotp_size": tp},
+        "sequence_parallel_size": sp,
+    }
     group = slipstream.parallel.build_topology(tp=tp, sp=sp, device_type="cpu").sp_group if sp > 1 else None
     engine, *_ = slipstream.initialize(model=TinyGPT(sp_group=group), config=config)
     return engine
@@ -104,13 +110,17 @@ def _close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what
     assert set(got) >= set(expected), (what, sorted(set(expected) - set(got)))
     for name, value in expected.items():
         assert got[name].shape == value.shape, (what, name)
-        torch.testing.assert_close(got[name], value, rtol=2e-5, atol=2e-5 * float(value.abs().max()),
-                                   msg=lambda m, n=name: f"{what} {n}: {m}")
+        torch.testing.assert_close(
+            got[name], value, rtol=2e-5, atol=2e-5 * float(value.abs().max()), msg=lambda m, n=name: f"{what} {n}: {m}"
+        )
 
 
 def grid2(rank: int, world: int, path: str) -> dict:
-    return {"train": run_subtests(CASES_2, lambda **case: train(rank, world, **case)),
-            "resume": resume_at_tp1(rank, world, path=path), "counts": count_tp_collectives(rank, world)}
+    return {
+        "train": run_subtests(CASES_2, lambda **case: train(rank, world, **case)),
+        "resume": resume_at_tp1(rank, world, path=path),
+        "counts": count_tp_collectives(rank, world),
+    }
 
 
 def grid4(rank: int, world: int) -> list[dict]:

@@ -57,18 +57,33 @@ def test_tied_embedding_and_head_stay_replicated() -> None:
 
 
 def test_config_keys_become_the_parallel_plan() -> None:
-    config = {"train_batch_size": 8, "sequence_parallel_size": 2, "tensor_parallel": {
-        "autotp_size": 2, "partition_config": {"use_default_specs": False, "layer_specs": [
-            {"patterns": [r".*\.o_proj\.weight$"], "partition_type": "row"},
-            {"patterns": ["lm_head"], "partition_type": "column", "gather_output": True}]}}}
+    config = {
+        "train_batch_size": 8,
+        "sequence_parallel_size": 2,
+        "tensor_parallel": {
+            "autotp_size": 2,
+            "partition_config": {
+                "use_default_specs": False,
+                "layer_specs": [
+                    {"patterns": [r".*\.o_proj\.weight$"], "partition_type": "row"},
+                    {"patterns": ["lm_head"], "partition_type": "column", "gather_output": True},
+                ],
+            },
+        },
+    }
     plan = resolve(config, world_size=8)
-    assert (plan.parallel.tp_size, plan.parallel.sp_size, plan.parallel.tp_default_rules) == (2, 2, False)
-    assert plan.parallel.tp_rules == ((r".*\.o_proj\.weight$", "row"), ("lm_head", "gathered"))
+    assert (plan.parallel.tp_size, plan.parallel.sp_size) == (2, 2)
+    assert plan.parallel.tp_rules == ((r".*\.o_proj\.weight$", "row"), ("lm_head", "gathered"), (".*", "skip"))
     assert plan.batch.micro_batch_size == 4  # the batch is split over the 2 data-parallel ranks only
     with pytest.raises(ConfigError, match=r"autotp_size \(2\) x sequence_parallel_size \(2\) = 4 does not divide"):
         resolve(config, world_size=6)
-    bad = {"train_batch_size": 2, "tensor_parallel": {"autotp_size": 2, "partition_config": {
-        "layer_specs": [{"patterns": ["x"], "partition_type": "diagonal", "shape": [2, -1]}]}}}
+    bad = {
+        "train_batch_size": 2,
+        "tensor_parallel": {
+            "autotp_size": 2,
+            "partition_config": {"layer_specs": [{"patterns": ["x"], "partition_type": "diagonal", "shape": [2, -1]}]},
+        },
+    }
     with pytest.raises(ConfigError, match=r"shape not implemented.*\n.*expected 'column', 'row' or 'skip'"):
         resolve(bad, world_size=2)
 
