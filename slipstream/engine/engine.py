@@ -91,7 +91,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
             self.optimizer.param_names = self._param_names
             self.optimizer.model_parallel = self.parallel.norm_info(self.module)
             builders.check_host_memory(self.optimizer, rank=self.global_rank)
-        builders.log_memory_plan(plan, self.module, world_size=self.world_size, rank=self.global_rank)
+        builders.log_memory_plan(plan, self.module, world_size=self.dp_world_size, rank=self.global_rank)
         self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler)
         self.loss_scaler = builders.make_loss_scaler(plan.precision.loss_scale)
         self.training_dataloader = self.parallel.wrap_loader(
@@ -118,7 +118,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
             f"{plan.precision.param_dtype}, master {plan.precision.master_dtype}, grad accumulation "
             f"{plan.precision.grad_accum_dtype}; batch {plan.batch.train_batch_size} = micro "
             f"{plan.batch.micro_batch_size} x accumulation {plan.batch.gradient_accumulation_steps} x "
-            f"world {self.world_size} ({'; '.join(f'{k}: {v}' for k, v in plan.batch.sources.items())})",
+            f"data-parallel {plan.batch.world_size} ({'; '.join(f'{k}: {v}' for k, v in plan.batch.sources.items())})",
             rank=self.global_rank,
         )
         if self.global_rank == 0:

@@ -241,7 +241,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, decisions: Mapping[str, s
             module._parameters[param_name] = nn.Parameter(param.to_local(), requires_grad=param.requires_grad)
         if found:
             specs[module_name] = found
-            module.forward = functools.partial(_forward_with_dtensors, module, type(module).forward, mesh, found)  # type: ignore[method-assign]
+            original = module.forward  # bound, or an instance attribute someone else installed
+            module.forward = functools.partial(_forward_with_dtensors, module, original, mesh, found)  # type: ignore[method-assign]
     return TensorParallelModel(mesh=mesh, decisions=dict(decisions), specs=specs)
 
 
@@ -258,6 +259,6 @@ def _forward_with_dtensors(
             params[name] = DTensor.from_local(  # type: ignore[assignment]
                 local[name], mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
             )
-        return forward(module, *args, **kwargs)
+        return forward(*args, **kwargs)
     finally:
         params.update(local)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["SequenceShardLoader", "shard_sequence", "slice_bounds"]
+__all__ = ["SequenceShardLoader", "sequence_mean_loss", "shard_sequence", "slice_bounds"]
 
 
 def slice_bounds(length: int, rank: int, size: int) -> tuple[int, int]:
@@ -47,6 +47,21 @@ def shard_sequence(
     if isinstance(batch, (tuple, list)):
         return type(batch)(cut(t) for t in batch)
     return cut(batch)
+
+
+def sequence_mean_loss(
+    local_sum: torch.Tensor, local_count: int | torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """The loss a rank of a sequence-parallel group should pass to `engine.backward`: its slice's summed token
+    losses scaled so that the engine's average over the data x sequence ranks is the mean over every token of
+    the sequence. With slices of unequal length (or ignored tokens) the mean of per-slice means is not that.
+    One all-reduce of the token count (no gradient)."""
+    count = torch.as_tensor(local_count, dtype=torch.float64, device=local_sum.device).reshape(1).clone()
+    if dist.get_world_size(group) > 1:
+        from slipstream.comm import collectives
+
+        collectives.all_reduce(count, group=group)
+    return local_sum * (dist.get_world_size(group) / float(count))
 
 
 class SequenceShardLoader:

@@ -11,19 +11,24 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist.parallel.models import TinyGPT, batches, loss_fn
+from tests.dist.parallel.models import SEQ, TinyGPT, batches, loss_fn
 from tests.harness import run_distributed, run_subtests
 
 STEPS, BATCH, LR, CLIP = 5, 4, 1e-2, 0.5
-CASES_2 = [{"tp": 2, "sp": 1, "stage": 1}, {"tp": 2, "sp": 1, "stage": 3}, {"tp": 1, "sp": 2, "stage": 2}]
+CASES_2 = [
+    {"tp": 2, "sp": 1, "stage": 1},
+    {"tp": 2, "sp": 1, "stage": 3},
+    {"tp": 1, "sp": 2, "stage": 2},
+    {"tp": 1, "sp": 2, "stage": 0, "seq": 7},
+]  # slices of 4 and 3 tokens
 CASES_4 = [{"tp": 2, "sp": 1, "stage": 3}, {"tp": 1, "sp": 2, "stage": 1}]
 
 
-def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(seq: int = SEQ) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses = []
-    for x, y in batches(STEPS, BATCH):
+    for x, y in batches(STEPS, BATCH, seq):
         loss = loss_fn(model(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -33,7 +38,7 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def make_engine(tp: int, sp: int, stage: int) -> Any:
+def make_engine(tp: int, sp: int, stage: int, data: Any = None) -> Any:
     import slipstream
 
     config = {
@@ -46,45 +51,50 @@ def make_engine(tp: int, sp: int, stage: int) -> Any:
         "sequence_parallel_size": sp,
     }
     group = slipstream.parallel.build_topology(tp=tp, sp=sp, device_type="cpu").sp_group if sp > 1 else None
-    engine, *_ = slipstream.initialize(model=TinyGPT(sp_group=group), config=config)
+    engine, *_ = slipstream.initialize(model=TinyGPT(sp_group=group), config=config, training_data=data)
     return engine
 
 
 def train_step(engine: Any, x: torch.Tensor, y: torch.Tensor) -> float:
-    from slipstream.sequence.data import shard_sequence
+    from slipstream.sequence.data import sequence_mean_loss, shard_sequence
 
     index, dp = engine.parallel.loader_rank_and_size()  # the ranks of a TP or SP group read the same rows
     rows = slice(index * BATCH // dp, (index + 1) * BATCH // dp)
     batch = {"input_ids": x[rows], "labels": y[rows]}
     topo = engine.parallel.topology
-    if topo is not None and topo.sp > 1:
+    if topo is None or topo.sp == 1:
+        loss = loss_fn(engine(batch["input_ids"]), batch["labels"])
+    else:
         batch = shard_sequence(batch, topo.sp_group)  # adds the slice's position_ids
-    loss = loss_fn(engine(batch["input_ids"], batch.get("position_ids")), batch["labels"])
+        logits = engine(batch["input_ids"], batch["position_ids"])
+        token_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
+        loss = sequence_mean_loss(token_sum, batch["labels"].numel(), topo.sp_group)
     engine.backward(loss)
     engine.step()
     return engine.last_loss
 
 
-def train(rank: int, world: int, *, tp: int, sp: int, stage: int) -> dict:
+def train(rank: int, world: int, *, tp: int, sp: int, stage: int, seq: int = SEQ) -> dict:
     engine = make_engine(tp, sp, stage)
-    losses = [train_step(engine, x, y) for x, y in batches(STEPS, BATCH)]
+    losses = [train_step(engine, x, y) for x, y in batches(STEPS, BATCH, seq)]
     params = engine._zero3_consolidated_16bit_state_dict()  # global tensors on rank 0
     engine.destroy()
     return {"losses": losses, "params": params if rank == 0 else None}
 
 
-def count_tp_collectives(rank: int, world: int) -> dict[str, int]:
+def count_tp_collectives(rank: int, world: int) -> dict[str, Any]:
     """DTensor's collectives of one TP=2 step (DTensor does not issue them through slipstream.comm, so torch's
-    CommDebugMode counts them)."""
+    CommDebugMode counts them), and the first batch of the engine's loader on this rank."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    engine = make_engine(2, 1, 1)
+    engine = make_engine(2, 1, 1, data=torch.utils.data.TensorDataset(torch.arange(32)))
+    first = next(iter(engine.training_dataloader))[0]
     x, y = batches(1, BATCH)[0]
     mode = CommDebugMode()
     with mode:
         loss_fn(engine(x), y).backward()
     engine.destroy()
-    return {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items()}
+    return {"counts": {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items()}, "batch": first}
 
 
 def resume_at_tp1(rank: int, world: int, *, path: str) -> dict:
@@ -128,9 +138,13 @@ def grid4(rank: int, world: int) -> list[dict]:
 
 
 def test_tp2_and_sp2_match_single_process_and_tp2_checkpoint_resumes_at_tp1(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    out = run_distributed(grid2, world_size=2, path=str(tmp_path / "ckpt"))[0]
-    ref_losses, ref_params = reference()
+    ranks = run_distributed(grid2, world_size=2, path=str(tmp_path / "ckpt"))
+    out = ranks[0]
+    # the TP group reads one batch: both ranks get the same 4 samples (the whole batch: dp = 1)
+    assert torch.equal(ranks[0]["counts"]["batch"], ranks[1]["counts"]["batch"])
+    assert len(ranks[0]["counts"]["batch"]) == BATCH
     for case, got in zip(CASES_2, out["train"]):
+        ref_losses, ref_params = reference(case.get("seq", SEQ))
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (case, got["losses"], ref_losses)
         _close(got["params"], ref_params, case)
     (loss_tp2, loss_dp2), (params_tp2, params_dp2) = out["resume"]["losses"], out["resume"]["params"]
@@ -140,7 +154,8 @@ def test_tp2_and_sp2_match_single_process_and_tp2_checkpoint_resumes_at_tp1(tmp_
     # q/k/v and gate/up are reduced backward (one per projection). Once per model: the vocab embedding's output
     # (forward), the LM head's logits gathered (forward) and its input's gradient reduced (backward).
     layers = 2
-    assert out["counts"] == {"all_reduce": layers * (2 + 5) + 2, "all_gather_into_tensor": 1}, out["counts"]
+    counts = out["counts"]["counts"]
+    assert counts == {"all_reduce": layers * (2 + 5) + 2, "all_gather_into_tensor": 1}, counts
 
 
 def test_tp2_dp2_and_sp2_dp2_match_single_process() -> None:
