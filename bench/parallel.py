@@ -122,7 +122,6 @@ def _tp_stepper(row: str) -> Any:
         def step(x: torch.Tensor, y: torch.Tensor) -> float:
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
             return float(loss)
@@ -149,34 +148,38 @@ def _tp_stepper(row: str) -> Any:
 
 
 def _sp_stepper(row: str, seq: int) -> Any:
+    """One attention layer as a model has it: x -> q, k, v projections -> attention -> output projection."""
     heads, head_dim = 8, 64
-    world = dist.get_world_size()
-    local = seq // world
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, local, heads, head_dim, generator=gen).requires_grad_() for _ in range(3))
-    if row == "single":
+    width = heads * head_dim
+    local = seq // dist.get_world_size()
+    torch.manual_seed(0)
+    qkv, out_proj = nn.Linear(width, 3 * width, bias=False), nn.Linear(width, width, bias=False)
+    x = torch.randn(1, local, width).requires_grad_()
 
-        def attend(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-            qh, kh, vh = (t.transpose(1, 2) for t in (a, b, c))
-            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2)
-    else:
-        if row == "slipstream_sp2":
-            sys.path.insert(0, str(ROOT))
-            from slipstream.sequence.layer import DistributedAttention
-        else:
-            from deepspeed.sequence.layer import DistributedAttention
+    def local_attention(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        qh, kh, vh = (t.transpose(1, 2) for t in (a, b, c))
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2)
 
-        def local_attention(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
-            qh, kh, vh = (t.transpose(1, 2) for t in (a, b, c))
-            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2)
+    attend: Any = local_attention
+    extra: tuple[Any, ...] = ()
+    if row == "slipstream_sp2":
+        sys.path.insert(0, str(ROOT))
+        from slipstream.sequence.layer import DistributedAttention
 
-        layer = DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=1)
-        attend = layer
+        attend = DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=1)
+    elif row == "deepspeed_sp2":
+        import deepspeed
+        from deepspeed.sequence.layer import DistributedAttention as DeepSpeedAttention
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        attend = DeepSpeedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=1)
+        extra = (0,)  # batch_dim_idx
 
     def step(*_: Any) -> float:
-        out = attend(q, k, v)
-        out.sum().backward()
-        for t in (q, k, v):
+        q, k, v = qkv(x).view(1, local, 3, heads, head_dim).unbind(2)
+        y = attend(q, k, v, *extra)
+        out_proj(y.reshape(1, local, width)).sum().backward()
+        for t in (x, qkv.weight, out_proj.weight):
             t.grad = None
         return 0.0
 
@@ -229,6 +232,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--quick", action="store_true", help="2 steps, seq 2048")
     parser.add_argument("--peer-python", default=str(ROOT / ".bench-venv/bin/python"))
+    parser.add_argument("--only", choices=("tp", "sp"), default=None)
     args = parser.parse_args()
     steps, seq = (2, 2048) if args.quick else (args.steps, args.seq)
     peer = args.peer_python if Path(args.peer_python).exists() else None
@@ -237,6 +241,8 @@ def main() -> None:
         "sp": ["single", "slipstream_sp2", "deepspeed_sp2"],
     }
     for kind, names in rows.items():
+        if args.only not in (None, kind):
+            continue
         print(f"{kind.upper()} ({'tiny Llama, batch 4 x 128' if kind == 'tp' else f'attention, seq {seq}, 8 heads'})")
         print(f"  {'row':<20}{'step s':>10}{'x single':>10}{'peak MiB/rank':>15}{'x single':>10}")
         single = None

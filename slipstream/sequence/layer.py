@@ -1,9 +1,14 @@
 """Ulysses sequence parallelism: `DistributedAttention` (DeepSpeed's `deepspeed.sequence.layer`).
 
-Each rank of a sequence-parallel group holds a slice of the sequence for all heads. Before attention one
-all-to-all swaps that for the whole sequence and 1/P of the heads; any local attention runs on it; a second
-all-to-all swaps back. q, k and v of equal shape travel in one all-to-all (stacked), so a layer issues two
-all-to-alls forward and two backward (the backward of an all-to-all is the inverse all-to-all).
+Each rank of a sequence-parallel group holds a slice of the sequence for all heads. Before attention
+all-to-alls swap that for the whole sequence and 1/P of the heads; any local attention runs on it; an
+all-to-all swaps the output back. A layer issues four all-to-alls forward (q, k, v, output) and four backward
+(the backward of an all-to-all is the inverse all-to-all).
+
+[Note: Ulysses memory] A rank should hold its share: q, k and v are swapped one at a time (one send and one
+receive buffer of one tensor alive at once; stacking them into one message would triple that), the chunks are
+stacked straight into the send buffer from the (possibly non-contiguous) input, and the received buffer is
+reshaped without a copy when the gathered dim leads (seq-first layout, or batch 1).
 
 [Note: uneven sequence lengths] The ranks' slices may differ in length (a sequence of 7 on 2 ranks: 4 and 3;
 the loader adapter splits like `torch.chunk`). Each forward all-gathers the local lengths (one small
@@ -37,10 +42,12 @@ def _swap(x: torch.Tensor, split_dim: int, cat_dim: int, group: dist.ProcessGrou
     size = dist.get_world_size(group)
     if size == 1:
         return x
-    send = torch.stack(x.chunk(size, dim=split_dim)).contiguous()
+    send = torch.stack(x.chunk(size, dim=split_dim))  # [P, ...]: chunk j goes to rank j
     received = torch.empty_like(send)
     collectives.all_to_all(received, send, group=group)
-    return torch.cat(received.unbind(0), dim=cat_dim)
+    del send
+    # concatenating the P chunks along cat_dim; a view (no copy) when cat_dim is the leading dim
+    return received.movedim(0, cat_dim).flatten(cat_dim, cat_dim + 1)
 
 
 class _SeqAllToAll(torch.autograd.Function):
@@ -52,7 +59,7 @@ class _SeqAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         split_dim, cat_dim = ctx.dims
-        return _swap(grad.contiguous(), cat_dim, split_dim, ctx.group), None, None, None
+        return _swap(grad, cat_dim, split_dim, ctx.group), None, None, None
 
 
 def seq_all_to_all(x: torch.Tensor, *, split_dim: int, cat_dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -129,14 +136,12 @@ class DistributedAttention(nn.Module):
                 )
         lengths = self._lengths(query.shape[seq], group, query.device)
         longest = max(lengths)
-        q, k, v = (_pad(t, seq, longest) for t in (query, key, value))
-        if q.shape == k.shape == v.shape:
-            swapped = seq_all_to_all(torch.stack((q, k, v)), split_dim=heads + 1, cat_dim=seq + 1, group=group)
-            q, k, v = swapped.unbind(0)
-        else:
-            q = seq_all_to_all(q, split_dim=heads, cat_dim=seq, group=group)
-            kv = seq_all_to_all(torch.stack((k, v)), split_dim=heads + 1, cat_dim=seq + 1, group=group)
-            k, v = kv.unbind(0)
+        # one all-to-all per tensor: the send and receive buffers of one tensor are alive at a time (stacking
+        # q, k and v into one message would hold three of each: [Note: Ulysses memory])
+        q, k, v = (
+            seq_all_to_all(_pad(t, seq, longest), split_dim=heads, cat_dim=seq, group=group)
+            for t in (query, key, value)
+        )
         real = None
         if any(n != longest for n in lengths):
             real = torch.cat([torch.arange(n, device=q.device) + r * longest for r, n in enumerate(lengths)])
@@ -146,7 +151,7 @@ class DistributedAttention(nn.Module):
             shape = list(out.shape)
             shape[seq] = longest * size
             out = out.new_zeros(shape).index_copy(seq, real, out)
-        out = seq_all_to_all(out.contiguous(), split_dim=seq, cat_dim=heads, group=group)
+        out = seq_all_to_all(out, split_dim=seq, cat_dim=heads, group=group)
         return out.narrow(seq, 0, query.shape[seq])
 
     @staticmethod
