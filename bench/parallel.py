@@ -4,7 +4,7 @@ DTensor TP and DeepSpeed (AutoTP, Ulysses).
     python bench/parallel.py [--quick] [--steps 6] [--peer-python .bench-venv/bin/python]
 
 Rows (gloo on CPU, one thread per rank, 2 ranks; one fresh process group per row):
-- TP: a tiny Llama (~18M parameters: vocab 8192, dim 512, 4 layers, 8 heads, MLP 1376), AdamW, batch 4 x 128.
+- TP: a tiny Llama (~21M parameters: vocab 8192, dim 512, 4 layers, 8 heads, MLP 1376), AdamW, batch 4 x 128.
   `single` (1 process, plain torch), `slipstream_tp2` (`tensor_parallel.autotp_size: 2`, ZeRO 0),
   `dtensor_tp2` (parallelize_module + torch AdamW, no engine), `deepspeed_autotp2` (peer environment).
 - SP: one attention layer (8 heads x 64, seq 8192, causal SDPA), forward + backward.
@@ -59,7 +59,7 @@ class Block(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
-class TinyLlama(nn.Module):
+class TinyLlamaModel(nn.Module):  # DeepSpeed's AutoTP reads the family from a class name ending in Model
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -91,7 +91,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _tp_stepper(row: str) -> Any:
-    model = TinyLlama()
+    model = TinyLlamaModel()
     config = {
         "train_batch_size": BATCH,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -233,6 +233,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 steps, seq 2048")
     parser.add_argument("--peer-python", default=str(ROOT / ".bench-venv/bin/python"))
     parser.add_argument("--only", choices=("tp", "sp"), default=None)
+    parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     args = parser.parse_args()
     steps, seq = (2, 2048) if args.quick else (args.steps, args.seq)
     peer = args.peer_python if Path(args.peer_python).exists() else None
@@ -247,6 +248,8 @@ def main() -> None:
         print(f"  {'row':<20}{'step s':>10}{'x single':>10}{'peak MiB/rank':>15}{'x single':>10}")
         single = None
         for name in names:
+            if args.rows and name not in args.rows.split(",") and name != "single":
+                continue
             python = peer if name.startswith("deepspeed") else sys.executable
             if python is None:
                 print(f"  {name:<20} skipped: no peer environment (bash bench/make_peer_venv.sh)")

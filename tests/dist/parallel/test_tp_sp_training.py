@@ -24,18 +24,18 @@ CASES_2 = [
 CASES_4 = [{"tp": 2, "sp": 1, "stage": 3}, {"tp": 1, "sp": 2, "stage": 1}]
 
 
-def reference(seq: int = SEQ) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(seq: int = SEQ) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     model = TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses = []
+    losses, norms = [], []
     for x, y in batches(STEPS, BATCH, seq):
         loss = loss_fn(model(x), y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
 def make_engine(tp: int, sp: int, stage: int, data: Any = None) -> Any:
@@ -76,10 +76,13 @@ def train_step(engine: Any, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def train(rank: int, world: int, *, tp: int, sp: int, stage: int, seq: int = SEQ) -> dict:
     engine = make_engine(tp, sp, stage)
-    losses = [train_step(engine, x, y) for x, y in batches(STEPS, BATCH, seq)]
+    losses, norms = [], []
+    for x, y in batches(STEPS, BATCH, seq):
+        losses.append(train_step(engine, x, y))
+        norms.append(engine.get_global_grad_norm())
     params = engine._zero3_consolidated_16bit_state_dict()  # global tensors on rank 0
     engine.destroy()
-    return {"losses": losses, "params": params if rank == 0 else None}
+    return {"losses": losses, "norms": norms, "params": params if rank == 0 else None}
 
 
 def count_tp_collectives(rank: int, world: int) -> dict[str, Any]:
@@ -144,8 +147,10 @@ def test_tp2_and_sp2_match_single_process_and_tp2_checkpoint_resumes_at_tp1(tmp_
     assert torch.equal(ranks[0]["counts"]["batch"], ranks[1]["counts"]["batch"])
     assert len(ranks[0]["counts"]["batch"]) == BATCH
     for case, got in zip(CASES_2, out["train"]):
-        ref_losses, ref_params = reference(case.get("seq", SEQ))
+        ref_losses, ref_params, ref_norms = reference(case.get("seq", SEQ))
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (case, got["losses"], ref_losses)
+        # the global norm over TP shards and replicated parameters, above CLIP so clipping acts
+        assert got["norms"] == pytest.approx(ref_norms, rel=1e-5) and min(ref_norms) > CLIP, (case, got["norms"])
         _close(got["params"], ref_params, case)
     (loss_tp2, loss_dp2), (params_tp2, params_dp2) = out["resume"]["losses"], out["resume"]["params"]
     assert loss_dp2 == pytest.approx(loss_tp2, rel=1e-5) and out["resume"]["steps"] == 3
@@ -159,7 +164,8 @@ def test_tp2_and_sp2_match_single_process_and_tp2_checkpoint_resumes_at_tp1(tmp_
 
 
 def test_tp2_dp2_and_sp2_dp2_match_single_process() -> None:
-    ref_losses, ref_params = reference()
+    ref_losses, ref_params, ref_norms = reference()
     for case, got in zip(CASES_4, run_distributed(grid4, world_size=4, timeout_s=240)[0]):
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (case, got["losses"], ref_losses)
+        assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), (case, got["norms"], ref_norms)
         _close(got["params"], ref_params, case)
