@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Topology", "build_topology"]
+__all__ = ["Topology", "build_topology", "current_topology"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,18 @@ def build_topology(*, tp: int, sp: int, device_type: str) -> Topology:
     key = (tp, sp, device_type, id(dist.group.WORLD))
     if key not in _BUILT:
         _BUILT[key] = _build(tp, sp, device_type)
+    _CURRENT[:] = [_BUILT[key]]
     return _BUILT[key]
+
+
+_CURRENT: list[Topology] = []
+
+
+def current_topology() -> Topology | None:
+    """The layout built last (by the engine or the user), for `deepspeed.utils.groups`; None without one."""
+    if not _CURRENT or not (dist.is_available() and dist.is_initialized()):
+        return None
+    return _CURRENT[0]
 
 
 def _build(tp: int, sp: int, device_type: str) -> Topology:
