@@ -97,6 +97,7 @@ def initialize(
     hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
     pipeline = _is_pipeline(model)
     data_world = dist.get_world_size() // (int(getattr(model, "num_stages", 1)) if pipeline else 1)
+    raw = _with_recorded_tp(raw, model)
     plan = resolve(raw, world_size=data_world, strict=strict, hidden_size=hidden_size)
     log_rank0(
         "config as given, resolved: " + json.dumps(_given_keys(plan.resolved, raw), default=str), rank=dist.get_rank()
@@ -141,3 +142,34 @@ def _pipeline_engine(
         repeat=RepeatingLoader,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+_TP_ATTRIBUTE = "_slipstream_tp_size"
+
+
+def tp_model_init(model: nn.Module, tp_size: int, dtype: Any, config: Any = None, **kwargs: Any) -> nn.Module:
+    """DeepSpeed's `tp_model_init`: record that `model` trains with tensor parallelism of `tp_size`; `initialize`
+    splits it (as `tensor_parallel.autotp_size` would). `dtype` casts the model now; `config` and other
+    arguments are accepted for DeepSpeed's signature (the config given to `initialize` is the one used)."""
+    del config, kwargs
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_model_init(tp_size=...): expected an integer >= 1, got {tp_size!r}")
+    if dtype is not None:
+        model.to(dtype)
+    setattr(model, _TP_ATTRIBUTE, tp_size)
+    return model
+
+
+def _with_recorded_tp(raw: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """`raw` with the TP size `tp_model_init` recorded; a different `tensor_parallel.autotp_size` is an error."""
+    recorded = getattr(model, _TP_ATTRIBUTE, None)
+    if recorded is None:
+        return raw
+    section = raw.get("tensor_parallel") or {}
+    given = section.get("autotp_size", 0) if isinstance(section, dict) else 0
+    if given not in (0, recorded):
+        raise ValueError(
+            f"tp_model_init(tp_size={recorded}) and the config's tensor_parallel.autotp_size={given} disagree; "
+            "give one size (or the same in both)"
+        )
+    return {**raw, "tensor_parallel": {**section, "autotp_size": recorded}}

@@ -24,7 +24,7 @@ import torch
 
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.manifest import DTYPE_NAMES
-from slipstream.checkpoint.state import EngineParts
+from slipstream.checkpoint.state import EngineParts, global_shape
 from slipstream.utils.logging import warn_once
 
 _SHOWN = 20
@@ -75,7 +75,7 @@ def tensor_problems(parts: EngineParts, source: Any, *, load_optimizer_states: b
     keys = set(source.keys())
     problems: list[str] = []
     for name, param in parts.module.named_parameters():
-        shape, dtype = tuple(param.shape), param.dtype  # global: a ZeRO-3 parameter keeps its full shape
+        shape, dtype = global_shape(parts, name, tuple(param.shape)), param.dtype  # ZeRO-3 keeps its full shape
         if f"module/{name}" in keys:
             problems.append(_tensor_problem(f"module/{name}", source, shape, dtype, f"parameter {name!r}") or "")
         if load_optimizer_states and parts.optimizer is not None:

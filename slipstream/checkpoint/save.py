@@ -226,16 +226,22 @@ def _write_rank(
 ) -> None:
     """This rank's safetensors file and its listing (`rank_<r>.json`), both fsynced."""
     items = _items(parts, client_tensors, exclude_frozen)
+    # a key this rank holds several pieces of (a tensor-parallel shard cut along dim 1: one piece per row) is
+    # stored under one name per piece, "<key>@<start>"; the listing names the stored key when it differs
+    counts: dict[str, int] = {}
+    for key, *_ in items:
+        counts[key] = counts.get(key, 0) + 1
+    stored = [key if counts[key] == 1 else f"{key}@{start}" for key, _, start, *_ in items]
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
-        (key, data.dtype, (end - start,)) for key, data, start, end, _, _ in items
+        (name, data.dtype, (end - start,)) for name, (_, data, start, end, _, _) in zip(stored, items)
     ]
     path = tmp / f"rank_{parts.rank:05d}.safetensors"
     written: dict[str, Any] = {}
 
     def write_tensors() -> None:
         with SafetensorsWriter(path, entries) as writer:
-            for key, data, *_ in items:
-                writer.write(key, data.detach().reshape(-1).to("cpu"))
+            for name, (_, data, *_) in zip(stored, items):
+                writer.write(name, data.detach().reshape(-1).to("cpu"))
             written.update(sha256=writer.close(), bytes=writer.bytes_written)
 
     _on_disk(write_tensors, path=path, needed=file_bytes(entries), final=final)
@@ -244,8 +250,8 @@ def _write_rank(
         "sha256": written["sha256"],
         "bytes": written["bytes"],
         "pieces": [
-            [key, start, end, list(shape), dtype_name(data.dtype), frozen]
-            for key, data, start, end, shape, frozen in items
+            [key, start, end, list(shape), dtype_name(data.dtype), frozen, *([name] if name != key else [])]
+            for name, (key, data, start, end, shape, frozen) in zip(stored, items)
         ],
     }
     text = json.dumps(listing)
@@ -321,8 +327,9 @@ def _merge(tmp: Path, parts: EngineParts, tag: str, scalars: dict[str, Any], ver
         listing = json.loads(listing_path.read_text())
         listing_path.unlink()
         files[listing["file"]] = {"sha256": listing["sha256"], "bytes": listing["bytes"]}
-        for key, start, end, shape, dtype, frozen in listing["pieces"]:
-            pieces.setdefault(key, []).append(Piece(file=listing["file"], name=key, start=start, end=end))
+        for key, start, end, shape, dtype, frozen, *stored_as in listing["pieces"]:
+            name = stored_as[0] if stored_as else key
+            pieces.setdefault(key, []).append(Piece(file=listing["file"], name=name, start=start, end=end))
             meta[key] = (tuple(shape), dtype, frozen)
     for key, found in pieces.items():
         shape, dtype, frozen = meta[key]

@@ -30,6 +30,9 @@ class EngineParts:
     rank: int
     world_size: int
     stage: int
+    tp_layouts: dict[str, Any] | None = None
+    """Tensor parallelism: parameter name -> tp_slices.TpLayout (checkpoints hold global tensors)."""
+    tp_rank: int = 0
 
 
 def trainable_names(parts: EngineParts) -> set[str]:
@@ -39,6 +42,21 @@ def trainable_names(parts: EngineParts) -> set[str]:
 
 
 def collect_slices(parts: EngineParts, *, for_save: bool) -> list[OwnedSlice]:
+    slices = _local_slices(parts, for_save=for_save)
+    if parts.tp_layouts is None:
+        return slices
+    from slipstream.checkpoint.tp_slices import to_global
+
+    return to_global(slices, parts.tp_layouts, tp_rank=parts.tp_rank, for_save=for_save)
+
+
+def global_shape(parts: EngineParts, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The checkpoint's shape of parameter `name` (its TP-global shape under tensor parallelism)."""
+    layout = (parts.tp_layouts or {}).get(name)
+    return shape if layout is None else tuple(layout.global_shape)
+
+
+def _local_slices(parts: EngineParts, *, for_save: bool) -> list[OwnedSlice]:
     slices: list[OwnedSlice] = []
     if parts.optimizer is not None:
         slices.extend(parts.optimizer.owned_slices(parts.names, for_save=for_save))

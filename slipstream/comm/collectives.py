@@ -41,9 +41,11 @@ __all__ = [
     "TimedWork",
     "all_gather",
     "all_reduce",
+    "all_to_all",
     "barrier",
     "broadcast",
     "collective_timeout",
+    "first_rank",
     "reduce_scatter",
     "set_collective_timeout",
 ]
@@ -245,6 +247,25 @@ def all_gather(
     return _issue(
         "all_gather", output, (output, input), lambda o, i: _all_gather_flat(o, i, group=group, async_op=True), async_op
     )
+
+
+def all_to_all(
+    output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> TimedWork:
+    """Split `input` into world equal chunks along dim 0; chunk j goes to rank j, and rank j's chunk for this
+    rank lands in chunk j of `output` (same shape as `input`). gloo, NCCL and the CPU backends all run it."""
+    return _issue(
+        "all_to_all",
+        input,
+        (output, input),
+        lambda o, i: dist.all_to_all_single(o, i, group=group, async_op=True),
+        async_op,
+    )
+
+
+def first_rank(group: dist.ProcessGroup | None) -> int:
+    """Global rank of `group`'s rank 0 (the `src` of a broadcast from the group's first member)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None = None) -> None:

@@ -160,7 +160,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "random_ltd_initialize": "random layer-token drop is not implemented",
     "get_pld_theta": "progressive layer drop is not implemented",
     "quantize_training": "quantization-aware training is not implemented",
-    "get_sequence_parallel_group": "sequence parallelism is not part of the data-parallel engine",
     "active_timers": "DeepSpeed's engine timers are not implemented; see wall_clock_breakdown",
     "print_forward_breakdown": "DeepSpeed's engine timers are not implemented; see wall_clock_breakdown",
     "get_wall_clock_timers": "DeepSpeed's engine timers are not implemented; see wall_clock_breakdown",

@@ -29,6 +29,7 @@ __all__ = [
     "NvmeTarget",
     "OffloadTarget",
     "OptimizerPlan",
+    "ParallelPlan",
     "PrecisionPlan",
     "SchedulerPlan",
     "Stage3Plan",
@@ -171,6 +172,19 @@ class CheckpointPlan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelPlan:
+    """Model parallelism: tensor-parallel and sequence-parallel degrees (the data-parallel degree is the rest)."""
+
+    tp_size: int = 1
+    """`tensor_parallel.autotp_size` (0 and 1 both mean no TP)."""
+    tp_rules: tuple[tuple[str, str], ...] = ()
+    """`tensor_parallel.partition_config` layer specs, tried before the built-in rules: (regex on parameter
+    names, "column" | "row" | "skip" | "gathered"). `use_default_specs: false` ends them with (".*", "skip")."""
+    sp_size: int = 1
+    """`sequence_parallel_size`: Ulysses group size."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerPlan:
     """A registry name (config/optimizers.py) and keyword arguments, DeepSpeed's defaults filled in."""
 
@@ -294,5 +308,7 @@ class EnginePlan:
     unimplemented: tuple[str, ...]
     """Dotted keys the user set that Slipstream accepts but does not implement yet (the engine warns once
     each)."""
+    parallel: ParallelPlan = ParallelPlan()
+    """Tensor and sequence parallelism (defaults: none)."""
     resolved: dict[str, Any]
     """The full resolved config as plain JSON data, defaults and "auto" filled in (what rank 0 logs)."""

@@ -51,6 +51,7 @@ from slipstream.config.plan import (
     NvmeTarget,
     OffloadTarget,
     OptimizerPlan,
+    ParallelPlan,
     PipelinePlan,
     PrecisionPlan,
     SchedulerPlan,
@@ -94,11 +95,13 @@ def resolve(
     cfg, bad_sections = _validate(cleaned, problems)
     ws_ok = not problems or not problems[0].startswith("world_size")
     batch = None
-    if ws_ok and not bad_sections.intersection(BATCH_KEYS):
-        elastic = apply_elasticity(cfg, world_size, problems)
+    parallel = _parallel_plan(cfg, world_size if ws_ok else 1, problems)
+    data_world = world_size // (parallel.tp_size * parallel.sp_size) if ws_ok else world_size
+    if ws_ok and data_world and not bad_sections.intersection(BATCH_KEYS):
+        elastic = apply_elasticity(cfg, data_world, problems)
         if elastic is not None:
             cfg = elastic
-            batch = batch_plan(cfg, world_size, walk.auto_batch, problems)
+            batch = batch_plan(cfg, data_world, walk.auto_batch, problems)
             batch = batch and mark_elastic(batch, cfg)
     precision = _precision_plan(cfg, problems)
     aio = _aio_plan(cfg)
@@ -121,12 +124,44 @@ def resolve(
         checkpoint=CheckpointPlan(tag_validation=cfg.checkpoint.tag_validation),
         pipeline=PipelinePlan(activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval),
         collective_timeout=cfg.collective_timeout,
+        parallel=parallel,
         activation_checkpointing=_activation_plan(cfg.activation_checkpointing)
         if "activation_checkpointing" in cfg.model_fields_set
         else None,
         unimplemented=tuple(dict.fromkeys(unimplemented)),
         resolved=_resolved(cfg, batch),
     )
+
+
+def _parallel_plan(cfg: DeepSpeedConfig, world_size: int, problems: list[str]) -> ParallelPlan:
+    """TP and SP degrees; the world must be a multiple of their product (the rest is data parallel)."""
+    tp_section = cfg.tensor_parallel
+    tp, sp = max(tp_section.autotp_size, 1), cfg.sequence_parallel_size or 1
+    if world_size % (tp * sp):
+        problems.append(
+            f"tensor_parallel.autotp_size ({tp}) x sequence_parallel_size ({sp}) = {tp * sp} does not divide the "
+            f"world size {world_size}; launch a multiple of {tp * sp} ranks or change the sizes"
+        )
+        tp = sp = 1
+    rules: list[tuple[str, str]] = []
+    partition = tp_section.partition_config
+    if partition:
+        for number, spec in enumerate(partition.get("layer_specs") or []):
+            where = f"tensor_parallel.partition_config.layer_specs[{number}]"
+            extra = sorted(set(spec) - {"patterns", "partition_type", "gather_output"})
+            kind = str(spec.get("partition_type", "")).lower()
+            if extra:
+                problems.append(
+                    f"{where}: {', '.join(extra)} not implemented (sub-parameter splits); use whole-layer "
+                    "rules with patterns, partition_type and gather_output"
+                )
+            if kind not in ("column", "row", "skip"):
+                problems.append(f"{where}.partition_type: expected 'column', 'row' or 'skip', got {kind!r}")
+            kind = "gathered" if kind == "column" and spec.get("gather_output") else kind
+            rules += [(str(pattern), kind) for pattern in spec.get("patterns") or []]
+        if not partition.get("use_default_specs", True):
+            rules.append((".*", "skip"))  # no built-in rules: every other layer stays replicated
+    return ParallelPlan(tp_size=tp, tp_rules=tuple(rules), sp_size=sp)
 
 
 def _validate(cleaned: dict[str, Any], problems: list[str]) -> tuple[DeepSpeedConfig, set[str]]:

@@ -50,6 +50,7 @@ class Checkpointing:
     micro_steps: int
     _window_micro_steps: int
     _param_names: dict[int, str]
+    parallel: Any
 
     def _resident(self) -> Any:
         """Masters and optimizer states in memory (NVMe offload swaps them out between steps)."""
@@ -69,6 +70,8 @@ class Checkpointing:
             rank=self.global_rank,
             world_size=self.world_size,
             stage=self.plan.zero.stage,
+            tp_layouts=self.parallel.checkpoint_layouts(self.module),
+            tp_rank=self.parallel.tp_rank,
         )
 
     def save_checkpoint(

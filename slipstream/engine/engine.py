@@ -37,6 +37,7 @@ from slipstream.engine.checkpointing import Checkpointing
 from slipstream.engine.model_saving import ModelSaving
 from slipstream.engine.monitor import StepFigures
 from slipstream.engine.observe import CommsLog, StepProfiler
+from slipstream.engine.parallel import setup_parallel
 from slipstream.utils.logging import get_logger, log_rank0, warn_once
 from slipstream.utils.progress import Progress
 from slipstream.zero.build import build_zero
@@ -72,7 +73,13 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         self.device = self.accelerator.device(self.accelerator.current_device())
         if plan.zero.stage == 3 and isinstance(model, nn.Module):
             builders.warn_if_materialised(model)
-        zero = build_zero(model, zero=plan.zero, precision=plan.precision, device=self.device)
+        self.parallel = setup_parallel(model, plan, self.device, self.global_rank)
+        self.mp_world_size = self.parallel.tp_size
+        self.sequence_parallel_size = self.parallel.sp_size
+        self.dp_world_size = dist.get_world_size(self.parallel.data_group)  # ZeRO's group: data x sequence ranks
+        zero = build_zero(
+            model, zero=plan.zero, precision=plan.precision, device=self.device, group=self.parallel.data_group
+        )
         self.module, self.zero_model = zero.module, zero.zero_model
         self._param_names = {id(p): n for n, p in self.module.named_parameters()}
         for key in plan.unimplemented:
@@ -86,12 +93,13 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         if self.basic_optimizer is not None:
             self.optimizer = zero.wrap(self.basic_optimizer, rank=self.global_rank)
             self.optimizer.param_names = self._param_names
+            self.optimizer.model_parallel = self.parallel.norm_info(self.module)
             builders.check_host_memory(self.optimizer, rank=self.global_rank)
-        builders.log_memory_plan(plan, self.module, world_size=self.world_size, rank=self.global_rank)
+        builders.log_memory_plan(plan, self.module, world_size=self.dp_world_size, rank=self.global_rank)
         self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler)
         self.loss_scaler = builders.make_loss_scaler(plan.precision.loss_scale)
-        self.training_dataloader = builders.make_dataloader(
-            plan, training_data, collate_fn, self.global_rank, self.world_size
+        self.training_dataloader = self.parallel.wrap_loader(
+            builders.make_dataloader(plan, training_data, collate_fn, *self.parallel.loader_rank_and_size())
         )
         self.monitors = builders.make_monitors(plan.logging.monitor) if self.global_rank == 0 else []
         flops, comms = plan.logging.flops_profile, plan.logging.comms_log
@@ -130,7 +138,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
             f"{plan.precision.param_dtype}, master {plan.precision.master_dtype}, grad accumulation "
             f"{plan.precision.grad_accum_dtype}; batch {plan.batch.train_batch_size} = micro "
             f"{plan.batch.micro_batch_size} x accumulation {plan.batch.gradient_accumulation_steps} x "
-            f"world {self.world_size} ({'; '.join(f'{k}: {v}' for k, v in plan.batch.sources.items())})",
+            f"data-parallel {plan.batch.world_size} ({'; '.join(f'{k}: {v}' for k, v in plan.batch.sources.items())})",
             rank=self.global_rank,
         )
         if self.global_rank == 0:
@@ -248,7 +256,9 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         assert self.optimizer is not None
         gas = 1 if self._user_scaled_window else self.gradient_accumulation_steps()
         loss_scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-        result = self.optimizer.step(grad_divisor=self.world_size * gas * loss_scale, clip=self.plan.gradient_clipping)
+        result = self.optimizer.step(
+            grad_divisor=self.dp_world_size * gas * loss_scale, clip=self.plan.gradient_clipping
+        )
         self._grad_norm = result.grad_norm
         self._step_applied = not result.overflow
         if result.overflow:
@@ -313,6 +323,10 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
             monitor.write(figures.events(), self.global_samples)
         self._window_started = time.perf_counter()
         self._timers = dict.fromkeys(self._timers, 0.0)
+
+    def get_sequence_parallel_group(self) -> dist.ProcessGroup | None:
+        """The Ulysses group of this rank (`sequence_parallel_size`), None without sequence parallelism."""
+        return None if self.parallel.topology is None else self.parallel.topology.sp_group
 
     # ---- figures ----
     def get_global_grad_norm(self) -> float | None:

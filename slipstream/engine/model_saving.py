@@ -26,13 +26,16 @@ class ModelSaving:
     zero_model: Any
     global_rank: int
     plan: Any
+    parallel: Any
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        """The full state dict (parameters gathered, buffers) on rank 0; an empty dict on the other ranks."""
+        """The full state dict (parameters gathered, buffers) on rank 0; an empty dict on the other ranks.
+        With tensor parallelism the tensors are global (the TP shards all-gathered), so they load at TP=1."""
         if self.zero_model is None:
-            return OrderedDict(self.module.state_dict()) if self.global_rank == 0 else OrderedDict()
+            whole = self.parallel.full_state(self.module, OrderedDict(self.module.state_dict()))
+            return whole if self.global_rank == 0 else OrderedDict()
         params = self.zero_model.full_state(exclude_frozen=exclude_frozen_parameters)
-        if self.global_rank != 0:
+        if self.zero_model.rank != 0:  # the data group's first ranks hold the gathered values (one TP group)
             return OrderedDict()
         state: dict[str, torch.Tensor] = OrderedDict()
         for name, param in self.module.named_parameters():
@@ -47,7 +50,8 @@ class ModelSaving:
             state[name] = gathered
         for name, buffer in self.module.named_buffers():
             state[name] = buffer.detach().to("cpu", copy=True)
-        return state
+        state = self.parallel.full_state(self.module, state)
+        return state if self.global_rank == 0 else OrderedDict()
 
     def save_16bit_model(
         self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False

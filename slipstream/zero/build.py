@@ -47,6 +47,8 @@ class ZeroBuild:
     """Stage 3: the sharded units (None below stage 3)."""
     zero: ZeroPlan
     precision: PrecisionPlan
+    group: dist.ProcessGroup | None = None
+    """The data-parallel group ZeRO shards and reduces over (None: the whole world)."""
 
     def wrap(self, optimizer: torch.optim.Optimizer, *, rank: int) -> ZeroOptimizer:
         """The stage's ZeRO optimizer around `optimizer` (whose param groups it re-points at master pieces)."""
@@ -57,37 +59,54 @@ class ZeroBuild:
             precision=self.precision,
             model=self.zero_model,
             offload=policy_for(self.zero.offload_optimizer, rank=rank),
+            group=self.group,
         )
 
 
-def build_zero(model: nn.Module, *, zero: ZeroPlan, precision: PrecisionPlan, device: torch.device) -> ZeroBuild:
-    """Place `model` for `zero.stage`: on the device in the parameter dtype with rank 0's values (stages 0-2),
-    or sharded into units (stage 3)."""
+def build_zero(
+    model: nn.Module,
+    *,
+    zero: ZeroPlan,
+    precision: PrecisionPlan,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> ZeroBuild:
+    """Place `model` for `zero.stage`: on the device in the parameter dtype with the values of the group's first
+    rank (stages 0-2), or sharded into units over `group` (stage 3). `group` None is the whole world; with
+    tensor parallelism it is the data-parallel group of this rank's shard."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(model=...) needs a torch.nn.Module, got {type(model).__name__}")
     if zero.stage == 3:
         if zero.stage3 is None:
             raise RuntimeError("ZeRO stage 3 without a Stage3Plan: build plans with slipstream.config.resolve")
-        _place_for_stage3(model, precision, device)
+        _place_for_stage3(model, precision, device, group)
         return ZeroBuild(
-            module=model, zero_model=ZeroModel(model, zero.stage3, device=device), zero=zero, precision=precision
+            module=model,
+            zero_model=ZeroModel(model, zero.stage3, device=device, group=group),
+            zero=zero,
+            precision=precision,
+            group=group,
         )
-    _place_replicated(model, precision, device)
-    return ZeroBuild(module=model, zero_model=None, zero=zero, precision=precision)
+    _place_replicated(model, precision, device, group)
+    return ZeroBuild(module=model, zero_model=None, zero=zero, precision=precision, group=group)
 
 
-def _place_replicated(model: nn.Module, precision: PrecisionPlan, device: torch.device) -> None:
+def _place_replicated(
+    model: nn.Module, precision: PrecisionPlan, device: torch.device, group: dist.ProcessGroup | None
+) -> None:
     model.to(device)
     dtype = DTYPES[precision.param_dtype]
     if dtype != torch.float32:
         model.to(dtype)
-    if dist.get_world_size() > 1:
+    if dist.get_world_size(group) > 1:
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
-                collectives.broadcast(tensor.data, src=0)
+                collectives.broadcast(tensor.data, src=collectives.first_rank(group), group=group)
 
 
-def _place_for_stage3(model: nn.Module, precision: PrecisionPlan, device: torch.device) -> None:
+def _place_for_stage3(
+    model: nn.Module, precision: PrecisionPlan, device: torch.device, group: dist.ProcessGroup | None
+) -> None:
     """Plain parameters to the device and dtype (ZeroModel shards them); buffers from rank 0."""
     dtype = DTYPES[precision.param_dtype]
     with torch.no_grad():
@@ -103,8 +122,8 @@ def _place_for_stage3(model: nn.Module, precision: PrecisionPlan, device: torch.
         for module in model.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 moved = buffer.to(device)
-                if dist.get_world_size() > 1:
-                    collectives.broadcast(moved, src=0)
+                if dist.get_world_size(group) > 1:
+                    collectives.broadcast(moved, src=collectives.first_rank(group), group=group)
                 module._buffers[name] = moved
 
 

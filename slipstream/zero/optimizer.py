@@ -71,6 +71,9 @@ class ZeroOptimizer(abc.ABC):
         self.param_names: dict[int, str] = {}
         """id(parameter) -> qualified name, set by the engine for error messages."""
         self.last_nonfinite_param: str | None = None
+        self.model_parallel: tuple[dist.ProcessGroup, set[int]] | None = None
+        """Tensor parallelism: (the TP group, ids of the parameters replicated over it), set by the engine; the
+        global gradient norm then sums the sharded parameters over the group and counts replicated ones once."""
         self._hooks: list[Any] = []
         self.groups: list[Any] = self._build_groups(
             bucket_numel=bucket_numel, master_dtype=DTYPES[master_dtype], grad_dtype=DTYPES[grad_dtype]
@@ -148,8 +151,12 @@ class ZeroOptimizer(abc.ABC):
         for grad in owned:
             grad.mul_(1.0 / grad_divisor)
         stats = self._local_grad_stats(owned)
+        if self.model_parallel is not None:
+            stats[0] -= self._replicated_sum_sq(self.model_parallel)
         if not self.owns_all and self.world_size > 1:
             collectives.all_reduce(stats, group=self.process_group)
+        if self.model_parallel is not None:
+            collectives.all_reduce(stats, group=self.model_parallel[0])
         sum_sq, nonfinite = float(stats[0]), float(stats[1])
         self.overflow = self.check_overflow and (nonfinite > 0 or not math.isfinite(sum_sq))
         grad_norm = math.sqrt(sum_sq) if math.isfinite(sum_sq) else float("inf")
@@ -221,6 +228,31 @@ class ZeroOptimizer(abc.ABC):
             return torch.zeros(2, dtype=torch.float64, device=self.groups[0].device if self.groups else None)
         norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in owned]).double()
         return torch.stack([norms.pow(2).sum(), (~torch.isfinite(norms)).sum().double()])
+
+    def _replicated_sum_sq(self, model_parallel: tuple[dist.ProcessGroup, set[int]]) -> float:
+        """(1 - 1/tp) of the replicated parameters' share of the sum of squares: after the sum over the TP group
+        they count once."""
+        group, replicated = model_parallel
+        share = 1.0 - 1.0 / dist.get_world_size(group)
+        total = sum(
+            float(torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2)
+            for param, grad in self.grad_parts()
+            if id(param) in replicated
+        )
+        return share * total
+
+    def grad_parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, the part of its owned gradient this rank holds), for every piece of owned gradient."""
+        out = []
+        for flat in self.groups:
+            for bucket, (start, _end), grad in zip(flat.layout.buckets, flat.piece_ranges, flat.owned_grads):
+                for index in bucket.param_indices:
+                    slot = flat.layout.slots[index]
+                    lo = max(slot.flat_offset, start) - start
+                    hi = min(slot.flat_offset + slot.numel, start + grad.numel()) - start
+                    if hi > lo:
+                        out.append((flat.params[index], grad[lo:hi]))
+        return out
 
     def _low_precision_targets(self) -> list[torch.Tensor]:
         """Host buffers for the CPU Adam op to write the new low-precision values into, in the same pass."""

@@ -228,6 +228,11 @@ class CompileConfig(OpenSection):
 class TensorParallelConfig(OpenSection):
     """`tensor_parallel`: automatic tensor parallelism for training (further keys are kept as given)."""
 
+    IMPLEMENTED = {
+        "autotp_size": "parallel.tp_size",
+        "partition_config": "parallel.tp_rules",
+    }
+
     autotp_size: DSInt = Field(0, ge=0)
     """Tensor-parallel degree; 0 disables AutoTP."""
     tp_overlap_comm: DSBool = False

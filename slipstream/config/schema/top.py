@@ -70,6 +70,7 @@ class DeepSpeedConfig(DSModel):
         "zero_force_ds_cpu_optimizer": "zero.force_host_optimizer",
         "dataloader_drop_last": "dataloader_drop_last",
         "strict": "",
+        "sequence_parallel_size": "parallel.sp_size",
     }
     train_batch_size: DSInt | None = Field(None, gt=0)
     """Global batch: micro batch * gradient accumulation steps * data-parallel world size."""

@@ -69,7 +69,7 @@ class ZeroModel(UnitManager):
             if plain and self.world_size > 1:
                 with torch.no_grad():
                     for param in plain:
-                        collectives.broadcast(param.data, src=0, group=group)
+                        collectives.broadcast(param.data, src=collectives.first_rank(group), group=group)
             self.units.append(
                 Unit(
                     uid,

@@ -262,6 +262,17 @@ class Stage3Optimizer(ZeroOptimizer):
                     offset += record.shard_numel
         return out
 
+    def grad_parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for group in self.groups:
+            for run, grad in zip(group.runs, group.owned_grads):
+                offset = 0
+                for index in run.indices:
+                    piece = run.unit.layout.shard_numels[index]
+                    out.append((run.unit.params[index], grad[offset : offset + piece]))
+                    offset += piece
+        return out
+
     def first_nonfinite_param(self, names: dict[int, str]) -> str | None:
         for group in self.groups:
             for run, grad in zip(group.runs, group.owned_grads):
