@@ -198,13 +198,33 @@ def _issue(
     return work
 
 
-def all_reduce(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None, async_op: bool = False) -> TimedWork:
-    """Sum `tensor` across the ranks of `group`, in place."""
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> TimedWork:
+    """Sum (or reduce with `op`) `tensor` across the ranks of `group`, in place."""
     return _issue(
         "all_reduce",
         tensor,
         (tensor,),
-        lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True),
+        lambda t: dist.all_reduce(t, op=op, group=group, async_op=True),
+        async_op,
+    )
+
+
+def all_to_all(
+    output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> TimedWork:
+    """Chunk j (along dim 0) of every rank's `input` goes to rank j of `group`; `output` receives the chunks
+    of every rank in rank order (equal chunks: dim 0 a multiple of the group size)."""
+    return _issue(
+        "all_to_all",
+        input,
+        (output, input),
+        lambda o, i: dist.all_to_all_single(o, i, group=group, async_op=True),
         async_op,
     )
 

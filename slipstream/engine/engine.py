@@ -68,19 +68,29 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         self.device = self.accelerator.device(self.accelerator.current_device())
         if plan.zero.stage == 3 and isinstance(model, nn.Module):
             builders.warn_if_materialised(model)
-        zero = build_zero(model, zero=plan.zero, precision=plan.precision, device=self.device)
+        moe = builders.moe_support(model)
+        zero = build_zero(
+            model,
+            zero=plan.zero,
+            precision=plan.precision,
+            device=self.device,
+            sources=None if moe is None else moe.expert_placement(model),
+        )
         self.module, self.zero_model = zero.module, zero.zero_model
         self._param_names = {id(p): n for n, p in self.module.named_parameters()}
+        if moe is not None:
+            self._param_names = moe.global_param_names(self.module, self._param_names)
         for key in plan.unimplemented:
             warn_once(
                 f"unimplemented:{key}",
                 f"slipstream: config key '{key}' is accepted but not implemented yet; it has no effect",
             )
 
-        self.basic_optimizer = builders.make_basic_optimizer(self.module, plan, optimizer, model_parameters)
+        self.basic_optimizer = builders.make_basic_optimizer(self.module, plan, optimizer, model_parameters, moe=moe)
         self.optimizer: ZeroOptimizer | None = None
         if self.basic_optimizer is not None:
-            self.optimizer = zero.wrap(self.basic_optimizer, rank=self.global_rank)
+            group_for = None if moe is None else moe.group_for
+            self.optimizer = zero.wrap(self.basic_optimizer, rank=self.global_rank, group_for=group_for)
             self.optimizer.param_names = self._param_names
             builders.check_host_memory(self.optimizer, rank=self.global_rank)
         builders.log_memory_plan(plan, self.module, world_size=self.world_size, rank=self.global_rank)

@@ -20,7 +20,7 @@ from slipstream.config.optimizers import REGISTRY, spec_for_class
 from slipstream.config.plan import PrecisionPlan, ZeroPlan
 from slipstream.offload.policy import policy_for
 from slipstream.utils.logging import warn_once
-from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
+from slipstream.zero.optimizer import DTYPES, GroupFor, ZeroOptimizer
 from slipstream.zero.stage0 import Stage0Optimizer
 from slipstream.zero.stage1 import Stage1Optimizer
 from slipstream.zero.stage2 import Stage2Optimizer
@@ -29,6 +29,8 @@ from slipstream.zero.stage3.optimizer import Stage3Optimizer
 from slipstream.zero.stage3.sharded_param import ShardedParameter
 
 __all__ = ["STAGES", "ZeroBuild", "build_zero"]
+
+Sources = dict[int, tuple[int, Any]]
 
 STAGES: dict[int, type[ZeroOptimizer]] = {
     0: Stage0Optimizer,
@@ -48,21 +50,32 @@ class ZeroBuild:
     zero: ZeroPlan
     precision: PrecisionPlan
 
-    def wrap(self, optimizer: torch.optim.Optimizer, *, rank: int) -> ZeroOptimizer:
-        """The stage's ZeRO optimizer around `optimizer` (whose param groups it re-points at master pieces)."""
+    def wrap(self, optimizer: torch.optim.Optimizer, *, rank: int, group_for: GroupFor | None = None) -> ZeroOptimizer:
+        """The stage's ZeRO optimizer around `optimizer` (whose param groups it re-points at master pieces);
+        `group_for` gives param groups reduced over another process group (ZeroOptimizer)."""
         check_optimizer_kind(optimizer, self.zero)
+        extra: dict[str, Any] = {} if group_for is None else {"group_for": group_for}
         return STAGES[self.zero.stage](
             optimizer,
             zero=self.zero,
             precision=self.precision,
             model=self.zero_model,
             offload=policy_for(self.zero.offload_optimizer, rank=rank),
+            **extra,
         )
 
 
-def build_zero(model: nn.Module, *, zero: ZeroPlan, precision: PrecisionPlan, device: torch.device) -> ZeroBuild:
+def build_zero(
+    model: nn.Module,
+    *,
+    zero: ZeroPlan,
+    precision: PrecisionPlan,
+    device: torch.device,
+    sources: Sources | None = None,
+) -> ZeroBuild:
     """Place `model` for `zero.stage`: on the device in the parameter dtype with rank 0's values (stages 0-2),
-    or sharded into units (stage 3)."""
+    or sharded into units (stage 3). `sources` maps id(param) -> (global source rank, process group) for
+    parameters whose values come from another rank than 0 (MoE experts)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(model=...) needs a torch.nn.Module, got {type(model).__name__}")
     if zero.stage == 3:
@@ -72,11 +85,11 @@ def build_zero(model: nn.Module, *, zero: ZeroPlan, precision: PrecisionPlan, de
         return ZeroBuild(
             module=model, zero_model=ZeroModel(model, zero.stage3, device=device), zero=zero, precision=precision
         )
-    _place_replicated(model, precision, device)
+    _place_replicated(model, precision, device, sources or {})
     return ZeroBuild(module=model, zero_model=None, zero=zero, precision=precision)
 
 
-def _place_replicated(model: nn.Module, precision: PrecisionPlan, device: torch.device) -> None:
+def _place_replicated(model: nn.Module, precision: PrecisionPlan, device: torch.device, sources: Sources) -> None:
     model.to(device)
     dtype = DTYPES[precision.param_dtype]
     if dtype != torch.float32:
@@ -84,7 +97,9 @@ def _place_replicated(model: nn.Module, precision: PrecisionPlan, device: torch.
     if dist.get_world_size() > 1:
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
-                collectives.broadcast(tensor.data, src=0)
+                src, group = sources.get(id(tensor), (0, None))
+                if group is None or dist.get_world_size(group) > 1:
+                    collectives.broadcast(tensor.data, src=src, group=group)
 
 
 def _place_for_stage3(model: nn.Module, precision: PrecisionPlan, device: torch.device) -> None:

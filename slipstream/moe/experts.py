@@ -1,0 +1,86 @@
+"""`Experts`: the local experts of one MoE layer, computed together.
+
+[Note: grouped expert computation]
+The L local experts are copies of one module with their own parameters. Their buffers hold tokens padded to
+one capacity, [L, T, M], so they run as one batched call: the experts' parameters are stacked ([L, ...]) and
+the module's forward is vmapped over the stack (`torch.func.functional_call`), which turns each Linear into
+one batched matmul over the L experts instead of L small ones. A module vmap cannot trace (data-dependent
+control flow, in-place ops on its input) falls back to a loop over the experts, once, with a log line.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from slipstream.utils.logging import warn_once
+
+
+def mark_expert_params(module: nn.Module, group_name: str) -> None:
+    """DeepSpeed's marks on expert parameters: not all-reduced over the data-parallel group, but over
+    the expert-data-parallel group `group_name`."""
+    for param in module.parameters():
+        param.allreduce = False  # type: ignore[attr-defined]
+        param.group_name = group_name  # type: ignore[attr-defined]
+
+
+class Experts(nn.Module):
+    """DeepSpeed's `deepspeed.moe.experts.Experts`: `deepspeed_experts[i]` is local expert i."""
+
+    def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None) -> None:
+        super().__init__()
+        self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
+        self.num_local_experts = num_local_experts
+        self._grouped: bool | None = None  # None: not tried yet
+        for local in self.deepspeed_experts:
+            mark_expert_params(local, expert_group_name or "ep_size_1")
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        """DeepSpeed's layout: `inputs` [ep, L, C, M] (or [L, C, M]); expert i takes [:, i]."""
+        if inputs.dim() == 3:
+            return self.grouped(inputs)
+        ep, local, cap, model = inputs.shape
+        out = self.grouped(inputs.transpose(0, 1).reshape(local, ep * cap, model))
+        return out.reshape(local, ep, cap, -1).transpose(0, 1)
+
+    def grouped(self, x: Tensor) -> Tensor:
+        """Every local expert on its own rows: x [L, T, M] -> [L, T, M_out]."""
+        if self.num_local_experts == 1:
+            return _first(self.deepspeed_experts[0](x[0])).unsqueeze(0)
+        if self._grouped is not False:
+            try:
+                out = self._vmapped(x)
+                self._grouped = True
+                return out
+            except Exception as exc:  # noqa: BLE001 - vmap refuses many constructs; the loop is always right
+                if self._grouped:
+                    raise
+                self._grouped = False
+                warn_once(
+                    f"moe-loop:{type(self.deepspeed_experts[0]).__name__}",
+                    f"slipstream MoE: the expert module {type(self.deepspeed_experts[0]).__name__} cannot be "
+                    f"batched with torch.func.vmap ({type(exc).__name__}: {exc}); its experts run one by one",
+                )
+        return torch.stack([_first(e(x[i])) for i, e in enumerate(self.deepspeed_experts)])
+
+    def _vmapped(self, x: Tensor) -> Tensor:
+        experts = list(self.deepspeed_experts)
+        named = [dict(e.named_parameters()) for e in experts]
+        params = {name: torch.stack([n[name] for n in named]) for name in named[0]}
+        buffers_by = [dict(e.named_buffers()) for e in experts]
+        buffers = {name: torch.stack([b[name] for b in buffers_by]) for name in buffers_by[0]}
+        base = experts[0]
+
+        def one(p: dict[str, Tensor], b: dict[str, Tensor], rows: Tensor) -> Any:
+            return _first(torch.func.functional_call(base, (p, b), (rows,)))
+
+        out: Tensor = torch.func.vmap(one, randomness="different")(params, buffers, x)
+        return out
+
+
+def _first(output: Any) -> Tensor:
+    """Expert modules may return a tuple (DeepSpeed takes the first element)."""
+    return output[0] if isinstance(output, tuple) else output
