@@ -75,6 +75,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
             precision=plan.precision,
             device=self.device,
             sources=None if moe is None else moe.expert_placement(model),
+            unit_groups=None if moe is None else moe.unit_group,
         )
         self.module, self.zero_model = zero.module, zero.zero_model
         self._param_names = {id(p): n for n, p in self.module.named_parameters()}

@@ -30,7 +30,7 @@ from slipstream.moe.utils import is_moe_param, is_moe_param_group, needs_moe_gro
 from slipstream.moe.utils import split_params_into_different_moe_groups_for_optimizer as split_groups
 from slipstream.zero.optimizer import GroupOver
 
-__all__ = ["expert_placement", "global_param_names", "group_for", "has_experts", "moe_param_groups"]
+__all__ = ["expert_placement", "global_param_names", "group_for", "has_experts", "moe_param_groups", "unit_group"]
 
 _EXPERTS = "deepspeed_moe.experts.deepspeed_experts."
 
@@ -82,6 +82,11 @@ def expert_placement(model: nn.Module) -> dict[int, tuple[int, Any]]:
         for param in layer.deepspeed_moe.experts.parameters():
             out[id(param)] = (source, group)
     return out
+
+
+def unit_group(key: str) -> tuple[Any, int]:
+    """ZeRO-3: the process group and source rank of the unit of an MoE layer's experts (group `key`)."""
+    return groups._get_expert_data_parallel_group(key), groups._get_expert_broadcast_src_rank(key)
 
 
 def global_param_names(model: nn.Module, names: dict[int, str]) -> dict[int, str]:

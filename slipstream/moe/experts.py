@@ -35,6 +35,7 @@ class Experts(nn.Module):
         self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
         self.num_local_experts = num_local_experts
         self._grouped: bool | None = None  # None: not tried yet
+        self._z3_group_key = expert_group_name or "ep_size_1"  # ZeRO-3 shards these over their group
         for local in self.deepspeed_experts:
             mark_expert_params(local, expert_group_name or "ep_size_1")
 

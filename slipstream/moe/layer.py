@@ -147,7 +147,7 @@ class MOELayer(nn.Module):
             dispatched = all_to_all(self.ep_group, dispatched)  # [ep (source rank), L, C, M]
         local = self.num_local_experts
         grouped_in = dispatched.reshape(self.ep_size, local, cap, model_dim).transpose(0, 1)
-        out = self.experts.grouped(grouped_in.reshape(local, self.ep_size * cap, model_dim))
+        out = self.experts(grouped_in.reshape(local, self.ep_size * cap, model_dim))  # a call: ZeRO-3 hooks run
         out_dim = out.shape[-1]
         out = out.reshape(local, self.ep_size, cap, out_dim).transpose(0, 1).reshape(num_experts * cap, out_dim)
         if self.ep_size > 1:
@@ -219,6 +219,7 @@ class MoE(nn.Module):
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
+        self._z3_block = True  # ZeRO-3: one unit, its experts a unit over their own group (stage3/units.py)
         self._parallel_ready = False
         if dist.is_initialized():
             self.set_deepspeed_parallelism()

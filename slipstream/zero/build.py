@@ -24,7 +24,7 @@ from slipstream.zero.optimizer import DTYPES, GroupFor, ZeroOptimizer
 from slipstream.zero.stage0 import Stage0Optimizer
 from slipstream.zero.stage1 import Stage1Optimizer
 from slipstream.zero.stage2 import Stage2Optimizer
-from slipstream.zero.stage3.model import ZeroModel
+from slipstream.zero.stage3.model import UnitGroups, ZeroModel
 from slipstream.zero.stage3.optimizer import Stage3Optimizer
 from slipstream.zero.stage3.sharded_param import ShardedParameter
 
@@ -72,19 +72,20 @@ def build_zero(
     precision: PrecisionPlan,
     device: torch.device,
     sources: Sources | None = None,
+    unit_groups: UnitGroups | None = None,
 ) -> ZeroBuild:
     """Place `model` for `zero.stage`: on the device in the parameter dtype with rank 0's values (stages 0-2),
     or sharded into units (stage 3). `sources` maps id(param) -> (global source rank, process group) for
-    parameters whose values come from another rank than 0 (MoE experts)."""
+    parameters whose values come from another rank than 0 (MoE experts); `unit_groups` does the same for the
+    stage-3 units of marked modules (stage3/units.py [Note: units over other groups])."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(model=...) needs a torch.nn.Module, got {type(model).__name__}")
     if zero.stage == 3:
         if zero.stage3 is None:
             raise RuntimeError("ZeRO stage 3 without a Stage3Plan: build plans with slipstream.config.resolve")
         _place_for_stage3(model, precision, device)
-        return ZeroBuild(
-            module=model, zero_model=ZeroModel(model, zero.stage3, device=device), zero=zero, precision=precision
-        )
+        zero_model = ZeroModel(model, zero.stage3, device=device, unit_groups=unit_groups)
+        return ZeroBuild(module=model, zero_model=zero_model, zero=zero, precision=precision)
     _place_replicated(model, precision, device, sources or {})
     return ZeroBuild(module=model, zero_model=None, zero=zero, precision=precision)
 

@@ -239,7 +239,7 @@ class ZeroOptimizer(abc.ABC):
         return self.offload.resident(self)
 
     def _other_groups(self) -> bool:
-        return any(f.process_group is not self.process_group for f in self.groups)
+        return any(getattr(f, "process_group", self.process_group) is not self.process_group for f in self.groups)
 
     def _weighted_grad_stats(self) -> torch.Tensor:
         """[sum of squares, non-finite count] over the world when param groups live on different process
