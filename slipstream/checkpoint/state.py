@@ -30,6 +30,9 @@ class EngineParts:
     rank: int
     world_size: int
     stage: int
+    held_elsewhere: frozenset[str] = frozenset()
+    """Names of parameters of the model that other ranks hold and this one does not (MoE experts of other
+    expert-parallel ranks): present in a checkpoint, not expected here."""
 
 
 def trainable_names(parts: EngineParts) -> set[str]:
@@ -48,7 +51,8 @@ def collect_slices(parts: EngineParts, *, for_save: bool) -> list[OwnedSlice]:
         return slices
     if for_save and parts.rank != 0:
         return slices
-    for name, param in parts.module.named_parameters():
+    for local_name, param in parts.module.named_parameters():
+        name = parts.names.get(id(param), local_name)  # MoE experts: by global expert index
         if name not in skip and param.numel() > 0:
             slices.append(OwnedSlice(name=name, shape=tuple(param.shape), lo=0, hi=param.numel(), value=param.data))
     return slices

@@ -49,6 +49,7 @@ class Checkpointing:
     micro_steps: int
     _window_micro_steps: int
     _param_names: dict[int, str]
+    _held_elsewhere: frozenset[str]
 
     def _resident(self) -> Any:
         """Masters and optimizer states in memory (NVMe offload swaps them out between steps)."""
@@ -68,6 +69,7 @@ class Checkpointing:
             rank=self.global_rank,
             world_size=self.world_size,
             stage=self.plan.zero.stage,
+            held_elsewhere=self._held_elsewhere,
         )
 
     def save_checkpoint(

@@ -79,8 +79,10 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         )
         self.module, self.zero_model = zero.module, zero.zero_model
         self._param_names = {id(p): n for n, p in self.module.named_parameters()}
+        self._held_elsewhere: frozenset[str] = frozenset()
         if moe is not None:
             self._param_names = moe.global_param_names(self.module, self._param_names)
+            self._held_elsewhere = moe.names_held_elsewhere(self.module, self._param_names)
         for key in plan.unimplemented:
             warn_once(
                 f"unimplemented:{key}",

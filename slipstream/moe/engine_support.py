@@ -30,7 +30,7 @@ from slipstream.moe.utils import is_moe_param, is_moe_param_group, needs_moe_gro
 from slipstream.moe.utils import split_params_into_different_moe_groups_for_optimizer as split_groups
 from slipstream.zero.optimizer import GroupOver
 
-__all__ = ["expert_placement", "global_param_names", "group_for", "has_experts", "moe_param_groups", "unit_group"]
+__all__ = ["expert_placement", "global_param_names", "group_for", "has_experts", "moe_param_groups", "names_held_elsewhere", "unit_group"]
 
 _EXPERTS = "deepspeed_moe.experts.deepspeed_experts."
 
@@ -99,3 +99,16 @@ def global_param_names(model: nn.Module, names: dict[int, str]) -> dict[int, str
             for param_name, param in expert.named_parameters():
                 out[id(param)] = f"{head}{layer.global_expert_index(local)}.{param_name}"
     return out
+
+
+def names_held_elsewhere(model: nn.Module, names: dict[int, str]) -> frozenset[str]:
+    """Checkpoint names of the experts other expert-parallel ranks hold (every global index not local here)."""
+    out: set[str] = set()
+    for prefix, layer in moe_layers(model):
+        head = f"{prefix}.{_EXPERTS}" if prefix else _EXPERTS
+        local = {layer.global_expert_index(i) for i in range(layer.num_local_experts)}
+        first = layer.deepspeed_moe.experts.deepspeed_experts[0]
+        for index in range(layer.num_experts):
+            if index not in local:
+                out.update(f"{head}{index}.{param_name}" for param_name, _ in first.named_parameters())
+    return frozenset(out)
