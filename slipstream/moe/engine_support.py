@@ -30,7 +30,15 @@ from slipstream.moe.utils import is_moe_param, is_moe_param_group, needs_moe_gro
 from slipstream.moe.utils import split_params_into_different_moe_groups_for_optimizer as split_groups
 from slipstream.zero.optimizer import GroupOver
 
-__all__ = ["expert_placement", "global_param_names", "group_for", "has_experts", "moe_param_groups", "names_held_elsewhere", "unit_group"]
+__all__ = [
+    "expert_placement",
+    "global_param_names",
+    "group_for",
+    "has_experts",
+    "moe_param_groups",
+    "names_held_elsewhere",
+    "unit_group",
+]
 
 _EXPERTS = "deepspeed_moe.experts.deepspeed_experts."
 

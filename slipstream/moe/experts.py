@@ -56,7 +56,7 @@ class Experts(nn.Module):
                 out = self._vmapped(x)
                 self._grouped = True
                 return out
-            except Exception as exc:  # noqa: BLE001 - vmap refuses many constructs; the loop is always right
+            except Exception as exc:
                 if self._grouped:
                     raise
                 self._grouped = False

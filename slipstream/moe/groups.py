@@ -115,7 +115,9 @@ def _by_name(name: str) -> ExpertGroups:
 
 
 # ---- DeepSpeed's getters (deepspeed.utils.groups) ----
-def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False) -> None:
+def _create_expert_and_data_parallel(
+    expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False
+) -> None:
     if use_data_before_expert_parallel_:
         raise NotImplementedError(
             "use_data_before_expert_parallel_=True (data-parallel-major expert groups) is not implemented; "

@@ -120,7 +120,9 @@ def configure_moe_param_groups(model_parameters: list[Any]) -> list[dict[str, An
         if any("moe" in g for g in model_parameters):
             return model_parameters
         return split_params_into_different_moe_groups_for_optimizer(model_parameters)
-    return split_params_into_different_moe_groups_for_optimizer({"params": list(model_parameters), "name": "dense-params"})
+    return split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model_parameters), "name": "dense-params"}
+    )
 
 
 def needs_moe_groups(param_groups: list[dict[str, Any]]) -> bool:

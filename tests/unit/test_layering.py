@@ -32,14 +32,23 @@ def _layer(module: str) -> str:
 
 
 def _violations(graph: dict[str, set[str]], layer: str, allowed: set[str]) -> list[str]:
-    return sorted(f"{module} imports {target}" for module, targets in graph.items() if _layer(module) == layer
-                  for target in targets if _layer(target) not in allowed | {layer})
+    return sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if _layer(module) == layer
+        for target in targets
+        if _layer(target) not in allowed | {layer}
+    )
 
 
 def test_nothing_imports_the_engine_but_the_entry_point() -> None:
     graph = _imports()
-    bad = sorted(f"{m} imports {t}" for m, ts in graph.items() for t in ts
-                 if _layer(t) == "engine" and _layer(m) not in ("engine", "api"))
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, ts in graph.items()
+        for t in ts
+        if _layer(t) == "engine" and _layer(m) not in ("engine", "api")
+    )
     assert not bad, f"the engine is where the parts meet; only api.py builds it: {bad}"
 
 
@@ -61,9 +70,26 @@ def test_the_launcher_does_not_train() -> None:
 
 def test_zero_reaches_compat_only_for_the_parameter_attributes() -> None:
     graph = _imports()
-    bad = sorted(f"{m} imports {t}" for m, ts in graph.items() if _layer(m) == "zero" for t in ts
-                 if _layer(t) == "compat" and t != "slipstream.compat.param_attrs")
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, ts in graph.items()
+        if _layer(m) == "zero"
+        for t in ts
+        if _layer(t) == "compat" and t != "slipstream.compat.param_attrs"
+    )
     assert not bad, f"zero/ may use compat's ds_* attribute mixin (a leaf) and nothing else of compat: {bad}"
+
+
+def test_moe_builds_on_comm_and_zero_and_nothing_below_needs_it() -> None:
+    graph = _imports()
+    bad = _violations(graph, "moe", {"comm", "zero", "config"} | LEAF_HELPERS)
+    bad += sorted(
+        f"{m} imports {t}"
+        for m, ts in graph.items()
+        for t in ts
+        if _layer(t) == "moe" and _layer(m) not in ("moe", "engine", "api", "compat", "<root>")
+    )
+    assert not bad, f"moe/ uses comm/ and zero/; zero/, checkpoint/ and the rest know nothing of it: {bad}"
 
 
 def test_the_rules_see_a_violation() -> None:

@@ -11,17 +11,34 @@ L_AUX_COEF = 0.01
 
 
 class TinyMoE(nn.Module):
-    def __init__(self, *, ep_size: int = 1, ep_rank: int = 0, k: int = 1, drop_tokens: bool = True,
-                 num_experts: int = EXPERTS, min_capacity: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        ep_size: int = 1,
+        ep_rank: int = 0,
+        k: int = 1,
+        drop_tokens: bool = True,
+        num_experts: int = EXPERTS,
+        min_capacity: int = 2,
+    ) -> None:
         from slipstream.moe.layer import MoE
 
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(IN, HIDDEN)
         expert = nn.Sequential(nn.Linear(HIDDEN, 12), nn.GELU(), nn.Linear(12, HIDDEN))
-        self.moe = MoE(HIDDEN, expert, num_experts=num_experts, ep_size=ep_size, k=k, capacity_factor=1.0,
-                       min_capacity=min_capacity, drop_tokens=drop_tokens, use_rts=False,
-                       top2_2nd_expert_sampling=False)
+        self.moe = MoE(
+            HIDDEN,
+            expert,
+            num_experts=num_experts,
+            ep_size=ep_size,
+            k=k,
+            capacity_factor=1.0,
+            min_capacity=min_capacity,
+            drop_tokens=drop_tokens,
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
+        )
         self.out = nn.Linear(HIDDEN, OUT)
         local = num_experts // ep_size
         with torch.no_grad():
@@ -44,8 +61,13 @@ class TinyMoE(nn.Module):
 def batches(steps: int, world: int, per_rank: int, seed: int = 0) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """batches[step][rank] = (inputs, targets)."""
     generator = torch.Generator().manual_seed(seed)
-    return [[(torch.randn(per_rank, IN, generator=generator), torch.randn(per_rank, OUT, generator=generator))
-             for _ in range(world)] for _ in range(steps)]
+    return [
+        [
+            (torch.randn(per_rank, IN, generator=generator), torch.randn(per_rank, OUT, generator=generator))
+            for _ in range(world)
+        ]
+        for _ in range(steps)
+    ]
 
 
 def expert_names(model: nn.Module, names: dict[int, str]) -> dict[str, torch.Tensor]:

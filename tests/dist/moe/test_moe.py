@@ -17,10 +17,17 @@ from tests.harness.reference import run_reference
 
 STEPS, PER_RANK, LR, CLIP = 5, 8, 1e-2, 0.5
 CASES_2 = [
-    {"stage": 0, "k": 1, "drop": True}, {"stage": 0, "k": 2, "drop": False}, {"stage": 0, "k": 3, "drop": True},
-    {"stage": 1, "k": 2, "drop": True}, {"stage": 1, "k": 3, "drop": False},
-    {"stage": 2, "k": 1, "drop": False}, {"stage": 2, "k": 2, "drop": True}, {"stage": 2, "k": 3, "drop": True},
-    {"stage": 3, "k": 1, "drop": True}, {"stage": 3, "k": 2, "drop": False}, {"stage": 3, "k": 3, "drop": True},
+    {"stage": 0, "k": 1, "drop": True},
+    {"stage": 0, "k": 2, "drop": False},
+    {"stage": 0, "k": 3, "drop": True},
+    {"stage": 1, "k": 2, "drop": True},
+    {"stage": 1, "k": 3, "drop": False},
+    {"stage": 2, "k": 1, "drop": False},
+    {"stage": 2, "k": 2, "drop": True},
+    {"stage": 2, "k": 3, "drop": True},
+    {"stage": 3, "k": 1, "drop": True},
+    {"stage": 3, "k": 2, "drop": False},
+    {"stage": 3, "k": 3, "drop": True},
 ]
 CASES_4 = [{"stage": 2, "k": 2, "drop": True}, {"stage": 3, "k": 1, "drop": False}]
 
@@ -29,8 +36,13 @@ def config(stage: int, **extra: object) -> dict:
     zero: dict = {"stage": stage, "reduce_bucket_size": 200}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # shard everything, the experts' units included
-    return {"train_micro_batch_size_per_gpu": PER_RANK, "gradient_clipping": CLIP, "zero_optimization": zero,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": PER_RANK,
+        "gradient_clipping": CLIP,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        **extra,
+    }
 
 
 def gathered_params(engine: object) -> dict[str, torch.Tensor]:
@@ -42,8 +54,18 @@ def gathered_params(engine: object) -> dict[str, torch.Tensor]:
         return {engine._param_names[id(p)]: p.detach().clone() for p in module.parameters()}  # type: ignore[attr-defined]
 
 
-def train(rank: int, world: int, *, stage: int, k: int, drop: bool, ep: int = 2, steps: int = STEPS,
-          data: list | None = None, save: str | None = None) -> dict:
+def train(
+    rank: int,
+    world: int,
+    *,
+    stage: int,
+    k: int,
+    drop: bool,
+    ep: int = 2,
+    steps: int = STEPS,
+    data: list | None = None,
+    save: str | None = None,
+) -> dict:
     import slipstream
 
     model = TinyMoE(ep_size=ep, ep_rank=rank % ep, k=k, drop_tokens=drop)
@@ -63,23 +85,39 @@ def train(rank: int, world: int, *, stage: int, k: int, drop: bool, ep: int = 2,
 
 def reference(k: int, drop: bool, world: int) -> object:
     data = batches(STEPS, world, PER_RANK)
-    return run_reference(lambda: TinyMoE(k=k, drop_tokens=drop),
-                         lambda model, step: [TinyMoE.loss(model(x), y) for x, y in data[step]],
-                         lr=LR, steps=STEPS, optimizer="adamw", weight_decay=0.01, grad_clip=CLIP)
+    return run_reference(
+        lambda: TinyMoE(k=k, drop_tokens=drop),
+        lambda model, step: [TinyMoE.loss(model(x), y) for x, y in data[step]],
+        lr=LR,
+        steps=STEPS,
+        optimizer="adamw",
+        weight_decay=0.01,
+        grad_clip=CLIP,
+    )
 
 
 def check_against_reference(cases: list[dict], per_rank: list[list[dict]], world: int) -> None:
     for case, *results in zip(cases, *per_rank):
         ref = reference(case["k"], case["drop"], world)
         for rank, result in enumerate(results):
-            torch.testing.assert_close(result["norms"], ref.grad_norms, rtol=1e-5, atol=0,
-                                       msg=lambda m, case=case, rank=rank: f"{case} rank {rank} grad norms: {m}")
-            assert len(result["params"]) == len([n for n in ref.params if "deepspeed_experts" not in n]) + \
-                (4 // 2) * 4, (case, sorted(result["params"]))
+            torch.testing.assert_close(
+                result["norms"],
+                ref.grad_norms,
+                rtol=1e-5,
+                atol=0,
+                msg=lambda m, case=case, rank=rank: f"{case} rank {rank} grad norms: {m}",
+            )
+            assert (
+                len(result["params"]) == len([n for n in ref.params if "deepspeed_experts" not in n]) + (4 // 2) * 4
+            ), (case, sorted(result["params"]))
             for name, value in result["params"].items():
-                torch.testing.assert_close(value, ref.params[name], rtol=2e-5, atol=1e-6,
-                                           msg=lambda m, case=case, rank=rank, name=name: f"{case} rank {rank} "
-                                                                                          f"{name}: {m}")
+                torch.testing.assert_close(
+                    value,
+                    ref.params[name],
+                    rtol=2e-5,
+                    atol=1e-6,
+                    msg=lambda m, case=case, rank=rank, name=name: f"{case} rank {rank} {name}: {m}",
+                )
 
 
 def skewed_batches(steps: int, world: int) -> list:
@@ -104,8 +142,10 @@ def grid_2(rank: int, world: int) -> dict:
 def grid_4(rank: int, world: int, *, root: str) -> dict:
     import slipstream
 
-    parity = run_subtests(CASES_4, lambda stage, k, drop: train(rank, world, stage=stage, k=k, drop=drop,
-                                                               save=root if stage == 2 else None))
+    parity = run_subtests(
+        CASES_4,
+        lambda stage, k, drop: train(rank, world, stage=stage, k=k, drop=drop, save=root if stage == 2 else None),
+    )
     loaded = {}
     for ep in (1, 4):
         model = TinyMoE(ep_size=ep, ep_rank=rank % ep, k=2)
