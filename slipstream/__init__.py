@@ -14,7 +14,7 @@ from slipstream.git_version_info import git_branch as __git_branch__
 from slipstream.git_version_info import git_hash as __git_hash__
 from slipstream.git_version_info import version as __version__
 
-_LAZY_SUBMODULES = ("accelerator", "ops", "cli", "comm", "config", "zero", "engine", "planner", "checkpoint")
+_LAZY_SUBMODULES = ("accelerator", "ops", "cli", "comm", "config", "zero", "engine", "planner", "checkpoint", "moe")
 _LAZY_ATTRIBUTES = {
     "initialize": "slipstream.api",
     "init_distributed": "slipstream.api",

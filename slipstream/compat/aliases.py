@@ -17,6 +17,7 @@ __all__ = ["ALIASES", "install"]
 
 ALIASES: dict[str, str] = {
     "slipstream.utils.zero_to_fp32": "slipstream.compat.zero_to_fp32",
+    "slipstream.moe.sharded_moe": "slipstream.moe.layer",  # TopKGate, MOELayer
 }
 """DeepSpeed-style path -> the module whose source it runs."""
 
