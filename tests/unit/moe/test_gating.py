@@ -132,6 +132,7 @@ def test_grouped_experts_match_the_loop_and_fall_back_for_unbatchable_modules() 
     moe = layer(k=2, drop_tokens=False)
     experts = moe.deepspeed_moe.experts
     x = torch.randn(EXPERTS, 10, HIDDEN)
+    experts.batch_experts = True  # the accelerators' path, on the CPU
     grouped = experts(x)
     assert experts._grouped is True
     loop = torch.stack([e(x[i]) for i, e in enumerate(experts.deepspeed_experts)])
@@ -146,6 +147,7 @@ def test_grouped_experts_match_the_loop_and_fall_back_for_unbatchable_modules() 
             return self.lin(h) if float(h.sum()) > 0 else -self.lin(h)
 
     odd = MoE(HIDDEN, DataDependent(), num_experts=2).deepspeed_moe.experts
+    odd.batch_experts = True
     y = odd(torch.randn(2, 3, HIDDEN))
     assert odd._grouped is False and y.shape == (2, 3, HIDDEN)
 
