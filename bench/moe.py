@@ -9,8 +9,9 @@ Rows (2 ranks, gloo on CPU, one thread each, ZeRO-2, fp32 AdamW, clip 1.0), for 
 - `slipstream-dense`: the dense equivalent, the same blocks with one MLP of the active size (top-1: one expert's
   hidden width; top-2: twice that), under Slipstream.
 Each row is its own 2-rank group (a fresh process per rank, started by this driver with `--worker`); each rank
-trains `--warmup` steps, then `--steps` timed steps, and reports the median step time of the slowest rank, the
-tokens per second over both ranks and its peak RSS. The MoE gate uses no random token selection and, at top-2,
+trains `--warmup` steps, then `--steps` timed steps, and reports the median step time of the slowest rank (wall
+clock, and CPU time of the process, which a loaded machine disturbs less), the tokens per second over both ranks
+and its peak RSS. `--rounds` fresh groups per row, interleaved; the medians over rounds are printed. The MoE gate uses no random token selection and, at top-2,
 no sampling of the second expert, in both frameworks (the same work per step). Ratios printed: MoE / dense
 step time (the issue's target: at most 1.15 at top-1) and Slipstream / DeepSpeed.
 The worker imports only the framework of its row: this file runs in both environments.
@@ -127,35 +128,32 @@ def worker(args: argparse.Namespace) -> None:
     engine, _, _, _ = ds.initialize(model=model, model_parameters=model.parameters(), config=config())
     generator = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=generator) for _ in range(4)]
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for step in range(args.warmup + args.steps):
         batch = batches[step % len(batches)]
         dist.barrier()
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         loss = engine(batch[:, :-1], batch[:, 1:])
         engine.backward(loss)
         engine.step()
-        elapsed = time.perf_counter() - started
+        elapsed, elapsed_cpu = time.perf_counter() - started, time.process_time() - started_cpu
         if step >= args.warmup:
             times.append(elapsed)
+            cpu.append(elapsed_cpu)
             losses.append(float(loss))
-    slowest = torch.tensor(times, dtype=torch.float64)
+    slowest = torch.tensor([times, cpu], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if rank == 0:
-        median = statistics.median(slowest.tolist())
-        print(
-            "RESULT "
-            + json.dumps(
-                {
-                    "step_s": median,
-                    "tokens_per_s": world * MICRO * SEQ / median,
-                    "rss_mib": peak,
-                    "loss": statistics.mean(losses),
-                }
-            ),
-            flush=True,
-        )
+        median = statistics.median(slowest[0].tolist())
+        result = {
+            "step_s": median,
+            "cpu_s": statistics.median(slowest[1].tolist()),
+            "tokens_per_s": world * MICRO * SEQ / median,
+            "rss_mib": peak,
+            "loss": statistics.mean(losses),
+        }
+        print("RESULT " + json.dumps(result), flush=True)
     else:
         print("RSS " + json.dumps({"rss_mib": peak}), flush=True)
     dist.barrier()
@@ -218,49 +216,58 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="3 timed steps after 1 warmup step")
+    parser.add_argument("--rounds", type=int, default=3, help="fresh groups per row, interleaved; medians reported")
+    parser.add_argument("--quick", action="store_true", help="3 timed steps after 1 warmup step, one round")
     parser.add_argument("--peer-python", default=str(ROOT / ".bench-venv" / "bin" / "python"))
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
     if args.quick:
-        args.steps, args.warmup = 3, 1
+        args.steps, args.warmup, args.rounds = 3, 1, 1
     peer = args.peer_python if Path(args.peer_python).exists() else None
     print(
         f"MoE transformer: {LAYERS} layers x d{D_MODEL}, {EXPERTS} experts (ffn {FFN}), ep {EP}, seq {SEQ}, "
-        f"micro {MICRO}; 2 ranks, ZeRO-2; median of {args.steps} steps after {args.warmup}"
+        f"micro {MICRO}; 2 ranks, ZeRO-2; median of {args.steps} steps after {args.warmup}, {args.rounds} rounds"
     )
     if peer is None:
         print(f"(no peer environment at {args.peer_python}: DeepSpeed rows skipped; bash bench/make_peer_venv.sh)")
-    print(f"{'row':<18}{'k':>3}{'step ms':>10}{'tokens/s':>11}{'peak RSS MiB':>14}{'loss':>9}")
+    rows = [("slipstream-dense", sys.executable), ("slipstream-moe", sys.executable), ("deepspeed-moe", peer)]
+    results: dict[tuple[str, int], list[dict]] = {}
+    for round_number in range(args.rounds):  # rounds interleave the rows: load drift hits each alike
+        for k in (1, 2):
+            for row, python in rows:
+                if python is None:
+                    continue
+                result = run_row(python, row, k, args)
+                if result is not None:
+                    results.setdefault((row, k), []).append(result)
+        print(f"round {round_number + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    print(f"{'row':<18}{'k':>3}{'step ms':>10}{'CPU ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}{'loss':>9}")
+    summary: dict[tuple[str, int], dict] = {}
     for k in (1, 2):
-        rows = {}
-        for row, python in (
-            ("slipstream-dense", sys.executable),
-            ("slipstream-moe", sys.executable),
-            ("deepspeed-moe", peer),
+        for row, _ in rows:
+            runs = results.get((row, k))
+            if not runs:
+                continue
+            merged = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+            merged["rss_mib"] = max(r["rss_mib"] for r in runs)
+            summary[(row, k)] = merged
+            print(
+                f"{row:<18}{k:>3}{merged['step_s'] * 1e3:>10.1f}{merged['cpu_s'] * 1e3:>9.1f}"
+                f"{merged['tokens_per_s']:>11.0f}{merged['rss_mib']:>14.0f}{merged['loss']:>9.4f}"
+            )
+    for k in (1, 2):
+        ours, dense = summary.get(("slipstream-moe", k)), summary.get(("slipstream-dense", k))
+        theirs = summary.get(("deepspeed-moe", k))
+        for label, a, b in (
+            ("Slipstream MoE / dense", ours, dense),
+            ("Slipstream MoE / DeepSpeed MoE", ours, theirs),
+            ("DeepSpeed MoE / dense", theirs, dense),
         ):
-            if python is None:
-                continue
-            result = run_row(python, row, k, args)
-            if result is None:
-                continue
-            rows[row] = result
-            print(
-                f"{row:<18}{k:>3}{result['step_s'] * 1e3:>10.1f}{result['tokens_per_s']:>11.0f}"
-                f"{result['rss_mib']:>14.0f}{result['loss']:>9.4f}",
-                flush=True,
-            )
-        ours, dense, theirs = rows.get("slipstream-moe"), rows.get("slipstream-dense"), rows.get("deepspeed-moe")
-        if ours and dense:
-            print(
-                f"  top-{k}: Slipstream MoE / dense = {ours['step_s'] / dense['step_s']:.2f}x (target <= 1.15 at top-1)"
-            )
-        if ours and theirs:
-            print(f"  top-{k}: Slipstream MoE / DeepSpeed MoE = {ours['step_s'] / theirs['step_s']:.2f}x")
-        if theirs and dense:
-            print(f"  top-{k}: DeepSpeed MoE / dense = {theirs['step_s'] / dense['step_s']:.2f}x")
+            if a and b:
+                print(f"  top-{k}: {label}: step {a['step_s'] / b['step_s']:.2f}x, CPU {a['cpu_s'] / b['cpu_s']:.2f}x")
+    print("  (targets: Slipstream MoE / dense <= 1.15x at top-1; Slipstream ahead of DeepSpeed at both)")
 
 
 if __name__ == "__main__":
