@@ -29,7 +29,7 @@ CASES_2 = [
     {"stage": 3, "k": 2, "drop": False},
     {"stage": 3, "k": 3, "drop": True},
 ]
-CASES_4 = [{"stage": 2, "k": 2, "drop": True}, {"stage": 3, "k": 1, "drop": False}]
+CASES_4 = [{"stage": 2, "k": 2, "drop": True}, {"stage": 3, "k": 1, "drop": False}, {"stage": 0, "k": 3, "drop": False}]
 
 
 def config(stage: int, **extra: object) -> dict:
