@@ -15,8 +15,9 @@ from torch import nn
 
 from slipstream.config.plan import EnginePlan, LossScalePlan, MonitorPlan
 from slipstream.engine.dataloader import make_training_dataloader
-from slipstream.engine.monitor import CsvMonitor, TensorboardMonitor
+from slipstream.engine.monitor import CometMonitor, CsvMonitor, TensorboardMonitor, WandbMonitor
 from slipstream.offload.policy import host_available_bytes
+from slipstream.utils.errors import ArgumentTypeError
 from slipstream.utils.logging import log_rank0, warn_once
 from slipstream.zero.optimizer import ZeroOptimizer
 
@@ -47,7 +48,10 @@ def make_basic_optimizer(
     module: nn.Module, plan: EnginePlan, client: Any, model_parameters: Any, *, moe: Any = None
 ) -> torch.optim.Optimizer | None:
     """The client optimizer (instance or callable), or the one the config names, or None (inference). With MoE
-    layers (`moe`: slipstream.moe.engine_support) expert parameters get param groups of their own."""
+    layers (`moe`: slipstream.moe.engine_support) expert parameters get param groups of their own.
+
+    A client optimizer wins over an `optimizer` config section, with a warning naming both (DeepSpeed uses
+    the client's silently)."""
     params = (
         list(model_parameters) if model_parameters is not None else [p for p in module.parameters() if p.requires_grad]
     )
@@ -56,16 +60,24 @@ def make_basic_optimizer(
         if isinstance(client, torch.optim.Optimizer):
             moe.resplit_optimizer(client)
     if client is not None:
-        if plan.optimizer is not None:
-            raise ValueError(
-                "both an optimizer object (initialize(optimizer=...)) and an 'optimizer' config section "
-                "were given; remove one of them"
-            )
-        optimizer = client(params) if callable(client) and not isinstance(client, torch.optim.Optimizer) else client
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
+        is_instance = isinstance(client, torch.optim.Optimizer)
+        if not is_instance and not callable(client):
+            raise ArgumentTypeError(
                 f"initialize(optimizer=...) must be a torch.optim.Optimizer or a callable returning one; "
-                f"got {type(optimizer).__name__}"
+                f"got {type(client).__name__}"
+            )
+        optimizer = client if is_instance else client(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ArgumentTypeError(
+                f"initialize(optimizer=...) must be a torch.optim.Optimizer or a callable returning one; "
+                f"the callable returned {type(optimizer).__name__}"
+            )
+        if plan.optimizer is not None:
+            warn_once(
+                f"client-and-config-optimizer:{type(optimizer).__name__}:{plan.optimizer.name}",
+                f"slipstream: both initialize(optimizer=...) ({type(optimizer).__name__}) and the config's "
+                f"'optimizer' section (type {plan.optimizer.name!r}) were given; using the client's "
+                f"{type(optimizer).__name__}, as DeepSpeed does. Remove one of them to silence this warning",
             )
         return optimizer
     if plan.optimizer is None:
@@ -111,14 +123,27 @@ def log_memory_plan(plan: EnginePlan, module: nn.Module, *, world_size: int, ran
 
 
 def make_scheduler(plan: EnginePlan, optimizer: torch.optim.Optimizer | None, client: Any) -> Any:
+    """The client's scheduler (instance, or callable of the optimizer), else the config's, else None. A client
+    scheduler wins over a `scheduler` config section, with a warning naming both (DeepSpeed: silently)."""
     if client is not None:
         if plan.scheduler is not None:
-            raise ValueError(
-                "both a scheduler object (initialize(lr_scheduler=...)) and a 'scheduler' config "
-                "section were given; remove one of them"
+            warn_once(
+                f"client-and-config-scheduler:{type(client).__name__}:{plan.scheduler.name}",
+                f"slipstream: both initialize(lr_scheduler=...) ({type(client).__name__}) and the config's "
+                f"'scheduler' section (type {plan.scheduler.name!r}) were given; using the client's, as "
+                "DeepSpeed does. Remove one of them to silence this warning",
             )
         if callable(client) and not hasattr(client, "step"):
             return client(optimizer)
+        if getattr(client, "optimizer", optimizer) is not optimizer:
+            # DeepSpeed means to assert here, but its check is dead on torch >= 2 (schedulers are no longer
+            # `_LRScheduler`s), so its callers get the object back: so do ours, with a warning
+            warn_once(
+                f"foreign-scheduler:{id(client)}",
+                f"slipstream: initialize(lr_scheduler=<{type(client).__name__} object>) is bound to another "
+                "optimizer than the engine's, so its learning rates do not reach training; pass lr_scheduler as "
+                "a callable (optimizer -> scheduler), or build it on the optimizer object you pass",
+            )
         return client
     if plan.scheduler is None or optimizer is None:
         return None
@@ -154,6 +179,10 @@ def make_monitors(plan: MonitorPlan) -> list[Any]:
         monitors.append(CsvMonitor(plan.csv_output_path, plan.csv_job_name))
     if plan.tensorboard_output_path is not None:
         monitors.append(TensorboardMonitor(plan.tensorboard_output_path, plan.tensorboard_job_name))
+    if plan.wandb is not None:
+        monitors.append(WandbMonitor(plan.wandb))
+    if plan.comet is not None:
+        monitors.append(CometMonitor(plan.comet))
     return monitors
 
 

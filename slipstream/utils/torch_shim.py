@@ -35,7 +35,7 @@ def no_subclass_dispatch() -> Any:
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined, unused-ignore]
 
 
 def storage_use_count(tensor: torch.Tensor) -> int | None:

@@ -97,3 +97,10 @@ def test_the_rules_see_a_violation() -> None:
     assert _violations(graph, "comm", set(LEAF_HELPERS)) == ["slipstream.comm.x imports slipstream.zero.layout"]
     assert _violations(graph, "config", set(LEAF_HELPERS)) == []
     assert "slipstream.zero.build" in _imports()
+
+
+def test_profiling_and_activation_checkpointing_know_no_training_machinery() -> None:
+    graph = _imports()
+    bad = _violations(graph, "profiling", set(LEAF_HELPERS))
+    bad += _violations(graph, "activation", {"accelerator", "config", "comm"} | LEAF_HELPERS)
+    assert not bad, f"profiling/ measures any module; activation/ wraps any function: {bad}"
