@@ -17,12 +17,23 @@ from tests.harness.models import TinyMLP
 CONFIG = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
 
 
-
 def test_signature_matches_deepspeed() -> None:
     names = list(inspect.signature(slipstream.initialize).parameters)
-    assert names[:13] == ["args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler",
-                          "distributed_port", "mpu", "dist_init_required", "collate_fn", "config", "mesh_param",
-                          "config_params"]
+    assert names[:13] == [
+        "args",
+        "model",
+        "optimizer",
+        "model_parameters",
+        "training_data",
+        "lr_scheduler",
+        "distributed_port",
+        "mpu",
+        "dist_init_required",
+        "collate_fn",
+        "config",
+        "mesh_param",
+        "config_params",
+    ]
 
 
 def _check(engine: slipstream.SlipstreamEngine) -> None:
@@ -42,8 +53,13 @@ def test_dict_path_base64_and_args_sources(tmp_path: Path) -> None:
     encoded = base64.urlsafe_b64encode(json.dumps(CONFIG).encode()).decode()
     parser = slipstream.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
-    for kwargs in ({"config": CONFIG}, {"config": str(path)}, {"config": encoded}, {"config_params": CONFIG},
-                   {"args": args}):
+    for kwargs in (
+        {"config": CONFIG},
+        {"config": str(path)},
+        {"config": encoded},
+        {"config_params": CONFIG},
+        {"args": args},
+    ):
         engine, optimizer, loader, scheduler = slipstream.initialize(model=TinyMLP(), **kwargs)
         # stage 0 in fp32: DeepSpeed returns the basic optimizer itself (FusedAdam for "Adam"), not a wrapper
         assert optimizer is engine.basic_optimizer and loader is None and scheduler is None
@@ -71,8 +87,9 @@ def test_config_errors_surface_through_initialize() -> None:
 
 def test_training_data_gives_a_sharded_loader() -> None:
     data = torch.utils.data.TensorDataset(torch.randn(10, 13), torch.randn(10, 5))
-    engine, _, loader, _ = slipstream.initialize(model=TinyMLP(), config={**CONFIG, "dataloader_drop_last": True},
-                                                 training_data=data)
+    engine, _, loader, _ = slipstream.initialize(
+        model=TinyMLP(), config={**CONFIG, "dataloader_drop_last": True}, training_data=data
+    )
     batches = list(loader)
     assert len(batches) == 2 and all(b[0].shape == (4, 13) for b in batches)
     engine.destroy()
@@ -81,8 +98,11 @@ def test_training_data_gives_a_sharded_loader() -> None:
 def test_client_optimizer_and_scheduler_callables() -> None:
     config = {"train_batch_size": 4}
     engine, optimizer, _, scheduler = slipstream.initialize(
-        model=TinyMLP(), config=config, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+        model=TinyMLP(),
+        config=config,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+    )
     x, y = TinyMLP().make_batch(seed=1, batch_size=4)
     engine.backward(TinyMLP.loss(engine(x), y))
     engine.step()

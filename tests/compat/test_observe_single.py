@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 import slipstream
 from tests.harness.models import TinyMLP

@@ -19,9 +19,13 @@ STEPS, LR = 5, 5e-2
 
 
 def _engine(model: nn.Module, optimizer: dict, **zero: object) -> slipstream.SlipstreamEngine:
-    config = {"train_batch_size": 4, "gradient_clipping": 0.0, "optimizer": optimizer,
-              "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 0, **zero}}
+    config = {
+        "train_batch_size": 4,
+        "gradient_clipping": 0.0,
+        "optimizer": optimizer,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 0, **zero},
+    }
     engine, *_ = slipstream.initialize(model=model, config=config)
     return engine
 
@@ -45,16 +49,21 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
     return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
-@pytest.mark.parametrize("zero", [{"stage": 0}, {"stage": 1, "offload_optimizer": {"device": "cpu"}}],
-                         ids=["device", "cpu-offload"])
+@pytest.mark.parametrize(
+    "zero", [{"stage": 0}, {"stage": 1, "offload_optimizer": {"device": "cpu"}}], ids=["device", "cpu-offload"]
+)
 def test_adamw_without_weight_decay_trains_with_zero_decay(zero: dict) -> None:
     """DeepSpeed's AdamW defaults weight_decay to 0; torch's AdamW to 0.01. fp32, so 1e-6 separates them."""
     model = TinyMLP(seed=3)
     references = {}
     for decay in (0.0, 0.01):
         reference = copy.deepcopy(model)
-        _train_reference(reference, torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=decay),
-                         lambda s: reference.make_batch(seed=s, batch_size=4), TinyMLP.loss)
+        _train_reference(
+            reference,
+            torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=decay),
+            lambda s: reference.make_batch(seed=s, batch_size=4),
+            TinyMLP.loss,
+        )
         references[decay] = reference
     engine = _engine(copy.deepcopy(model), {"type": "AdamW", "params": {"lr": LR}}, **zero)
     _train_engine(engine, lambda s: model.make_batch(seed=s, batch_size=4), TinyMLP.loss)
@@ -99,10 +108,12 @@ def test_adafactor_through_the_registry_matches_torch() -> None:
     assert spec is not None and not spec.elementwise and states_per_element("adafactor") == 1
     model = Elementwise()
     reference = copy.deepcopy(model)
-    _train_reference(reference, torch.optim.Adafactor(reference.parameters(), lr=LR), Elementwise.make_batch,
-                     nn.functional.mse_loss)
-    engine = _engine(copy.deepcopy(model), {"type": "adafactor", "params": {"lr": LR}},
-                     reduce_bucket_size=Elementwise.size)
+    _train_reference(
+        reference, torch.optim.Adafactor(reference.parameters(), lr=LR), Elementwise.make_batch, nn.functional.mse_loss
+    )
+    engine = _engine(
+        copy.deepcopy(model), {"type": "adafactor", "params": {"lr": LR}}, reduce_bucket_size=Elementwise.size
+    )
     _train_engine(engine, Elementwise.make_batch, nn.functional.mse_loss)
     assert _max_diff(engine.module, reference) < 1e-6
     assert _max_diff(engine.module, model) > 1e-3  # it trained
@@ -111,8 +122,11 @@ def test_adafactor_through_the_registry_matches_torch() -> None:
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor needs torch >= 2.5")
 def test_per_tensor_optimizer_needs_the_explicit_opt_in() -> None:
-    config = {"train_batch_size": 4, "optimizer": {"type": "adafactor", "params": {"lr": LR}},
-              "zero_allow_untested_optimizer": False}
+    config = {
+        "train_batch_size": 4,
+        "optimizer": {"type": "adafactor", "params": {"lr": LR}},
+        "zero_allow_untested_optimizer": False,
+    }
     with pytest.raises(ValueError, match=r"Adafactor is not known to be elementwise.*zero_allow_untested_optimizer"):
         slipstream.initialize(model=Elementwise(), config=config)
 
@@ -121,24 +135,36 @@ _ADAM = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}  # FusedAdam a
 _OFFLOAD = {"stage": 1, "offload_optimizer": {"device": "cpu"}}
 
 
-@pytest.mark.parametrize(("type_", "params", "zero", "cls", "expected"), [
-    # DeepSpeed 0.19: "Adam" is AdamW (decoupled decay) unless adam_w_mode is false, on both paths
-    ("Adam", {}, {"stage": 0}, "FusedAdam", {**_ADAM, "decoupled_weight_decay": True}),
-    ("Adam", {}, _OFFLOAD, "DeepSpeedCPUAdam", {**_ADAM, "bias_correction": True, "adamw_mode": True}),
-    ("Adam", {"adam_w_mode": False}, {"stage": 0}, "FusedAdam", {**_ADAM, "decoupled_weight_decay": False}),
-    ("Adam", {"adam_w_mode": False}, _OFFLOAD, "DeepSpeedCPUAdam", {**_ADAM, "adamw_mode": False}),
-    ("AdamW", {}, _OFFLOAD, "DeepSpeedCPUAdam", {**_ADAM, "adamw_mode": True}),
-    ("Adam", {"torch_adam": True}, {"stage": 0}, "AdamW", {**_ADAM, "weight_decay": 0.01}),  # torch's own
-    ("Lamb", {}, {"stage": 0}, "Lamb", {**_ADAM, "bias_correction": True, "eps_inside_sqrt": False,
-                                        "max_coeff": 10.0, "min_coeff": 0.01}),  # FusedLamb
-    ("Lion", {}, {"stage": 0}, "Lion", {"betas": (0.9, 0.999), "weight_decay": 0.0}),  # FusedLion
-    ("Adagrad", {}, {"stage": 0}, "Adagrad", {"eps": 1e-10, "weight_decay": 0.0}),  # torch's, as DeepSpeed's
-])
+@pytest.mark.parametrize(
+    ("type_", "params", "zero", "cls", "expected"),
+    [
+        # DeepSpeed 0.19: "Adam" is AdamW (decoupled decay) unless adam_w_mode is false, on both paths
+        ("Adam", {}, {"stage": 0}, "FusedAdam", {**_ADAM, "decoupled_weight_decay": True}),
+        ("Adam", {}, _OFFLOAD, "DeepSpeedCPUAdam", {**_ADAM, "bias_correction": True, "adamw_mode": True}),
+        ("Adam", {"adam_w_mode": False}, {"stage": 0}, "FusedAdam", {**_ADAM, "decoupled_weight_decay": False}),
+        ("Adam", {"adam_w_mode": False}, _OFFLOAD, "DeepSpeedCPUAdam", {**_ADAM, "adamw_mode": False}),
+        ("AdamW", {}, _OFFLOAD, "DeepSpeedCPUAdam", {**_ADAM, "adamw_mode": True}),
+        ("Adam", {"torch_adam": True}, {"stage": 0}, "AdamW", {**_ADAM, "weight_decay": 0.01}),  # torch's own
+        (
+            "Lamb",
+            {},
+            {"stage": 0},
+            "Lamb",
+            {**_ADAM, "bias_correction": True, "eps_inside_sqrt": False, "max_coeff": 10.0, "min_coeff": 0.01},
+        ),  # FusedLamb
+        ("Lion", {}, {"stage": 0}, "Lion", {"betas": (0.9, 0.999), "weight_decay": 0.0}),  # FusedLion
+        ("Adagrad", {}, {"stage": 0}, "Adagrad", {"eps": 1e-10, "weight_decay": 0.0}),  # torch's, as DeepSpeed's
+    ],
+)
 def test_deepspeed_optimizer_defaults(type_: str, params: dict, zero: dict, cls: str, expected: dict) -> None:
     """An optimizer section with only lr gets DeepSpeed 0.19's class and defaults (betas, eps, weight decay,
     Adam's decoupled mode) on the device and the CPU-offload path."""
-    config = {"train_batch_size": 4, "optimizer": {"type": type_, "params": {"lr": LR, **params}},
-              "zero_allow_untested_optimizer": True, "zero_optimization": zero}
+    config = {
+        "train_batch_size": 4,
+        "optimizer": {"type": type_, "params": {"lr": LR, **params}},
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": zero,
+    }
     engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
     optimizer = engine.basic_optimizer
     assert optimizer is not None and type(optimizer).__name__ == cls

@@ -21,8 +21,9 @@ _TEACHER_SEED = 1234  # fixed "ground truth" weights so MLP targets carry a lear
 class TinyMLP(nn.Module):
     """`num_layers` Linear layers (in_dim -> hidden ... -> out_dim) with tanh between; MSE regression."""
 
-    def __init__(self, in_dim: int = 13, hidden: int = 37, out_dim: int = 5, num_layers: int = 3, *,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, in_dim: int = 13, hidden: int = 37, out_dim: int = 5, num_layers: int = 3, *, seed: int = 0
+    ) -> None:
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"TinyMLP: num_layers={num_layers} must be >= 1")
@@ -89,8 +90,9 @@ class Block(nn.Module):
 class TinyTransformer(nn.Module):
     """Decoder-only LM: token + position embeddings, `layers` blocks, final norm, untied head."""
 
-    def __init__(self, vocab: int = 61, dim: int = 24, heads: int = 2, layers: int = 2, seq: int = 8, *,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, vocab: int = 61, dim: int = 24, heads: int = 2, layers: int = 2, seq: int = 8, *, seed: int = 0
+    ) -> None:
         super().__init__()
         self.vocab, self.seq = vocab, seq
         with torch.random.fork_rng(devices=[]):

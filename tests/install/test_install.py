@@ -22,8 +22,14 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def run(argv: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None,
-        check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+def run(
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    check: bool = True,
+    timeout: float = 900,
+) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{argv} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
@@ -39,8 +45,11 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if (REPO / rel).is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / rel, dest / rel)
-    for argv in (["git", "init", "-q"], ["git", "add", "-A"],
-                 ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "copy"]):
+    for argv in (
+        ["git", "init", "-q"],
+        ["git", "add", "-A"],
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "copy"],
+    ):
         run(argv, cwd=dest)
     return dest
 
@@ -59,8 +68,11 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def clean_env(venv: Path, **extra: str) -> dict[str, str]:
     """A user's shell without a compiler: PATH is the venv plus git, so there is no c++ and no ninja."""
-    keep = {k: v for k, v in os.environ.items()
-            if k.startswith(("PIP_", "HOME", "LANG", "LC_", "TMP", "SSL_", "REQUESTS_CA")) or k == "USER"}
+    keep = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(("PIP_", "HOME", "LANG", "LC_", "TMP", "SSL_", "REQUESTS_CA")) or k == "USER"
+    }
     return {**keep, "PATH": f"{venv / 'bin'}:{venv / 'git-only'}", **extra}
 
 
@@ -98,10 +110,19 @@ def test_pure_install_without_compiler_then_aot_install(source: Path, venv: Path
 
     # 3. pip install . works with no compiler on PATH, and import needs nothing built.
     run([py, "-m", "pip", "install", "--quiet", str(source)], env=env)  # torch is there: nothing else comes
-    info = run([py, "-c", "import json, slipstream.git_version_info as g; "
-                "print(json.dumps([g.mode, g.installed_ops, g.version]))"], env=env, cwd=tmp_path).stdout
+    info = run(
+        [
+            py,
+            "-c",
+            "import json, slipstream.git_version_info as g; print(json.dumps([g.mode, g.installed_ops, g.version]))",
+        ],
+        env=env,
+        cwd=tmp_path,
+    ).stdout
     mode, installed_ops, version = json.loads(info)
-    assert mode == "installed" and installed_ops == {"cpu_adam": False, "async_io": False} and version.endswith(git_hash)
+    assert (
+        mode == "installed" and installed_ops == {"cpu_adam": False, "async_io": False} and version.endswith(git_hash)
+    )
 
     # 4. DS_BUILD_CPU_ADAM=1 pip install . ships the op prebuilt: no JIT at first use.
     compiler_dir = os.path.dirname(shutil.which("c++") or "/usr/bin/c++")
@@ -109,9 +130,11 @@ def test_pure_install_without_compiler_then_aot_install(source: Path, venv: Path
     with_compiler["PATH"] += f":{compiler_dir}"
     run([py, "-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps", str(source)], env=with_compiler)
     cache = tmp_path / "jit-cache"
-    probe = ("import json, slipstream.git_version_info as g; "
-             "from slipstream.ops.op_builder import CPUAdamBuilder; b = CPUAdamBuilder(); m = b.load(); "
-             "print(json.dumps([g.installed_ops, b.load_status().how, m.__name__]))")
+    probe = (
+        "import json, slipstream.git_version_info as g; "
+        "from slipstream.ops.op_builder import CPUAdamBuilder; b = CPUAdamBuilder(); m = b.load(); "
+        "print(json.dumps([g.installed_ops, b.load_status().how, m.__name__]))"
+    )
     out = run([py, "-c", probe], env={**env, "SLIPSTREAM_OPS_CACHE": str(cache)}, cwd=tmp_path).stdout
     installed_ops, how, module_name = json.loads(out.strip().splitlines()[-1])
     assert installed_ops == {"cpu_adam": True, "async_io": False}

@@ -28,8 +28,7 @@ def test_top_level_typo_is_an_error_with_suggestion() -> None:
 def test_nested_typo_names_the_dotted_path_and_suggests() -> None:
     found = problems_of({**BASE, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sz": 5}})
     assert found == [
-        "zero_optimization.stage3_prefetch_bucket_sz: unknown key; "
-        "did you mean 'stage3_prefetch_bucket_size'?"
+        "zero_optimization.stage3_prefetch_bucket_sz: unknown key; did you mean 'stage3_prefetch_bucket_size'?"
     ]
 
 
@@ -40,16 +39,12 @@ def test_deeply_nested_typo() -> None:
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memroy": True}},
         }
     )
-    assert found == [
-        "zero_optimization.offload_optimizer.pin_memroy: unknown key; did you mean 'pin_memory'?"
-    ]
+    assert found == ["zero_optimization.offload_optimizer.pin_memroy: unknown key; did you mean 'pin_memory'?"]
 
 
 def test_key_at_the_wrong_level_points_to_its_section() -> None:
     found = problems_of({**BASE, "reduce_bucket_size": 5e8})
-    assert found == [
-        "reduce_bucket_size: unknown key here; did you mean 'zero_optimization.reduce_bucket_size'?"
-    ]
+    assert found == ["reduce_bucket_size: unknown key here; did you mean 'zero_optimization.reduce_bucket_size'?"]
 
 
 def test_unknown_key_without_close_match_lists_valid_keys() -> None:
@@ -91,8 +86,7 @@ def test_integer_8_is_accepted() -> None:
         ),
         (
             {**BASE, "zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
-            "zero_optimization.offload_optimizer.device: expected one of 'none', 'cpu' or 'nvme', "
-            "got the string 'gpu'",
+            "zero_optimization.offload_optimizer.device: expected one of 'none', 'cpu' or 'nvme', got the string 'gpu'",
         ),
         ({**BASE, "fp16": 1}, "fp16: expected an object, got the integer 1"),
         ({"train_batch_size": 0}, "train_batch_size: expected a number > 0, got the integer 0"),
@@ -183,8 +177,6 @@ def test_strict_false_keeps_type_errors() -> None:
 
 
 def test_bad_arguments() -> None:
-    assert problems_of(BASE, world_size=0) == [
-        "world_size: expected an integer >= 1 (the data-parallel size), got 0"
-    ]
+    assert problems_of(BASE, world_size=0) == ["world_size: expected an integer >= 1 (the data-parallel size), got 0"]
     with pytest.raises(ConfigError, match="expected a dict"):
         resolve("ds.json", world_size=1)  # type: ignore[arg-type]

@@ -20,9 +20,7 @@ def plan_of(extra: dict, **kwargs: object) -> EnginePlan:
 def test_fp16_and_bf16_both_enabled_is_an_error() -> None:
     with pytest.raises(ConfigError) as info:
         plan_of({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
-    assert info.value.problems == [
-        "fp16.enabled, bf16.enabled: both are true; enable at most one of fp16 and bf16"
-    ]
+    assert info.value.problems == ["fp16.enabled, bf16.enabled: both are true; enable at most one of fp16 and bf16"]
 
 
 def test_bf16_plan() -> None:
@@ -103,17 +101,11 @@ def test_max_grad_norm_points_to_gradient_clipping() -> None:
 def test_unknown_optimizer_and_scheduler() -> None:
     with pytest.raises(ConfigError) as info:
         plan_of({"optimizer": {"type": "Adamm"}, "scheduler": {"type": "warmuplr"}})
-    assert info.value.problems[0].startswith(
-        "optimizer.type: unknown optimizer 'Adamm'; did you mean 'adam'?"
-    )
-    assert info.value.problems[1].startswith(
-        "scheduler.type: unknown scheduler 'warmuplr'; did you mean 'WarmupLR'?"
-    )
+    assert info.value.problems[0].startswith("optimizer.type: unknown optimizer 'Adamm'; did you mean 'adam'?")
+    assert info.value.problems[1].startswith("scheduler.type: unknown scheduler 'warmuplr'; did you mean 'WarmupLR'?")
 
 
-@pytest.mark.parametrize(
-    "name", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest", "StepLR"]
-)
+@pytest.mark.parametrize("name", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest", "StepLR"])
 def test_scheduler_names(name: str) -> None:
     scheduler = plan_of({"scheduler": {"type": name, "params": {"x": 1}}}).scheduler
     assert scheduler is not None and (scheduler.name, scheduler.params) == (name, {"x": 1})
@@ -136,12 +128,17 @@ def test_zero_plan_from_stage_2_config() -> None:
     assert (zero.stage, zero.reduce_bucket_size, zero.stage3) == (2, 200_000_000, None)
     assert zero.offload_optimizer == CpuTarget(pin_memory=False)
     # knobs whose behaviour is fixed here are reported when set away from DeepSpeed's default, never dropped
-    assert set(plan.unimplemented) == {"zero_optimization.allgather_bucket_size",
-                                       "zero_optimization.contiguous_gradients", "zero_optimization.reduce_scatter"}
+    assert set(plan.unimplemented) == {
+        "zero_optimization.allgather_bucket_size",
+        "zero_optimization.contiguous_gradients",
+        "zero_optimization.reduce_scatter",
+    }
 
 
 def test_offload_device_none_is_no_offload() -> None:
-    target = plan_of({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}).zero.offload_optimizer
+    target = plan_of(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}
+    ).zero.offload_optimizer
     assert target == NoOffloadTarget() and not target.on_host
 
 
@@ -153,9 +150,7 @@ def test_offload_at_stage_0_warns() -> None:
 def test_nvme_offload_needs_a_path() -> None:
     with pytest.raises(ConfigError, match="offload_optimizer.nvme_path: required"):
         plan_of({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
-    plan = plan_of(
-        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nv"}}}
-    )
+    plan = plan_of({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nv"}}})
     target = plan.zero.offload_optimizer
     assert isinstance(target, NvmeTarget) and target.path == "/nv" and target.on_host
     assert not plan.unimplemented
@@ -263,8 +258,17 @@ def test_resolved_is_plain_json_with_defaults() -> None:
 def test_fixed_schedule_keys_are_reported_when_set() -> None:
     """Keys whose behaviour Slipstream fixes (gradient averaging happens once, at the step; the reduction
     schedule is the stage's own) warn when set away from DeepSpeed's default instead of being dropped."""
-    plan = plan_of({"prescale_gradients": True, "gradient_predivide_factor": 2.0,
-                    "zero_optimization": {"stage": 2, "overlap_comm": True, "allgather_bucket_size": 2e8}})
-    assert set(plan.unimplemented) == {"prescale_gradients", "gradient_predivide_factor",
-                                       "zero_optimization.overlap_comm", "zero_optimization.allgather_bucket_size"}
+    plan = plan_of(
+        {
+            "prescale_gradients": True,
+            "gradient_predivide_factor": 2.0,
+            "zero_optimization": {"stage": 2, "overlap_comm": True, "allgather_bucket_size": 2e8},
+        }
+    )
+    assert set(plan.unimplemented) == {
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "zero_optimization.overlap_comm",
+        "zero_optimization.allgather_bucket_size",
+    }
     assert plan_of({"prescale_gradients": False, "gradient_predivide_factor": 1.0}).unimplemented == ()

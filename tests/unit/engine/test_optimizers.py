@@ -53,13 +53,16 @@ def test_bias_correction_false_without_offload_is_refused() -> None:
     assert type(_build("adamw", bias_correction=True)) is FusedAdam
 
 
-@pytest.mark.parametrize(("name", "cls", "params"), [
-    ("sgd", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-    ("adagrad", torch.optim.Adagrad, {"lr": 0.05}),
-    ("lamb", Lamb, {"lr": 0.01, "max_coeff": 5.0}),
-    ("lion", Lion, {"lr": 1e-4, "betas": (0.9, 0.99)}),
-    ("RMSprop", torch.optim.RMSprop, {"lr": 0.01, "alpha": 0.9}),
-])
+@pytest.mark.parametrize(
+    ("name", "cls", "params"),
+    [
+        ("sgd", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+        ("adagrad", torch.optim.Adagrad, {"lr": 0.05}),
+        ("lamb", Lamb, {"lr": 0.01, "max_coeff": 5.0}),
+        ("lion", Lion, {"lr": 1e-4, "betas": (0.9, 0.99)}),
+        ("RMSprop", torch.optim.RMSprop, {"lr": 0.01, "alpha": 0.9}),
+    ],
+)
 def test_each_name_builds_its_class(name: str, cls: type, params: dict) -> None:
     opt = _build(name, **params)
     assert type(opt) is cls
@@ -75,7 +78,9 @@ def test_unknown_optimizer_name_lists_supported() -> None:
 
 
 def test_unknown_optimizer_param_names_it_and_the_accepted_ones() -> None:
-    with pytest.raises(ValueError, match=r"\['momentum'\] not accepted by slipstream.ops.adam.fused_adam.FusedAdam.*'betas'"):
+    with pytest.raises(
+        ValueError, match=r"\['momentum'\] not accepted by slipstream.ops.adam.fused_adam.FusedAdam.*'betas'"
+    ):
         _build("adamw", momentum=0.9)
     with pytest.raises(ValueError, match=r"\['beta'\] not accepted by .*Lion.*'betas'"):
         _build("lion", beta=0.9)
@@ -156,8 +161,9 @@ def _sgd() -> torch.optim.Optimizer:
 
 
 def test_build_scheduler_deepspeed_and_torch_names() -> None:
-    sched = build_scheduler(SchedulerPlan(name="WarmupLR", params={"warmup_max_lr": 0.01, "warmup_num_steps": 5}),
-                            _sgd())
+    sched = build_scheduler(
+        SchedulerPlan(name="WarmupLR", params={"warmup_max_lr": 0.01, "warmup_num_steps": 5}), _sgd()
+    )
     assert type(sched) is WarmupLR and sched.warmup_num_steps == 5
     plan = SchedulerPlan(name="WarmupDecayLR", params={"total_num_steps": 50, "warmup_num_steps": 10})
     decay = build_scheduler(plan, _sgd())
