@@ -29,6 +29,7 @@ _LAZY_SUBMODULES = (
     "checkpointing",
     "pipe",
     "profiling",
+    "moe",
 )
 _LAZY_ATTRIBUTES = {
     "initialize": "slipstream.api",

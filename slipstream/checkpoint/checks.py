@@ -53,9 +53,10 @@ def _tensor_problem(key: str, source: Any, shape: tuple[int, ...], dtype: torch.
 
 def check_names(parts: EngineParts, keys: set[str], *, strict: bool) -> None:
     """Parameters on one side only: an error when strict, a warning otherwise (see [Note: load checks])."""
-    names = [n for n, _ in parts.module.named_parameters()]
+    names = [parts.names.get(id(p), n) for n, p in parts.module.named_parameters()]
     buffers = {n for n, _ in parts.module.named_buffers()}
     saved = {k[len("module/") :] for k in keys if k.startswith("module/")} - buffers  # DeepSpeed keeps buffers there
+    saved -= parts.held_elsewhere
     missing, unexpected = sorted(set(names) - saved), sorted(saved - set(names))
     if strict and (missing or unexpected):
         raise CheckpointError(
@@ -74,7 +75,8 @@ def tensor_problems(parts: EngineParts, source: Any, *, load_optimizer_states: b
     """Every checkpoint tensor the load would copy that does not fit its target (shape or dtype)."""
     keys = set(source.keys())
     problems: list[str] = []
-    for name, param in parts.module.named_parameters():
+    for local_name, param in parts.module.named_parameters():
+        name = parts.names.get(id(param), local_name)
         shape, dtype = global_shape(parts, name, tuple(param.shape)), param.dtype  # ZeRO-3 keeps its full shape
         if f"module/{name}" in keys:
             problems.append(_tensor_problem(f"module/{name}", source, shape, dtype, f"parameter {name!r}") or "")

@@ -33,6 +33,9 @@ class EngineParts:
     tp_layouts: dict[str, Any] | None = None
     """Tensor parallelism: parameter name -> tp_slices.TpLayout (checkpoints hold global tensors)."""
     tp_rank: int = 0
+    held_elsewhere: frozenset[str] = frozenset()
+    """Names of parameters of the model that other ranks hold and this one does not (MoE experts of other
+    expert-parallel ranks): present in a checkpoint, not expected here."""
 
 
 def trainable_names(parts: EngineParts) -> set[str]:
@@ -66,7 +69,8 @@ def _local_slices(parts: EngineParts, *, for_save: bool) -> list[OwnedSlice]:
         return slices
     if for_save and parts.rank != 0:
         return slices
-    for name, param in parts.module.named_parameters():
+    for local_name, param in parts.module.named_parameters():
+        name = parts.names.get(id(param), local_name)  # MoE experts: by global expert index
         if name not in skip and param.numel() > 0:
             slices.append(OwnedSlice(name=name, shape=tuple(param.shape), lo=0, hi=param.numel(), value=param.data))
     return slices

@@ -201,13 +201,19 @@ def _issue(
     return work
 
 
-def all_reduce(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None, async_op: bool = False) -> TimedWork:
-    """Sum `tensor` across the ranks of `group`, in place."""
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> TimedWork:
+    """Sum (or reduce with `op`) `tensor` across the ranks of `group`, in place."""
     return _issue(
         "all_reduce",
         tensor,
         (tensor,),
-        lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True),
+        lambda t: dist.all_reduce(t, op=op, group=group, async_op=True),
         async_op,
     )
 

@@ -38,6 +38,7 @@ ALIASES: dict[str, str] = {
     "slipstream.runtime.fp16.loss_scaler": "slipstream.zero.loss_scaler",
     "slipstream.runtime.config": "slipstream.compat.ds_config",
     "slipstream.runtime.pipe": "slipstream.pipe",
+    "slipstream.moe.sharded_moe": "slipstream.moe.layer",  # TopKGate, MOELayer
 }
 """DeepSpeed-style path -> the module whose source it runs."""
 
@@ -195,6 +196,23 @@ COMPOSITES: dict[str, dict[str, str]] = {
             "_get_data_parallel_group",
             "_get_data_parallel_world_size",
             "_get_data_parallel_rank",
+        )
+    }
+    | {  # the expert groups of MoE (slipstream/moe/groups.py, DeepSpeed's names)
+        name: f"slipstream.moe.groups:{name}"
+        for name in (
+            "_create_expert_and_data_parallel",
+            "_get_expert_parallel_group",
+            "_get_expert_parallel_group_dict",
+            "_get_expert_data_parallel_group",
+            "_get_expert_data_parallel_group_dict",
+            "_get_expert_parallel_world_size",
+            "_get_expert_parallel_rank",
+            "_get_expert_data_parallel_world_size",
+            "_get_expert_data_parallel_rank",
+            "_get_expert_broadcast_src_rank",
+            "_get_max_expert_size",
+            "_get_max_expert_size_name",
         )
     },
     "slipstream.utils.torch": {

@@ -6,6 +6,7 @@ Each function takes the piece of the plan it needs; the engine calls them once, 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -31,16 +32,33 @@ def warn_if_materialised(model: nn.Module) -> None:
         warn_once("z3-materialised", materialised_warning(whole, dist.get_world_size()))
 
 
+def moe_support(model: Any) -> Any:
+    """slipstream.moe.engine_support when the model has MoE layers (their groups made), else None."""
+    if not isinstance(model, nn.Module) or "slipstream.moe" not in sys.modules:
+        return None  # no MoE layer can exist before slipstream.moe is imported
+    from slipstream.moe import engine_support
+
+    if not engine_support.has_experts(model):
+        return None
+    engine_support.prepare(model)
+    return engine_support
+
+
 def make_basic_optimizer(
-    module: nn.Module, plan: EnginePlan, client: Any, model_parameters: Any
+    module: nn.Module, plan: EnginePlan, client: Any, model_parameters: Any, *, moe: Any = None
 ) -> torch.optim.Optimizer | None:
-    """The client optimizer (instance or callable), or the one the config names, or None (inference).
+    """The client optimizer (instance or callable), or the one the config names, or None (inference). With MoE
+    layers (`moe`: slipstream.moe.engine_support) expert parameters get param groups of their own.
 
     A client optimizer wins over an `optimizer` config section, with a warning naming both (DeepSpeed uses
     the client's silently)."""
     params = (
         list(model_parameters) if model_parameters is not None else [p for p in module.parameters() if p.requires_grad]
     )
+    if moe is not None:
+        params = moe.moe_param_groups(params)
+        if isinstance(client, torch.optim.Optimizer):
+            moe.resplit_optimizer(client)
     if client is not None:
         is_instance = isinstance(client, torch.optim.Optimizer)
         if not is_instance and not callable(client):

@@ -51,6 +51,7 @@ class Checkpointing:
     _window_micro_steps: int
     _param_names: dict[int, str]
     parallel: Any
+    _held_elsewhere: frozenset[str]
 
     def _resident(self) -> Any:
         """Masters and optimizer states in memory (NVMe offload swaps them out between steps)."""
@@ -72,6 +73,7 @@ class Checkpointing:
             stage=self.plan.zero.stage,
             tp_layouts=self.parallel.checkpoint_layouts(self.module),
             tp_rank=self.parallel.tp_rank,
+            held_elsewhere=self._held_elsewhere,
         )
 
     def save_checkpoint(

@@ -77,21 +77,38 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         self.mp_world_size = self.parallel.tp_size
         self.sequence_parallel_size = self.parallel.sp_size
         self.dp_world_size = dist.get_world_size(self.parallel.data_group)  # ZeRO's group: data x sequence ranks
+        moe = builders.moe_support(model)
+        if moe is not None and (self.parallel.tp_size > 1 or self.parallel.sp_size > 1):
+            raise ValueError(
+                "MoE layers with tensor or sequence parallelism are not supported yet; use "
+                "tensor_parallel.autotp_size 1 and sequence_parallel_size 1 with MoE"
+            )
         zero = build_zero(
-            model, zero=plan.zero, precision=plan.precision, device=self.device, group=self.parallel.data_group
+            model,
+            zero=plan.zero,
+            precision=plan.precision,
+            device=self.device,
+            group=self.parallel.data_group,
+            sources=None if moe is None else moe.expert_placement(model),
+            unit_groups=None if moe is None else moe.unit_group,
         )
         self.module, self.zero_model = zero.module, zero.zero_model
         self._param_names = {id(p): n for n, p in self.module.named_parameters()}
+        self._held_elsewhere: frozenset[str] = frozenset()
+        if moe is not None:
+            self._param_names = moe.global_param_names(self.module, self._param_names)
+            self._held_elsewhere = moe.names_held_elsewhere(self.module, self._param_names)
         for key in plan.unimplemented:
             warn_once(
                 f"unimplemented:{key}",
                 f"slipstream: config key '{key}' is accepted but not implemented yet; it has no effect",
             )
 
-        self.basic_optimizer = builders.make_basic_optimizer(self.module, plan, optimizer, model_parameters)
+        self.basic_optimizer = builders.make_basic_optimizer(self.module, plan, optimizer, model_parameters, moe=moe)
         self.optimizer: ZeroOptimizer | None = None
         if self.basic_optimizer is not None:
-            self.optimizer = zero.wrap(self.basic_optimizer, rank=self.global_rank)
+            group_for = None if moe is None else moe.group_for
+            self.optimizer = zero.wrap(self.basic_optimizer, rank=self.global_rank, group_for=group_for)
             self.optimizer.param_names = self._param_names
             self.optimizer.model_parallel = self.parallel.norm_info(self.module)
             builders.check_host_memory(self.optimizer, rank=self.global_rank)

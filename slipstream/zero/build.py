@@ -20,15 +20,17 @@ from slipstream.config.optimizers import REGISTRY, spec_for_class
 from slipstream.config.plan import PrecisionPlan, ZeroPlan
 from slipstream.offload.policy import policy_for
 from slipstream.utils.logging import warn_once
-from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
+from slipstream.zero.optimizer import DTYPES, GroupFor, ZeroOptimizer
 from slipstream.zero.stage0 import Stage0Optimizer
 from slipstream.zero.stage1 import Stage1Optimizer
 from slipstream.zero.stage2 import Stage2Optimizer
-from slipstream.zero.stage3.model import ZeroModel
+from slipstream.zero.stage3.model import UnitGroups, ZeroModel
 from slipstream.zero.stage3.optimizer import Stage3Optimizer
 from slipstream.zero.stage3.sharded_param import ShardedParameter
 
 __all__ = ["STAGES", "ZeroBuild", "build_zero"]
+
+Sources = dict[int, tuple[int, Any]]
 
 STAGES: dict[int, type[ZeroOptimizer]] = {
     0: Stage0Optimizer,
@@ -50,9 +52,11 @@ class ZeroBuild:
     group: dist.ProcessGroup | None = None
     """The data-parallel group ZeRO shards and reduces over (None: the whole world)."""
 
-    def wrap(self, optimizer: torch.optim.Optimizer, *, rank: int) -> ZeroOptimizer:
-        """The stage's ZeRO optimizer around `optimizer` (whose param groups it re-points at master pieces)."""
+    def wrap(self, optimizer: torch.optim.Optimizer, *, rank: int, group_for: GroupFor | None = None) -> ZeroOptimizer:
+        """The stage's ZeRO optimizer around `optimizer` (whose param groups it re-points at master pieces);
+        `group_for` gives param groups reduced over another process group (ZeroOptimizer)."""
         check_optimizer_kind(optimizer, self.zero)
+        extra: dict[str, Any] = {} if group_for is None else {"group_for": group_for}
         return STAGES[self.zero.stage](
             optimizer,
             zero=self.zero,
@@ -60,6 +64,7 @@ class ZeroBuild:
             model=self.zero_model,
             offload=policy_for(self.zero.offload_optimizer, rank=rank),
             group=self.group,
+            **extra,
         )
 
 
@@ -70,10 +75,14 @@ def build_zero(
     precision: PrecisionPlan,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
+    sources: Sources | None = None,
+    unit_groups: UnitGroups | None = None,
 ) -> ZeroBuild:
     """Place `model` for `zero.stage`: on the device in the parameter dtype with the values of the group's first
     rank (stages 0-2), or sharded into units over `group` (stage 3). `group` None is the whole world; with
-    tensor parallelism it is the data-parallel group of this rank's shard."""
+    tensor parallelism it is the data-parallel group of this rank's shard. `sources` maps id(param) -> (global
+    source rank, process group) for parameters whose values come from elsewhere (MoE experts); `unit_groups`
+    does the same for the stage-3 units of marked modules (stage3/units.py [Note: units over other groups])."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(model=...) needs a torch.nn.Module, got {type(model).__name__}")
     if zero.stage == 3:
@@ -82,17 +91,17 @@ def build_zero(
         _place_for_stage3(model, precision, device, group)
         return ZeroBuild(
             module=model,
-            zero_model=ZeroModel(model, zero.stage3, device=device, group=group),
+            zero_model=ZeroModel(model, zero.stage3, device=device, group=group, unit_groups=unit_groups),
             zero=zero,
             precision=precision,
             group=group,
         )
-    _place_replicated(model, precision, device, group)
+    _place_replicated(model, precision, device, group, sources or {})
     return ZeroBuild(module=model, zero_model=None, zero=zero, precision=precision, group=group)
 
 
 def _place_replicated(
-    model: nn.Module, precision: PrecisionPlan, device: torch.device, group: dist.ProcessGroup | None
+    model: nn.Module, precision: PrecisionPlan, device: torch.device, group: dist.ProcessGroup | None, sources: Sources
 ) -> None:
     model.to(device)
     dtype = DTYPES[precision.param_dtype]
@@ -101,7 +110,9 @@ def _place_replicated(
     if dist.get_world_size(group) > 1:
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
-                collectives.broadcast(tensor.data, src=collectives.first_rank(group), group=group)
+                src, source_group = sources.get(id(tensor), (collectives.first_rank(group), group))
+                if source_group is None or dist.get_world_size(source_group) > 1:
+                    collectives.broadcast(tensor.data, src=src, group=source_group)
 
 
 def _place_for_stage3(

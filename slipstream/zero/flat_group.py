@@ -15,6 +15,8 @@ Buffers are allocated once, here, and reused every step.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -48,6 +50,9 @@ class FlatGroup(MasterGroup):
         self.params = params
         self.layout = layout
         self.rank = rank
+        self.process_group: Any = None
+        """The process group this group's gradients are reduced and its pieces gathered over (None: default)."""
+        self.world_size = layout.world_size
         self.owns_all = owns_all
         self.dtype = next(iter(dtypes))
         self.device = next(iter(devices))

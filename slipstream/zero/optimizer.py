@@ -18,6 +18,7 @@ import abc
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +33,16 @@ from slipstream.zero.layout import build_layout
 from slipstream.zero.slices import OwnedSlice
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupOver:
+    """A param group reduced over another process group than the optimizer's (see `group_for`)."""
+
+    group: dist.ProcessGroup | None
+
+
+GroupFor = Callable[[dict], "GroupOver | None"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,14 +66,18 @@ class ZeroOptimizer(abc.ABC):
         offload: OffloadPolicy | None = None,
         group: dist.ProcessGroup | None = None,
         model: Any = None,
+        group_for: GroupFor | None = None,
     ) -> None:
         """The stage reads its knobs from `zero` and `precision` (config/plan.py); `model` is stage 3's
-        ZeroModel (Stage3Optimizer reads it), None below stage 3."""
+        ZeroModel (Stage3Optimizer reads it), None below stage 3. `group_for(param_group)` names the process
+        group a param group is reduced and sharded over when it is not `group` (MoE experts: their
+        expert-data-parallel group; see [Note: param groups over other process groups])."""
         self.optimizer = optimizer
         self.zero, self.precision = zero, precision
         self.process_group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self._group_for = group_for
         self.check_overflow = precision.check_grad_overflow
         bucket_numel = int(zero.reduce_bucket_size)
         master_dtype, grad_dtype = precision.master_dtype, precision.grad_accum_dtype
@@ -91,17 +106,21 @@ class ZeroOptimizer(abc.ABC):
             params = [p for p in hyper["params"] if p.requires_grad]
             if not params:
                 continue
-            layout = build_layout([p.numel() for p in params], world_size=self.world_size, bucket_numel=bucket_numel)
+            over = self._group_for(hyper) if self._group_for is not None else None
+            process_group = over.group if over is not None else self.process_group
+            world = dist.get_world_size(process_group)
+            layout = build_layout([p.numel() for p in params], world_size=world, bucket_numel=bucket_numel)
             flat = FlatGroup(
                 params,
                 layout=layout,
-                rank=self.rank,
+                rank=dist.get_rank(process_group),
                 owns_all=self.owns_all,
                 master_dtype=master_dtype,
                 grad_dtype=grad_dtype,
                 full_grad_storage=self.full_grad_storage,
                 offload=self.offload,
             )
+            flat.process_group, flat.world_size = process_group, world
             groups.append(flat)
             for index, param in enumerate(params):
                 self._param_location[id(param)] = (flat, index)
@@ -150,13 +169,17 @@ class ZeroOptimizer(abc.ABC):
         owned = [g for flat in self.groups for g in flat.owned_grads]
         for grad in owned:
             grad.mul_(1.0 / grad_divisor)
-        stats = self._local_grad_stats(owned)
-        if self.model_parallel is not None:
-            stats[0] -= self._replicated_sum_sq(self.model_parallel)
-        if not self.owns_all and self.world_size > 1:
-            collectives.all_reduce(stats, group=self.process_group)
-        if self.model_parallel is not None:
-            collectives.all_reduce(stats, group=self.model_parallel[0])
+        if self._other_groups():  # MoE: param groups on their own process groups (TP with MoE is refused)
+            stats = self._weighted_grad_stats()
+            collectives.all_reduce(stats)
+        else:
+            stats = self._local_grad_stats(owned)
+            if self.model_parallel is not None:
+                stats[0] -= self._replicated_sum_sq(self.model_parallel)
+            if not self.owns_all and self.world_size > 1:
+                collectives.all_reduce(stats, group=self.process_group)
+            if self.model_parallel is not None:
+                collectives.all_reduce(stats, group=self.model_parallel[0])
         sum_sq, nonfinite = float(stats[0]), float(stats[1])
         self.overflow = self.check_overflow and (nonfinite > 0 or not math.isfinite(sum_sq))
         grad_norm = math.sqrt(sum_sq) if math.isfinite(sum_sq) else float("inf")
@@ -222,6 +245,21 @@ class ZeroOptimizer(abc.ABC):
         """Masters and optimizer states in memory for the block (checkpoints); see the offload policy."""
         return self.offload.resident(self)
 
+    def _other_groups(self) -> bool:
+        return any(getattr(f, "process_group", self.process_group) is not self.process_group for f in self.groups)
+
+    def _weighted_grad_stats(self) -> torch.Tensor:
+        """[sum of squares, non-finite count] over the world when param groups live on different process
+        groups: each group's owned squares divided by how many ranks of the world own the same elements, so
+        one all-reduce over the world counts every element once."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.groups[0].device)
+        for flat in self.groups:
+            copies = flat.world_size if self.owns_all else 1
+            stats = self._local_grad_stats(list(flat.owned_grads))
+            total[0] += stats[0] / copies
+            total[1] += stats[1]
+        return total
+
     def _local_grad_stats(self, owned: list[torch.Tensor]) -> torch.Tensor:
         """[sum of squares, count of non-finite tensors] of the owned gradients, in float64."""
         if not owned:
@@ -266,11 +304,11 @@ class ZeroOptimizer(abc.ABC):
         for flat in self.groups:
             if not copied:
                 flat.copy_master_to_params(from_low_precision=from_low_precision)
-            if self.owns_all or self.world_size == 1:
+            if self.owns_all or flat.world_size == 1:
                 continue
             for bucket, (start, end) in zip(flat.layout.buckets, flat.piece_ranges):
                 collectives.all_gather(
-                    flat.bucket_params(bucket), flat.flat_params[start:end], group=self.process_group
+                    flat.bucket_params(bucket), flat.flat_params[start:end], group=flat.process_group
                 )
 
     # ---- introspection, DeepSpeed's surface ----
@@ -331,7 +369,7 @@ class ZeroOptimizer(abc.ABC):
         for number, flat in enumerate(self.groups):
             for b, (bucket, (start, end)) in enumerate(zip(flat.layout.buckets, flat.piece_ranges)):
                 lo_cut, hi_cut = (
-                    flat.layout.piece_range(bucket, self.rank) if (self.owns_all and for_save) else (start, end)
+                    flat.layout.piece_range(bucket, flat.rank) if (self.owns_all and for_save) else (start, end)
                 )
                 for index in bucket.param_indices:
                     slot = flat.layout.slots[index]

@@ -13,11 +13,10 @@ class Stage0Optimizer(ZeroOptimizer):
     full_grad_storage = True
 
     def _reduce_for_step(self) -> None:
-        if self.world_size == 1:
-            return
         works = [
-            collectives.all_reduce(flat.bucket_grads(bucket), group=self.process_group, async_op=True)
+            collectives.all_reduce(flat.bucket_grads(bucket), group=flat.process_group, async_op=True)
             for flat in self.groups
+            if flat.world_size > 1
             for bucket in flat.layout.buckets
         ]
         for work in works:

@@ -16,14 +16,14 @@ class Stage1Optimizer(ZeroOptimizer):
     full_grad_storage = True
 
     def _reduce_for_step(self) -> None:
-        if self.world_size == 1:
-            return
         works = []
         for flat in self.groups:
+            if flat.world_size == 1:
+                continue
             for bucket, (start, end) in zip(flat.layout.buckets, flat.piece_ranges):
                 works.append(
                     collectives.reduce_scatter(
-                        flat.grad_storage[start:end], flat.bucket_grads(bucket), group=self.process_group, async_op=True
+                        flat.grad_storage[start:end], flat.bucket_grads(bucket), group=flat.process_group, async_op=True
                     )
                 )
         for work in works:

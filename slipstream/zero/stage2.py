@@ -44,10 +44,11 @@ class Stage2Optimizer(ZeroOptimizer):
         ]
         self._position = {(id(flat), b): i for i, (flat, b) in enumerate(self._order)}
         largest = max((b.padded_numel for flat in self.groups for b in flat.layout.buckets), default=0)
+        largest_piece = max((b.piece_numel for flat in self.groups for b in flat.layout.buckets), default=0)
         grad_dtype = self.groups[0].grad_storage.dtype if self.groups else torch.float32
         device = self.groups[0].device if self.groups else None
         self._ring = StagingRing(
-            staging_numel=largest, receive_numel=largest // max(self.world_size, 1) + 1, dtype=grad_dtype, device=device
+            staging_numel=largest, receive_numel=largest_piece + 1, dtype=grad_dtype, device=device
         )
         self._pending: dict[tuple[int, int], dict[int, torch.Tensor]] = collections.defaultdict(dict)
         self._next = 0
@@ -81,7 +82,11 @@ class Stage2Optimizer(ZeroOptimizer):
             if grad is not None:
                 start = flat.layout.slots[index].flat_offset - bucket.flat_offset
                 staging[start : start + grad.numel()].copy_(grad.reshape(-1))
-        work = collectives.reduce_scatter(receive, staging, group=self.process_group, async_op=True)
+        if flat.world_size == 1:  # nothing to reduce with: the bucket is this rank's own piece
+            receive.copy_(staging)
+            work = None
+        else:
+            work = collectives.reduce_scatter(receive, staging, group=flat.process_group, async_op=True)
         self._ring.launched(slot, work, receive, flat.owned_grads[bucket_id].add_)
         self._next += 1
 

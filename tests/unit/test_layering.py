@@ -93,6 +93,18 @@ def test_model_parallel_layers_sit_on_comm() -> None:
     assert not bad, f"parallel/ (TP, the mesh) and sequence/ (Ulysses) build on comm/ and DTensor only: {bad}"
 
 
+def test_moe_builds_on_comm_and_zero_and_nothing_below_needs_it() -> None:
+    graph = _imports()
+    bad = _violations(graph, "moe", {"comm", "zero", "config"} | LEAF_HELPERS)
+    bad += sorted(
+        f"{m} imports {t}"
+        for m, ts in graph.items()
+        for t in ts
+        if _layer(t) == "moe" and _layer(m) not in ("moe", "engine", "api", "compat", "<root>")
+    )
+    assert not bad, f"moe/ uses comm/ and zero/; zero/, checkpoint/ and the rest know nothing of it: {bad}"
+
+
 def test_the_rules_see_a_violation() -> None:
     graph = {"slipstream.comm.x": {"slipstream.zero.layout"}, "slipstream.config.y": {"slipstream.utils.logging"}}
     assert _violations(graph, "comm", set(LEAF_HELPERS)) == ["slipstream.comm.x imports slipstream.zero.layout"]

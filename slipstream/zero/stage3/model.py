@@ -9,7 +9,7 @@ rank 0 when they come from plain (unsharded) parameters, so every rank starts fr
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,7 +38,10 @@ class ZeroModel(UnitManager):
         device: torch.device,
         group: dist.ProcessGroup | None = None,
         attach_hooks: bool = True,
+        unit_groups: UnitGroups | None = None,
     ) -> None:
+        """`unit_groups(key)` -> (process group, global source rank) for units marked with a group key (MoE
+        experts, units.py [Note: units over other groups])."""
         self.module, self.plan, self.device, self.group = module, plan, device, group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -65,19 +68,21 @@ class ZeroModel(UnitManager):
             old_units = _sharded_owners(spec)
             for old in old_units:
                 old.finish_gather()
+            unit_group, source = _unit_group(spec, group, unit_groups)
+            unit_world = dist.get_world_size(unit_group)
             plain = [p for _, p in spec.params if not isinstance(p, ShardedParameter)]
-            if plain and self.world_size > 1:
+            if plain and unit_world > 1:
                 with torch.no_grad():
                     for param in plain:
-                        collectives.broadcast(param.data, src=collectives.first_rank(group), group=group)
+                        collectives.broadcast(param.data, src=source, group=unit_group)
             self.units.append(
                 Unit(
                     uid,
                     spec,
                     manager=self,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    group=group,
+                    rank=dist.get_rank(unit_group),
+                    world_size=unit_world,
+                    group=unit_group,
                     device=device,
                     shard_device=shard_device,
                     pool=self.pool,
@@ -172,8 +177,8 @@ class ZeroModel(UnitManager):
             for record, param in zip(unit.records, unit.params):
                 name = names.get(id(param), record.name)
                 lo, hi = (
-                    min(record.numel, self.rank * record.shard_numel),
-                    min(record.numel, (self.rank + 1) * record.shard_numel),
+                    min(record.numel, unit.rank * record.shard_numel),
+                    min(record.numel, (unit.rank + 1) * record.shard_numel),
                 )
                 if name in skip or hi <= lo:
                     continue
@@ -206,6 +211,27 @@ class ZeroModel(UnitManager):
                 unit.status = ZeroParamStatus.NOT_AVAILABLE
                 unit.start_gather()
                 unit.finish_gather()
+
+
+UnitGroups = Callable[[str], tuple[Any, int]]
+
+
+def _unit_group(
+    spec: UnitSpec, group: dist.ProcessGroup | None, unit_groups: UnitGroups | None
+) -> tuple[dist.ProcessGroup | None, int]:
+    """The process group a unit is sharded over and the global rank its initial values come from."""
+    if spec.group_key is None:
+        return group, collectives.first_rank(group)
+    if unit_groups is None:
+        if spec.group_key == "ep_size_1":
+            return group, collectives.first_rank(group)
+        raise ValueError(
+            f"ZeRO-3 unit '{spec.name}' holds experts of expert group '{spec.group_key}', which only the engine "
+            "can place; build the model with MoE layers outside zero.Init(module=...) and let "
+            "slipstream.initialize shard it"
+        )
+    found: tuple[dist.ProcessGroup | None, int] = unit_groups(spec.group_key)
+    return found
 
 
 def _mark_leaves(module: nn.Module, plan: Stage3Plan) -> None:

@@ -194,7 +194,7 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def _launch(self, uid: int, grads: dict[int, torch.Tensor]) -> None:
         width = self._receive_numel[uid]
-        slot, staging, receive = self._ring.take(width * self.world_size, width)
+        slot, staging, receive = self._ring.take(width * self._units[uid].world_size, width)
         work = self._units[uid].reduce_gradients(
             grads, self._trainable[uid], staging, receive, self._receive_offsets[uid]
         )
@@ -240,9 +240,10 @@ class Stage3Optimizer(ZeroOptimizer):
                 offset = 0
                 for index in run.indices:
                     record = run.unit.records[index]
+                    rank = run.unit.rank
                     lo, hi = (
-                        min(record.numel, self.rank * record.shard_numel),
-                        min(record.numel, (self.rank + 1) * record.shard_numel),
+                        min(record.numel, rank * record.shard_numel),
+                        min(record.numel, (rank + 1) * record.shard_numel),
                     )
                     if hi > lo:
                         value = run.unit.shard[record.shard_offset : record.shard_offset + hi - lo]

@@ -8,6 +8,12 @@
   block stays in the block, so every rank gathers the same units whatever its routing); a child that
   holds such a container somewhere below is walked into; any other child with more sharded elements than
   `stage3_param_persistence_threshold` is a unit.
+- A module marked `_z3_block` (an MoE layer) is a unit wherever the walk meets it, whatever its size, and
+  nothing inside it is split further.
+- [Note: units over other groups] A module marked `_z3_group_key` (an MoE layer's `Experts`: its value
+  names the expert-data-parallel group) is a unit of its own, placed just before the unit that holds it,
+  whose parameters never go to the persistent unit: it is sharded, gathered and reduced over that group,
+  since ranks of other groups hold other experts under the same names.
 - Parameters of no unit belong to the root unit (which exists even when it owns nothing, to gather
   what the root's own modules borrow). Parameters with fewer elements than the threshold
   belong to the persistent unit (gathered for good on every rank). A parameter shared by several modules
@@ -34,6 +40,9 @@ class UnitSpec:
     """None for the persistent unit (no hooks: always gathered)."""
     params: tuple[tuple[str, nn.Parameter], ...]
     persistent: bool = False
+    group_key: str | None = None
+    """Set for a module marked `_z3_group_key` (an MoE layer's experts): the unit is sharded over the process
+    group of that name instead of the data-parallel group (see [Note: units over other groups])."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,6 +110,8 @@ def _choose_unit_modules(
             qualified = f"{prefix}{name}"
             if isinstance(child, _CONTAINERS) and not in_container:
                 walk(child, qualified + ".", True)
+            elif getattr(child, "_z3_block", False):
+                units.append((qualified, child))
             elif in_container:
                 if sharded_numel(child) > 0:
                     units.append((qualified, child))
@@ -128,12 +139,27 @@ def plan_units(root: nn.Module, *, threshold: int, leaf_classes: tuple[type, ...
             (persistent if param.numel() < threshold else owned).append((name, param))
         return owned
 
+    def take_grouped(module: nn.Module, prefix: str) -> None:
+        for name, inner in module.named_modules(prefix=prefix):
+            key = getattr(inner, "_z3_group_key", None)
+            if key is None:
+                continue
+            params = []
+            for pname, param in inner.named_parameters(prefix=name, remove_duplicate=False):
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    params.append((pname, param))
+            if params:
+                specs.append(UnitSpec(name=name, module=inner, params=tuple(params), group_key=str(key)))
+
     for name, module in _choose_unit_modules(root, leaf_classes, threshold):
+        take_grouped(module, name)
         owned = take(module, name + ".")
         # A unit whose parameters all belong to earlier units (a tied output head) owns nothing but still
         # needs its hooks, to gather the units it borrows from; so does the root.
         if owned or any(True for _ in module.parameters()):
             specs.append(UnitSpec(name=name, module=module, params=tuple(owned)))
+    take_grouped(root, "")
     specs.append(UnitSpec(name="<root>", module=root, params=tuple(take(root, ""))))
     if persistent:
         specs.append(UnitSpec(name="<persistent>", module=None, params=tuple(persistent), persistent=True))

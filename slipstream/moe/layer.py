@@ -1,0 +1,253 @@
+"""`MoE`: DeepSpeed's `deepspeed.moe.layer.MoE`, a mixture-of-experts layer with expert parallelism.
+
+[Note: MoE forward]
+Tokens [S, M] (any leading shape, flattened) are routed by the gate (gating.py, [Note: routes]) into a buffer
+[E, C, M] of E experts x C slots: one gather (`index_select`). With `ep_size` > 1 an all-to-all sends block j
+(the experts of expert-parallel rank j) to rank j, which receives [ep, L, C, M]: the tokens of every rank of
+its group for its L local experts. The experts run grouped (experts.py), a second all-to-all returns the
+outputs, and one gather scaled by the route weights combines them. Both all-to-alls are autograd functions
+whose backward is the opposite all-to-all. Every rank of the group sends the same-sized buffers whatever its
+routing (C is agreed), so a rank that routes nothing to an expert still takes part: no hang.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from slipstream.comm import collectives
+from slipstream.moe import groups
+from slipstream.moe.experts import Experts
+from slipstream.moe.gating import NOISY_POLICIES, Routes, multiplicative_jitter, route
+from slipstream.utils.logging import warn_once
+
+__all__ = ["MoE", "MOELayer", "TopKGate"]
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, group: dist.ProcessGroup | None, x: Tensor) -> Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        collectives.all_to_all(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:
+        return None, _AllToAll.apply(ctx.group, grad)
+
+
+def all_to_all(group: dist.ProcessGroup | None, x: Tensor) -> Tensor:
+    out: Tensor = _AllToAll.apply(group, x)
+    return out
+
+
+class TopKGate(nn.Module):
+    """The router: `wg` (a bias-free Linear, computed in fp32) and the gating rules of gating.py."""
+
+    def __init__(
+        self,
+        model_dim: int,
+        num_experts: int,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 8,
+        noisy_gate_policy: str | None = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        ep_group: dist.ProcessGroup | None = None,
+        top2_2nd_expert_sampling: bool = True,
+    ) -> None:
+        super().__init__()
+        if noisy_gate_policy not in NOISY_POLICIES:
+            raise ValueError(f"noisy_gate_policy={noisy_gate_policy!r}; use one of {NOISY_POLICIES}")
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"MoE k={k} must be between 1 and num_experts={num_experts}")
+        self.wg = nn.Linear(model_dim, num_experts, bias=False)
+        self.ep_group = ep_group
+        self.ep_size = 1
+        self.k = k
+        self.capacity_factor = capacity_factor
+        self.eval_capacity_factor = eval_capacity_factor
+        self.min_capacity = min_capacity
+        self.noisy_gate_policy = noisy_gate_policy
+        self.drop_tokens = drop_tokens
+        self.use_rts = use_rts
+        self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
+
+    def _set_ep_group(self, ep_group: dist.ProcessGroup | None, ep_size: int = 1) -> None:
+        self.ep_group, self.ep_size = ep_group, ep_size
+
+    def routes(self, x: Tensor, used_token: Tensor | None = None) -> Routes:
+        gate_input = x.float()
+        if self.noisy_gate_policy == "Jitter" and self.training:
+            gate_input = multiplicative_jitter(gate_input)
+        logits = F.linear(gate_input, self.wg.weight.float())
+        return route(
+            logits,
+            k=self.k,
+            capacity_factor=self.capacity_factor if self.training else self.eval_capacity_factor,
+            min_capacity=self.min_capacity,
+            drop_tokens=self.drop_tokens,
+            use_rts=self.use_rts,
+            noisy_gate_policy=self.noisy_gate_policy if self.training else None,
+            top2_2nd_expert_sampling=self.top2_2nd_expert_sampling,
+            used_token=used_token,
+            ep_group=self.ep_group,
+            ep_size=self.ep_size,
+        )
+
+    def forward(self, x: Tensor, used_token: Tensor | None = None) -> tuple[Tensor, Routes]:
+        routes = self.routes(x, used_token)
+        return routes.l_aux, routes
+
+
+class MOELayer(nn.Module):
+    """Gate, dispatch, experts, combine (see [Note: MoE forward])."""
+
+    def __init__(
+        self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int
+    ) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.ep_group: dist.ProcessGroup | None = None
+        self.ep_size = ep_size
+        self.ep_group_name = ep_group_name
+        self.num_local_experts = num_local_experts
+        self.l_aux: Tensor | None = None
+        self.exp_counts: Tensor | None = None
+        self.last_routes: Routes | None = None
+
+    def _set_ep_group(self, ep_group: dist.ProcessGroup | None) -> None:
+        self.ep_group = ep_group
+        self.gate._set_ep_group(ep_group, self.ep_size)
+
+    def forward(self, hidden: Tensor, used_token: Tensor | None = None) -> Tensor:
+        model_dim = hidden.shape[-1]
+        x = hidden.reshape(-1, model_dim)
+        routes = self.gate.routes(x, used_token)
+        self.l_aux, self.exp_counts, self.last_routes = routes.l_aux, routes.exp_counts, routes
+        num_experts, cap = self.num_local_experts * self.ep_size, routes.capacity
+        flat = torch.where(
+            routes.experts >= 0, routes.experts * cap + routes.slots, torch.full_like(routes.slots, num_experts * cap)
+        )  # [k, S]; dropped routes point at a scratch row
+        source = torch.full((num_experts * cap + 1,), x.shape[0], dtype=torch.long, device=x.device)
+        tokens = torch.arange(x.shape[0], device=x.device).expand_as(flat)
+        source.scatter_(0, flat.reshape(-1), tokens.reshape(-1))
+        padded = torch.cat([x, x.new_zeros(1, model_dim)])
+        dispatched = padded.index_select(0, source[:-1])  # [E * C, M], expert-major
+        if self.ep_size > 1:
+            dispatched = all_to_all(self.ep_group, dispatched)  # [ep (source rank), L, C, M]
+        local = self.num_local_experts
+        grouped_in = dispatched.reshape(self.ep_size, local, cap, model_dim).transpose(0, 1)
+        out = self.experts(grouped_in.reshape(local, self.ep_size * cap, model_dim))  # a call: ZeRO-3 hooks run
+        out_dim = out.shape[-1]
+        out = out.reshape(local, self.ep_size, cap, out_dim).transpose(0, 1).reshape(num_experts * cap, out_dim)
+        if self.ep_size > 1:
+            out = all_to_all(self.ep_group, out)
+        gathered = torch.cat([out, out.new_zeros(1, out_dim)]).index_select(0, flat.reshape(-1))
+        combined = (gathered.reshape(*flat.shape, out_dim).float() * routes.weights.unsqueeze(-1)).sum(0)
+        return combined.to(hidden.dtype).reshape(*hidden.shape[:-1], out_dim)
+
+
+class MoE(nn.Module):
+    """DeepSpeed's MoE layer. `forward(hidden_states, used_token=None)` returns (output, l_aux, exp_counts)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        expert: nn.Module,
+        num_experts: int = 1,
+        ep_size: int = 1,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 4,
+        use_residual: bool = False,
+        noisy_gate_policy: str | None = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        use_tutel: bool = False,
+        enable_expert_tensor_parallelism: bool = False,
+        top2_2nd_expert_sampling: bool = True,
+    ) -> None:
+        super().__init__()
+        if ep_size < 1 or num_experts % ep_size != 0:
+            raise ValueError(
+                f"MoE num_experts={num_experts} must be a multiple of ep_size={ep_size} (each expert-parallel "
+                "rank holds num_experts / ep_size experts)"
+            )
+        if enable_expert_tensor_parallelism:
+            raise NotImplementedError(
+                "MoE(enable_expert_tensor_parallelism=True) needs tensor parallelism, which Slipstream does not "
+                "have; leave it False"
+            )
+        if use_tutel:
+            warn_once("moe-tutel", "slipstream MoE: use_tutel=True has no effect (Tutel is not used)")
+        self.use_residual = use_residual
+        self.enable_expert_tensor_parallelism = False
+        self.ep_size = ep_size
+        self.expert_group_name = groups.group_name(ep_size)
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep_size
+        self.deepspeed_moe = MOELayer(
+            TopKGate(
+                hidden_size,
+                num_experts,
+                k,
+                capacity_factor,
+                eval_capacity_factor,
+                min_capacity,
+                noisy_gate_policy,
+                drop_tokens,
+                use_rts,
+                None,
+                top2_2nd_expert_sampling,
+            ),
+            Experts(expert, self.num_local_experts, self.expert_group_name),
+            self.expert_group_name,
+            ep_size,
+            self.num_local_experts,
+        )
+        if use_residual:
+            self.mlp = expert
+            self.coefficient = nn.Linear(hidden_size, 2)
+        self._z3_block = True  # ZeRO-3: one unit, its experts a unit over their own group (stage3/units.py)
+        self._parallel_ready = False
+        if dist.is_initialized():
+            self.set_deepspeed_parallelism()
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """Make (or find) the expert groups of this ep_size and hand the all-to-all group to the layer."""
+        groups._create_expert_and_data_parallel(self.ep_size, use_data_before_expert_parallel_)
+        self.deepspeed_moe._set_ep_group(groups._get_expert_parallel_group(self.expert_group_name))
+        self._parallel_ready = True
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's position in its expert-parallel group: it holds experts ep_rank * L .. ep_rank * L + L-1."""
+        if not self._parallel_ready:
+            return 0
+        return groups._get_expert_parallel_rank(self.expert_group_name)
+
+    def global_expert_index(self, local: int) -> int:
+        return self.ep_rank * self.num_local_experts + local
+
+    def forward(self, hidden_states: Tensor, used_token: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        if not self._parallel_ready and self.ep_size > 1:
+            self.set_deepspeed_parallelism()
+        output = self.deepspeed_moe(hidden_states, used_token)
+        if self.use_residual:
+            residual = self.mlp(hidden_states)
+            residual = residual[0] if isinstance(residual, tuple) else residual
+            coef = F.softmax(self.coefficient(hidden_states), dim=-1)
+            output = output * coef[..., 0:1] + residual * coef[..., 1:]
+        routes = cast(Routes, self.deepspeed_moe.last_routes)  # set by the forward above
+        return output, routes.l_aux, routes.exp_counts

@@ -1,0 +1,169 @@
+"""The MoE layer in one process: the capacity formula and the tokens it drops, the dispatch and combine against
+a per-token computation, the gate weights and load-balancing loss as DeepSpeed defines them, `used_token`,
+PR-MoE's residual, grouped (vmapped) experts against a loop, and the optimizer param-group helpers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from slipstream.moe.gating import capacity, route
+from slipstream.moe.layer import MoE
+from slipstream.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+HIDDEN, EXPERTS, TOKENS = 8, 4, 24
+
+
+def expert() -> nn.Module:
+    return nn.Sequential(nn.Linear(HIDDEN, 16), nn.GELU(), nn.Linear(16, HIDDEN))
+
+
+def layer(**kwargs: object) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(HIDDEN, expert(), num_experts=EXPERTS, use_rts=False, top2_2nd_expert_sampling=False, **kwargs)
+    with torch.no_grad():  # distinct experts (MoE copies the expert module) and a decisive gate
+        for i, e in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
+            for p in e.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.3)
+        moe.deepspeed_moe.gate.wg.weight.mul_(4)
+    return moe
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("drop", [True, False])
+def test_output_is_the_weighted_sum_of_each_tokens_kept_experts(k: int, drop: bool) -> None:
+    moe = layer(k=k, drop_tokens=drop, capacity_factor=0.5, min_capacity=1)
+    x = tokens()
+    out, l_aux, counts = moe(x)
+    routes = moe.deepspeed_moe.last_routes
+    experts = moe.deepspeed_moe.experts.deepspeed_experts
+    expected = torch.zeros_like(x)
+    for s in range(TOKENS):
+        for r in range(k):
+            e = int(routes.experts[r, s])
+            if e >= 0:
+                expected[s] += routes.weights[r, s] * experts[e](x[s])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert int(counts.sum()) == TOKENS * k
+    assert drop or int((routes.experts < 0).sum()) == 0  # dropless keeps every route
+    gates = torch.softmax(moe.deepspeed_moe.gate.wg(x), dim=1)
+    kept = routes.experts >= 0
+    if k == 1:  # top-1 weights are the raw softmax value of the chosen expert
+        chosen = gates.gather(1, routes.experts.clamp(min=0).t()).t()
+        torch.testing.assert_close(routes.weights[kept], chosen[kept])
+    else:  # renormalised over the kept routes of each token
+        sums = routes.weights.sum(0)
+        torch.testing.assert_close(sums[kept.any(0)], torch.ones(int(kept.any(0).sum())))
+    me = gates.mean(0)
+    first = torch.zeros(TOKENS, EXPERTS).scatter_(1, gates.argmax(1, keepdim=True), 1.0).mean(0)
+    if k == 1:
+        torch.testing.assert_close(l_aux, (me * first).sum() * EXPERTS)
+    elif k == 2:
+        torch.testing.assert_close(l_aux, (me * first).mean() * EXPERTS * EXPERTS)
+    out.sum().backward()  # every piece is differentiable
+    assert moe.deepspeed_moe.gate.wg.weight.grad is not None
+
+
+@pytest.mark.parametrize(
+    "k,factor,minimum,rts",
+    [(1, 1.0, 2, False), (1, 0.5, 2, True), (2, 0.5, 1, False), (3, 0.25, 1, False), (1, 0.1, 5, False)],
+)
+def test_dropped_tokens_per_expert_follow_the_capacity_formula(k: int, factor: float, minimum: int, rts: bool) -> None:
+    logits = torch.randn(TOKENS, EXPERTS, generator=torch.Generator().manual_seed(3)) * 3
+    logits[:, 0] += 2.0  # expert 0 is popular: over capacity
+    routes = route(
+        logits, k=k, capacity_factor=factor, min_capacity=minimum, use_rts=rts, top2_2nd_expert_sampling=False
+    )
+    cap = max(math.ceil(TOKENS / EXPERTS * factor * k), minimum)
+    assert routes.capacity == cap == capacity(TOKENS, EXPERTS, factor, k, minimum)
+    expected = (routes.exp_counts - cap).clamp(min=0)
+    assert expected.sum() > 0
+    assert routes.dropped.tolist() == expected.tolist()
+    live = routes.experts >= 0
+    assert int(routes.slots[live].max()) < cap
+    for e in range(EXPERTS):  # every kept route of an expert has its own slot
+        slots = routes.slots[routes.experts == e]
+        assert slots.unique().numel() == slots.numel()
+    if k == 1 and not rts:  # without random selection the first tokens of an over-full expert are kept
+        first = routes.experts[0] == -1
+        chosen = logits.argmax(1)
+        for e in range(EXPERTS):
+            mine = (chosen == e).nonzero().flatten()
+            assert not first[mine[:cap]].any() and first[mine[cap:]].all()
+    if k == 3:  # over capacity an expert keeps its largest gates
+        gates = torch.softmax(logits, 1)
+        mine = (routes.experts == 0).any(0)
+        chosen0 = (torch.topk(gates, k, dim=1).indices == 0).any(1)
+        kept, dropped = gates[mine & chosen0, 0], gates[~mine & chosen0, 0]
+        assert kept.min() >= dropped.max()
+
+
+def test_used_token_excludes_tokens_and_residual_mixes_the_dense_mlp() -> None:
+    moe = layer(k=1, drop_tokens=False, use_residual=True)
+    x = tokens()
+    used = torch.ones(TOKENS)
+    used[:5] = 0
+    out, _, counts = moe(x, used)
+    assert int(counts.sum()) == TOKENS - 5
+    coef = torch.softmax(moe.coefficient(x), -1)
+    routes = moe.deepspeed_moe.last_routes
+    experts = moe.deepspeed_moe.experts.deepspeed_experts
+    moe_part = torch.stack(
+        [
+            routes.weights[0, s] * experts[int(routes.experts[0, s])](x[s])
+            if routes.experts[0, s] >= 0
+            else torch.zeros(HIDDEN)
+            for s in range(TOKENS)
+        ]
+    )
+    expected = moe_part * coef[:, :1] + moe.mlp(x) * coef[:, 1:]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert (routes.experts[0, :5] == -1).all()
+
+
+def test_grouped_experts_match_the_loop_and_fall_back_for_unbatchable_modules() -> None:
+    moe = layer(k=2, drop_tokens=False)
+    experts = moe.deepspeed_moe.experts
+    x = torch.randn(EXPERTS, 10, HIDDEN)
+    experts.batch_experts = True  # the accelerators' path, on the CPU
+    grouped = experts(x)
+    assert experts._grouped is True
+    loop = torch.stack([e(x[i]) for i, e in enumerate(experts.deepspeed_experts)])
+    torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)
+
+    class DataDependent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(HIDDEN, HIDDEN)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.lin(h) if float(h.sum()) > 0 else -self.lin(h)
+
+    odd = MoE(HIDDEN, DataDependent(), num_experts=2).deepspeed_moe.experts
+    odd.batch_experts = True
+    y = odd(torch.randn(2, 3, HIDDEN))
+    assert odd._grouped is False and y.shape == (2, 3, HIDDEN)
+
+
+def test_param_groups_split_expert_params_by_group() -> None:
+    moe = layer(k=1)
+    dense = [p for p in moe.parameters() if not is_moe_param(p)]
+    experts = [p for p in moe.parameters() if is_moe_param(p)]
+    assert len(experts) == EXPERTS * 4 and dense and all(p.group_name == "ep_size_1" for p in experts)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(moe.parameters()), "name": "all", "lr": 0.5}, max_group_size=2 * 16 * HIDDEN
+    )
+    assert [len(g["params"]) for g in groups][0] == len(dense)
+    moe_groups = groups[1:]
+    assert all(g["moe"] and g["name"] == "ep_size_1" and g["lr"] == 0.5 for g in moe_groups)
+    assert sum(len(g["params"]) for g in moe_groups) == len(experts)
+    assert all(sum(p.numel() for p in g["params"]) <= 2 * 16 * HIDDEN for g in moe_groups) and len(moe_groups) > 1
+    with pytest.raises(ValueError, match="multiple of ep_size"):
+        MoE(HIDDEN, expert(), num_experts=3, ep_size=2)
