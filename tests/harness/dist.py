@@ -79,8 +79,9 @@ def _rank_main(rank: int, world_size: int, payload: bytes, run_dir: str, parent_
     try:
         fn, kwargs = pickle.loads(payload)
         store = dist.FileStore(os.path.join(run_dir, "store"), world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
         Path(run_dir, f"ready-{rank}").touch()  # the parent's timeout_s starts when every rank is here
         outcome = ("ok", fn(rank, world_size, **kwargs), 0.0)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent as data
@@ -90,8 +91,13 @@ def _rank_main(rank: int, world_size: int, payload: bytes, run_dir: str, parent_
     try:
         data = pickle.dumps(outcome)
     except Exception as exc:  # noqa: BLE001
-        data = pickle.dumps(("error", f"rank {rank} returned a value that cannot be pickled ({exc!r}); "
-                                      "return tensors or plain Python data", time.time()))
+        data = pickle.dumps(
+            (
+                "error",
+                f"rank {rank} returned a value that cannot be pickled ({exc!r}); return tensors or plain Python data",
+                time.time(),
+            )
+        )
     Path(run_dir, f"outcome-{rank}.tmp").write_bytes(data)
     os.replace(Path(run_dir, f"outcome-{rank}.tmp"), Path(run_dir, f"outcome-{rank}.pkl"))  # atomic for the reader
 
@@ -100,8 +106,12 @@ def _read_outcome(run_dir: str, rank: int, exitcode: int) -> Outcome:
     path = Path(run_dir, f"outcome-{rank}.pkl")
     if path.exists():
         return pickle.loads(path.read_bytes())
-    return ("error", f"rank {rank} exited with code {exitcode} without reporting a result "
-                     "(killed by a signal, os._exit or a crash in native code)", time.time())
+    return (
+        "error",
+        f"rank {rank} exited with code {exitcode} without reporting a result "
+        "(killed by a signal, os._exit or a crash in native code)",
+        time.time(),
+    )
 
 
 def _stacks(procs: Sequence[Any], ranks: Sequence[int], run_dir: str) -> str:
@@ -114,24 +124,43 @@ def _stacks(procs: Sequence[Any], ranks: Sequence[int], run_dir: str) -> str:
     return "\n".join(f"--- rank {r} Python stack at timeout ---\n{texts[r] or '(not started yet)'}" for r in ranks)
 
 
-def _wait_for_outcomes(procs: Sequence[Any], run_dir: str, timeout_s: float
-                       ) -> tuple[dict[int, Outcome], float | None]:
+_MAX_LOAD_FACTOR = 8.0
+
+
+def _load_factor() -> float:
+    """How many times slower than on an idle machine a rank runs now: the 1-minute load average per core
+    (at least 1, at most _MAX_LOAD_FACTOR). timeout_s is a hang detector, not a speed target: it counts seconds
+    of an idle machine, so a run that shares the cores with other jobs gets proportionally more wall time
+    (measured here: a 2-rank test at load 27 on 2 cores ran 10x slower and failed a fixed 120 s limit), while a
+    real hang still fails within timeout_s x the load factor."""
+    try:
+        per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 1.0
+    return min(max(per_core, 1.0), _MAX_LOAD_FACTOR)
+
+
+def _wait_for_outcomes(procs: Sequence[Any], run_dir: str, timeout_s: float) -> tuple[dict[int, Outcome], float | None]:
     """Outcomes of the ranks that ended before the deadline: _STARTUP_S until every rank is ready, then
-    timeout_s (shortened to _ERROR_GRACE_S once a rank has failed). Also returns the startup time."""
+    timeout_s of idle-machine time (stretched by the load, _load_factor; shortened to _ERROR_GRACE_S once a rank
+    has failed). Also returns the startup time."""
     n, started = len(procs), time.monotonic()
     outcomes: dict[int, Outcome] = {}
     deadline, ready_at = started + _STARTUP_S, None
+    last, failed = started, False
     while len(outcomes) < n and time.monotonic() < deadline:
         now = time.monotonic()
         if ready_at is None and all(r in outcomes or Path(run_dir, f"ready-{r}").exists() for r in range(n)):
             ready_at, deadline = now, min(deadline, now + timeout_s)
-        wait([p.sentinel for r, p in enumerate(procs) if r not in outcomes],
-             max(0.0, min(deadline - now, _POLL_S if ready_at is None else deadline - now)))
+        elif ready_at is not None and not failed:
+            deadline += (now - last) * (1.0 - 1.0 / _load_factor())  # a starved run gets its CPU's worth of time
+        last = now
+        wait([p.sentinel for r, p in enumerate(procs) if r not in outcomes], max(0.0, min(deadline - now, _POLL_S)))
         for r, p in enumerate(procs):
             if r not in outcomes and p.exitcode is not None:
                 outcomes[r] = _read_outcome(run_dir, r, p.exitcode)
                 if outcomes[r][0] != "ok":
-                    deadline = min(deadline, time.monotonic() + _ERROR_GRACE_S)
+                    deadline, failed = min(deadline, time.monotonic() + _ERROR_GRACE_S), True
     return outcomes, None if ready_at is None else ready_at - started
 
 
@@ -142,19 +171,25 @@ def _collect(procs: Sequence[Any], run_dir: str, timeout_s: float) -> list[Any]:
     bad = sorted((r for r in outcomes if outcomes[r][0] != "ok"), key=lambda r: outcomes[r][2])  # by time raised
     if bad and outcomes[bad[0]][0] == "skip":
         import pytest  # only the parent needs it, and it runs under pytest
+
         pytest.skip(f"rank {bad[0]}: {outcomes[bad[0]][1]}")
     if bad:
         details = "\n".join(f"--- rank {r} ({outcomes[r][0]}) ---\n{outcomes[r][1]}" for r in bad)
         raise DistributedTestError(
             f"rank {bad[0]} of {n} failed first (failed: {bad}, finished: {sorted(outcomes)}, killed after the "
-            f"failure: {hung}); later failures are often fallout of the first one\n{details}")
+            f"failure: {hung}); later failures are often fallout of the first one\n{details}"
+        )
     if hung:
-        when = (f"after timeout_s={timeout_s}" if startup_s is not None
-                else f"without starting within {_STARTUP_S:g} s (spawn, import, meeting the other ranks)")
+        when = (
+            f"after timeout_s={timeout_s}"
+            if startup_s is not None
+            else f"without starting within {_STARTUP_S:g} s (spawn, import, meeting the other ranks)"
+        )
         error = DistributedTimeoutError(
             f"rank(s) {hung} of {n} still running {when} (finished: {sorted(outcomes)}); "
             "a rank that skips or reorders a collective hangs its peers; fix the schedule or raise timeout_s\n"
-            + _stacks(procs, hung, run_dir))
+            + _stacks(procs, hung, run_dir)
+        )
         error.startup_s = startup_s
         raise error
     return [outcomes[r][1] for r in range(n)]
@@ -168,8 +203,14 @@ def _kill(procs: Sequence[Any]) -> None:
         p.join()
 
 
-def run_distributed(fn: RankFn, *, world_size: int = 2, timeout_s: float = 120.0,
-                    tmp_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> list[Any]:
+def run_distributed(
+    fn: RankFn,
+    *,
+    world_size: int = 2,
+    timeout_s: float = 120.0,
+    tmp_dir: str | os.PathLike[str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
     """Run `fn(rank, world_size, **kwargs)` on `world_size` spawned gloo ranks; return the per-rank results.
 
     `fn` must be module-level and `kwargs` picklable. The FileStore goes in a fresh directory under
@@ -182,15 +223,22 @@ def run_distributed(fn: RankFn, *, world_size: int = 2, timeout_s: float = 120.0
     try:
         payload = pickle.dumps((fn, kwargs))
     except Exception as exc:
-        raise TypeError(f"run_distributed: {fn!r} or kwargs {sorted(kwargs)} cannot be pickled ({exc}); ranks "
-                        "re-import fn by name, so define it at module level (no lambda or nested function) and "
-                        "pass plain data (tensors, numbers, str paths)") from exc
+        raise TypeError(
+            f"run_distributed: {fn!r} or kwargs {sorted(kwargs)} cannot be pickled ({exc}); ranks "
+            "re-import fn by name, so define it at module level (no lambda or nested function) and "
+            "pass plain data (tensors, numbers, str paths)"
+        ) from exc
     if tmp_dir is not None:
         os.makedirs(tmp_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="slipstream-dist-", dir=tmp_dir) as run_dir:
-        procs = [mp.get_context("spawn").Process(target=_rank_main, name=f"slipstream-rank-{r}",
-                             args=(r, world_size, payload, run_dir, os.getpid(), timeout_s))
-                 for r in range(world_size)]
+        procs = [
+            mp.get_context("spawn").Process(
+                target=_rank_main,
+                name=f"slipstream-rank-{r}",
+                args=(r, world_size, payload, run_dir, os.getpid(), timeout_s),
+            )
+            for r in range(world_size)
+        ]
         try:
             for p in procs:
                 p.start()
@@ -210,8 +258,10 @@ def distributed(*, world_size: int = 2, timeout_s: float = 120.0) -> Callable[[R
         params = list(inspect.signature(fn).parameters.values())
         names = [p.name for p in params]
         if names[:2] != ["rank", "world_size"] or "tmp_path_factory" in names or "<locals>" in fn.__qualname__:
-            raise TypeError(f"@distributed: {fn.__qualname__} must be a module-level function whose first two "
-                            f"parameters are (rank, world_size), not using tmp_path_factory (unpicklable); got {names}")
+            raise TypeError(
+                f"@distributed: {fn.__qualname__} must be a module-level function whose first two "
+                f"parameters are (rank, world_size), not using tmp_path_factory (unpicklable); got {names}"
+            )
         ref = functools.partial(_call_decorated, fn.__module__, fn.__qualname__)
 
         @functools.wraps(fn)

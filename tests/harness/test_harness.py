@@ -25,6 +25,7 @@ from tests.harness import (
     run_subtests,
     subtest_grid,
 )
+from tests.harness import dist as dist_harness
 from tests.harness.models import TinyMLP, TinyTransformer
 from tests.harness.reference import reference_run, train_reference
 
@@ -72,7 +73,8 @@ def _is_alive(pid: int) -> bool:
     return True
 
 
-def test_hung_rank_is_named_and_killed(tmp_path: Path) -> None:
+def test_hung_rank_is_named_and_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dist_harness, "_load_factor", lambda: 1.0)  # the bound below as on an idle machine
     start = time.monotonic()
     with pytest.raises(DistributedTimeoutError, match=r"rank\(s\) \[1\] of 2 still running after") as info:
         run_distributed(_hang_on_rank_1, world_size=2, timeout_s=5.0, pid_dir=str(tmp_path))
@@ -86,6 +88,27 @@ def test_hung_rank_is_named_and_killed(tmp_path: Path) -> None:
     pids = [int(tmp_path.joinpath(f"rank{r}.pid").read_text()) for r in range(2)]
     assert not [pid for pid in pids if _is_alive(pid)], "a rank outlived run_distributed"
     assert mp.active_children() == []
+
+
+def _sleep(rank: int, world_size: int, seconds: float) -> int:
+    time.sleep(seconds)
+    return rank
+
+
+def test_timeout_counts_idle_machine_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine 4x oversubscribed, 3 s of wall time are 0.75 s of an idle one: within timeout_s=2."""
+    monkeypatch.setattr(dist_harness, "_load_factor", lambda: 4.0)
+    assert run_distributed(_sleep, world_size=2, timeout_s=2.0, seconds=3.0) == [0, 1]
+    monkeypatch.setattr(dist_harness, "_load_factor", lambda: 1.0)
+    with pytest.raises(DistributedTimeoutError):
+        run_distributed(_sleep, world_size=2, timeout_s=2.0, seconds=3.0)
+
+
+def test_load_factor_is_the_load_per_core_within_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dist_harness.os, "cpu_count", lambda: 2)
+    for load, factor in ((0.3, 1.0), (6.0, 3.0), (100.0, dist_harness._MAX_LOAD_FACTOR)):
+        monkeypatch.setattr(dist_harness.os, "getloadavg", lambda load=load: (load, 0.0, 0.0))
+        assert dist_harness._load_factor() == factor
 
 
 def _skip_on_rank_1(rank: int, world_size: int) -> None:
