@@ -325,3 +325,17 @@ def run_multinode(plan: LaunchPlan, *, launcher: str, launcher_args: str) -> int
         _stop(processes, grace_s=0.0)
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def main(args: list[str] | None = None) -> int:
+    """`python -m slipstream.launcher.runner [launcher flags] script.py [args]` (DeepSpeed's
+    `python -m deepspeed.launcher.runner`): parse DeepSpeed's launcher flags and launch."""
+    parser = argparse.ArgumentParser(
+        prog="python -m slipstream.launcher.runner", description="launch a training script (slipstream run)"
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
