@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from slipstream.comm.init import init_distributed
+from slipstream.utils.errors import ArgumentError
 from slipstream.utils.logging import log_rank0
 
 __all__ = ["add_config_arguments", "initialize", "init_distributed"]
@@ -32,12 +33,12 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     if args is not None:
         from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if given is not None and from_args is not None:
-        raise ValueError(
+        raise ArgumentError(
             "the config was given twice: as initialize(config=...) and as args.deepspeed_config="
             f"{from_args!r}; pass only one"
         )
     if given is None and from_args is None:
-        raise ValueError(
+        raise ArgumentError(
             "no config given: pass initialize(config=dict_or_path) or --deepspeed_config path.json "
             "(with add_config_arguments(parser))"
         )
@@ -68,9 +69,15 @@ def initialize(
     *,
     strict: bool | None = None,
 ) -> tuple[Any, Any, Any, Any]:
-    """Build the engine. Returns `(engine, optimizer, training_dataloader, lr_scheduler)` as DeepSpeed does."""
+    """Build the engine. Returns `(engine, optimizer, training_dataloader, lr_scheduler)` as DeepSpeed does.
+
+    The optimizer returned is the one DeepSpeed returns: the basic optimizer itself (the client's object, what
+    the client's callable built, or the config's) at ZeRO stage 0 in fp32, where DeepSpeed does not wrap it;
+    otherwise the engine's ZeRO optimizer (`engine.optimizer`). Argument errors are `ArgumentError` /
+    `ArgumentTypeError`: ValueError / TypeError that are also AssertionError, which DeepSpeed raises there.
+    """
     if model is None:
-        raise ValueError("initialize() needs model=<torch.nn.Module>")
+        raise ArgumentError("initialize() needs model=<torch.nn.Module>")
     if mpu is not None or mesh_param is not None:
         raise NotImplementedError("model parallelism (mpu=, mesh_param=) is not available yet in Slipstream")
     from slipstream.comm import collectives
@@ -101,4 +108,4 @@ def initialize(
         training_data=training_data,
         collate_fn=collate_fn,
     )
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    return engine, engine.client_facing_optimizer(), engine.training_dataloader, engine.lr_scheduler

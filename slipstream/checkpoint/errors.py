@@ -19,3 +19,8 @@ class CheckpointCorrupt(CheckpointError):
 
 class UnsafeCheckpoint(CheckpointError):
     """A pickle-based checkpoint references a global outside the restricted loader's allow-list."""
+
+
+class TagMismatchError(CheckpointError, AssertionError):
+    """Ranks passed different tags to save_checkpoint with `checkpoint.tag_validation` FAIL (an AssertionError
+    too: DeepSpeed asserts there)."""

@@ -1,7 +1,8 @@
 """`save_engine`: every rank writes its slices into one safetensors file; rank 0 writes the manifest and commits.
 
 [Note: checkpoint save]
-1. All ranks check they were given the same tag (`checkpoint.tag_validation`: WARN, IGNORE or FAIL).
+1. All ranks check they were given the same tag (`checkpoint.tag_validation`: WARN, IGNORE or FAIL); with WARN
+   and IGNORE, different tags are replaced by rank 0's (`validate_tag`), so there is always one checkpoint.
 2. Rank 0 creates save_dir, removes what earlier failed or killed saves left there (atomic.recover: any
    `.tmp-*` directory, so a full disk does not stay full) and creates an empty `save_dir/.tmp-<tag>/`.
 3. Rank r writes `rank_<r>.safetensors` (its parameter slices -- fp32 masters where they exist --,
@@ -42,7 +43,7 @@ from slipstream.checkpoint.atomic import (
     write_latest,
     write_text_atomic,
 )
-from slipstream.checkpoint.errors import CheckpointError
+from slipstream.checkpoint.errors import CheckpointError, TagMismatchError
 from slipstream.checkpoint.manifest import (
     FORMAT_VERSION,
     MANIFEST_FILE,
@@ -68,21 +69,48 @@ _Item = tuple[str, torch.Tensor, int, int, tuple[int, ...], bool]  # key, data, 
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
-def validate_tag(tag: str, mode: str, *, world_size: int) -> None:
-    if world_size == 1 or mode.upper() == "IGNORE":
-        return
+def validate_tag(tag: str, mode: str, *, world_size: int, rank: int = 0) -> str:
+    """The tag every rank saves under. Ranks compare their tags (one all-gather of a digest); when they differ,
+    FAIL raises `TagMismatchError` on every rank, while WARN (with a warning) and IGNORE (with an info line)
+    save under rank 0's tag, broadcast to the others: one checkpoint, and every rank in the same collectives."""
+    if world_size == 1:
+        return tag
     digest = int.from_bytes(hashlib.sha256(tag.encode()).digest()[:7], "little")
     tags = torch.zeros(world_size, dtype=torch.int64)
     mine = torch.tensor([digest], dtype=torch.int64)
     _barrier_call(lambda: collectives.all_gather(tags, mine), "save_checkpoint (tag check)")
-    if len(set(tags.tolist())) > 1:
-        message = (
-            f"save_checkpoint: the ranks passed different tags (this rank: {tag!r}); pass the same tag on "
-            "every rank (or none: the default global_step<N> is the same everywhere)"
+    if len(set(tags.tolist())) == 1:
+        return tag
+    if mode.upper() == "FAIL":
+        raise TagMismatchError(
+            f"save_checkpoint: the ranks passed different tags (this rank: {tag!r}) and checkpoint.tag_validation "
+            'is "FAIL"; pass the same tag on every rank (or none: the default global_step<N> is the same everywhere)'
         )
-        if mode.upper() == "FAIL":
-            raise CheckpointError(message)
-        warn_once(f"tag-mismatch:{tag}", "slipstream: " + message)
+    chosen = _rank0_tag(tag)
+    if chosen != tag:
+        message = (
+            f"save_checkpoint: the ranks passed different tags; this rank's {tag!r} is replaced by rank 0's "
+            f"{chosen!r}, so that all ranks write one checkpoint. Pass the same tag on every rank"
+        )
+        if mode.upper() == "WARN":
+            warn_once(f"tag-mismatch:{tag}", f"slipstream: {message} (rank {rank})")
+        else:
+            get_logger().info("%s (rank %d; tag_validation IGNORE)", message, rank)
+    return chosen
+
+
+def _rank0_tag(tag: str) -> str:
+    """Rank 0's tag on every rank: its length, then its UTF-8 bytes, broadcast from rank 0."""
+    data = tag.encode()
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    _barrier_call(lambda: collectives.broadcast(length, 0), "save_checkpoint (tag check)")
+    buffer = torch.zeros(int(length.item()), dtype=torch.uint8)
+    if not buffer.numel():
+        return ""  # rank 0's tag is empty: check_tag refuses it on every rank
+    if len(data) == buffer.numel():
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    _barrier_call(lambda: collectives.broadcast(buffer, 0), "save_checkpoint (tag check)")
+    return bytes(buffer.tolist()).decode()
 
 
 def _barrier_call(call: Any, what: str) -> None:
@@ -139,8 +167,7 @@ def save_engine(
     version: str,
 ) -> Path:
     """See [Note: checkpoint save]; every phase ends with every rank learning whether some rank failed it."""
-    check_tag(tag)
-    validate_tag(tag, tag_validation, world_size=parts.world_size)
+    tag = check_tag(validate_tag(tag, tag_validation, world_size=parts.world_size, rank=parts.rank))
     root = Path(save_dir)
     final, tmp = root / tag, tmp_dir_for(root, tag)
     error = _attempt(lambda: _prepare(root, tag)) if parts.rank == 0 else None

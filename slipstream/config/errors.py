@@ -15,8 +15,11 @@ from pydantic import ValidationError
 __all__ = ["ConfigError", "ConfigWarning", "describe", "dotted", "pydantic_problems", "unknown_key_problem"]
 
 
-class ConfigError(ValueError):
-    """A DeepSpeed config that cannot be used; `.problems` lists every problem found, one line each."""
+class ConfigError(ValueError, AssertionError):
+    """A DeepSpeed config that cannot be used; `.problems` lists every problem found, one line each.
+
+    Also an AssertionError: DeepSpeed checks much of its config (the batch triple, bucket alignment) with
+    `assert`, and its callers catch that."""
 
     def __init__(self, problems: Sequence[str], *, header: str | None = None) -> None:
         self.problems: list[str] = list(problems)

@@ -2,7 +2,8 @@
 
 Mirrors `DeepSpeedConfig.__init__`: a dict is used as is (here: deep-copied), a string is a path when that
 file exists and otherwise base64-encoded JSON. An argparse namespace with `deepspeed_config` (or the legacy
-`deepscale_config`) is accepted too. Duplicate keys in JSON are an error, as in DeepSpeed.
+`deepscale_config`) is accepted too. Text is read as DeepSpeed reads it, as HJSON (JSON plus comments, trailing
+commas, quoteless keys; the `hjson` package); duplicate keys are an error, as in DeepSpeed.
 """
 
 from __future__ import annotations
@@ -31,15 +32,32 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _parse_json(text: str, origin: str) -> dict[str, Any]:
+    """Strict JSON first (exact positions, `Infinity`), then HJSON as DeepSpeed reads configs (comments,
+    trailing commas, quoteless keys); duplicate keys are an error in both."""
     try:
         data = json.loads(text, object_pairs_hook=_reject_duplicates)
-    except json.JSONDecodeError as exc:
-        raise ConfigError([f"{origin}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"]) from None
+    except json.JSONDecodeError:
+        data = _parse_hjson(text, origin)
     except ConfigError as exc:
         raise ConfigError([f"{origin}: {p}" for p in exc.problems]) from None
     if not isinstance(data, dict):
         raise ConfigError([f"{origin}: a DeepSpeed config must be a JSON object, got {type(data).__name__}"])
     return data
+
+
+def _parse_hjson(text: str, origin: str) -> Any:
+    import hjson
+
+    try:
+        return hjson.loads(text, object_pairs_hook=_reject_duplicates)
+    except hjson.HjsonDecodeError as exc:
+        raise ConfigError(
+            [
+                f"{origin}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg} (read as HJSON, as DeepSpeed does)"
+            ]
+        ) from None
+    except ConfigError as exc:
+        raise ConfigError([f"{origin}: {p}" for p in exc.problems]) from None
 
 
 def _from_path(path: str) -> dict[str, Any]:

@@ -8,7 +8,9 @@ code; `slipstream.engine.optimizers` imports the class when the engine builds it
 DeepSpeed's own optimizers (FusedAdam, DeepSpeedCPUAdam, FusedLamb, FusedLion) default `weight_decay` to 0.
 torch.optim.AdamW defaults it to 0.01. A config's `adam`/`adamw` without `weight_decay` therefore gets 0 on
 every path here (device or CPU offload), as in DeepSpeed; with `"torch_adam": true` DeepSpeed builds
-torch's class with torch's defaults, and so do we.
+torch's class with torch's defaults, and so do we (resolve keeps `torch_adam` in the plan's params for the
+engine). Without it, `adam`/`adamw` build `slipstream.ops.adam.FusedAdam` (DeepSpeed's class name; torch's
+fused kernels), with `adam_w_mode` from the name.
 
 Adding an optimizer: one `OptimizerSpec` below (plus the class, when it is our own), and a test.
 """
@@ -66,19 +68,19 @@ _ADAM_DEFAULTS = {"weight_decay": 0.0}
 _ENTRIES = (
     OptimizerSpec(
         name="adamw",
-        target="torch.optim:AdamW",
+        target="slipstream.ops.adam:FusedAdam",
         states=_adam_states,
         defaults=_ADAM_DEFAULTS,
         host_target="slipstream.ops.adam:DeepSpeedCPUAdam",
-        class_names=("AdamW", "DeepSpeedCPUAdam"),
+        class_names=("AdamW", "DeepSpeedCPUAdam", "FusedAdam"),
     ),
     OptimizerSpec(
         name="adam",
-        target="torch.optim:Adam",
+        target="slipstream.ops.adam:FusedAdam",
         states=_adam_states,
         defaults=_ADAM_DEFAULTS,
         host_target="slipstream.ops.adam:DeepSpeedCPUAdam",
-        class_names=("Adam", "FusedAdam"),
+        class_names=("Adam",),
     ),
     OptimizerSpec(name="sgd", target="torch.optim:SGD", states=_momentum_states, class_names=("SGD",)),
     OptimizerSpec(name="adagrad", target="torch.optim:Adagrad", states=_fixed(1), class_names=("Adagrad",)),

@@ -327,6 +327,8 @@ def _optimizer_plan(cfg: DeepSpeedConfig, problems: list[str]) -> OptimizerPlan 
         spec = REGISTRY[name]
     # [Note: optimizer defaults] in config/optimizers.py
     defaults = {} if torch_defaults is True else dict(spec.defaults)
+    if torch_defaults is True:  # the engine builds torch.optim's Adam/AdamW instead of FusedAdam
+        params["torch_adam"] = True
     return OptimizerPlan(name=name, params={**defaults, **params})
 
 

@@ -16,6 +16,7 @@ from slipstream.config.plan import EnginePlan, LossScalePlan, MonitorPlan
 from slipstream.engine.dataloader import make_training_dataloader
 from slipstream.engine.monitor import CsvMonitor, TensorboardMonitor
 from slipstream.offload.policy import host_available_bytes
+from slipstream.utils.errors import ArgumentError, ArgumentTypeError
 from slipstream.utils.logging import log_rank0, warn_once
 from slipstream.zero.optimizer import ZeroOptimizer
 
@@ -33,21 +34,32 @@ def warn_if_materialised(model: nn.Module) -> None:
 def make_basic_optimizer(
     module: nn.Module, plan: EnginePlan, client: Any, model_parameters: Any
 ) -> torch.optim.Optimizer | None:
-    """The client optimizer (instance or callable), or the one the config names, or None (inference)."""
+    """The client optimizer (instance or callable), or the one the config names, or None (inference).
+
+    A client optimizer wins over an `optimizer` config section, with a warning naming both (DeepSpeed uses
+    the client's silently)."""
     params = (
         list(model_parameters) if model_parameters is not None else [p for p in module.parameters() if p.requires_grad]
     )
     if client is not None:
-        if plan.optimizer is not None:
-            raise ValueError(
-                "both an optimizer object (initialize(optimizer=...)) and an 'optimizer' config section "
-                "were given; remove one of them"
-            )
-        optimizer = client(params) if callable(client) and not isinstance(client, torch.optim.Optimizer) else client
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
+        is_instance = isinstance(client, torch.optim.Optimizer)
+        if not is_instance and not callable(client):
+            raise ArgumentTypeError(
                 f"initialize(optimizer=...) must be a torch.optim.Optimizer or a callable returning one; "
-                f"got {type(optimizer).__name__}"
+                f"got {type(client).__name__}"
+            )
+        optimizer = client if is_instance else client(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ArgumentTypeError(
+                f"initialize(optimizer=...) must be a torch.optim.Optimizer or a callable returning one; "
+                f"the callable returned {type(optimizer).__name__}"
+            )
+        if plan.optimizer is not None:
+            warn_once(
+                f"client-and-config-optimizer:{type(optimizer).__name__}:{plan.optimizer.name}",
+                f"slipstream: both initialize(optimizer=...) ({type(optimizer).__name__}) and the config's "
+                f"'optimizer' section (type {plan.optimizer.name!r}) were given; using the client's "
+                f"{type(optimizer).__name__}, as DeepSpeed does. Remove one of them to silence this warning",
             )
         return optimizer
     if plan.optimizer is None:
@@ -92,15 +104,27 @@ def log_memory_plan(plan: EnginePlan, module: nn.Module, *, world_size: int, ran
     log_rank0(line, rank=rank)
 
 
-def make_scheduler(plan: EnginePlan, optimizer: torch.optim.Optimizer | None, client: Any) -> Any:
+def make_scheduler(
+    plan: EnginePlan, optimizer: torch.optim.Optimizer | None, client: Any, client_optimizer: Any
+) -> Any:
+    """The client's scheduler (instance, or callable of the optimizer), else the config's, else None. A client
+    scheduler wins over a `scheduler` config section, with a warning naming both (DeepSpeed: silently)."""
     if client is not None:
         if plan.scheduler is not None:
-            raise ValueError(
-                "both a scheduler object (initialize(lr_scheduler=...)) and a 'scheduler' config "
-                "section were given; remove one of them"
+            warn_once(
+                f"client-and-config-scheduler:{type(client).__name__}:{plan.scheduler.name}",
+                f"slipstream: both initialize(lr_scheduler=...) ({type(client).__name__}) and the config's "
+                f"'scheduler' section (type {plan.scheduler.name!r}) were given; using the client's, as "
+                "DeepSpeed does. Remove one of them to silence this warning",
             )
         if callable(client) and not hasattr(client, "step"):
             return client(optimizer)
+        if client_optimizer is not None and not isinstance(client_optimizer, torch.optim.Optimizer):
+            raise ArgumentError(
+                f"initialize(lr_scheduler=<{type(client).__name__} object>) with optimizer=<callable>: a "
+                "scheduler object is bound to an optimizer that already exists, but the optimizer is built by "
+                "the engine; pass lr_scheduler as a callable (optimizer -> scheduler), or pass an optimizer object"
+            )
         return client
     if plan.scheduler is None or optimizer is None:
         return None

@@ -28,6 +28,7 @@ from slipstream.checkpoint.state import (
 )
 from slipstream.comm import collectives
 from slipstream.comm.collectives import CollectiveError
+from slipstream.utils.errors import ArgumentError
 from slipstream.utils.logging import log_rank0, warn_once
 
 
@@ -82,6 +83,11 @@ class Checkpointing:
         from slipstream import __version__
         from slipstream.checkpoint.save import save_engine
 
+        if save_dir is None or (isinstance(save_dir, str) and not save_dir):
+            raise ArgumentError(
+                f"save_checkpoint(save_dir={save_dir!r}): save_dir must name a directory (it is created if "
+                "missing); pass e.g. save_dir='checkpoints'"
+            )
         self._check_at_boundary("save_checkpoint", "a checkpoint holds no partial gradients")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         values, tensors = split_client_state(client_state or {})

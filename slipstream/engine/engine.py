@@ -84,7 +84,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
             self.optimizer.param_names = self._param_names
             builders.check_host_memory(self.optimizer, rank=self.global_rank)
         builders.log_memory_plan(plan, self.module, world_size=self.world_size, rank=self.global_rank)
-        self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler)
+        self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler, optimizer)
         self.loss_scaler = builders.make_loss_scaler(plan.precision.loss_scale)
         self.training_dataloader = builders.make_dataloader(
             plan, training_data, collate_fn, self.global_rank, self.world_size
@@ -115,6 +115,16 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
         )
         if self.global_rank == 0:
             get_logger().debug("resolved config (defaults included): %s", json.dumps(plan.resolved, default=str))
+
+    def client_facing_optimizer(self) -> Any:
+        """The optimizer `initialize()` returns: DeepSpeed wraps the basic optimizer only with ZeRO (stage >= 1)
+        or mixed precision, and returns the client's (or the config's) own object otherwise. The engine
+        always steps through its ZeRO optimizer (`engine.optimizer`); the basic one holds the hyperparameters."""
+        precision = self.plan.precision
+        unwrapped = (
+            self.plan.zero.stage == 0 and precision.param_dtype == "fp32" and precision.grad_accum_dtype == "fp32"
+        )
+        return self.basic_optimizer if unwrapped else self.optimizer
 
     # ---- forward / backward ----
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

@@ -214,10 +214,17 @@ def build_optimizer(plan: OptimizerPlan, params: Iterable[Any], *, on_host: bool
             )
         _check_params("optimizer", found, kwargs)
         return found(param_list, **kwargs)
+    torch_adam = kwargs.pop("torch_adam", False) is True and spec.name in ("adam", "adamw")
     cls = _registry_class(spec, on_host)
     if getattr(cls, "writes_low_precision_copy", False):  # the CPU Adam op: Adam or AdamW by a flag
         _check_params("optimizer", cls, kwargs, drop=("adamw_mode",))
         return cls(param_list, adamw_mode=(plan.name == "adamw"), **kwargs)
+    if torch_adam:  # DeepSpeed's "torch_adam": true builds torch's own class
+        cls = torch.optim.AdamW if spec.name == "adamw" else torch.optim.Adam
+    elif spec.name in ("adam", "adamw"):  # FusedAdam: Adam or AdamW by adam_w_mode
+        kwargs.setdefault("adam_w_mode", spec.name == "adamw")  # resolve() folds the config's into the name
+        _check_params("optimizer", cls, kwargs)
+        return cls(param_list, **kwargs)
     accepted = _accepted(cls)
     if "bias_correction" in kwargs and accepted is not None and "bias_correction" not in accepted:
         if kwargs.pop("bias_correction") is not True:  # DeepSpeed's Adam key; torch's Adam always corrects

@@ -11,8 +11,13 @@
   starts an asynchronous reduce-scatter into its receive buffer; the freshly produced `param.grad`
   tensors are dropped as they are packed. Reusing a slot waits for the reduce-scatter that used it last
   and adds its result into this rank's shard of the gradients.
-- A second backward through the same parameters in one micro-batch would deliver gradients for buckets
-  already launched; that is refused with an error (call `engine.step()` between them, or use stage 1).
+- A gradient for a bucket already launched (or a second one for a parameter still pending) means a new
+  backward began before `micro_step_done()` closed the last one: Accelerate and Transformers accumulate
+  this way (`set_gradient_accumulation_boundary(False)`, several `backward()` calls, `step()` only at the
+  boundary), and a second backward of one micro-batch looks the same. The previous pass is completed first
+  (its remaining buckets launched, in order, with zeros for gradients it did not produce), then counting
+  starts again. Reduced shards add up, so the sum over passes is the sum of the gradients; every rank that
+  runs the same number of backward passes issues the same collectives.
 """
 
 from __future__ import annotations
@@ -50,12 +55,8 @@ class Stage2Optimizer(ZeroOptimizer):
     def _accumulate(self, flat: FlatGroup, index: int, grad: torch.Tensor) -> None:
         bucket_id = flat.layout.slots[index].bucket
         position = self._position[(id(flat), bucket_id)]
-        if position < self._next:
-            raise RuntimeError(
-                f"ZeRO stage 2 got a second gradient for parameter {index} of a bucket it already reduced in this "
-                "micro-batch (backward ran twice over the same parameters). Call engine.step() after each "
-                "backward, combine the losses before one backward, or use stage 1."
-            )
+        if position < self._next or index in self._pending[(id(flat), bucket_id)]:
+            self._start_new_pass()  # see [Note: stage-2 bucket schedule]
         self._pending[(id(flat), bucket_id)][index] = grad
         while self._next < len(self._order):
             next_flat, next_bucket = self._order[self._next]
@@ -63,6 +64,12 @@ class Stage2Optimizer(ZeroOptimizer):
             if len(self._pending[(id(next_flat), next_bucket)]) < len(bucket.param_indices):
                 break
             self._launch(next_flat, next_bucket)
+
+    def _start_new_pass(self) -> None:
+        """Launch what the previous backward pass left pending, in layout order, and count from the start."""
+        while self._next < len(self._order):
+            self._launch(*self._order[self._next])
+        self._next = 0
 
     def _launch(self, flat: FlatGroup, bucket_id: int) -> None:
         bucket: Bucket = flat.layout.buckets[bucket_id]

@@ -122,9 +122,9 @@ _OFFLOAD = {"stage": 1, "offload_optimizer": {"device": "cpu"}}
 
 @pytest.mark.parametrize(("type_", "params", "zero", "cls", "expected"), [
     # DeepSpeed 0.19: "Adam" is AdamW (decoupled decay) unless adam_w_mode is false, on both paths
-    ("Adam", {}, {"stage": 0}, "AdamW", _ADAM),
+    ("Adam", {}, {"stage": 0}, "FusedAdam", {**_ADAM, "decoupled_weight_decay": True}),
     ("Adam", {}, _OFFLOAD, "DeepSpeedCPUAdam", {**_ADAM, "bias_correction": True, "adamw_mode": True}),
-    ("Adam", {"adam_w_mode": False}, {"stage": 0}, "Adam", _ADAM),
+    ("Adam", {"adam_w_mode": False}, {"stage": 0}, "FusedAdam", {**_ADAM, "decoupled_weight_decay": False}),
     ("Adam", {"adam_w_mode": False}, _OFFLOAD, "DeepSpeedCPUAdam", {**_ADAM, "adamw_mode": False}),
     ("AdamW", {}, _OFFLOAD, "DeepSpeedCPUAdam", {**_ADAM, "adamw_mode": True}),
     ("Adam", {"torch_adam": True}, {"stage": 0}, "AdamW", {**_ADAM, "weight_decay": 0.01}),  # torch's own

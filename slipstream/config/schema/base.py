@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field
 
-__all__ = ["DSModel", "DSInt", "DSFloat", "OpenSection", "aliased", "accepted_keys", "model_of"]
+__all__ = ["DSBool", "DSModel", "DSInt", "DSFloat", "OpenSection", "aliased", "accepted_keys", "model_of", "zero_one"]
 
 
 def _integral_float_to_int(value: Any) -> Any:
@@ -28,6 +28,19 @@ DSInt = Annotated[int, BeforeValidator(_integral_float_to_int)]
 
 DSFloat = float
 """A number (an int is accepted); strings and booleans are not."""
+
+
+def zero_one(value: Any) -> Any:
+    """DeepSpeed reads its booleans leniently (pydantic's lax mode, or a plain truth test), and configs write
+    `1` / `0` for true / false (`"zero_allow_untested_optimizer": 1`): the integers 0 and 1 become booleans.
+    Other values are left to the strict check (the string "true" and 2 stay errors)."""
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    return value
+
+
+DSBool = Annotated[bool, BeforeValidator(zero_one)]
+"""A boolean; the integers 0 and 1 are accepted as false and true (DeepSpeed accepts them)."""
 
 
 class DSModel(BaseModel):

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from slipstream.config.schema.base import DSFloat, DSInt, DSModel, OpenSection
+from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, OpenSection
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -29,17 +29,17 @@ __all__ = [
 class ActivationCheckpointingConfig(DSModel):
     """`activation_checkpointing` (`deepspeed.checkpointing.configure`)."""
 
-    partition_activations: bool = False
+    partition_activations: DSBool = False
     """Partition checkpointed activations across model-parallel ranks."""
     number_checkpoints: DSInt | None = None
     """Number of checkpoints, for contiguous memory."""
-    contiguous_memory_optimization: bool = False
+    contiguous_memory_optimization: DSBool = False
     """Copy checkpoints into one buffer."""
-    synchronize_checkpoint_boundary: bool = False
+    synchronize_checkpoint_boundary: DSBool = False
     """Synchronise the device at checkpoint boundaries."""
-    profile: bool = False
+    profile: DSBool = False
     """Time the checkpointed forward and recompute."""
-    cpu_checkpointing: bool = False
+    cpu_checkpointing: DSBool = False
     """Offload checkpoints to host memory."""
 
 
@@ -50,22 +50,22 @@ class CheckpointWriterConfig(DSModel):
     """MOCK, PYTHON or FAST."""
     io_buffer_size: DSInt = Field(64 * 1024 * 1024, gt=0)
     """Bytes of the I/O buffer."""
-    io_buffer_double: bool = True
+    io_buffer_double: DSBool = True
     """Double-buffer writes."""
     io_multiplier: DSInt = Field(1, ge=1)
     """I/O size multiplier."""
-    show_statistics: bool = False
+    show_statistics: DSBool = False
     """Print writer statistics."""
     data_parallel: str = "REPLICA"
     """REPLICA, SOCKET or MACHINE."""
-    decoupled: bool = False
+    decoupled: DSBool = False
     """Write in a separate process."""
 
 
 class ParallelWriteConfig(DSModel):
     """`checkpoint.parallel_write`."""
 
-    pipeline_stage: bool = False
+    pipeline_stage: DSBool = False
     """Each pipeline stage writes its own part."""
 
 
@@ -78,13 +78,13 @@ class CheckpointConfig(DSModel):
 
     tag_validation: Literal["WARN", "IGNORE", "FAIL"] = "WARN"
     """What to do when ranks disagree on the checkpoint tag."""
-    load_universal: bool = False
+    load_universal: DSBool = False
     """Load a universal checkpoint."""
-    use_node_local_storage: bool = False
+    use_node_local_storage: DSBool = False
     """Save to node-local storage (every node writes)."""
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
     """Parallel write options."""
-    checkpoint_serialization: bool = True
+    checkpoint_serialization: DSBool = True
     """Use torch serialization for checkpoints."""
     writer: CheckpointWriterConfig | None = None
     """Fast checkpoint writer options."""
@@ -112,11 +112,11 @@ class AioConfig(DSModel):
     """Requests in flight."""
     intra_op_parallelism: DSInt = Field(1, gt=0)
     """Threads per I/O operation."""
-    single_submit: bool = False
+    single_submit: DSBool = False
     """Submit requests one at a time."""
-    overlap_events: bool = True
+    overlap_events: DSBool = True
     """Overlap submission and completion."""
-    use_gds: bool = False
+    use_gds: DSBool = False
     """Use GPUDirect Storage."""
 
 
@@ -128,13 +128,13 @@ class PipelineConfig(OpenSection):
     """Number of pipeline stages, or "auto"."""
     partition: str = "best"
     """Layer partitioning method."""
-    seed_layers: bool = False
+    seed_layers: DSBool = False
     """Seed each layer differently."""
     activation_checkpoint_interval: DSInt = 0
     """Layers between activation checkpoints."""
-    pipe_partitioned: bool = True
+    pipe_partitioned: DSBool = True
     """Partition activations between stages."""
-    grad_partitioned: bool = True
+    grad_partitioned: DSBool = True
     """Partition gradients between stages."""
 
 
@@ -154,7 +154,7 @@ class ElasticityConfig(DSModel):
         "version": "batch.train_batch_size",
     }
 
-    enabled: bool = False
+    enabled: DSBool = False
     """Compute the batch size from the elastic settings."""
     max_train_batch_size: DSInt = Field(2000, ge=1)
     """Largest acceptable global batch."""
@@ -170,9 +170,9 @@ class ElasticityConfig(DSModel):
     """Model-parallel size."""
     min_time: DSInt = 0
     """Minimum running time before scaling."""
-    prefer_larger_batch: bool = True
+    prefer_larger_batch: DSBool = True
     """Prefer the larger of equally good batch sizes."""
-    ignore_non_elastic_batch_info: bool = False
+    ignore_non_elastic_batch_info: DSBool = False
     """Ignore the batch keys outside this section."""
     version: DSFloat = 0.2
     """Elasticity algorithm version."""
@@ -181,15 +181,15 @@ class ElasticityConfig(DSModel):
 class AutotuningConfig(OpenSection):
     """`autotuning`: DeepSpeed's autotuner (further keys are kept as given)."""
 
-    enabled: bool = False
+    enabled: DSBool = False
     """Run the autotuner."""
-    fast: bool = True
+    fast: DSBool = True
     """Tune only the micro batch size and ZeRO stage."""
     results_dir: str = "autotuning_results"
     """Where results are written."""
     exps_dir: str = "autotuning_exps"
     """Where experiments are written."""
-    overwrite: bool = True
+    overwrite: DSBool = True
     """Overwrite earlier results."""
     start_profile_step: DSInt = 3
     """First profiled step."""
@@ -206,13 +206,13 @@ class AutotuningConfig(OpenSection):
 class CompileConfig(OpenSection):
     """`compile`: torch.compile and DeepCompile (further keys are kept as given)."""
 
-    deepcompile: bool = False
+    deepcompile: DSBool = False
     """Use DeepCompile."""
-    free_activation: bool = False
+    free_activation: DSBool = False
     """Free activations early (DeepCompile)."""
-    offload_activation: bool = False
+    offload_activation: DSBool = False
     """Offload activations (DeepCompile)."""
-    offload_opt_states: bool = False
+    offload_opt_states: DSBool = False
     """Offload optimizer states (DeepCompile)."""
 
 
@@ -221,7 +221,7 @@ class TensorParallelConfig(OpenSection):
 
     autotp_size: DSInt = Field(0, ge=0)
     """Tensor-parallel degree; 0 disables AutoTP."""
-    tp_overlap_comm: bool = False
+    tp_overlap_comm: DSBool = False
     """Overlap tensor-parallel communication."""
     tp: dict[str, Any] | None = None
     """{"tp_size": 1, ...}."""
@@ -233,5 +233,5 @@ class EnabledSection(OpenSection):
     """A feature section with an `enabled` switch whose other keys are kept as given (hybrid_engine,
     progressive_layer_drop, eigenvalue, nebula, sparse_attention, curriculum_learning, ...)."""
 
-    enabled: bool = False
+    enabled: DSBool = False
     """Turn the feature on."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from slipstream.config.schema.base import DSFloat, DSInt, DSModel
+from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel
 
 __all__ = [
     "CSVConfig",
@@ -27,7 +27,7 @@ class TensorBoardConfig(DSModel):
         "output_path": "logging.monitor.tensorboard_output_path",
         "job_name": "logging.monitor.tensorboard_job_name",
     }
-    enabled: bool = False
+    enabled: DSBool = False
     """Write TensorBoard events."""
     output_path: str = ""
     """Directory for the event files."""
@@ -43,7 +43,7 @@ class CSVConfig(DSModel):
         "output_path": "logging.monitor.csv_output_path",
         "job_name": "logging.monitor.csv_job_name",
     }
-    enabled: bool = False
+    enabled: DSBool = False
     """Write CSV files."""
     output_path: str = ""
     """Directory for the CSV files."""
@@ -54,7 +54,7 @@ class CSVConfig(DSModel):
 class WandbConfig(DSModel):
     """`wandb`: log to Weights & Biases."""
 
-    enabled: bool = False
+    enabled: DSBool = False
     """Log to W&B."""
     group: str | None = None
     """W&B group."""
@@ -67,7 +67,7 @@ class WandbConfig(DSModel):
 class CometConfig(DSModel):
     """`comet`: log to Comet."""
 
-    enabled: bool = False
+    enabled: DSBool = False
     """Log to Comet."""
     samples_log_interval: DSInt = Field(100, ge=1)
     """Log every N samples."""
@@ -81,7 +81,7 @@ class CometConfig(DSModel):
     """Experiment name."""
     experiment_key: str | None = None
     """Experiment key."""
-    online: bool | None = None
+    online: DSBool | None = None
     """Log online."""
     mode: str | None = None
     """Comet mode ("get", "create", "get_or_create")."""
@@ -90,22 +90,22 @@ class CometConfig(DSModel):
 class CommsLoggerConfig(DSModel):
     """`comms_logger`: log every collective."""
 
-    enabled: bool = False
+    enabled: DSBool = False
     """Log collectives."""
-    verbose: bool = False
+    verbose: DSBool = False
     """Log each call as it happens."""
-    prof_all: bool = True
+    prof_all: DSBool = True
     """Profile all collectives."""
     prof_ops: list[str] = Field(default_factory=list)
     """Collectives to profile when prof_all is false."""
-    debug: bool = False
+    debug: DSBool = False
     """Include the caller in the log."""
 
 
 class FlopsProfilerConfig(DSModel):
     """`flops_profiler`: profile one step's FLOPs and latency."""
 
-    enabled: bool = False
+    enabled: DSBool = False
     """Run the profiler."""
     recompute_fwd_factor: DSFloat = 0.0
     """Extra forward cost from activation recomputation."""
@@ -115,7 +115,7 @@ class FlopsProfilerConfig(DSModel):
     """Module depth to report; -1 is all."""
     top_modules: DSInt = 1
     """Top modules to list."""
-    detailed: bool = True
+    detailed: DSBool = True
     """Print the per-module profile."""
     output_file: str | None = None
     """File to write; None prints to stdout."""
@@ -124,9 +124,9 @@ class FlopsProfilerConfig(DSModel):
 class ThroughputTimerConfig(DSModel):
     """`timers.throughput`."""
 
-    enabled: bool = True
+    enabled: DSBool = True
     """Measure throughput."""
-    synchronized: bool = True
+    synchronized: DSBool = True
     """Synchronise the device before reading the clock."""
 
 

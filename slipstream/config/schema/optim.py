@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import Field
 
-from slipstream.config.schema.base import DSModel
+from slipstream.config.schema.base import DSBool, DSModel
 
 __all__ = ["OptimizerConfig", "SchedulerConfig"]
 
@@ -27,7 +27,7 @@ class OptimizerConfig(DSModel):
     """DeepSpeed name (adam, adamw, lamb, lion, adagrad, ...) or a torch.optim class name (case-sensitive)."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the optimizer (lr, betas, eps, weight_decay, ...)."""
-    legacy_fusion: bool = False
+    legacy_fusion: DSBool = False
     """Legacy fused fp16 optimizer path."""
 
 

@@ -10,7 +10,7 @@ import math
 
 from pydantic import Field, field_validator, model_validator
 
-from slipstream.config.schema.base import DSFloat, DSInt, DSModel, OpenSection
+from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, OpenSection
 
 __all__ = [
     "AmpConfig",
@@ -60,9 +60,9 @@ class FP16Config(DSModel):
         "consecutive_hysteresis": "precision.loss_scale.consecutive_hysteresis",
         "min_loss_scale": "precision.loss_scale.min_scale",
     }
-    enabled: bool = False
+    enabled: DSBool = False
     """Train with float16 parameters."""
-    auto_cast: bool = False
+    auto_cast: DSBool = False
     """Cast floating-point inputs of the model to fp16."""
     loss_scale: DSFloat = 0.0
     """Static loss scale; 0 means dynamic loss scaling."""
@@ -72,11 +72,11 @@ class FP16Config(DSModel):
     """Steps without overflow before the dynamic scale is doubled."""
     hysteresis: DSInt = Field(2, ge=1)
     """Overflows tolerated before the dynamic scale is halved."""
-    consecutive_hysteresis: bool = False
+    consecutive_hysteresis: DSBool = False
     """Refill hysteresis on every step without overflow."""
     min_loss_scale: DSFloat = 1.0
     """Lower bound of the dynamic loss scale."""
-    fp16_master_weights_and_grads: bool = False
+    fp16_master_weights_and_grads: DSBool = False
     """Keep master weights and gradients in fp16 (ZeRO with CPU offload only)."""
 
     @field_validator("loss_scale")
@@ -105,15 +105,15 @@ class BF16Config(DSModel):
         "enabled": "precision.param_dtype",
         "check_grad_overflow": "precision.check_grad_overflow",
     }
-    enabled: bool = False
+    enabled: DSBool = False
     """Train with bfloat16 parameters."""
-    immediate_grad_update: bool = False
+    immediate_grad_update: DSBool = False
     """Apply gradients to fp32 accumulators as they are produced."""
-    check_grad_overflow: bool = True
+    check_grad_overflow: DSBool = True
     """Skip the step when a gradient is not finite."""
-    bf16_master_weights_and_grads: bool = False
+    bf16_master_weights_and_grads: DSBool = False
     """Keep master weights and gradients in bf16 (ZeRO 1-3)."""
-    bf16_optimizer_states: bool = False
+    bf16_optimizer_states: DSBool = False
     """Keep optimizer states in bf16; requires bf16_master_weights_and_grads."""
 
     @model_validator(mode="after")
@@ -126,7 +126,7 @@ class BF16Config(DSModel):
 class AmpConfig(OpenSection):
     """`amp`: NVIDIA Apex AMP; any Apex keyword (opt_level, ...) is passed through. Incompatible with ZeRO."""
 
-    enabled: bool = False
+    enabled: DSBool = False
     """Use Apex AMP."""
     opt_level: str | None = None
     """Apex optimisation level, e.g. "O1"."""
@@ -135,7 +135,7 @@ class AmpConfig(OpenSection):
 class TorchAutocastConfig(DSModel):
     """`torch_autocast`: run forward under torch.autocast."""
 
-    enabled: bool = False
+    enabled: DSBool = False
     """Use torch.autocast in forward."""
     dtype: str | None = None
     """Autocast dtype, e.g. "bfloat16"."""

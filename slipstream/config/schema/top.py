@@ -7,11 +7,12 @@ Defaults are DeepSpeed 0.19's (`runtime/config.py`); `gradient_clipping` default
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator
 
-from slipstream.config.schema.base import DSFloat, DSInt, DSModel, aliased
+from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, aliased
 from slipstream.config.schema.misc import (
     ActivationCheckpointingConfig,
     AioConfig,
@@ -48,6 +49,11 @@ __all__ = ["DeepSpeedConfig"]
 FreeForm = dict[str, Any] | None
 
 
+def _infinity_is_never(value: Any) -> Any:
+    """`steps_per_print: float("inf")` (Accelerate writes it) means never: stored as None."""
+    return None if isinstance(value, float) and math.isinf(value) and value > 0 else value
+
+
 class DeepSpeedConfig(DSModel):
     """A whole DeepSpeed JSON config."""
 
@@ -71,10 +77,10 @@ class DeepSpeedConfig(DSModel):
     """Samples per rank per forward/backward."""
     gradient_accumulation_steps: DSInt | None = Field(None, gt=0)
     """Micro batches accumulated before each optimizer step."""
-    managed_gradient_accumulation: bool = True
+    managed_gradient_accumulation: DSBool = True
     """The engine scales the loss by 1/gradient_accumulation_steps and skips steps between boundaries."""
-    steps_per_print: DSInt | None = Field(None, gt=0)
-    """Log progress every N optimizer steps; None disables."""
+    steps_per_print: Annotated[DSInt | None, BeforeValidator(_infinity_is_never)] = Field(None, gt=0)
+    """Log progress every N optimizer steps; None (or infinity, which Accelerate writes) disables."""
     collective_timeout: float | None = Field(None, gt=0)
     """Slipstream only: seconds a collective may wait for every rank before CollectiveTimeout names the ranks
     that did not arrive; None uses SLIPSTREAM_TIMEOUT / DEEPSPEED_TIMEOUT / 5 minutes."""
@@ -82,15 +88,15 @@ class DeepSpeedConfig(DSModel):
     """Slipstream only: with fp16 or bf16 overflow checks, raise (naming the first parameter with non-finite
     gradients) after this many consecutive optimizer steps were skipped for non-finite gradients, instead of
     training on without learning; 0 never raises."""
-    wall_clock_breakdown: bool = False
+    wall_clock_breakdown: DSBool = False
     """Time forward, backward and step."""
-    memory_breakdown: bool = False
+    memory_breakdown: DSBool = False
     """Log memory use."""
-    dump_state: bool = False
+    dump_state: DSBool = False
     """Print the engine state after initialisation."""
     gradient_clipping: DSFloat = Field(1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables."""
-    prescale_gradients: bool = False
+    prescale_gradients: DSBool = False
     """Divide gradients by the world size before the all-reduce instead of after."""
     gradient_predivide_factor: DSFloat = Field(1.0, gt=0.0)
     """Divide gradients by this before the all-reduce and by world_size / factor after."""
@@ -100,29 +106,29 @@ class DeepSpeedConfig(DSModel):
     """Dtype of gradient communication ("fp32", "fp16", "bf16"); None: the gradient dtype."""
     seq_parallel_communication_data_type: str = "fp32"
     """Dtype of sequence-parallel communication."""
-    sparse_gradients: bool = False
+    sparse_gradients: DSBool = False
     """Communicate embedding gradients sparsely."""
-    disable_allgather: bool = False
+    disable_allgather: DSBool = False
     """Disable all-gather of parameters after the step (legacy)."""
-    zero_allow_untested_optimizer: bool = False
+    zero_allow_untested_optimizer: DSBool = False
     """Allow ZeRO with an optimizer not on the tested list."""
-    zero_force_ds_cpu_optimizer: bool = True
+    zero_force_ds_cpu_optimizer: DSBool = True
     """With CPU offload, require DeepSpeed's CPU optimizer for a client optimizer."""
-    dataloader_drop_last: bool = False
+    dataloader_drop_last: DSBool = False
     """Drop the last incomplete batch of the training data loader."""
     log_level: str | None = None
     """Log level of the engine's logger."""
     vocabulary_size: DSInt | None = None
     """Vocabulary size (a warning when not a multiple of 8)."""
-    use_data_before_expert_parallelism: bool = False
+    use_data_before_expert_parallelism: DSBool = False
     """Use the data before expert parallelism splits it."""
-    graph_harvesting: bool = False
+    graph_harvesting: DSBool = False
     """Capture CUDA graphs (accelerators that support it)."""
     sequence_parallel_size: DSInt | None = Field(None, gt=0)
     """Sequence-parallel degree of the device mesh."""
     data_parallel_size: DSInt | None = Field(None, gt=0)
     """Data-parallel degree of the device mesh."""
-    strict: bool = True
+    strict: DSBool = True
     """Slipstream only: false turns unknown keys into one warning each instead of an error."""
     optimizer: OptimizerConfig | None = None
     """Optimizer built by the engine when the caller passes none."""

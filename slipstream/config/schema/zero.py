@@ -11,10 +11,10 @@ import sys
 import warnings
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from slipstream.config.errors import ConfigWarning
-from slipstream.config.schema.base import DSFloat, DSInt, DSModel, aliased
+from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, aliased, zero_one
 
 __all__ = ["OffloadOptimizerConfig", "OffloadParamConfig", "ZenFlowConfig", "ZeroConfig"]
 
@@ -35,17 +35,17 @@ class OffloadOptimizerConfig(DSModel):
     """Directory for NVMe offload."""
     buffer_count: DSInt = Field(4, ge=0)
     """Number of buffers in the offload buffer pool."""
-    pin_memory: bool = True
+    pin_memory: DSBool = True
     """Use page-locked host memory for offloaded state."""
-    pipeline_read: bool = False
+    pipeline_read: DSBool = False
     """Overlap NVMe reads with compute."""
-    pipeline_write: bool = False
+    pipeline_write: DSBool = False
     """Overlap NVMe writes with compute."""
-    fast_init: bool = False
+    fast_init: DSBool = False
     """Faster optimizer initialisation when offloading to NVMe."""
     ratio: DSFloat = Field(1.0, ge=0.0, le=1.0)
     """Fraction of the optimizer step run on CPU (values below 1 only with stage 3)."""
-    super_offload: bool = False
+    super_offload: DSBool = False
     """DeepSpeed SuperOffload (stage 3)."""
     cpuadam_cores_perc: DSFloat = Field(0.8, gt=0.0, le=1.0)
     """Share of host cores used by the CPU Adam."""
@@ -69,7 +69,7 @@ class OffloadParamConfig(DSModel):
     """Size of each parameter buffer, in elements."""
     max_in_cpu: DSInt = Field(1_000_000_000, ge=0)
     """Elements kept in host memory when offloading to NVMe."""
-    pin_memory: bool = True
+    pin_memory: DSBool = True
     """Use page-locked host memory."""
 
 
@@ -85,9 +85,9 @@ class ZenFlowConfig(DSModel):
     """Steps between re-selection, or "auto"."""
     update_interval: Literal["auto"] | DSInt = "auto"
     """Steps between CPU updates, or "auto"."""
-    overlap_step: bool = False
+    overlap_step: DSBool = False
     """Overlap the CPU step with GPU compute."""
-    offload: bool = False
+    offload: DSBool = False
     """Offload ZenFlow state."""
     auto_ratio: DSFloat = Field(0.99, ge=0.0, le=1.0)
     """Threshold used by the "auto" strategy."""
@@ -119,23 +119,23 @@ class ZeroConfig(DSModel):
     }
     stage: DSInt = Field(0, ge=0, le=3)
     """0 disabled, 1 optimizer state, 2 + gradients, 3 + parameters are partitioned."""
-    contiguous_gradients: bool = True
+    contiguous_gradients: DSBool = True
     """Copy gradients into one contiguous buffer as they are produced."""
-    reduce_scatter: bool = True
+    reduce_scatter: DSBool = True
     """Average gradients with reduce-scatter instead of all-reduce (stages 1-2)."""
     reduce_bucket_size: DSInt = Field(500_000_000, ge=0)
     """Elements reduced at a time."""
-    use_multi_rank_bucket_allreduce: bool = True
+    use_multi_rank_bucket_allreduce: DSBool = True
     """Combine reduction buckets of several ranks into one all-reduce."""
-    allgather_partitions: bool = True
+    allgather_partitions: DSBool = True
     """All-gather updated partitions (true) or broadcast them (false) after the step."""
     allgather_bucket_size: DSInt = Field(500_000_000, ge=0)
     """Elements all-gathered at a time."""
-    overlap_comm: bool | None = None
+    overlap_comm: DSBool | None = None
     """Overlap gradient reduction with backward; None means true for stage 3, false otherwise."""
-    load_from_fp32_weights: bool = True
+    load_from_fp32_weights: DSBool = True
     """Initialise fp32 master weights from the checkpoint's fp32 copy."""
-    elastic_checkpoint: bool = False
+    elastic_checkpoint: DSBool = False
     """Load optimizer state saved with a different data-parallel size (legacy)."""
     offload_param: OffloadParamConfig | None = None
     """Parameter offload (stage 3)."""
@@ -145,11 +145,11 @@ class ZeroConfig(DSModel):
     """ZenFlow stall-free offload."""
     sub_group_size: DSInt = Field(1_000_000_000, ge=0)
     """Elements per optimizer sub-group (stage 3)."""
-    cpu_offload: bool | None = None
+    cpu_offload: DSBool | None = None
     """Deprecated: true means offload_optimizer.device = "cpu"."""
-    cpu_offload_param: bool | None = None
+    cpu_offload_param: DSBool | None = None
     """Deprecated: true means offload_param.device = "cpu"."""
-    cpu_offload_use_pin_memory: bool | None = None
+    cpu_offload_use_pin_memory: DSBool | None = None
     """Deprecated: pin_memory of the offload sections."""
     prefetch_bucket_size: DSInt = aliased(50_000_000, "stage3_prefetch_bucket_size", "prefetch_bucket_size", ge=0)
     """Elements of parameters prefetched ahead of use (stage 3)."""
@@ -165,7 +165,7 @@ class ZeroConfig(DSModel):
     """Most gathered parameter elements alive at once (stage 3)."""
     max_reuse_distance: DSInt = aliased(1_000_000_000, "stage3_max_reuse_distance", "max_reuse_distance", ge=0)
     """Keep a gathered parameter if it is reused within this many elements (stage 3)."""
-    gather_16bit_weights_on_model_save: bool = aliased(
+    gather_16bit_weights_on_model_save: DSBool = aliased(
         False,
         "stage3_gather_16bit_weights_on_model_save",
         "gather_16bit_weights_on_model_save",
@@ -176,43 +176,43 @@ class ZeroConfig(DSModel):
         0, "stage3_module_granularity_threshold", "module_granularity_threshold", ge=0
     )
     """Treat modules below this size as leaves when fetching (stage 3)."""
-    use_all_reduce_for_fetch_params: bool = aliased(
+    use_all_reduce_for_fetch_params: DSBool = aliased(
         False, "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params"
     )
     """Fetch parameters with all-reduce instead of all-gather (stage 3)."""
-    allgather_sequential: bool = aliased(False, "stage3_allgather_sequential", "allgather_sequential")
+    allgather_sequential: DSBool = aliased(False, "stage3_allgather_sequential", "allgather_sequential")
     """Issue parameter all-gathers one at a time (stage 3)."""
-    ignore_unused_parameters: bool = True
+    ignore_unused_parameters: DSBool = True
     """Tolerate parameters that get no gradient."""
-    legacy_stage1: bool = False
+    legacy_stage1: DSBool = False
     """The removed legacy stage-1 implementation; true is an error."""
-    round_robin_gradients: bool = False
+    round_robin_gradients: DSBool = False
     """Round-robin gradient copying across ranks (stages 1-2 with offload)."""
     zero_hpz_partition_size: DSInt = Field(1, ge=1)
     """ZeRO++ hierarchical partition size."""
-    zero_quantized_weights: bool = False
+    zero_quantized_weights: DSBool = False
     """ZeRO++ quantized weight communication."""
-    zero_quantized_nontrainable_weights: bool = False
+    zero_quantized_nontrainable_weights: DSBool = False
     """Keep non-trainable weights quantized."""
-    zero_quantized_gradients: bool = False
+    zero_quantized_gradients: DSBool = False
     """ZeRO++ quantized gradient communication."""
     zeropp_loco_param: dict[str, Any] | None = None
     """ZeRO++ LoCo parameters, e.g. {"err_beta": 0.8, "reset_T": 1024}."""
     mics_shard_size: DSInt = -1
     """MiCS shard size; -1 disables MiCS."""
-    mics_hierarchical_params_gather: bool = False
+    mics_hierarchical_params_gather: DSBool = False
     """MiCS hierarchical all-gather."""
-    memory_efficient_linear: bool = True
+    memory_efficient_linear: DSBool = True
     """Memory-efficient linear layer under zero.Init."""
-    pipeline_loading_checkpoint: bool = False
+    pipeline_loading_checkpoint: DSBool = False
     """Load checkpoint weights during zero.Init."""
-    override_module_apply: bool = True
+    override_module_apply: DSBool = True
     """Gather parameters around nn.Module.apply under zero.Init."""
-    log_trace_cache_warnings: bool = False
+    log_trace_cache_warnings: DSBool = False
     """Log stage-3 trace cache invalidations."""
-    enable_sanity_checks: bool = False
+    enable_sanity_checks: DSBool = False
     """Extra stage-3 consistency checks."""
-    save_muon_momentum_buffer_in_memory: bool = False
+    save_muon_momentum_buffer_in_memory: DSBool = False
     """Keep Muon momentum in memory (stage 3)."""
     leaf_module: dict[str, Any] | None = None
     """Modules treated as leaves by stage 3: {"classes": [...], "names": [...]}."""
@@ -225,11 +225,11 @@ class ZeroConfig(DSModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        pin = data.pop("cpu_offload_use_pin_memory", None)
+        pin = zero_one(data.pop("cpu_offload_use_pin_memory", None))
         if pin is not None and not isinstance(pin, bool):
             raise ValueError(f"cpu_offload_use_pin_memory: expected a boolean (true or false), got {pin!r}")
         for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
-            flag = data.pop(old, None)
+            flag = zero_one(data.pop(old, None))
             if flag is None:
                 continue
             if not isinstance(flag, bool):
@@ -244,6 +244,18 @@ class ZeroConfig(DSModel):
             if flag:
                 data[new] = {"device": "cpu", **({"pin_memory": pin} if isinstance(pin, bool) else {})}
         return data
+
+    @field_validator("allgather_bucket_size")
+    @classmethod
+    def _allgather_alignment(cls, value: int, info: ValidationInfo) -> int:
+        """DeepSpeed's stage 1-2 optimizer asserts the all-gather bucket holds whole 4-byte units of fp16
+        (its `nccl_start_alignment_factor`, 2 elements); a config it refuses is refused here too."""
+        if info.data.get("stage") in (1, 2) and value % 2:
+            raise ValueError(
+                f"allgather_bucket_size must be a multiple of nccl_start_alignment_factor (2) at stages 1 and 2 "
+                f"(DeepSpeed asserts it); got {value}, use {value + 1}"
+            )
+        return value
 
     @field_validator("legacy_stage1")
     @classmethod

@@ -77,8 +77,8 @@ def test_integer_8_is_accepted() -> None:
             "fp16.enabled: expected a boolean (true or false), got the string 'true'",
         ),
         (
-            {**BASE, "bf16": {"enabled": 1}},
-            "bf16.enabled: expected a boolean (true or false), got the integer 1",
+            {**BASE, "bf16": {"enabled": 2}},  # 0 and 1 are booleans, as in DeepSpeed
+            "bf16.enabled: expected a boolean (true or false), got the integer 2",
         ),
         ({**BASE, "gradient_clipping": "1.0"}, "gradient_clipping: expected a number, got the string '1.0'"),
         (

@@ -60,11 +60,11 @@ def test_duplicate_keys_in_base64() -> None:
 
 def test_bad_json_names_line_and_column(tmp_path: Path) -> None:
     path = tmp_path / "bad.json"
-    path.write_text('{\n  "train_batch_size": 8,\n  "fp16": {enabled: true}\n}')
+    path.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true]\n}')  # HJSON allows {enabled: true}
     with pytest.raises(ConfigError) as info:
         load_config(str(path))
     (problem,) = info.value.problems
-    assert problem.startswith(f"{path}: invalid JSON at line 3, column 12: ")
+    assert problem.startswith(f"{path}: invalid JSON at line 3, column 27: ")
 
 
 def test_missing_file(tmp_path: Path) -> None:

@@ -88,7 +88,8 @@ def test_optimizer_canonical_names(type_: str, params: dict, name: str) -> None:
     assert optimizer is not None and optimizer.name == name
     # DeepSpeed's Adam family defaults weight_decay to 0 (torch's AdamW: 0.01), unless torch_adam asks for torch's
     adam_family = name in ("adam", "adamw") and not params.get("torch_adam")
-    assert optimizer.params == ({"lr": 0.1, "weight_decay": 0.0} if adam_family else {"lr": 0.1})
+    torch_adam = {"torch_adam": True} if params.get("torch_adam") else {}  # the engine builds torch's class
+    assert optimizer.params == ({"lr": 0.1, "weight_decay": 0.0} if adam_family else {"lr": 0.1, **torch_adam})
 
 
 def test_max_grad_norm_points_to_gradient_clipping() -> None:

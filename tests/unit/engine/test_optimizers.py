@@ -10,7 +10,7 @@ import torch
 from slipstream.config.plan import OptimizerPlan, SchedulerPlan
 from slipstream.engine.lr_schedules import WarmupDecayLR, WarmupLR
 from slipstream.engine.optimizers import Lamb, Lion, build_optimizer, build_scheduler
-from slipstream.ops.adam import DeepSpeedCPUAdam
+from slipstream.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -23,12 +23,14 @@ def _build(name: str, on_host: bool = False, **params: object) -> torch.optim.Op
 
 def test_adamw_and_adam_by_name() -> None:
     adamw = _build("adamw", lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
-    assert type(adamw) is torch.optim.AdamW
+    assert type(adamw) is FusedAdam and adamw.adam_w_mode  # DeepSpeed's class name, torch's fused kernel
     group = adamw.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (0.01, (0.8, 0.9), 1e-6, 0.1)
-    assert group["fused"] is True  # torch supports fused AdamW on CPU
+    assert group["fused"] is True and group["decoupled_weight_decay"] is True  # torch: fused AdamW on CPU
     adam = _build("adam", lr=0.02)
-    assert type(adam) is torch.optim.Adam and adam.param_groups[0]["lr"] == 0.02
+    assert type(adam) is FusedAdam and adam.param_groups[0]["lr"] == 0.02
+    assert adam.param_groups[0]["decoupled_weight_decay"] is False  # L2 decay, as torch.optim.Adam
+    assert type(_build("adamw", torch_adam=True)) is torch.optim.AdamW  # DeepSpeed's torch_adam
 
 
 def test_user_choice_of_foreach_is_kept() -> None:
@@ -48,7 +50,7 @@ def test_cpu_offload_builds_cpu_adam_with_mode() -> None:
 def test_bias_correction_false_without_offload_is_refused() -> None:
     with pytest.raises(ValueError, match="bias_correction"):
         _build("adamw", bias_correction=False)
-    assert type(_build("adamw", bias_correction=True)) is torch.optim.AdamW
+    assert type(_build("adamw", bias_correction=True)) is FusedAdam
 
 
 @pytest.mark.parametrize(("name", "cls", "params"), [
@@ -73,7 +75,7 @@ def test_unknown_optimizer_name_lists_supported() -> None:
 
 
 def test_unknown_optimizer_param_names_it_and_the_accepted_ones() -> None:
-    with pytest.raises(ValueError, match=r"\['momentum'\] not accepted by torch.optim.adamw.AdamW.*'betas'"):
+    with pytest.raises(ValueError, match=r"\['momentum'\] not accepted by slipstream.ops.adam.fused_adam.FusedAdam.*'betas'"):
         _build("adamw", momentum=0.9)
     with pytest.raises(ValueError, match=r"\['beta'\] not accepted by .*Lion.*'betas'"):
         _build("lion", beta=0.9)

@@ -1,0 +1,72 @@
+"""`FusedAdam`: DeepSpeed's device Adam/AdamW class, as torch's fused (or foreach) Adam kernels.
+
+DeepSpeed builds `deepspeed.ops.adam.FusedAdam` for a config's `"Adam"` / `"AdamW"` without offload, and
+client code checks the optimizer `initialize()` returns with `isinstance(..., FusedAdam)`. Here the class is
+a `torch.optim.Adam` (torch's fused kernel where it supports the parameters' device and dtype, else foreach),
+with DeepSpeed's constructor: `adam_w_mode` chooses decoupled weight decay (AdamW, the default) or L2 (Adam),
+and `weight_decay` defaults to 0. torch's own keyword arguments (`foreach`, `fused`, `maximize`, ...) are
+accepted too; `amsgrad=True` works (torch's AMSGrad) where DeepSpeed's kernel refuses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["FusedAdam"]
+
+
+class FusedAdam(torch.optim.Adam):
+    """Adam (`adam_w_mode=False`) or AdamW (`adam_w_mode=True`, the default) with DeepSpeed's arguments."""
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+        *,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        if bias_correction is not True:
+            raise ValueError(
+                "FusedAdam(bias_correction=False) (optimizer.params.bias_correction) is only supported with CPU "
+                "offload (DeepSpeedCPUAdam); torch's Adam kernels always bias-correct. Remove the key"
+            )
+        self.adam_w_mode = bool(adam_w_mode)
+        self.set_grad_none = bool(set_grad_none)
+        param_list: list[Any] = list(params)  # tried twice below (fused, then foreach)
+        common: dict[str, Any] = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            capturable=capturable,
+            differentiable=differentiable,
+            decoupled_weight_decay=self.adam_w_mode,
+        )
+        if fused is not None or foreach is not None or differentiable:
+            super().__init__(param_list, foreach=foreach, fused=fused, **common)
+            return
+        try:
+            super().__init__(param_list, fused=True, **common)
+        except RuntimeError:  # no fused kernel for these parameters' device or dtype
+            super().__init__(param_list, foreach=True, **common)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override]
+        """DeepSpeed's FusedAdam: gradients become None when `set_grad_none` (the default), else zeros."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
