@@ -22,7 +22,7 @@ def missing_packages(*names: str) -> str | None:
 
 def use_slipstream_as_deepspeed() -> list[str]:
     """Make `import deepspeed` give Slipstream: the installed compat distribution if there is one, otherwise the
-    temporary test shim (shim/). Refuses a real DeepSpeed. Returns the names the shim had to fill."""
+    same file from shim/. Refuses a real DeepSpeed. Returns the names gaps.py had to fill."""
     spec = importlib.util.find_spec("deepspeed")
     if spec is None or (spec.origin and spec.origin.startswith(SHIM_DIR)):
         if SHIM_DIR not in sys.path:
@@ -31,9 +31,11 @@ def use_slipstream_as_deepspeed() -> list[str]:
         importlib.invalidate_caches()
     import deepspeed
 
-    if not hasattr(deepspeed, "SlipstreamEngine"):
+    if not getattr(deepspeed, "__slipstream__", False):
         raise RuntimeError(f"`import deepspeed` gives {deepspeed.__file__}, not Slipstream; these tests need Slipstream")
-    return list(getattr(deepspeed, "SHIMMED", []))
+    from tests.compat_hf import gaps
+
+    return list(gaps.fill())
 
 
 def rank_env(rank: int, world: int) -> None:
