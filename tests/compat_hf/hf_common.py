@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 SHIM_DIR = str(Path(__file__).with_name("shim"))
-INSTALL_HINT = '.venv/bin/pip install "transformers>=5" "accelerate>=1.10" "peft>=0.17" (or: pip install -e ".[compat-hf]")'
+INSTALL_HINT = 'pip install -e ".[compat-hf]" (or: make compat-hf)'
 
 
 def missing_packages(*names: str) -> str | None:
