@@ -71,6 +71,9 @@ def fill() -> list[str]:
         _attribute_path(deepspeed, path)  # Accelerate reads deepspeed.runtime.lr_schedules.X with no import
     for name in ("get_rank", "get_world_size"):  # Transformers' initialize_weights_zero3 calls get_rank
         _fill("deepspeed.comm", name, getattr(dist, name))
+    from slipstream.utils.logging import get_logger
+
+    _fill("deepspeed.utils.logging", "logger", get_logger())  # Lightning sets its level
     _fill("deepspeed.launcher.runner", "DEEPSPEED_ENVIRONMENT_NAME", ".deepspeed_env")  # accelerate launch imports it
     if not hasattr(SlipstreamEngine, "zero_cpu_offload"):
         SlipstreamEngine.zero_cpu_offload = lambda self: self.plan.zero.offload_optimizer is not None  # type: ignore
