@@ -30,6 +30,8 @@ __all__ = ["ALIASES", "COMPOSITES", "add_prefix", "composite_attribute", "compos
 
 ALIASES: dict[str, str] = {
     "slipstream.utils.zero_to_fp32": "slipstream.compat.zero_to_fp32",
+    "slipstream.checkpointing": "slipstream.compat.checkpointing",
+    "slipstream.runtime.activation_checkpointing.checkpointing": "slipstream.compat.checkpointing",
     "slipstream.runtime.zero": "slipstream.zero",
     "slipstream.runtime.zero.partition_parameters": "slipstream.zero.init",
     "slipstream.runtime.fp16.loss_scaler": "slipstream.zero.loss_scaler",
@@ -64,6 +66,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "RepeatingLoader": "slipstream.engine.dataloader:RepeatingLoader",
         "clip_grad_norm_": f"{_RT}:clip_grad_norm_",
         "get_global_norm": f"{_RT}:get_global_norm",
+        "move_to_device": f"{_RT}:move_to_device",
     },
     "slipstream.runtime.dataloader": {
         "RepeatingLoader": "slipstream.engine.dataloader:RepeatingLoader",
@@ -74,7 +77,22 @@ COMPOSITES: dict[str, dict[str, str]] = {
     },
     "slipstream.runtime.zero.config": {
         "DeepSpeedZeroConfig": f"{_CFG}.zero:ZeroConfig",
+        "DeepSpeedZeroOffloadParamConfig": f"{_CFG}.zero:OffloadParamConfig",
+        "DeepSpeedZeroOffloadOptimizerConfig": f"{_CFG}.zero:OffloadOptimizerConfig",
         "ZeroStageEnum": "slipstream.compat.ds_config:ZeroStageEnum",
+    },
+    "slipstream.runtime.zero.stage3": {
+        "DeepSpeedZeroOptimizer_Stage3": "slipstream.zero.stage3.optimizer:Stage3Optimizer",
+        "estimate_zero3_model_states_mem_needs_all_live": "slipstream.planner:estimate_zero3_model_states_mem_needs_all_live",
+        "estimate_zero3_model_states_mem_needs_all_cold": "slipstream.planner:estimate_zero3_model_states_mem_needs_all_cold",
+    },
+    "slipstream.runtime.zero.stage_1_and_2": {
+        "DeepSpeedZeroOptimizer": "slipstream.zero.optimizer:ZeroOptimizer",
+        "estimate_zero2_model_states_mem_needs_all_live": "slipstream.planner:estimate_zero2_model_states_mem_needs_all_live",
+        "estimate_zero2_model_states_mem_needs_all_cold": "slipstream.planner:estimate_zero2_model_states_mem_needs_all_cold",
+    },
+    "slipstream.runtime.activation_checkpointing": {
+        "checkpointing": "slipstream.compat.checkpointing",
     },
     "slipstream.runtime.zero.offload_config": {
         "DeepSpeedZeroOffloadParamConfig": f"{_CFG}.zero:OffloadParamConfig",
@@ -96,6 +114,12 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "DynamicLossScaler": "slipstream.zero.loss_scaler:DynamicLossScaler",
         "LossScaler": "slipstream.zero.loss_scaler:StaticLossScaler",
     },
+    "slipstream.runtime.fp16.fused_optimizer": {
+        "FP16_Optimizer": "slipstream.zero.optimizer:ZeroOptimizer",
+    },
+    "slipstream.runtime.fp16.unfused_optimizer": {
+        "FP16_UnfusedOptimizer": "slipstream.zero.optimizer:ZeroOptimizer",
+    },
     "slipstream.runtime.bf16_optimizer": {
         "BF16_Optimizer": "slipstream.zero.optimizer:ZeroOptimizer",
     },
@@ -109,6 +133,13 @@ COMPOSITES: dict[str, dict[str, str]] = {
     "slipstream.runtime.checkpoint_engine.torch_checkpoint_engine": {
         "TorchCheckpointEngine": "slipstream.compat.checkpoint_engine:TorchCheckpointEngine",
     },
+    "slipstream.ops.adagrad": {
+        "DeepSpeedCPUAdagrad": "torch.optim:Adagrad",
+    },
+    "slipstream.ops.lion": {
+        "DeepSpeedCPULion": "slipstream.engine.optimizers:Lion",
+        "FusedLion": "slipstream.engine.optimizers:Lion",
+    },
     "slipstream.checkpoint.utils": {
         "clone_tensors_for_torch_save": f"{_RT}:clone_tensors_for_torch_save",
     },
@@ -117,6 +148,10 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "log_dist": f"{_RT}:log_dist",
         "RepeatingLoader": "slipstream.engine.dataloader:RepeatingLoader",
         "set_z3_leaf_modules": "slipstream.zero.stage3.units:set_z3_leaf_modules",
+        "unset_z3_leaf_modules": "slipstream.zero.stage3.units:unset_z3_leaf_modules",
+        "get_z3_leaf_modules": "slipstream.zero.stage3.units:get_z3_leaf_modules",
+        "z3_leaf_module": "slipstream.zero.stage3.units:z3_leaf_module",
+        "OnDevice": f"{_RT}:OnDevice",
         **{
             name: f"{_PA}:{name}"
             for name in (
@@ -136,6 +171,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
             )
         },
         "groups": "slipstream.compat.groups",
+        "is_initialized": "slipstream.comm.init:is_initialized",
     },
     "slipstream.utils.groups": {
         name: f"slipstream.compat.groups:{name}"
@@ -254,6 +290,19 @@ class _CompositeLoader:
         return None
 
 
+def _declared_below_target(fullname: str) -> str | None:
+    """The declared DeepSpeed path that `fullname` spells through an alias's target, or None.
+
+    `from slipstream.runtime.zero import config` looks up `config` below the module's own name,
+    `slipstream.zero`; that name stands for the declared `slipstream.runtime.zero.config`."""
+    for alias, target in ALIASES.items():
+        if fullname.startswith(target + "."):
+            candidate = alias + fullname[len(target) :]
+            if candidate in ALIASES or candidate in COMPOSITES:
+                return candidate
+    return None
+
+
 def _is_ours(fullname: str) -> bool:
     """True when `fullname` is a file of the package under its own name (the regular finders load it)."""
     import importlib.machinery
@@ -278,13 +327,17 @@ class _AliasFinder:
         if fullname in COMPOSITES:
             if _is_ours(fullname):
                 return None  # a package of ours that also answers DeepSpeed names (its __getattr__)
-            return importlib.util.spec_from_loader(fullname, _CompositeLoader(), is_package=True)
+            composite: Any = _CompositeLoader()
+            return importlib.util.spec_from_loader(fullname, composite, is_package=True)
         target_name = _target(fullname)
+        if target_name is None and not _is_ours(fullname):
+            target_name = _declared_below_target(fullname)
         if target_name is None:
             return None
         if target_name not in COMPOSITES and importlib.util.find_spec(target_name) is None:
             return None
-        return importlib.util.spec_from_loader(fullname, _AliasLoader(target_name))
+        loader: Any = _AliasLoader(target_name)
+        return importlib.util.spec_from_loader(fullname, loader)
 
 
 def add_prefix(prefix: str, target: str) -> None:

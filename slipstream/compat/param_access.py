@@ -45,7 +45,7 @@ def register_engine(engine: Any) -> None:
 
 def _owner(param: torch.Tensor) -> tuple[Any, str] | None:
     for engine in list(_ENGINES):
-        optimizer = getattr(engine, "optimizer", None)
+        optimizer: Any = getattr(engine, "optimizer", None)
         names = getattr(optimizer, "param_names", None)
         if names and id(param) in names and any(p is param for p in optimizer.trainable_params()):
             return optimizer, names[id(param)]

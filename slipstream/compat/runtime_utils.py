@@ -16,6 +16,7 @@ from slipstream.utils.logging import get_logger
 
 __all__ = [
     "DeepSpeedOptimizerCallable",
+    "OnDevice",
     "DeepSpeedSchedulerCallable",
     "ZeRORuntimeException",
     "apply_to_tensors_only",
@@ -24,6 +25,7 @@ __all__ = [
     "get_global_norm",
     "is_zero_supported_optimizer",
     "log_dist",
+    "move_to_device",
     "logger",
     "required_torch_version",
     "see_memory_usage",
@@ -128,6 +130,43 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") 
     if isinstance(item, dict):
         return type(item)({k: clone_tensors_for_torch_save(v, device) for k, v in item.items()})
     return item
+
+
+def move_to_device(item: Any, device: Any, criterion_func: Callable[[Any], bool] | None = None) -> Any:
+    """Move the tensors in `item` (nested lists, tuples, dicts) that `criterion_func` accepts (all, when None)
+    to `device`, in place (their `.data` changes, so references stay valid); returns the same structure."""
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    if isinstance(item, torch.Tensor) and (criterion_func is None or criterion_func(item)):
+        item.data = item.data.to(device)
+    return item
+
+
+class OnDevice:
+    """Build a model's tensors on `device` ("meta" by default: shapes only) and floating-point tensors in
+    `dtype`, inside the context (DeepSpeed's `OnDevice`); `enabled=False` makes it do nothing."""
+
+    def __init__(self, dtype: torch.dtype | None, device: Any = "meta", enabled: bool = True) -> None:
+        self.dtype, self.device, self.enabled = dtype, torch.device(device), enabled
+        self._saved: list[Any] = []
+
+    def __enter__(self) -> OnDevice:
+        if self.enabled:
+            self._saved = [torch.get_default_dtype(), self.device]
+            self.device.__enter__()
+            if self.dtype is not None and self.dtype.is_floating_point:
+                torch.set_default_dtype(self.dtype)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled and self._saved:
+            dtype, device = self._saved
+            torch.set_default_dtype(dtype)
+            device.__exit__(*exc)
 
 
 def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:

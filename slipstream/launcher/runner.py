@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from slipstream.launcher import multinode
-from slipstream.launcher.environment import as_mapping, collect_exports, describe_exports
+from slipstream.launcher.environment import DEFAULT_ENV_FILE_NAME, as_mapping, collect_exports, describe_exports
 from slipstream.launcher.hostfile import (
     HostfileError,
     World,
@@ -45,6 +45,8 @@ from slipstream.launcher.hostfile import (
 from slipstream.launcher.plan import LaunchPlan, Program, RankOptions, Rendezvous, encode_plan
 
 DEFAULT_HOSTFILE = "/job/hostfile"
+DEEPSPEED_ENVIRONMENT_NAME = os.environ.get("DS_ENV_FILE", DEFAULT_ENV_FILE_NAME)
+"""DeepSpeed's name for the env file the launcher reads (Accelerate appends to it before launching)."""
 STOP_GRACE_S = 15.0
 
 
