@@ -108,4 +108,4 @@ def initialize(
         training_data=training_data,
         collate_fn=collate_fn,
     )
-    return engine, engine.client_facing_optimizer(), engine.training_dataloader, engine.lr_scheduler
+    return engine, engine._optimizer_to_return(), engine.training_dataloader, engine.lr_scheduler

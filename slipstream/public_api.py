@@ -52,7 +52,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "CollectiveTimeout",
         "PeerLost",
     ),
-    "slipstream.ops.adam": ("DeepSpeedCPUAdam",),
+    "slipstream.ops.adam": ("DeepSpeedCPUAdam", "FusedAdam"),
     "slipstream.checkpoint": ("export_checkpoint", "CheckpointError", "CheckpointCorrupt"),
     "slipstream.config": ("ConfigError", "ConfigWarning"),
     "slipstream.utils.deprecation": ("SlipstreamDeprecationWarning",),

@@ -117,7 +117,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         if self.global_rank == 0:
             get_logger().debug("resolved config (defaults included): %s", json.dumps(plan.resolved, default=str))
 
-    def client_facing_optimizer(self) -> Any:
+    def _optimizer_to_return(self) -> Any:
         """The optimizer `initialize()` returns: DeepSpeed wraps the basic optimizer only with ZeRO (stage >= 1)
         or mixed precision, and returns the client's (or the config's) own object otherwise. The engine
         always steps through its ZeRO optimizer (`engine.optimizer`); the basic one holds the hyperparameters."""

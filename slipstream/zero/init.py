@@ -4,17 +4,27 @@ Inside the context every `nn.Module` subclass's `__init__` is wrapped: when the 
 a module object returns (its own parameters created and initialised, subclasses included), its direct
 parameters are cast to `dtype`, made equal to rank 0's values (one broadcast per parameter) and moved
 into a *staging unit*: this rank keeps its `ceil(numel / world)` slice of each, and the full values are
-freed. So the peak memory of construction is about the largest module plus this rank's shards. The
-initial values are those of the same model built without Init under the same seed (the RNG is consumed
-exactly as without it). The engine later regroups the staging units into its units (model.py), gathering
-one staging unit at a time. `Init(module=m)` shards an existing model into units at once.
+freed. So the peak memory of construction is about the largest module plus this rank's shards. In fp32
+the initial values are those of the same model built without Init under the same seed (the RNG is consumed
+exactly as without it); in bf16/fp16 the constructors below create the tensors in that dtype, as DeepSpeed's
+do. The engine later regroups the staging units into its units (model.py), gathering one staging unit at a time. `Init(module=m)` shards an existing model into units at once.
+
+Tensor constructors: inside the context, as in DeepSpeed, `torch.tensor`, `empty`, `zeros`, `ones`, `full`,
+`arange`, `eye` and `randn` create their tensors on the accelerator device unless the call names a device,
+and floating-point results get Init's dtype (fp32 when the config has neither bf16 nor fp16) unless the call
+names a dtype (DeepSpeed casts those too). The wrappers are made on entry by this module's
+`zero_wrapper_for_fp_tensor_constructor`, from its `_orig_torch_<name>` functions, both looked up on the module
+at that moment: Transformers replaces the wrapper factory, and client code calls `_orig_torch_arange` to
+bypass the wrapper (this module is DeepSpeed's `runtime.zero.partition_parameters`). `tensor_overrides`
+chooses "dtype" and/or "device" (default both; an empty list turns the wrappers off). torch.Tensor's legacy
+constructor (`torch.Tensor(3)`) is not wrapped.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,28 +55,47 @@ __all__ = [
     "register_external_parameter",
     "zero_wrapper_for_fp_tensor_constructor",
 ]
+
+# The constructors zero.Init wraps, as DeepSpeed's partition_parameters names them (see the module doc).
+TENSOR_CONSTRUCTORS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
 _orig_torch_tensor = torch.tensor
 _orig_torch_empty = torch.empty
 _orig_torch_zeros = torch.zeros
 _orig_torch_ones = torch.ones
 _orig_torch_full = torch.full
 _orig_torch_arange = torch.arange
+_orig_torch_eye = torch.eye
+_orig_torch_randn = torch.randn
 
 
-def zero_wrapper_for_fp_tensor_constructor(fn: Any, target_fp_dtype: torch.dtype) -> Any:
-    """`fn` (a tensor constructor) made to create on the accelerator's current device when no device is given,
-    and to cast floating-point results to `target_fp_dtype` (DeepSpeed's wrapper of the same name)."""
+def zero_wrapper_for_fp_tensor_constructor(
+    fn: Callable[..., torch.Tensor], target_fp_dtype: torch.dtype | None, target_device: torch.device | None = None
+) -> Callable[..., torch.Tensor]:
+    """`fn` (a torch tensor constructor) with zero.Init's defaults: on `target_device` unless the call names a
+    device; floating-point results in `target_fp_dtype` unless the call names a dtype. None leaves either alone."""
 
-    def wrapped_fn(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("device") is None:
-            accelerator = get_accelerator()
-            kwargs["device"] = accelerator.device(accelerator.current_device())
-        tensor = fn(*args, **kwargs)
-        if tensor.is_floating_point():
-            tensor = tensor.to(target_fp_dtype)
-        return tensor
+    @functools.wraps(fn)
+    def construct(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if target_device is not None and kwargs.get("device") is None:
+            kwargs["device"] = target_device
+        made = fn(*args, **kwargs)
+        wanted = None if kwargs.get("dtype") is not None else target_fp_dtype
+        if wanted is not None and made.is_floating_point() and made.dtype != wanted:
+            made.data = made.data.to(wanted)  # .data: a leaf made with requires_grad=True stays a leaf
+        return made
 
-    return wrapped_fn
+    return construct
+
+
+def _override_names(tensor_overrides: Any) -> set[str]:
+    """DeepSpeed's `tensor_overrides` (DeepSpeedTensorOverride members or their names) as {"dtype", "device"}."""
+    if tensor_overrides is None:
+        return {"dtype", "device"}
+    names = {str(getattr(item, "name", item)).lower() for item in tensor_overrides}
+    unknown = names - {"dtype", "device"}
+    if unknown:
+        raise ValueError(f"zero.Init(tensor_overrides=...): unknown {sorted(unknown)}; use 'dtype' and/or 'device'")
+    return names
 
 
 def is_zero_param(parameter: Any) -> bool:
@@ -124,7 +153,9 @@ def _config_dict(config_dict_or_path: Any) -> dict[str, Any]:
         return {}
     if isinstance(config_dict_or_path, dict):
         return config_dict_or_path
-    return json.loads(Path(config_dict_or_path).read_text())
+    from slipstream.config import load_config
+
+    return load_config(config_dict_or_path)  # a path or base64 text, read as initialize() reads it (HJSON)
 
 
 def _all_subclasses(cls: type) -> list[type]:
@@ -154,12 +185,12 @@ class Init:
         enabled: bool = True,
         dtype: torch.dtype | None = None,
         mpu: Any = None,
+        tensor_overrides: Any = None,
         **ignored: Any,
     ) -> None:
         self.enabled = enabled
         if not enabled:
             return
-        from slipstream.accelerator import get_accelerator
         from slipstream.comm import init_distributed, is_initialized
 
         if not is_initialized():
@@ -178,6 +209,10 @@ class Init:
         self.dtype = dtype
         accelerator = get_accelerator()
         device = accelerator.device(accelerator.current_device())
+        overrides = _override_names(tensor_overrides)
+        self._constructor_dtype = (dtype or torch.float32) if "dtype" in overrides else None
+        self._constructor_device = device if "device" in overrides else None
+        self._saved_constructors: list[dict[str, Any]] = []
         on_host = stage3.offload_param.on_host
         pinned = on_host and isinstance(stage3.offload_param, CpuTarget) and stage3.offload_param.pin_memory
         self.staging = StagingUnits(
@@ -204,6 +239,7 @@ class Init:
                 original = cls.__dict__["__init__"]
                 self._patched.append((cls, original))
                 setattr(cls, "__init__", self._wrap(original))  # noqa: B010 (mypy refuses cls.__init__ = ...)
+        self._wrap_constructors()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -212,6 +248,22 @@ class Init:
         for cls, original in reversed(self._patched):
             setattr(cls, "__init__", original)  # noqa: B010
         self._patched.clear()
+        if self._saved_constructors:
+            for name, previous in self._saved_constructors.pop().items():
+                setattr(torch, name, previous)
+
+    def _wrap_constructors(self) -> None:
+        """Replace torch's constructors for the context (the previous ones are restored on exit, so nested
+        contexts unwind). The factory and the originals are read from this module now, not at import: a
+        library may have replaced them (see the module doc)."""
+        if self._constructor_dtype is None and self._constructor_device is None:
+            return
+        module = sys.modules[__name__]
+        factory = module.zero_wrapper_for_fp_tensor_constructor
+        self._saved_constructors.append({name: getattr(torch, name) for name in TENSOR_CONSTRUCTORS})
+        for name in TENSOR_CONSTRUCTORS:
+            original = getattr(module, f"_orig_torch_{name}")
+            setattr(torch, name, factory(original, self._constructor_dtype, self._constructor_device))
 
     def _wrap(self, original: Any) -> Any:
         staging, dtype = self.staging, self.dtype

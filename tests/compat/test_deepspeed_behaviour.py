@@ -227,3 +227,38 @@ def _leaves(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
 def test_templates_are_plain_json() -> None:
     for path in FIXTURES.glob("*.json"):
         assert isinstance(json.loads(path.read_text()), dict), path
+
+
+def test_zero_init_wraps_tensor_constructors_through_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside zero.Init torch's constructors make floating tensors in Init's dtype (unless the call names one);
+    the wrapper factory and `_orig_torch_*` are read from the module on entry, as Transformers expects."""
+    import slipstream.zero.init as pp
+
+    originals = {name: getattr(torch, name) for name in pp.TENSOR_CONSTRUCTORS}
+    bf16 = {**BASE, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    with slipstream.zero.Init(config_dict_or_path=bf16):
+        assert torch.zeros(2).dtype == torch.bfloat16 and torch.randn(2).dtype == torch.bfloat16
+        assert torch.arange(3).dtype == torch.int64 and torch.arange(3.0).dtype == torch.bfloat16
+        assert torch.tensor([1.5]).dtype == torch.bfloat16
+        assert torch.zeros(2, dtype=torch.float64).dtype == torch.float64  # a named dtype is kept
+        assert pp._orig_torch_arange(3.0).dtype == torch.float32  # the escape hatch client code uses
+        with slipstream.zero.Init(config_dict_or_path={**BASE, "zero_optimization": {"stage": 3}}):
+            assert torch.ones(1).dtype == torch.float32  # nested (fp32) context
+        assert torch.ones(1).dtype == torch.bfloat16  # the outer context's wrappers are back
+        weight = torch.nn.Linear(3, 2).weight
+        assert weight.dtype == torch.bfloat16
+    assert {name: getattr(torch, name) for name in pp.TENSOR_CONSTRUCTORS} == originals
+
+    seen: list[tuple[str, Any]] = []
+
+    def factory(fn: Any, target_fp_dtype: Any, target_device: Any = None) -> Any:  # a library's replacement
+        seen.append((fn.__name__, target_fp_dtype))
+        return fn  # e.g. no cast at all
+
+    monkeypatch.setattr(pp, "zero_wrapper_for_fp_tensor_constructor", factory)
+    with slipstream.zero.Init(config_dict_or_path=bf16):
+        assert torch.zeros(2).dtype == torch.float32
+    assert sorted(name for name, _ in seen) == sorted(pp.TENSOR_CONSTRUCTORS)
+    assert {dtype for _, dtype in seen} == {torch.bfloat16}
+    with slipstream.zero.Init(config_dict_or_path=bf16, tensor_overrides=[]):
+        assert torch.zeros(2).dtype == torch.float32 and len(seen) == len(pp.TENSOR_CONSTRUCTORS)
