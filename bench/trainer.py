@@ -37,11 +37,19 @@ MARK = "BENCH-TRAINER "
 
 
 def ds_config(name: str) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": 2, "offload_optimizer": {"device": "cpu"}} if name == "zero2_offload" else {
-        "stage": 3, "stage3_param_persistence_threshold": 0}
-    return {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "zero_optimization": zero,
-            "steps_per_print": 1000000}
+    zero: dict[str, Any] = (
+        {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+        if name == "zero2_offload"
+        else {"stage": 3, "stage3_param_persistence_threshold": 0}
+    )
+    return {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": zero,
+        "steps_per_print": 1000000,
+    }
 
 
 def rank_main(config: str, steps: int, out: str) -> None:
@@ -63,10 +71,21 @@ def rank_main(config: str, steps: int, out: str) -> None:
     PartialState(backend="gloo")  # Accelerate finds no backend for DeepSpeed on CPU by itself
     world = int(os.environ["WORLD_SIZE"])
     micro, gas = 2, 2
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=gas,
-                             max_steps=steps, learning_rate=1e-3, seed=0, report_to=[], save_strategy="no",
-                             logging_steps=1000, disable_tqdm=True, dataloader_pin_memory=False,
-                             accelerator_config={"use_configured_state": True}, deepspeed=ds_config(config))
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=gas,
+        max_steps=steps,
+        learning_rate=1e-3,
+        seed=0,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1000,
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        accelerator_config={"use_configured_state": True},
+        deepspeed=ds_config(config),
+    )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=128, n_embd=256, n_layer=4, n_head=4))
     ids = torch.randint(0, 2048, (steps * micro * gas * world, 128), generator=torch.Generator().manual_seed(1))
@@ -83,8 +102,19 @@ def rank_main(config: str, steps: int, out: str) -> None:
         t0 = float(os.environ["BENCH_T0"])
         skip = 2
         rate = (len(stamps) - 1 - skip) * micro * gas * world / (stamps[-1] - stamps[skip])
-        print(MARK + json.dumps({"framework": framework, "config": config, "first_step_s": stamps[0] - t0,
-                                 "samples_per_s": rate, "steps": len(stamps)}), flush=True)
+        print(
+            MARK
+            + json.dumps(
+                {
+                    "framework": framework,
+                    "config": config,
+                    "first_step_s": stamps[0] - t0,
+                    "samples_per_s": rate,
+                    "steps": len(stamps),
+                }
+            ),
+            flush=True,
+        )
 
 
 def _free_port() -> int:
@@ -98,13 +128,32 @@ def run_once(python: str, *, slipstream: bool, config: str, steps: int, timeout_
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as out:
         t0 = time.time()
         for rank in range(2):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "ACCELERATE_USE_DEEPSPEED": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                   "TOKENIZERS_PARALLELISM": "false", "BENCH_T0": repr(t0),
-                   "BENCH_SLIPSTREAM": "1" if slipstream else "0", "DS_BUILD_OPS": "0"}
-            procs.append(subprocess.Popen([python, __file__, "--rank", config, str(steps), out], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT))
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "ACCELERATE_USE_DEEPSPEED": "true",
+                "OMP_NUM_THREADS": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "BENCH_T0": repr(t0),
+                "BENCH_SLIPSTREAM": "1" if slipstream else "0",
+                "DS_BUILD_OPS": "0",
+            }
+            procs.append(
+                subprocess.Popen(
+                    [python, __file__, "--rank", config, str(steps), out],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    cwd=ROOT,
+                )
+            )
         outputs = []
         for p in procs:
             try:
@@ -114,7 +163,7 @@ def run_once(python: str, *, slipstream: bool, config: str, steps: int, timeout_
                 outputs.append(p.communicate()[0])
     for line in outputs[0].splitlines():
         if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
+            return json.loads(line[len(MARK) :])
     tail = "\n".join(o[-3000:] for o in outputs)
     print(f"run failed ({'slipstream' if slipstream else 'deepspeed'}, {config}):\n{tail}", file=sys.stderr)
     return None
@@ -134,13 +183,20 @@ def main() -> None:
         return
     rounds, steps = (1, 6) if args.quick else (args.rounds, args.steps)
     frameworks = [("slipstream", sys.executable, True)]
-    peer_ok = Path(args.peer_python).exists() and subprocess.run(
-        [args.peer_python, "-c", "import deepspeed, transformers, accelerate"], capture_output=True).returncode == 0
+    peer_ok = (
+        Path(args.peer_python).exists()
+        and subprocess.run(
+            [args.peer_python, "-c", "import deepspeed, transformers, accelerate"], capture_output=True
+        ).returncode
+        == 0
+    )
     if peer_ok:
         frameworks.append(("deepspeed", args.peer_python, False))
     else:
-        print(f"no peer environment with deepspeed + transformers at {args.peer_python}: Slipstream rows only "
-              "(bash bench/make_peer_venv.sh; .bench-venv/bin/pip install transformers accelerate)")
+        print(
+            f"no peer environment with deepspeed + transformers at {args.peer_python}: Slipstream rows only "
+            "(bash bench/make_peer_venv.sh; .bench-venv/bin/pip install transformers accelerate)"
+        )
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     started = time.time()
     for round_ in range(rounds + 1):
@@ -149,19 +205,28 @@ def main() -> None:
                 result = run_once(python, slipstream=ours, config=config, steps=steps, timeout_s=args.timeout)
                 if result is not None and round_ > 0:
                     results.setdefault((name, config), []).append(result)
-                print(f"round {round_}{' (warm-up, dropped)' if round_ == 0 else ''} {name:10s} {config:14s} "
-                      + ("failed" if result is None else
-                         f"first step {result['first_step_s']:.1f} s, {result['samples_per_s']:.2f} samples/s"),
-                      flush=True)
+                print(
+                    f"round {round_}{' (warm-up, dropped)' if round_ == 0 else ''} {name:10s} {config:14s} "
+                    + (
+                        "failed"
+                        if result is None
+                        else f"first step {result['first_step_s']:.1f} s, {result['samples_per_s']:.2f} samples/s"
+                    ),
+                    flush=True,
+                )
 
     def median(name: str, config: str, key: str) -> float | None:
         rows = results.get((name, config))
         return statistics.median(r[key] for r in rows) if rows else None
 
-    print(f"\nTrainer, GPT-2 3.7M, fp32, 2 ranks x micro 2 x accumulation 2, {steps} steps, median of {rounds} "
-          f"round(s); {time.time() - started:.0f} s in all")
-    print(f"{'config':14s} | {'first step s: slipstream':>24s} | {'deepspeed':>9s} | {'ratio':>5s} || "
-          f"{'samples/s: slipstream':>21s} | {'deepspeed':>9s} | {'ratio':>5s}")
+    print(
+        f"\nTrainer, GPT-2 3.7M, fp32, 2 ranks x micro 2 x accumulation 2, {steps} steps, median of {rounds} "
+        f"round(s); {time.time() - started:.0f} s in all"
+    )
+    print(
+        f"{'config':14s} | {'first step s: slipstream':>24s} | {'deepspeed':>9s} | {'ratio':>5s} || "
+        f"{'samples/s: slipstream':>21s} | {'deepspeed':>9s} | {'ratio':>5s}"
+    )
     for config in CONFIGS:
         ours_t, peer_t = median("slipstream", config, "first_step_s"), median("deepspeed", config, "first_step_s")
         ours_r, peer_r = median("slipstream", config, "samples_per_s"), median("deepspeed", config, "samples_per_s")
@@ -171,10 +236,14 @@ def main() -> None:
 
         ratio_t = fmt(peer_t / ours_t) if ours_t and peer_t else "-"
         ratio_r = fmt(ours_r / peer_r) if ours_r and peer_r else "-"
-        print(f"{config:14s} | {fmt(ours_t):>24s} | {fmt(peer_t):>9s} | {ratio_t:>5s} || {fmt(ours_r):>21s} | "
-              f"{fmt(peer_r):>9s} | {ratio_r:>5s}")
-    print("ratios: above 1 means Slipstream is faster (DeepSpeed time / Slipstream time; Slipstream rate / "
-          "DeepSpeed rate)")
+        print(
+            f"{config:14s} | {fmt(ours_t):>24s} | {fmt(peer_t):>9s} | {ratio_t:>5s} || {fmt(ours_r):>21s} | "
+            f"{fmt(peer_r):>9s} | {ratio_r:>5s}"
+        )
+    print(
+        "ratios: above 1 means Slipstream is faster (DeepSpeed time / Slipstream time; Slipstream rate / "
+        "DeepSpeed rate)"
+    )
 
 
 if __name__ == "__main__":

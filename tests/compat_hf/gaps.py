@@ -61,13 +61,20 @@ def fill() -> list[str]:
     if getattr(fill, "done", False):
         return SHIMMED
     fill.done = True  # type: ignore[attr-defined]
+    import deepspeed
     import torch.distributed as dist
 
-    import deepspeed
     from slipstream.engine.engine import SlipstreamEngine
 
-    for path in ("deepspeed.runtime.lr_schedules", "deepspeed.runtime.zero", "deepspeed.zero", "deepspeed.comm",
-                 "deepspeed.utils", "deepspeed.checkpoint.utils", "deepspeed.ops.adam"):
+    for path in (
+        "deepspeed.runtime.lr_schedules",
+        "deepspeed.runtime.zero",
+        "deepspeed.zero",
+        "deepspeed.comm",
+        "deepspeed.utils",
+        "deepspeed.checkpoint.utils",
+        "deepspeed.ops.adam",
+    ):
         _attribute_path(deepspeed, path)  # Accelerate reads deepspeed.runtime.lr_schedules.X with no import
     for name in ("get_rank", "get_world_size"):  # Transformers' initialize_weights_zero3 calls get_rank
         _fill("deepspeed.comm", name, getattr(dist, name))

@@ -32,7 +32,9 @@ def use_slipstream_as_deepspeed() -> list[str]:
     import deepspeed
 
     if not getattr(deepspeed, "__slipstream__", False):
-        raise RuntimeError(f"`import deepspeed` gives {deepspeed.__file__}, not Slipstream; these tests need Slipstream")
+        raise RuntimeError(
+            f"`import deepspeed` gives {deepspeed.__file__}, not Slipstream; these tests need Slipstream"
+        )
     from tests.compat_hf import gaps
 
     return list(gaps.fill())
@@ -40,9 +42,19 @@ def use_slipstream_as_deepspeed() -> list[str]:
 
 def rank_env(rank: int, world: int) -> None:
     """The launcher variables Accelerate reads (the harness's ranks meet through a FileStore and have none)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                      ACCELERATE_USE_DEEPSPEED="true", TOKENIZERS_PARALLELISM="false", WANDB_DISABLED="true")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        ACCELERATE_USE_DEEPSPEED="true",
+        TOKENIZERS_PARALLELISM="false",
+        WANDB_DISABLED="true",
+    )
 
 
 def cpu_partial_state() -> Any:
@@ -67,8 +79,19 @@ def allow_cpu_bf16() -> None:
 def tiny_gpt2_config() -> Any:
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=61, n_positions=32, n_embd=24, n_layer=2, n_head=2, resid_pdrop=0.0,
-                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return GPT2Config(
+        vocab_size=61,
+        n_positions=32,
+        n_embd=24,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
 
 
 def tiny_gpt2(seed: int = 0) -> Any:
@@ -103,24 +126,42 @@ def ds_config(stage: int, *, offload: bool = False, bf16: bool = False, **extra:
         zero["offload_optimizer"] = {"device": "cpu"}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_gather_16bit_weights_on_model_save=True)
-    cfg: dict[str, Any] = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-                           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "zero_optimization": zero}
+    cfg: dict[str, Any] = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": zero,
+    }
     if bf16:
         cfg["bf16"] = {"enabled": "auto"}  # TrainingArguments(bf16=True) fills it (see allow_cpu_bf16)
     cfg.update(extra)
     return cfg
 
 
-def training_args(out: str, *, world: int, ds: dict | None, steps: int = 4, global_micro: int = 4, gas: int = 2,
-                  **extra: Any) -> Any:
+def training_args(
+    out: str, *, world: int, ds: dict | None, steps: int = 4, global_micro: int = 4, gas: int = 2, **extra: Any
+) -> Any:
     """The same run at any world size: `global_micro` samples per micro-step across the ranks."""
     from transformers import TrainingArguments
 
     kwargs: dict[str, Any] = dict(
-        output_dir=out, per_device_train_batch_size=global_micro // world, gradient_accumulation_steps=gas,
-        max_steps=steps, learning_rate=1e-2, warmup_steps=0, lr_scheduler_type="linear", seed=0, data_seed=0,
-        logging_steps=1, report_to=[], save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
-        dataloader_pin_memory=False)
+        output_dir=out,
+        per_device_train_batch_size=global_micro // world,
+        gradient_accumulation_steps=gas,
+        max_steps=steps,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        lr_scheduler_type="linear",
+        seed=0,
+        data_seed=0,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+    )
     if ds is None:
         kwargs["use_cpu"] = True
     else:
@@ -131,9 +172,8 @@ def training_args(out: str, *, world: int, ds: dict | None, steps: int = 4, glob
 
 def full_state(model: Any) -> dict[str, Any]:
     """Every parameter in full (gathered at ZeRO-3), fp32, on CPU, by name."""
-    import torch
-
     import deepspeed
+    import torch
 
     params = dict(model.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):

@@ -17,8 +17,10 @@ import torch
 from tests.compat_hf import hf_common as H
 from tests.harness import run_distributed
 
-pytestmark = pytest.mark.skipif(bool(H.missing_packages("accelerate", "transformers")),
-                                reason=H.missing_packages("accelerate", "transformers") or "")
+pytestmark = pytest.mark.skipif(
+    bool(H.missing_packages("accelerate", "transformers")),
+    reason=H.missing_packages("accelerate", "transformers") or "",
+)
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "accelerate"
 STEPS, GAS, MICRO, LR, WARMUP, CLIP = 4, 2, 2, 1e-2, 2, 1.0
@@ -37,8 +39,12 @@ def accelerate_run(rank: int, world: int, *, name: str) -> dict[str, Any]:
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import DummyOptim, DummyScheduler
 
-    plugin = DeepSpeedPlugin(hf_ds_config=template(name), gradient_accumulation_steps=GAS, gradient_clipping=CLIP,
-                             zero3_save_16bit_model=True)
+    plugin = DeepSpeedPlugin(
+        hf_ds_config=template(name),
+        gradient_accumulation_steps=GAS,
+        gradient_clipping=CLIP,
+        zero3_save_16bit_model=True,
+    )
     accelerator = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=GAS)
     model = H.tiny_gpt2()
     optimizer = DummyOptim(model.parameters(), lr=LR, weight_decay=0.0)
@@ -55,8 +61,12 @@ def accelerate_run(rank: int, world: int, *, name: str) -> dict[str, Any]:
             scheduler.step()
             optimizer.zero_grad()
             losses.append(float(loss))
-    return {"state": H.full_state(accelerator.unwrap_model(model)), "steps": model.global_steps,
-            "batch": model.get_batch_info(), "shimmed": shimmed}
+    return {
+        "state": H.full_state(accelerator.unwrap_model(model)),
+        "steps": model.global_steps,
+        "batch": model.get_batch_info(),
+        "shimmed": shimmed,
+    }
 
 
 def reference(world: int) -> dict[str, torch.Tensor]:
@@ -65,8 +75,9 @@ def reference(world: int) -> dict[str, torch.Tensor]:
 
     model = H.tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    schedule = WarmupDecayLR(optimizer, total_num_steps=STEPS, warmup_min_lr=0.0, warmup_max_lr=LR,
-                             warmup_num_steps=WARMUP)
+    schedule = WarmupDecayLR(
+        optimizer, total_num_steps=STEPS, warmup_min_lr=0.0, warmup_max_lr=LR, warmup_num_steps=WARMUP
+    )
     loader = torch.utils.data.DataLoader(H.TokenDataset(n=STEPS * GAS * MICRO * world), batch_size=MICRO * world)
     for i, batch in enumerate(loader):
         (model(**batch).loss / GAS).backward()

@@ -9,9 +9,10 @@ import pytest
 
 from tests.compat_hf import hf_common as H
 
-pytestmark = pytest.mark.skipif(bool(H.missing_packages("lightning")),
-                                reason=(H.missing_packages("lightning") or "").replace(
-                                    H.INSTALL_HINT, "pip install lightning"))
+pytestmark = pytest.mark.skipif(
+    bool(H.missing_packages("lightning")),
+    reason=(H.missing_packages("lightning") or "").replace(H.INSTALL_HINT, "pip install lightning"),
+)
 
 
 def test_lightning_deepspeed_strategy_refuses_cpu() -> None:

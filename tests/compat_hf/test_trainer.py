@@ -16,8 +16,10 @@ import torch
 from tests.compat_hf import hf_common as H
 from tests.harness import run_distributed
 
-pytestmark = pytest.mark.skipif(bool(H.missing_packages("transformers", "accelerate")),
-                                reason=H.missing_packages("transformers", "accelerate") or "")
+pytestmark = pytest.mark.skipif(
+    bool(H.missing_packages("transformers", "accelerate")),
+    reason=H.missing_packages("transformers", "accelerate") or "",
+)
 
 STEPS, SAVE_AT = 4, 2
 
@@ -92,8 +94,14 @@ def reference_in_parent(out: Path, initial: dict[str, torch.Tensor] | None = Non
         os.environ.update(saved)
 
 
-def _check(results: list[dict[str, Any]], reference: dict[str, torch.Tensor], out: Path, *, atol: float | None,
-           update_rtol: float | None = None) -> None:
+def _check(
+    results: list[dict[str, Any]],
+    reference: dict[str, torch.Tensor],
+    out: Path,
+    *,
+    atol: float | None,
+    update_rtol: float | None = None,
+) -> None:
     """Trained weights against the reference: elementwise to `atol`, or (bf16) the whole update to `update_rtol`
     of its norm (Adam turns bf16 noise in a near-zero gradient into a full-size step of either sign, so a few
     elements differ by up to the learning rate while the update as a whole agrees)."""
@@ -112,14 +120,16 @@ def _check(results: list[dict[str, Any]], reference: dict[str, torch.Tensor], ou
         assert torch.equal(results[1]["trained"][name], first["trained"][name]), f"ranks disagree: {name}"
     loaded = AutoModelForCausalLM.from_pretrained(out / "final")
     for name, param in loaded.named_parameters():
-        torch.testing.assert_close(param.detach().float(), first["trained"][name], atol=0, rtol=0,
-                                   msg=f"from_pretrained {name}")
+        torch.testing.assert_close(
+            param.detach().float(), first["trained"][name], atol=0, rtol=0, msg=f"from_pretrained {name}"
+        )
 
 
 def test_trainer_zero2_offload_grad_accumulation(tmp_path: Path) -> None:
     """ZeRO-2 + optimizer offload (DeepSpeedCPUAdam, as Accelerate maps AdamW), gradient accumulation 2."""
-    results = run_distributed(trainer_run, world_size=2, timeout_s=300, out=str(tmp_path),
-                              ds=H.ds_config(2, offload=True), zero3=False)
+    results = run_distributed(
+        trainer_run, world_size=2, timeout_s=300, out=str(tmp_path), ds=H.ds_config(2, offload=True), zero3=False
+    )
     reference = reference_in_parent(tmp_path / "reference")
     _check(results, reference, tmp_path, atol=2e-5)
 
@@ -127,8 +137,9 @@ def test_trainer_zero2_offload_grad_accumulation(tmp_path: Path) -> None:
 def test_trainer_zero3_bf16_zero_init(tmp_path: Path) -> None:
     """ZeRO-3 with bf16 parameters, the model built under zero.Init by `from_config`; bf16 weights against the fp32
     reference, the update as a whole to 20% of its norm (measured: 8%)."""
-    results = run_distributed(trainer_run, world_size=2, timeout_s=300, out=str(tmp_path),
-                              ds=H.ds_config(3, bf16=True), zero3=True, bf16=True)
+    results = run_distributed(
+        trainer_run, world_size=2, timeout_s=300, out=str(tmp_path), ds=H.ds_config(3, bf16=True), zero3=True, bf16=True
+    )
     assert results[0]["sharded_at_build"], "from_config did not build the model under zero.Init"
     reference = reference_in_parent(tmp_path / "reference", results[0]["initial"])
     _check(results, reference, tmp_path, atol=None, update_rtol=0.2)
