@@ -6,9 +6,8 @@ Owns the Trainer comparison table. The same script, the same Trainer run (a GPT-
 x 256, vocabulary 2048, 128 tokens, about 3.7M parameters, fp32; micro batch 2 per rank, gradient accumulation 2,
 2 ranks on gloo, one thread each), is started twice per configuration: with this environment's Python, where
 `import deepspeed` is Slipstream (the installed compat distribution, or tests/compat_hf/shim), and with the peer
-environment's Python (.bench-venv: DeepSpeed 0.19.8 and Transformers; bench/make_peer_venv.sh, then
-`.bench-venv/bin/pip install transformers accelerate`). Configurations: ZeRO-2 + optimizer offload to the CPU,
-and ZeRO-3. Figures per run (rank 0):
+environment's Python (.bench-venv: DeepSpeed 0.19.8, Transformers and Accelerate; bench/make_peer_venv.sh).
+Configurations: ZeRO-2 + optimizer offload to the CPU, and ZeRO-3. Figures per run (rank 0):
     time to first step: from the launch of the rank processes (interpreter start, imports, Trainer, engine,
                         the first optimizer step);
     samples/s:          global samples of the steps after the first two, over their wall time.
@@ -195,7 +194,7 @@ def main() -> None:
     else:
         print(
             f"no peer environment with deepspeed + transformers at {args.peer_python}: Slipstream rows only "
-            "(bash bench/make_peer_venv.sh; .bench-venv/bin/pip install transformers accelerate)"
+            "(bash bench/make_peer_venv.sh installs them)"
         )
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     started = time.time()
