@@ -25,6 +25,8 @@ _LAZY_SUBMODULES = (
     "planner",
     "checkpoint",
     "checkpointing",
+    "pipe",
+    "profiling",
 )
 _LAZY_ATTRIBUTES = {
     "initialize": "slipstream.api",
@@ -41,6 +43,8 @@ _LAZY_ATTRIBUTES = {
     "logger": "slipstream.compat.runtime_utils",
     "log_dist": "slipstream.compat.runtime_utils",
     "OnDevice": "slipstream.compat.runtime_utils",
+    "PipelineModule": "slipstream.pipe.module",
+    "PipelineEngine": "slipstream.pipe.engine",
 }
 _RENAMED = {
     "DeepSpeedEngine": "SlipstreamEngine",

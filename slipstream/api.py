@@ -95,10 +95,14 @@ def initialize(
 
         args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
-    plan = resolve(raw, world_size=dist.get_world_size(), strict=strict, hidden_size=hidden_size)
+    pipeline = _is_pipeline(model)
+    data_world = dist.get_world_size() // (int(getattr(model, "num_stages", 1)) if pipeline else 1)
+    plan = resolve(raw, world_size=data_world, strict=strict, hidden_size=hidden_size)
     log_rank0(
         "config as given, resolved: " + json.dumps(_given_keys(plan.resolved, raw), default=str), rank=dist.get_rank()
     )
+    if pipeline:
+        return _pipeline_engine(model, plan, optimizer, model_parameters, lr_scheduler, training_data, collate_fn)
     engine = SlipstreamEngine(
         model,
         plan,
@@ -109,3 +113,31 @@ def initialize(
         collate_fn=collate_fn,
     )
     return engine, engine._optimizer_to_return(), engine.training_dataloader, engine.lr_scheduler
+
+
+def _is_pipeline(model: Any) -> bool:
+    """A PipelineModule (checked without importing slipstream.pipe for other models)."""
+    import sys
+
+    pipe = sys.modules.get("slipstream.pipe.module")
+    return pipe is not None and isinstance(model, pipe.PipelineModule)
+
+
+def _pipeline_engine(
+    model: Any, plan: Any, optimizer: Any, model_parameters: Any, lr_scheduler: Any, training_data: Any, collate_fn: Any
+) -> tuple[Any, Any, Any, Any]:
+    """DeepSpeed's engine selection: a PipelineModule gets the pipeline engine (the optimizer, scheduler and
+    data loader are made by the engine's builders, which only this entry point may use)."""
+    from slipstream.engine import builders
+    from slipstream.engine.dataloader import RepeatingLoader
+    from slipstream.pipe.engine import PipelineEngine
+
+    engine = PipelineEngine(
+        model,
+        plan,
+        make_optimizer=lambda module: builders.make_basic_optimizer(module, plan, optimizer, model_parameters),
+        make_scheduler=lambda basic: builders.make_scheduler(plan, basic, lr_scheduler),
+        make_dataloader=lambda rank, world: builders.make_dataloader(plan, training_data, collate_fn, rank, world),
+        repeat=RepeatingLoader,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -81,7 +82,7 @@ class MpsAccelerator(Accelerator):
                 f"torch {torch.__version__} does not expose the default MPS generator; "
                 "use get_rng_state()/set_rng_state() instead"
             )
-        return getter()
+        return cast(torch.Generator, getter())
 
     @property
     def Stream(self) -> type[StreamLike]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.manifest import parse_dtype, verify_files
 from slipstream.checkpoint.reader import CheckpointReader, resolve_checkpoint_dir
 from slipstream.checkpoint.safetensors_io import SafetensorsWriter
+from slipstream.utils.progress import Progress
 
 MODULE_PREFIX = "module/"
 SINGLE_FILE = "model.safetensors"
@@ -106,33 +105,6 @@ def _output_dtype(stored: torch.dtype, dtype: str | None) -> torch.dtype:
     return parse_dtype(dtype)
 
 
-class _Progress:
-    """A one-line text progress bar on stderr, shown only when stderr is a terminal."""
-
-    def __init__(self, total_bytes: int, *, enabled: bool) -> None:
-        self.total = max(total_bytes, 1)
-        self.done = 0
-        self.enabled = enabled and sys.stderr.isatty()
-        self.started = time.monotonic()
-
-    def advance(self, nbytes: int, name: str) -> None:
-        self.done += nbytes
-        if not self.enabled:
-            return
-        filled = int(30 * self.done / self.total)
-        rate = self.done / max(time.monotonic() - self.started, 1e-6) / 1e6
-        sys.stderr.write(
-            f"\rexport [{'#' * filled}{'.' * (30 - filled)}] {100 * self.done / self.total:5.1f}% "
-            f"{self.done / 1e6:,.0f}/{self.total / 1e6:,.0f} MB {rate:,.0f} MB/s {name[:40]:<40}"
-        )
-        sys.stderr.flush()
-
-    def finish(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 def export_items(
     reader: CheckpointReader, *, dtype: str | None = None, exclude_frozen: bool = False
 ) -> list[ExportItem]:
@@ -158,7 +130,7 @@ def write_items(
     """Stream `items` into HF-named shards under `out_dir` (+ the index when there are several); returns the files."""
     shards = plan_shards(items, max_shard_size)
     names = shard_file_names(len(shards))
-    bar = _Progress(sum(item.nbytes for item in items), enabled=progress)
+    bar = Progress("export", sum(item.nbytes for item in items), unit="MB", scale=1e6, enabled=progress)
     written = []
     for file_name, shard in zip(names, shards):
         entries = [(item.name, item.dtype, item.shape) for item in shard]
@@ -167,7 +139,7 @@ def write_items(
                 tensor = reader.read(item.key).to(item.dtype)
                 writer.write(item.name, tensor)
                 del tensor  # one tensor in memory at a time
-                bar.advance(item.nbytes, item.name)
+                bar.advance(item.nbytes, item.name[-40:])
         written.append(out_dir / file_name)
     bar.finish()
     if len(shards) > 1:

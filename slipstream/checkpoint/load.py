@@ -21,6 +21,9 @@ from slipstream.checkpoint.deepspeed_import import DeepSpeedCheckpoint
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.reader import CheckpointReader
 from slipstream.checkpoint.state import EngineParts, collect_slices, restore_rng
+from slipstream.utils.progress import Progress
+
+_PROGRESS_FROM_BYTES = 256 * 2**20  # rank 0 shows load progress for models at least this large
 
 
 class DeepSpeedSource:
@@ -92,9 +95,13 @@ def load_engine(
     optimizer = parts.optimizer
     scalars = source.scalars
     state_scalars = (scalars.get("optimizer") or {}).get("state_scalars") or []
+    pieces = list(collect_slices(parts, for_save=False))
+    total = sum((p.hi - p.lo) * p.value.element_size() for p in pieces)
+    bar = Progress("load", total, unit="MB", scale=1e6, enabled=parts.rank == 0 and total >= _PROGRESS_FROM_BYTES)
     with torch.no_grad():
-        for piece in collect_slices(parts, for_save=False):
+        for piece in pieces:
             key = f"module/{piece.name}"
+            bar.advance((piece.hi - piece.lo) * piece.value.element_size(), piece.name[-40:])
             if key not in keys:
                 continue
             data = source.read_flat_range(key, piece.lo, piece.hi)
@@ -132,6 +139,7 @@ def load_engine(
     rng = {k.rsplit("/", 1)[-1]: source.read(k) for k in keys if k.startswith(f"rng/{parts.rank}/")}
     if rng and scalars.get("world_size", parts.world_size) == parts.world_size:
         restore_rng(rng)
+    bar.finish()
     return scalars
 
 

@@ -134,6 +134,7 @@ class TimedWork:
         self._done = True
         if self._entry.error is not None:
             raise self._failure(self._entry.error)
+        counting.record_time(self._info.kind, time.monotonic() - self._started)
         if self._finish is not None:
             self._finish()
 
@@ -173,8 +174,8 @@ def _issue(
     `shown` is what the error describes); `finish` runs once it completed. Waits unless `async_op` (the
     caller then waits)."""
     teardown.install(created=False)  # a group created elsewhere still needs its collectives drained at exit
-    counting.record(kind, shown)
     site, origin = _sites()
+    counting.record(kind, shown, site)
     identity = f"{kind} {shown.numel()} {site}"
     seq = arrivals.record(identity)
     info = OpInfo(

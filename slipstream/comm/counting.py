@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -16,19 +16,49 @@ class CollectiveCounter:
 
     calls: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     bytes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    seconds: collections.defaultdict[str, float] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(float)
+    )
+    """Time from issue to completion, for the collectives that were waited on (all but abandoned ones)."""
+    listener: Callable[[str, int, str], None] | None = None
+    """Called with (op, bytes, call site) as each collective is issued (the comms logger's verbose mode)."""
 
-    def record(self, op: str, tensor: torch.Tensor) -> None:
+    def record(self, op: str, tensor: torch.Tensor, site: str = "") -> None:
+        size = tensor.numel() * tensor.element_size()
         self.calls[op] += 1
-        self.bytes[op] += tensor.numel() * tensor.element_size()
+        self.bytes[op] += size
+        if self.listener is not None:
+            self.listener(op, size, site)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+        self.seconds.clear()
 
 
 _ACTIVE: list[CollectiveCounter] = []
 
 
-def record(op: str, tensor: torch.Tensor) -> None:
+def record(op: str, tensor: torch.Tensor, site: str = "") -> None:
     """Count one collective in every active counter."""
     for counter in _ACTIVE:
-        counter.record(op, tensor)
+        counter.record(op, tensor, site)
+
+
+def record_time(op: str, seconds: float) -> None:
+    """Add the time one collective took, from issue to completion, to every active counter."""
+    for counter in _ACTIVE:
+        counter.seconds[op] += seconds
+
+
+def start(counter: CollectiveCounter) -> None:
+    """Count into `counter` until `stop(counter)` (a counter that outlives one block: the comms logger's)."""
+    _ACTIVE.append(counter)
+
+
+def stop(counter: CollectiveCounter) -> None:
+    if counter in _ACTIVE:
+        _ACTIVE.remove(counter)
 
 
 @contextlib.contextmanager

@@ -30,12 +30,14 @@ __all__ = ["ALIASES", "COMPOSITES", "add_prefix", "composite_attribute", "compos
 
 ALIASES: dict[str, str] = {
     "slipstream.utils.zero_to_fp32": "slipstream.compat.zero_to_fp32",
-    "slipstream.checkpointing": "slipstream.compat.checkpointing",
-    "slipstream.runtime.activation_checkpointing.checkpointing": "slipstream.compat.checkpointing",
+    "slipstream.checkpointing": "slipstream.activation.checkpointing",
+    "slipstream.comm.comm": "slipstream.comm.dist_api",
+    "slipstream.runtime.activation_checkpointing.checkpointing": "slipstream.activation.checkpointing",
     "slipstream.runtime.zero": "slipstream.zero",
     "slipstream.runtime.zero.partition_parameters": "slipstream.zero.init",
     "slipstream.runtime.fp16.loss_scaler": "slipstream.zero.loss_scaler",
     "slipstream.runtime.config": "slipstream.compat.ds_config",
+    "slipstream.runtime.pipe": "slipstream.pipe",
 }
 """DeepSpeed-style path -> the module whose source it runs."""
 
@@ -50,6 +52,9 @@ COMPOSITES: dict[str, dict[str, str]] = {
     },
     "slipstream.runtime.lr_schedules": {
         "*": "slipstream.engine.lr_schedules slipstream.compat.lr_names",
+    },
+    "slipstream.constants": {
+        "TORCH_DISTRIBUTED_DEFAULT_PORT": "slipstream.comm.init:TORCH_DISTRIBUTED_DEFAULT_PORT",
     },
     "slipstream.runtime.engine": {
         "DeepSpeedEngine": "slipstream.engine.engine:SlipstreamEngine",
@@ -92,7 +97,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "estimate_zero2_model_states_mem_needs_all_cold": "slipstream.planner:estimate_zero2_model_states_mem_needs_all_cold",
     },
     "slipstream.runtime.activation_checkpointing": {
-        "checkpointing": "slipstream.compat.checkpointing",
+        "checkpointing": "slipstream.activation.checkpointing",
     },
     "slipstream.runtime.zero.offload_config": {
         "DeepSpeedZeroOffloadParamConfig": f"{_CFG}.zero:OffloadParamConfig",

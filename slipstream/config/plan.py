@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 __all__ = [
+    "ActivationCheckpointPlan",
     "AioPlan",
     "BatchPlan",
     "CheckpointPlan",
@@ -19,7 +20,11 @@ __all__ = [
     "EnginePlan",
     "LoggingPlan",
     "LossScalePlan",
+    "CometPlan",
+    "CommsLogPlan",
+    "FlopsProfilePlan",
     "MonitorPlan",
+    "WandbPlan",
     "NoOffloadTarget",
     "NvmeTarget",
     "OffloadTarget",
@@ -182,6 +187,29 @@ class SchedulerPlan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class WandbPlan:
+    """The `wandb` section, enabled: Weights & Biases run settings."""
+
+    project: str
+    group: str | None
+    team: str | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CometPlan:
+    """The `comet` section, enabled: Comet experiment settings."""
+
+    project: str | None
+    workspace: str | None
+    api_key: str | None
+    experiment_name: str | None
+    experiment_key: str | None
+    online: bool | None
+    mode: str | None
+    samples_log_interval: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class MonitorPlan:
     """Output paths of the enabled monitors; None means that monitor is disabled."""
 
@@ -189,6 +217,40 @@ class MonitorPlan:
     csv_job_name: str
     tensorboard_output_path: str | None
     tensorboard_job_name: str
+    wandb: WandbPlan | None = None
+    comet: CometPlan | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FlopsProfilePlan:
+    """The `flops_profiler` section, enabled: profile one step's forward and print it."""
+
+    profile_step: int
+    module_depth: int
+    top_modules: int
+    detailed: bool
+    output_file: str | None
+    recompute_fwd_factor: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommsLogPlan:
+    """The `comms_logger` section, enabled: per-collective counts, bytes and time."""
+
+    verbose: bool
+    prof_all: bool
+    prof_ops: tuple[str, ...]
+    debug: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationCheckpointPlan:
+    """The `activation_checkpointing` section (slipstream.checkpointing); every option off by default."""
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    synchronize: bool = False
+    profile: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -198,6 +260,16 @@ class LoggingPlan:
     steps_per_print: int | None
     wall_clock_breakdown: bool
     monitor: MonitorPlan
+    flops_profile: FlopsProfilePlan | None = None
+    comms_log: CommsLogPlan | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelinePlan:
+    """What the pipeline engine takes from the `pipeline` section (slipstream/pipe/engine.py)."""
+
+    activation_checkpoint_interval: int
+    """Layers per activation checkpoint; > 0 overrides the PipelineModule's own interval (as in DeepSpeed)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -213,8 +285,12 @@ class EnginePlan:
     logging: LoggingPlan
     dataloader_drop_last: bool
     checkpoint: CheckpointPlan
+    pipeline: PipelinePlan
     collective_timeout: float | None
     """Seconds before a collective that some rank never reached raises; None: the environment's default."""
+    activation_checkpointing: ActivationCheckpointPlan | None = None
+    """The `activation_checkpointing` section when the config has one (the engine configures
+    slipstream.checkpointing with it); None leaves that module's own configuration alone."""
     unimplemented: tuple[str, ...]
     """Dotted keys the user set that Slipstream accepts but does not implement yet (the engine warns once
     each)."""

@@ -35,11 +35,15 @@ from slipstream.config.errors import ConfigError, ConfigWarning, pydantic_proble
 from slipstream.config.keys import BATCH_KEYS, KeyWalk, unimplemented_keys
 from slipstream.config.optimizers import DEEPSPEED_ONLY, REGISTRY, spec_for
 from slipstream.config.plan import (
+    ActivationCheckpointPlan,
     AioPlan,
     BatchPlan,
     CheckpointPlan,
+    CometPlan,
+    CommsLogPlan,
     CpuTarget,
     EnginePlan,
+    FlopsProfilePlan,
     LoggingPlan,
     LossScalePlan,
     MonitorPlan,
@@ -47,11 +51,14 @@ from slipstream.config.plan import (
     NvmeTarget,
     OffloadTarget,
     OptimizerPlan,
+    PipelinePlan,
     PrecisionPlan,
     SchedulerPlan,
     Stage3Plan,
+    WandbPlan,
     ZeroPlan,
 )
+from slipstream.config.schema.misc import ActivationCheckpointingConfig
 from slipstream.config.schema.top import DeepSpeedConfig
 from slipstream.config.schema.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
@@ -112,7 +119,11 @@ def resolve(
         logging=_logging_plan(cfg),
         dataloader_drop_last=cfg.dataloader_drop_last,
         checkpoint=CheckpointPlan(tag_validation=cfg.checkpoint.tag_validation),
+        pipeline=PipelinePlan(activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval),
         collective_timeout=cfg.collective_timeout,
+        activation_checkpointing=_activation_plan(cfg.activation_checkpointing)
+        if "activation_checkpointing" in cfg.model_fields_set
+        else None,
         unimplemented=tuple(dict.fromkeys(unimplemented)),
         resolved=_resolved(cfg, batch),
     )
@@ -355,16 +366,65 @@ def _scheduler_plan(cfg: DeepSpeedConfig, problems: list[str]) -> SchedulerPlan 
     return SchedulerPlan(name=name, params=dict(cfg.scheduler.params))
 
 
+def _activation_plan(section: ActivationCheckpointingConfig) -> ActivationCheckpointPlan:
+    return ActivationCheckpointPlan(
+        partition_activations=section.partition_activations,
+        cpu_checkpointing=section.cpu_checkpointing,
+        synchronize=section.synchronize_checkpoint_boundary,
+        profile=section.profile,
+    )
+
+
+def activation_checkpoint_plan(section: dict[str, Any]) -> ActivationCheckpointPlan:
+    """The plan of a raw `activation_checkpointing` section alone (slipstream.checkpointing.configure's
+    `deepspeed_config`); a bad key raises ConfigError as a whole config would."""
+    try:
+        return _activation_plan(ActivationCheckpointingConfig.model_validate(section))
+    except ValidationError as exc:
+        raise ConfigError(pydantic_problems(exc, prefix=("activation_checkpointing",))) from None
+
+
 def _logging_plan(cfg: DeepSpeedConfig) -> LoggingPlan:
-    csv, board = cfg.csv_monitor, cfg.tensorboard
+    csv, board, wandb, comet = cfg.csv_monitor, cfg.tensorboard, cfg.wandb, cfg.comet
     monitor = MonitorPlan(
         csv_output_path=csv.output_path if csv.enabled else None,
         csv_job_name=csv.job_name,
         tensorboard_output_path=board.output_path if board.enabled else None,
         tensorboard_job_name=board.job_name,
+        wandb=WandbPlan(project=wandb.project, group=wandb.group, team=wandb.team) if wandb.enabled else None,
+        comet=CometPlan(
+            project=comet.project,
+            workspace=comet.workspace,
+            api_key=comet.api_key,
+            experiment_name=comet.experiment_name,
+            experiment_key=comet.experiment_key,
+            online=comet.online,
+            mode=comet.mode,
+            samples_log_interval=comet.samples_log_interval,
+        )
+        if comet.enabled
+        else None,
     )
+    flops, comms = cfg.flops_profiler, cfg.comms_logger
     return LoggingPlan(
-        steps_per_print=cfg.steps_per_print, wall_clock_breakdown=cfg.wall_clock_breakdown, monitor=monitor
+        steps_per_print=cfg.steps_per_print,
+        wall_clock_breakdown=cfg.wall_clock_breakdown,
+        monitor=monitor,
+        flops_profile=FlopsProfilePlan(
+            profile_step=flops.profile_step,
+            module_depth=flops.module_depth,
+            top_modules=flops.top_modules,
+            detailed=flops.detailed,
+            output_file=flops.output_file,
+            recompute_fwd_factor=flops.recompute_fwd_factor,
+        )
+        if flops.enabled
+        else None,
+        comms_log=CommsLogPlan(
+            verbose=comms.verbose, prof_all=comms.prof_all, prof_ops=tuple(comms.prof_ops), debug=comms.debug
+        )
+        if comms.enabled
+        else None,
     )
 
 

@@ -14,9 +14,9 @@ from torch import nn
 
 from slipstream.config.plan import EnginePlan, LossScalePlan, MonitorPlan
 from slipstream.engine.dataloader import make_training_dataloader
-from slipstream.engine.monitor import CsvMonitor, TensorboardMonitor
+from slipstream.engine.monitor import CometMonitor, CsvMonitor, TensorboardMonitor, WandbMonitor
 from slipstream.offload.policy import host_available_bytes
-from slipstream.utils.errors import ArgumentError, ArgumentTypeError
+from slipstream.utils.errors import ArgumentTypeError
 from slipstream.utils.logging import log_rank0, warn_once
 from slipstream.zero.optimizer import ZeroOptimizer
 
@@ -104,9 +104,7 @@ def log_memory_plan(plan: EnginePlan, module: nn.Module, *, world_size: int, ran
     log_rank0(line, rank=rank)
 
 
-def make_scheduler(
-    plan: EnginePlan, optimizer: torch.optim.Optimizer | None, client: Any, client_optimizer: Any
-) -> Any:
+def make_scheduler(plan: EnginePlan, optimizer: torch.optim.Optimizer | None, client: Any) -> Any:
     """The client's scheduler (instance, or callable of the optimizer), else the config's, else None. A client
     scheduler wins over a `scheduler` config section, with a warning naming both (DeepSpeed: silently)."""
     if client is not None:
@@ -119,11 +117,14 @@ def make_scheduler(
             )
         if callable(client) and not hasattr(client, "step"):
             return client(optimizer)
-        if client_optimizer is not None and not isinstance(client_optimizer, torch.optim.Optimizer):
-            raise ArgumentError(
-                f"initialize(lr_scheduler=<{type(client).__name__} object>) with optimizer=<callable>: a "
-                "scheduler object is bound to an optimizer that already exists, but the optimizer is built by "
-                "the engine; pass lr_scheduler as a callable (optimizer -> scheduler), or pass an optimizer object"
+        if getattr(client, "optimizer", optimizer) is not optimizer:
+            # DeepSpeed means to assert here, but its check is dead on torch >= 2 (schedulers are no longer
+            # `_LRScheduler`s), so its callers get the object back: so do ours, with a warning
+            warn_once(
+                f"foreign-scheduler:{id(client)}",
+                f"slipstream: initialize(lr_scheduler=<{type(client).__name__} object>) is bound to another "
+                "optimizer than the engine's, so its learning rates do not reach training; pass lr_scheduler as "
+                "a callable (optimizer -> scheduler), or build it on the optimizer object you pass",
             )
         return client
     if plan.scheduler is None or optimizer is None:
@@ -160,6 +161,10 @@ def make_monitors(plan: MonitorPlan) -> list[Any]:
         monitors.append(CsvMonitor(plan.csv_output_path, plan.csv_job_name))
     if plan.tensorboard_output_path is not None:
         monitors.append(TensorboardMonitor(plan.tensorboard_output_path, plan.tensorboard_job_name))
+    if plan.wandb is not None:
+        monitors.append(WandbMonitor(plan.wandb))
+    if plan.comet is not None:
+        monitors.append(CometMonitor(plan.comet))
     return monitors
 
 

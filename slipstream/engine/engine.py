@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from slipstream.accelerator import get_accelerator
+from slipstream.activation import checkpointing
 from slipstream.comm import collectives
 from slipstream.compat.engine_getters import EngineGetters
 from slipstream.compat.engine_methods import DeepSpeedEngineMethods
@@ -35,7 +36,9 @@ from slipstream.engine import builders
 from slipstream.engine.checkpointing import Checkpointing
 from slipstream.engine.model_saving import ModelSaving
 from slipstream.engine.monitor import StepFigures
+from slipstream.engine.observe import CommsLog, StepProfiler
 from slipstream.utils.logging import get_logger, log_rank0, warn_once
+from slipstream.utils.progress import Progress
 from slipstream.zero.build import build_zero
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
@@ -85,12 +88,28 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
             self.optimizer.param_names = self._param_names
             builders.check_host_memory(self.optimizer, rank=self.global_rank)
         builders.log_memory_plan(plan, self.module, world_size=self.world_size, rank=self.global_rank)
-        self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler, optimizer)
+        self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler)
         self.loss_scaler = builders.make_loss_scaler(plan.precision.loss_scale)
         self.training_dataloader = builders.make_dataloader(
             plan, training_data, collate_fn, self.global_rank, self.world_size
         )
         self.monitors = builders.make_monitors(plan.logging.monitor) if self.global_rank == 0 else []
+        flops, comms = plan.logging.flops_profile, plan.logging.comms_log
+        self._step_profiler = (
+            None
+            if flops is None
+            else StepProfiler(
+                flops, self.module, rank=self.global_rank, accumulation=plan.batch.gradient_accumulation_steps
+            )
+        )
+        self._comms_log = None if comms is None else CommsLog(comms, rank=self.global_rank)
+        self._progress = (
+            Progress("train", unit="step", lines=False)  # a bar in a terminal; the step lines otherwise
+            if self.global_rank == 0 and plan.logging.steps_per_print
+            else None
+        )
+        if plan.activation_checkpointing is not None:
+            checkpointing.configure_from_plan(plan.activation_checkpointing)
 
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._window_micro_steps = 0  # micro-batches stepped since the last optimizer step (or load)
@@ -133,7 +152,11 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         dtype = DTYPES[self.plan.precision.param_dtype]
         if dtype != torch.float32:
             inputs, kwargs = builders.cast_floating((inputs, kwargs), dtype)
-        output = self.module(*inputs, **kwargs)
+        if self._step_profiler is None:
+            output = self.module(*inputs, **kwargs)
+        else:
+            first = self._window_micro_steps == 0
+            output = self._step_profiler.forward(lambda: self.module(*inputs, **kwargs), self.global_steps, first)
         self._timers["forward"] += time.perf_counter() - started
         return output
 
@@ -242,6 +265,8 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
             self.lr_scheduler.step(**lr_kwargs)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        if self._step_profiler is not None:
+            self._step_profiler.step_ended(self.global_steps)
         self._finish_window()
 
     def _finish_window(self) -> None:
@@ -253,7 +278,13 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         totals.zero_()
         self._user_scaled_window = False
         every = self.plan.logging.steps_per_print
-        if self.global_rank != 0 or not every or self.global_steps % every != 0:
+        if self._progress is not None:
+            self._progress.advance(1, "" if self._last_loss is None else f"loss {self._last_loss:.4f}")
+        if not every or self.global_steps % every != 0:
+            return
+        if self._comms_log is not None:
+            self._comms_log.report()  # every rank resets its own counts; rank 0 prints
+        if self.global_rank != 0:
             return
         elapsed = time.perf_counter() - self._window_started
         figures = StepFigures(
@@ -266,6 +297,14 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
             samples_per_s=every * self.train_batch_size() / max(elapsed, 1e-9),
             step_time_s=elapsed / every,
             breakdown=dict(self._timers) if self.plan.logging.wall_clock_breakdown else None,
+            memory_bytes=self.accelerator.memory_allocated() if self.monitors else None,
+            rates=""
+            if self._step_profiler is None
+            else self._step_profiler.rates(
+                elapsed / every,
+                self.accelerator.device_name(),
+                DTYPES[self.plan.precision.param_dtype],
+            ),
         )
         log_rank0(figures.line(), rank=self.global_rank)
         if self.loss_scaler is not None and (report := self.loss_scaler.take_report()):
@@ -297,7 +336,20 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         self.training = mode
         return self
 
+    def comms_summary(self) -> str:
+        """The comms logger's summary of the collectives since the last one (DeepSpeed's `comms_summary`)."""
+        if self._comms_log is None:
+            raise RuntimeError(
+                "engine.comms_summary(): the comms logger is off; enable it with "
+                '"comms_logger": {"enabled": true} in the config'
+            )
+        return self._comms_log.report()
+
     def destroy(self) -> None:
+        if self._comms_log is not None:
+            self._comms_log.close()
+        if self._progress is not None:
+            self._progress.finish()
         if self.optimizer is not None:
             self.optimizer.remove_hooks()
         if self.zero_model is not None:

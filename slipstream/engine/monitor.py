@@ -1,7 +1,8 @@
 """Training figures: the rank-0 progress line every `steps_per_print` steps, and the csv/tensorboard monitors.
 
 Events use DeepSpeed's names (`Train/Samples/train_loss`, `Train/Samples/lr`, `Train/Samples/loss_scale`,
-`Train/Samples/grad_norm`), indexed by global samples as DeepSpeed does. The csv monitor writes one file per
+`Train/Samples/grad_norm`), indexed by global samples as DeepSpeed does, plus `Train/Samples/samples_per_sec` and
+`Train/Samples/memory_bytes` (what `slipstream plot` draws). The csv monitor writes one file per
 event, `<output_path>/<job_name>/<event with / as _>.csv`, with a `step,value` header.
 """
 
@@ -12,6 +13,8 @@ import dataclasses
 import os
 from pathlib import Path
 from typing import Any
+
+from slipstream.config.plan import CometPlan, WandbPlan
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,6 +28,8 @@ class StepFigures:
     samples_per_s: float
     step_time_s: float
     breakdown: dict[str, float] | None = None
+    rates: str = ""  # achieved FLOP/s and MFU once the flops profiler has counted a step
+    memory_bytes: int | None = None  # the accelerator's allocated bytes (process RSS on the CPU)
 
     def line(self) -> str:
         parts = [
@@ -36,6 +41,8 @@ class StepFigures:
         if self.loss_scale is not None:
             parts.append(f"loss_scale {self.loss_scale:g}")
         parts += [f"{self.samples_per_s:.1f} samples/s", f"step {self.step_time_s * 1000:.1f} ms"]
+        if self.rates:
+            parts.append(self.rates)
         if self.breakdown:
             parts.append(" ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.breakdown.items()))
         return " | ".join(parts)
@@ -48,6 +55,9 @@ class StepFigures:
             out["Train/Samples/grad_norm"] = self.grad_norm
         if self.loss_scale is not None:
             out["Train/Samples/loss_scale"] = self.loss_scale
+        out["Train/Samples/samples_per_sec"] = self.samples_per_s
+        if self.memory_bytes is not None:
+            out["Train/Samples/memory_bytes"] = float(self.memory_bytes)
         return out
 
 
@@ -82,3 +92,52 @@ class TensorboardMonitor:
         for name, value in events.items():
             self.writer.add_scalar(name, value, samples)
         self.writer.flush()
+
+
+def _import(package: str, section: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ImportError as exc:
+        raise RuntimeError(
+            f"the {section} section is enabled but the {package} package is not installed; "
+            f"`pip install {package.replace('_', '-')}` or set {section}.enabled to false"
+        ) from exc
+
+
+class WandbMonitor:
+    """Weights & Biases: one run per job (rank 0 only), the step line's figures indexed by samples."""
+
+    def __init__(self, plan: WandbPlan) -> None:
+        self.wandb = _import("wandb", "wandb")
+        self.run = self.wandb.init(project=plan.project, group=plan.group, entity=plan.team)
+
+    def write(self, events: dict[str, float], samples: int) -> None:
+        self.wandb.log(dict(events), step=samples)
+
+
+class CometMonitor:
+    """Comet: one experiment (rank 0 only); figures logged every `samples_log_interval` samples."""
+
+    def __init__(self, plan: CometPlan) -> None:
+        comet = _import("comet_ml", "comet")
+        options = {
+            "api_key": plan.api_key,
+            "project": plan.project,
+            "workspace": plan.workspace,
+            "experiment_key": plan.experiment_key,
+            "mode": plan.mode,
+            "online": plan.online,
+        }
+        self.experiment = comet.start(**{k: v for k, v in options.items() if v is not None})
+        if plan.experiment_name is not None:
+            self.experiment.set_name(plan.experiment_name)
+        self.interval = plan.samples_log_interval
+        self._last_logged: int | None = None
+
+    def write(self, events: dict[str, float], samples: int) -> None:
+        if self._last_logged is not None and samples - self._last_logged < self.interval:
+            return
+        self.experiment.log_metrics(dict(events), step=samples)
+        self._last_logged = samples

@@ -13,6 +13,9 @@
 - `continue_stopped_ranks_on_close()`: the elastic agent follows the signal that stops a rank with SIGCONT,
   so a rank stopped by SIGSTOP ends with the job instead of after the agent's grace period (see the function).
 - `live_groups()`: every process group torch.distributed has registered (the default one and subgroups).
+- `backward_input(outputs, grads, inputs, weights)` / `backward_weight(weights, state)`: split one backward into
+  the input-gradient part and the weight-gradient part (the zero-bubble schedules, pipe/runtime.py); torch's
+  pipelining keeps the graph walk that saves the intermediates between them in a private module.
 - `forget_destroyed_groups()`: drop the references `torch.distributed.nn.functional` keeps to destroyed
   groups, so a destroyed group can be freed and its worker threads joined (see the function).
 """
@@ -35,7 +38,7 @@ def no_subclass_dispatch() -> Any:
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined, unused-ignore]
 
 
 def storage_use_count(tensor: torch.Tensor) -> int | None:
@@ -103,3 +106,18 @@ def continue_stopped_ranks_on_close() -> None:
 
     close._slipstream = True  # type: ignore[attr-defined]
     SubprocessHandler.close = close  # type: ignore[method-assign]
+
+
+def backward_input(outputs: Any, grads: Any, inputs: Any, weights: Any) -> Any:
+    """Gradients of `inputs` only (set as their .grad); returns what `backward_weight` needs."""
+    from torch.distributed.pipelining import _backward
+
+    _, state = _backward.stage_backward_input(outputs, grads, inputs, iter(weights))
+    return state
+
+
+def backward_weight(weights: Any, state: Any) -> None:
+    """The weight gradients of a split backward, added to each weight's .grad (no accumulation hooks run)."""
+    from torch.distributed.pipelining import _backward
+
+    _backward.stage_backward_weight(iter(weights), state)

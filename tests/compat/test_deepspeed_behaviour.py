@@ -116,11 +116,14 @@ def test_argument_errors_are_also_assertion_errors(tmp_path: Path) -> None:
             with pytest.raises(caught, match=text):
                 slipstream.initialize(**kwargs)
     model = TinyMLP()
+    # a scheduler object bound to another optimizer: returned as given, with a warning
     client_scheduler = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), step_size=1)
-    with pytest.raises(AssertionError, match="lr_scheduler as a callable"):
-        slipstream.initialize(
+    with pytest.warns(UserWarning, match="bound to another optimizer"):
+        engine, _, _, scheduler = slipstream.initialize(
             model=model, config=BASE, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), lr_scheduler=client_scheduler
         )
+    assert scheduler is client_scheduler
+    engine.destroy()
 
 
 def test_zero_one_are_booleans_and_allgather_alignment() -> None:

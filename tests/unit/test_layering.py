@@ -66,8 +66,21 @@ def test_zero_reaches_compat_only_for_the_parameter_attributes() -> None:
     assert not bad, f"zero/ may use compat's ds_* attribute mixin (a leaf) and nothing else of compat: {bad}"
 
 
+def test_pipe_builds_on_zero_and_comm_but_not_the_engine() -> None:
+    allowed = {"accelerator", "config", "comm", "zero", "offload", "checkpoint", "planner"} | LEAF_HELPERS
+    bad = _violations(_imports(), "pipe", allowed)
+    assert not bad, f"pipe/ runs stages over zero/ and comm/; the engine's builders reach it from api.py: {bad}"
+
+
 def test_the_rules_see_a_violation() -> None:
     graph = {"slipstream.comm.x": {"slipstream.zero.layout"}, "slipstream.config.y": {"slipstream.utils.logging"}}
     assert _violations(graph, "comm", set(LEAF_HELPERS)) == ["slipstream.comm.x imports slipstream.zero.layout"]
     assert _violations(graph, "config", set(LEAF_HELPERS)) == []
     assert "slipstream.zero.build" in _imports()
+
+
+def test_profiling_and_activation_checkpointing_know_no_training_machinery() -> None:
+    graph = _imports()
+    bad = _violations(graph, "profiling", set(LEAF_HELPERS))
+    bad += _violations(graph, "activation", {"accelerator", "config", "comm"} | LEAF_HELPERS)
+    assert not bad, f"profiling/ measures any module; activation/ wraps any function: {bad}"

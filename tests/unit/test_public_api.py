@@ -50,3 +50,19 @@ def test_every_listed_module_is_importable_and_every_name_present() -> None:
     tree = snapshot()
     assert set(tree) == set(PUBLIC_API)
     assert all(set(tree[module]) == set(names) for module, names in PUBLIC_API.items())
+
+
+def test_every_public_module_is_type_checked_strictly() -> None:
+    from pathlib import Path
+
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+ (mypy runs in the main cell only)
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    (strict,) = [o for o in pyproject["tool"]["mypy"]["overrides"] if o.get("disallow_untyped_defs")]
+
+    def covered(module: str, pattern: str) -> bool:  # mypy's rule: "a.*" is a and everything below it
+        return module == pattern or (pattern.endswith(".*") and (module + ".").startswith(pattern[:-1]))
+
+    loose = [m for m in PUBLIC_API if not any(covered(m, pattern) for pattern in strict["module"])]
+    assert not loose, f"public modules missing from the strict mypy override in pyproject.toml: {loose}"

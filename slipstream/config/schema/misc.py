@@ -29,6 +29,13 @@ __all__ = [
 class ActivationCheckpointingConfig(DSModel):
     """`activation_checkpointing` (`deepspeed.checkpointing.configure`)."""
 
+    IMPLEMENTED = {
+        "partition_activations": "activation_checkpointing.partition_activations",
+        "synchronize_checkpoint_boundary": "activation_checkpointing.synchronize",
+        "profile": "activation_checkpointing.profile",
+        "cpu_checkpointing": "activation_checkpointing.cpu_checkpointing",
+    }
+
     partition_activations: DSBool = False
     """Partition checkpointed activations across model-parallel ranks."""
     number_checkpoints: DSInt | None = None
@@ -122,6 +129,8 @@ class AioConfig(DSModel):
 
 class PipelineConfig(OpenSection):
     """`pipeline`: pipeline parallelism."""
+
+    IMPLEMENTED = {"activation_checkpoint_interval": "pipeline.activation_checkpoint_interval"}
 
     LITERAL_AUTO = frozenset({"stages"})
     stages: Literal["auto"] | DSInt = "auto"

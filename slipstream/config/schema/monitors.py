@@ -54,6 +54,13 @@ class CSVConfig(DSModel):
 class WandbConfig(DSModel):
     """`wandb`: log to Weights & Biases."""
 
+    IMPLEMENTED = {
+        "enabled": "logging.monitor.wandb",
+        "group": "logging.monitor.wandb.group",
+        "team": "logging.monitor.wandb.team",
+        "project": "logging.monitor.wandb.project",
+    }
+
     enabled: DSBool = False
     """Log to W&B."""
     group: str | None = None
@@ -66,6 +73,18 @@ class WandbConfig(DSModel):
 
 class CometConfig(DSModel):
     """`comet`: log to Comet."""
+
+    IMPLEMENTED = {
+        "enabled": "logging.monitor.comet",
+        "samples_log_interval": "logging.monitor.comet.samples_log_interval",
+        "project": "logging.monitor.comet.project",
+        "workspace": "logging.monitor.comet.workspace",
+        "api_key": "logging.monitor.comet.api_key",
+        "experiment_name": "logging.monitor.comet.experiment_name",
+        "experiment_key": "logging.monitor.comet.experiment_key",
+        "online": "logging.monitor.comet.online",
+        "mode": "logging.monitor.comet.mode",
+    }
 
     enabled: DSBool = False
     """Log to Comet."""
@@ -90,6 +109,14 @@ class CometConfig(DSModel):
 class CommsLoggerConfig(DSModel):
     """`comms_logger`: log every collective."""
 
+    IMPLEMENTED = {
+        "enabled": "logging.comms_log",
+        "verbose": "logging.comms_log.verbose",
+        "prof_all": "logging.comms_log.prof_all",
+        "prof_ops": "logging.comms_log.prof_ops",
+        "debug": "logging.comms_log.debug",
+    }
+
     enabled: DSBool = False
     """Log collectives."""
     verbose: DSBool = False
@@ -104,6 +131,16 @@ class CommsLoggerConfig(DSModel):
 
 class FlopsProfilerConfig(DSModel):
     """`flops_profiler`: profile one step's FLOPs and latency."""
+
+    IMPLEMENTED = {
+        "enabled": "logging.flops_profile",
+        "recompute_fwd_factor": "logging.flops_profile.recompute_fwd_factor",
+        "profile_step": "logging.flops_profile.profile_step",
+        "module_depth": "logging.flops_profile.module_depth",
+        "top_modules": "logging.flops_profile.top_modules",
+        "detailed": "logging.flops_profile.detailed",
+        "output_file": "logging.flops_profile.output_file",
+    }
 
     enabled: DSBool = False
     """Run the profiler."""

@@ -67,6 +67,6 @@ class FusedAdam(torch.optim.Adam):
         except RuntimeError:  # no fused kernel for these parameters' device or dtype
             super().__init__(param_list, foreach=True, **common)
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override]
+    def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override, unused-ignore]
         """DeepSpeed's FusedAdam: gradients become None when `set_grad_none` (the default), else zeros."""
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)

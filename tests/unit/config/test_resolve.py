@@ -173,7 +173,7 @@ def test_unimplemented_lists_what_the_user_set() -> None:
                 },
                 "flops_profiler": {"enabled": True},
                 "wandb": {"enabled": False, "project": "p"},
-                "activation_checkpointing": {"partition_activations": True, "profile": False},
+                "activation_checkpointing": {"contiguous_memory_optimization": True, "profile": False},
                 "hybrid_engine": {"enabled": True, "max_out_tokens": 512},
                 "sparse_attention": {"mode": "fixed"},
                 "memory_breakdown": True,
@@ -188,17 +188,16 @@ def test_unimplemented_lists_what_the_user_set() -> None:
     assert set(plan.unimplemented) == {
         "zero_optimization.round_robin_gradients",
         "zero_optimization.zenflow",
-        "flops_profiler",
-        "activation_checkpointing.partition_activations",
+        "activation_checkpointing.contiguous_memory_optimization",
         "hybrid_engine",
         "sparse_attention",
         "memory_breakdown",
         "bf16.immediate_grad_update",
         "data_types.param_dtype",
         "optimizer.type=onebitadam",
-        "comet",
     }
     assert plan.logging.monitor.csv_output_path == "/tmp/csv"
+    assert plan.logging.flops_profile is not None and plan.logging.monitor.comet is not None
 
 
 def test_implemented_keys_are_not_listed() -> None:
@@ -235,7 +234,6 @@ def test_implemented_keys_are_not_listed() -> None:
         {"compression_training": {"weight_quantization": {}}},
         {"data_efficiency": {"enabled": True}},
         {"tensor_parallel": {"autotp_size": 2}},
-        {"comms_logger": {"enabled": True}},
         {"aio": {"use_gds": True}},
         {"checkpoint": {"load_universal": True}},
         {"compile": {"deepcompile": True}},

@@ -1,0 +1,1 @@
+"""Activation checkpointing: DeepSpeed's `deepspeed.checkpointing` API on `torch.utils.checkpoint`."""

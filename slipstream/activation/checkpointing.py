@@ -1,0 +1,289 @@
+"""DeepSpeed's `deepspeed.checkpointing` on `torch.utils.checkpoint` (non-reentrant).
+
+`checkpoint(function, *args)` runs `function` without keeping its intermediate activations and recomputes
+them in the backward pass. The RNG state (CPU and accelerator) is restored for the recomputation, so dropout
+masks equal those of the first forward, and a run equals one without checkpointing.
+
+Options (`configure()` or the `activation_checkpointing` config section):
+- `partition_activations`: each rank of the model-parallel group keeps 1/N of every checkpointed input
+  (inputs are replicated within the group in a tensor-parallel region); the recomputation all-gathers it.
+- `cpu_checkpointing` / `checkpoint_in_cpu`: checkpointed inputs wait in host memory (moved through the
+  accelerator layer) until the recomputation.
+- `synchronize_checkpoint_boundary`: synchronise the device around each checkpointed forward.
+- `profile`: log the time of each checkpointed forward.
+`contiguous_memory_optimization` and `number_checkpoints` (copying partitions into one preallocated buffer)
+are not implemented: setting them is reported.
+
+`selective_checkpoint(function, *args)` keeps the outputs of matmul-class ops and recomputes only the cheap
+ones (torchtitan's selective activation checkpointing), trading some memory for less recomputation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import checkpoint as torch_checkpoint
+
+from slipstream.accelerator import get_accelerator
+from slipstream.activation.rng import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from slipstream.config.plan import ActivationCheckpointPlan
+from slipstream.utils.logging import get_logger, warn_once
+
+__all__ = [
+    "checkpoint",
+    "configure",
+    "get_cuda_rng_tracker",
+    "is_configured",
+    "model_parallel_cuda_manual_seed",
+    "model_parallel_rank",
+    "non_reentrant_checkpoint",
+    "partition_activations_in_checkpoint",
+    "reset",
+    "selective_checkpoint",
+    "set_num_layers",
+]
+
+_settings = ActivationCheckpointPlan()
+_mpu: Any = None
+_configured = False
+
+
+# ---- configuration ----
+def configure(
+    mpu_: Any,
+    deepspeed_config: Any = None,
+    partition_activations: bool | None = None,
+    contiguous_checkpointing: bool | None = None,
+    num_checkpoints: int | None = None,
+    checkpoint_in_cpu: bool | None = None,
+    synchronize: bool | None = None,
+    profile: bool | None = None,
+) -> None:
+    """Set the options (DeepSpeed's signature): the config's `activation_checkpointing` section first, then
+    the arguments that are not None. `mpu_` gives the model-parallel group (`get_tensor_model_parallel_group()`
+    or `get_model_parallel_group()`)."""
+    global _settings, _mpu, _configured
+    settings = ActivationCheckpointPlan()
+    if deepspeed_config is not None:
+        settings = _section_of(deepspeed_config)
+    overrides = {
+        "partition_activations": partition_activations,
+        "cpu_checkpointing": checkpoint_in_cpu,
+        "synchronize": synchronize,
+        "profile": profile,
+    }
+    settings = dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+    if contiguous_checkpointing or num_checkpoints is not None:
+        _report_unimplemented("contiguous_checkpointing / num_checkpoints")
+    if mpu_ is not None:
+        _mpu = mpu_
+    _settings, _configured = settings, True
+
+
+def configure_from_plan(plan: ActivationCheckpointPlan) -> None:
+    """The engine's call when the config has an `activation_checkpointing` section (DeepSpeed leaves that
+    to the client's `configure(mpu, deepspeed_config=...)`; here the section works either way)."""
+    global _settings, _configured
+    _settings, _configured = plan, True
+
+
+def _section_of(deepspeed_config: Any) -> ActivationCheckpointPlan:
+    from slipstream.config.load import load_config
+    from slipstream.config.resolve import activation_checkpoint_plan
+
+    raw = deepspeed_config if isinstance(deepspeed_config, dict) else getattr(deepspeed_config, "config", None)
+    raw = load_config(deepspeed_config) if raw is None else raw
+    plan = activation_checkpoint_plan(raw.get("activation_checkpointing", {}))
+    return plan if plan is not None else ActivationCheckpointPlan()
+
+
+def _report_unimplemented(what: str) -> None:
+    warn_once(
+        f"activation-checkpointing:{what}",
+        f"slipstream.checkpointing: {what} (a contiguous buffer for partitioned activations) is not "
+        "implemented; checkpoints are kept as separate tensors",
+    )
+
+
+def is_configured() -> bool:
+    return _configured
+
+
+def reset() -> None:
+    """DeepSpeed frees its contiguous buffers here; nothing is buffered across calls in Slipstream."""
+
+
+def partition_activations_in_checkpoint(partition_activation: bool) -> None:
+    global _settings
+    _settings = dataclasses.replace(_settings, partition_activations=partition_activation)
+
+
+def set_num_layers(nlayers: int) -> None:
+    """Used by DeepSpeed's contiguous buffers only (not implemented here): reported when called."""
+    _report_unimplemented("set_num_layers")
+
+
+def model_parallel_group(mpu: Any = None) -> Any:
+    mpu = mpu if mpu is not None else _mpu
+    if mpu is None:
+        return None
+    getter = getattr(mpu, "get_tensor_model_parallel_group", None) or mpu.get_model_parallel_group
+    return getter()
+
+
+def model_parallel_rank(mpu: Any = None) -> int:
+    mpu = mpu if mpu is not None else _mpu
+    if mpu is None:
+        return 0
+    getter = getattr(mpu, "get_tensor_model_parallel_rank", None) or mpu.get_model_parallel_rank
+    return int(getter())
+
+
+# ---- checkpointed calls ----
+def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run `function(*args, **kwargs)` keeping only its inputs; its activations are recomputed in backward."""
+    group = model_parallel_group() if _settings.partition_activations else None
+    group_size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    stash = _Stash(group if group_size > 1 else None, _settings.cpu_checkpointing)
+    stored = stash.keep(args)
+
+    def recompute(*kept: Any) -> Any:
+        return function(*stash.restore(kept), **kwargs)
+
+    if _settings.synchronize:
+        get_accelerator().synchronize()
+    started = time.perf_counter()
+    output = torch_checkpoint.checkpoint(recompute, *stored, use_reentrant=False, preserve_rng_state=True)
+    if _settings.synchronize:
+        get_accelerator().synchronize()
+    if _settings.profile:
+        get_logger().info("checkpointed forward of %s: %.3f ms", _name(function), (time.perf_counter() - started) * 1e3)
+    return output
+
+
+non_reentrant_checkpoint = checkpoint
+
+
+def selective_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Like `checkpoint`, but the outputs of matmul-class ops are saved and only the rest is recomputed."""
+    saved_ops = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten.baddbmm.default,
+        torch.ops.aten.convolution.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"):
+        op = getattr(torch.ops.aten, name, None)
+        if op is not None:
+            saved_ops.add(op.default)
+
+    def policy(ctx: Any, op: Any, *a: Any, **k: Any) -> Any:
+        save = op in saved_ops
+        return (
+            torch_checkpoint.CheckpointPolicy.MUST_SAVE if save else torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+        )
+
+    return torch_checkpoint.checkpoint(
+        function,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=True,
+        context_fn=lambda: torch_checkpoint.create_selective_checkpoint_contexts(policy),
+        **kwargs,
+    )
+
+
+def _name(function: Callable[..., Any]) -> str:
+    return getattr(function, "__qualname__", None) or type(function).__name__
+
+
+# ---- where checkpointed inputs wait ----
+class _Stash:
+    """Moves checkpointed tensor inputs where they wait for the recomputation: a 1/N slice per model-parallel
+    rank (`group`), and/or host memory; `restore` brings them back whole, on the device, in the graph."""
+
+    def __init__(self, group: Any, to_host: bool) -> None:
+        self.group, self.to_host = group, to_host
+        self.shapes: list[tuple[torch.Size, torch.device] | None] = []
+
+    def keep(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        kept = []
+        for arg in args:
+            if not isinstance(arg, torch.Tensor) or not arg.is_floating_point():
+                self.shapes.append(None)
+                kept.append(arg)
+                continue
+            self.shapes.append((arg.shape, arg.device))
+            if self.group is not None:
+                arg = _Partition.apply(arg, self.group)  # type: ignore[no-untyped-call]
+            if self.to_host:
+                arg = arg.to("cpu", non_blocking=True)
+            kept.append(arg)
+        return tuple(kept)
+
+    def restore(self, kept: tuple[Any, ...]) -> tuple[Any, ...]:
+        restored = []
+        for arg, shape in zip(kept, self.shapes, strict=True):
+            if shape is not None:
+                full_shape, device = shape
+                if self.to_host:
+                    arg = arg.to(device, non_blocking=True)
+                if self.group is not None:
+                    arg = _Gather.apply(arg, self.group, full_shape)  # type: ignore[no-untyped-call]
+            restored.append(arg)
+        return tuple(restored)
+
+
+def _chunk(numel: int, group: Any) -> tuple[int, int]:
+    size = dist.get_world_size(group)
+    per_rank = -(-numel // size)
+    return per_rank, per_rank * size
+
+
+class _Partition(torch.autograd.Function):
+    """Keep this rank's 1/N of a tensor replicated in the group; the gradient comes back whole."""
+
+    @staticmethod
+    def forward(ctx: Any, full: torch.Tensor, group: Any) -> torch.Tensor:
+        per_rank, padded = _chunk(full.numel(), group)
+        ctx.group, ctx.shape, ctx.numel = group, full.shape, full.numel()
+        flat = torch.nn.functional.pad(full.detach().reshape(-1), (0, padded - full.numel()))
+        rank = dist.get_rank(group)
+        return flat[rank * per_rank : (rank + 1) * per_rank].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        whole = _all_gather(grad.contiguous(), ctx.group)
+        return whole[: ctx.numel].view(ctx.shape), None
+
+
+class _Gather(torch.autograd.Function):
+    """Rebuild the whole tensor from the ranks' slices; the (replicated) gradient goes back as this rank's slice."""
+
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, group: Any, shape: torch.Size) -> torch.Tensor:
+        ctx.group, ctx.per_rank = group, part.numel()
+        numel = int(torch.Size(shape).numel())
+        return _all_gather(part.contiguous(), group)[:numel].view(shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        per_rank, rank = ctx.per_rank, dist.get_rank(ctx.group)
+        flat = grad.reshape(-1)
+        flat = torch.nn.functional.pad(flat, (0, per_rank * dist.get_world_size(ctx.group) - flat.numel()))
+        return flat[rank * per_rank : (rank + 1) * per_rank].clone(), None, None
+
+
+def _all_gather(part: torch.Tensor, group: Any) -> torch.Tensor:
+    from slipstream.comm import collectives
+
+    out = torch.empty(part.numel() * dist.get_world_size(group), dtype=part.dtype, device=part.device)
+    collectives.all_gather(out, part, group=group)
+    return out

@@ -1,0 +1,1 @@
+"""Profiling: FLOPs, MACs, parameters and latency per module (DeepSpeed's `deepspeed.profiling`)."""
