@@ -11,10 +11,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slipstream-installed
 BASE_BRANCH ?= main
 
-.PHONY: help venv train test matrix bench format clean
+.PHONY: help venv train test compat-hf matrix bench format clean
 
 help: ## list the targets
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml setup.py version.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,12 @@ venv: $(STAMP) ## create .venv with torch and slipstream (editable, dev extras)
 train: $(STAMP) ## train a small GPT end to end: 2 ranks, ZeRO-2, the shipped text (about a minute)
 	$(VENV)/bin/slipstream run --num_gpus 2 examples/gpt/train.py --deepspeed_config examples/gpt/ds_config_zero2.json
 
-test: $(STAMP) ## run the test suite
-	$(PY) -m pytest -q
+test: $(STAMP) ## run the test suite (tests/compat_hf runs in `make compat-hf`)
+	$(PY) -m pytest -q --ignore=tests/compat_hf
+
+compat-hf: $(STAMP) ## Transformers, Accelerate, PEFT on Slipstream end to end (installs them into .venv; ~5 min)
+	$(PY) -m pip install --quiet -e ".[dev,compat-hf]"
+	$(PY) -m pytest -q tests/compat_hf
 
 matrix: ## the fast tests on each supported (Python, torch) cell of docs/support.md (installs each; ~3 min a cell)
 	./.ci/matrix

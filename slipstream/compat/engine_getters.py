@@ -75,7 +75,7 @@ class EngineGetters:
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         stage3 = self.plan.zero.stage3
-        return bool(stage3 and stage3.gather_16bit_weights_on_model_save)
+        return bool(stage3 and stage3.gather_16bit_on_save)
 
     def fp16_enabled(self) -> bool:
         return self.plan.precision.param_dtype == "fp16"
