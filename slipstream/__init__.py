@@ -87,4 +87,9 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY_ATTRIBUTES:
         module = importlib.import_module(_LAZY_ATTRIBUTES[name])
         return getattr(module, _RENAMED.get(name, name))
+    from slipstream.compat.aliases import declared_child
+
+    child = declared_child("slipstream", name)  # DeepSpeed's paths such as `deepspeed.runtime`, as attributes
+    if child is not None:
+        return child
     raise AttributeError(f"module 'slipstream' has no attribute {name!r}")

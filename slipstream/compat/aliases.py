@@ -248,7 +248,20 @@ def composite_attribute(module_name: str, name: str) -> Any:
         module = _load(source)
         if not name.startswith("_") and hasattr(module, name):
             return getattr(module, name)
+    child = declared_child(module_name, name)
+    if child is not None:  # DeepSpeed imports its subpackages eagerly: `deepspeed.runtime.lr_schedules` works
+        return child
     raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+
+def declared_child(module_name: str, name: str) -> Any:
+    """The declared DeepSpeed path `module_name.name` (an alias or a composite) as a module, or None."""
+    fullname = f"{module_name}.{name}"
+    if fullname not in ALIASES and fullname not in COMPOSITES:
+        return None
+    import importlib
+
+    return importlib.import_module(fullname)
 
 
 def composite_names(module_name: str) -> list[str]:
