@@ -23,11 +23,42 @@ _LAZY_ATTRIBUTES = {
     "SlipstreamEngine": "slipstream.engine.engine",
     "DeepSpeedEngine": "slipstream.engine.engine",
     "ConfigError": "slipstream.config",
+    "DeepSpeedConfigError": "slipstream.config.errors",
+    "DeepSpeedConfig": "slipstream.compat.ds_config",
+    "DeepSpeedOptimizer": "slipstream.zero.optimizer",
+    "add_tuning_arguments": "slipstream.compat.lr_names",
+    "logger": "slipstream.compat.runtime_utils",
+    "log_dist": "slipstream.compat.runtime_utils",
 }
+_RENAMED = {
+    "DeepSpeedEngine": "SlipstreamEngine",
+    "DeepSpeedConfigError": "ConfigError",
+    "DeepSpeedOptimizer": "ZeroOptimizer",
+}
+"""DeepSpeed's name -> ours, for the lazy attributes above."""
 
 _install_aliases()  # DeepSpeed's module paths (compat/aliases.py)
 
-__all__ = ["__version__", "__git_hash__", "__git_branch__", *_LAZY_ATTRIBUTES, *_LAZY_SUBMODULES]
+
+def _version_part(index: int) -> int:
+    part = (__version__.split("+")[0].split(".") + ["0", "0", "0"])[index]
+    return int("".join(c for c in part if c.isdigit()) or 0)
+
+
+__version_major__, __version_minor__, __version_patch__ = _version_part(0), _version_part(1), _version_part(2)
+"""Slipstream's own version, split as DeepSpeed splits its; the `deepspeed` compatibility package reports
+DeepSpeed's API level instead (compat/deepspeed_dist.py)."""
+
+__all__ = [
+    "__version__",
+    "__version_major__",
+    "__version_minor__",
+    "__version_patch__",
+    "__git_hash__",
+    "__git_branch__",
+    *_LAZY_ATTRIBUTES,
+    *_LAZY_SUBMODULES,
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -35,5 +66,5 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f"slipstream.{name}")
     if name in _LAZY_ATTRIBUTES:
         module = importlib.import_module(_LAZY_ATTRIBUTES[name])
-        return getattr(module, "SlipstreamEngine" if name == "DeepSpeedEngine" else name)
+        return getattr(module, _RENAMED.get(name, name))
     raise AttributeError(f"module 'slipstream' has no attribute {name!r}")

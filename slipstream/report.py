@@ -111,7 +111,18 @@ def environment() -> dict[str, Any]:
         "ninja": toolchain.ninja_version(),
         "shm_bytes": _shm_bytes(),
         "ops_policy": os.environ.get("SLIPSTREAM_OPS", "auto"),
+        "deepspeed_compat": _deepspeed_compat(),
     }
+
+
+def _deepspeed_compat() -> str:
+    """What `import deepspeed` gives here (the opt-in compatibility package, a real DeepSpeed, or nothing)."""
+    from slipstream.compat.deepspeed_dist import status
+
+    try:
+        return str(status()["state"])
+    except Exception as exc:  # the report must still print
+        return f"error: {exc}"
 
 
 def collect() -> dict[str, Any]:
@@ -162,6 +173,7 @@ def format_report(data: dict[str, Any]) -> str:
         ("platform", env["platform"]),
         ("shared memory (/dev/shm) size", shm_text),
         ("SLIPSTREAM_OPS", env["ops_policy"]),
+        ("import deepspeed", env["deepspeed_compat"]),
     ]
     out += [f"{key + ' ':.<34} {value if value is not None else 'none'}" for key, value in pairs]
     out.append(line)

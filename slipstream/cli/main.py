@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("slipstream.cli.bench", ""),
     "io": ("slipstream.cli.io_bench", ""),
     "nvme": ("slipstream.cli.nvme", ""),
+    "compat": ("slipstream.cli.compat", ""),
 }
 """Subcommand -> (the module that owns it, a help line when the module has no HELP). Each module has
 `add_arguments(parser)` and either `run(args)` or sets its own handlers (commands with sub-subcommands)."""

@@ -71,7 +71,7 @@ class EngineGetters:
         return self.plan.zero.stage >= 3
 
     def zero_offload_optimizer(self) -> bool:
-        return self.plan.zero.offload_optimizer is not None
+        return self.plan.zero.offload_optimizer.kind != "none"
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         stage3 = self.plan.zero.stage3

@@ -24,3 +24,21 @@ def make_training_dataloader(
         dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop_last
     )
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last)
+
+
+class RepeatingLoader:
+    """Iterate `loader` forever: when it is exhausted, start it again (DeepSpeed's `RepeatingLoader`)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.data_iter = iter(self.loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)

@@ -29,6 +29,7 @@ from torch import nn
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
 from slipstream.compat.engine_getters import EngineGetters
+from slipstream.compat.engine_methods import DeepSpeedEngineMethods
 from slipstream.config.plan import EnginePlan
 from slipstream.engine import builders
 from slipstream.engine.checkpointing import Checkpointing
@@ -39,7 +40,7 @@ from slipstream.zero.build import build_zero
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
 
-class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, nn.Module):
+class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngineMethods, nn.Module):
     """DeepSpeed's `DeepSpeedEngine`, for ZeRO stages 0-3. Build it with `slipstream.initialize`."""
 
     def __init__(

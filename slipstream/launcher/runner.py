@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from slipstream.launcher import multinode
-from slipstream.launcher.environment import as_mapping, collect_exports, describe_exports
+from slipstream.launcher.environment import DEFAULT_ENV_FILE_NAME, as_mapping, collect_exports, describe_exports
 from slipstream.launcher.hostfile import (
     HostfileError,
     World,
@@ -45,6 +45,8 @@ from slipstream.launcher.hostfile import (
 from slipstream.launcher.plan import LaunchPlan, Program, RankOptions, Rendezvous, encode_plan
 
 DEFAULT_HOSTFILE = "/job/hostfile"
+DEEPSPEED_ENVIRONMENT_NAME = os.environ.get("DS_ENV_FILE", DEFAULT_ENV_FILE_NAME)
+"""DeepSpeed's name for the env file the launcher reads (Accelerate appends to it before launching)."""
 STOP_GRACE_S = 15.0
 
 
@@ -325,3 +327,17 @@ def run_multinode(plan: LaunchPlan, *, launcher: str, launcher_args: str) -> int
         _stop(processes, grace_s=0.0)
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def main(args: list[str] | None = None) -> int:
+    """`python -m slipstream.launcher.runner [launcher flags] script.py [args]` (DeepSpeed's
+    `python -m deepspeed.launcher.runner`): parse DeepSpeed's launcher flags and launch."""
+    parser = argparse.ArgumentParser(
+        prog="python -m slipstream.launcher.runner", description="launch a training script (slipstream run)"
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

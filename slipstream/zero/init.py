@@ -21,14 +21,57 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
+from slipstream.zero.gathered import GatheredParameters, register_external_parameter
 from slipstream.zero.stage3.manager import UnitManager
 from slipstream.zero.stage3.pool import BufferPool
-from slipstream.zero.stage3.sharded_param import ShardedParameter
+from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus
 from slipstream.zero.stage3.unit import Unit, host_or_device_allocator
 from slipstream.zero.stage3.units import UnitSpec
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# This module is also DeepSpeed's `deepspeed.runtime.zero.partition_parameters` (compat/aliases.py), whose
+# names below libraries read and swap while they build a model (Transformers replaces
+# `zero_wrapper_for_fp_tensor_constructor` and `_orig_torch_arange`); code that uses them must read them from
+# this module when it runs, never bind them at import.
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "get_accelerator",
+    "is_zero_param",
+    "register_external_parameter",
+    "zero_wrapper_for_fp_tensor_constructor",
+]
+_orig_torch_tensor = torch.tensor
+_orig_torch_empty = torch.empty
+_orig_torch_zeros = torch.zeros
+_orig_torch_ones = torch.ones
+_orig_torch_full = torch.full
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Any, target_fp_dtype: torch.dtype) -> Any:
+    """`fn` (a tensor constructor) made to create on the accelerator's current device when no device is given,
+    and to cast floating-point results to `target_fp_dtype` (DeepSpeed's wrapper of the same name)."""
+
+    def wrapped_fn(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None:
+            accelerator = get_accelerator()
+            kwargs["device"] = accelerator.device(accelerator.current_device())
+        tensor = fn(*args, **kwargs)
+        if tensor.is_floating_point():
+            tensor = tensor.to(target_fp_dtype)
+        return tensor
+
+    return wrapped_fn
+
+
+def is_zero_param(parameter: Any) -> bool:
+    """True for a parameter ZeRO-3 shards (it has DeepSpeed's `ds_id`)."""
+    return isinstance(parameter, torch.Tensor) and hasattr(parameter, "ds_id")
 
 
 class StagingUnits(UnitManager):

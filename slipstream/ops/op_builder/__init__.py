@@ -11,6 +11,8 @@ from slipstream.ops.op_builder.async_io import AsyncIOBuilder
 from slipstream.ops.op_builder.builder import Compatibility, CPUOpBuilder, LoadedOp, OpBuilder, ops_policy
 from slipstream.ops.op_builder.cpu_adam import CPUAdamBuilder
 from slipstream.ops.op_builder.cuda_builder import CUDAOpBuilder
+from slipstream.ops.op_builder.deepspeed_names import *  # noqa: F403 (DeepSpeed's other builder names)
+from slipstream.ops.op_builder.deepspeed_names import BUILDERS as _DEEPSPEED_BUILDERS
 from slipstream.ops.op_builder.errors import OpBuildError, OpIncompatibleError
 
 __all__ = [
@@ -26,4 +28,5 @@ __all__ = [
     "OpIncompatibleError",
     "get_builder",
     "ops_policy",
+    *(cls.__name__ for cls in _DEEPSPEED_BUILDERS),
 ]

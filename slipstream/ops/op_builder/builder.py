@@ -36,6 +36,9 @@ class Compatibility:
     ok: bool
     reason: str = ""
 
+    def __bool__(self) -> bool:  # DeepSpeed's `if builder.is_compatible():`
+        return self.ok
+
 
 @dataclasses.dataclass(frozen=True)
 class LoadedOp:
