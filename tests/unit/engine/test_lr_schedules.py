@@ -175,7 +175,6 @@ def test_tensor_lr_stays_a_tensor() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"warmup_type": "cosine"}, "warmup_type"),
     ({"warmup_num_steps": 0}, "warmup_num_steps"),
     ({"warmup_num_steps": -3}, "warmup_num_steps"),
     ({"warmup_num_steps": 2.5}, "warmup_num_steps"),
@@ -189,9 +188,39 @@ def test_warmup_invalid_arguments(kwargs: dict, match: str) -> None:
 def test_total_and_cosine_invalid_arguments() -> None:
     with pytest.raises(ValueError, match="total_num_steps"):
         WarmupDecayLR(_sgd(), total_num_steps=-1)
-    with pytest.raises(ValueError, match="warmup_type"):
-        WarmupCosineLR(_sgd(), total_num_steps=100, warmup_type="exp")
     with pytest.raises(ValueError, match="lr_range_test_step_size"):
         LRRangeTest(_sgd(), lr_range_test_step_size=0)
     with pytest.raises(ValueError, match="cycle_first_step_size"):
         OneCycle(_sgd(), cycle_min_lr=0.1, cycle_max_lr=1.0, cycle_first_step_size=0)
+
+
+def test_unknown_warmup_type_warns_and_uses_log() -> None:
+    """DeepSpeed's fallback (its test_warmup_cosine_lr_unknown_warmup_type_falls_back_to_log)."""
+    with pytest.warns(UserWarning, match="unknown warmup_type 'cosine'"):
+        sched = WarmupLR(_sgd(), warmup_max_lr=0.01, warmup_num_steps=10, warmup_type="cosine")
+    assert sched.warmup_type == "log"
+    assert _lr_at(sched, 4) == pytest.approx(0.01 * math.log(5) / math.log(10))
+    with pytest.warns(UserWarning, match="unknown warmup_type 'exp'"):
+        cosine = WarmupCosineLR(_sgd(lr=0.1), total_num_steps=100, warmup_num_steps=10, warmup_type="exp")
+    assert _lr_at(cosine, 4) == pytest.approx(0.1 * math.log(5) / math.log(10))
+
+
+def test_warmup_max_lr_defaults_to_each_groups_own_lr() -> None:
+    opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.1},
+                           {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.2}])
+    sched = WarmupLR(opt, warmup_num_steps=10)
+    assert sched.max_lrs == [0.1, 0.2]
+    sched.step(10)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1, 0.2])
+
+
+def test_one_cycle_zero_second_step_and_betas_pairs() -> None:
+    sched = OneCycle(_adam(), cycle_min_lr=0.001, cycle_max_lr=0.1, cycle_first_step_size=10,
+                     cycle_second_step_size=0, cycle_min_mom=0.8, cycle_max_mom=0.9)
+    assert sched.step_ratio == 1.0
+    sched.step(4)  # batch 5 of a 10-step rise
+    assert sched.get_lr() == pytest.approx([0.001 + (0.1 - 0.001) * 0.5])
+    assert sched.get_mom() == [pytest.approx((0.85, 0.99))]  # (momentum, beta2) as DeepSpeed returns it
+    assert sched.optimizer.param_groups[0]["betas"] == pytest.approx((0.85, 0.99))
+    with pytest.raises(ValueError, match="cycle_second_step_size"):
+        OneCycle(_sgd(), cycle_min_lr=0.1, cycle_max_lr=1.0, cycle_second_step_size=-1)
