@@ -166,6 +166,22 @@ def extract(repo: str, ref: str, dest: Path) -> str:
     return commit
 
 
+def unpack_compat_wheel(python: str, dest: Path) -> str:
+    """The `deepspeed` compat distribution (`slipstream compat wheel`) unpacked into dest, which then goes on
+    PYTHONPATH: `import deepspeed` and `importlib.metadata.version("deepspeed")` answer with Slipstream there,
+    and nothing is installed into the development environment."""
+    import zipfile
+
+    subprocess.run(["rm", "-rf", str(dest)], check=True)
+    (dest / "wheel").mkdir(parents=True)
+    subprocess.run([python, "-m", "slipstream.cli.main", "compat", "wheel", str(dest / "wheel")], check=True,
+                   stdout=subprocess.DEVNULL)
+    (wheel,) = (dest / "wheel").glob("deepspeed-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(dest / "site")
+    return str(dest / "site")
+
+
 def side_env(side: str, alias_dir: str | None) -> dict[str, str]:
     env = dict(os.environ)
     path = [str(HERE)] + ([alias_dir] if alias_dir else [])
@@ -251,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "slipstream-deepspeed-suite"))
     parser.add_argument("--peer-python", default=str(ROOT / ".bench-venv" / "bin" / "python"))
     parser.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"))
-    parser.add_argument("--alias", default=os.environ.get("SLIPSTREAM_DEEPSPEED_ALIAS", str(HERE / "alias")),
-                        help="directory on PYTHONPATH that makes `import deepspeed` give Slipstream ('' if the "
-                        "Slipstream environment already provides the name)")
+    parser.add_argument("--alias", default=os.environ.get("SLIPSTREAM_DEEPSPEED_ALIAS"),
+                        help="directory on PYTHONPATH that makes `import deepspeed` give Slipstream (default: the "
+                        "compat distribution's wheel, unpacked into the work directory)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per test")
     parser.add_argument("--max-params", type=int, default=1, help="parametrizations kept per test function")
     parser.add_argument("--folders", default="", help="comma-separated folder labels (default: all)")
@@ -301,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         ids_file = workdir / "slipstream_ids.txt"
         ids_file.write_text("".join(t + "\n" for t in wanted))
         report = workdir / "slipstream.jsonl"
-        seconds = run_side(args.python, tests_dir, paths, report, side_env("slipstream", args.alias or None),
+        alias = args.alias or unpack_compat_wheel(args.python, workdir / "deepspeed-compat")
+        seconds = run_side(args.python, tests_dir, paths, report, side_env("slipstream", alias),
                            timeout=args.timeout, max_params=0, ids_file=ids_file, log=workdir / "slipstream.log")
         tests, collect_errors = read_jsonl(report.read_text().splitlines() if report.exists() else [])
         ran = {t: outcome_for(t, tests, collect_errors) for t in wanted}
