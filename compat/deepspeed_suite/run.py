@@ -136,6 +136,36 @@ def format_table(rows: list[tuple[str, int, int, int, float]]) -> str:
     return "\n".join(lines)
 
 
+def cause_of(message: str) -> str:
+    """A failure message reduced to its cause, so failures group: paths, addresses and numbers dropped."""
+    import re
+
+    text = message.removeprefix("collection: ")
+    text = re.sub(r"\(/[^)]*\)", "", text)  # "(/path/to/module.py)"
+    text = re.sub(r"/\S+", "<path>", text)
+    text = re.sub(r"0x[0-9a-f]+", "<addr>", text)
+    text = re.sub(r"\b\d+(\.\d+)?\b", "<n>", text)
+    return " ".join(text.split())[:160] or "(no message)"
+
+
+def causes_markdown(slipstream: Mapping[str, str], denominator: Iterable[str]) -> str:
+    """Markdown: each cause of a Slipstream failure among the denominator's tests, with the count and the test
+    modules it hits (docs/deepspeed-compat.md, "Acceptance suite")."""
+    groups: dict[str, list[str]] = {}
+    for test_id in denominator:
+        value = slipstream.get(test_id, "error: not run")
+        if value == "passed":
+            continue
+        outcome, _, message = value.partition(": ")
+        groups.setdefault(cause_of(message) if message else outcome, []).append(test_id)
+    lines = ["| cause (the error Slipstream raised) | tests | modules |", "|---|---|---|"]
+    for cause, ids in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        modules = sorted({t.split("::", 1)[0].removeprefix("unit/") for t in ids})
+        cause_text = cause.replace("|", "\\|")
+        lines.append(f"| `{cause_text}` | {len(ids)} | {', '.join(modules)} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------- running
 def extract(repo: str, ref: str, dest: Path) -> str:
     """DeepSpeed's tests/unit (with tests/conftest.py and pytest.ini) at `ref` into dest/tests; returns the
@@ -145,20 +175,24 @@ def extract(repo: str, ref: str, dest: Path) -> str:
             f"DeepSpeed's repository is not at {repo}: fetch DeepSpeed's git repository and pass its path with"
             " --deepspeed-repo (or DEEPSPEED_REPO); the PyPI sdist has no tests."
         )
-    resolved = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", "-q", f"{ref}^{{commit}}"],
-                              capture_output=True, text=True)
+    resolved = subprocess.run(
+        ["git", "-C", repo, "rev-parse", "--verify", "-q", f"{ref}^{{commit}}"], capture_output=True, text=True
+    )
     if resolved.returncode != 0:
         print(f"note: {repo} has no {ref}; using HEAD's tests", flush=True)
         ref = "HEAD"
-    commit = subprocess.run(["git", "-C", repo, "rev-parse", f"{ref}^{{commit}}"], capture_output=True, text=True,
-                            check=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", repo, "rev-parse", f"{ref}^{{commit}}"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     marker = dest / "tests" / ".commit"
     if marker.exists() and marker.read_text().strip() == commit:
         return commit
     dest.mkdir(parents=True, exist_ok=True)
     subprocess.run(["rm", "-rf", str(dest / "tests")], check=True)
-    archive = subprocess.Popen(["git", "-C", repo, "archive", commit, "tests/conftest.py", "tests/pytest.ini",
-                                "tests/unit"], stdout=subprocess.PIPE)
+    archive = subprocess.Popen(
+        ["git", "-C", repo, "archive", commit, "tests/conftest.py", "tests/pytest.ini", "tests/unit"],
+        stdout=subprocess.PIPE,
+    )
     subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, check=True)
     if archive.wait() != 0:
         raise SystemExit(f"git archive of {commit} failed")
@@ -174,12 +208,30 @@ def unpack_compat_wheel(python: str, dest: Path) -> str:
 
     subprocess.run(["rm", "-rf", str(dest)], check=True)
     (dest / "wheel").mkdir(parents=True)
-    subprocess.run([python, "-m", "slipstream.cli.main", "compat", "wheel", str(dest / "wheel")], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [python, "-m", "slipstream.cli.main", "compat", "wheel", str(dest / "wheel")],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     (wheel,) = (dest / "wheel").glob("deepspeed-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(dest / "site")
     return str(dest / "site")
+
+
+def warm_up_peer(python: str, env: Mapping[str, str]) -> None:
+    """Build DeepSpeed's JIT ops (cpu_adam, fused_adam) once, with no time limit, before the timed tests:
+    a build cut by a test's timeout would leave torch's build lock behind and hang every later test."""
+    code = (
+        "import torch\n"
+        "from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam\n"
+        "DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))])\n"
+        "FusedAdam([torch.nn.Parameter(torch.zeros(1))])\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run(["nice", "-n", "5", python, "-c", code], env=dict(env), capture_output=True, text=True)
+    state = "ready" if done.returncode == 0 else f"not built ({done.stderr.strip().splitlines()[-1:]})"
+    print(f"DeepSpeed's JIT ops {state} in {time.monotonic() - started:.0f} s", flush=True)
 
 
 def side_env(side: str, alias_dir: str | None) -> dict[str, str]:
@@ -202,16 +254,45 @@ def side_env(side: str, alias_dir: str | None) -> dict[str, str]:
 HUNG_EXIT = 70  # suite_plugin's exit status after it killed a hung test
 
 
-def run_side(python: str, tests_dir: Path, paths: list[str], report: Path, env: Mapping[str, str], *,
-             timeout: float, max_params: int, ids_file: Path | None, log: Path) -> float:
+def run_side(
+    python: str,
+    tests_dir: Path,
+    paths: list[str],
+    report: Path,
+    env: Mapping[str, str],
+    *,
+    timeout: float,
+    max_params: int,
+    ids_file: Path | None,
+    log: Path,
+) -> float:
     """Run pytest for one side (resuming after each hung test); returns its wall time in seconds."""
     if report.exists():
         report.unlink()
     skip_file = report.with_suffix(".done")
-    cmd = ["nice", "-n", "5", python, "-m", "pytest", "-p", "suite_plugin", "-p", "no:cacheprovider",
-           "-p", "no:randomly", "--continue-on-collection-errors", "-rN", "--no-header",
-           f"--timeout={timeout:g}", "--timeout-method=signal", f"--suite-hard-timeout={timeout + 60:g}",
-           f"--suite-report={report}", f"--suite-skip-ids={skip_file}", "--suite-preload=torch,deepspeed"]
+    cmd = [
+        "nice",
+        "-n",
+        "5",
+        python,
+        "-m",
+        "pytest",
+        "-p",
+        "suite_plugin",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:randomly",
+        "--continue-on-collection-errors",
+        "-rN",
+        "--no-header",
+        f"--timeout={timeout:g}",
+        "--timeout-method=signal",
+        f"--suite-hard-timeout={timeout + 60:g}",
+        f"--suite-report={report}",
+        f"--suite-skip-ids={skip_file}",
+        "--suite-preload=torch,deepspeed",
+    ]
     cmd += [f"--suite-ids={ids_file}"] if ids_file else [f"--suite-max-params={max_params}"]
     cmd += paths
     env = dict(env, DS_UNITTEST_TIMEOUT=str(int(timeout + 120)))  # DeepSpeed's own hang exit comes last
@@ -220,8 +301,9 @@ def run_side(python: str, tests_dir: Path, paths: list[str], report: Path, env: 
         while True:
             done = read_jsonl(report.read_text().splitlines())[0] if report.exists() else {}
             skip_file.write_text("".join(t + "\n" for t in done))
-            proc = subprocess.Popen(cmd, cwd=tests_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, cwd=tests_dir, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
             try:
                 code = proc.wait()
             finally:
@@ -231,7 +313,7 @@ def run_side(python: str, tests_dir: Path, paths: list[str], report: Path, env: 
                     pass
             if code != HUNG_EXIT:
                 break
-            out.write(f"\n[run.py] a test hung; resuming after it\n")
+            out.write("\n[run.py] a test hung; resuming after it\n")
             out.flush()
     return time.monotonic() - started
 
@@ -249,8 +331,9 @@ def summarise(side: dict[str, dict]) -> dict[str, str]:
     out = {}
     for test_id, record in sorted(side.items()):
         message = (record.get("message") or "").replace("\n", " ")
-        out[test_id] = record["outcome"] if record["outcome"] == "passed" or not message else (
-            f"{record['outcome']}: {message}")
+        out[test_id] = (
+            record["outcome"] if record["outcome"] == "passed" or not message else (f"{record['outcome']}: {message}")
+        )
     return out
 
 
@@ -262,14 +345,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--side", choices=["both", "deepspeed", "slipstream"], default="both")
     parser.add_argument("--table", action="store_true", help="print the table of the committed results and stop")
+    parser.add_argument(
+        "--causes", action="store_true", help="print the Slipstream failures grouped by cause (markdown)"
+    )
     parser.add_argument("--deepspeed-repo", default=os.environ.get("DEEPSPEED_REPO", DEFAULT_REPO))
     parser.add_argument("--ref", default=os.environ.get("DEEPSPEED_REF", DEFAULT_REF))
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "slipstream-deepspeed-suite"))
     parser.add_argument("--peer-python", default=str(ROOT / ".bench-venv" / "bin" / "python"))
     parser.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"))
-    parser.add_argument("--alias", default=os.environ.get("SLIPSTREAM_DEEPSPEED_ALIAS"),
-                        help="directory on PYTHONPATH that makes `import deepspeed` give Slipstream (default: the "
-                        "compat distribution's wheel, unpacked into the work directory)")
+    parser.add_argument(
+        "--alias",
+        default=os.environ.get("SLIPSTREAM_DEEPSPEED_ALIAS"),
+        help="directory on PYTHONPATH that makes `import deepspeed` give Slipstream (default: the "
+        "compat distribution's wheel, unpacked into the work directory)",
+    )
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per test")
     parser.add_argument("--max-params", type=int, default=1, help="parametrizations kept per test function")
     parser.add_argument("--folders", default="", help="comma-separated folder labels (default: all)")
@@ -277,9 +366,16 @@ def main(argv: list[str] | None = None) -> int:
 
     results = load_results()
     exclusions = read_exclusions(EXCLUSIONS.read_text().splitlines()) if EXCLUSIONS.exists() else {}
+    if args.causes:
+        denominator = TEST_IDS.read_text().split() if TEST_IDS.exists() else []
+        print(causes_markdown(results.get("slipstream", {}), denominator))
+        return 0
     if args.table:
-        print(format_table(table_rows(outcomes(results.get("deepspeed", {})),
-                                      outcomes(results.get("slipstream", {})), exclusions)))
+        print(
+            format_table(
+                table_rows(outcomes(results.get("deepspeed", {})), outcomes(results.get("slipstream", {})), exclusions)
+            )
+        )
         return 0
 
     labels = [label for label, _ in FOLDERS]
@@ -293,16 +389,24 @@ def main(argv: list[str] | None = None) -> int:
     tests_dir = workdir / "tests"
     results.setdefault("seconds", {})
     results["deepspeed_tests_commit"] = commit
-    results["settings"] = {"max_params": args.max_params, "timeout_s": args.timeout, "local_size": 2,
-                           "folders": chosen}
+    results["settings"] = {"max_params": args.max_params, "timeout_s": args.timeout, "local_size": 2, "folders": chosen}
 
     if args.side in ("both", "deepspeed"):
         if not Path(args.peer_python).exists():
             raise SystemExit(f"no peer environment at {args.peer_python}: run `bash bench/make_peer_venv.sh`")
         report = workdir / "deepspeed.jsonl"
-        seconds = run_side(args.peer_python, tests_dir, paths, report, side_env("deepspeed", None),
-                           timeout=args.timeout, max_params=args.max_params, ids_file=None,
-                           log=workdir / "deepspeed.log")
+        warm_up_peer(args.peer_python, side_env("deepspeed", None))
+        seconds = run_side(
+            args.peer_python,
+            tests_dir,
+            paths,
+            report,
+            side_env("deepspeed", None),
+            timeout=args.timeout,
+            max_params=args.max_params,
+            ids_file=None,
+            log=workdir / "deepspeed.log",
+        )
         tests, _ = read_jsonl(report.read_text().splitlines() if report.exists() else [])
         previous = {t: o for t, o in results.get("deepspeed", {}).items() if folder_of(t) not in chosen}
         results["deepspeed"] = {**previous, **summarise(tests)}
@@ -318,8 +422,17 @@ def main(argv: list[str] | None = None) -> int:
         ids_file.write_text("".join(t + "\n" for t in wanted))
         report = workdir / "slipstream.jsonl"
         alias = args.alias or unpack_compat_wheel(args.python, workdir / "deepspeed-compat")
-        seconds = run_side(args.python, tests_dir, paths, report, side_env("slipstream", alias),
-                           timeout=args.timeout, max_params=0, ids_file=ids_file, log=workdir / "slipstream.log")
+        seconds = run_side(
+            args.python,
+            tests_dir,
+            paths,
+            report,
+            side_env("slipstream", alias),
+            timeout=args.timeout,
+            max_params=0,
+            ids_file=ids_file,
+            log=workdir / "slipstream.log",
+        )
         tests, collect_errors = read_jsonl(report.read_text().splitlines() if report.exists() else [])
         ran = {t: outcome_for(t, tests, collect_errors) for t in wanted}
         previous = {t: o for t, o in results.get("slipstream", {}).items() if folder_of(t) not in chosen}
@@ -328,10 +441,15 @@ def main(argv: list[str] | None = None) -> int:
         save_results(results)
         print(f"Slipstream side: {len(wanted)} tests in {seconds:.0f} s", flush=True)
 
-    print(format_table(table_rows(outcomes(results.get("deepspeed", {})), outcomes(results.get("slipstream", {})),
-                                  exclusions)))
-    print(f"run times: DeepSpeed {results['seconds'].get('deepspeed', '-')} s, "
-          f"Slipstream {results['seconds'].get('slipstream', '-')} s; logs in {workdir}")
+    print(
+        format_table(
+            table_rows(outcomes(results.get("deepspeed", {})), outcomes(results.get("slipstream", {})), exclusions)
+        )
+    )
+    print(
+        f"run times: DeepSpeed {results['seconds'].get('deepspeed', '-')} s, "
+        f"Slipstream {results['seconds'].get('slipstream', '-')} s; logs in {workdir}"
+    )
     return 0
 
 

@@ -149,7 +149,12 @@ def pytest_collectreport(report):
     if report.failed and report.nodeid:
         path = _report_path_from_config()
         if path:
-            line = {"id": report.nodeid, "outcome": "collect-error", "seconds": 0, "message": _short(report.longreprtext)}
+            line = {
+                "id": report.nodeid,
+                "outcome": "collect-error",
+                "seconds": 0,
+                "message": _short(report.longreprtext),
+            }
             with open(path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(line) + "\n")
 

@@ -57,8 +57,11 @@ def test_table_counts_per_folder_against_deepspeed_passes_less_exclusions():
         "unit/utils/test_a.py::t4": "failed",  # not in the denominator
         "unit/launcher/test_run.py::t": "passed",
     }
-    slipstream = {"unit/utils/test_a.py::t1": "passed", "unit/utils/test_a.py::t2": "failed",
-                  "unit/utils/test_a.py::t4": "passed"}
+    slipstream = {
+        "unit/utils/test_a.py::t1": "passed",
+        "unit/utils/test_a.py::t2": "failed",
+        "unit/utils/test_a.py::t4": "passed",
+    }
     rows = {row[0]: row[1:] for row in run.table_rows(deepspeed, slipstream, {"unit/utils/test_a.py::t3": "why"})}
     assert rows["utils"] == (3, 1, 1, 50.0)
     assert rows["launcher"] == (1, 0, 0, 0.0)
@@ -68,7 +71,23 @@ def test_table_counts_per_folder_against_deepspeed_passes_less_exclusions():
 
 
 def test_summary_round_trips_to_outcomes():
-    summary = run.summarise({"a::t": {"outcome": "failed", "message": "AssertionError: x: y"},
-                             "b::t": {"outcome": "passed", "message": ""}})
+    summary = run.summarise(
+        {"a::t": {"outcome": "failed", "message": "AssertionError: x: y"}, "b::t": {"outcome": "passed", "message": ""}}
+    )
     assert summary == {"a::t": "failed: AssertionError: x: y", "b::t": "passed"}
     assert run.outcomes(summary) == {"a::t": "failed", "b::t": "passed"}
+
+
+def test_causes_group_failures_and_drop_paths_and_numbers():
+    slipstream = {
+        "unit/a/test_x.py::t1": "error: collection: ModuleNotFoundError: No module named 'deepspeed.pipe'",
+        "unit/a/test_y.py::t2": "error: collection: ModuleNotFoundError: No module named 'deepspeed.pipe'",
+        "unit/b/test_z.py::t3": "failed: AssertionError: 3 != 4 in /tmp/x/y.py",
+        "unit/b/test_z.py::t4": "passed",
+    }
+    text = run.causes_markdown(slipstream, list(slipstream) + ["unit/c/test_w.py::t5"])
+    lines = text.splitlines()
+    assert lines[2] == "| `ModuleNotFoundError: No module named 'deepspeed.pipe'` | 2 | a/test_x.py, a/test_y.py |"
+    assert "| `AssertionError: <n> != <n> in <path>` | 1 | b/test_z.py |" in lines
+    assert "| `not run` | 1 | c/test_w.py |" in lines  # a test the side never reported
+    assert "t4" not in text
