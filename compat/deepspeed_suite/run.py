@@ -219,19 +219,27 @@ def unpack_compat_wheel(python: str, dest: Path) -> str:
     return str(dest / "site")
 
 
-def warm_up_peer(python: str, env: Mapping[str, str]) -> None:
-    """Build DeepSpeed's JIT ops (cpu_adam, fused_adam) once, with no time limit, before the timed tests:
-    a build cut by a test's timeout would leave torch's build lock behind and hang every later test."""
-    code = (
-        "import torch\n"
-        "from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam\n"
-        "DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))])\n"
-        "FusedAdam([torch.nn.Parameter(torch.zeros(1))])\n"
-    )
+WARM_UP = {
+    # What each side compiles at first use; built once, with no time limit, before the timed tests: a build
+    # cut by a test's timeout leaves torch's build lock behind and every later test waits on it.
+    "deepspeed": "import torch\n"
+    "from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam\n"
+    "DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))])\n"
+    "FusedAdam([torch.nn.Parameter(torch.zeros(1))])\n",
+    "slipstream": "import torch\n"
+    "from slipstream.ops.adam import DeepSpeedCPUAdam\n"
+    "DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))])\n",
+}
+
+
+def warm_up(side: str, python: str, env: Mapping[str, str]) -> None:
+    """Build a side's JIT ops (WARM_UP) before its timed run, and say how long that took."""
     started = time.monotonic()
-    done = subprocess.run(["nice", "-n", "5", python, "-c", code], env=dict(env), capture_output=True, text=True)
+    done = subprocess.run(
+        ["nice", "-n", "5", python, "-c", WARM_UP[side]], env=dict(env), capture_output=True, text=True
+    )
     state = "ready" if done.returncode == 0 else f"not built ({done.stderr.strip().splitlines()[-1:]})"
-    print(f"DeepSpeed's JIT ops {state} in {time.monotonic() - started:.0f} s", flush=True)
+    print(f"{side}: JIT ops {state} in {time.monotonic() - started:.0f} s", flush=True)
 
 
 def side_env(side: str, alias_dir: str | None) -> dict[str, str]:
@@ -395,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(args.peer_python).exists():
             raise SystemExit(f"no peer environment at {args.peer_python}: run `bash bench/make_peer_venv.sh`")
         report = workdir / "deepspeed.jsonl"
-        warm_up_peer(args.peer_python, side_env("deepspeed", None))
+        warm_up("deepspeed", args.peer_python, side_env("deepspeed", None))
         seconds = run_side(
             args.peer_python,
             tests_dir,
@@ -422,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         ids_file.write_text("".join(t + "\n" for t in wanted))
         report = workdir / "slipstream.jsonl"
         alias = args.alias or unpack_compat_wheel(args.python, workdir / "deepspeed-compat")
+        warm_up("slipstream", args.python, side_env("slipstream", alias))
         seconds = run_side(
             args.python,
             tests_dir,
