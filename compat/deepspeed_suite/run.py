@@ -326,12 +326,12 @@ def run_side(
     return time.monotonic() - started
 
 
-def load_results() -> dict:
-    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+def load_results(path: Path = RESULTS) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
-def save_results(results: dict) -> None:
-    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+def save_results(results: dict, path: Path = RESULTS) -> None:
+    path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
 def summarise(side: dict[str, dict]) -> dict[str, str]:
@@ -370,9 +370,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per test")
     parser.add_argument("--max-params", type=int, default=1, help="parametrizations kept per test function")
     parser.add_argument("--folders", default="", help="comma-separated folder labels (default: all)")
+    parser.add_argument(
+        "--slipstream-src",
+        default="",
+        help="a Slipstream source tree to test instead of the "
+        "installed one (put first on PYTHONPATH), e.g. a merge candidate",
+    )
+    parser.add_argument("--results", default=str(RESULTS), help="the results file (default: the committed one)")
     args = parser.parse_args(argv)
 
-    results = load_results()
+    results_path = Path(args.results)
+    results = load_results(results_path)
+    if results_path != RESULTS and "deepspeed" not in results:
+        results.update({k: v for k, v in load_results().items() if k in ("deepspeed", "seconds")})
     exclusions = read_exclusions(EXCLUSIONS.read_text().splitlines()) if EXCLUSIONS.exists() else {}
     if args.causes:
         denominator = TEST_IDS.read_text().split() if TEST_IDS.exists() else []
@@ -421,15 +431,18 @@ def main(argv: list[str] | None = None) -> int:
         results["seconds"]["deepspeed"] = round(seconds, 1)
         passed = sorted(t for t, o in outcomes(results["deepspeed"]).items() if o == "passed")
         TEST_IDS.write_text("".join(t + "\n" for t in passed if not is_excluded(t, exclusions)))
-        save_results(results)
+        save_results(results, results_path)
         print(f"DeepSpeed side: {len(tests)} tests in {seconds:.0f} s, {len(passed)} passed", flush=True)
 
     if args.side in ("both", "slipstream"):
-        wanted = [t for t in TEST_IDS.read_text().split() if folder_of(t) in chosen]
+        wanted = [t for t in TEST_IDS.read_text().split() if folder_of(t) in chosen and not is_excluded(t, exclusions)]
         ids_file = workdir / "slipstream_ids.txt"
         ids_file.write_text("".join(t + "\n" for t in wanted))
         report = workdir / "slipstream.jsonl"
         alias = args.alias or unpack_compat_wheel(args.python, workdir / "deepspeed-compat")
+        if args.slipstream_src:
+            alias = os.pathsep.join([args.slipstream_src, alias])
+            results["slipstream_src"] = args.slipstream_src
         warm_up("slipstream", args.python, side_env("slipstream", alias))
         seconds = run_side(
             args.python,
@@ -447,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         previous = {t: o for t, o in results.get("slipstream", {}).items() if folder_of(t) not in chosen}
         results["slipstream"] = {**previous, **summarise(ran)}
         results["seconds"]["slipstream"] = round(seconds, 1)
-        save_results(results)
+        save_results(results, results_path)
         print(f"Slipstream side: {len(wanted)} tests in {seconds:.0f} s", flush=True)
 
     print(
