@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slipstream-installed
 BASE_BRANCH ?= main
 
-.PHONY: help venv train test bench compat format clean
+.PHONY: help venv train test matrix bench compat format clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -29,6 +29,9 @@ train: $(STAMP) ## train a small GPT end to end: 2 ranks, ZeRO-2, the shipped te
 
 test: $(STAMP) ## run the test suite
 	$(PY) -m pytest -q
+
+matrix: ## the fast tests on each supported (Python, torch) cell of docs/support.md (installs each; ~3 min a cell)
+	./.ci/matrix
 
 bench: $(STAMP) ## run the benchmarks (creates .bench-venv with DeepSpeed as a peer when possible)
 	-bash bench/make_peer_venv.sh

@@ -14,7 +14,18 @@ from slipstream.git_version_info import git_branch as __git_branch__
 from slipstream.git_version_info import git_hash as __git_hash__
 from slipstream.git_version_info import version as __version__
 
-_LAZY_SUBMODULES = ("accelerator", "ops", "cli", "comm", "config", "zero", "engine", "planner", "checkpoint")
+_LAZY_SUBMODULES = (
+    "accelerator",
+    "ops",
+    "cli",
+    "comm",
+    "config",
+    "zero",
+    "engine",
+    "planner",
+    "checkpoint",
+    "checkpointing",
+)
 _LAZY_ATTRIBUTES = {
     "initialize": "slipstream.api",
     "init_distributed": "slipstream.api",
@@ -29,6 +40,7 @@ _LAZY_ATTRIBUTES = {
     "add_tuning_arguments": "slipstream.compat.lr_names",
     "logger": "slipstream.compat.runtime_utils",
     "log_dist": "slipstream.compat.runtime_utils",
+    "OnDevice": "slipstream.compat.runtime_utils",
 }
 _RENAMED = {
     "DeepSpeedEngine": "SlipstreamEngine",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import sys
 import time
 from collections.abc import Callable
@@ -113,6 +112,10 @@ def _proc_kib_field(path: str, field: str) -> int | None:
 
 
 def _ru_maxrss_bytes() -> int:
+    if sys.platform == "win32":  # no /proc and no getrusage: memory figures there need psutil
+        return 0
+    import resource  # POSIX only: imported on use, so the package imports on Windows
+
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB on Linux
 

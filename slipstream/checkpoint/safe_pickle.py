@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from slipstream.checkpoint.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
+from slipstream.utils.torch_versions import safe_globals
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -247,7 +248,7 @@ def safe_load(path: str | os.PathLike[str]) -> Any:
             f"checkpoint file {path} does not exist; check the path and that every rank's files were copied."
         )
     check_globals(path)
-    with torch.serialization.safe_globals([*DEEPSPEED_STUBS.values(), *_EXTRA_SAFE_GLOBALS]):
+    with safe_globals([*DEEPSPEED_STUBS.values(), *_EXTRA_SAFE_GLOBALS]):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from slipstream.comm.collectives import TimedWork, _issue
 from slipstream.comm.init import init_distributed, is_initialized
+from slipstream.utils.deprecation import warn_deprecated
 
 __all__ = [
     "ReduceOp",
@@ -178,7 +179,13 @@ allgather_fn = all_gather_into_tensor
 def all_gather(
     tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False, **_: Any
 ) -> TimedWork | None:
-    """Every rank's `tensor` into `tensor_list[rank]` (one flat all-gather, then copied out)."""
+    """Every rank's `tensor` into `tensor_list[rank]` (one flat all-gather, then copied out).
+
+    Slipstream 0.1's form, a flat output tensor first, still works (deprecated: all_gather_into_tensor)."""
+    if isinstance(tensor_list, torch.Tensor):
+        warn_deprecated("slipstream.comm.all_gather(flat_output, input)", "all_gather_into_tensor", since="0.2")
+        launch_flat = lambda o, i: _all_gather_flat(o, i, group=group, async_op=True)  # noqa: E731
+        return _issue("all_gather", tensor_list, (tensor_list, tensor), launch_flat, async_op)
     flat = torch.empty(len(tensor_list) * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
 
     def unpack() -> None:
@@ -233,6 +240,14 @@ def reduce_scatter(
     async_op: bool = False,
     **_: Any,
 ) -> TimedWork | None:
+    """Reduce the concatenation of `input_list` across ranks; rank r keeps part r in `output`.
+
+    Slipstream 0.1's form, a flat input tensor, still works (deprecated: reduce_scatter_tensor)."""
+    if isinstance(input_list, torch.Tensor):
+        warn_deprecated("slipstream.comm.reduce_scatter(output, flat_input)", "reduce_scatter_tensor", since="0.2")
+        from slipstream.comm import collectives
+
+        return collectives.reduce_scatter(output, input_list, group=group, async_op=async_op)
     return reduce_scatter_tensor(output, torch.cat([t.reshape(-1) for t in input_list]), op, group, async_op)
 
 

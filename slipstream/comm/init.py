@@ -17,6 +17,7 @@ import torch.distributed as dist
 logger = logging.getLogger("slipstream")
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
 
 def is_initialized() -> bool:
@@ -26,7 +27,7 @@ def is_initialized() -> bool:
 def init_distributed(
     dist_backend: str | None = None,
     auto_mpi_discovery: bool = True,
-    distributed_port: int = 29500,
+    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
     verbose: bool = True,
     timeout: datetime.timedelta | None = None,
     init_method: str | None = None,

@@ -30,6 +30,9 @@ __all__ = ["ALIASES", "COMPOSITES", "add_prefix", "composite_attribute", "compos
 
 ALIASES: dict[str, str] = {
     "slipstream.utils.zero_to_fp32": "slipstream.compat.zero_to_fp32",
+    "slipstream.checkpointing": "slipstream.compat.checkpointing",
+    "slipstream.comm.comm": "slipstream.comm.dist_api",
+    "slipstream.runtime.activation_checkpointing.checkpointing": "slipstream.compat.checkpointing",
     "slipstream.runtime.zero": "slipstream.zero",
     "slipstream.runtime.zero.partition_parameters": "slipstream.zero.init",
     "slipstream.runtime.fp16.loss_scaler": "slipstream.zero.loss_scaler",
@@ -48,6 +51,9 @@ COMPOSITES: dict[str, dict[str, str]] = {
     },
     "slipstream.runtime.lr_schedules": {
         "*": "slipstream.engine.lr_schedules slipstream.compat.lr_names",
+    },
+    "slipstream.constants": {
+        "TORCH_DISTRIBUTED_DEFAULT_PORT": "slipstream.comm.init:TORCH_DISTRIBUTED_DEFAULT_PORT",
     },
     "slipstream.runtime.engine": {
         "DeepSpeedEngine": "slipstream.engine.engine:SlipstreamEngine",
@@ -75,7 +81,22 @@ COMPOSITES: dict[str, dict[str, str]] = {
     },
     "slipstream.runtime.zero.config": {
         "DeepSpeedZeroConfig": f"{_CFG}.zero:ZeroConfig",
+        "DeepSpeedZeroOffloadParamConfig": f"{_CFG}.zero:OffloadParamConfig",
+        "DeepSpeedZeroOffloadOptimizerConfig": f"{_CFG}.zero:OffloadOptimizerConfig",
         "ZeroStageEnum": "slipstream.compat.ds_config:ZeroStageEnum",
+    },
+    "slipstream.runtime.zero.stage3": {
+        "DeepSpeedZeroOptimizer_Stage3": "slipstream.zero.stage3.optimizer:Stage3Optimizer",
+        "estimate_zero3_model_states_mem_needs_all_live": "slipstream.planner:estimate_zero3_model_states_mem_needs_all_live",
+        "estimate_zero3_model_states_mem_needs_all_cold": "slipstream.planner:estimate_zero3_model_states_mem_needs_all_cold",
+    },
+    "slipstream.runtime.zero.stage_1_and_2": {
+        "DeepSpeedZeroOptimizer": "slipstream.zero.optimizer:ZeroOptimizer",
+        "estimate_zero2_model_states_mem_needs_all_live": "slipstream.planner:estimate_zero2_model_states_mem_needs_all_live",
+        "estimate_zero2_model_states_mem_needs_all_cold": "slipstream.planner:estimate_zero2_model_states_mem_needs_all_cold",
+    },
+    "slipstream.runtime.activation_checkpointing": {
+        "checkpointing": "slipstream.compat.checkpointing",
     },
     "slipstream.runtime.zero.offload_config": {
         "DeepSpeedZeroOffloadParamConfig": f"{_CFG}.zero:OffloadParamConfig",
@@ -96,6 +117,12 @@ COMPOSITES: dict[str, dict[str, str]] = {
     "slipstream.runtime.fp16": {
         "DynamicLossScaler": "slipstream.zero.loss_scaler:DynamicLossScaler",
         "LossScaler": "slipstream.zero.loss_scaler:StaticLossScaler",
+    },
+    "slipstream.runtime.fp16.fused_optimizer": {
+        "FP16_Optimizer": "slipstream.zero.optimizer:ZeroOptimizer",
+    },
+    "slipstream.runtime.fp16.unfused_optimizer": {
+        "FP16_UnfusedOptimizer": "slipstream.zero.optimizer:ZeroOptimizer",
     },
     "slipstream.runtime.bf16_optimizer": {
         "BF16_Optimizer": "slipstream.zero.optimizer:ZeroOptimizer",
@@ -125,6 +152,10 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "log_dist": f"{_RT}:log_dist",
         "RepeatingLoader": "slipstream.engine.dataloader:RepeatingLoader",
         "set_z3_leaf_modules": "slipstream.zero.stage3.units:set_z3_leaf_modules",
+        "unset_z3_leaf_modules": "slipstream.zero.stage3.units:unset_z3_leaf_modules",
+        "get_z3_leaf_modules": "slipstream.zero.stage3.units:get_z3_leaf_modules",
+        "z3_leaf_module": "slipstream.zero.stage3.units:z3_leaf_module",
+        "OnDevice": f"{_RT}:OnDevice",
         **{
             name: f"{_PA}:{name}"
             for name in (
@@ -302,7 +333,9 @@ class _AliasFinder:
                 return None  # a package of ours that also answers DeepSpeed names (its __getattr__)
             composite: Any = _CompositeLoader()
             return importlib.util.spec_from_loader(fullname, composite, is_package=True)
-        target_name = _target(fullname) or _declared_below_target(fullname)
+        target_name = _target(fullname)
+        if target_name is None and not _is_ours(fullname):
+            target_name = _declared_below_target(fullname)
         if target_name is None:
             return None
         if target_name not in COMPOSITES and importlib.util.find_spec(target_name) is None:

@@ -166,6 +166,13 @@ def install(python: str | None = None, *, pip_args: tuple[str, ...] = ()) -> int
     )
     import json
 
+    if subprocess.run([python, "-c", "import slipstream.compat.deepspeed_dist"], capture_output=True).returncode:
+        print(
+            f"slipstream compat install: error: {python} cannot import slipstream; install Slipstream into that "
+            "environment first (the compatibility package maps `deepspeed` onto it)",
+            file=sys.stderr,
+        )
+        return 1
     found = json.loads(subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout)
     real = [(v, where) for v, where in found if f"+{MARKER}" not in v]
     if real:

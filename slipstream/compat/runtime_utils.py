@@ -16,6 +16,7 @@ from slipstream.utils.logging import get_logger
 
 __all__ = [
     "DeepSpeedOptimizerCallable",
+    "OnDevice",
     "DeepSpeedSchedulerCallable",
     "ZeRORuntimeException",
     "apply_to_tensors_only",
@@ -143,6 +144,29 @@ def move_to_device(item: Any, device: Any, criterion_func: Callable[[Any], bool]
     if isinstance(item, torch.Tensor) and (criterion_func is None or criterion_func(item)):
         item.data = item.data.to(device)
     return item
+
+
+class OnDevice:
+    """Build a model's tensors on `device` ("meta" by default: shapes only) and floating-point tensors in
+    `dtype`, inside the context (DeepSpeed's `OnDevice`); `enabled=False` makes it do nothing."""
+
+    def __init__(self, dtype: torch.dtype | None, device: Any = "meta", enabled: bool = True) -> None:
+        self.dtype, self.device, self.enabled = dtype, torch.device(device), enabled
+        self._saved: list[Any] = []
+
+    def __enter__(self) -> OnDevice:
+        if self.enabled:
+            self._saved = [torch.get_default_dtype(), self.device]
+            self.device.__enter__()
+            if self.dtype is not None and self.dtype.is_floating_point:
+                torch.set_default_dtype(self.dtype)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled and self._saved:
+            dtype, device = self._saved
+            torch.set_default_dtype(dtype)
+            device.__exit__(*exc)
 
 
 def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:

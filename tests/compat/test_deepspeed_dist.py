@@ -59,7 +59,9 @@ def fake_real_deepspeed(directory: Path) -> Path:
     with zipfile.ZipFile(path, "w") as wheel:
         wheel.writestr("deepspeed/__init__.py", "REAL = True\n__version__ = '0.19.8'\n")
         wheel.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.19.8\n")
-        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         wheel.writestr(f"{info}/RECORD", "")
     return path
 
@@ -90,9 +92,21 @@ def test_compat_distribution_in_a_throwaway_venv(tmp_path: Path) -> None:
     assert got["lr"][:2] == ["LRRangeTest", "OneCycle"] and got["runner"] == 2
     assert got["file"].startswith(site)
     scripts = {p.name for p in (venv / "bin").iterdir()}
-    expected = {"deepspeed", "deepspeed.pt", "ds", "ds_report", "dsr", "ds_ssh", "ds_bench", "ds_elastic", "ds_io",
-                "ds_nvme_tune"}
+    expected = {
+        "deepspeed",
+        "deepspeed.pt",
+        "ds",
+        "ds_report",
+        "dsr",
+        "ds_ssh",
+        "ds_bench",
+        "ds_elastic",
+        "ds_io",
+        "ds_nvme_tune",
+    }
     assert expected <= scripts, expected - scripts
+    launcher = run([str(venv / "bin" / "deepspeed"), "--help"], env=env)
+    assert launcher.returncode == 0 and "--num_gpus" in launcher.stdout and "user_script" in launcher.stdout
     report = run([str(venv / "bin" / "ds_report"), "--hide_operator_status"], env=env)
     assert report.returncode == 0 and "import deepspeed" in report.stdout and "active" in report.stdout, report.stdout
 
@@ -103,6 +117,16 @@ def test_compat_distribution_in_a_throwaway_venv(tmp_path: Path) -> None:
     assert refused.returncode == 1 and "DeepSpeed 0.19.8 is installed" in refused.stderr, refused.stderr
     kept = run([python, "-c", "import deepspeed; print(deepspeed.REAL)"], env=env, cwd=tmp_path)
     assert kept.stdout.strip() == "True", kept.stderr
+
+
+def test_install_needs_slipstream_in_the_target(tmp_path: Path) -> None:
+    """A target interpreter without Slipstream is refused before anything is installed there."""
+    venv = tmp_path / "bare"
+    assert run([sys.executable, "-m", "venv", "--without-pip", str(venv)]).returncode == 0
+    from slipstream.compat import deepspeed_dist
+
+    assert deepspeed_dist.install(str(venv / "bin" / "python")) == 1
+    assert not list(venv.glob("lib/python*/site-packages/deepspeed*"))
 
 
 def test_two_deepspeed_distributions_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,7 +140,8 @@ def test_two_deepspeed_distributions_are_named(monkeypatch: pytest.MonkeyPatch) 
         def locate_file(self, name: str) -> str:
             return f"/site/{self.version}"
 
-    monkeypatch.setattr(deepspeed_dist, "_deepspeed_distributions", lambda: [Dist("0.19.8+slipstream.0.1.0"),
-                                                                           Dist("0.18.0")])
+    monkeypatch.setattr(
+        deepspeed_dist, "_deepspeed_distributions", lambda: [Dist("0.19.8+slipstream.0.1.0"), Dist("0.18.0")]
+    )
     with pytest.warns(UserWarning, match=r"real DeepSpeed \(deepspeed 0.18.0 at /site/0.18.0\)"):
         deepspeed_dist._warn_if_shadowed()

@@ -59,16 +59,34 @@ zero_reduce_bucket_size zero_reduce_scatter zero_round_robin_gradients zero_save
 zero_sub_group_size zero_use_cpu_optimizer zeropp_loco_param
 """.split()
 CALLED_WITH_ARGUMENTS = {
-    "backward", "forward", "load_checkpoint", "save_checkpoint", "save_16bit_model", "save_fp16_model", "step",
-    "set_gradient_accumulation_boundary", "set_train_batch_size", "set_train_micro_batch_size", "deepspeed_io",
-    "load_module_state_dict", "is_iterable_style_dataset", "is_map_style_dataset", "destroy", "no_sync", "scale",
+    "backward",
+    "forward",
+    "load_checkpoint",
+    "save_checkpoint",
+    "save_16bit_model",
+    "save_fp16_model",
+    "step",
+    "set_gradient_accumulation_boundary",
+    "set_train_batch_size",
+    "set_train_micro_batch_size",
+    "deepspeed_io",
+    "load_module_state_dict",
+    "is_iterable_style_dataset",
+    "is_map_style_dataset",
+    "destroy",
+    "no_sync",
+    "scale",
 }
 """Methods that need arguments or change the engine: checked to exist here, called by their own tests."""
 
 
 def engine_for(stage: int = 1, **extra: object) -> slipstream.SlipstreamEngine:
-    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-              "zero_optimization": {"stage": stage}, **extra}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": stage},
+        **extra,
+    }
     engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
     return engine
 
@@ -78,8 +96,9 @@ def test_launcher_runner_module_runs_the_launcher() -> None:
     from slipstream.launcher import runner
 
     assert callable(runner.main)
-    done = subprocess.run([sys.executable, "-m", "slipstream.launcher.runner"], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "slipstream.launcher.runner"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and "user_script" in done.stderr, (done.returncode, done.stderr[-500:])
 
 
@@ -87,15 +106,57 @@ def test_comm_has_deepspeed_functions_counted_in_one_process() -> None:
     """Item 2 in a world of one (values across ranks: tests/dist/test_deepspeed_comm.py)."""
     from slipstream import comm
 
-    names = ["get_rank", "get_world_size", "get_local_rank", "barrier", "all_reduce", "all_gather_into_tensor",
-             "reduce_scatter_tensor", "broadcast", "new_group", "is_initialized", "ReduceOp", "init_distributed",
-             "all_gather", "reduce_scatter", "reduce", "gather", "scatter", "all_to_all_single", "all_to_all",
-             "send", "recv", "isend", "irecv", "broadcast_object_list", "all_gather_object", "monitored_barrier",
-             "destroy_process_group", "get_global_rank", "get_world_group", "get_all_ranks_from_group",
-             "is_available", "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "all_reduce_coalesced",
-             "inference_all_reduce", "allgather_fn", "reduce_scatter_fn", "in_aml", "in_aws_sm", "in_dlts",
-             "configure", "log_summary", "mpi_discovery", "timed_op"]
+    names = [
+        "get_rank",
+        "get_world_size",
+        "get_local_rank",
+        "barrier",
+        "all_reduce",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "new_group",
+        "is_initialized",
+        "ReduceOp",
+        "init_distributed",
+        "all_gather",
+        "reduce_scatter",
+        "reduce",
+        "gather",
+        "scatter",
+        "all_to_all_single",
+        "all_to_all",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "broadcast_object_list",
+        "all_gather_object",
+        "monitored_barrier",
+        "destroy_process_group",
+        "get_global_rank",
+        "get_world_group",
+        "get_all_ranks_from_group",
+        "is_available",
+        "has_all_gather_into_tensor",
+        "has_reduce_scatter_tensor",
+        "all_reduce_coalesced",
+        "inference_all_reduce",
+        "allgather_fn",
+        "reduce_scatter_fn",
+        "in_aml",
+        "in_aws_sm",
+        "in_dlts",
+        "configure",
+        "log_summary",
+        "mpi_discovery",
+        "timed_op",
+    ]
     assert not [n for n in names if not hasattr(comm, n)]
+    from slipstream.comm.comm import init_distributed  # DeepSpeed's deepspeed.comm.comm
+    from slipstream.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+
+    assert init_distributed is comm.init_distributed and TORCH_DISTRIBUTED_DEFAULT_PORT == 29500
     assert comm.get_rank() == 0 and comm.get_world_size() == 1 and comm.get_local_rank() == 0
     comm.init_distributed()
     assert comm.is_initialized()
@@ -113,6 +174,13 @@ def test_comm_has_deepspeed_functions_counted_in_one_process() -> None:
     assert counter.calls["all_reduce"] == 2 and counter.calls["barrier"] == 1 and counter.calls["all_gather"] == 1
     with pytest.raises(NotImplementedError, match="log_summary"):
         comm.log_summary()
+    from slipstream.utils.deprecation import SlipstreamDeprecationWarning
+
+    with pytest.warns(SlipstreamDeprecationWarning, match="all_gather_into_tensor"):
+        comm.all_gather(flat := torch.empty(2), torch.tensor([4.0, 5.0]))  # Slipstream 0.1's flat form
+    with pytest.warns(SlipstreamDeprecationWarning, match="reduce_scatter_tensor"):
+        comm.reduce_scatter(part := torch.empty(2), torch.tensor([6.0, 7.0]))
+    assert flat.tolist() == [4.0, 5.0] and part.tolist() == [6.0, 7.0]
 
 
 def test_runtime_paths() -> None:
@@ -122,20 +190,26 @@ def test_runtime_paths() -> None:
     from slipstream.runtime.engine import DeepSpeedEngine
     from slipstream.runtime.utils import RepeatingLoader, see_memory_usage, set_random_seed
 
-    assert lr_schedules.VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR",
-                                              "WarmupCosineLR"]
+    assert lr_schedules.VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
     assert lr_schedules.WARMUP_LR == "WarmupLR" and lr_schedules.WARMUP_NUM_STEPS == "warmup_num_steps"
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    schedule = lr_schedules.WarmupLR(optimizer, warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=10,
-                                     warmup_type="linear")
+    schedule = lr_schedules.WarmupLR(
+        optimizer, warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear"
+    )
     schedule.step()
     schedule.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
     parser = lr_schedules.add_tuning_arguments(argparse.ArgumentParser())
     assert parser.parse_args(["--lr_schedule", "WarmupLR"]).warmup_num_steps == 1000
-    config = DeepSpeedConfig({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
-                              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-                              "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}})
+    config = DeepSpeedConfig(
+        {
+            "train_batch_size": 8,
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 2},
+            "bf16": {"enabled": True},
+        }
+    )
     assert (config.train_batch_size, config.gradient_accumulation_steps, config.zero_optimization_stage) == (8, 2, 2)
     assert config.optimizer_name == ADAM_OPTIMIZER != ADAMW_OPTIMIZER and config.bfloat16_enabled
     assert config.optimizer_params == {"lr": 1e-3} and config.zero_config.stage == 2
@@ -151,9 +225,10 @@ def test_runtime_paths() -> None:
 
     moved = move_to_device({"a": [torch.zeros(1, dtype=torch.float64)]}, "cpu", lambda t: t.dtype == torch.float64)
     assert moved["a"][0].device.type == "cpu"
-    from slipstream.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME
     from slipstream.ops.adagrad import DeepSpeedCPUAdagrad
     from slipstream.ops.lion import DeepSpeedCPULion
+
+    from slipstream.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME
 
     assert DEEPSPEED_ENVIRONMENT_NAME == ".deepspeed_env"
     for cls in (DeepSpeedCPUAdagrad, DeepSpeedCPULion):  # Accelerate builds them from a torch optimizer's defaults
@@ -181,20 +256,53 @@ def test_runtime_paths() -> None:
     assert fp16.DynamicLossScaler.__name__ == "DynamicLossScaler" and bf16_optimizer.BF16_Optimizer is not None
     assert importlib.import_module("slipstream.runtime.fp16.loss_scaler").DynamicLossScaler is fp16.DynamicLossScaler
     assert isinstance(checkpoint_engine.TorchCheckpointEngine(), checkpoint_engine.CheckpointEngine)
-    assert importlib.import_module("slipstream.runtime.zero.stage3") is importlib.import_module("slipstream.zero.stage3")
+    from slipstream.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from slipstream.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from slipstream.zero.optimizer import ZeroOptimizer
+    from slipstream.zero.stage3.optimizer import Stage3Optimizer
+
+    assert DeepSpeedZeroOptimizer_Stage3 is Stage3Optimizer and DeepSpeedZeroOptimizer is ZeroOptimizer
+    ours = importlib.import_module("slipstream.zero.stage3")  # DeepSpeed's stage3 path does not capture ours
+    assert ours.__name__ == "slipstream.zero.stage3" and not hasattr(ours, "DeepSpeedZeroOptimizer_Stage3")
+    from slipstream.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from slipstream.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    assert FP16_Optimizer is FP16_UnfusedOptimizer is ZeroOptimizer
+    from slipstream.runtime.activation_checkpointing import checkpointing
+
+    assert checkpointing is slipstream.checkpointing
+    assert importlib.import_module("slipstream.runtime.activation_checkpointing.checkpointing") is checkpointing
+    layer = torch.nn.Linear(3, 3)
+    inputs = torch.ones(2, 3, requires_grad=True)
+    checkpointing.checkpoint(layer, inputs).sum().backward()
+    assert inputs.grad is not None and layer.weight.grad is not None
+    with pytest.raises(NotImplementedError, match="partition_activations"):
+        checkpointing.configure(None, partition_activations=True)
 
 
 def test_utils_checkpoint_ops_and_top_level(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Items 4-6."""
     from slipstream.checkpoint.utils import clone_tensors_for_torch_save
-    from slipstream.utils import RepeatingLoader, groups, logger, set_z3_leaf_modules
     from slipstream.utils.torch import required_torch_version
+
+    from slipstream.utils import RepeatingLoader, groups, logger, set_z3_leaf_modules
 
     assert logger.name == "slipstream" and RepeatingLoader.__name__ == "RepeatingLoader"
     assert slipstream.utils.is_initialized() is False  # transformers' ESMFold asks deepspeed.utils
     assert groups.get_data_parallel_world_size() == 1 and groups.get_model_parallel_world_size() == 1
     assert required_torch_version(min_version=1.9) and not required_torch_version(max_version=1.0)
-    assert callable(set_z3_leaf_modules)
+    from slipstream.utils import get_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+
+    model = TinyMLP()
+    marked = set_z3_leaf_modules(model, [torch.nn.Linear])
+    assert get_z3_leaf_modules(model) == marked and z3_leaf_module(marked[0])
+    unset_z3_leaf_modules(model, ["Linear"])
+    assert get_z3_leaf_modules(model) == []
+    with slipstream.OnDevice(dtype=torch.bfloat16, device="meta"):
+        built = torch.nn.Linear(4, 4)
+    assert built.weight.device.type == "meta" and built.weight.dtype == torch.bfloat16
+    assert torch.get_default_dtype() == torch.float32 and torch.ones(1).device.type == "cpu"
     flat = torch.arange(10.0)
     saved = clone_tensors_for_torch_save({"a": [flat[2:4]], "b": 1})
     assert saved["a"][0].tolist() == [2.0, 3.0] and saved["a"][0].untyped_storage().nbytes() == 8
@@ -214,7 +322,8 @@ def test_utils_checkpoint_ops_and_top_level(tmp_path) -> None:  # type: ignore[n
         optimizer.step()
         assert params[0].detach().lt(1).all()
     assert (slipstream.__version_major__, slipstream.__version_minor__) == tuple(
-        int(x) for x in slipstream.__version__.split("+")[0].split(".")[:2])
+        int(x) for x in slipstream.__version__.split("+")[0].split(".")[:2]
+    )
     assert isinstance(slipstream.__version_patch__, int)
     with pytest.raises(slipstream.DeepSpeedConfigError, match="train_batch_size"):
         slipstream.initialize(model=TinyMLP(), config={"train_batch_size": 8, "train_micro_batch_size_per_gpu": 3})

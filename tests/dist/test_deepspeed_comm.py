@@ -102,8 +102,11 @@ def full_params(rank: int, world: int) -> list[dict]:
 
     results = []
     for stage in (2, 3):
-        config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-                  "zero_optimization": {"stage": stage}}
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "zero_optimization": {"stage": stage},
+        }
         engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
         x, y = TinyMLP().make_batch(seed=rank, batch_size=4)
         engine.backward(TinyMLP.loss(engine(x), y))

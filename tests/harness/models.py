@@ -48,7 +48,9 @@ class TinyMLP(nn.Module):
 
     @staticmethod
     def loss(outputs: Tensor, targets: Tensor) -> Tensor:
-        return F.mse_loss(outputs, targets)
+        # fp32 explicitly: what type promotion gives anyway, and torch 2.4's mse_loss backward fails on a
+        # bf16 input with an fp32 target ("Found dtype Float but expected BFloat16").
+        return F.mse_loss(outputs.float(), targets.float())
 
 
 class CausalSelfAttention(nn.Module):

@@ -92,6 +92,9 @@ def test_pure_install_without_compiler_then_aot_install(source: Path, venv: Path
         names = archive.namelist()
     assert not [n for n in names if n.endswith((".so", ".pyd"))]
     assert "slipstream/ops/csrc/adam/cpu_adam.cpp" in names  # sources ship for JIT builds
+    assert "slipstream/py.typed" in names  # type checkers use the package's annotations
+    # Windows: commands are entry points (pip writes an .exe launcher), never shell or batch scripts.
+    assert not [n for n in names if ".data/scripts/" in n or n.endswith((".bat", ".cmd", ".sh"))], names
 
     # 3. pip install . works with no compiler on PATH, and import needs nothing built.
     run([py, "-m", "pip", "install", "--quiet", str(source)], env=env)  # torch is there: nothing else comes

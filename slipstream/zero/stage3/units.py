@@ -155,3 +155,27 @@ def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | s
         names = sorted({c if isinstance(c, str) else c.__name__ for c in wanted})
         raise ValueError(f"set_z3_leaf_modules: no module of class {names} in the model; check the class names")
     return marked
+
+
+def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | str]) -> list[nn.Module]:
+    """Undo `set_z3_leaf_modules` for modules of these classes (or class names); returns them."""
+    wanted = tuple(leaf_module_classes)
+    unmarked = []
+    for module in model.modules():
+        if getattr(module, "_z3_leaf", False) and any(
+            (isinstance(c, str) and type(module).__name__ == c) or (isinstance(c, type) and isinstance(module, c))
+            for c in wanted
+        ):
+            module._z3_leaf = False  # type: ignore[assignment]
+            unmarked.append(module)
+    return unmarked
+
+
+def z3_leaf_module(module: nn.Module) -> bool:
+    """True when `module` is marked as a ZeRO-3 leaf (one unit, never split)."""
+    return bool(getattr(module, "_z3_leaf", False))
+
+
+def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` marked as ZeRO-3 leaves."""
+    return [module for module in model.modules() if z3_leaf_module(module)]
