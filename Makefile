@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slipstream-installed
 BASE_BRANCH ?= main
 
-.PHONY: help venv train test compat-hf matrix bench format clean
+.PHONY: help venv train test compat-hf compat matrix bench format clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -42,6 +42,15 @@ bench: $(STAMP) ## run the benchmarks (creates .bench-venv with DeepSpeed as a p
 	$(PY) bench/import_time.py
 	$(PY) bench/cpu_adam.py
 	$(PY) bench/zero_step.py
+
+# What DeepSpeed's unit tests import beyond torch and the package under test (pure Python; no torch reinstall).
+SUITE_REQS := pytest pytest-timeout py-cpuinfo hjson
+compat: $(STAMP) ## DeepSpeed's unit tests against DeepSpeed and Slipstream, per-folder table (tens of minutes; not in `make test`)
+	@test -x .bench-venv/bin/python || bash bench/make_peer_venv.sh
+	.bench-venv/bin/pip install --quiet $(SUITE_REQS)
+	$(PY) -m pip install --quiet $(SUITE_REQS)
+	@$(PY) -c "import torch; print('torch', torch.__version__, 'in $(VENV)')"
+	$(PY) compat/deepspeed_suite/run.py $(COMPAT_ARGS)
 
 format: $(STAMP) ## lint and format the Python files changed since the merge base with main (BASE_BRANCH)
 	@base=$$(git merge-base HEAD "$(BASE_BRANCH)" 2>/dev/null || git merge-base HEAD "origin/$(BASE_BRANCH)" 2>/dev/null || git rev-parse HEAD); \

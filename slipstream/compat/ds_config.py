@@ -120,6 +120,7 @@ class DeepSpeedConfig:
         self.scheduler_name = self._section("scheduler").get("type")
         self.scheduler_params = None if plan.scheduler is None else dict(self._section("scheduler").get("params", {}))
         self.gradient_clipping = plan.gradient_clipping
+        self.gradient_allreduce_op = str(plan.resolved.get("gradient_allreduce_op", "mean"))
         self.steps_per_print = plan.logging.steps_per_print
         self.wall_clock_breakdown = plan.logging.wall_clock_breakdown
         self.zero_allow_untested_optimizer = bool(self._param_dict.get("zero_allow_untested_optimizer", False))

@@ -9,8 +9,7 @@ deepspeed/runtime/lr_schedules.py (the behaviour, re-derived here). Shared conve
 - Warmup lengths are clamped to >= 2 and the log warmup uses gamma = log(it + 1) / log(warmup_num_steps).
 - `state_dict()` is `{"last_batch_iteration": n}`; `load_state_dict` restores n, the next `step()` writes lrs.
 - Min/max lrs may be one number (all groups) or one per parameter group.
-
-Stricter than DeepSpeed: an unknown warmup_type raises (DeepSpeed warns and uses "log").
+- An unknown warmup_type warns and uses "log", as DeepSpeed does (its own tests pin this).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ __all__ = ["SCHEDULES", "LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDeca
 Number = float | int
 PerGroup = Number | Sequence[Number]
 _WARMUP_TYPES = ("log", "linear")
+_BETA2 = 0.99  # OneCycle writes betas (momentum, 0.99), as DeepSpeed does
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -52,12 +52,20 @@ def _per_group(value: PerGroup, name: str, num_groups: int) -> list[float]:
     return [float(value)] * num_groups  # type: ignore[arg-type]
 
 
-def _check_warmup(warmup_num_steps: Any, warmup_type: str) -> int:
+def _check_warmup(warmup_num_steps: Any) -> int:
     if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
         raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
-    if warmup_type not in _WARMUP_TYPES:
-        raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
     return max(2, warmup_num_steps)
+
+
+def _warmup_type(warmup_type: str) -> str:
+    """'log' or 'linear'; anything else warns and gives 'log' (DeepSpeed's fallback)."""
+    if warmup_type in _WARMUP_TYPES:
+        return warmup_type
+    warnings.warn(
+        f"unknown warmup_type {warmup_type!r}: using 'log' (the known types are 'log' and 'linear')", stacklevel=3
+    )
+    return "log"
 
 
 def _check_total(total_num_steps: Any, warmup_num_steps: int) -> None:
@@ -125,7 +133,7 @@ class WarmupLR(_Schedule):
     """Warm each group's lr from warmup_min_lr to warmup_max_lr over warmup_num_steps, then hold it.
 
     lr(it) = min + (max - min) * gamma(it), gamma = log(it+1)/log(W) or it/W while it < W, else 1.
-    warmup_max_lr None means the optimizer's first group lr (DeepSpeed's default).
+    warmup_max_lr None means each group's own lr (DeepSpeed's default).
     """
 
     def __init__(
@@ -138,11 +146,11 @@ class WarmupLR(_Schedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        self.warmup_num_steps = _check_warmup(warmup_num_steps, warmup_type)
-        self.warmup_type = warmup_type
+        self.warmup_num_steps = _check_warmup(warmup_num_steps)
+        self.warmup_type = _warmup_type(warmup_type)
         num_groups = len(self.optimizer.param_groups)
-        if warmup_max_lr is None:
-            warmup_max_lr = float(self.optimizer.param_groups[0]["lr"])
+        if warmup_max_lr is None:  # each group's own lr (DeepSpeed 0.19)
+            warmup_max_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
         self.min_lrs = _per_group(warmup_min_lr, "warmup_min_lr", num_groups)
         self.max_lrs = _per_group(warmup_max_lr, "warmup_max_lr", num_groups)
         self._check_total()
@@ -211,8 +219,8 @@ class WarmupCosineLR(_Schedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        self.warmup_num_steps = _check_warmup(warmup_num_steps, warmup_type)
-        self.warmup_type = warmup_type
+        self.warmup_num_steps = _check_warmup(warmup_num_steps)
+        self.warmup_type = _warmup_type(warmup_type)
         _check_total(total_num_steps, self.warmup_num_steps)
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = float(warmup_min_ratio)
@@ -304,9 +312,9 @@ class OneCycle(_Schedule):
         super().__init__(optimizer, last_batch_iteration)
         if cycle_first_step_size <= 0:
             raise ValueError(f"cycle_first_step_size must be a positive number of steps, got {cycle_first_step_size!r}")
-        if cycle_second_step_size is not None and cycle_second_step_size <= 0:
+        if cycle_second_step_size is not None and cycle_second_step_size < 0:
             raise ValueError(
-                f"cycle_second_step_size must be a positive number of steps or null, got {cycle_second_step_size!r}"
+                f"cycle_second_step_size must be a non-negative number of steps or null, got {cycle_second_step_size!r}"
             )
         self.first_step_size = float(cycle_first_step_size)
         self.second_step_size = (
@@ -338,7 +346,7 @@ class OneCycle(_Schedule):
         if last_batch_iteration == -1:
             self._write(self.min_lrs)
             if self.cycle_momentum:
-                self._write_betas(self.min_moms)
+                self._write_betas([(mom, _BETA2) for mom in self.min_moms])
 
     def _scale_factor(self) -> float:
         """0 -> 1 over the first half-cycle and 1 -> 0 over the second, for batch index it + 1."""
@@ -371,21 +379,24 @@ class OneCycle(_Schedule):
         factor = 1.0 + self.decay_lr_rate * self._decay_interval()
         return [lo / factor for lo in self.min_lrs]
 
-    def get_mom(self) -> list[float] | None:
-        """betas[0] per group for the current iteration, or None when momentum is not cycled."""
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """The betas per group for the current iteration, (momentum, 0.99) as DeepSpeed returns them, or None
+        when momentum is not cycled."""
         if not self.cycle_momentum:
             return None
         if self.last_batch_iteration < self.total_size:
             scale = self._scale_factor()
-            return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
-        if self.skip_mom_decay:
-            return list(self.max_moms)
-        factor = 1.0 + self.decay_mom_rate * self._decay_interval()
-        return [hi * factor for hi in self.max_moms]
+            moms = [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
+        elif self.skip_mom_decay:
+            moms = list(self.max_moms)
+        else:
+            factor = 1.0 + self.decay_mom_rate * self._decay_interval()
+            moms = [hi * factor for hi in self.max_moms]
+        return [(mom, _BETA2) for mom in moms]
 
-    def _write_betas(self, moms: Sequence[float]) -> None:
-        for group, mom in zip(self.optimizer.param_groups, moms):
-            group["betas"] = (mom, 0.99)
+    def _write_betas(self, betas: Sequence[tuple[float, float]]) -> None:
+        for group, pair in zip(self.optimizer.param_groups, betas):
+            group["betas"] = pair
 
     def step(self, batch_iteration: int | None = None) -> None:  # type: ignore[override]
         """Advance to `batch_iteration` (default: the next one); writes lrs and, if cycled, betas."""

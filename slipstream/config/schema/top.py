@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, aliased
 from slipstream.config.schema.misc import (
@@ -206,3 +206,26 @@ class DeepSpeedConfig(DSModel):
     @classmethod
     def _known_dtype(cls, value: str | None) -> str | None:
         return canonical_dtype(value)
+
+    @field_validator("gradient_allreduce_op", mode="before")
+    @classmethod
+    def _allreduce_op(cls, value: Any) -> Any:
+        """Case-insensitive, as in DeepSpeed ("SUM" is "sum"); DeepSpeed's wording for anything else."""
+        if isinstance(value, str) and value.lower() in ("mean", "sum"):
+            return value.lower()
+        raise ValueError(f"Invalid gradient_allreduce_op {value!r}: use 'mean' (the default) or 'sum'")
+
+    @model_validator(mode="after")
+    def _sum_allreduce_supported(self) -> DeepSpeedConfig:
+        """DeepSpeed rejects summed gradients where its reduction path cannot sum; so does Slipstream."""
+        if self.gradient_allreduce_op == "sum":
+            for unsupported, where in (
+                (self.zero_optimization.stage == 3, "ZeRO stage 3"),
+                (self.zero_optimization.zenflow is not None, "ZenFlow (zero_optimization.zenflow)"),
+                (self.compile.deepcompile, "DeepCompile (compile.deepcompile)"),
+            ):
+                if unsupported:
+                    raise ValueError(
+                        f"gradient_allreduce_op 'sum' is not supported with {where}; use 'mean' (the default)"
+                    )
+        return self

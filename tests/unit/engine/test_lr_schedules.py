@@ -39,8 +39,13 @@ def test_warmup_log_pinned() -> None:
 
 
 def test_warmup_linear_and_groups() -> None:
-    sched = WarmupLR(_sgd(groups=2), warmup_min_lr=[0.001, 0.0], warmup_max_lr=[0.011, 0.02],
-                     warmup_num_steps=10, warmup_type="linear")
+    sched = WarmupLR(
+        _sgd(groups=2),
+        warmup_min_lr=[0.001, 0.0],
+        warmup_max_lr=[0.011, 0.02],
+        warmup_num_steps=10,
+        warmup_type="linear",
+    )
     assert [g["lr"] for g in sched.optimizer.param_groups] == [0.001, 0.0]
     sched.step(4)
     assert sched.get_last_lr() == pytest.approx([0.001 + (0.011 - 0.001) * 4 / 10, 0.0 + (0.02 - 0.0) * 4 / 10])
@@ -56,8 +61,9 @@ def test_warmup_steps_clamped_to_two_and_max_defaults_to_group_lr() -> None:
 
 
 def test_warmup_decay_pinned() -> None:
-    sched = WarmupDecayLR(_sgd(), total_num_steps=20, warmup_min_lr=0.0, warmup_max_lr=0.01,
-                          warmup_num_steps=10, warmup_type="linear")
+    sched = WarmupDecayLR(
+        _sgd(), total_num_steps=20, warmup_min_lr=0.0, warmup_max_lr=0.01, warmup_num_steps=10, warmup_type="linear"
+    )
     assert _lr_at(sched, 0) == pytest.approx(0.0)
     assert _lr_at(sched, 9) == pytest.approx(0.01 * 9 / 10)
     assert _lr_at(sched, 10) == pytest.approx(0.01 * (20 - 10) / (20 - 10))
@@ -67,8 +73,7 @@ def test_warmup_decay_pinned() -> None:
 
 
 def test_warmup_decay_log_mid_warmup() -> None:
-    sched = WarmupDecayLR(_sgd(), total_num_steps=100, warmup_min_lr=0.001, warmup_max_lr=0.005,
-                          warmup_num_steps=8)
+    sched = WarmupDecayLR(_sgd(), total_num_steps=100, warmup_min_lr=0.001, warmup_max_lr=0.005, warmup_num_steps=8)
     assert _lr_at(sched, 5) == pytest.approx(0.001 + (0.005 - 0.001) * math.log(5 + 1) / math.log(8))
     assert _lr_at(sched, 54) == pytest.approx(0.001 + (0.005 - 0.001) * (100 - 54) / (100 - 8))
 
@@ -79,8 +84,14 @@ def test_warmup_decay_total_below_warmup_warns() -> None:
 
 
 def test_warmup_cosine_pinned() -> None:
-    sched = WarmupCosineLR(_sgd(lr=0.1), total_num_steps=20, warmup_min_ratio=0.1, warmup_num_steps=10,
-                           cos_min_ratio=0.01, warmup_type="linear")
+    sched = WarmupCosineLR(
+        _sgd(lr=0.1),
+        total_num_steps=20,
+        warmup_min_ratio=0.1,
+        warmup_num_steps=10,
+        cos_min_ratio=0.01,
+        warmup_type="linear",
+    )
     assert sched.get_last_lr() == [0.0]  # before the first step the ratio is 0
     assert _lr_at(sched, 0) == pytest.approx(0.1 * (0.1 + (0 / 10) * (1 - 0.1)))
     assert _lr_at(sched, 5) == pytest.approx(0.1 * (0.1 + (5 / 10) * (1 - 0.1)))
@@ -101,16 +112,30 @@ def test_lr_range_test_pinned() -> None:
     sched.step()  # iteration 0 -> interval (0 + 1) / 10
     assert sched.get_last_lr()[0] == pytest.approx(0.001 * (1 + 2.0 * 1 / 10))
     assert _lr_at(sched, 4) == pytest.approx(0.001 * (1 + 2.0 * 5 / 10))
-    stairs = LRRangeTest(_sgd(), lr_range_test_min_lr=0.001, lr_range_test_step_size=10,
-                         lr_range_test_step_rate=2.0, lr_range_test_staircase=True)
+    stairs = LRRangeTest(
+        _sgd(),
+        lr_range_test_min_lr=0.001,
+        lr_range_test_step_size=10,
+        lr_range_test_step_rate=2.0,
+        lr_range_test_staircase=True,
+    )
     assert _lr_at(stairs, 4) == pytest.approx(0.001 * (1 + 2.0 * 0))  # floor(5/10) = 0
     assert _lr_at(stairs, 9) == pytest.approx(0.001 * (1 + 2.0 * 1))  # floor(10/10) = 1
 
 
 def test_one_cycle_lr_and_momentum() -> None:
     opt = _adam()
-    sched = OneCycle(opt, cycle_min_lr=0.001, cycle_max_lr=0.011, cycle_first_step_size=10, decay_lr_rate=0.5,
-                     decay_step_size=5, cycle_min_mom=0.8, cycle_max_mom=0.9, decay_mom_rate=0.1)
+    sched = OneCycle(
+        opt,
+        cycle_min_lr=0.001,
+        cycle_max_lr=0.011,
+        cycle_first_step_size=10,
+        decay_lr_rate=0.5,
+        decay_step_size=5,
+        cycle_min_mom=0.8,
+        cycle_max_mom=0.9,
+        decay_mom_rate=0.1,
+    )
     group = opt.param_groups[0]
     assert group["lr"] == 0.001 and group["betas"] == (0.8, 0.99)  # construction: min lr, min momentum
     sched.step()  # iteration 0: batch 1 of a 20-step cycle, x = 1/20, scale = x / 0.5
@@ -131,8 +156,14 @@ def test_one_cycle_lr_and_momentum() -> None:
 
 
 def test_one_cycle_stairs_and_no_decay() -> None:
-    sched = OneCycle(_sgd(), cycle_min_lr=0.001, cycle_max_lr=0.011, cycle_first_step_size=10,
-                     cycle_first_stair_count=2, cycle_momentum=False)
+    sched = OneCycle(
+        _sgd(),
+        cycle_min_lr=0.001,
+        cycle_max_lr=0.011,
+        cycle_first_step_size=10,
+        cycle_first_stair_count=2,
+        cycle_momentum=False,
+    )
     assert _lr_at(sched, 3) == pytest.approx(0.001)  # floor(4 * 2 / 10) / 2 = 0
     assert _lr_at(sched, 5) == pytest.approx(0.001 + 0.01 * 0.5)  # floor(6 * 2 / 10) / 2 = 0.5
     assert _lr_at(sched, 9) == pytest.approx(0.011)
@@ -174,13 +205,15 @@ def test_tensor_lr_stays_a_tensor() -> None:
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.005)
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"warmup_type": "cosine"}, "warmup_type"),
-    ({"warmup_num_steps": 0}, "warmup_num_steps"),
-    ({"warmup_num_steps": -3}, "warmup_num_steps"),
-    ({"warmup_num_steps": 2.5}, "warmup_num_steps"),
-    ({"warmup_min_lr": [0.0, 0.1]}, "warmup_min_lr"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"warmup_num_steps": 0}, "warmup_num_steps"),
+        ({"warmup_num_steps": -3}, "warmup_num_steps"),
+        ({"warmup_num_steps": 2.5}, "warmup_num_steps"),
+        ({"warmup_min_lr": [0.0, 0.1]}, "warmup_min_lr"),
+    ],
+)
 def test_warmup_invalid_arguments(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         WarmupLR(_sgd(), **kwargs)
@@ -189,9 +222,50 @@ def test_warmup_invalid_arguments(kwargs: dict, match: str) -> None:
 def test_total_and_cosine_invalid_arguments() -> None:
     with pytest.raises(ValueError, match="total_num_steps"):
         WarmupDecayLR(_sgd(), total_num_steps=-1)
-    with pytest.raises(ValueError, match="warmup_type"):
-        WarmupCosineLR(_sgd(), total_num_steps=100, warmup_type="exp")
     with pytest.raises(ValueError, match="lr_range_test_step_size"):
         LRRangeTest(_sgd(), lr_range_test_step_size=0)
     with pytest.raises(ValueError, match="cycle_first_step_size"):
         OneCycle(_sgd(), cycle_min_lr=0.1, cycle_max_lr=1.0, cycle_first_step_size=0)
+
+
+def test_unknown_warmup_type_warns_and_uses_log() -> None:
+    """DeepSpeed's fallback (its test_warmup_cosine_lr_unknown_warmup_type_falls_back_to_log)."""
+    with pytest.warns(UserWarning, match="unknown warmup_type 'cosine'"):
+        sched = WarmupLR(_sgd(), warmup_max_lr=0.01, warmup_num_steps=10, warmup_type="cosine")
+    assert sched.warmup_type == "log"
+    assert _lr_at(sched, 4) == pytest.approx(0.01 * math.log(5) / math.log(10))
+    with pytest.warns(UserWarning, match="unknown warmup_type 'exp'"):
+        cosine = WarmupCosineLR(_sgd(lr=0.1), total_num_steps=100, warmup_num_steps=10, warmup_type="exp")
+    assert _lr_at(cosine, 4) == pytest.approx(0.1 * math.log(5) / math.log(10))
+
+
+def test_warmup_max_lr_defaults_to_each_groups_own_lr() -> None:
+    opt = torch.optim.SGD(
+        [
+            {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.1},
+            {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.2},
+        ]
+    )
+    sched = WarmupLR(opt, warmup_num_steps=10)
+    assert sched.max_lrs == [0.1, 0.2]
+    sched.step(10)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1, 0.2])
+
+
+def test_one_cycle_zero_second_step_and_betas_pairs() -> None:
+    sched = OneCycle(
+        _adam(),
+        cycle_min_lr=0.001,
+        cycle_max_lr=0.1,
+        cycle_first_step_size=10,
+        cycle_second_step_size=0,
+        cycle_min_mom=0.8,
+        cycle_max_mom=0.9,
+    )
+    assert sched.step_ratio == 1.0
+    sched.step(4)  # batch 5 of a 10-step rise
+    assert sched.get_lr() == pytest.approx([0.001 + (0.1 - 0.001) * 0.5])
+    assert sched.get_mom() == [pytest.approx((0.85, 0.99))]  # (momentum, beta2) as DeepSpeed returns it
+    assert sched.optimizer.param_groups[0]["betas"] == pytest.approx((0.85, 0.99))
+    with pytest.raises(ValueError, match="cycle_second_step_size"):
+        OneCycle(_sgd(), cycle_min_lr=0.1, cycle_max_lr=1.0, cycle_second_step_size=-1)
