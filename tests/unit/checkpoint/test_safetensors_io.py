@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.safetensors_io import (ST_DTYPES, SafetensorsFile, SafetensorsWriter, save_file,
-                                                  sha256_file)
+from slipstream.checkpoint.safetensors_io import ST_DTYPES, SafetensorsFile, SafetensorsWriter, save_file, sha256_file
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -101,16 +100,25 @@ def _write_raw(path: Path, header: object, data: bytes = b"", header_len: int | 
     return path
 
 
-@pytest.mark.parametrize("header, data, match", [
-    ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "outside the 4 data bytes"),
-    ({"x": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "dtype 'Q9'"),
-    ({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "needs 12"),
-    ({"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}, b"", "non-negative"),
-    ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-      "y": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "overlap"),
-    ({"x": {"dtype": "F32", "shape": [2]}}, b"", "exactly dtype, shape and data_offsets"),
-    ([1, 2], b"", "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "header, data, match",
+    [
+        ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "outside the 4 data bytes"),
+        ({"x": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "dtype 'Q9'"),
+        ({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "needs 12"),
+        ({"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}, b"", "non-negative"),
+        (
+            {
+                "x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "y": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+            "overlap",
+        ),
+        ({"x": {"dtype": "F32", "shape": [2]}}, b"", "exactly dtype, shape and data_offsets"),
+        ([1, 2], b"", "expected a JSON object"),
+    ],
+)
 def test_bad_headers_name_file_and_entry(tmp_path: Path, header: object, data: bytes, match: str) -> None:
     path = _write_raw(tmp_path / "bad.safetensors", header, data)
     with pytest.raises(CheckpointError, match=match) as info:
@@ -146,3 +154,17 @@ def test_flat_range_bounds_and_out(tmp_path: Path) -> None:
             handle.get_flat_range("x", 0, 2, out=torch.empty(2))
         with pytest.raises(CheckpointError, match="has no tensor 'y'"):
             handle.get("y")
+
+
+def test_hash_on_the_helper_thread_matches_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks above the inline size are hashed on the helper thread, one behind the write, in order; small
+    ones inline: the digest is the file's either way."""
+    import slipstream.checkpoint.safetensors_io as io_mod
+
+    monkeypatch.setattr(io_mod, "_HASH_CHUNK", 4096)
+    monkeypatch.setattr(io_mod._Hasher, "_SMALL", 1024)
+    tensors = {"big": torch.randn(10_000), "small": torch.arange(7, dtype=torch.int32), "mid": torch.randn(300)}
+    digest = save_file(tensors, tmp_path / "h.safetensors")
+    assert digest == hashlib.sha256((tmp_path / "h.safetensors").read_bytes()).hexdigest()
+    with SafetensorsFile(tmp_path / "h.safetensors") as reader:
+        assert all(torch.equal(reader.get(name), value) for name, value in tensors.items())
