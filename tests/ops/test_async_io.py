@@ -5,8 +5,8 @@ from __future__ import annotations
 import errno
 import json
 import os
-import pickle
 import re
+import pickle
 import shutil
 import stat
 import subprocess
@@ -111,20 +111,16 @@ def test_write_creates_private_file_and_keeps_other_bytes(op: ModuleType, tmp_pa
     patch = _bytes(4096 + 100, 2)
     handle.sync_pwrite(patch, path, 2000)
     expected = base.clone()
-    expected[2000 : 2000 + patch.numel()] = patch
+    expected[2000:2000 + patch.numel()] = patch
     assert path.read_bytes() == expected.numpy().tobytes()
 
 
 def test_submit_and_wait_variants_and_getters(op: ModuleType, tmp_path: Path) -> None:
     for single_submit, overlap_events in ((True, False), (False, False), (True, True)):
         handle = op.aio_handle(8192, 3, single_submit, overlap_events, 2)
-        assert (
-            handle.get_block_size(),
-            handle.get_queue_depth(),
-            handle.get_single_submit(),
-            handle.get_overlap_events(),
-            handle.get_intra_op_parallelism(),
-        ) == (8192, 3, single_submit, overlap_events, 2)
+        assert (handle.get_block_size(), handle.get_queue_depth(), handle.get_single_submit(),
+                handle.get_overlap_events(), handle.get_intra_op_parallelism()) == (8192, 3, single_submit,
+                                                                                    overlap_events, 2)
         src = torch.randn(100_000)
         handle.sync_pwrite(src, tmp_path / "v.bin", 4096)
         dst = torch.empty_like(src)
@@ -243,24 +239,14 @@ def test_full_disk_and_file_size_limit_name_the_file(tmp_path: Path) -> None:
     native = shutil.which("c++") is not None and _native_available()
     prefix = _private_tmpfs(tmp_path / "mnt")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    argv = [
-        *(prefix or []),
-        sys.executable,
-        "-c",
-        _FULL_DISK_CHILD,
-        str(tmp_path),
-        str(tmp_path / "mnt") if prefix else "-",
-        "1" if native else "0",
-    ]
+    argv = [*(prefix or []), sys.executable, "-c", _FULL_DISK_CHILD, str(tmp_path),
+            str(tmp_path / "mnt") if prefix else "-", "1" if native else "0"]
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     names = ["fallback", "native"] if native else ["fallback"]
-    expected = {
-        str(tmp_path / f"{n}-{c}.bin"): (errno.EFBIG, "file size limit exceeded")
-        for n in names
-        for c in ("new", "existing")
-    }
+    expected = {str(tmp_path / f"{n}-{c}.bin"): (errno.EFBIG, "file size limit exceeded")
+                for n in names for c in ("new", "existing")}
     if prefix:
         expected.update({str(tmp_path / "mnt" / f"{n}-new.bin"): (errno.ENOSPC, "disk full") for n in names})
     assert set(report) == set(expected)
@@ -278,9 +264,8 @@ def test_full_disk_and_file_size_limit_name_the_file(tmp_path: Path) -> None:
 def test_error_text_and_pickle() -> None:
     err = AsyncIOError(errno.ENOSPC, "write", "/nvme/x.swp", 4096, 1 << 20, "", at=8192, num_failed=3)
     text = str(err)
-    assert text.startswith(
-        "async_io write of 1048576 bytes at offset 4096 of '/nvme/x.swp' failed at file offset 8192: [Errno 28]"
-    )
+    assert text.startswith("async_io write of 1048576 bytes at offset 4096 of '/nvme/x.swp' failed at file "
+                           "offset 8192: [Errno 28]")
     assert "(disk full)" in text and "2 more request(s)" in text
     assert isinstance(err, OSError) and err.filename == "/nvme/x.swp"
     again = pickle.loads(pickle.dumps(err))
@@ -293,17 +278,8 @@ def test_wrapper_waits_on_exit_and_takes_paths(tmp_path: Path) -> None:
         handle.async_pwrite(src, tmp_path / "w.bin")
         assert handle.engine == "python" and handle.alignment == 4096
     dst = torch.empty_like(src)
-    plan = type(
-        "Plan",
-        (),
-        {
-            "block_size": BLOCK,
-            "queue_depth": 2,
-            "single_submit": False,
-            "overlap_events": True,
-            "intra_op_parallelism": 1,
-        },
-    )()
+    plan = type("Plan", (), {"block_size": BLOCK, "queue_depth": 2, "single_submit": False,
+                             "overlap_events": True, "intra_op_parallelism": 1})()
     assert AsyncIOHandle.from_settings(plan, module=fallback_op).sync_pread(dst, tmp_path / "w.bin") == 1
     assert torch.equal(src, dst)
 
@@ -334,9 +310,7 @@ def test_builder_without_libraries_says_what_to_install(monkeypatch: pytest.Monk
     monkeypatch.setattr(op_builder_mod, "_LOADED", {})
     monkeypatch.setattr(op_builder_mod, "_WARNED", set())
     monkeypatch.setattr("slipstream.git_version_info.installed_ops", {})
-    with pytest.warns(
-        RuntimeWarning, match="(?s)op 'async_io' uses its PyTorch fallback.*apt-get install liburing-dev"
-    ):
+    with pytest.warns(RuntimeWarning, match="(?s)op 'async_io' uses its PyTorch fallback.*apt-get install liburing-dev"):
         module = AsyncIOBuilder().load()
     assert module is fallback_op
 

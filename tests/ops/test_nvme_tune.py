@@ -130,4 +130,7 @@ def test_nvme_tune_on_this_machine_writes_an_aio_section_the_config_accepts(tmp_
     table = capsys.readouterr().out
     swept = 1 if data["kind"] == "fallback" else 2  # the native op also tries overlap_events false
     assert f"of {swept} settings measured" in table and "<- defaults" in table
-    assert "the defaults are already best: no other settings was faster in the sweep" in table
+    if swept == 1:
+        assert "the defaults are already best: no other settings was faster in the sweep" in table
+    else:
+        assert "the defaults are already best" in table or "the tuned settings beat" in table

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.safetensors_io import ST_DTYPES, SafetensorsFile, SafetensorsWriter, save_file, sha256_file
+from slipstream.checkpoint.safetensors_io import (ST_DTYPES, SafetensorsFile, SafetensorsWriter, save_file,
+                                                  sha256_file)
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -100,25 +101,16 @@ def _write_raw(path: Path, header: object, data: bytes = b"", header_len: int | 
     return path
 
 
-@pytest.mark.parametrize(
-    "header, data, match",
-    [
-        ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "outside the 4 data bytes"),
-        ({"x": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "dtype 'Q9'"),
-        ({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "needs 12"),
-        ({"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}, b"", "non-negative"),
-        (
-            {
-                "x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                "y": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
-            },
-            b"\0" * 12,
-            "overlap",
-        ),
-        ({"x": {"dtype": "F32", "shape": [2]}}, b"", "exactly dtype, shape and data_offsets"),
-        ([1, 2], b"", "expected a JSON object"),
-    ],
-)
+@pytest.mark.parametrize("header, data, match", [
+    ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "outside the 4 data bytes"),
+    ({"x": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "dtype 'Q9'"),
+    ({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "needs 12"),
+    ({"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}, b"", "non-negative"),
+    ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "y": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "overlap"),
+    ({"x": {"dtype": "F32", "shape": [2]}}, b"", "exactly dtype, shape and data_offsets"),
+    ([1, 2], b"", "expected a JSON object"),
+])
 def test_bad_headers_name_file_and_entry(tmp_path: Path, header: object, data: bytes, match: str) -> None:
     path = _write_raw(tmp_path / "bad.safetensors", header, data)
     with pytest.raises(CheckpointError, match=match) as info:

@@ -37,17 +37,9 @@ from slipstream.planner.shapes import from_hf_config
 from slipstream.planner.zero_bytes import optimizer_states_per_element, pinned_rounding, stage012_bytes
 
 GIB = 2**30
-LLAMA2_7B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "vocab_size": 32000,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-}
+LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000, "hidden_act": "silu",
+             "tie_word_embeddings": False}
 GPT2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257}
 
 
@@ -55,14 +47,8 @@ def test_stage012_bytes_follow_the_padded_bucket_layout() -> None:
     # numels 5, 3, 7 in buckets of at most 8 (reverse order): [7], [3, 5] -> padded to 8 and 8 on 2 ranks
     settings = Settings(dtype="bf16", reduce_bucket_size=8, pin_memory=False)
     zero2 = stage012_bytes([5, 3, 7], 0, stage=2, world=2, settings=settings, offload=False)
-    assert zero2.owned == {
-        "params": 16 * 2,
-        "grads": 8 * 4,
-        "comm_buffers": 2 * 8 * 4 + 2 * 4 * 4,
-        "master": 8 * 4,
-        "optimizer_state": 2 * 8 * 4,
-        "host_buffers": 0,
-    }
+    assert zero2.owned == {"params": 16 * 2, "grads": 8 * 4, "comm_buffers": 2 * 8 * 4 + 2 * 4 * 4, "master": 8 * 4,
+                           "optimizer_state": 2 * 8 * 4, "host_buffers": 0}
     zero1 = stage012_bytes([5, 3, 7], 4, stage=1, world=2, settings=settings, offload=True)
     assert zero1.owned["grads"] == 16 * 4 and zero1.owned["host_buffers"] == 8 * 4 + 8 * 2
     assert zero1.device["master"] == 0 and zero1.host["master"] == 8 * 4 and zero1.device["frozen_params"] == 8
@@ -81,11 +67,8 @@ def _units(sizes: list[int], persistent: int = 0) -> list[UnitShape]:
     units = [UnitShape(name=f"u{i}", numels=(n,), trainable=(True,)) for i, n in enumerate(sizes)]
     units.append(UnitShape(name="<root>", numels=(), trainable=(), is_root=True))
     if persistent:
-        units.append(
-            UnitShape(
-                name="<persistent>", numels=(persistent,), trainable=(True,), persistent=True, hooked=False, hosts=(0,)
-            )
-        )
+        units.append(UnitShape(name="<persistent>", numels=(persistent,), trainable=(True,), persistent=True,
+                               hooked=False, hosts=(0,)))
     return units
 
 
@@ -101,9 +84,8 @@ def test_gather_pool_replays_prefetch() -> None:
 def test_held_gradients_do_not_wait_for_the_persistent_unit() -> None:
     plain = simulate_pool(_units([100, 200, 300]), world=2, dtype_bytes=2, prefetch_numel=0, max_live_numel=10**9)
     assert plain.held_grads_peak_bytes == 300 * 2  # each unit is reduced as soon as it is complete
-    with_persistent = simulate_pool(
-        _units([100, 200, 300], persistent=10), world=2, dtype_bytes=2, prefetch_numel=0, max_live_numel=10**9
-    )
+    with_persistent = simulate_pool(_units([100, 200, 300], persistent=10), world=2, dtype_bytes=2, prefetch_numel=0,
+                                    max_live_numel=10**9)
     # the persistent unit completes last and is reduced last (Stage3Optimizer._order): nothing waits for it
     assert with_persistent.held_grads_peak_bytes == 300 * 2
 
@@ -114,15 +96,8 @@ def test_hf_configs_give_known_parameter_counts() -> None:
 
 
 def test_estimate_rows_fits_and_cheapest() -> None:
-    plan = estimate(
-        params=7e9,
-        gpus_per_node=8,
-        seq=4096,
-        micro_batch=1,
-        vocab=32000,
-        device_memory=80 * 10**9,
-        host_memory=512 * 10**9,
-    )
+    plan = estimate(params=7e9, gpus_per_node=8, seq=4096, micro_batch=1, vocab=32000,
+                    device_memory=80 * 10**9, host_memory=512 * 10**9)
     assert [e.option for e in plan.estimates] == list(STANDARD_OPTIONS)
     assert abs(plan.total_params - 7e9) < 1e6
     zero0, zero3 = plan.estimate_for("zero0"), plan.estimate_for("zero3")
@@ -140,20 +115,15 @@ def test_estimate_rows_fits_and_cheapest() -> None:
 
 
 def test_ds_config_row_and_knobs() -> None:
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "offload_optimizer": {"device": "cpu"}},
-    }
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "offload_optimizer": {"device": "cpu"}}}
     plan = estimate(hf_config=GPT2, ds_config=config, gpus_per_node=4, seq=1024)
     row = plan.estimates[0]
     assert row.option == Option(stage=2, offload_optimizer=True, label="config")
     assert plan.settings.reduce_bucket_size == 1000
-    assert row.activations == transformer_activations(
-        seq=1024, micro_batch=4, hidden=768, layers=12, heads=12, vocab=50257, dtype_bytes=2, checkpointing=False
-    )
+    assert row.activations == transformer_activations(seq=1024, micro_batch=4, hidden=768, layers=12, heads=12,
+                                                      vocab=50257, dtype_bytes=2, checkpointing=False)
     # buckets of 1000 elements: the embedding (50257 x 768) gets a bucket of its own, reduced in chunks of the
     # staging bound (8 MiB of fp32 gradients over 4 ranks), so the buffers do not grow with it
     chunk = 8 * 2**20 // 4 // 4
@@ -172,40 +142,21 @@ def test_activation_formula() -> None:
 
 def test_deepspeed_names_signatures_and_output(capsys: pytest.CaptureFixture[str]) -> None:
     expected = {
-        estimate_zero2_model_states_mem_needs_all_live: [
-            "model",
-            "num_gpus_per_node",
-            "num_nodes",
-            "additional_buffer_factor",
-        ],
-        estimate_zero2_model_states_mem_needs_all_cold: [
-            "total_params",
-            "num_gpus_per_node",
-            "num_nodes",
-            "additional_buffer_factor",
-        ],
-        estimate_zero3_model_states_mem_needs_all_live: [
-            "model",
-            "num_gpus_per_node",
-            "num_nodes",
-            "additional_buffer_factor",
-        ],
-        estimate_zero3_model_states_mem_needs_all_cold: [
-            "total_params",
-            "largest_layer_params",
-            "num_gpus_per_node",
-            "num_nodes",
-            "additional_buffer_factor",
-        ],
+        estimate_zero2_model_states_mem_needs_all_live: ["model", "num_gpus_per_node", "num_nodes",
+                                                         "additional_buffer_factor"],
+        estimate_zero2_model_states_mem_needs_all_cold: ["total_params", "num_gpus_per_node", "num_nodes",
+                                                         "additional_buffer_factor"],
+        estimate_zero3_model_states_mem_needs_all_live: ["model", "num_gpus_per_node", "num_nodes",
+                                                         "additional_buffer_factor"],
+        estimate_zero3_model_states_mem_needs_all_cold: ["total_params", "largest_layer_params", "num_gpus_per_node",
+                                                         "num_nodes", "additional_buffer_factor"],
     }
     for fn, names in expected.items():
         assert list(inspect.signature(fn).parameters) == names
     rows = estimate_zero2_model_states_mem_needs_all_cold(1e9, num_gpus_per_node=8)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[:2] == [
-        "Estimated memory needed for params, optim states and gradients for a:",
-        "HW: Setup with 1 node, 8 GPUs per node.",
-    ]
+    assert lines[:2] == ["Estimated memory needed for params, optim states and gradients for a:",
+                         "HW: Setup with 1 node, 8 GPUs per node."]
     assert re.fullmatch(r"SW: Model with (999|1000)M total params\.", lines[2])
     assert lines[3] == "  per CPU  |  per GPU |   Options"
     assert re.fullmatch(r" +\d+\.\d\dGB \| +\d+\.\d\dGB \| offload_optimizer=cpu ", lines[4])
@@ -222,10 +173,8 @@ def test_deepspeed_names_signatures_and_output(capsys: pytest.CaptureFixture[str
 def test_engine_hooks() -> None:
     from slipstream.config import resolve
 
-    plan = resolve(
-        {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}},
-        world_size=4,
-    )
+    plan = resolve({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+                    "bf16": {"enabled": True}}, world_size=4)
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
     line = engine_line(plan=plan, model=model, world_size=4)
@@ -275,17 +224,8 @@ def _deepspeed_zero2(params: int, gpus: int, nodes: int, *, offload: bool, facto
     return int(params * 4 * gpus * factor), 4 * params + int(16 * params / total_gpus)
 
 
-def _deepspeed_zero3(
-    params: int,
-    largest: int,
-    gpus: int,
-    nodes: int,
-    *,
-    offload: bool,
-    offload_params: bool,
-    zero_init: bool,
-    factor: float,
-) -> tuple[int, int]:
+def _deepspeed_zero3(params: int, largest: int, gpus: int, nodes: int, *, offload: bool, offload_params: bool,
+                     zero_init: bool, factor: float) -> tuple[int, int]:
     """DeepSpeed 0.19's estimate_zero3_model_states_mem_needs: (cpu bytes, gpu bytes)."""
     total_gpus, gpus_factor, largest_bytes = gpus * nodes, 1 / nodes, 4 * largest
     if offload and offload_params:
@@ -311,9 +251,8 @@ def test_deepspeed_estimators_against_deepspeed_formulas(capsys: pytest.CaptureF
     def states(row: Any, *roles: str) -> int:
         return sum(row.device[r] for r in roles)
 
-    zero2 = estimate_zero2_model_states_mem_needs_all_live(
-        model, num_gpus_per_node=gpus, num_nodes=nodes, additional_buffer_factor=factor
-    )
+    zero2 = estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node=gpus, num_nodes=nodes,
+                                                           additional_buffer_factor=factor)
     printed = capsys.readouterr().out.splitlines()[4:]
     offload, plain = zero2
     ds_cpu, ds_gpu = _deepspeed_zero2(p, gpus, nodes, offload=False, factor=factor)
@@ -325,23 +264,15 @@ def test_deepspeed_estimators_against_deepspeed_formulas(capsys: pytest.CaptureF
     _, ds_gpu = _deepspeed_zero2(p, gpus, nodes, offload=True, factor=factor)
     assert offload.device["params"] == ds_gpu  # only the bf16 parameters stay on the device
     assert offload.host["master"] + offload.host["optimizer_state"] == 12 * p // world
-    zero3 = estimate_zero3_model_states_mem_needs_all_live(
-        model, num_gpus_per_node=gpus, num_nodes=nodes, additional_buffer_factor=factor
-    )
+    zero3 = estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node=gpus, num_nodes=nodes,
+                                                           additional_buffer_factor=factor)
     printed += capsys.readouterr().out.splitlines()[4:]
-    flags = [
-        (True, True, True),
-        (True, True, False),
-        (True, False, True),
-        (True, False, False),
-        (False, False, True),
-        (False, False, False),
-    ]
+    flags = [(True, True, True), (True, True, False), (True, False, True), (True, False, False),
+             (False, False, True), (False, False, False)]
     for row, (off, off_params, zero_init) in zip(zero3, flags, strict=True):
         assert (row.option.offload_optimizer, row.option.offload_param) == (off, off_params)
-        ds_cpu, ds_gpu = _deepspeed_zero3(
-            p, largest, gpus, nodes, offload=off, offload_params=off_params, zero_init=zero_init, factor=factor
-        )
+        ds_cpu, ds_gpu = _deepspeed_zero3(p, largest, gpus, nodes, offload=off, offload_params=off_params,
+                                          zero_init=zero_init, factor=factor)
         if not off:  # 18 bytes per param over the world (2 param, 4 grad, 4 master, 8 Adam); the host: the build
             assert states(row, "params", "grads", "master", "optimizer_state") == ds_gpu - 4 * largest
             assert row.host_total * factor == ds_cpu
