@@ -7,6 +7,8 @@ header). Files written here load with `safetensors.torch.load_file` and the othe
 
 The writer streams: the header is decided up front from (name, dtype, shape) entries, then each tensor's bytes go
 straight from tensor memory to the file and into a running sha256, so a file is hashed without re-reading it.
+The hash runs on a helper thread, one 8 MiB chunk behind the write (hashlib and file writes both release the
+GIL), so hashing and writing overlap instead of adding up.
 Readers copy only the bytes asked for into fresh torch-owned tensors (no mmap stays open behind a result).
 """
 
@@ -21,6 +23,7 @@ import json
 import math
 import os
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
@@ -140,6 +143,7 @@ class SafetensorsWriter:
         """The size the file will have once every entry is written."""
         self._file: BinaryIO | None = open(self.path, "wb")
         self._digest = hashlib.sha256()
+        self._hasher = _Hasher(self._digest)
         self._next = 0
         self.bytes_written = 0
         try:
@@ -152,10 +156,13 @@ class SafetensorsWriter:
     def _emit(self, data: memoryview) -> None:
         if self._file is None:
             raise CheckpointError(f"{self.path} is already closed; create a new SafetensorsWriter")
-        for begin in range(0, len(data), _HASH_CHUNK):
-            chunk = data[begin : begin + _HASH_CHUNK]
-            self._file.write(chunk)
-            self._digest.update(chunk)
+        try:
+            for begin in range(0, len(data), _HASH_CHUNK):
+                chunk = data[begin : begin + _HASH_CHUNK]
+                self._hasher.update(chunk)  # hashed on the helper thread while this thread writes it
+                self._file.write(chunk)
+        finally:
+            self._hasher.drain()  # `data` may be freed after this returns: nothing may still read it
         self.bytes_written += len(data)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -186,6 +193,7 @@ class SafetensorsWriter:
         if self._file is None:
             return self._digest.hexdigest()
         handle, self._file = self._file, None
+        self._hasher.close()
         try:
             if self._next != len(self._expected):
                 missing = [entry[0] for entry in self._expected[self._next :]]
@@ -214,9 +222,48 @@ class SafetensorsWriter:
         """Release the handle after an error; the error on its way is the one to report, not a failed flush of
         the bytes still buffered (a full disk fails that flush as well)."""
         handle, self._file = self._file, None
+        self._hasher.close()
         if handle is not None:
             with contextlib.suppress(OSError):
                 handle.close()
+
+
+class _Hasher:
+    """Feeds a sha256 on one helper thread, in order, at most one chunk ahead of the caller (so one 8 MiB chunk
+    is hashed while the next is written). Chunks of up to `_SMALL` bytes are hashed inline: a thread hop costs
+    more than hashing them."""
+
+    _SMALL = 1 << 16
+
+    def __init__(self, digest: hashlib._Hash) -> None:
+        self._digest = digest
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+
+    def update(self, chunk: memoryview) -> None:
+        self._wait()
+        if len(chunk) <= self._SMALL:
+            self._digest.update(chunk)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-sha256")
+        self._pending = self._pool.submit(self._digest.update, chunk)
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def drain(self) -> None:
+        """Every chunk given so far is hashed."""
+        self._wait()
+
+    def close(self) -> None:
+        with contextlib.suppress(BaseException):
+            self._wait()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 def save_file(

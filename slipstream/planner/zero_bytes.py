@@ -10,8 +10,9 @@ Stages 0-2 mirror `zero/flat_group.py` on the layout of `zero/layout.py` ([Note:
 - host_buffers (offload): `owned` fp32 gradient copies, plus `owned` elements in the parameter dtype when that
   is not fp32 (the CPU Adam op's low-precision output);
 - optimizer_state: states-per-element (AdamW: exp_avg, exp_avg_sq) x `owned` fp32 elements;
-- comm_buffers (stage 2, `zero/stage2.py`): two staging buffers of the largest padded bucket and two
-  receive buffers of largest // world + 1 elements, in the grad-accumulation dtype.
+- comm_buffers (stage 2, `zero/stage2.py`): two staging buffers of world x chunk and two receive buffers of
+  chunk elements, in the grad-accumulation dtype, where the layout's buckets and the chunk are bounded by
+  `STAGE2_STAGING_BYTES` ([Note: stage-2 staging bound] in zero/layout.py);
 Stage 3 mirrors `zero/stage3/`: each parameter contributes ceil(numel / world) elements to its unit's shard
 (`units.shard_layout`); master/grads/host buffers/optimizer state cover the trainable shard elements; the
 reduce-scatter keeps two staging buffers of world x (largest unit's trainable shard) and two receive buffers
@@ -28,7 +29,7 @@ from typing import Any
 from slipstream.config.optimizers import states_per_element
 from slipstream.planner.prefetch import PoolFigures, UnitShape, simulate_pool
 from slipstream.planner.types import DTYPE_BYTES, Settings
-from slipstream.zero.layout import build_layout
+from slipstream.zero.layout import build_layout, stage2_bucket_numel, stage2_chunk_numel
 
 
 def optimizer_states_per_element(name: str, params: Sequence[tuple[str, Any]] = ()) -> int:
@@ -106,7 +107,8 @@ def stage012_bytes(
             zero, offload=offload, device_extra={"frozen_params": frozen * param, "gathered_params": 0, "transient": 0}
         )
         return ZeroBytes(device=device, host=host, owned=zero, pinned_blocks=())
-    layout = build_layout(list(trainable), world_size=world, bucket_numel=settings.reduce_bucket_size)
+    bucket_numel = settings.reduce_bucket_size if stage != 2 else stage2_bucket_numel(settings.reduce_bucket_size, grad)
+    layout = build_layout(list(trainable), world_size=world, bucket_numel=bucket_numel)
     owned_numel = layout.flat_numel if stage == 0 else layout.shard_numel
     aliased = settings.dtype == settings.master_dtype and not offload
     owned = {
@@ -116,9 +118,11 @@ def stage012_bytes(
         **_optimizer_roles(owned_numel, settings=settings, offload=offload, aliased=aliased),
     }
     if stage == 2:
-        largest = max(b.padded_numel for b in layout.buckets)
-        owned["comm_buffers"] = 2 * largest * grad + 2 * (largest // world + 1) * grad
-    extra = {"frozen_params": frozen * param, "gathered_params": 0, "transient": max(trainable) * param}
+        chunk = stage2_chunk_numel(layout, grad)
+        owned["comm_buffers"] = 2 * chunk * world * grad + 2 * chunk * grad
+    # autograd's gradient of the largest parameter; at stage 2 also a bucket's gradients waiting for the rest of it
+    waiting = max(b.numel for b in layout.buckets) if stage == 2 else 0
+    extra = {"frozen_params": frozen * param, "gathered_params": 0, "transient": max(max(trainable), waiting) * param}
     device, host = _place(owned, offload=offload, device_extra=extra)
     blocks: tuple[int, ...] = ()
     if offload:

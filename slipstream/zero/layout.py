@@ -115,3 +115,33 @@ def build_layout(numels: Sequence[int], *, world_size: int, bucket_numel: int) -
         flat_numel=flat,
         shard_numel=shard,
     )
+
+
+STAGE2_STAGING_BYTES = 8 * 2**20
+"""Bytes of gradients one stage-2 reduce-scatter stages at most (see [Note: stage-2 staging bound])."""
+
+
+def stage2_bucket_numel(reduce_bucket_size: int, grad_bytes: int) -> int:
+    """The bucket size stage 2 lays out with: `reduce_bucket_size`, capped at `STAGE2_STAGING_BYTES` of
+    gradients.
+
+    [Note: stage-2 staging bound]
+    Stage 2 has no full-size gradient storage: a bucket's gradients wait (as autograd produced them) until
+    the bucket is complete, are packed into a staging buffer and reduce-scattered, and two staging buffers
+    are in use in turn. With DeepSpeed's default `reduce_bucket_size` (5e8 elements) a model of up to 500M
+    parameters is a single bucket, so that memory would be up to three times the model's gradients, more
+    than stage 1's full-size storage. So stage 2 never reduces more than `STAGE2_STAGING_BYTES` of
+    gradients at a time (`reduce_bucket_size` is the most that is reduced at a time, as DeepSpeed
+    documents it; smaller values are honoured), and a parameter larger than that is reduce-scattered in
+    chunks of that size (`stage2_chunk_numel`). The staging memory is then a few times that bound,
+    independent of the model size. Stages 0 and 1 reduce in place and keep `reduce_bucket_size`.
+    """
+    return max(1, min(int(reduce_bucket_size), STAGE2_STAGING_BYTES // max(grad_bytes, 1)))
+
+
+def stage2_chunk_numel(layout: GroupLayout, grad_bytes: int) -> int:
+    """Elements per rank of one stage-2 reduce-scatter in this layout: a whole bucket's piece, or for a bucket
+    larger than the staging bound (one large parameter) the bound's share per rank."""
+    largest_piece = max((b.piece_numel for b in layout.buckets), default=0)
+    bound = math.ceil(stage2_bucket_numel(STAGE2_STAGING_BYTES, grad_bytes) / layout.world_size)
+    return min(largest_piece, bound)

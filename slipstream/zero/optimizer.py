@@ -79,8 +79,8 @@ class ZeroOptimizer(abc.ABC):
         self.rank = dist.get_rank(group)
         self._group_for = group_for
         self.check_overflow = precision.check_grad_overflow
-        bucket_numel = int(zero.reduce_bucket_size)
         master_dtype, grad_dtype = precision.master_dtype, precision.grad_accum_dtype
+        bucket_numel = self._layout_bucket_numel(int(zero.reduce_bucket_size), DTYPES[grad_dtype])
         self.offload = offload if offload is not None else OffloadPolicy()
         self.overflow = False
         self.param_names: dict[int, str] = {}
@@ -97,6 +97,10 @@ class ZeroOptimizer(abc.ABC):
         self._low_precision_out = self._low_precision_targets()  # fixed for the optimizer's lifetime
         self._low_precision_by_group = self._split_by_group(self._low_precision_out)
         self.offload.prepare(self)
+
+    def _layout_bucket_numel(self, reduce_bucket_size: int, grad_dtype: torch.dtype) -> int:
+        """Elements per bucket of the flat layout (stage 2 bounds it, [Note: stage-2 staging bound])."""
+        return reduce_bucket_size
 
     def _build_groups(self, *, bucket_numel: int, master_dtype: torch.dtype, grad_dtype: torch.dtype) -> list[Any]:
         """One FlatGroup per param group with trainable parameters; gradients arrive through hooks."""

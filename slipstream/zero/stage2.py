@@ -7,6 +7,8 @@
   micro-batch's backward) launches the rest, with zeros for parameters that got no gradient on this
   rank. So every rank issues the same collectives in the same order, whatever its control flow took:
   unused parameters and conditional branches never hang.
+- Buckets hold at most `STAGE2_STAGING_BYTES` of gradients whatever `reduce_bucket_size` says, and a
+  larger parameter is reduced in chunks of that size ([Note: stage-2 staging bound] in layout.py).
 - Launching packs the bucket's gradients into a staging buffer of the `StagingRing` (zero/staging.py) and
   starts an asynchronous reduce-scatter into its receive buffer; the freshly produced `param.grad`
   tensors are dropped as they are packed. Reusing a slot waits for the reduce-scatter that used it last
@@ -28,7 +30,7 @@ import torch
 
 from slipstream.comm import collectives
 from slipstream.zero.flat_group import FlatGroup
-from slipstream.zero.layout import Bucket
+from slipstream.zero.layout import Bucket, stage2_bucket_numel, stage2_chunk_numel
 from slipstream.zero.optimizer import ZeroOptimizer
 from slipstream.zero.staging import StagingRing
 
@@ -43,15 +45,19 @@ class Stage2Optimizer(ZeroOptimizer):
             (flat, b) for flat in self.groups for b in range(len(flat.layout.buckets))
         ]
         self._position = {(id(flat), b): i for i, (flat, b) in enumerate(self._order)}
-        largest = max((b.padded_numel for flat in self.groups for b in flat.layout.buckets), default=0)
-        largest_piece = max((b.piece_numel for flat in self.groups for b in flat.layout.buckets), default=0)
         grad_dtype = self.groups[0].grad_storage.dtype if self.groups else torch.float32
+        grad_bytes = torch.empty((), dtype=grad_dtype).element_size()
+        self._chunk = {id(flat): stage2_chunk_numel(flat.layout, grad_bytes) for flat in self.groups}
+        chunk = max(self._chunk.values(), default=0)
         device = self.groups[0].device if self.groups else None
         self._ring = StagingRing(
-            staging_numel=largest, receive_numel=largest_piece + 1, dtype=grad_dtype, device=device
+            staging_numel=chunk * self.world_size, receive_numel=chunk, dtype=grad_dtype, device=device
         )
         self._pending: dict[tuple[int, int], dict[int, torch.Tensor]] = collections.defaultdict(dict)
         self._next = 0
+
+    def _layout_bucket_numel(self, reduce_bucket_size: int, grad_dtype: torch.dtype) -> int:
+        return stage2_bucket_numel(reduce_bucket_size, torch.empty((), dtype=grad_dtype).element_size())
 
     def _accumulate(self, flat: FlatGroup, index: int, grad: torch.Tensor) -> None:
         bucket_id = flat.layout.slots[index].bucket
@@ -73,22 +79,45 @@ class Stage2Optimizer(ZeroOptimizer):
         self._next = 0
 
     def _launch(self, flat: FlatGroup, bucket_id: int) -> None:
+        """Reduce-scatter one bucket, in chunks of at most `self._chunk` elements per rank (one chunk unless
+        the bucket is a single parameter larger than the staging bound, [Note: stage-2 staging bound])."""
         bucket: Bucket = flat.layout.buckets[bucket_id]
-        slot, staging, receive = self._ring.take(bucket.padded_numel, bucket.piece_numel)
-        staging.zero_()
         grads = self._pending.pop((id(flat), bucket_id), {})
-        for index in bucket.param_indices:
-            grad = grads.get(index)
-            if grad is not None:
-                start = flat.layout.slots[index].flat_offset - bucket.flat_offset
-                staging[start : start + grad.numel()].copy_(grad.reshape(-1))
-        if flat.world_size == 1:  # nothing to reduce with: the bucket is this rank's own piece
-            receive.copy_(staging)
-            work = None
-        else:
-            work = collectives.reduce_scatter(receive, staging, group=flat.process_group, async_op=True)
-        self._ring.launched(slot, work, receive, flat.owned_grads[bucket_id].add_)
+        piece, chunk, owned = bucket.piece_numel, self._chunk[id(flat)], flat.owned_grads[bucket_id]
+        world = flat.world_size  # a param group may be reduced over its own group (MoE experts)
+        for lo in range(0, piece, chunk):
+            n = min(chunk, piece - lo)
+            slot, staging, receive = self._ring.take(n * world, n)
+            for rank in range(world):
+                self._pack(flat, bucket, grads, staging[rank * n : (rank + 1) * n], rank * piece + lo)
+            if world == 1:  # nothing to reduce with: the chunk is this rank's own
+                receive.copy_(staging)
+                work = None
+            else:
+                work = collectives.reduce_scatter(receive, staging, group=flat.process_group, async_op=True)
+            self._ring.launched(slot, work, receive, owned[lo : lo + n].add_)
         self._next += 1
+
+    @staticmethod
+    def _pack(flat: FlatGroup, bucket: Bucket, grads: dict[int, torch.Tensor], out: torch.Tensor, start: int) -> None:
+        """`out` := the bucket's gradients at bucket positions [start, start + len(out)); zeros where a
+        parameter got no gradient and in the padding."""
+        end, filled = start + out.numel(), start
+        for index in bucket.param_indices:
+            slot = flat.layout.slots[index]
+            lo = slot.flat_offset - bucket.flat_offset
+            a, z = max(lo, start), min(lo + slot.numel, end)
+            if z <= a:
+                continue
+            grad = grads.get(index)
+            if grad is None:
+                continue
+            if a > filled:
+                out[filled - start : a - start].zero_()
+            out[a - start : z - start].copy_(grad.reshape(-1)[a - lo : z - lo])
+            filled = z
+        if filled < end:
+            out[filled - start :].zero_()
 
     def micro_step_done(self, *, reduce: bool) -> None:
         if not reduce:

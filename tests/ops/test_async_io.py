@@ -284,8 +284,26 @@ def test_wrapper_waits_on_exit_and_takes_paths(tmp_path: Path) -> None:
     assert torch.equal(src, dst)
 
 
+def test_builder_without_libraries_uses_kernel_aio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No libaio/liburing development files (a default install): the libaio engine on raw system calls, from the
+    kernel's own header, and nothing to link."""
+    include, lib = tmp_path / "include", tmp_path / "lib"
+    (include / "linux").mkdir(parents=True)
+    lib.mkdir()
+    monkeypatch.setattr(builder_mod, "search_dirs", lambda: ([str(include)], [str(lib)]))
+    assert not AsyncIOBuilder().is_compatible().ok  # no kernel header either
+    (include / "linux" / "aio_abi.h").write_text("")
+    builder = AsyncIOBuilder()
+    assert builder.is_compatible().ok and builder.extra_ldflags() == []
+    assert "-DSLIPSTREAM_AIO_KERNEL_AIO" in builder.cxx_args()
+    (include / "libaio.h").write_text("")
+    (lib / "libaio.so").write_text("")  # the library, when present, is used instead
+    assert "-DSLIPSTREAM_AIO_KERNEL_AIO" not in builder.cxx_args() and builder.extra_ldflags() == ["-laio"]
+
+
 def test_builder_without_libraries_says_what_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(builder_mod, "found_libraries", lambda *a: [])
+    monkeypatch.setattr(builder_mod, "has_kernel_aio", lambda *a: False)
     compat = AsyncIOBuilder().is_compatible()
     assert not compat.ok and "liburing-dev" in compat.reason and "libaio-dev" in compat.reason
     monkeypatch.setenv("SLIPSTREAM_OPS", "auto")

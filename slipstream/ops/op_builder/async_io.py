@@ -4,8 +4,10 @@ The native op drives libaio or io_uring (liburing), whichever development files 
 both are; libaio is preferred at run time), and falls back to a pread/pwrite thread pool when the kernel
 refuses them. The
 builder finds the headers and the `lib*.so` link names in the usual directories (plus CPATH,
-C_INCLUDE_PATH, CPLUS_INCLUDE_PATH and LIBRARY_PATH, which the compiler also searches); without either
-library the op is incompatible and the reason names the packages to install.
+C_INCLUDE_PATH, CPLUS_INCLUDE_PATH and LIBRARY_PATH, which the compiler also searches). Without libaio's
+development files, its engine is built on the kernel's AIO system calls directly (`linux/aio_abi.h`, part of
+the kernel headers every Linux toolchain has), so a default install gets native asynchronous I/O; only
+without those headers too is the op incompatible, and the reason names the packages to install.
 """
 
 from __future__ import annotations
@@ -75,11 +77,22 @@ def found_libraries(includes: list[str] | None = None, libs: list[str] | None = 
     return found
 
 
+KERNEL_AIO_HEADER = "linux/aio_abi.h"
+KERNEL_AIO_DEFINE = "SLIPSTREAM_AIO_KERNEL_AIO"
+
+
+def has_kernel_aio(includes: list[str] | None = None) -> bool:
+    """Whether the kernel's AIO ABI header is there (the "libaio" engine on raw system calls needs only it)."""
+    if includes is None:
+        includes = search_dirs()[0]
+    return any(os.path.isfile(os.path.join(d, KERNEL_AIO_HEADER)) for d in includes)
+
+
 def missing_reason() -> str:
     """Why the op cannot be built without either library, and what to install."""
     return (
-        "neither liburing nor libaio development files were found (liburing.h + liburing.so, or "
-        "libaio.h + libaio.so); install one: `apt-get install liburing-dev` or `apt-get install libaio-dev` "
+        f"neither liburing nor libaio development files nor the kernel's {KERNEL_AIO_HEADER} were found "
+        "(liburing.h + liburing.so, or libaio.h + libaio.so); install one: `apt-get install liburing-dev` or `apt-get install libaio-dev` "
         "(Debian/Ubuntu), `dnf install liburing-devel` or `libaio-devel` (Fedora/RHEL); if it is installed "
         "elsewhere, add its include directory to CPATH and its lib directory to LIBRARY_PATH"
     )
@@ -97,7 +110,11 @@ class AsyncIOBuilder(OpBuilder):
         return ["aio"]
 
     def cxx_args(self) -> list[str]:
-        return [*super().cxx_args(), *(f"-D{lib.define}" for lib in found_libraries())]
+        libraries = found_libraries()
+        defines = [lib.define for lib in libraries]
+        if not any(lib.name == "libaio" for lib in libraries) and has_kernel_aio():
+            defines.append(KERNEL_AIO_DEFINE)
+        return [*super().cxx_args(), *(f"-D{define}" for define in defines)]
 
     def extra_ldflags(self) -> list[str]:
         return [f"-l{lib.link_name}" for lib in found_libraries()]
@@ -108,6 +125,6 @@ class AsyncIOBuilder(OpBuilder):
         base = super().is_compatible()
         if not base.ok:
             return base
-        if not found_libraries():
+        if not found_libraries() and not has_kernel_aio():
             return Compatibility(False, missing_reason())
         return Compatibility(True)

@@ -254,20 +254,25 @@ class Unit:
         """
         width = receive.numel()
         rows = staging.view(self.world_size, width)
-        rows.zero_()
-        with torch.no_grad():
+        with torch.no_grad():  # every column of `rows` belongs to one trainable parameter: each is written once
             for index, start in zip(trainable, shard_offsets):
                 grad = grads.get(index)
-                if grad is None:
-                    continue
                 piece = self.layout.shard_numels[index]
+                columns = rows[:, start : start + piece]
+                if grad is None:
+                    columns.zero_()
+                    continue
                 flat = grad.reshape(-1)
                 whole = flat.numel() // piece if piece else 0
                 if whole:
-                    rows[:whole, start : start + piece].copy_(flat[: whole * piece].view(whole, piece))
+                    columns[:whole].copy_(flat[: whole * piece].view(whole, piece))
                 rest = flat.numel() - whole * piece
                 if rest:
-                    rows[whole, start : start + rest].copy_(flat[whole * piece :])
+                    columns[whole, :rest].copy_(flat[whole * piece :])
+                    columns[whole, rest:].zero_()
+                    whole += 1
+                if whole < self.world_size:
+                    columns[whole:].zero_()  # the padding of the last rows
         if self.world_size == 1:
             receive.copy_(rows[0])
             return None

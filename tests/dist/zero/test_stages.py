@@ -16,7 +16,10 @@ BATCH = 8
 LR = 1e-2
 CLIP = 0.1
 CASES = [{"stage": 0, "clip": 0.0}, {"stage": 1, "clip": 0.0}, {"stage": 2, "clip": 0.0},
-         {"stage": 0, "clip": CLIP}, {"stage": 1, "clip": CLIP}, {"stage": 2, "clip": CLIP}]
+         {"stage": 0, "clip": CLIP}, {"stage": 1, "clip": CLIP}, {"stage": 2, "clip": CLIP},
+         # DeepSpeed's default reduce_bucket_size with a 1 KiB staging bound: buckets of at most 256 elements,
+         # the 37 x 37 weight reduce-scattered in chunks of 128 elements per rank ([Note: stage-2 staging bound])
+         {"stage": 2, "clip": CLIP, "bucket": 500_000_000, "staging_bytes": 1024}]
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -24,8 +27,9 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [model.make_batch(seed=s, batch_size=BATCH) for s in range(STEPS)]
 
 
-def run_stage(rank: int, world: int, *, stage: int, clip: float, bucket: int = 600) -> dict:
+def run_stage(rank: int, world: int, *, stage: int, clip: float, bucket: int = 600, staging_bytes: int = 0) -> dict:
     from slipstream.comm import count_collectives
+    from slipstream.zero import layout
     from slipstream.config import resolve
     from slipstream.zero.stage0 import Stage0Optimizer
     from slipstream.zero.stage1 import Stage1Optimizer
@@ -36,7 +40,12 @@ def run_stage(rank: int, world: int, *, stage: int, clip: float, bucket: int = 6
     inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     plan = resolve({"train_batch_size": BATCH, "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket}},
                    world_size=world)
-    zero = cls(inner, zero=plan.zero, precision=plan.precision)
+    bound = layout.STAGE2_STAGING_BYTES
+    layout.STAGE2_STAGING_BYTES = staging_bytes or bound
+    try:
+        zero = cls(inner, zero=plan.zero, precision=plan.precision)
+    finally:
+        layout.STAGE2_STAGING_BYTES = bound
     per_rank = BATCH // world
     counts, norms = [], []
     for inputs, targets in batches():
@@ -50,11 +59,12 @@ def run_stage(rank: int, world: int, *, stage: int, clip: float, bucket: int = 6
     dist.barrier()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms,
             "bytes": zero.owned_bytes(), "counts": counts,
-            "num_buckets": sum(len(g.layout.buckets) for g in zero.groups)}
+            "num_buckets": sum(len(g.layout.buckets) for g in zero.groups),
+            "pieces": [b.piece_numel for g in zero.groups for b in g.layout.buckets]}
 
 
 def grid(rank: int, world: int) -> list[dict]:
-    return run_subtests(CASES, lambda stage, clip: run_stage(rank, world, stage=stage, clip=clip))
+    return run_subtests(CASES, lambda **case: run_stage(rank, world, **case))
 
 
 def test_stages_match_reference_and_shard_state(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -86,8 +96,14 @@ def test_stages_match_reference_and_shard_state(tmp_path) -> None:  # type: igno
         else:  # Adam's two fp32 states over half the (padded) parameters
             assert numel * 4 <= state <= (numel + 2 * buckets) * 4, (stage, state, numel)
         calls = results[0]["counts"][-1]
+        chunk = case.get("staging_bytes", 0) // 4 // 2 or max(results[0]["pieces"])
+        reductions = sum(-(-piece // chunk) for piece in results[0]["pieces"])
         # sharded stages add one scalar all-reduce: the global grad norm (and overflow flag)
         expected = {0: {"all_reduce": buckets},
                     1: {"reduce_scatter": buckets, "all_gather": buckets, "all_reduce": 1},
-                    2: {"reduce_scatter": buckets, "all_gather": buckets, "all_reduce": 1}}[stage]
+                    2: {"reduce_scatter": reductions, "all_gather": buckets, "all_reduce": 1}}[stage]
         assert calls == expected, (stage, calls)
+        if stage == 2:  # two staging buffers of 2 x chunk and two receive buffers of chunk, fp32
+            assert results[0]["bytes"]["comm_buffers"] == 6 * chunk * 4, results[0]["bytes"]
+        if "staging_bytes" in case:  # bounded: buckets of at most 256 elements, the 37 x 37 weight chunked
+            assert max(results[0]["pieces"]) == 37 * 37 // 2 + 1 and reductions > buckets == 4, results[0]["pieces"]

@@ -1,6 +1,8 @@
 // The completion queues behind the async_io workers: io_uring (liburing), libaio, and plain pread/pwrite.
-// Which ones exist is decided at build time by the builder (SLIPSTREAM_AIO_HAVE_URING / _HAVE_LIBAIO); which
-// one runs, at run time (a kernel or seccomp profile may refuse io_uring_setup or io_setup).
+// Which ones exist is decided at build time by the builder (SLIPSTREAM_AIO_HAVE_URING / _HAVE_LIBAIO, or
+// SLIPSTREAM_AIO_KERNEL_AIO: the "libaio" engine on the kernel's own AIO system calls, from
+// <linux/aio_abi.h>, when libaio's development files are absent); which one runs, at run time (a kernel or
+// seccomp profile may refuse io_uring_setup or io_setup).
 #include "aio_engine.h"
 
 #include <sys/syscall.h>
@@ -25,6 +27,9 @@
 #endif
 #ifdef SLIPSTREAM_AIO_HAVE_LIBAIO
 #include <libaio.h>
+#elif defined(SLIPSTREAM_AIO_KERNEL_AIO)
+#include <linux/aio_abi.h>
+#include <time.h>
 #endif
 
 namespace slipstream_aio {
@@ -229,6 +234,76 @@ std::unique_ptr<Ring> make_libaio(int depth, std::string& why) {
   }
   return std::make_unique<LibaioRing>(depth, ctx);
 }
+#elif defined(SLIPSTREAM_AIO_KERNEL_AIO)
+// The same kernel interface libaio wraps, called through syscall(2): io_setup, io_submit, io_getevents and
+// io_destroy with the structures of <linux/aio_abi.h>. Errors come back as -1 and errno (libaio returns
+// -errno); they are turned into -errno here so the worker sees the same values.
+class KernelAioRing final : public Ring {
+ public:
+  KernelAioRing(int depth, aio_context_t ctx)
+      : depth_(depth), ctx_(ctx), iocbs_(static_cast<size_t>(depth)), events_(static_cast<size_t>(depth)) {}
+  ~KernelAioRing() override { syscall(__NR_io_destroy, ctx_); }
+  int depth() const override { return depth_; }
+  void prepare(uint32_t slot, bool is_read, int fd, char* buf, int64_t len, int64_t offset) override {
+    iocb* cb = &iocbs_[slot];
+    std::memset(cb, 0, sizeof(*cb));
+    cb->aio_lio_opcode = is_read ? IOCB_CMD_PREAD : IOCB_CMD_PWRITE;
+    cb->aio_fildes = static_cast<uint32_t>(fd);
+    cb->aio_buf = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(buf));
+    cb->aio_nbytes = static_cast<uint64_t>(len);
+    cb->aio_offset = offset;
+    cb->aio_data = slot;
+    queued_.push_back(cb);
+  }
+  void submit() override {
+    size_t at = 0;
+    while (at < queued_.size()) {
+      const long rc = syscall(__NR_io_submit, ctx_, static_cast<long>(queued_.size() - at), queued_.data() + at);
+      if (rc < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      if (rc <= 0) {  // the first remaining iocb was refused: report it, go on with the others
+        failed_.emplace_back(static_cast<uint32_t>(queued_[at]->aio_data), rc < 0 ? -errno : -EIO);
+        ++at;
+        continue;
+      }
+      at += static_cast<size_t>(rc);
+    }
+    queued_.clear();
+  }
+  void reap(std::vector<std::pair<uint32_t, int64_t>>& out) override {
+    if (!failed_.empty()) {
+      out.insert(out.end(), failed_.begin(), failed_.end());
+      failed_.clear();
+      return;
+    }
+    long n;
+    do {
+      n = syscall(__NR_io_getevents, ctx_, 1L, static_cast<long>(depth_), events_.data(), nullptr);
+    } while (n < 0 && errno == EINTR);
+    for (long i = 0; i < n; ++i) {
+      const io_event& ev = events_[static_cast<size_t>(i)];
+      out.emplace_back(static_cast<uint32_t>(ev.data), static_cast<int64_t>(ev.res));
+    }
+  }
+
+ private:
+  int depth_;
+  aio_context_t ctx_;
+  std::vector<iocb> iocbs_;
+  std::vector<io_event> events_;
+  std::vector<iocb*> queued_;
+  std::vector<std::pair<uint32_t, int64_t>> failed_;
+};
+
+std::unique_ptr<Ring> make_libaio(int depth, std::string& why) {
+  aio_context_t ctx = 0;
+  if (syscall(__NR_io_setup, static_cast<unsigned>(depth), &ctx) < 0) {
+    const int err = errno;
+    why = std::string("io_setup failed: ") + std::strerror(err) +
+          (err == EAGAIN ? " (fs.aio-max-nr reached; lower queue_depth or raise the sysctl)" : "");
+    return nullptr;
+  }
+  return std::make_unique<KernelAioRing>(depth, ctx);
+}
 #endif
 
 }  // namespace
@@ -239,7 +314,7 @@ std::unique_ptr<Ring> make_libaio(int depth, std::string& why) {
 // so this mostly serves builds with liburing only), then threads.
 std::vector<std::string> compiled_engines() {
   std::vector<std::string> kinds;
-#ifdef SLIPSTREAM_AIO_HAVE_LIBAIO
+#if defined(SLIPSTREAM_AIO_HAVE_LIBAIO) || defined(SLIPSTREAM_AIO_KERNEL_AIO)
   kinds.emplace_back("libaio");
 #endif
 #ifdef SLIPSTREAM_AIO_HAVE_URING
@@ -253,7 +328,7 @@ std::unique_ptr<Ring> make_ring(const std::string& kind, int depth, std::string&
 #ifdef SLIPSTREAM_AIO_HAVE_URING
   if (kind == "io_uring") return make_uring(depth, why);
 #endif
-#ifdef SLIPSTREAM_AIO_HAVE_LIBAIO
+#if defined(SLIPSTREAM_AIO_HAVE_LIBAIO) || defined(SLIPSTREAM_AIO_KERNEL_AIO)
   if (kind == "libaio") return make_libaio(depth, why);
 #endif
   if (kind == "sync") return std::make_unique<SyncRing>(depth);
