@@ -33,6 +33,7 @@ from slipstream.accelerator import get_accelerator
 from slipstream.activation.rng import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from slipstream.config.plan import ActivationCheckpointPlan
 from slipstream.utils.logging import get_logger, warn_once
+from slipstream.utils.torch_versions import require_torch
 
 __all__ = [
     "checkpoint",
@@ -171,6 +172,7 @@ non_reentrant_checkpoint = checkpoint
 
 def selective_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Like `checkpoint`, but the outputs of matmul-class ops are saved and only the rest is recomputed."""
+    require_torch("2.5", "slipstream.checkpointing.selective_checkpoint (torch's selective checkpoint contexts)")
     saved_ops = {
         torch.ops.aten.mm.default,
         torch.ops.aten.addmm.default,

@@ -15,6 +15,8 @@ import dataclasses
 import types
 from typing import Any
 
+from slipstream.utils.torch_versions import TorchTooOld
+
 __all__ = ["SCHEDULES", "Action", "actions_for"]
 
 
@@ -55,7 +57,7 @@ def _torch_table(class_name: str, rank: int, stages: int, chunks: int, micros: i
     except (ImportError, AttributeError, TypeError, KeyError) as exc:
         import torch
 
-        raise RuntimeError(
+        raise TorchTooOld(
             f"the pipeline schedule from torch.distributed.pipelining.{class_name} could not be read with torch "
             f"{torch.__version__} ({type(exc).__name__}: {exc}); Slipstream reads its tables as torch 2.13 lays "
             "them out. Use schedule='1f1b' (Slipstream's own) or torch 2.13"

@@ -12,6 +12,7 @@ from torch import nn
 import slipstream
 from slipstream.activation import checkpointing
 from slipstream.config import ConfigError
+from slipstream.utils.torch_versions import TorchTooOld
 
 
 class _Block(nn.Module):
@@ -52,6 +53,10 @@ def test_checkpointing_equals_no_checkpointing_with_dropout(how: str) -> None:
     blocks = nn.ModuleList(_Block() for _ in range(3)).train()
     x = torch.randn(5, 16, requires_grad=True)
     expected, expected_grads = _run(blocks, x, None)
+    if how == "selective" and not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
+        with pytest.raises(TorchTooOld, match=r"needs PyTorch >= 2\.5"):
+            checkpointing.selective_checkpoint(blocks[0], x)
+        return
     if how == "cpu":
         checkpointing.configure(None, checkpoint_in_cpu=True)
     run = checkpointing.selective_checkpoint if how == "selective" else checkpointing.checkpoint

@@ -10,6 +10,7 @@ accepted too; `amsgrad=True` works (torch's AMSGrad) where DeepSpeed's kernel re
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,6 +18,10 @@ import torch
 from torch import Tensor
 
 __all__ = ["FusedAdam"]
+
+# torch.optim.Adam(decoupled_weight_decay=...) arrived in torch 2.6; before it FusedAdam decays the weights itself
+# (p *= 1 - lr * weight_decay before the Adam update with no L2 term: AdamW's math, as torch's AdamW does it).
+_TORCH_DECOUPLES = "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters
 
 
 class FusedAdam(torch.optim.Adam):
@@ -57,8 +62,10 @@ class FusedAdam(torch.optim.Adam):
             maximize=maximize,
             capturable=capturable,
             differentiable=differentiable,
-            decoupled_weight_decay=self.adam_w_mode,
         )
+        self._decay_here = self.adam_w_mode and not _TORCH_DECOUPLES
+        if _TORCH_DECOUPLES:
+            common["decoupled_weight_decay"] = self.adam_w_mode
         if fused is not None or foreach is not None or differentiable:
             super().__init__(param_list, foreach=foreach, fused=fused, **common)
             return
@@ -66,6 +73,23 @@ class FusedAdam(torch.optim.Adam):
             super().__init__(param_list, fused=True, **common)
         except RuntimeError:  # no fused kernel for these parameters' device or dtype
             super().__init__(param_list, foreach=True, **common)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if not self._decay_here:
+            return super().step(closure)
+        decays = [group["weight_decay"] for group in self.param_groups]
+        for group, decay in zip(self.param_groups, decays, strict=True):
+            if decay:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.mul_(1 - group["lr"] * decay)
+            group["weight_decay"] = 0.0
+        try:
+            return super().step(closure)
+        finally:
+            for group, decay in zip(self.param_groups, decays, strict=True):
+                group["weight_decay"] = decay
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override, unused-ignore]
         """DeepSpeed's FusedAdam: gradients become None when `set_grad_none` (the default), else zeros."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from slipstream.utils.torch_versions import TorchTooOld
 import torch
 
 from slipstream.pipe.exchange import flatten, tensor_specs, unflatten
@@ -29,8 +31,12 @@ def test_partitions() -> None:
 def test_every_schedule_runs_each_stage_and_micro_batch_once(schedule: str, chunks: int) -> None:
     stages, micros = 4, 8
     seen: dict[str, set] = {"F": set(), "B": set(), "I": set(), "W": set()}
-    for rank in range(stages):
-        for a in actions_for(schedule, rank=rank, stages=stages, chunks=chunks, micros=micros):
+    try:
+        tables = [actions_for(schedule, rank=r, stages=stages, chunks=chunks, micros=micros) for r in range(stages)]
+    except TorchTooOld as exc:  # torch's schedule tables as torch 2.13 lays them out (docs/pipeline.md)
+        pytest.skip(str(exc)[:200])
+    for table in tables:
+        for a in table:
             assert (a.stage, a.micro) not in seen[a.kind]
             seen[a.kind].add((a.stage, a.micro))
     every = {(s, m) for s in range(stages * chunks) for m in range(micros)}
