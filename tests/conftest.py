@@ -58,3 +58,29 @@ def _deterministic_seed() -> Iterator[None]:
     torch.manual_seed(0)
     random.seed(0)
     yield
+
+
+# Skipped groups and the one command that enables each (printed at the end of every run, so a machine that
+# skips them says so instead of passing quietly): (group, a fragment of the skip reason, how to enable it).
+_SKIP_GROUPS = (
+    ("native async_io engines (io_uring, libaio)", "is not compiled in", "apt-get install liburing-dev libaio-dev"),
+    ("native async_io op", "native async_io cannot be built", "apt-get install g++ liburing-dev libaio-dev"),
+    ("multi-node launch over ssh", "OpenSSH", "apt-get install openssh-server openssh-client"),
+    ("C++ extension builds", "C++ compiler", "apt-get install g++ && pip install ninja"),
+    ("GPU tests", "gpu test", "run on a machine with a CUDA device"),
+)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    counts: dict[int, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        for index, (_, fragment, _) in enumerate(_SKIP_GROUPS):
+            if fragment in reason:
+                counts[index] = counts.get(index, 0) + 1
+                break
+    if counts:
+        terminalreporter.section("skipped groups")
+        for index, count in sorted(counts.items()):
+            group, _, command = _SKIP_GROUPS[index]
+            terminalreporter.write_line(f"{count:4d} skipped: {group}; to run them: {command}")
