@@ -24,6 +24,7 @@ HF-style "auto" (Transformers' Trainer fills these in before DeepSpeed sees the 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import warnings
 from typing import Any
@@ -419,6 +420,13 @@ def activation_checkpoint_plan(section: dict[str, Any]) -> ActivationCheckpointP
         raise ConfigError(pydantic_problems(exc, prefix=("activation_checkpointing",))) from None
 
 
+def _same_named(section: Any, plan_class: Any, **converted: Any) -> Any:
+    """`plan_class` filled from the schema section's fields of the same names (`converted` where a value
+    changes type): for plan classes that mirror a DeepSpeed section one to one."""
+    names = [field.name for field in dataclasses.fields(plan_class)]
+    return plan_class(**{name: getattr(section, name) for name in names if name not in converted}, **converted)
+
+
 def _logging_plan(cfg: DeepSpeedConfig) -> LoggingPlan:
     csv, board, wandb, comet = cfg.csv_monitor, cfg.tensorboard, cfg.wandb, cfg.comet
     monitor = MonitorPlan(
@@ -426,40 +434,16 @@ def _logging_plan(cfg: DeepSpeedConfig) -> LoggingPlan:
         csv_job_name=csv.job_name,
         tensorboard_output_path=board.output_path if board.enabled else None,
         tensorboard_job_name=board.job_name,
-        wandb=WandbPlan(project=wandb.project, group=wandb.group, team=wandb.team) if wandb.enabled else None,
-        comet=CometPlan(
-            project=comet.project,
-            workspace=comet.workspace,
-            api_key=comet.api_key,
-            experiment_name=comet.experiment_name,
-            experiment_key=comet.experiment_key,
-            online=comet.online,
-            mode=comet.mode,
-            samples_log_interval=comet.samples_log_interval,
-        )
-        if comet.enabled
-        else None,
+        wandb=_same_named(wandb, WandbPlan) if wandb.enabled else None,
+        comet=_same_named(comet, CometPlan) if comet.enabled else None,
     )
     flops, comms = cfg.flops_profiler, cfg.comms_logger
     return LoggingPlan(
         steps_per_print=cfg.steps_per_print,
         wall_clock_breakdown=cfg.wall_clock_breakdown,
         monitor=monitor,
-        flops_profile=FlopsProfilePlan(
-            profile_step=flops.profile_step,
-            module_depth=flops.module_depth,
-            top_modules=flops.top_modules,
-            detailed=flops.detailed,
-            output_file=flops.output_file,
-            recompute_fwd_factor=flops.recompute_fwd_factor,
-        )
-        if flops.enabled
-        else None,
-        comms_log=CommsLogPlan(
-            verbose=comms.verbose, prof_all=comms.prof_all, prof_ops=tuple(comms.prof_ops), debug=comms.debug
-        )
-        if comms.enabled
-        else None,
+        flops_profile=_same_named(flops, FlopsProfilePlan) if flops.enabled else None,
+        comms_log=_same_named(comms, CommsLogPlan, prof_ops=tuple(comms.prof_ops)) if comms.enabled else None,
     )
 
 
