@@ -21,6 +21,6 @@ def test_adamw_math_without_torchs_decoupled_flag(monkeypatch: pytest.MonkeyPatc
             param.grad = torch.full((7,), float(step + 1))
             optimizer.step()
     assert torch.allclose(mine, theirs, rtol=0, atol=1e-7)
-    assert ours.param_groups[0]["weight_decay"] == 0.2
+    assert ours.param_groups[0]["weight_decay"] == 0.2 and ours.param_groups[0]["decoupled_weight_decay"] is True
     l2 = fused_adam.FusedAdam([torch.nn.Parameter(torch.ones(2))], adam_w_mode=False, weight_decay=0.2)
     assert not l2._decay_here  # Adam mode: torch's L2 term, on every torch

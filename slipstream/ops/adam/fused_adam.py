@@ -68,11 +68,15 @@ class FusedAdam(torch.optim.Adam):
             common["decoupled_weight_decay"] = self.adam_w_mode
         if fused is not None or foreach is not None or differentiable:
             super().__init__(param_list, foreach=foreach, fused=fused, **common)
-            return
-        try:
-            super().__init__(param_list, fused=True, **common)
-        except RuntimeError:  # no fused kernel for these parameters' device or dtype
-            super().__init__(param_list, foreach=True, **common)
+        else:
+            try:
+                super().__init__(param_list, fused=True, **common)
+            except RuntimeError:  # no fused kernel for these parameters' device or dtype
+                super().__init__(param_list, foreach=True, **common)
+        if not _TORCH_DECOUPLES:  # record the mode where newer torch keeps it, for code that reads the groups
+            self.defaults["decoupled_weight_decay"] = self.adam_w_mode
+            for group in self.param_groups:
+                group["decoupled_weight_decay"] = self.adam_w_mode
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
