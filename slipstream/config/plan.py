@@ -147,6 +147,9 @@ class Stage3Plan:
     """Class names whose modules are sharding units (zero_optimization.leaf_module.classes)."""
     leaf_names: tuple[str, ...] = ()
     """Qualified module names that are sharding units (zero_optimization.leaf_module.names)."""
+    sub_group_numel: int = 1_000_000_000
+    """The optimizer steps (and NVMe offload swaps) masters and states this many elements at a time
+    (zero_optimization.sub_group_size); a parameter larger than that is a sub-group of its own."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

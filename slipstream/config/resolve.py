@@ -303,6 +303,7 @@ def _stage3_plan(zero: ZeroConfig, offload_param: OffloadTarget) -> Stage3Plan:
         offload_param=offload_param,
         leaf_classes=tuple(str(c).rsplit(".", 1)[-1] for c in leaf.get("classes", [])),
         leaf_names=tuple(str(n) for n in leaf.get("names", [])),
+        sub_group_numel=zero.sub_group_size or 1_000_000_000,
     )
 
 

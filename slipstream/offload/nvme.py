@@ -6,9 +6,12 @@
   values live in files under `nvme_path/slipstream-<pid>-rank<r>-optimizer<n>/` (mode 0700, files 0600). Views of them
   (the master pieces the optimizer steps) stay valid, as with ZeRO-3's full buffers. Each engine has its own
   directory (`slipstream-<pid>-rank<r>-optimizer<n>`), so several engines in one process never share files.
-- The step runs one optimizer param group at a time: the group's tensors are read back (the next group's
-  read is started before this group's update, so reads overlap compute), the group is updated, and its
-  tensors are written out and released. Host memory holds about two groups' masters and states at once.
+- The step runs one sub-group at a time (`zero_optimization.sub_group_size` elements of a param group at stage
+  3, a whole param group below): its tensors are read back (the next sub-group's read is started before this
+  one's update, so reads overlap compute), it is updated, and its tensors are written out and released. Host
+  memory holds two sub-groups' masters and states at once, whatever the model's size. Masters are written out
+  as each sub-group's buffer is filled (`settle`), and Adam's states are created at a sub-group's first update
+  and written out right after, so neither is ever resident for the whole model.
 - I/O goes through the `async_io` op (native, or its thread-pool fallback); any failed or short request
   raises `AsyncIOError` naming the file, offset and size, and the step stops: stale values are never used.
 - At start the directory must exist, be writable and have room for masters + states (checked with
@@ -32,6 +35,7 @@ import torch
 
 from slipstream.config.plan import AioPlan
 from slipstream.offload.policy import CPUOffload, SteppedGroups
+from slipstream.utils.host_memory import cap_mmap_threshold
 from slipstream.utils.logging import log_rank0
 
 _PREFIX = "slipstream-"
@@ -86,6 +90,7 @@ class Swapper:
     def __init__(self, directory: Path, aio: AioPlan) -> None:
         from slipstream.ops.aio import AsyncIOBuilder
 
+        cap_mmap_threshold()  # swapped buffers go back to the OS when released ([Note: glibc's mmap threshold])
         self.directory = directory
         module = AsyncIOBuilder().load()
         self.handle = module.aio_handle(
@@ -131,6 +136,12 @@ class Swapper:
             if id(tensor) in self._where and self.resident(tensor):
                 tensor.untyped_storage().resize_(0)
 
+    def forget(self, tensor: torch.Tensor) -> None:
+        """`tensor`'s values are no longer needed: drop its file slot and its memory (its file is the caller's)."""
+        self._where.pop(id(tensor), None)
+        self._reading.discard(id(tensor))
+        tensor.untyped_storage().resize_(0)
+
     def start_swap_in(self, tensors: list[torch.Tensor]) -> None:
         """Re-grow and start reading `tensors` that were swapped out (`finish_swap_in` waits)."""
         for tensor in tensors:
@@ -151,20 +162,35 @@ class Swapper:
 
 class NVMeShardStore:
     """ZeRO-3 parameter offload to NVMe: a unit's shard is read in for a gather or an update and released
-    after (written back only when it changed)."""
+    after (written back only when it changed). Each shard has its own file, removed by `discard` when the unit
+    is dropped (zero.Init's units once the engine has taken their values), so disk use follows the live units."""
 
-    def __init__(self, nvme_path: str, rank: int, aio: AioPlan) -> None:
-        self.directory = make_run_dir(nvme_path, rank, "params", key="offload_param.nvme_path")
+    def __init__(self, nvme_path: str, rank: int, aio: AioPlan, *, role: str = "params") -> None:
+        self.directory = make_run_dir(nvme_path, rank, role, key="offload_param.nvme_path")
         self.swapper = Swapper(self.directory, aio)
+        self._names: dict[int, str] = {}
+        self._count = itertools.count()
+
+    def _name(self, shard: torch.Tensor) -> str:
+        name = self._names.get(id(shard))
+        if name is None:
+            name = self._names[id(shard)] = f"shard{next(self._count)}"
+        return name
 
     def fetch(self, shard: torch.Tensor) -> None:
         self.swapper.finish_swap_in([shard])
 
     def release(self, shard: torch.Tensor, *, dirty: bool) -> None:
         if dirty:
-            self.swapper.swap_out([(shard, "params")])
+            self.swapper.swap_out([(shard, self._name(shard))])
         else:
-            self.swapper.drop([(shard, "params")])
+            self.swapper.drop([(shard, self._name(shard))])
+
+    def discard(self, shard: torch.Tensor) -> None:
+        name = self._names.pop(id(shard), None)
+        self.swapper.forget(shard)
+        if name is not None:
+            (self.directory / f"{name}.swp").unlink(missing_ok=True)
 
 
 @dataclasses.dataclass
@@ -183,48 +209,51 @@ class NVMeOffload(CPUOffload):
         self.swapper = Swapper(self.directory, self.aio)
 
     # ---- step hooks (see offload/policy.py) ----
+    def settle(self, tensors: list[tuple[torch.Tensor, str]]) -> None:
+        self.swapper.swap_out(tensors)
+
     def prepare(self, groups: SteppedGroups) -> None:
-        """Check the room for masters and two Adam-sized states, then move every group to its files."""
+        """Check the room for masters and two Adam-sized states, then move every sub-group to its files."""
         masters = sum(
             t.numel()
-            for number in range(groups.num_groups)
-            for t, name in groups.swappable(number)
+            for index in range(groups.num_sub_groups)
+            for t, name in groups.swappable(index)
             if name.endswith("_master")
         )
         self.check_room(3 * 4 * masters)
-        for number in range(groups.num_groups):
-            self.swapper.swap_out(groups.swappable(number))
+        for index in range(groups.num_sub_groups):
+            self.swapper.swap_out(groups.swappable(index))
 
     def run_step(self, groups: SteppedGroups) -> bool:
-        """One group at a time: its tensors are read in (the next group's read overlaps this update), updated,
-        copied into the parameters, and written back out."""
-        count = groups.num_groups
-        for number in range(count):
-            self.swapper.finish_swap_in([t for t, _ in groups.swappable(number)])
-            if number + 1 < count:
-                self.swapper.start_swap_in([t for t, _ in groups.swappable(number + 1)])
-            groups.step_group(number)
-            self.swapper.swap_out(groups.swappable(number))
+        """One sub-group at a time: its tensors are read in (the next one's read overlaps this update),
+        updated, copied into the parameters, and written back out."""
+        count = groups.num_sub_groups
+        for index in range(count):
+            self.swapper.finish_swap_in([t for t, _ in groups.swappable(index)])
+            if index + 1 < count:
+                self.swapper.start_swap_in([t for t, _ in groups.swappable(index + 1)])
+            groups.step_sub_group(index)
+            self.swapper.swap_out(groups.swappable(index))
         return True
 
     @contextlib.contextmanager
     def resident(self, groups: SteppedGroups) -> Iterator[None]:
-        for number in range(groups.num_groups):
-            self.swapper.finish_swap_in([t for t, _ in groups.swappable(number)])
+        for index in range(groups.num_sub_groups):
+            self.swapper.finish_swap_in([t for t, _ in groups.swappable(index)])
         try:
             yield
         finally:
-            for number in range(groups.num_groups):
-                self.swapper.swap_out(groups.swappable(number))
+            for index in range(groups.num_sub_groups):
+                self.swapper.swap_out(groups.swappable(index))
 
     def resident_master_bytes(self, master_bytes: list[int]) -> int:
-        """The group being updated and the next one, being read."""
+        """The sub-group being updated and the next one, being read."""
         return sum(sorted(master_bytes, reverse=True)[:2])
 
     def check_room(self, needed_bytes: int) -> None:
         """Stop with numbers when the NVMe file system lacks room for what this rank will write there."""
-        assert self.directory is not None
-        free = shutil.disk_usage(self.directory).free
+        directory = self.directory if self.directory is not None else Path(self.nvme_path)
+        free = shutil.disk_usage(directory).free
         if needed_bytes > free:
             raise RuntimeError(
                 f"NVMe offload needs {needed_bytes / 2**30:.2f} GiB on {self.nvme_path} for this rank "

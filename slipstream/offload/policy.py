@@ -48,17 +48,19 @@ def host_available_bytes() -> int:
 
 
 class SteppedGroups(Protocol):
-    """What a policy may ask of the ZeRO optimizer it serves: its param groups, one at a time."""
+    """What a policy may ask of the ZeRO optimizer it serves: its sub-groups, one at a time (stage 3 cuts each
+    param group into sub-groups of `zero_optimization.sub_group_size` elements; below stage 3 a param group is
+    one sub-group)."""
 
     @property
-    def num_groups(self) -> int: ...
+    def num_sub_groups(self) -> int: ...
 
-    def swappable(self, number: int) -> list[tuple[torch.Tensor, str]]:
-        """Group `number`'s full-size host tensors (masters, optimizer states) with a stable name each."""
+    def swappable(self, index: int) -> list[tuple[torch.Tensor, str]]:
+        """Sub-group `index`'s full-size host tensors (master buffer, optimizer states) with a stable name each."""
         ...
 
-    def step_group(self, number: int) -> None:
-        """Update group `number` and copy its new values into the flat parameters."""
+    def step_sub_group(self, index: int) -> None:
+        """Update sub-group `index` and copy its new values into the parameters."""
         ...
 
     def step_all(self) -> None:
@@ -78,6 +80,9 @@ class OffloadPolicy:
         return torch.zeros(numel, dtype=dtype, device=device)
 
     # ---- step hooks (overridden by NVMeOffload) ----
+    def settle(self, tensors: list[tuple[torch.Tensor, str]]) -> None:
+        """`tensors` (a sub-group's masters, just filled) are complete; NVMe offload writes them out now."""
+
     def prepare(self, groups: SteppedGroups) -> None:
         """Called once the optimizer's buffers and states exist."""
 
@@ -92,7 +97,7 @@ class OffloadPolicy:
         yield
 
     def resident_master_bytes(self, master_bytes: list[int]) -> int:
-        """Bytes of the masters in memory at once during a step, given each group's master bytes."""
+        """Bytes of the masters in memory at once during a step, given each sub-group's master bytes."""
         return sum(master_bytes)
 
 

@@ -50,7 +50,7 @@ def _zero2(shape: ModelShape, num_gpus_per_node: int, num_nodes: int, factor: fl
         est = estimate_option(
             shape,
             Option(stage=2, offload_optimizer=offload),
-            settings=Settings(),
+            settings=Settings(device_is_host=False),  # DeepSpeed's formulas are for GPUs
             world=num_gpus_per_node * num_nodes,
             gpus_per_node=num_gpus_per_node,
         )
@@ -73,7 +73,7 @@ def _zero3(
             est = estimate_option(
                 shape,
                 Option(stage=3, offload_optimizer=offload, offload_param=offload_param),
-                settings=Settings(zero_init=zero_init),
+                settings=Settings(zero_init=zero_init, device_is_host=False),
                 world=num_gpus_per_node * num_nodes,
                 gpus_per_node=num_gpus_per_node,
             )

@@ -110,6 +110,12 @@ def _schema_stage3() -> Stage3Plan:
     return default_stage3_plan()
 
 
+def _accelerator_is_host() -> bool:
+    from slipstream.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Settings:
     """Knobs shared by every option: the config schema's defaults unless a config says otherwise. Stage-3
@@ -128,6 +134,8 @@ class Settings:
     """Optimizer keyword arguments that change its state (momentum, amsgrad, centered), as sorted pairs."""
     zero_init: bool = True
     """Stage 3 models are built under zero.Init (the host never holds the whole model)."""
+    device_is_host: bool = dataclasses.field(default_factory=_accelerator_is_host)
+    """The accelerator is the CPU: with offload, fp32 gradients are already host memory and get no host copy."""
 
     def __post_init__(self) -> None:
         for key in ("dtype", "grad_accum_dtype", "master_dtype"):

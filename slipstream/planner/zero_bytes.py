@@ -7,8 +7,9 @@ Stages 0-2 mirror `zero/flat_group.py` on the layout of `zero/layout.py` ([Note:
   views of the flat params); else `owned` fp32 elements (owned = flat_numel at stage 0, shard_numel above),
   on the host with optimizer offload;
 - grads: `flat_numel` (stages 0, 1) or `owned` (stage 2) elements in the grad-accumulation dtype, on the device;
-- host_buffers (offload): `owned` fp32 gradient copies, plus `owned` elements in the parameter dtype when that
-  is not fp32 (the CPU Adam op's low-precision output);
+- host_buffers (offload): `owned` fp32 gradient copies (none when the device is the host and the gradients are
+  fp32: the optimizer reads them in place), plus `owned` elements in the parameter dtype when that is not fp32
+  (the CPU Adam op's low-precision output);
 - optimizer_state: states-per-element (AdamW: exp_avg, exp_avg_sq) x `owned` fp32 elements;
 - comm_buffers (stage 2, `zero/stage2.py`): two staging buffers of world x chunk and two receive buffers of
   chunk elements, in the grad-accumulation dtype, where the layout's buckets and the chunk are bounded by
@@ -64,8 +65,11 @@ def _optimizer_roles(owned: int, *, settings: Settings, offload: bool, aliased: 
     param, master = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.master_dtype]
     states = optimizer_states_per_element(settings.optimizer, settings.optimizer_params)
     state_bytes = param if aliased else master
+    grads_in_place = settings.device_is_host and settings.grad_accum_dtype == settings.master_dtype
     host_buffers = (
-        (owned * master + (owned * param if settings.dtype != settings.master_dtype else 0)) if offload else 0
+        ((0 if grads_in_place else owned * master) + (owned * param if settings.dtype != settings.master_dtype else 0))
+        if offload
+        else 0
     )
     return {
         "master": 0 if aliased else owned * master,

@@ -112,12 +112,14 @@ class FlatGroup(MasterGroup):
     def bucket_params(self, bucket: Bucket) -> torch.Tensor:
         return self.flat_params[bucket.flat_offset : bucket.flat_offset + bucket.padded_numel]
 
-    def copy_master_to_params(self, *, from_low_precision: bool) -> None:
-        """After a step: the updated master pieces (or the optimizer's low-precision copy) into the flat params."""
+    def copy_master_to_params(self, *, from_low_precision: bool, span: tuple[int, int] | None = None) -> None:
+        """After a step: the updated master pieces [span) (or the optimizer's low-precision copy) into the flat
+        params."""
         if self.aliased_master:
             return
         source = self.low_precision_pieces if from_low_precision else self.master_pieces
-        for piece, (start, end) in zip(source, self.piece_ranges):
+        first, last = span if span is not None else (0, len(source))
+        for piece, (start, end) in zip(source[first:last], self.piece_ranges[first:last]):
             self.flat_params[start:end].copy_(piece, non_blocking=self.offload.on_host)
 
     def _param_bytes(self) -> int:

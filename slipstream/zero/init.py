@@ -107,9 +107,16 @@ class StagingUnits(UnitManager):
     """The manager of the units zero.Init creates (one per module, no hooks)."""
 
     def __init__(
-        self, *, device: torch.device, shard_device: torch.device, pin_memory: bool, group: dist.ProcessGroup | None
+        self,
+        *,
+        device: torch.device,
+        shard_device: torch.device,
+        pin_memory: bool,
+        group: dist.ProcessGroup | None,
+        store: Any = None,
     ) -> None:
-        self.device, self.shard_device, self.group = device, shard_device, group
+        """`store`: where shards live between uses (offload/nvme.py's NVMeShardStore for remote_device nvme)."""
+        self.device, self.shard_device, self.group, self.store = device, shard_device, group, store
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.pool = BufferPool(device)
         self.units = []
@@ -144,6 +151,7 @@ class StagingUnits(UnitManager):
                 shard_device=self.shard_device,
                 pool=self.pool,
                 allocate_shard=self._allocate,
+                store=self.store,
             )
         )
 
@@ -200,10 +208,6 @@ class Init:
 
         cfg = _config_dict(config_dict_or_path if config_dict_or_path is not None else config)
         stage3, param_dtype = resolve_zero_init(cfg, remote_device=remote_device)
-        if isinstance(stage3.offload_param, NvmeTarget):
-            raise NotImplementedError(
-                "zero.Init(remote_device='nvme') is not available yet; use 'cpu' or leave it unset"
-            )
         if dtype is None:
             dtype = _DTYPES.get(param_dtype)
         self.dtype = dtype
@@ -215,11 +219,18 @@ class Init:
         self._saved_constructors: list[dict[str, Any]] = []
         on_host = stage3.offload_param.on_host
         pinned = on_host and isinstance(stage3.offload_param, CpuTarget) and stage3.offload_param.pin_memory
+        store = None
+        if isinstance(stage3.offload_param, NvmeTarget):  # each module's shard goes to its file as it is built
+            from slipstream.offload.nvme import NVMeShardStore
+
+            rank = dist.get_rank(data_parallel_group)
+            store = NVMeShardStore(stage3.offload_param.path, rank, stage3.offload_param.aio, role="init")
         self.staging = StagingUnits(
             device=device,
             shard_device=torch.device("cpu") if on_host else device,
-            pin_memory=pin_memory or pinned,
+            pin_memory=(pin_memory or pinned) and store is None,
             group=data_parallel_group,
+            store=store,
         )
         self._patched: list[tuple[type, Any]] = []
         if module is not None:

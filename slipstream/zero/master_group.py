@@ -3,6 +3,8 @@
 
 A subclass sets `master_pieces`, `owned_grads`, `grad_storage`, `master_flat` (or None when the masters alias
 the parameters), `offload` and `dtype`, and says how a flat buffer of its owned elements splits into pieces.
+Stage 3 may cut its masters into sub-groups (`sub_groups`: [start, end) ranges of master pieces, each with its
+own buffer in `master_buffers`, so NVMe offload can swap them one at a time); other groups are one sub-group.
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ class MasterGroup(abc.ABC):
     offload: OffloadPolicy
     dtype: torch.dtype
 
+    @property
+    def master_buffers(self) -> list[torch.Tensor]:
+        """The storages holding the master pieces (one per sub-group); empty when they alias the parameters."""
+        return [] if self.master_flat is None else [self.master_flat]
+
+    @property
+    def sub_groups(self) -> list[tuple[int, int]]:
+        """[start, end) ranges of `master_pieces` stepped (and swapped) together."""
+        return [(0, len(self.master_pieces))]
+
     @abc.abstractmethod
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """A flat buffer of the owned elements, cut into one piece per master piece."""
@@ -37,7 +49,11 @@ class MasterGroup(abc.ABC):
         self.low_precision_pieces: list[torch.Tensor] = []
         if self.offload.on_host:
             cpu = torch.device("cpu")
-            self.host_grad_pieces = self._split(self.offload.allocate(owned_numel, master_dtype, cpu))
+            if self.grad_storage.device.type == "cpu" and self.grad_storage.dtype == master_dtype:
+                # the gradients already are host memory of the master dtype (the CPU accelerator): no copy
+                self.host_grad_pieces = list(self.owned_grads)
+            else:
+                self.host_grad_pieces = self._split(self.offload.allocate(owned_numel, master_dtype, cpu))
             if self.dtype != master_dtype:
                 self.low_precision_pieces = self._split(self.offload.allocate(owned_numel, self.dtype, cpu))
 
@@ -45,7 +61,8 @@ class MasterGroup(abc.ABC):
         """The owned gradients in the master dtype, where the master pieces live (host copies with offload)."""
         if self.offload.on_host:
             for host, grad in zip(self.host_grad_pieces, self.owned_grads):
-                host.copy_(grad, non_blocking=True)
+                if host is not grad:
+                    host.copy_(grad, non_blocking=True)
             return self.host_grad_pieces
         return [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(self.master_pieces, self.owned_grads)]
 
@@ -55,10 +72,11 @@ class MasterGroup(abc.ABC):
 
     def owned_bytes(self) -> dict[str, int]:
         """Bytes of the tensors this group owns, by role (for the memory tests and the planner)."""
-        master = 0 if self.master_flat is None else _nbytes([self.master_flat])
+        master = _nbytes(self.master_buffers)
         return {
             "params": self._param_bytes(),
             "master": master,
             "grads": _nbytes([self.grad_storage]),
-            "host_buffers": _nbytes(self.host_grad_pieces) + _nbytes(self.low_precision_pieces),
+            "host_buffers": _nbytes([h for h, g in zip(self.host_grad_pieces, self.owned_grads) if h is not g])
+            + _nbytes(self.low_precision_pieces),
         }

@@ -214,25 +214,42 @@ class ZeroOptimizer(abc.ABC):
 
     # ---- the offload policy's view of the groups (offload/policy.py, SteppedGroups) ----
     @property
-    def num_groups(self) -> int:
-        return len(self.groups)
+    def sub_groups(self) -> list[tuple[int, int, int]]:
+        """(group number, first piece, end piece) of every sub-group, in stepping order."""
+        return [(number, start, end) for number, flat in enumerate(self.groups) for start, end in flat.sub_groups]
+
+    @property
+    def num_sub_groups(self) -> int:
+        return len(self.sub_groups)
 
     def step_all(self) -> None:
         self._step_optimizer(self._low_precision_out)
 
-    def step_group(self, number: int) -> None:
+    def step_sub_group(self, index: int) -> None:
+        """Update one sub-group's master pieces and copy their new values into the parameters."""
+        number, start, end = self.sub_groups[index]
         groups = list(self.optimizer.param_groups)
-        self.optimizer.param_groups = [groups[number]]
+        group = groups[number]
+        self.optimizer.param_groups = [{**group, "params": group["params"][start:end]}]
         try:
-            self._step_optimizer(self._low_precision_by_group[number])
+            low_precision = self._low_precision_by_group[number]
+            self._step_optimizer(low_precision[start:end] if low_precision else [])
         finally:
+            for key, value in self.optimizer.param_groups[0].items():  # what the step changed (its counters)
+                if key != "params":
+                    group[key] = value
             self.optimizer.param_groups = groups
-        self.groups[number].copy_master_to_params(from_low_precision=bool(self._low_precision_out))
+        self.groups[number].copy_master_to_params(from_low_precision=bool(self._low_precision_out), span=(start, end))
 
-    def swappable(self, number: int) -> list[tuple[torch.Tensor, str]]:
+    def swappable(self, index: int) -> list[tuple[torch.Tensor, str]]:
+        """One sub-group's full-size host tensors (its master buffer, its pieces' optimizer states), named."""
+        number, start, end = self.sub_groups[index]
         flat = self.groups[number]
-        tensors = [] if flat.master_flat is None else [(flat.master_flat, f"group{number}_master")]
-        for piece in flat.master_pieces:
+        tensors = []
+        position = [s for s, _ in flat.sub_groups].index(start)
+        if flat.master_buffers:
+            tensors.append((flat.master_buffers[position], f"group{number}_master"))
+        for piece in flat.master_pieces[start:end]:
             for key, value in self.optimizer.state.get(piece, {}).items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     tensors.append((value, f"group{number}_{key}"))
@@ -347,14 +364,12 @@ class ZeroOptimizer(abc.ABC):
 
     def host_bytes_needed(self) -> int:
         """Host memory the offload of this rank needs at its peak: masters, two Adam states per master element
-        and the staging buffers, plus parameter shards offloaded to the host. With NVMe offload only two param
-        groups' masters and states are in memory at once (the one being updated and the next, being read)."""
+        and the staging buffers, plus parameter shards offloaded to the host. With NVMe offload only two
+        sub-groups' masters and states are in memory at once (the one being updated and the next, being read)."""
         owned = self.owned_bytes()
         if not self.offload.on_host:
             return owned.get("offloaded_params", 0)
-        masters = [
-            f.master_flat.numel() * f.master_flat.element_size() for f in self.groups if f.master_flat is not None
-        ]
+        masters = [b.numel() * b.element_size() for f in self.groups for b in f.master_buffers]
         return (
             self.offload.resident_master_bytes(masters) * 3 + owned["host_buffers"] + owned.get("offloaded_params", 0)
         )

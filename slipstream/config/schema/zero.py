@@ -116,6 +116,7 @@ class ZeroConfig(DSModel):
         "max_reuse_distance": "zero.stage3.reuse_distance",
         "gather_16bit_weights_on_model_save": "zero.stage3.gather_16bit_on_save",
         "leaf_module": "zero.stage3.leaf_classes",
+        "sub_group_size": "zero.stage3.sub_group_numel",
     }
     stage: DSInt = Field(0, ge=0, le=3)
     """0 disabled, 1 optimizer state, 2 + gradients, 3 + parameters are partitioned."""
@@ -144,7 +145,8 @@ class ZeroConfig(DSModel):
     zenflow: ZenFlowConfig | None = None
     """ZenFlow stall-free offload."""
     sub_group_size: DSInt = Field(1_000_000_000, ge=0)
-    """Elements per optimizer sub-group (stage 3)."""
+    """Elements per optimizer sub-group (stage 3): the optimizer steps, and with NVMe offload swaps, one
+    sub-group at a time, so it bounds the host memory of the step."""
     cpu_offload: DSBool | None = None
     """Deprecated: true means offload_optimizer.device = "cpu"."""
     cpu_offload_param: DSBool | None = None

@@ -92,8 +92,7 @@ class ZeroModel(UnitManager):
             )
             for old in old_units:  # re-sharded: free an old unit once none of its parameters is left in it
                 if all(p.ds_record.unit is not old for p in old.params if isinstance(p, ShardedParameter)):
-                    old.persistent = False
-                    old.release()
+                    old.discard()
         for unit in self.units:
             if unit.persistent:
                 unit.refresh_persistent()

@@ -36,6 +36,21 @@ class Run:
     receive_start: int
 
 
+def _pack(runs: list[Run], limit: int) -> list[tuple[int, int]]:
+    """Consecutive runs, in order, packed into sub-groups of at most `limit` elements ([start, end) ranges of
+    run indices); a run larger than `limit` is a sub-group of its own."""
+    spans: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for index, run in enumerate(runs):
+        if index > start and size + run.numel > limit:
+            spans.append((start, index))
+            start, size = index, 0
+        size += run.numel
+    if runs:
+        spans.append((start, len(runs)))
+    return spans
+
+
 class Stage3Group(MasterGroup):
     """One optimizer param group's view of the shards: master pieces, gradient shards, host buffers."""
 
@@ -47,24 +62,48 @@ class Stage3Group(MasterGroup):
         master_dtype: torch.dtype,
         grad_dtype: torch.dtype,
         offload: OffloadPolicy,
+        sub_group_numel: int,
     ) -> None:
         self.runs, self.device, self.offload = runs, device, offload
         total = sum(r.numel for r in runs)
         self.dtype = runs[0].unit.dtype
         self.aliased_master = master_dtype == self.dtype and not offload.on_host
         self.master_flat: torch.Tensor | None = None
+        self._sub_groups = _pack(runs, sub_group_numel)
+        self._master_buffers: list[torch.Tensor] = []
         if self.aliased_master:
             self.master_pieces = [r.unit.shard[r.shard_start : r.shard_start + r.numel] for r in runs]
         else:
-            self.master_flat = offload.allocate(total, master_dtype, offload.master_device(device))
-            self.master_pieces = self._split(self.master_flat)
-            for run, piece in zip(runs, self.master_pieces):
-                run.unit.store.fetch(run.unit.shard)  # NVMe-resident shards: read in, copied, released
-                piece.copy_(run.unit.shard[run.shard_start : run.shard_start + run.numel])
-                run.unit.store.release(run.unit.shard, dirty=False)
+            # one buffer per sub-group, filled and handed to the policy one at a time: with NVMe offload only
+            # one sub-group's masters are ever in memory while they are built
+            self.master_pieces = []
+            for start, end in self._sub_groups:
+                buffer = offload.allocate(
+                    sum(r.numel for r in runs[start:end]), master_dtype, offload.master_device(device)
+                )
+                offset = 0
+                for run in runs[start:end]:
+                    piece = buffer[offset : offset + run.numel]
+                    offset += run.numel
+                    run.unit.store.fetch(run.unit.shard)  # NVMe-resident shards: read in, copied, released
+                    piece.copy_(run.unit.shard[run.shard_start : run.shard_start + run.numel])
+                    run.unit.store.release(run.unit.shard, dirty=False)
+                    self.master_pieces.append(piece)
+                offload.settle([(buffer, "master")])
+                self._master_buffers.append(buffer)
+            if len(self._master_buffers) == 1:
+                self.master_flat = self._master_buffers[0]
         self.grad_storage = torch.zeros(total, dtype=grad_dtype, device=device)
         self.owned_grads = self._split(self.grad_storage)
         self._allocate_host_buffers(total, master_dtype)
+
+    @property
+    def master_buffers(self) -> list[torch.Tensor]:
+        return self._master_buffers
+
+    @property
+    def sub_groups(self) -> list[tuple[int, int]]:
+        return self._sub_groups
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         pieces, offset = [], 0
@@ -73,11 +112,13 @@ class Stage3Group(MasterGroup):
             offset += run.numel
         return pieces
 
-    def copy_master_to_params(self, *, from_low_precision: bool) -> None:
+    def copy_master_to_params(self, *, from_low_precision: bool, span: tuple[int, int] | None = None) -> None:
+        """The updated masters (or the optimizer's low-precision copy) of pieces [span) into the shards."""
         if self.aliased_master:
             return
         source = self.low_precision_pieces if from_low_precision else self.master_pieces
-        for run, piece in zip(self.runs, source):
+        start, end = span if span is not None else (0, len(self.runs))
+        for run, piece in zip(self.runs[start:end], source[start:end]):
             run.unit.store.fetch(run.unit.shard)
             run.unit.shard[run.shard_start : run.shard_start + run.numel].copy_(
                 piece, non_blocking=self.offload.on_host
@@ -107,6 +148,7 @@ class Stage3Optimizer(ZeroOptimizer):
                     )
                 if param.requires_grad:
                     group_of[id(param)] = number
+        sub_group_numel = self.model.plan.sub_group_numel
         runs: dict[int, list[Run]] = {n: [] for n in range(len(self.optimizer.param_groups))}
         self._trainable: dict[int, list[int]] = {}
         self._receive_offsets: dict[int, list[int]] = {}
@@ -120,10 +162,14 @@ class Stage3Optimizer(ZeroOptimizer):
             self._trainable[unit.uid], self._receive_offsets[unit.uid] = indices, offsets
             self._receive_numel[unit.uid] = receive
             current: list[int] = []
+            current_numel = 0
             for index in indices + [-1]:
-                run_group = group_of.get(id(unit.params[index])) if index >= 0 else None
+                numel = unit.layout.shard_numels[index] if index >= 0 else 0
                 if current and (
-                    index < 0 or index != current[-1] + 1 or run_group != group_of[id(unit.params[current[0]])]
+                    index < 0
+                    or index != current[-1] + 1
+                    or group_of[id(unit.params[index])] != group_of[id(unit.params[current[0]])]
+                    or current_numel + numel > sub_group_numel  # a run never spans two sub-groups
                 ):
                     first = current[0]
                     runs[group_of[id(unit.params[first])]].append(
@@ -131,13 +177,14 @@ class Stage3Optimizer(ZeroOptimizer):
                             unit=unit,
                             indices=tuple(current),
                             shard_start=unit.layout.shard_offsets[first],
-                            numel=sum(unit.layout.shard_numels[i] for i in current),
+                            numel=current_numel,
                             receive_start=offsets[indices.index(first)],
                         )
                     )
-                    current = []
+                    current, current_numel = [], 0
                 if index >= 0:
                     current.append(index)
+                    current_numel += numel
         self._group_numbers = [n for n in sorted(runs) if runs[n]]
         groups = [
             Stage3Group(
@@ -146,6 +193,7 @@ class Stage3Optimizer(ZeroOptimizer):
                 master_dtype=master_dtype,
                 grad_dtype=grad_dtype,
                 offload=self.offload,
+                sub_group_numel=sub_group_numel,
             )
             for n in self._group_numbers
         ]

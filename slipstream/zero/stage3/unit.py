@@ -50,6 +50,10 @@ class ShardStore:
     def release(self, shard: torch.Tensor, *, dirty: bool) -> None:
         return None
 
+    def discard(self, shard: torch.Tensor) -> None:
+        """The unit is dropped: its shard's values are no longer needed."""
+        return None
+
 
 class UnitOrderError(RuntimeError):
     """Ranks gathered different units at the same collective (their control flow differed)."""
@@ -197,6 +201,14 @@ class Unit:
         self.exposed = False
         self._free_storage()
         self.status = ZeroParamStatus.NOT_AVAILABLE
+
+    def discard(self) -> None:
+        """Drop this unit for good (zero.Init's units, once the engine's units hold their values): free the
+        gathered values and the shard, and the shard's file with NVMe offload."""
+        self.persistent = False
+        self.release()
+        self.store.discard(self.shard)
+        self.shard = self.shard.new_empty(0)
 
     def _aliased(self) -> bool:
         """Whether tensors besides the unit's buffer and its parameters share the gathered storage."""

@@ -2,7 +2,11 @@
 at stage 3: the same parameters and per-step grad norms as the single-process reference after 5 steps clipped
 at CLIP (under every step's norm); files live under nvme_path only while the run does; a directory left by a
 dead run is removed; a checkpoint taken with NVMe offload (world 2, stage 2) loads at world 1, stage 0 with the
-reference's parameters and Adam moments, and trains on to the reference's parameters."""
+reference's parameters and Adam moments, and trains on to the reference's parameters.
+
+Bounded host memory: a model built under zero.Init with its shards on NVMe and stepped in sub-groups of
+`sub_group_size` elements trains to the reference's parameters, never has more than two sub-groups' masters in
+memory during a step (none between steps), and zero.Init's own shard files are gone once the engine took over."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import pytest
 import torch
 
 from tests.dist.engine.test_engine_parity import CLIP, LR, STEPS, global_batches
-from tests.dist.zero.test_stage3 import train
+from tests.dist.zero.test_stage3 import stage3_config, train
 from tests.harness import run_distributed
 from tests.harness.checks import assert_slices_match, owned_state
 from tests.harness.models import TinyMLP
@@ -30,6 +34,7 @@ def nvme_grid(rank: int, world: int, *, nvme: str, ckpt: str) -> list:
     # stage 3 with the parameter shards on NVMe too (masters offloaded to the host)
     results.append(train(rank, world, model="mlp", micro=2, gas=2, torch_style=True, stage=3, clip=CLIP,
                          offload_optimizer={"device": "cpu"}, offload_param={"device": "nvme", "nvme_path": nvme}))
+    results.append(bounded_run(rank, world, nvme=nvme))
     import slipstream
 
     # two engines alive in one process, stepping in turns: their swap files must never mix
@@ -58,6 +63,47 @@ def nvme_grid(rank: int, world: int, *, nvme: str, ckpt: str) -> list:
     return [results, swapped]
 
 
+SUB_GROUP = 300  # TinyMLP's shards at world 2, one unit per layer: 241 + 19, 685 (a run of its own) + 19, 93 + 3
+# elements: runs [260], [685], [19], [96], packed into three sub-groups [260], [685], [19 + 96]
+
+
+def bounded_run(rank: int, world: int, *, nvme: str) -> dict:
+    """Everything on NVMe, the model built under zero.Init(nvme), the step in sub-groups of SUB_GROUP elements."""
+    import slipstream
+
+    offload = {"device": "nvme", "nvme_path": nvme}
+    config = stage3_config(2, 2, offload_optimizer=offload, offload_param=offload, sub_group_size=SUB_GROUP)
+    config["gradient_clipping"] = CLIP
+    with slipstream.zero.Init(config_dict_or_path=config):
+        model = TinyMLP()
+    own = f"slipstream-{os.getpid()}-rank{rank}-init*"
+    init_files = len(list(Path(nvme).glob(f"{own}/*.swp")))
+    engine, *_ = slipstream.initialize(model=model, config=config)
+    init_files_after = len(list(Path(nvme).glob(f"{own}/*.swp")))
+    zero = engine.optimizer
+    buffers = [b for group in zero.groups for b in group.master_buffers]
+    resident_at_update: list[int] = []
+    step_sub_group = zero.step_sub_group
+
+    def counting(index: int) -> None:
+        resident_at_update.append(sum(b.untyped_storage().nbytes() > 0 for b in buffers))
+        step_sub_group(index)
+
+    zero.step_sub_group = counting
+    norms = []
+    for inputs, targets in global_batches():
+        for m in range(2):
+            start = (m * world + rank) * 2
+            engine.backward(TinyMLP.loss(engine(inputs[start:start + 2]), targets[start:start + 2]))
+            engine.step()
+        norms.append(engine.get_global_grad_norm())
+    resident_between = sum(b.untyped_storage().nbytes() > 0 for b in buffers)
+    params = {name: value.float() for name, value in engine.zero_model.full_state(only_rank0=False).items()}
+    engine.destroy()
+    return {"params": params, "norms": norms, "sub_groups": zero.num_sub_groups, "masters": len(buffers),
+            "init_files": (init_files, init_files_after), "resident": (max(resident_at_update), resident_between)}
+
+
 def test_nvme_offload_matches_the_reference_and_cleans_up(tmp_path: Path) -> None:
     nvme = tmp_path / "nvme"
     nvme.mkdir()
@@ -71,8 +117,13 @@ def test_nvme_offload_matches_the_reference_and_cleans_up(tmp_path: Path) -> Non
                                ckpt=str(tmp_path / "ckpt"))
     for results, swapped in per_rank:
         assert any(name.endswith("_master.swp") for name in swapped), swapped  # masters really left memory
-        assert len(results) == 6
-        for stage, result in zip((1, 2, 3, "3 + offload_param", "2, engine A of 2", "2, engine B of 2"), results):
+        assert len(results) == 7
+        bounded = results[4]
+        assert bounded["sub_groups"] == bounded["masters"] == 3, bounded["sub_groups"]
+        assert bounded["resident"] == (2, 0), bounded["resident"]  # the sub-group updated and the next one, read
+        assert bounded["init_files"][0] >= 3 and bounded["init_files"][1] == 0, bounded["init_files"]
+        labels = (1, 2, 3, "3 + offload_param", "3, all on NVMe, sub-groups", "2, engine A of 2", "2, engine B of 2")
+        for stage, result in zip(labels, results):
             if "norms" in result:
                 torch.testing.assert_close(result["norms"], reference.grad_norms, rtol=1e-5, atol=0,
                                            msg=lambda m, stage=stage: f"stage {stage} grad norms: {m}")

@@ -5,6 +5,7 @@ command."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import re
@@ -45,13 +46,16 @@ GPT2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_pos
 
 def test_stage012_bytes_follow_the_padded_bucket_layout() -> None:
     # numels 5, 3, 7 in buckets of at most 8 (reverse order): [7], [3, 5] -> padded to 8 and 8 on 2 ranks
-    settings = Settings(dtype="bf16", reduce_bucket_size=8, pin_memory=False)
+    settings = Settings(dtype="bf16", reduce_bucket_size=8, pin_memory=False, device_is_host=False)  # a GPU
     zero2 = stage012_bytes([5, 3, 7], 0, stage=2, world=2, settings=settings, offload=False)
     assert zero2.owned == {"params": 16 * 2, "grads": 8 * 4, "comm_buffers": 2 * 8 * 4 + 2 * 4 * 4, "master": 8 * 4,
                            "optimizer_state": 2 * 8 * 4, "host_buffers": 0}
     zero1 = stage012_bytes([5, 3, 7], 4, stage=1, world=2, settings=settings, offload=True)
     assert zero1.owned["grads"] == 16 * 4 and zero1.owned["host_buffers"] == 8 * 4 + 8 * 2
     assert zero1.device["master"] == 0 and zero1.host["master"] == 8 * 4 and zero1.device["frozen_params"] == 8
+    # on the CPU accelerator the fp32 gradients are host memory already: only the bf16 output buffer remains
+    on_cpu = dataclasses.replace(settings, device_is_host=True)
+    assert stage012_bytes([5, 3, 7], 4, stage=1, world=2, settings=on_cpu, offload=True).owned["host_buffers"] == 8 * 2
     fp32 = stage012_bytes([5, 3, 7], 0, stage=0, world=2, settings=Settings(dtype="fp32"), offload=False)
     assert fp32.owned["master"] == 0 and fp32.owned["optimizer_state"] == 2 * 16 * 4  # aliased master, stage 0
 
