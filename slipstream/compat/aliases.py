@@ -39,6 +39,9 @@ ALIASES: dict[str, str] = {
     "slipstream.runtime.config": "slipstream.compat.ds_config",
     "slipstream.runtime.pipe": "slipstream.pipe",
     "slipstream.moe.sharded_moe": "slipstream.moe.layer",  # TopKGate, MOELayer
+    # launcher area (DeepSpeed's launcher unit tests): backend command builders, core-list/numactl helpers
+    "slipstream.launcher.multinode_runner": "slipstream.compat.multinode_runner",
+    "slipstream.utils.numa": "slipstream.compat.numa",
 }
 """DeepSpeed-style path -> the module whose source it runs."""
 
