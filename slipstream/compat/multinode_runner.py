@@ -69,6 +69,7 @@ class MultiNodeRunner(abc.ABC):
         self.user_script: str = args.user_script
         self.world_info_base64 = world_info_base64
         self.exports: dict[str, str] = {}
+        self._added: dict[str, tuple[str, str]] = {}  # name -> (the word in `exports`, the value add_export got)
 
     @abc.abstractmethod
     def backend_exists(self) -> bool:
@@ -81,7 +82,9 @@ class MultiNodeRunner(abc.ABC):
     def add_export(self, key: str, var: str) -> None:
         """Export `key`=`var` to every node; a value with shell-special characters is stored double-quoted."""
         value = var.strip()
-        self.exports[key.strip()] = value if _SHELL_SAFE.fullmatch(value) else f'"{value}"'
+        word = value if _SHELL_SAFE.fullmatch(value) else f'"{value}"'
+        self.exports[key.strip()] = word
+        self._added[key.strip()] = (word, value)
 
     def parse_user_args(self) -> list[str]:
         """The user script's arguments (each one argv item: no backend here re-splits them)."""
@@ -102,8 +105,21 @@ class MultiNodeRunner(abc.ABC):
 
     # ------------------------------------------------------------------ shared by the built-in backends
     def export_values(self) -> dict[str, str]:
-        """`exports` as the values a shell gives its words (`"64(x2)"` -> `64(x2)`)."""
-        return {name: " ".join(shlex.split(word)) for name, word in self.exports.items()}
+        """`exports` as values: what `add_export` was given, or, for a word set in `exports` directly, the value
+        a shell gives it (`"64(x2)"` -> `64(x2)`); ValueError names a word a shell cannot read."""
+        values: dict[str, str] = {}
+        for name, word in self.exports.items():
+            added = self._added.get(name)
+            if added is not None and added[0] == word:
+                values[name] = added[1]
+                continue
+            try:
+                values[name] = " ".join(shlex.split(word))
+            except ValueError as error:
+                raise ValueError(
+                    f"exports[{name!r}] = {word!r} is not a shell word ({error}); use add_export"
+                ) from None
+        return values
 
     def node_command(self, active_resources: Mapping[str, Any], *, node_rank: str) -> tuple[list[str], list[str]]:
         """(hosts, the per-node launch argv) for this job: the launch plan built from `args` and the world."""

@@ -101,10 +101,17 @@ def test_add_export_quotes_shell_special_values_and_the_command_carries_the_shel
         "SLURM_JOB_CPUS_PER_NODE": '"64(x2)"',
         "PYTHONPATH": "/usr/lib/python3/site-packages",
     }
+    runner_.add_export("ODD", 'say "hi')  # a double quote inside: kept as given, not re-read by a shell
+    runner_.exports["DIRECT"] = "'a b'"  # a word set directly is read as a shell reads it
     assert runner_.export_values() == {
         "SLURM_JOB_CPUS_PER_NODE": "64(x2)",
         "PYTHONPATH": "/usr/lib/python3/site-packages",
+        "ODD": 'say "hi',
+        "DIRECT": "a b",
     }
+    runner_.exports["BROKEN"] = '"open'
+    with pytest.raises(ValueError, match="exports\\['BROKEN'\\] = '\"open' is not a shell word"):
+        runner_.export_values()
 
 
 def test_pdsh_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
