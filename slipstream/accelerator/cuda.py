@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from slipstream.accelerator.base import Accelerator, EventLike, StreamLike
+from slipstream.utils.pin_memory_tracker import track_pinned_memory
 
 
 def is_rocm() -> bool:
@@ -149,8 +150,12 @@ class CudaAccelerator(Accelerator):
         return major >= 6
 
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        """A page-locked copy of `tensor` (`align_bytes`: DeepSpeed's signature; torch aligns)."""
-        return tensor.pin_memory()
+        """A page-locked copy of `tensor` (`align_bytes`: DeepSpeed's signature; torch aligns), counted in
+        the process's pinned total (utils/pin_memory_tracker.py)."""
+        pinned = tensor.pin_memory()
+        if pinned is not tensor:
+            track_pinned_memory(pinned.nbytes)
+        return pinned
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned()

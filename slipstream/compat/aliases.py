@@ -39,6 +39,9 @@ ALIASES: dict[str, str] = {
     "slipstream.runtime.config": "slipstream.compat.ds_config",
     "slipstream.runtime.pipe": "slipstream.pipe",
     "slipstream.moe.sharded_moe": "slipstream.moe.layer",  # TopKGate, MOELayer
+    # launcher area (DeepSpeed's launcher unit tests): backend command builders, core-list/numactl helpers
+    "slipstream.launcher.multinode_runner": "slipstream.compat.multinode_runner",
+    "slipstream.utils.numa": "slipstream.compat.numa",
 }
 """DeepSpeed-style path -> the module whose source it runs."""
 
@@ -73,6 +76,8 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "clip_grad_norm_": f"{_RT}:clip_grad_norm_",
         "get_global_norm": f"{_RT}:get_global_norm",
         "move_to_device": f"{_RT}:move_to_device",
+        "partition_uniform": "slipstream.pipe.partition:partition_uniform",
+        "partition_balanced": "slipstream.pipe.partition:partition_balanced",
     },
     "slipstream.runtime.dataloader": {
         "RepeatingLoader": "slipstream.engine.dataloader:RepeatingLoader",
@@ -213,6 +218,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
             "_get_expert_broadcast_src_rank",
             "_get_max_expert_size",
             "_get_max_expert_size_name",
+            "_get_expert_parallel_ranks",
         )
     },
     "slipstream.utils.torch": {

@@ -11,7 +11,7 @@ Hostfile syntax (one host per line; `#` starts a comment; blank lines are ignore
 
 Filter syntax (`-i/--include`, `-e/--exclude`): `NODE_SPEC[@NODE_SPEC ...]` with
 `NODE_SPEC = NAME[:SLOT[,SLOT ...]]`, e.g. `-i "worker-0@worker-1:0,2"` or `-e "worker-1:0"`. A name
-without slots means every slot of that host. Every error names the file (or flag), the line or spec,
+without slots means every slot of that host; a host named twice gets the union (as in DeepSpeed). Every error names the file (or flag), the line or spec,
 the offending value and what to write instead.
 """
 
@@ -96,9 +96,10 @@ def parse_node_spec(spec: str, *, flag: str) -> dict[str, list[int]]:
                         f"integers separated by commas, e.g. '{name}:0,2'"
                     )
                 slots.append(int(item))
-        if name in parsed:
-            raise HostfileError(f"{flag} {spec!r}: host {name!r} appears twice; list its slots once, e.g. '{name}:0,1'")
-        parsed[name] = slots
+        if name in parsed:  # named again (DeepSpeed merges): the union; a bare name already means every slot
+            parsed[name] = [] if not parsed[name] or not slots else sorted({*parsed[name], *slots})
+        else:
+            parsed[name] = slots
     return parsed
 
 
@@ -116,10 +117,10 @@ def world_of(resources: dict[str, int]) -> World:
     return {host: list(range(count)) for host, count in resources.items()}
 
 
-def filter_world(world: World, *, include: str = "", exclude: str = "", source: str = "the hostfile") -> World:
+def select_world(world: World, *, include: str = "", exclude: str = "", source: str = "the hostfile") -> World:
     """Apply `--include` or `--exclude` (not both) to `world` and return what is left, in world order.
 
-    Hosts left with no slot are dropped; an empty result is an error.
+    Hosts left with no slot are dropped; the result may be empty (DeepSpeed's `parse_resource_filter`).
     """
     available = world
     if include and exclude:
@@ -141,7 +142,13 @@ def filter_world(world: World, *, include: str = "", exclude: str = "", source: 
             else slots
             for host, slots in world.items()
         }
-    world = {host: slots for host, slots in world.items() if slots}
+    return {host: slots for host, slots in world.items() if slots}
+
+
+def filter_world(world: World, *, include: str = "", exclude: str = "", source: str = "the hostfile") -> World:
+    """`select_world`, where an empty result is an error (a launch needs at least one slot)."""
+    available = world
+    world = select_world(world, include=include, exclude=exclude, source=source)
     if not world:
         raise HostfileError(
             f"no slots left after --include {include!r} / --exclude {exclude!r} over {source} "

@@ -28,6 +28,11 @@ so the remote side starts in the launcher's working directory. The shapes:
   srun's own environment (Slurm propagates it), never in its argv.
 - openmpi: `["mpirun", "-n", N, "--host", "h1,h2", "--map-by", "ppr:1:node", "--wdir", CWD,
   "-x", NAME, ..., *LAUNCHER_ARGS, *NODE_ARGV]`; `-x NAME` exports the value mpirun's environment holds.
+- mpich, impi (Intel MPI), mvapich: the Hydra process manager's `mpirun`: `["mpirun", "-n", N, "-ppn", "1",
+  "-hosts", "h1,h2", "-wdir", CWD, ("-genvlist", "A,B"), ("-genv", K, V ...), *LAUNCHER_ARGS, *NODE_ARGV]`;
+  `-genvlist` exports the values mpirun's environment holds; `-genv` carries fixed settings only (Intel
+  MPI's `I_MPI_PIN 0`, MVAPICH's `MV2_ENABLE_AFFINITY 0`: the one process per host starts every rank of
+  that host, so MPI must not pin it to a core).
 """
 
 from __future__ import annotations
@@ -37,7 +42,13 @@ import sys
 from collections.abc import Mapping
 
 NODE_MODULE = "slipstream.launcher.node"
-LAUNCHERS = ("ssh", "pdsh", "slurm", "openmpi")
+HYDRA_SETTINGS: dict[str, dict[str, str]] = {
+    "mpich": {},
+    "impi": {"I_MPI_PIN": "0"},
+    "mvapich": {"MV2_ENABLE_AFFINITY": "0"},
+}
+"""The Hydra-based launchers and the fixed `-genv` settings each needs (see the module docstring)."""
+LAUNCHERS = ("ssh", "pdsh", "slurm", "openmpi", *HYDRA_SETTINGS)
 
 
 def node_argv(plan_token: str, *, node_rank: str, env_from_stdin: bool = False, python: str = "") -> list[str]:
@@ -100,6 +111,36 @@ def mpirun_argv(
         "--wdir",
         cwd,
         *exports,
+        *shlex.split(launcher_args),
+        *argv,
+    ]
+
+
+def hydra_argv(
+    hosts: list[str],
+    *,
+    argv: list[str],
+    cwd: str,
+    export_names: list[str],
+    settings: Mapping[str, str] | None = None,
+    launcher_args: str = "",
+) -> list[str]:
+    """One Hydra `mpirun` job (MPICH, Intel MPI, MVAPICH2) with one process per host; values of `export_names`
+    come from mpirun's environment, `settings` are fixed `-genv` values (never user data)."""
+    exports = ["-genvlist", ",".join(sorted(export_names))] if export_names else []
+    fixed = [item for name, value in sorted((settings or {}).items()) for item in ("-genv", name, value)]
+    return [
+        "mpirun",
+        "-n",
+        str(len(hosts)),
+        "-ppn",
+        "1",
+        "-hosts",
+        ",".join(hosts),
+        "-wdir",
+        cwd,
+        *exports,
+        *fixed,
         *shlex.split(launcher_args),
         *argv,
     ]

@@ -23,13 +23,22 @@ import sys
 
 
 def parse_core_list(text: str) -> list[int]:
-    """`1,3-5,7` -> [1, 3, 4, 5, 7] (DeepSpeed's `--bind_core_list` syntax)."""
+    """`1,3-5,7` -> [1, 3, 4, 5, 7] (DeepSpeed's `--bind_core_list` syntax): numbers or inclusive `LOW-HIGH`
+    ranges, in ascending order and not overlapping (so no core is handed to two ranks); ValueError otherwise."""
     cores: list[int] = []
     for part in text.split(","):
         low, dash, high = part.strip().partition("-")
         if not low.isdigit() or (dash and not high.isdigit()):
             raise ValueError(f"--bind_core_list {text!r}: bad item {part!r}; use e.g. '0-3,8,10-11'")
-        cores.extend(range(int(low), int(high) + 1) if dash else [int(low)])
+        first, last = int(low), int(high) if dash else int(low)
+        if last < first:
+            raise ValueError(f"--bind_core_list {text!r}: range {part!r} ends before it starts; write '{last}-{first}'")
+        if cores and first <= cores[-1]:
+            raise ValueError(
+                f"--bind_core_list {text!r}: {part!r} overlaps or comes before core {cores[-1]}; list the cores "
+                f"in ascending order, each once, e.g. '0-3,8,10-11'"
+            )
+        cores.extend(range(first, last + 1))
     return cores
 
 

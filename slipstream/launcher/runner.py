@@ -11,7 +11,8 @@ flags and defaults, see docs/launcher.md) and the choice between
 
 The default launcher is `ssh`, not DeepSpeed's `pdsh`: ssh is on every machine that can run a multi-node
 job at all, one ssh per host lets the runner tell which host failed and stop the others, and its stdin
-carries the environment and the lifeline. pdsh, Slurm and OpenMPI remain available with `--launcher`.
+carries the environment and the lifeline. pdsh, Slurm, OpenMPI and Hydra's mpirun (`mpich`, `impi`,
+`mvapich`) remain available with `--launcher`.
 
 World: the hostfile (`-H`, default `/job/hostfile`; absent means this machine alone), filtered by
 `-i/--include` or `-e/--exclude`, cut by `--num_nodes`/`--num_gpus`. On one node without a hostfile, a
@@ -37,9 +38,11 @@ from slipstream.launcher.environment import DEFAULT_ENV_FILE_NAME, as_mapping, c
 from slipstream.launcher.hostfile import (
     HostfileError,
     World,
+    encode_world,
     filter_world,
     limit_world,
     read_hostfile,
+    select_world,
     world_of,
 )
 from slipstream.launcher.plan import LaunchPlan, Program, RankOptions, Rendezvous, encode_plan
@@ -194,16 +197,24 @@ def _accelerator_facts() -> tuple[list[str], int]:
     return list(accelerator.visible_devices_envs()), int(accelerator.device_count())
 
 
-def run(args: argparse.Namespace) -> int:
-    """Entry of `slipstream run`; returns the exit status."""
+def prepare(args: argparse.Namespace) -> tuple[LaunchPlan, bool]:
+    """(the launch plan, whether it takes the multi-node path); a ValueError names the wrong flag and the fix."""
+    visible_envs, device_count = _accelerator_facts()
+    world, _ = resolve_world(args, os.environ, visible_envs=visible_envs, device_count=device_count)
+    multi = args.force_multi or len(world) > 1
+    return build_plan(args, world, multi=multi, visible_envs=visible_envs), multi
+
+
+def run(args: argparse.Namespace, *, raise_errors: bool = False) -> int:
+    """Entry of `slipstream run`; returns the exit status. A bad flag prints the error and returns 2, or
+    raises its ValueError with `raise_errors` (DeepSpeed's `runner.main`)."""
     from slipstream.launcher.local import run_node
 
     try:
-        visible_envs, device_count = _accelerator_facts()
-        world, _ = resolve_world(args, os.environ, visible_envs=visible_envs, device_count=device_count)
-        multi = args.force_multi or len(world) > 1
-        plan = build_plan(args, world, multi=multi, visible_envs=visible_envs)
+        plan, multi = prepare(args)
     except ValueError as error:
+        if raise_errors:
+            raise
         print(f"slipstream run: error: {error}", file=sys.stderr)
         return 2
     if args.node_rank >= 0 or args.no_ssh:
@@ -246,6 +257,16 @@ def launch_commands(
     argv = multinode.node_argv(token, node_rank="-1")
     if launcher == "slurm":
         return [("srun", multinode.srun_argv(hosts, argv=argv, cwd=cwd, launcher_args=launcher_args))]
+    if launcher in multinode.HYDRA_SETTINGS:
+        hydra = multinode.hydra_argv(
+            hosts,
+            argv=argv,
+            cwd=cwd,
+            export_names=list(exports),
+            settings=multinode.HYDRA_SETTINGS[launcher],
+            launcher_args=launcher_args,
+        )
+        return [("mpirun", hydra)]
     return [
         (
             "mpirun",
@@ -329,15 +350,40 @@ def run_multinode(plan: LaunchPlan, *, launcher: str, launcher_args: str) -> int
             signal.signal(sig, old)
 
 
-def main(args: list[str] | None = None) -> int:
-    """`python -m slipstream.launcher.runner [launcher flags] script.py [args]` (DeepSpeed's
-    `python -m deepspeed.launcher.runner`): parse DeepSpeed's launcher flags and launch."""
+def parse_args(args: list[str] | None = None) -> argparse.Namespace:
+    """DeepSpeed's `runner.parse_args`: the launcher's flags parsed from `args` (default: sys.argv[1:])."""
     parser = argparse.ArgumentParser(
         prog="python -m slipstream.launcher.runner", description="launch a training script (slipstream run)"
     )
     add_arguments(parser)
-    return run(parser.parse_args(args))
+    return parser.parse_args(args)
+
+
+def main(args: list[str] | None = None) -> int:
+    """`python -m slipstream.launcher.runner [launcher flags] script.py [args]` (DeepSpeed's
+    `python -m deepspeed.launcher.runner`): parse DeepSpeed's launcher flags and launch. As DeepSpeed's
+    `runner.main`, a flag combination that cannot work raises ValueError (`--num_nodes 1 -i host`)."""
+    return run(parse_args(args), raise_errors=True)
+
+
+def parse_resource_filter(
+    host_info: Mapping[str, list[int]], include_str: str = "", exclude_str: str = ""
+) -> dict[str, list[int]]:
+    """DeepSpeed's name for `hostfile.select_world`: host -> slots filtered by an include or exclude spec
+    (`worker-0@worker-1:0,2`), in `host_info` order; ValueError for an unknown host or slot, or both given.
+    Excluding everything gives `{}` (the launcher itself refuses an empty world)."""
+    return select_world(dict(host_info), include=include_str, exclude=exclude_str, source="the host list")
+
+
+def encode_world_info(world_info: Mapping[str, list[int] | int]) -> str:
+    """DeepSpeed's name for `hostfile.encode_world`: host -> slots (or a slot count, meaning slots 0..N-1)
+    as the argv-safe base64 JSON token (`--world_info`)."""
+    world = {
+        host: list(range(slots)) if isinstance(slots, int) else [int(slot) for slot in slots]
+        for host, slots in world_info.items()
+    }
+    return encode_world(world)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(parse_args()))

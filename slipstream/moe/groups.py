@@ -9,6 +9,13 @@ For `ep_size` E over a world of W ranks (W a multiple of E), named "ep_size_E":
   reduce (and, under ZeRO, shard) those experts' gradients, parameters and optimizer state among themselves.
 Every rank creates every group of a size in the same order (torch's `new_group` is collective), once per size.
 Groups are made lazily, the first time a size is asked for after `torch.distributed` is initialized.
+
+`expert_rank_layout` is the general rule (DeepSpeed's `_get_expert_parallel_ranks`), with tensor and pipeline
+parallelism: ranks are numbered tensor-parallel fastest and pipeline stage slowest (stage s holds the
+contiguous block s*W/P .. (s+1)*W/P-1); within a stage, the data-parallel ranks of tensor-parallel index t are
+t, t+T, t+2T, ... (D = W/(T*P) of them). Those D ranks are cut into D/E expert-parallel groups of E: runs of
+E consecutive ones (E + D), or with `data_before_expert` every (D/E)-th one (D + E); the ranks at the same
+position of each group form an expert-data-parallel group. With T = P = 1 and E + D this is the rule above.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch.distributed as dist
 __all__ = [
     "ExpertGroups",
     "expert_groups",
+    "expert_rank_layout",
     "group_name",
     "_create_expert_and_data_parallel",
     "_get_expert_parallel_group",
@@ -33,6 +41,7 @@ __all__ = [
     "_get_expert_broadcast_src_rank",
     "_get_max_expert_size",
     "_get_max_expert_size_name",
+    "_get_expert_parallel_ranks",
 ]
 
 
@@ -73,6 +82,42 @@ def group_name(ep_size: int) -> str:
     return f"ep_size_{ep_size}"
 
 
+def expert_rank_layout(
+    world_size: int,
+    *,
+    expert_parallel_size: int,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    data_before_expert: bool = False,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(expert-parallel groups, expert-data-parallel groups) as rank lists (see [Note: expert groups])."""
+    model = tensor_parallel_size * pipeline_parallel_size
+    if min(world_size, expert_parallel_size, tensor_parallel_size, pipeline_parallel_size) < 1 or world_size % model:
+        raise ValueError(
+            f"world size {world_size} is not a multiple of tensor x pipeline parallel size {tensor_parallel_size} x "
+            f"{pipeline_parallel_size}; every size must be positive and the model-parallel sizes must divide the world"
+        )
+    data = world_size // model
+    if data % expert_parallel_size:
+        raise ValueError(
+            f"expert parallel size {expert_parallel_size} does not divide the data-parallel size {data} "
+            f"(world {world_size} / tensor {tensor_parallel_size} / pipeline {pipeline_parallel_size}); choose a divisor"
+        )
+    stride = data // expert_parallel_size
+    ep_groups: list[list[int]] = []
+    edp_groups: list[list[int]] = []
+    stage = world_size // pipeline_parallel_size
+    for start in range(0, world_size, stage):
+        for tp_index in range(tensor_parallel_size):
+            ranks = [start + tp_index + k * tensor_parallel_size for k in range(data)]
+            if data_before_expert:  # every stride-th data-parallel rank shares an expert-parallel group
+                ranks = [ranks[k] for k in sorted(range(data), key=lambda k: (k % stride, k // stride))]
+            chunks = [ranks[c : c + expert_parallel_size] for c in range(0, data, expert_parallel_size)]
+            ep_groups += chunks
+            edp_groups += [list(column) for column in zip(*chunks, strict=True)]
+    return ep_groups, edp_groups
+
+
 def expert_groups(ep_size: int) -> ExpertGroups:
     """The groups of `ep_size`, made on first use (collective: every rank must ask in the same order)."""
     name = group_name(ep_size)
@@ -89,16 +134,15 @@ def expert_groups(ep_size: int) -> ExpertGroups:
     ep_ranks: tuple[int, ...] = (rank,)
     edp_ranks: tuple[int, ...] = tuple(range(world))
     if world > 1:
-        for start in range(0, world, ep_size):
-            ranks = tuple(range(start, start + ep_size))
-            made = dist.new_group(list(ranks)) if ep_size > 1 else None
-            if rank in ranks:
-                ep_group, ep_ranks = made, ranks
-        for first in range(ep_size):
-            ranks = tuple(range(first, world, ep_size))
-            made = dist.new_group(list(ranks)) if ep_size > 1 else None
-            if rank in ranks:
-                edp_group, edp_ranks = made, ranks
+        ep_layout, edp_layout = expert_rank_layout(world, expert_parallel_size=ep_size)
+        for group in ep_layout:
+            made = dist.new_group(group) if ep_size > 1 else None
+            if rank in group:
+                ep_group, ep_ranks = made, tuple(group)
+        for group in edp_layout:
+            made = dist.new_group(group) if ep_size > 1 else None
+            if rank in group:
+                edp_group, edp_ranks = made, tuple(group)
     found = ExpertGroups(
         name=name, ep_size=ep_size, ep_group=ep_group, ep_ranks=ep_ranks, edp_group=edp_group, edp_ranks=edp_ranks
     )
@@ -168,3 +212,20 @@ def _get_max_expert_size() -> int:
 
 def _get_max_expert_size_name() -> str:
     return group_name(_get_max_expert_size())
+
+
+def _get_expert_parallel_ranks(
+    world_size: int,
+    tensor_parallel_size_: int,
+    expert_parallel_size_: int,
+    pipeline_parallel_size_: int = 1,
+    use_data_before_expert_parallel_: bool = False,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """DeepSpeed's name and parameters for `expert_rank_layout`."""
+    return expert_rank_layout(
+        world_size,
+        expert_parallel_size=expert_parallel_size_,
+        tensor_parallel_size=tensor_parallel_size_,
+        pipeline_parallel_size=pipeline_parallel_size_,
+        data_before_expert=use_data_before_expert_parallel_,
+    )

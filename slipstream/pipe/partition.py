@@ -17,37 +17,80 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 
 
 def partition_balanced(weights: Sequence[int], num_parts: int) -> list[int]:
-    """Contiguous parts minimising the heaviest part (binary search over the bottleneck, greedy fill);
-    every part gets at least one item when there are enough items."""
+    """Contiguous parts minimising the heaviest part, then, among those, maximising the lightest one; ties go to
+    the earliest boundaries placed as late as possible (fill the first parts). Every part gets at least one item
+    when there are enough items."""
     n = len(weights)
     if n < num_parts:
         return partition_uniform(n, num_parts)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    heaviest = _lightest_bottleneck(weights, num_parts)
+    # light[j][i]: the largest lightest part over splits of items 0..i-1 into j parts of at most `heaviest` each
+    unset = -1
+    light = [[unset] * (n + 1) for _ in range(num_parts + 1)]
+    light[0][0] = prefix[-1] + 1  # no part yet: no lower bound
+    for j in range(1, num_parts + 1):
+        for i in range(j, n + 1):
+            best = unset
+            for k in range(i - 1, j - 2, -1):
+                part = prefix[i] - prefix[k]
+                if part > heaviest:
+                    break
+                if light[j - 1][k] != unset:
+                    best = max(best, min(light[j - 1][k], part))
+            light[j][i] = best
+    lightest = light[num_parts][n]
+    # fits[j][i]: items i..n-1 split into j parts, each between `lightest` and `heaviest`
+    fits = [[False] * (n + 1) for _ in range(num_parts + 1)]
+    fits[0][n] = True
+    for j in range(1, num_parts + 1):
+        for i in range(n - 1, -1, -1):
+            for k in range(i + 1, n + 1):
+                part = prefix[k] - prefix[i]
+                if part > heaviest:
+                    break
+                if part >= lightest and fits[j - 1][k]:
+                    fits[j][i] = True
+                    break
+    parts = [0]
+    for left in range(num_parts - 1, 0, -1):
+        start = parts[-1]
+        parts.append(
+            max(
+                k
+                for k in range(start + 1, n + 1)
+                if fits[left][k] and lightest <= prefix[k] - prefix[start] <= heaviest
+            )
+        )
+    return [*parts, n]
 
-    def split(limit: int) -> list[int] | None:
-        parts, total = [0], 0
+
+def _lightest_bottleneck(weights: Sequence[int], num_parts: int) -> int:
+    """The smallest possible heaviest part over splits into `num_parts` non-empty contiguous parts (n >= parts):
+    binary search over the bound, each bound checked by a greedy fill."""
+    n = len(weights)
+
+    def fits(limit: int) -> bool:
+        parts, total = 1, 0
         for i, w in enumerate(weights):
-            left_items, left_parts = n - i, num_parts - (len(parts) - 1)
-            if (total + w > limit and i > parts[-1]) or left_items < left_parts:
-                if len(parts) == num_parts:
-                    return None
-                parts.append(i)
-                total = 0
+            if w > limit:
+                return False
+            must_cut = n - i <= num_parts - parts  # the items left are just enough for the parts left
+            if total and (total + w > limit or must_cut):
+                parts, total = parts + 1, 0
             total += w
-        if total > limit:
-            return None
-        parts += [n] * (num_parts + 1 - len(parts))
-        return parts
+        return parts <= num_parts
 
-    lo, hi = max(weights, default=0), max(sum(weights), 1)
-    best = split(hi) or partition_uniform(n, num_parts)
+    lo, hi = max(weights, default=0), max(sum(weights), 0)
     while lo < hi:
         mid = (lo + hi) // 2
-        found = split(mid)
-        if found is not None:
-            best, hi = found, mid
+        if fits(mid):
+            hi = mid
         else:
             lo = mid + 1
-    return best
+    return lo
 
 
 def partition(

@@ -44,9 +44,7 @@ def plan_for(hostfile: Path, *extra: str):  # type: ignore[no-untyped-def]
 def test_ssh_argv_per_host(hostfile: Path) -> None:
     plan = plan_for(hostfile, "--master_addr", "127.0.0.2")
     args = "-p 2222 -i /k/key -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"
-    commands = launch_commands(
-        plan, launcher="ssh", launcher_args=args, exports={"A": "x y"}, cwd="/work dir"
-    )
+    commands = launch_commands(plan, launcher="ssh", launcher_args=args, exports={"A": "x y"}, cwd="/work dir")
     assert [label for label, _ in commands] == ["127.0.0.2", "127.0.0.3"]
     for rank, (host, argv) in enumerate(commands):
         assert argv[:-1] == [
@@ -88,9 +86,7 @@ def test_pdsh_argv_carries_env_items(hostfile: Path) -> None:
 
 def test_srun_and_mpirun_argv(hostfile: Path) -> None:
     plan = plan_for(hostfile)
-    [(_, srun)] = launch_commands(
-        plan, launcher="slurm", launcher_args="--partition gpu", exports={"A": "1"}, cwd="/w"
-    )
+    [(_, srun)] = launch_commands(plan, launcher="slurm", launcher_args="--partition gpu", exports={"A": "1"}, cwd="/w")
     assert srun[:15] == [
         "srun",
         "--nodes",
@@ -134,6 +130,24 @@ def test_srun_and_mpirun_argv(hostfile: Path) -> None:
     assert mpi[15:20] == NODE and "1" not in mpi[:15] and "2" not in mpi[9:15]
 
 
+@pytest.mark.parametrize(
+    ("launcher", "settings"),
+    [("mpich", []), ("impi", ["-genv", "I_MPI_PIN", "0"]), ("mvapich", ["-genv", "MV2_ENABLE_AFFINITY", "0"])],
+)
+def test_hydra_mpirun_argv(hostfile: Path, launcher: str, settings: list[str]) -> None:
+    plan = plan_for(hostfile)
+    [(label, argv)] = launch_commands(
+        plan, launcher=launcher, launcher_args="-iface ib0", exports={"B": "secret", "A": "1"}, cwd="/w"
+    )
+    head = ["mpirun", "-n", "2", "-ppn", "1", "-hosts", "127.0.0.2,127.0.0.3", "-wdir", "/w", "-genvlist", "A,B"]
+    assert label == "mpirun"
+    assert argv[: len(head)] == head
+    rest = argv[len(head) :]
+    assert rest[: len(settings) + 2] == [*settings, "-iface", "ib0"]
+    assert rest[len(settings) + 2 : len(settings) + 7] == NODE
+    assert rest[-2:] == ["--node_rank", "-1"] and "secret" not in argv  # values travel in the environment
+
+
 def test_remote_command_quotes_everything() -> None:
     command = multinode.remote_command(["python", "a b.py", "$(rm -rf /)"], cwd="/x; y", env={"K": "v'q"})
     assert shlex.split(command) == [
@@ -170,6 +184,12 @@ def test_per_rank_command_and_core_binding() -> None:
         "x",
     ]
     assert parse_core_list("1,3-5,7") == [1, 3, 4, 5, 7]
+    with pytest.raises(ValueError, match="'5-9' overlaps or comes before core 6"):
+        parse_core_list("0,2-6,5-9")
+    with pytest.raises(ValueError, match="'2-6' overlaps or comes before core 8"):
+        parse_core_list("8,2-6")
+    with pytest.raises(ValueError, match="range '6-2' ends before it starts; write '2-6'"):
+        parse_core_list("1,6-2")
     assert cores_for_rank(list(range(8)), local_rank=1, local_size=3) == [2, 3]
     with pytest.raises(ValueError, match="cannot be shared by 4 local ranks"):
         cores_for_rank([0, 1], local_rank=0, local_size=4)
@@ -179,9 +199,7 @@ def test_per_rank_command_and_core_binding() -> None:
 
 def test_local_world_honours_visible_devices() -> None:
     cvd = ["CUDA_VISIBLE_DEVICES"]
-    world, from_file = resolve_world(
-        parse(["t.py"]), {"CUDA_VISIBLE_DEVICES": "0,2"}, visible_envs=cvd, device_count=2
-    )
+    world, from_file = resolve_world(parse(["t.py"]), {"CUDA_VISIBLE_DEVICES": "0,2"}, visible_envs=cvd, device_count=2)
     assert (world, from_file) == ({"localhost": [0, 2]}, False)
     world, _ = resolve_world(
         parse(["--num_gpus", "1", "t.py"]), {"CUDA_VISIBLE_DEVICES": "2,4"}, visible_envs=cvd, device_count=2
@@ -242,12 +260,12 @@ def test_non_positive_counts_are_named(flag: str, value: str) -> None:
 
 
 def test_visible_devices_the_accelerator_ignores_get_a_note(capsys: pytest.CaptureFixture[str]) -> None:
-    world, _ = resolve_world(parse(["--num_gpus", "2", "t.py"]), {"CUDA_VISIBLE_DEVICES": "1"}, visible_envs=[],
-                             device_count=1)
+    world, _ = resolve_world(
+        parse(["--num_gpus", "2", "t.py"]), {"CUDA_VISIBLE_DEVICES": "1"}, visible_envs=[], device_count=1
+    )
     assert world == {"localhost": [0, 1]}
     assert "CUDA_VISIBLE_DEVICES=1 is ignored" in capsys.readouterr().err
-    resolve_world(parse(["t.py"]), {"CUDA_VISIBLE_DEVICES": "1"}, visible_envs=["CUDA_VISIBLE_DEVICES"],
-                  device_count=2)
+    resolve_world(parse(["t.py"]), {"CUDA_VISIBLE_DEVICES": "1"}, visible_envs=["CUDA_VISIBLE_DEVICES"], device_count=2)
     assert "ignored" not in capsys.readouterr().err
 
 

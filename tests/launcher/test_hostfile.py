@@ -15,6 +15,7 @@ from slipstream.launcher.hostfile import (
     parse_hostfile_text,
     parse_node_spec,
     read_hostfile,
+    select_world,
     world_of,
 )
 
@@ -69,6 +70,10 @@ def test_read_hostfile_error_names_the_path(tmp_path: Path) -> None:
 def test_node_spec_syntax() -> None:
     assert parse_node_spec("worker-0@worker-1:0,2", flag="-i") == {"worker-0": [], "worker-1": [0, 2]}
     assert parse_node_spec("w:3", flag="-i") == {"w": [3]}
+    # a host named twice gets the union of its slots (DeepSpeed merges); a bare name already means all of them
+    assert parse_node_spec("w:1@w:0,1@v:2", flag="-i") == {"w": [0, 1], "v": [2]}
+    assert parse_node_spec("w@w:1", flag="-i") == {"w": []}
+    assert parse_node_spec("w:3@w", flag="-i") == {"w": []}
 
 
 @pytest.mark.parametrize(
@@ -79,7 +84,6 @@ def test_node_spec_syntax() -> None:
         ("w:a", "bad slot 'a' for host 'w'"),
         ("w:", "bad slot '' for host 'w'"),
         ("w:0,,1", "bad slot '' for host 'w'"),
-        ("w@w:1", "host 'w' appears twice"),
     ],
 )
 def test_node_spec_errors(spec: str, expected: str) -> None:
@@ -102,6 +106,12 @@ def test_exclude_drops_slots_and_whole_hosts() -> None:
 
 def test_no_filter_is_the_whole_world() -> None:
     assert filter_world(WORLD) == WORLD
+
+
+def test_select_world_may_be_empty_where_filter_world_refuses() -> None:
+    assert select_world(WORLD, exclude="worker-0@worker-1@worker-2") == {}
+    assert select_world(WORLD, exclude="worker-1:0,1@worker-2:0") == {"worker-0": [0, 1, 2, 3], "worker-2": [1]}
+    assert select_world(WORLD, include="worker-2:1,1@worker-0:3") == {"worker-0": [3], "worker-2": [1]}
 
 
 @pytest.mark.parametrize(
@@ -132,9 +142,7 @@ def test_limit_world_and_its_errors() -> None:
     assert limit_world(WORLD, num_slots=1) == {"worker-0": [0], "worker-1": [0], "worker-2": [0]}
     with pytest.raises(HostfileError, match=r"--num_nodes 4 asks for more hosts than the 3 available"):
         limit_world(WORLD, num_nodes=4)
-    with pytest.raises(
-        HostfileError, match=r"--num_gpus 3 asks for more slots than these hosts have: \{'worker-1': 2"
-    ):
+    with pytest.raises(HostfileError, match=r"--num_gpus 3 asks for more slots than these hosts have: \{'worker-1': 2"):
         limit_world(WORLD, num_slots=3)
 
 

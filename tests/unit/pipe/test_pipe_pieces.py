@@ -2,14 +2,42 @@
 
 from __future__ import annotations
 
-import pytest
+import itertools
+import random
 
-from slipstream.utils.torch_versions import TorchTooOld
+import pytest
 import torch
 
 from slipstream.pipe.exchange import flatten, tensor_specs, unflatten
 from slipstream.pipe.partition import partition, partition_balanced, partition_uniform
 from slipstream.pipe.schedule import actions_for
+from slipstream.utils.torch_versions import TorchTooOld
+
+
+def _best_by_search(weights: list[int], num_parts: int) -> list[int]:
+    """Every split into non-empty parts: least heaviest part, then greatest lightest part, then latest boundaries."""
+    n = len(weights)
+    best: tuple[tuple[int, int, list[int]], list[int]] | None = None
+    for cuts in itertools.combinations(range(1, n), num_parts - 1):
+        bounds = [0, *cuts, n]
+        sums = [sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])]
+        key = (max(sums), -min(sums), [-b for b in bounds])
+        if best is None or key < best[0]:
+            best = (key, bounds)
+    assert best is not None
+    return best[1]
+
+
+def test_partition_balanced_is_the_most_even_of_the_least_bottlenecked() -> None:
+    # a part as light as possible among equal bottlenecks (DeepSpeed's tests/unit/utils/test_partition_balanced.py)
+    assert partition_balanced([1, 1, 1, 1, 0, 1], 4) == [0, 2, 3, 5, 6]  # sums 2,1,1,1 (not 2,2,0,1)
+    assert partition_balanced([1, 2, 1], 4) == [0, 1, 2, 3, 3]  # fewer items than parts: one each, then empty
+    rng = random.Random(0)
+    for _ in range(500):
+        n = rng.randint(1, 8)
+        weights = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(n)]
+        num_parts = rng.randint(1, n)
+        assert partition_balanced(weights, num_parts) == _best_by_search(weights, num_parts), (weights, num_parts)
 
 
 def test_partitions() -> None:
