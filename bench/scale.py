@@ -207,6 +207,26 @@ def largest(row: str, fixed: float, per_param: float, nvme_dir: str) -> tuple[fl
     return by_memory, "host memory"
 
 
+def planner_largest(row: str, args: argparse.Namespace) -> float | None:
+    """`slipstream plan --largest`'s answer for the row (the same width, config and limits as the fit's)."""
+    from slipstream.planner.largest import largest
+
+    config = None if row == "torch" else ds_config(row, args.nvme_dir)
+    answers = largest(
+        hidden=args.width,
+        heads=max(1, args.width // 64),
+        vocab=VOCAB,
+        seq=SEQ,
+        micro_batch=1,
+        dtype="fp32",
+        ds_config=config,
+        host_memory=host_bytes() - MARGIN,
+        nvme_free=int(shutil.disk_usage(args.nvme_dir).free * 0.95),
+    )
+    wanted = "zero0" if row == "torch" else "config"
+    return next((float(a.params) for a in answers if a.option == wanted), None)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="25,50,100", help="model sizes to measure, millions of parameters")
@@ -248,14 +268,21 @@ def main() -> int:
             )
         if len(points) >= 2:
             fits[row] = fit(points)
-    print("\nfit: peak RSS = fixed + bytes/param x N; largest model within the host's memory and the disk")
-    print(f"{'row':8} {'fixed MiB':>9} {'B/param':>8} {'largest':>9}  bound   vs torch")
+    print("\nfit: peak RSS = fixed + bytes/param x N; largest model within the host's memory and the disk;")
+    print("plan: `slipstream plan --largest` for the same width, config and limits (ds_nvme: Slipstream's plan)")
+    print(
+        f"{'row':8} {'fixed MiB':>9} {'B/param':>8} {'largest':>9}  {'bound':11} {'vs torch':>8} {'plan':>8} {'plan/fit':>8}"
+    )
     largest_of = {}
     for row, (fixed, per_param) in fits.items():
         count, bound = largest(row, fixed, per_param, args.nvme_dir)
         largest_of[row] = count
         ratio = count / largest_of["torch"] if "torch" in largest_of else float("nan")
-        print(f"{row:8} {fixed / 2**20:9.0f} {per_param:8.2f} {count / 1e9:8.2f}B  {bound:7} {ratio:6.2f}x")
+        planned = None if row.startswith("ds_") else planner_largest(row, args)
+        plan_text = f"{planned / 1e9:7.2f}B {planned / count:8.2f}" if planned else f"{'-':>8} {'-':>8}"
+        print(
+            f"{row:8} {fixed / 2**20:9.0f} {per_param:8.2f} {count / 1e9:8.2f}B  {bound:11} {ratio:7.2f}x {plan_text}"
+        )
     if args.prove:
         target = args.prove_params * 1e6 if args.prove_params else largest_of.get(args.prove, 0.0)
         if not target:

@@ -85,6 +85,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--host-memory", "--host_memory", dest="host_memory", default=None, help="memory of one host, e.g. 512GB"
     )
+    run.add_argument(
+        "--nvme-free",
+        "--nvme_free",
+        dest="nvme_free",
+        default=None,
+        help="free space on one host's NVMe offload disk, e.g. 3.5TB, or a directory to read it from",
+    )
+    run.add_argument(
+        "--largest",
+        action="store_true",
+        help="the inverse question: the largest model of this --hidden (and --heads, --vocab, --seq) that fits "
+        "the memory and disk given, per option",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     out.add_argument("--png", default=None, metavar="FILE", help="also draw a stacked bar chart (needs matplotlib)")
@@ -96,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     from slipstream.planner import draw_png, estimate, format_plan, plan_json
 
     config = args.config or args.config_option
+    if args.largest:
+        return _run_largest(args, config)
     if args.params is None and args.model is None and args.hf_config is None and not (args.hidden and args.layers):
         print(
             "slipstream plan: error: give the model: --params N, --model module:factory or --hf-config "
@@ -132,4 +147,52 @@ def run(args: argparse.Namespace) -> int:
             f"slipstream plan: {skipped}" if skipped else f"chart written to {args.png}",
             file=sys.stderr if skipped else sys.stdout,
         )
+    return 0
+
+
+def _run_largest(args: argparse.Namespace, config: str | None) -> int:
+    import os
+    import shutil
+
+    from slipstream.checkpoint.export import parse_size
+    from slipstream.config import ConfigError
+    from slipstream.planner.largest import format_largest, largest
+
+    if args.hidden is None:
+        print(
+            "slipstream plan --largest: error: give the model's width: --hidden (and --heads, --vocab, --seq)",
+            file=sys.stderr,
+        )
+        return 2
+    nvme_free = None
+    if args.nvme_free:
+        nvme_free = shutil.disk_usage(args.nvme_free).free if os.path.isdir(args.nvme_free) else None
+    try:
+        if args.nvme_free and nvme_free is None:
+            nvme_free = parse_size(args.nvme_free)
+        answers = largest(
+            hidden=args.hidden,
+            heads=args.heads,
+            vocab=args.vocab,
+            seq=args.seq,
+            micro_batch=args.micro_batch,
+            gpus_per_node=args.gpus_per_node,
+            nodes=args.nodes,
+            dtype=args.dtype,
+            ds_config=config,
+            device_memory=parse_size(args.device_memory) if args.device_memory else None,
+            host_memory=parse_size(args.host_memory) if args.host_memory else None,
+            nvme_free=nvme_free,
+            fused_attention=args.fused_attention,
+        )
+    except (ConfigError, ValueError, TypeError, OSError) as exc:
+        print(f"slipstream plan: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        import json
+
+        rows = [{"option": a.option, "layers": a.layers, "params": a.params, "bound": a.bound} for a in answers]
+        print(json.dumps({"hidden": args.hidden, "largest": rows}, indent=2))
+    else:
+        print(format_largest(answers, hidden=args.hidden))
     return 0

@@ -165,6 +165,8 @@ class NVMeShardStore:
     after (written back only when it changed). Each shard has its own file, removed by `discard` when the unit
     is dropped (zero.Init's units once the engine has taken their values), so disk use follows the live units."""
 
+    in_memory = False
+
     def __init__(self, nvme_path: str, rank: int, aio: AioPlan, *, role: str = "params") -> None:
         self.directory = make_run_dir(nvme_path, rank, role, key="offload_param.nvme_path")
         self.swapper = Swapper(self.directory, aio)

@@ -206,7 +206,12 @@ def estimate_option(
         z3 = settings.stage3
         units = shape.units(z3.persistence_threshold, z3.leaf_classes, z3.leaf_names)
         figures, _pool = stage3_bytes(
-            units, world=world, settings=settings, offload=option.offload_optimizer, offload_param=option.offload_param
+            units,
+            world=world,
+            settings=settings,
+            offload=option.offload_optimizer,
+            offload_param=option.offload_param,
+            nvme_params=option.nvme,
         )
         largest_unit = max((sum(u.numels) for u in units), default=0)
         init = (largest_unit if settings.zero_init else shape.total) * 4
@@ -232,6 +237,11 @@ def estimate_option(
         nvme = host.get("master", 0) + host.get("optimizer_state", 0) + host.get("offloaded_params", 0)
         host.pop("pinned_rounding", None)  # NVMe-swapped buffers are pageable
         host.pop("offloaded_params", None)  # parameter shards are read in per unit, not kept on the host
+        if option.stage == 3:  # the step holds two sub-groups' masters and states (offload/nvme.py)
+            resident = 2 * settings.stage3.sub_group_numel * DTYPE_BYTES[settings.master_dtype]
+            share = min(1.0, resident / host["master"]) if host.get("master") else 1.0
+            host["master"] = int(host["master"] * share)
+            host["optimizer_state"] = int(host.get("optimizer_state", 0) * share)
     result = OptionEstimate(
         option=option,
         device=dict(figures.device),

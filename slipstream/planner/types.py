@@ -168,8 +168,7 @@ class OptionEstimate:
     gpus_per_node: int
     nvme_per_rank: int = 0
     """Bytes in files under nvme_path per rank (masters, optimizer states, and parameter shards with
-    offload_param). Host memory is unchanged: NVMe offload swaps one optimizer param group at a time, so a
-    model with one param group still has it all in host memory during the step (docs/offload.md)."""
+    offload_param). At stage 3 the host keeps two sub-groups' masters and states (docs/offload.md)."""
     fits_device: bool | None = None
     fits_device_checkpointed: bool | None = None
     fits_host: bool | None = None

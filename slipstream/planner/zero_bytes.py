@@ -137,14 +137,22 @@ def stage012_bytes(
 
 
 def stage3_bytes(
-    units: Sequence[UnitShape], *, world: int, settings: Settings, offload: bool, offload_param: bool
+    units: Sequence[UnitShape],
+    *,
+    world: int,
+    settings: Settings,
+    offload: bool,
+    offload_param: bool,
+    nvme_params: bool = False,
 ) -> tuple[ZeroBytes, PoolFigures]:
-    """Stage 3 for the units of `prefetch.UnitShape` (in the engine's unit order)."""
+    """Stage 3 for the units of `prefetch.UnitShape` (in the engine's unit order); `nvme_params`: the shards
+    live in files (offload_param.device nvme)."""
     param, grad = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.grad_accum_dtype]
     shard_numels = [sum(-(-n // world) for n in u.numels) for u in units]
     trainable_shard = [sum(-(-n // world) for n, t in zip(u.numels, u.trainable) if t) for u in units]
     total_trainable = sum(trainable_shard)
-    aliased = settings.dtype == settings.master_dtype and not offload
+    # the masters are views of the shards when both are the same dtype in the same memory (zero/stage3/optimizer.py)
+    aliased = settings.dtype == settings.master_dtype and (not offload or (settings.device_is_host and not nvme_params))
     pool = simulate_pool(
         units,
         world=world,
@@ -165,13 +173,15 @@ def stage3_bytes(
     device, host = _place(owned, offload=offload, device_extra=extra)
     blocks: list[int] = []
     if offload and total_trainable:
-        blocks += [total_trainable * DTYPE_BYTES[settings.master_dtype]] * 2
+        grads_in_place = settings.device_is_host and settings.grad_accum_dtype == settings.master_dtype
+        blocks += [total_trainable * DTYPE_BYTES[settings.master_dtype]] * ((not aliased) + (not grads_in_place))
         if settings.dtype != settings.master_dtype:
             blocks.append(total_trainable * param)
     if offload_param:
         device["params"] = 0
         host["offloaded_params"] = shards
-        if aliased:  # fp32 without optimizer offload: the master pieces are the host shards, and so is the state
+        if aliased and not offload:  # fp32 without optimizer offload: the masters are the host shards, and so
+            # is the state (with optimizer offload it is on the host already)
             host["optimizer_state"], device["optimizer_state"] = device["optimizer_state"], 0
         blocks += [s * param for s in shard_numels if s]
     owned["offloaded_params"] = shards if offload_param else 0

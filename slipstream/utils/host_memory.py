@@ -7,9 +7,12 @@ block raises it to that block's size (up to 32 MiB), so after a few frees the sw
 activations of a few MiB each come from the heap, and the heap's high-water mark stays in the process's RSS.
 With NVMe offload this is most of the host memory above the working set (a 200M-parameter model on one rank:
 11.4 B/param of peak RSS with the dynamic threshold, 7.5 with a fixed one). `cap_mmap_threshold` fixes the
-threshold at 1 MiB (which also stops the dynamic adjustment). It is called when NVMe offload starts, unless the
-user set MALLOC_MMAP_THRESHOLD_ (glibc's own variable, which then rules). Elsewhere nothing is changed: every
-mapped allocation costs page faults, which the in-memory paths avoid by reusing their buffers.
+threshold at 1 MiB (which also stops the dynamic adjustment). It is called when NVMe offload or stage-3
+parameter offload starts (the modes a user picks to fit a model in host memory), unless the user set
+MALLOC_MMAP_THRESHOLD_ (glibc's own variable, which then rules). Elsewhere nothing is changed: every mapped
+allocation costs page faults, which the in-memory paths avoid by reusing their buffers. Measured with
+bench/scale.py (one rank): stage 3 with parameters and optimizer on the CPU 19.5 -> 16.4 bytes per parameter
+of peak RSS (plain torch: 16.3).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from torch import nn
 
 from slipstream.comm import collectives
 from slipstream.config.plan import CpuTarget, NvmeTarget, Stage3Plan
+from slipstream.utils.host_memory import cap_mmap_threshold
 from slipstream.zero.slices import OwnedSlice
 from slipstream.zero.stage3.coordinator import Coordinator
 from slipstream.zero.stage3.manager import UnitManager
@@ -55,6 +56,8 @@ class ZeroModel(UnitManager):
         allocate = host_or_device_allocator(
             isinstance(target, CpuTarget) and target.pin_memory and self.shards_in_host_memory
         )
+        if target.on_host:  # parameter offload asks for the least host memory ([Note: glibc's mmap threshold])
+            cap_mmap_threshold()
         store: Any = None  # a ShardStore (unit.py) or offload/nvme.py's NVMeShardStore
         if isinstance(target, NvmeTarget):
             from slipstream.offload.nvme import NVMeShardStore

@@ -67,7 +67,11 @@ class Stage3Group(MasterGroup):
         self.runs, self.device, self.offload = runs, device, offload
         total = sum(r.numel for r in runs)
         self.dtype = runs[0].unit.dtype
-        self.aliased_master = master_dtype == self.dtype and not offload.on_host
+        # the masters are views of the shards when both have the same dtype in the same memory: no offload, or
+        # host offload on the CPU accelerator with the shards in memory (not in NVMe files)
+        self.aliased_master = master_dtype == self.dtype and (
+            not offload.on_host or (device.type == "cpu" and all(r.unit.store.in_memory for r in runs))
+        )
         self.master_flat: torch.Tensor | None = None
         self._sub_groups = _pack(runs, sub_group_numel)
         self._master_buffers: list[torch.Tensor] = []

@@ -44,6 +44,9 @@ class ShardStore:
     """Where a unit's shard lives between uses: in memory (this class: nothing to do), or in a file
     (offload/nvme.py NVMeShardStore: `fetch` reads it in, `release` frees it, writing it back when dirty)."""
 
+    in_memory = True
+    """The shard stays in memory between uses (views of it stay valid)."""
+
     def fetch(self, shard: torch.Tensor) -> None:
         return None
 
