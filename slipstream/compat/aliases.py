@@ -87,6 +87,12 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "DeepSpeedZeroOffloadOptimizerConfig": f"{_CFG}.zero:OffloadOptimizerConfig",
         "ZeroStageEnum": "slipstream.compat.ds_config:ZeroStageEnum",
     },
+    "slipstream.runtime.zero.leaf_module_config": {  # zero_optimization.leaf_module
+        "DeepSpeedZeroLeafModuleConfig": f"{_CFG}.zero:LeafModuleConfig",
+        "DEFAULT_LEAF_MODULE_CLASSES": f"{_CFG}.zero:DEFAULT_LEAF_MODULE_CLASSES",
+        "DEFAULT_LEAF_MODULE_NAMES": f"{_CFG}.zero:DEFAULT_LEAF_MODULE_NAMES",
+        "DEFAULT_LEAF_MODULE_NAME_SUFFIXES": f"{_CFG}.zero:DEFAULT_LEAF_MODULE_NAME_SUFFIXES",
+    },
     "slipstream.runtime.zero.stage3": {
         "DeepSpeedZeroOptimizer_Stage3": "slipstream.zero.stage3.optimizer:Stage3Optimizer",
         "estimate_zero3_model_states_mem_needs_all_live": "slipstream.planner:estimate_zero3_model_states_mem_needs_all_live",
@@ -153,10 +159,19 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "logger": f"{_RT}:logger",
         "log_dist": f"{_RT}:log_dist",
         "RepeatingLoader": "slipstream.engine.dataloader:RepeatingLoader",
-        "set_z3_leaf_modules": "slipstream.zero.stage3.units:set_z3_leaf_modules",
-        "unset_z3_leaf_modules": "slipstream.zero.stage3.units:unset_z3_leaf_modules",
-        "get_z3_leaf_modules": "slipstream.zero.stage3.units:get_z3_leaf_modules",
-        "z3_leaf_module": "slipstream.zero.stage3.units:z3_leaf_module",
+        # ZeRO-3 leaf modules (zero/stage3/leaves.py)
+        **{
+            name: f"slipstream.zero.stage3.leaves:{name}"
+            for name in (
+                "set_z3_leaf_modules",
+                "unset_z3_leaf_modules",
+                "get_z3_leaf_modules",
+                "z3_leaf_module",
+                "z3_leaf_parameter",
+                "set_z3_leaf_modules_by_name",
+                "set_z3_leaf_modules_by_suffix",
+            )
+        },
         "OnDevice": f"{_RT}:OnDevice",
         **{
             name: f"{_PA}:{name}"
