@@ -73,6 +73,11 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "clip_grad_norm_": f"{_RT}:clip_grad_norm_",
         "get_global_norm": f"{_RT}:get_global_norm",
         "move_to_device": f"{_RT}:move_to_device",
+        # partitioning helpers (pipe/partition.py; compat/runtime_utils.py)
+        "partition_uniform": "slipstream.pipe.partition:partition_uniform",
+        "partition_balanced": "slipstream.pipe.partition:partition_balanced",
+        "prefix_sum_inc": f"{_RT}:prefix_sum_inc",
+        "PartitionedTensor": f"{_RT}:PartitionedTensor",
     },
     "slipstream.runtime.dataloader": {
         "RepeatingLoader": "slipstream.engine.dataloader:RepeatingLoader",
@@ -154,6 +159,10 @@ COMPOSITES: dict[str, dict[str, str]] = {
     },
     "slipstream.checkpoint.utils": {
         "clone_tensors_for_torch_save": f"{_RT}:clone_tensors_for_torch_save",
+        # DeepSpeed's checkpoint file names (compat/checkpoint_names.py)
+        "get_model_ckpt_name_for_rank": "slipstream.compat.checkpoint_names:get_model_ckpt_name_for_rank",
+        "get_zero_ckpt_name_for_rank": "slipstream.compat.checkpoint_names:get_zero_ckpt_name_for_rank",
+        "get_layer_ckpt_name_for_rank": "slipstream.compat.checkpoint_names:get_layer_ckpt_name_for_rank",
     },
     "slipstream.utils": {
         "logger": f"{_RT}:logger",
@@ -217,6 +226,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
         name: f"slipstream.moe.groups:{name}"
         for name in (
             "_create_expert_and_data_parallel",
+            "_get_expert_parallel_ranks",
             "_get_expert_parallel_group",
             "_get_expert_parallel_group_dict",
             "_get_expert_data_parallel_group",

@@ -22,6 +22,7 @@ __all__ = [
     "expert_groups",
     "group_name",
     "_create_expert_and_data_parallel",
+    "_get_expert_parallel_ranks",
     "_get_expert_parallel_group",
     "_get_expert_parallel_group_dict",
     "_get_expert_data_parallel_group",
@@ -89,16 +90,15 @@ def expert_groups(ep_size: int) -> ExpertGroups:
     ep_ranks: tuple[int, ...] = (rank,)
     edp_ranks: tuple[int, ...] = tuple(range(world))
     if world > 1:
-        for start in range(0, world, ep_size):
-            ranks = tuple(range(start, start + ep_size))
-            made = dist.new_group(list(ranks)) if ep_size > 1 else None
-            if rank in ranks:
-                ep_group, ep_ranks = made, ranks
-        for first in range(ep_size):
-            ranks = tuple(range(first, world, ep_size))
-            made = dist.new_group(list(ranks)) if ep_size > 1 else None
-            if rank in ranks:
-                edp_group, edp_ranks = made, ranks
+        ep_lists, edp_lists = _get_expert_parallel_ranks(world, 1, ep_size)
+        for members in ep_lists:
+            made = dist.new_group(members) if ep_size > 1 else None
+            if rank in members:
+                ep_group, ep_ranks = made, tuple(members)
+        for members in edp_lists:
+            made = dist.new_group(members) if ep_size > 1 else None
+            if rank in members:
+                edp_group, edp_ranks = made, tuple(members)
     found = ExpertGroups(
         name=name, ep_size=ep_size, ep_group=ep_group, ep_ranks=ep_ranks, edp_group=edp_group, edp_ranks=edp_ranks
     )
@@ -115,6 +115,39 @@ def _by_name(name: str) -> ExpertGroups:
 
 
 # ---- DeepSpeed's getters (deepspeed.utils.groups) ----
+def _get_expert_parallel_ranks(
+    world_size: int,
+    tensor_parallel_size_: int,
+    expert_parallel_size_: int,
+    pipeline_parallel_size_: int = 1,
+    use_data_before_expert_parallel_: bool = False,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The rank lists of every expert-parallel and expert-data-parallel group, without making groups (pure).
+
+    Ranks are laid out tensor-parallel fastest, then data-parallel, then pipeline stage. Each data-parallel
+    group (the ranks of one stage with the same tensor-parallel rank) is cut into runs of
+    `expert_parallel_size_` consecutive members (the expert-parallel groups); the members at the same place
+    in those runs form an expert-data-parallel group ([Note: expert groups] with tensor parallelism).
+    Groups are listed data-parallel group by data-parallel group."""
+    if use_data_before_expert_parallel_:
+        raise NotImplementedError(
+            "use_data_before_expert_parallel_=True (data-parallel-major expert groups) is not implemented; "
+            "leave it False"
+        )
+    tp, ep, pp = tensor_parallel_size_, expert_parallel_size_, pipeline_parallel_size_
+    if min(tp, ep, pp) < 1 or world_size % (tp * pp) != 0 or (world_size // (tp * pp)) % ep != 0:
+        raise ValueError(
+            f"expert groups: world_size={world_size} must be a multiple of tensor_parallel_size_ ({tp}) x "
+            f"pipeline_parallel_size_ ({pp}), and the data-parallel size it leaves a multiple of "
+            f"expert_parallel_size_ ({ep}); all sizes at least 1"
+        )
+    stage = world_size // pp
+    data_groups = [list(range(s * stage + t, (s + 1) * stage, tp)) for s in range(pp) for t in range(tp)]
+    expert_lists = [group[i : i + ep] for group in data_groups for i in range(0, len(group), ep)]
+    expert_data_lists = [group[i::ep] for group in data_groups for i in range(ep)]
+    return expert_lists, expert_data_lists
+
+
 def _create_expert_and_data_parallel(
     expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False
 ) -> None:
