@@ -59,6 +59,11 @@ class OffloadOptimizerConfig(DSModel):
     cpuadam_cores_perc: DSFloat = Field(0.8, gt=0.0, le=1.0)
     """Share of host cores used by the CPU Adam."""
 
+    @property
+    def pipeline(self) -> bool:
+        """True when NVMe reads or writes are overlapped (DeepSpeed's derived `pipeline` field)."""
+        return bool(self.pipeline_read or self.pipeline_write)
+
 
 class OffloadParamConfig(DSModel):
     """`zero_optimization.offload_param` (stage 3 only); parsed into Stage3Plan.offload_param."""
@@ -316,3 +321,11 @@ class ZeroConfig(DSModel):
         if value:
             raise ValueError("legacy_stage1 was removed from DeepSpeed; delete the key")
         return value
+
+    @model_validator(mode="after")
+    def _overlap_comm_default(self) -> ZeroConfig:
+        """overlap_comm left unset reads as DeepSpeed fills it: true at stage 3, false below. Filled without
+        marking it as set, so an unset key is never reported."""
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+        return self
