@@ -33,12 +33,17 @@ __all__ = [
 def get_fp32_state_dict_from_zero_checkpoint(
     checkpoint_dir: str | os.PathLike[str], tag: str | None = None, exclude_frozen_parameters: bool = False
 ) -> dict[str, torch.Tensor]:
-    """The model's full state dict (floating tensors in fp32) from a checkpoint save_dir or tag directory."""
+    """The model's full state dict (floating tensors in fp32) from a checkpoint save_dir or tag directory;
+    a tied parameter appears under each of its names (one tensor)."""
     source = resolve_checkpoint_dir(checkpoint_dir, tag)
     state_dict: dict[str, torch.Tensor] = {}
     with CheckpointReader(source) as reader:
         for item in export_items(reader, dtype="fp32", exclude_frozen=exclude_frozen_parameters):
             state_dict[item.name] = reader.read(item.key).to(item.dtype)
+        shared = reader.manifest.scalars.get("shared_params") or {}
+    for name, owner in shared.items():  # a tied parameter under each of its names, one tensor (as DeepSpeed)
+        if owner in state_dict:
+            state_dict[name] = state_dict[owner]
     return state_dict
 
 

@@ -115,3 +115,41 @@ def test_all_gather_coalesced_gathers_until_partition() -> None:
     assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in params)
     with GatheredParameters(params):  # still the same values after the round trip
         assert torch.equal(model.weight, reference.weight)
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 4)
+        self.head.weight = self.embed.weight  # tied: one parameter, two names
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp32_state_dict_gives_a_tied_parameter_every_name(tmp_path, stage: int) -> None:  # type: ignore[no-untyped-def]
+    from slipstream.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    import slipstream
+    from slipstream.checkpoint.reader import CheckpointReader, resolve_checkpoint_dir
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": stage}}
+    engine, *_ = slipstream.initialize(model=Tied(), config=config)
+    engine.backward(engine(torch.ones(1, 4)).sum())
+    engine.step()
+    engine.save_checkpoint(tmp_path, tag="t")
+    state = get_fp32_state_dict_from_zero_checkpoint(tmp_path, tag="t")
+    assert set(state) == {"embed.weight", "embed.bias", "head.weight", "head.bias"}
+    assert state["head.weight"] is state["embed.weight"]  # one tensor under both names, as DeepSpeed gives it
+    fresh = Tied()
+    fresh.load_state_dict(state, strict=True)
+    with CheckpointReader(resolve_checkpoint_dir(tmp_path, "t")) as reader:  # stored once
+        assert "module/head.weight" not in reader.manifest.tensors
+        assert reader.manifest.scalars["shared_params"] == {"head.weight": "embed.weight"}
+    full = engine.zero_model.full_state() if stage == 3 else dict(engine.module.named_parameters())
+    torch.testing.assert_close(state["embed.weight"], full["embed.weight"].detach().float())
+    engine.destroy()
