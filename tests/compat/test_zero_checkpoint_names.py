@@ -48,6 +48,9 @@ def test_partition_helpers_of_runtime_utils() -> None:
     assert partition_uniform(10, 4) == [0, 3, 6, 8, 10]
     assert partition_balanced([0, 1, 2, 3, 3, 3], 4) == [0, 3, 4, 5, 6]  # every part weighs 3
     assert partition_balanced([0.0, 1.1, 30, 3.0], 3) == [0, 2, 3, 4]
+    # the heaviest part is as light as possible (2), and then the lightest as heavy as possible (1, not 0)
+    assert partition_balanced([1, 1, 1, 1, 0, 1], 4) == [0, 2, 3, 5, 6]
+    assert partition_balanced([1, 1, 8, 1, 1], 2) == [0, 3, 5]  # ties keep the earlier parts full
     with pytest.raises(NotImplementedError, match="PartitionedTensor"):
         PartitionedTensor(torch.zeros(4), None)
 
