@@ -129,6 +129,19 @@ def to_json(value: Any, what: str) -> Any:
     )
 
 
+def shared_parameter_names(module: nn.Module) -> dict[str, str]:
+    """Tied parameters: {every later name of a parameter: its first name}. A checkpoint stores a tied
+    parameter once, under its first name (`named_parameters()`'s); this records the others, so readers that
+    rebuild a full state dict (`get_fp32_state_dict_from_zero_checkpoint`) can give it every name."""
+    first: dict[int, str] = {}
+    shared: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(param), name)
+        if owner != name:
+            shared[name] = owner
+    return shared
+
+
 def split_client_state(client_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """client_state as (JSON values, top-level tensors); anything else is an error naming the key."""
     values: dict[str, Any] = {}

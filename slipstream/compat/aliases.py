@@ -78,6 +78,8 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "move_to_device": f"{_RT}:move_to_device",
         "partition_uniform": "slipstream.pipe.partition:partition_uniform",
         "partition_balanced": "slipstream.pipe.partition:partition_balanced",
+        "prefix_sum_inc": f"{_RT}:prefix_sum_inc",
+        "PartitionedTensor": f"{_RT}:PartitionedTensor",
     },
     "slipstream.runtime.dataloader": {
         "RepeatingLoader": "slipstream.engine.dataloader:RepeatingLoader",

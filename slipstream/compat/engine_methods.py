@@ -11,7 +11,9 @@ of DeepSpeed's engine one of three answers:
   (DeepCompile, curriculum learning, progressive layer drop, sparse gradients, ...) or DeepSpeed's internal
   gradient-reduction helpers, which have no counterpart in Slipstream's reduction (docs/design.md D7).
 
-It also registers each engine (weakly) for the `safe_get_*` helpers (compat/param_access.py).
+It also registers each engine (weakly) for the `safe_get_*` helpers (compat/param_access.py), and passes an
+attribute the engine does not have through to the wrapped model, as DeepSpeed's engine does
+(`engine.generate`, `engine.config_class`, a custom method of the model).
 """
 
 from __future__ import annotations
@@ -203,6 +205,20 @@ class DeepSpeedEngineMethods:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         register_engine(self)
+
+    def __getattr__(self, name: str) -> Any:
+        """nn.Module's lookup (parameters, buffers, submodules), then the wrapped model's attribute."""
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]
+        except AttributeError:
+            pass
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is not None and not (name.startswith("__") and name.endswith("__")):
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}' (nor has its module)")
 
     # ---- checks on the config that DeepSpeed computes ----
     def zero_cpu_offload(self) -> bool:

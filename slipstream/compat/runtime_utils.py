@@ -1,10 +1,11 @@
 """DeepSpeed's small runtime helpers that client code calls: `see_memory_usage`, `set_random_seed`,
 `clip_grad_norm_`, `get_global_norm`, `log_dist`, `required_torch_version`, `clone_tensors_for_torch_save`,
-the ZeRO helpers of `deepspeed.runtime.zero.utils`, and the `logger`. Their DeepSpeed paths are declared in
+`prefix_sum_inc`, the ZeRO helpers of `deepspeed.runtime.zero.utils`, and the `logger`. Their DeepSpeed paths are declared in
 compat/aliases.py (COMPOSITES)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 from collections.abc import Callable, Iterable
@@ -17,6 +18,7 @@ from slipstream.utils.logging import get_logger
 __all__ = [
     "DeepSpeedOptimizerCallable",
     "OnDevice",
+    "PartitionedTensor",
     "DeepSpeedSchedulerCallable",
     "ZeRORuntimeException",
     "apply_to_tensors_only",
@@ -27,6 +29,7 @@ __all__ = [
     "log_dist",
     "move_to_device",
     "logger",
+    "prefix_sum_inc",
     "required_torch_version",
     "see_memory_usage",
     "set_random_seed",
@@ -130,6 +133,23 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") 
     if isinstance(item, dict):
         return type(item)({k: clone_tensors_for_torch_save(v, device) for k, v in item.items()})
     return item
+
+
+def prefix_sum_inc(weights: Iterable[float]) -> list[float]:
+    """Inclusive running sums: [3, 4, 5] -> [3, 7, 12]."""
+    return list(itertools.accumulate(weights))
+
+
+class PartitionedTensor:
+    """DeepSpeed's `runtime.utils.PartitionedTensor` (a tensor split across a group, for its pipeline engine's
+    activations, split over tensor-parallel ranks). Slipstream's pipeline does not split the tensors it
+    sends between stages, so there is none."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "deepspeed.runtime.utils.PartitionedTensor is not implemented in Slipstream: its pipeline engine "
+            "sends stage outputs whole; split a tensor with torch.chunk and rebuild it with all_gather instead"
+        )
 
 
 def move_to_device(item: Any, device: Any, criterion_func: Callable[[Any], bool] | None = None) -> Any:

@@ -3,7 +3,8 @@
 Owns the DeepSpeed names and signatures and the `python -m slipstream.utils.zero_to_fp32` command line (that
 DeepSpeed path is an alias declared in compat/aliases.py); the reading is checkpoint/reader.py and the writing checkpoint/export.py. Unlike DeepSpeed's script, no
 per-rank files are merged here: the manifest already describes every tensor globally, so the fp32 state dict
-is read tensor by tensor, and the converter streams one tensor at a time.
+is read tensor by tensor, and the converter streams one tensor at a time. `get_optim_files` and
+`get_model_state_files` list a DeepSpeed checkpoint's per-rank files (compat/checkpoint_names.py).
 """
 
 from __future__ import annotations
@@ -17,17 +18,32 @@ import torch
 
 from slipstream.checkpoint.export import export_items, parse_size, write_items
 from slipstream.checkpoint.reader import CheckpointReader, resolve_checkpoint_dir
+from slipstream.compat.checkpoint_names import get_model_state_files, get_optim_files
+
+__all__ = [
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "get_model_state_files",
+    "get_optim_files",
+    "load_state_dict_from_zero_checkpoint",
+    "main",
+]
 
 
 def get_fp32_state_dict_from_zero_checkpoint(
     checkpoint_dir: str | os.PathLike[str], tag: str | None = None, exclude_frozen_parameters: bool = False
 ) -> dict[str, torch.Tensor]:
-    """The model's full state dict (floating tensors in fp32) from a checkpoint save_dir or tag directory."""
+    """The model's full state dict (floating tensors in fp32) from a checkpoint save_dir or tag directory;
+    a tied parameter appears under each of its names (one tensor)."""
     source = resolve_checkpoint_dir(checkpoint_dir, tag)
     state_dict: dict[str, torch.Tensor] = {}
     with CheckpointReader(source) as reader:
         for item in export_items(reader, dtype="fp32", exclude_frozen=exclude_frozen_parameters):
             state_dict[item.name] = reader.read(item.key).to(item.dtype)
+        shared = reader.manifest.scalars.get("shared_params") or {}
+    for name, owner in shared.items():  # a tied parameter under each of its names, one tensor (as DeepSpeed)
+        if owner in state_dict:
+            state_dict[name] = state_dict[owner]
     return state_dict
 
 

@@ -144,9 +144,12 @@ class Stage3Plan:
     offload_param: OffloadTarget
     """Where the parameter shards live."""
     leaf_classes: tuple[str, ...] = ()
-    """Class names whose modules are sharding units (zero_optimization.leaf_module.classes)."""
+    """Classes (by name or package.module.Class) whose modules are leaves: gathered whole, never split
+    (zero_optimization.leaf_module.classes)."""
     leaf_names: tuple[str, ...] = ()
-    """Qualified module names that are sharding units (zero_optimization.leaf_module.names)."""
+    """Qualified module names of leaves (zero_optimization.leaf_module.names)."""
+    leaf_suffixes: tuple[str, ...] = ()
+    """Leaves by the end of their qualified names (zero_optimization.leaf_module.name_suffixes)."""
     sub_group_numel: int = 1_000_000_000
     """The optimizer steps (and NVMe offload swaps) masters and states this many elements at a time
     (zero_optimization.sub_group_size); a parameter larger than that is a sub-group of its own."""

@@ -293,7 +293,7 @@ def _param_offload_problems(param_off: OffloadTarget, optimizer_off: OffloadTarg
 
 def _stage3_plan(zero: ZeroConfig, offload_param: OffloadTarget) -> Stage3Plan:
     """DeepSpeed's stage3_* names become the components' names here, and nowhere else."""
-    leaf = zero.leaf_module or {}
+    leaf = zero.leaf_module
     return Stage3Plan(
         prefetch_numel=zero.prefetch_bucket_size,
         persistence_threshold=zero.param_persistence_threshold,
@@ -301,8 +301,9 @@ def _stage3_plan(zero: ZeroConfig, offload_param: OffloadTarget) -> Stage3Plan:
         reuse_distance=zero.max_reuse_distance,
         gather_16bit_on_save=zero.gather_16bit_weights_on_model_save,
         offload_param=offload_param,
-        leaf_classes=tuple(str(c).rsplit(".", 1)[-1] for c in leaf.get("classes", [])),
-        leaf_names=tuple(str(n) for n in leaf.get("names", [])),
+        leaf_classes=tuple(leaf.classes),
+        leaf_names=tuple(leaf.names),
+        leaf_suffixes=tuple(leaf.name_suffixes),
         sub_group_numel=zero.sub_group_size or 1_000_000_000,
     )
 

@@ -23,6 +23,7 @@ from slipstream.checkpoint.state import (
     EngineParts,
     hyperparameters,
     scalar_state,
+    shared_parameter_names,
     split_client_state,
     to_json,
 )
@@ -113,6 +114,7 @@ class Checkpointing:
             else None,
             "client_state": values,
             "config": to_json(self.config, "config"),
+            "shared_params": shared_parameter_names(self.module),
         }
         if self.optimizer is not None:
             scalars["optimizer"] = {

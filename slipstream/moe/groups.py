@@ -30,6 +30,7 @@ __all__ = [
     "expert_rank_layout",
     "group_name",
     "_create_expert_and_data_parallel",
+    "_get_expert_parallel_ranks",
     "_get_expert_parallel_group",
     "_get_expert_parallel_group_dict",
     "_get_expert_data_parallel_group",

@@ -204,7 +204,7 @@ def estimate_option(
     """One option's figures (model states from the engine's layout rules)."""
     if option.stage == 3:
         z3 = settings.stage3
-        units = shape.units(z3.persistence_threshold, z3.leaf_classes, z3.leaf_names)
+        units = shape.units(z3.persistence_threshold, z3.leaf_classes, z3.leaf_names, z3.leaf_suffixes)
         figures, _pool = stage3_bytes(
             units,
             world=world,

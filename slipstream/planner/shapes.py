@@ -37,7 +37,7 @@ class ModelShape:
     trainable: tuple[bool, ...]
     dims: Dims
     source: str
-    _units: dict[tuple[int, tuple[str, ...], tuple[str, ...]], list[UnitShape]] = dataclasses.field(
+    _units: dict[tuple[int, tuple[str, ...], tuple[str, ...], tuple[str, ...]], list[UnitShape]] = dataclasses.field(
         default_factory=dict
     )
 
@@ -54,12 +54,20 @@ class ModelShape:
         return sum(n for n, t in zip(self.numels, self.trainable) if not t)
 
     def units(
-        self, threshold: int, leaf_classes: tuple[str, ...] = (), leaf_names: tuple[str, ...] = ()
+        self,
+        threshold: int,
+        leaf_classes: tuple[str, ...] = (),
+        leaf_names: tuple[str, ...] = (),
+        leaf_suffixes: tuple[str, ...] = (),
     ) -> list[UnitShape]:
-        key = (threshold, leaf_classes, leaf_names)
+        key = (threshold, leaf_classes, leaf_names, leaf_suffixes)
         if key not in self._units:
             self._units[key] = plan_unit_shapes(
-                self.module, threshold=threshold, leaf_classes=leaf_classes, leaf_names=leaf_names
+                self.module,
+                threshold=threshold,
+                leaf_classes=leaf_classes,
+                leaf_names=leaf_names,
+                leaf_suffixes=leaf_suffixes,
             )
         return self._units[key]
 
@@ -117,17 +125,23 @@ def _guess_dims(module: Any, dims: Dims) -> Dims:
 
 
 def plan_unit_shapes(
-    module: Any, *, threshold: int, leaf_classes: tuple[str, ...] = (), leaf_names: tuple[str, ...] = ()
+    module: Any,
+    *,
+    threshold: int,
+    leaf_classes: tuple[str, ...] = (),
+    leaf_names: tuple[str, ...] = (),
+    leaf_suffixes: tuple[str, ...] = (),
 ) -> list[UnitShape]:
     """The engine's stage-3 units of `module` (`plan_units`) and, per hooked unit, the units it borrows from."""
+    from slipstream.zero.stage3.leaves import leaf_matches
     from slipstream.zero.stage3.units import plan_units
 
-    classes = tuple({type(m) for m in module.modules() if type(m).__name__ in leaf_classes})
-    marked = [m for n, m in module.named_modules() if n in leaf_names and not getattr(m, "_z3_leaf", False)]
+    found, _ = leaf_matches(module, leaf_classes, leaf_names, leaf_suffixes)
+    marked = [m for _, m in found if not getattr(m, "_z3_leaf", False)]
     for m in marked:
-        m._z3_leaf = True
+        m._z3_leaf = True  # type: ignore[assignment]
     try:
-        specs = plan_units(module, threshold=threshold, leaf_classes=classes)
+        specs = plan_units(module, threshold=threshold)
     finally:
         for m in marked:
             del m._z3_leaf

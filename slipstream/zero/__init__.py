@@ -17,7 +17,7 @@ _EXPORTS = {
     "register_external_parameter": "slipstream.zero.gathered",
     "ZeroParamStatus": "slipstream.zero.stage3.sharded_param",
     "ShardedParameterError": "slipstream.zero.stage3.sharded_param",
-    "set_z3_leaf_modules": "slipstream.zero.stage3.units",
+    "set_z3_leaf_modules": "slipstream.zero.stage3.leaves",
 }
 
 __all__ = list(_EXPORTS)

@@ -103,6 +103,15 @@ def build_zero(
 def _place_replicated(
     model: nn.Module, precision: PrecisionPlan, device: torch.device, group: dist.ProcessGroup | None, sources: Sources
 ) -> None:
+    if any(isinstance(p, ShardedParameter) for p in model.parameters()):
+        from slipstream.zero.gathered import unshard_parameters
+
+        count = unshard_parameters(list(model.parameters()))
+        warn_once(
+            "zero-init-unsharded",
+            f"the model was built under zero.Init but the ZeRO stage is 0-2: its {count} sharded parameters were "
+            "gathered whole on every rank; set zero_optimization.stage to 3 to keep them sharded",
+        )
     model.to(device)
     dtype = DTYPES[precision.param_dtype]
     if dtype != torch.float32:

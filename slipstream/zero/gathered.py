@@ -9,6 +9,8 @@ Plain (unsharded) parameters pass through untouched, and every rank must enter w
 as with DeepSpeed.
 `unwrap_model_for_generation(model)` gathers every unit once and holds it for the whole block, so
 `generate()` does not gather the model again for every token (docs/design.md P15).
+`unshard_parameters(params)` makes sharded parameters whole, plain parameters for good (a model built
+under zero.Init given to a stage 0-2 engine).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from slipstream.zero.stage3.sharded_param import ShardedParameter
+from slipstream.zero.stage3.sharded_param import ShardedParameter, internal_access, unshard_type
 
 
 def _managers_and_units(params: Any) -> list[tuple[Any, list[Any]]]:
@@ -75,6 +77,28 @@ def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
         yield module
     finally:
         zero_model.release_units(units)
+
+
+def unshard_parameters(params: Any) -> int:
+    """Turn the sharded parameters among `params` back into plain parameters holding their whole values
+    (the same objects, so references to them stay valid); returns how many. Collective over each
+    parameter's group, like GatheredParameters: every rank passes the same parameters."""
+    count = 0
+    for manager, units in _managers_and_units(params):
+        manager.gather_units(units)
+        try:
+            with internal_access():
+                for unit in units:
+                    for param in unit.params:
+                        if isinstance(param, ShardedParameter):
+                            whole = param.data.detach().clone()
+                            unshard_type(param)
+                            param.data = whole
+                            del param.ds_record
+                            count += 1
+        finally:
+            manager.release_units(units)
+    return count
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

@@ -49,12 +49,17 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 __all__ = [
     "GatheredParameters",
     "Init",
+    "MultipleAllGatherHandles",
     "ZeroParamStatus",
     "get_accelerator",
     "is_zero_param",
+    "partitioned_param_data_shape",
     "register_external_parameter",
     "zero_wrapper_for_fp_tensor_constructor",
 ]
+
+partitioned_param_data_shape = [0]
+"""The shape of a sharded parameter while it is not gathered (its storage is freed: no elements)."""
 
 # The constructors zero.Init wraps, as DeepSpeed's partition_parameters names them (see the module doc).
 TENSOR_CONSTRUCTORS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
@@ -96,6 +101,18 @@ def _override_names(tensor_overrides: Any) -> set[str]:
     if unknown:
         raise ValueError(f"zero.Init(tensor_overrides=...): unknown {sorted(unknown)}; use 'dtype' and/or 'device'")
     return names
+
+
+class MultipleAllGatherHandles:
+    """Several pending gathers awaited as one: `wait()` waits on each handle in turn (DeepSpeed's name).
+    `handle_dependency` is passed on by keyword, so handles whose `wait` takes it keyword-only work too."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = list(handles)
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
 
 
 def is_zero_param(parameter: Any) -> bool:

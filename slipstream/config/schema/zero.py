@@ -16,7 +16,16 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from slipstream.config.errors import ConfigWarning
 from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, aliased, zero_one
 
-__all__ = ["OffloadOptimizerConfig", "OffloadParamConfig", "ZenFlowConfig", "ZeroConfig"]
+__all__ = [
+    "DEFAULT_LEAF_MODULE_CLASSES",
+    "DEFAULT_LEAF_MODULE_NAMES",
+    "DEFAULT_LEAF_MODULE_NAME_SUFFIXES",
+    "LeafModuleConfig",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "ZenFlowConfig",
+    "ZeroConfig",
+]
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
@@ -50,6 +59,11 @@ class OffloadOptimizerConfig(DSModel):
     cpuadam_cores_perc: DSFloat = Field(0.8, gt=0.0, le=1.0)
     """Share of host cores used by the CPU Adam."""
 
+    @property
+    def pipeline(self) -> bool:
+        """True when NVMe reads or writes are overlapped (DeepSpeed's derived `pipeline` field)."""
+        return bool(self.pipeline_read or self.pipeline_write)
+
 
 class OffloadParamConfig(DSModel):
     """`zero_optimization.offload_param` (stage 3 only); parsed into Stage3Plan.offload_param."""
@@ -71,6 +85,50 @@ class OffloadParamConfig(DSModel):
     """Elements kept in host memory when offloading to NVMe."""
     pin_memory: DSBool = True
     """Use page-locked host memory."""
+
+
+DEFAULT_LEAF_MODULE_CLASSES: list[str] = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+"""DeepSpeed 0.19's default leaf classes: Hugging Face's sparse MoE blocks (their experts run in a
+data-dependent order, so each block is gathered whole)."""
+DEFAULT_LEAF_MODULE_NAMES: list[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list[str] = []
+
+
+class LeafModuleConfig(DSModel):
+    """`zero_optimization.leaf_module`: the modules stage 3 gathers whole and never splits
+    (`DeepSpeedZeroLeafModuleConfig`). A single string is read as a one-element list; repeats are dropped."""
+
+    IMPLEMENTED = {
+        "classes": "zero.stage3.leaf_classes",
+        "names": "zero.stage3.leaf_names",
+        "name_suffixes": "zero.stage3.leaf_suffixes",
+    }
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    """Classes, by name (`MixtralSparseMoeBlock`) or fully qualified (`package.module.Class`)."""
+    names: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAMES))
+    """Qualified module names, as `model.named_modules()` gives them."""
+    name_suffixes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAME_SUFFIXES))
+    """Every module whose qualified name ends with one of these."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lists(cls, data: Any) -> Any:
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            raise ValueError(f'leaf_module must be a mapping like {{"classes": [...], "names": [...]}}, got {data!r}')
+        data = dict(data)
+        for key in ("classes", "names", "name_suffixes"):
+            value = data.get(key)
+            if isinstance(value, str):
+                data[key] = [value]
+            elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+                data[key] = list(dict.fromkeys(value))
+        return data
 
 
 class ZenFlowConfig(DSModel):
@@ -216,8 +274,8 @@ class ZeroConfig(DSModel):
     """Extra stage-3 consistency checks."""
     save_muon_momentum_buffer_in_memory: DSBool = False
     """Keep Muon momentum in memory (stage 3)."""
-    leaf_module: dict[str, Any] | None = None
-    """Modules treated as leaves by stage 3: {"classes": [...], "names": [...]}."""
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    """Modules stage 3 gathers whole: {"classes": [...], "names": [...], "name_suffixes": [...]}."""
 
     @model_validator(mode="before")
     @classmethod
@@ -265,3 +323,11 @@ class ZeroConfig(DSModel):
         if value:
             raise ValueError("legacy_stage1 was removed from DeepSpeed; delete the key")
         return value
+
+    @model_validator(mode="after")
+    def _overlap_comm_default(self) -> ZeroConfig:
+        """overlap_comm left unset reads as DeepSpeed fills it: true at stage 3, false below. Filled without
+        marking it as set, so an unset key is never reported."""
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+        return self

@@ -21,6 +21,7 @@ from slipstream.config.plan import CpuTarget, NvmeTarget, Stage3Plan
 from slipstream.utils.host_memory import cap_mmap_threshold
 from slipstream.zero.slices import OwnedSlice
 from slipstream.zero.stage3.coordinator import Coordinator
+from slipstream.zero.stage3.leaves import LEAF_PARAM_ATTR, apply_leaf_settings, get_z3_leaf_modules
 from slipstream.zero.stage3.manager import UnitManager
 from slipstream.zero.stage3.pool import BufferPool
 from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus, internal_access
@@ -237,19 +238,13 @@ def _unit_group(
 
 
 def _mark_leaves(module: nn.Module, plan: Stage3Plan) -> None:
-    if not plan.leaf_classes and not plan.leaf_names:
-        return
-    found = set()
-    for name, child in module.named_modules():
-        if type(child).__name__ in plan.leaf_classes or name in plan.leaf_names:
-            child._z3_leaf = True  # type: ignore[assignment]
-            found.update({type(child).__name__, name})
-    missing = sorted(set(plan.leaf_classes + plan.leaf_names) - found)
-    if missing:
-        raise ValueError(
-            f"zero_optimization.leaf_module names {missing}, which match no module class or module "
-            "name of the model; fix the names or remove them"
-        )
+    """Mark the leaves the config names, then tag every parameter of a leaf with its outermost leaf
+    (`z3_leaf_parameter`)."""
+    apply_leaf_settings(module, plan.leaf_classes, plan.leaf_names, plan.leaf_suffixes)
+    for leaf in get_z3_leaf_modules(module):  # pre-order: an outer leaf tags its parameters first
+        for param in leaf.parameters():
+            if getattr(param, LEAF_PARAM_ATTR, None) is None:
+                setattr(param, LEAF_PARAM_ATTR, leaf)
 
 
 def _sharded_owners(spec: UnitSpec) -> list[Unit]:

@@ -135,11 +135,40 @@ def _metadata_functions() -> set[Any]:
             if hasattr(descriptor, accessor):
                 allowed.add(getattr(descriptor, accessor))
     allowed.update(getattr(torch.Tensor, name) for name in _METHODS if hasattr(torch.Tensor, name))
-    allowed.update({torch.is_floating_point, torch.numel, torch.is_complex})
+    allowed.update({torch.is_floating_point, torch.numel, torch.is_complex, torch._has_compatible_shallow_copy_type})
     return allowed
 
 
 _METADATA = _metadata_functions()
+_DATA_SET = torch.Tensor.data.__set__  # type: ignore[attr-defined]
+
+
+def _is_noop_move(func: Any, args: Any, kwargs: Any) -> bool:
+    """`p.to(...)` / `p.cpu()` that changes neither device nor dtype nor makes a copy returns `p` itself
+    without reading a value (as for any tensor), and `p.data = p` stores nothing: both are allowed while
+    sharded, so `model.cpu()` / `model.to(device)` on a model built under zero.Init works (docs/zero3.md)."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return False
+    tensor = args[0]
+    if func == _DATA_SET:
+        return len(args) == 2 and args[1] is tensor
+    if func is torch.Tensor.cpu:
+        return tensor.device.type == "cpu" and not kwargs.get("memory_format")
+    if func is torch.Tensor.to:
+        flags = [a for a in args[1:] if isinstance(a, bool)]  # (non_blocking, copy) when given by position
+        if kwargs.get("copy") or (len(flags) >= 2 and flags[1]):
+            return False
+        try:
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+        except (TypeError, RuntimeError):
+            return False
+        same_device = (
+            device is None
+            or torch.device(device) == tensor.device
+            or (torch.device(device).index is None and torch.device(device).type == tensor.device.type)
+        )
+        return same_device and (dtype is None or dtype == tensor.dtype) and memory_format is None
+    return False
 
 
 def _blocked(value: Any) -> ShardedParameter | None:
@@ -160,7 +189,7 @@ class ShardedParameter(DeepSpeedParamAttrs, nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not _INTERNAL[0] and func not in _METADATA:
+        if not _INTERNAL[0] and func not in _METADATA and not _is_noop_move(func, args, kwargs):
             for value in itertools.chain(args, kwargs.values()):
                 param = _blocked(value)
                 if param is not None:

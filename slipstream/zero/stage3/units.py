@@ -1,15 +1,16 @@
 """Which modules are ZeRO-3 units, and where each parameter sits in its unit's shard (pure; no collectives).
 
 [Note: choosing units]
-- Modules marked with `set_z3_leaf_modules` (or of a class named in `zero_optimization.leaf_module`)
-  are units, outermost first: nothing inside them is split further.
-- Otherwise, walking down from the root: the children of the first `nn.ModuleList`/`nn.ModuleDict` met
-  on a path are units (the repeated blocks of a transformer; an MoE layer's expert list inside such a
-  block stays in the block, so every rank gathers the same units whatever its routing); a child that
-  holds such a container somewhere below is walked into; any other child with more sharded elements than
+- Walking down from the root: the children of the first `nn.ModuleList`/`nn.ModuleDict` met on a path
+  are units (the repeated blocks of a transformer; an MoE layer's expert list inside such a block stays
+  in the block, so every rank gathers the same units whatever its routing); a child that holds such a
+  container somewhere below is walked into; any other child with more sharded elements than
   `stage3_param_persistence_threshold` is a unit.
-- A module marked `_z3_block` (an MoE layer) is a unit wherever the walk meets it, whatever its size, and
-  nothing inside it is split further.
+- A leaf module (marked with `set_z3_leaf_modules` & co., or named by `zero_optimization.leaf_module`;
+  leaves.py) and a module marked `_z3_block` (an MoE layer) are units wherever the walk meets them,
+  whatever their size, and nothing inside them is split further. A leaf inside a unit stays inside it
+  (it is still gathered whole); a leaf root makes the whole model one unit (the root unit), which is how
+  a model whose ranks run different submodules (rank- or data-dependent control flow) stays in step.
 - [Note: units over other groups] A module marked `_z3_group_key` (an MoE layer's `Experts`: its value
   names the expert-data-parallel group) is a unit of its own, placed just before the unit that holds it,
   whose parameters never go to the persistent unit: it is sharded, gathered and reduced over that group,
@@ -92,13 +93,8 @@ def _holds_container(module: nn.Module) -> bool:
 def _choose_unit_modules(
     root: nn.Module, leaf_classes: tuple[type, ...], threshold: int
 ) -> list[tuple[str, nn.Module]]:
-    marked = [(n, m) for n, m in root.named_modules() if m is not root and _is_leaf_marked(m, leaf_classes)]
-    if marked:
-        chosen: list[tuple[str, nn.Module]] = []
-        for name, module in marked:  # named_modules is pre-order: an ancestor comes before its descendants
-            if not any(name.startswith(prefix + ".") for prefix, _ in chosen):
-                chosen.append((name, module))
-        return chosen
+    if _is_leaf_marked(root, leaf_classes):
+        return []  # one leaf: every parameter in the root unit
 
     def sharded_numel(module: nn.Module) -> int:
         return sum(p.numel() for p in module.parameters() if p.numel() >= threshold)
@@ -108,10 +104,10 @@ def _choose_unit_modules(
     def walk(module: nn.Module, prefix: str, in_container: bool) -> None:
         for name, child in module.named_children():
             qualified = f"{prefix}{name}"
-            if isinstance(child, _CONTAINERS) and not in_container:
-                walk(child, qualified + ".", True)
-            elif getattr(child, "_z3_block", False):
+            if getattr(child, "_z3_block", False) or _is_leaf_marked(child, leaf_classes):
                 units.append((qualified, child))
+            elif isinstance(child, _CONTAINERS) and not in_container:
+                walk(child, qualified + ".", True)
             elif in_container:
                 if sharded_numel(child) > 0:
                     units.append((qualified, child))
@@ -164,44 +160,3 @@ def plan_units(root: nn.Module, *, threshold: int, leaf_classes: tuple[type, ...
     if persistent:
         specs.append(UnitSpec(name="<persistent>", module=None, params=tuple(persistent), persistent=True))
     return specs
-
-
-def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | str]) -> list[nn.Module]:
-    """Mark modules of these classes (or class names) as ZeRO-3 units (DeepSpeed's `set_z3_leaf_modules`)."""
-    wanted = tuple(leaf_module_classes)
-    marked = []
-    for module in model.modules():
-        if any(
-            (isinstance(c, str) and type(module).__name__ == c) or (isinstance(c, type) and isinstance(module, c))
-            for c in wanted
-        ):
-            module._z3_leaf = True  # type: ignore[assignment]
-            marked.append(module)
-    if not marked:
-        names = sorted({c if isinstance(c, str) else c.__name__ for c in wanted})
-        raise ValueError(f"set_z3_leaf_modules: no module of class {names} in the model; check the class names")
-    return marked
-
-
-def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | str]) -> list[nn.Module]:
-    """Undo `set_z3_leaf_modules` for modules of these classes (or class names); returns them."""
-    wanted = tuple(leaf_module_classes)
-    unmarked = []
-    for module in model.modules():
-        if getattr(module, "_z3_leaf", False) and any(
-            (isinstance(c, str) and type(module).__name__ == c) or (isinstance(c, type) and isinstance(module, c))
-            for c in wanted
-        ):
-            module._z3_leaf = False  # type: ignore[assignment]
-            unmarked.append(module)
-    return unmarked
-
-
-def z3_leaf_module(module: nn.Module) -> bool:
-    """True when `module` is marked as a ZeRO-3 leaf (one unit, never split)."""
-    return bool(getattr(module, "_z3_leaf", False))
-
-
-def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules of `model` marked as ZeRO-3 leaves."""
-    return [module for module in model.modules() if z3_leaf_module(module)]

@@ -32,7 +32,8 @@ def test_zero_defaults_match_deepspeed() -> None:
     assert zero.stage == 0
     assert zero.reduce_bucket_size == 500_000_000
     assert zero.allgather_bucket_size == 500_000_000
-    assert zero.overlap_comm is None
+    assert zero.overlap_comm is False  # unset: DeepSpeed fills it with stage == 3
+    assert DeepSpeedConfig.model_validate({"zero_optimization": {"stage": 3}}).zero_optimization.overlap_comm is True
     assert zero.contiguous_gradients is True and zero.reduce_scatter is True
     assert zero.prefetch_bucket_size == 50_000_000
     assert zero.param_persistence_threshold == 100_000

@@ -25,7 +25,6 @@ DERIVED = {
     "precision.master_dtype": "fp32 masters (bf16 masters are reported as not implemented)",
     "precision.loss_scale": "present iff fp16.enabled",
     "zero.stage3": "present iff zero_optimization.stage is 3",
-    "zero.stage3.leaf_names": "zero_optimization.leaf_module.names (leaf_module maps to leaf_classes too)",
     "optimizer": "present iff the config has an optimizer section",
     "scheduler": "present iff the config has a scheduler section",
     "logging.monitor": "the monitor sections",

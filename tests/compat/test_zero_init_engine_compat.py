@@ -1,0 +1,74 @@
+"""What DeepSpeed's ZeRO tests expect around zero.Init models and the engine, one process: `.to()`/`.cpu()` that
+move nothing are allowed on sharded parameters, a zero.Init model given to a stage 0-2 engine is made whole
+(with a warning) and trains like the same model built without Init, the engine passes unknown attributes to
+its model, and the ZeRO config fills `overlap_comm` and `offload_optimizer.pipeline` as DeepSpeed does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import slipstream
+from slipstream.config.schema.zero import OffloadOptimizerConfig, ZeroConfig
+from slipstream.zero import ShardedParameterError, ZeroParamStatus
+
+Z3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 8)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+    def magic(self) -> int:
+        return 42
+
+
+def test_moves_that_change_nothing_are_allowed_on_sharded_parameters() -> None:
+    with slipstream.zero.Init(config_dict_or_path=Z3):
+        model = Net()
+    weight = model.a.weight
+    assert model.cpu() is model and model.to("cpu") is model and model.to(torch.float32) is model
+    assert weight.to("cpu", non_blocking=True) is weight and model.a.weight is weight
+    assert weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+    for move in (
+        lambda: model.to(torch.float16),  # a new dtype reads the values
+        lambda: weight.to("cpu", copy=True),
+        lambda: weight.to("cpu", torch.float32, False, True),  # copy=True by position
+        lambda: weight.float() + 1,
+    ):
+        with pytest.raises(ShardedParameterError, match="'a.weight'|'weight'"):
+            move()
+
+
+def test_a_zero_init_model_trains_whole_at_stage_0_and_the_engine_passes_attributes_through() -> None:
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    with slipstream.zero.Init(config_dict_or_path=Z3):
+        sharded = Net()
+    with pytest.warns(UserWarning, match="built under zero.Init but the ZeRO stage is 0-2: its 4 sharded"):
+        engine, *_ = slipstream.initialize(model=sharded, config=config)
+    plain_engine, *_ = slipstream.initialize(model=Net(), config=config)
+    assert not any(hasattr(p, "ds_id") for p in engine.module.parameters())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    for run in (engine, plain_engine):
+        loss = run(x).pow(2).mean()
+        run.backward(loss)
+        run.step()
+    for (name, got), (_, want) in zip(engine.module.named_parameters(), plain_engine.module.named_parameters()):
+        torch.testing.assert_close(got, want, msg=lambda m, name=name: f"{name}: {m}")
+    assert engine.magic() == 42  # the model's own method, through the engine
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here' \\(nor has its module\\)"):
+        engine.nothing_here  # noqa: B018
+
+
+def test_zero_config_fills_overlap_comm_and_pipeline_like_deepspeed() -> None:
+    assert [ZeroConfig(stage=s).overlap_comm for s in range(4)] == [False, False, False, True]
+    assert ZeroConfig(stage=3, overlap_comm=False).overlap_comm is False
+    assert "overlap_comm" not in ZeroConfig(stage=3).model_fields_set  # filled, not set: never reported
+    assert OffloadOptimizerConfig().pipeline is False
+    assert OffloadOptimizerConfig(pipeline_read=True).pipeline and OffloadOptimizerConfig(pipeline_write=True).pipeline
