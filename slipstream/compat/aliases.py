@@ -94,6 +94,12 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "DeepSpeedZeroOffloadOptimizerConfig": f"{_CFG}.zero:OffloadOptimizerConfig",
         "ZeroStageEnum": "slipstream.compat.ds_config:ZeroStageEnum",
     },
+    "slipstream.runtime.zero.leaf_module_config": {  # zero_optimization.leaf_module
+        "DeepSpeedZeroLeafModuleConfig": f"{_CFG}.zero:LeafModuleConfig",
+        "DEFAULT_LEAF_MODULE_CLASSES": f"{_CFG}.zero:DEFAULT_LEAF_MODULE_CLASSES",
+        "DEFAULT_LEAF_MODULE_NAMES": f"{_CFG}.zero:DEFAULT_LEAF_MODULE_NAMES",
+        "DEFAULT_LEAF_MODULE_NAME_SUFFIXES": f"{_CFG}.zero:DEFAULT_LEAF_MODULE_NAME_SUFFIXES",
+    },
     "slipstream.runtime.zero.stage3": {
         "DeepSpeedZeroOptimizer_Stage3": "slipstream.zero.stage3.optimizer:Stage3Optimizer",
         "estimate_zero3_model_states_mem_needs_all_live": "slipstream.planner:estimate_zero3_model_states_mem_needs_all_live",
@@ -155,15 +161,28 @@ COMPOSITES: dict[str, dict[str, str]] = {
     },
     "slipstream.checkpoint.utils": {
         "clone_tensors_for_torch_save": f"{_RT}:clone_tensors_for_torch_save",
+        # DeepSpeed's checkpoint file names (compat/checkpoint_names.py)
+        "get_model_ckpt_name_for_rank": "slipstream.compat.checkpoint_names:get_model_ckpt_name_for_rank",
+        "get_zero_ckpt_name_for_rank": "slipstream.compat.checkpoint_names:get_zero_ckpt_name_for_rank",
+        "get_layer_ckpt_name_for_rank": "slipstream.compat.checkpoint_names:get_layer_ckpt_name_for_rank",
     },
     "slipstream.utils": {
         "logger": f"{_RT}:logger",
         "log_dist": f"{_RT}:log_dist",
         "RepeatingLoader": "slipstream.engine.dataloader:RepeatingLoader",
-        "set_z3_leaf_modules": "slipstream.zero.stage3.units:set_z3_leaf_modules",
-        "unset_z3_leaf_modules": "slipstream.zero.stage3.units:unset_z3_leaf_modules",
-        "get_z3_leaf_modules": "slipstream.zero.stage3.units:get_z3_leaf_modules",
-        "z3_leaf_module": "slipstream.zero.stage3.units:z3_leaf_module",
+        # ZeRO-3 leaf modules (zero/stage3/leaves.py)
+        **{
+            name: f"slipstream.zero.stage3.leaves:{name}"
+            for name in (
+                "set_z3_leaf_modules",
+                "unset_z3_leaf_modules",
+                "get_z3_leaf_modules",
+                "z3_leaf_module",
+                "z3_leaf_parameter",
+                "set_z3_leaf_modules_by_name",
+                "set_z3_leaf_modules_by_suffix",
+            )
+        },
         "OnDevice": f"{_RT}:OnDevice",
         **{
             name: f"{_PA}:{name}"
@@ -209,6 +228,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
         name: f"slipstream.moe.groups:{name}"
         for name in (
             "_create_expert_and_data_parallel",
+            "_get_expert_parallel_ranks",
             "_get_expert_parallel_group",
             "_get_expert_parallel_group_dict",
             "_get_expert_data_parallel_group",
@@ -220,7 +240,6 @@ COMPOSITES: dict[str, dict[str, str]] = {
             "_get_expert_broadcast_src_rank",
             "_get_max_expert_size",
             "_get_max_expert_size_name",
-            "_get_expert_parallel_ranks",
         )
     },
     "slipstream.utils.torch": {

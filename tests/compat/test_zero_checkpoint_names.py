@@ -66,10 +66,11 @@ def test_expert_parallel_rank_lists_with_tensor_and_pipeline_parallelism() -> No
     assert _get_expert_parallel_ranks(8, 1, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
     # two pipeline stages of 4 ranks: groups never cross a stage
     assert _get_expert_parallel_ranks(8, 1, 2, 2) == ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2], [1, 3], [4, 6], [5, 7]])
-    with pytest.raises(ValueError, match="expert_parallel_size_ \\(3\\)"):
+    with pytest.raises(ValueError, match="expert parallel size 3 does not divide the data-parallel size 8"):
         _get_expert_parallel_ranks(8, 1, 3)
-    with pytest.raises(NotImplementedError, match="use_data_before_expert_parallel_"):
-        _get_expert_parallel_ranks(8, 1, 2, use_data_before_expert_parallel_=True)
+    # data before expert: every (data / ep)-th rank shares an expert-parallel group
+    assert _get_expert_parallel_ranks(8, 1, 2, use_data_before_expert_parallel_=True) == (
+        [[0, 4], [1, 5], [2, 6], [3, 7]], [[0, 1, 2, 3], [4, 5, 6, 7]])
 
 
 def test_multiple_all_gather_handles_pass_the_dependency_by_keyword() -> None:
