@@ -104,7 +104,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from slipstream.checkpoint.export import parse_size
     from slipstream.config import ConfigError
     from slipstream.planner import draw_png, estimate, format_plan, plan_json
 
@@ -123,19 +122,9 @@ def run(args: argparse.Namespace) -> int:
             params=args.params,
             model=args.model,
             hf_config=args.hf_config,
-            hidden=args.hidden,
             layers=args.layers,
-            seq=args.seq,
-            micro_batch=args.micro_batch,
-            vocab=args.vocab,
-            heads=args.heads,
-            gpus_per_node=args.gpus_per_node,
-            nodes=args.nodes,
-            dtype=args.dtype,
             ds_config=config,
-            fused_attention=args.fused_attention,
-            device_memory=parse_size(args.device_memory) if args.device_memory else None,
-            host_memory=parse_size(args.host_memory) if args.host_memory else None,
+            **_machine_and_shape(args),
         )
     except (ConfigError, ValueError, TypeError, OSError, ImportError, AttributeError) as exc:
         print(f"slipstream plan: error: {exc}", file=sys.stderr)
@@ -148,6 +137,25 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr if skipped else sys.stdout,
         )
     return 0
+
+
+def _machine_and_shape(args: argparse.Namespace) -> dict:
+    """The keyword arguments `estimate` and `largest` share: the model's width and the machine."""
+    from slipstream.checkpoint.export import parse_size
+
+    return {
+        "hidden": args.hidden,
+        "heads": args.heads,
+        "vocab": args.vocab,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "gpus_per_node": args.gpus_per_node,
+        "nodes": args.nodes,
+        "dtype": args.dtype,
+        "fused_attention": args.fused_attention,
+        "device_memory": parse_size(args.device_memory) if args.device_memory else None,
+        "host_memory": parse_size(args.host_memory) if args.host_memory else None,
+    }
 
 
 def _run_largest(args: argparse.Namespace, config: str | None) -> int:
@@ -170,21 +178,7 @@ def _run_largest(args: argparse.Namespace, config: str | None) -> int:
     try:
         if args.nvme_free and nvme_free is None:
             nvme_free = parse_size(args.nvme_free)
-        answers = largest(
-            hidden=args.hidden,
-            heads=args.heads,
-            vocab=args.vocab,
-            seq=args.seq,
-            micro_batch=args.micro_batch,
-            gpus_per_node=args.gpus_per_node,
-            nodes=args.nodes,
-            dtype=args.dtype,
-            ds_config=config,
-            device_memory=parse_size(args.device_memory) if args.device_memory else None,
-            host_memory=parse_size(args.host_memory) if args.host_memory else None,
-            nvme_free=nvme_free,
-            fused_attention=args.fused_attention,
-        )
+        answers = largest(ds_config=config, nvme_free=nvme_free, **_machine_and_shape(args))
     except (ConfigError, ValueError, TypeError, OSError) as exc:
         print(f"slipstream plan: error: {exc}", file=sys.stderr)
         return 1
