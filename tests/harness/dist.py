@@ -58,6 +58,9 @@ def _call_decorated(module: str, name: str, *args: Any, **kwargs: Any) -> Any:
     return decorated.__slipstream_rank_fn__(*args, **kwargs)
 
 
+_RENDEZVOUS_S = 120.0
+
+
 def _watch_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:  # reparented means the runner died: do not linger as an orphan
         time.sleep(1.0)
@@ -79,8 +82,15 @@ def _rank_main(rank: int, world_size: int, payload: bytes, run_dir: str, parent_
     try:
         fn, kwargs = pickle.loads(payload)
         store = dist.FileStore(os.path.join(run_dir, "store"), world_size)
+        # The group's own timeout only bounds the rendezvous here (the parent enforces timeout_s once every rank
+        # is in `fn`): at least _RENDEZVOUS_S, because ranks of a loaded machine start seconds apart and a 5 s
+        # group timeout failed connectFullMesh on a rank started late (issue 23).
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=max(timeout_s, _RENDEZVOUS_S)),
         )
         Path(run_dir, f"ready-{rank}").touch()  # the parent's timeout_s starts when every rank is here
         outcome = ("ok", fn(rank, world_size, **kwargs), 0.0)
