@@ -113,6 +113,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
     "slipstream.runtime.activation_checkpointing": {
         "checkpointing": "slipstream.activation.checkpointing",
     },
+    "slipstream.runtime.swap_tensor": {"MIN_SWAPPABLE_BYTES": f"{_RT}:MIN_SWAPPABLE_BYTES"},
     "slipstream.runtime.zero.offload_config": {
         "DeepSpeedZeroOffloadParamConfig": f"{_CFG}.zero:OffloadParamConfig",
         "DeepSpeedZeroOffloadOptimizerConfig": f"{_CFG}.zero:OffloadOptimizerConfig",
@@ -200,6 +201,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
                 "safe_get_local_optimizer_state",
                 "safe_set_local_fp32_param",
                 "safe_set_local_optimizer_state",
+                "safe_update_full_grad_vectorized",
             )
         },
         "groups": "slipstream.compat.groups",

@@ -8,14 +8,21 @@ the master values and then publishes them to the model's parameters on every ran
 engine trains gives None, as in DeepSpeed. Engines are found through `register_engine` (the engine's
 DeepSpeed-method mixin registers itself, weakly).
 
-Gradients (`safe_get_full_grad`, `safe_get_local_grad`, the `*_grad` setters) are not offered: Slipstream
-reduces gradients into flat buckets and averages them once, at the step (docs/design.md D7), so between
-backward and step no per-parameter averaged gradient exists to hand out. They raise NotImplementedError.
+Gradients (`safe_get_full_grad`, `safe_get_local_grad`, the `*_grad` setters, `safe_update_full_grad_vectorized`)
+are read and written between the last backward of a step and `engine.step()`. Slipstream sums gradients into
+flat storage and averages them once, at the step (docs/design.md D7), so the first accessor call of a step
+finishes the reduction early (`settle_gradients()`: collective, every rank calls the accessors, as in
+DeepSpeed) and the step then skips it. A getter returns the averaged gradient the step will use (summed over
+ranks and micro-batches, divided by ranks x micro-batches x the fp16 loss scale), before clipping, in the
+gradient accumulation dtype; a setter stores `value` times that divisor, so the step uses exactly `value`.
+Outside that window (in the middle of an accumulation window) they raise RuntimeError: at stages 0 and 1 the
+early reduction would count the later micro-batches' gradients wrongly.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -34,6 +41,7 @@ __all__ = [
     "safe_set_local_fp32_param",
     "safe_set_local_grad",
     "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
 ]
 
 _ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -43,17 +51,25 @@ def register_engine(engine: Any) -> None:
     _ENGINES.add(engine)
 
 
-def _owner(param: torch.Tensor) -> tuple[Any, str] | None:
+def _engine_of(param: torch.Tensor) -> tuple[Any, Any, str] | None:
+    """(engine, its ZeRO optimizer, the parameter's name) of the engine that trains `param`."""
     for engine in list(_ENGINES):
         optimizer: Any = getattr(engine, "optimizer", None)
         names = getattr(optimizer, "param_names", None)
         if names and id(param) in names and any(p is param for p in optimizer.trainable_params()):
-            return optimizer, names[id(param)]
+            return engine, optimizer, names[id(param)]
     return None
 
 
-def _slices(optimizer: Any, name: str) -> list[Any]:
-    return [s for s in optimizer.owned_slices(optimizer.param_names, for_save=True) if s.name == name]
+def _owner(param: torch.Tensor) -> tuple[Any, str] | None:
+    found = _engine_of(param)
+    return None if found is None else (found[1], found[2])
+
+
+def _slices(optimizer: Any, name: str, *, disjoint: bool = True) -> list[Any]:
+    """`name`'s slices on this rank; `disjoint`: at stage 0 (every rank holds everything) only this rank's
+    share, so the ranks' parts add up to the whole once."""
+    return [s for s in optimizer.owned_slices(optimizer.param_names, for_save=disjoint) if s.name == name]
 
 
 def _state(optimizer: Any, piece: torch.Tensor, key: str) -> dict[str, torch.Tensor]:
@@ -162,19 +178,109 @@ def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, opt
     _set(param, value, _state_writer(optim_state_key), full=False)
 
 
-def _no_grads(name: str) -> Any:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            f"{name}: Slipstream has no per-parameter averaged gradient between backward and step (gradients "
-            "are reduced into flat buckets and averaged once, at the step: docs/design.md D7); read "
-            "engine.get_global_grad_norm() after step, or the fp32 parameters with safe_get_full_fp32_param"
+def _settled(name: str, param: torch.Tensor) -> tuple[Any, str, float] | None:
+    """(optimizer, name, the step's gradient divisor) with this step's gradients reduced into the owned grad
+    storage; None for a parameter no engine trains (DeepSpeed gives None there too)."""
+    found = _engine_of(param)
+    if found is None:
+        return None
+    engine, optimizer, param_name = found
+    if not engine.is_gradient_accumulation_boundary():
+        raise RuntimeError(
+            f"{name}({param_name}): the gradient accessors work after the last backward of an optimizer step and "
+            f"before engine.step(); this is micro-batch {engine._window_micro_steps + 1} of "
+            f"{engine.gradient_accumulation_steps()} (gradient_accumulation_steps). Call it at the boundary "
+            "(engine.is_gradient_accumulation_boundary() is True)"
         )
+    optimizer.settle_gradients()
+    return optimizer, param_name, float(engine._step_grad_divisor())
 
-    refuse.__name__ = name
-    return refuse
+
+def _grad_dtype(optimizer: Any) -> torch.dtype:
+    return optimizer.groups[0].grad_storage.dtype if optimizer.groups else torch.float32
 
 
-safe_get_full_grad = _no_grads("safe_get_full_grad")
-safe_get_local_grad = _no_grads("safe_get_local_grad")
-safe_set_full_grad = _no_grads("safe_set_full_grad")
-safe_set_local_grad = _no_grads("safe_set_local_grad")
+def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The whole averaged gradient of `param` the next step will use (before clipping), in its global shape
+    and the gradient accumulation dtype (collective; after the last backward of the step, before step())."""
+    found = _settled("safe_get_full_grad", param)
+    if found is None:
+        return None
+    optimizer, name, divisor = found
+    slices = _slices(optimizer, name)
+    numel = param.ds_numel if hasattr(param, "ds_numel") else param.numel()
+    shape = tuple(param.ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
+    device = slices[0].grad.device if slices else param.device
+    full = torch.zeros(numel, dtype=torch.float32, device=device)
+    for piece in slices:
+        full[piece.lo : piece.hi] = piece.grad.float() / divisor
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from slipstream.comm import collectives
+
+        collectives.all_reduce(full)
+    return full.view(shape).to(_grad_dtype(optimizer))
+
+
+def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """This rank's part of `param`'s averaged gradient, flat (the part it steps: the whole tensor at stage 0)."""
+    found = _settled("safe_get_local_grad", param)
+    if found is None:
+        return None
+    optimizer, name, divisor = found
+    pieces = [piece.grad.float() / divisor for piece in _slices(optimizer, name, disjoint=False)]
+    flat = torch.cat(pieces) if pieces else torch.empty(0)
+    return flat.to(_grad_dtype(optimizer))
+
+
+def _set_grad(name: str, param: torch.Tensor, value: torch.Tensor, *, full: bool) -> None:
+    found = _settled(name, param)
+    if found is None:
+        raise ValueError(
+            f"{name}: this parameter is not trained by any Slipstream engine; pass one of engine.parameters()"
+        )
+    optimizer, param_name, divisor = found
+    flat = value.detach().reshape(-1)
+    pieces = _slices(optimizer, param_name, disjoint=False)
+    expected = (
+        (param.ds_numel if hasattr(param, "ds_numel") else param.numel()) if full else sum(p.numel for p in pieces)
+    )
+    padded = getattr(param, "ds_tensor", None)  # stage 3: the shard with its padding, as DeepSpeed's callers size it
+    if not full and padded is not None and flat.numel() == padded.numel():
+        flat = flat[:expected]
+    if flat.numel() != expected:
+        raise ValueError(
+            f"{name}({param_name}): the value has {flat.numel()} elements, the "
+            f"{'parameter' if full else 'part this rank holds'} has {expected}"
+        )
+    offset = 0
+    for piece in pieces:
+        part = flat[piece.lo : piece.hi] if full else flat[offset : offset + piece.numel]
+        offset += piece.numel
+        piece.grad.copy_(part.to(device=piece.grad.device, dtype=torch.float32) * divisor)
+
+
+def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Make the next step use `value` (the whole tensor, the same on every rank) as `param`'s averaged gradient."""
+    _set_grad("safe_set_full_grad", param, value, full=True)
+
+
+def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Make the next step use `value` as this rank's part of `param`'s averaged gradient (the shape
+    safe_get_local_grad returns)."""
+    _set_grad("safe_set_local_grad", param, value, full=False)
+
+
+def safe_update_full_grad_vectorized(
+    param_list: Iterable[torch.Tensor], update_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> None:
+    """For each parameter: its averaged gradient := update_func(current averaged gradient, parameter)
+    (collective, like safe_get_full_grad; parameters that no engine trains are skipped)."""
+    for param in param_list:
+        if not param.requires_grad:
+            continue
+        grad = safe_get_full_grad(param)
+        if grad is None:
+            continue
+        safe_set_full_grad(param, update_func(grad, param))

@@ -15,7 +15,13 @@ import torch
 
 from slipstream.utils.logging import get_logger
 
+MIN_SWAPPABLE_BYTES = 1024**2
+"""`deepspeed.runtime.swap_tensor.MIN_SWAPPABLE_BYTES` (1 MiB), which client code uses to size tensors that NVMe
+offload will swap. Slipstream has no such threshold (it swaps whole sub-groups, docs/offload.md); the
+constant has DeepSpeed's value."""
+
 __all__ = [
+    "MIN_SWAPPABLE_BYTES",
     "DeepSpeedOptimizerCallable",
     "OnDevice",
     "PartitionedTensor",

@@ -271,11 +271,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
 
     def _optimizer_step(self, lr_kwargs: dict[str, Any]) -> None:
         assert self.optimizer is not None
-        gas = 1 if self._user_scaled_window else self.gradient_accumulation_steps()
-        loss_scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-        result = self.optimizer.step(
-            grad_divisor=self.dp_world_size * gas * loss_scale, clip=self.plan.gradient_clipping
-        )
+        result = self.optimizer.step(grad_divisor=self._step_grad_divisor(), clip=self.plan.gradient_clipping)
         self._grad_norm = result.grad_norm
         self._step_applied = not result.overflow
         if result.overflow:
@@ -295,6 +291,13 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         if self._step_profiler is not None:
             self._step_profiler.step_ended(self.global_steps)
         self._finish_window()
+
+    def _step_grad_divisor(self) -> float:
+        """What the next optimizer step divides the summed gradients by (docs/design.md D7): data-parallel ranks
+        x micro-batches of the window x the fp16 loss scale."""
+        gas = 1 if self._user_scaled_window else self.gradient_accumulation_steps()
+        loss_scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
+        return self.dp_world_size * gas * loss_scale
 
     def _finish_window(self) -> None:
         """Global mean loss of the batch (one scalar all-reduce), progress line and monitors."""

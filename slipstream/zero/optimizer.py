@@ -83,6 +83,7 @@ class ZeroOptimizer(abc.ABC):
         bucket_numel = self._layout_bucket_numel(int(zero.reduce_bucket_size), DTYPES[grad_dtype])
         self.offload = offload if offload is not None else OffloadPolicy()
         self.overflow = False
+        self._settled = False  # phase 1 already ran for this step (settle_gradients): the step skips it
         self.param_names: dict[int, str] = {}
         """id(parameter) -> qualified name, set by the engine for error messages."""
         self.last_nonfinite_param: str | None = None
@@ -153,11 +154,28 @@ class ZeroOptimizer(abc.ABC):
 
     def _accumulate(self, flat: FlatGroup, index: int, grad: torch.Tensor) -> None:
         """Take one parameter's fresh gradient (from its post-accumulate-grad hook): add it to full storage."""
+        if self._settled:
+            raise RuntimeError(
+                f"a gradient arrived for {self.param_names.get(id(flat.params[index]), 'a parameter')} after the "
+                "gradients of this step were reduced for reading (safe_get_full_grad and the other gradient "
+                "accessors reduce them at ZeRO stages 0 and 1): call the accessors after the last backward "
+                "of the step, just before engine.step()"
+            )
         flat.full_grad_view(index).add_(grad.reshape(-1))
 
     @abc.abstractmethod
     def _reduce_for_step(self) -> None:
         """Phase 1: leave the summed (not yet averaged) gradients in the owned grad storage."""
+
+    def settle_gradients(self) -> None:
+        """Run phase 1 now, before the step, so the owned grad storage holds this step's summed gradients
+        (the gradient accessors read and write them there); the step then skips it. Collective: every rank
+        calls it, after the last backward of the step."""
+        if self._settled:
+            return
+        self.micro_step_done(reduce=True)
+        self._reduce_for_step()
+        self._settled = True
 
     def micro_step_done(self, *, reduce: bool) -> None:
         """Called after every micro-batch's backward; stage 2 reduces here (`reduce=False` under no_sync)."""
@@ -165,11 +183,13 @@ class ZeroOptimizer(abc.ABC):
     def zero_grad(self) -> None:
         for flat in self.groups:
             flat.grad_storage.zero_()
+        self._settled = False
 
     # ---- the step ----
     def step(self, *, grad_divisor: float, clip: float) -> StepResult:
         """Phases 1-4; skips phases 3-4 (and reports overflow) when a gradient is not finite."""
-        self._reduce_for_step()
+        if not self._settled:
+            self._reduce_for_step()
         owned = [g for flat in self.groups for g in flat.owned_grads]
         for grad in owned:
             grad.mul_(1.0 / grad_divisor)
@@ -408,6 +428,7 @@ class ZeroOptimizer(abc.ABC):
                             piece=flat.master_pieces[b],
                             piece_offset=a - start,
                             group_index=number,
+                            grad=flat.owned_grads[b][a - start : z - start],
                         )
                     )
         return out

@@ -2,7 +2,7 @@
 
 Every ZeRO stage answers the same question for save and load: for each parameter, which flat range
 [lo, hi) of the global tensor does this rank hold, and in which tensors (the fp32 master, the model-dtype
-values, the optimizer state slices at `piece_offset` of the optimizer's `piece`)? The checkpoint code
+values, the optimizer state slices at `piece_offset` of the optimizer's `piece`, the owned gradient)? The checkpoint code
 (slipstream/checkpoint/) reads and writes through these views only, so it never depends on a stage's layout.
 """
 
@@ -27,6 +27,9 @@ class OwnedSlice:
     """The tensor the wrapped optimizer steps (its state is keyed by it), and where [lo, hi) starts in it."""
     piece_offset: int = 0
     group_index: int = 0
+    grad: torch.Tensor | None = None
+    """The summed (not yet averaged) gradient of [lo, hi) in the owned grad storage (a view), where the
+    optimizer's `settle_gradients()` leaves it before the step; None for frozen parameters."""
 
     @property
     def numel(self) -> int:

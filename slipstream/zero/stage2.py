@@ -60,6 +60,7 @@ class Stage2Optimizer(ZeroOptimizer):
         return stage2_bucket_numel(reduce_bucket_size, torch.empty((), dtype=grad_dtype).element_size())
 
     def _accumulate(self, flat: FlatGroup, index: int, grad: torch.Tensor) -> None:
+        self._settled = False  # a new backward: the accessors flush again before they read
         bucket_id = flat.layout.slots[index].bucket
         position = self._position[(id(flat), bucket_id)]
         if position < self._next or index in self._pending[(id(flat), bucket_id)]:

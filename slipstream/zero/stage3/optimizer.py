@@ -236,6 +236,7 @@ class Stage3Optimizer(ZeroOptimizer):
             self._launch(uid, self._ready.pop(uid))
 
     def flush(self, grads_by_uid: dict[int, dict[int, torch.Tensor]]) -> None:
+        self._settled = False  # the end of a backward: new gradients were added
         while self._next < len(self._order):
             uid = self._order[self._next]
             ready = self._ready.pop(uid, None)
@@ -288,7 +289,7 @@ class Stage3Optimizer(ZeroOptimizer):
         """This rank's slice of every trainable parameter: [rank * ceil(numel/world), ...) clipped to numel."""
         out: list[OwnedSlice] = []
         for number, group in enumerate(self.groups):
-            for run, master in zip(group.runs, group.master_pieces):
+            for run, master, grad in zip(group.runs, group.master_pieces, group.owned_grads):
                 offset = 0
                 for index in run.indices:
                     record = run.unit.records[index]
@@ -310,6 +311,7 @@ class Stage3Optimizer(ZeroOptimizer):
                                 piece=master,
                                 piece_offset=offset,
                                 group_index=number,
+                                grad=grad[offset : offset + hi - lo],
                             )
                         )
                     offset += record.shard_numel
