@@ -2,7 +2,9 @@
 
 Run it once with the peer environment (the only place DeepSpeed is installed):
 
-    .bench-venv/bin/python tools/make_deepspeed_fixtures.py
+    .bench-venv/bin/python tools/make_deepspeed_fixtures.py [--universal]
+
+`--universal` also runs DeepSpeed's `ds_to_universal` on two of the cases, into tests/fixtures/deepspeed_universal/.
 
 Each case trains a tiny fixed model for two AdamW steps with real DeepSpeed on CPU/gloo, saves a checkpoint and
 writes `expected.json` next to it: DeepSpeed's own view of the final weights (the gathered module weights, the fp32
@@ -150,9 +152,35 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+UNIVERSAL_OUT = OUT.parent / "deepspeed_universal"
+UNIVERSAL_CASES = ("stage2_bf16_ws2", "stage3_fp32_ws2")  # the dict form with step.pt, and the flat stage-3 form
+
+
+def _make_universal(name: str) -> None:
+    """DeepSpeed's own ds_to_universal on a case's checkpoint, into tests/fixtures/deepspeed_universal/<name>/
+    (`--inject_missing_state`: the model is not Megatron's, so the checkpoint has no universal_checkpoint_info)."""
+    import subprocess
+    import sys
+
+    target = UNIVERSAL_OUT / name
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(OUT / name / "global_step2"),
+         "--output_folder", str(target / "global_step2_universal"), "--num_extract_workers", "1",
+         "--num_merge_workers", "1", "--inject_missing_state"],
+        check=True,
+    )
+    (target / "latest_universal").write_text("global_step2_universal")
+    for script in target.rglob("*.py"):
+        script.unlink()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="*", default=list(CASES), help=f"subset of {list(CASES)}")
+    parser.add_argument("--universal", action="store_true",
+                        help=f"also convert {list(UNIVERSAL_CASES)} with DeepSpeed's ds_to_universal")
     args = parser.parse_args()
     os.environ["DS_ACCELERATOR"] = "cpu"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -163,6 +191,9 @@ def main() -> None:
                            start_method="spawn")
         size = sum(p.stat().st_size for p in (OUT / name).rglob("*") if p.is_file())
         print(f"{name}: {size} bytes")
+    if args.universal:
+        for name in UNIVERSAL_CASES:
+            _make_universal(name)
 
 
 if __name__ == "__main__":

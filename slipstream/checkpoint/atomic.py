@@ -164,10 +164,10 @@ def recover(save_dir: str | os.PathLike[str]) -> list[str]:
     return actions
 
 
-def read_latest(save_dir: str | os.PathLike[str]) -> str | None:
-    """The tag in `save_dir/latest`, or None when there is no such file."""
+def read_latest(save_dir: str | os.PathLike[str], *, name: str = LATEST_FILE) -> str | None:
+    """The tag in `save_dir/latest` (or `save_dir/<name>`: `latest_universal`), or None when there is no such file."""
     try:
-        text = (Path(save_dir) / LATEST_FILE).read_text(encoding="utf-8").strip()
+        text = (Path(save_dir) / name).read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         return None
     return text or None

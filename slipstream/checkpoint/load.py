@@ -71,14 +71,17 @@ class DeepSpeedSource:
 
 def open_source(path: Path) -> Any:
     from slipstream.checkpoint.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
+    from slipstream.checkpoint.universal import is_universal_checkpoint, read_universal_checkpoint
 
     if (path / "manifest.json").is_file():
         return CheckpointReader(path, verify="lazy")  # each rank hashes only the files it reads
+    if is_universal_checkpoint(path):  # before the DeepSpeed test: a universal folder holds model-states files too
+        return DeepSpeedSource(read_universal_checkpoint(path), location=str(path))
     if is_deepspeed_checkpoint(path):
         return DeepSpeedSource(read_deepspeed_checkpoint(path), location=str(path))
     raise CheckpointError(
-        f"{path} is neither a Slipstream checkpoint (no manifest.json) nor a DeepSpeed one (no "
-        "*model_states.pt); pass the directory that save_checkpoint wrote"
+        f"{path} is neither a Slipstream checkpoint (no manifest.json), a universal one (no zero/ folder) nor a "
+        "DeepSpeed one (no *model_states.pt); pass the directory that save_checkpoint or ds_to_universal wrote"
     )
 
 

@@ -78,6 +78,7 @@ DEEPSPEED_STUBS: dict[str, type[DeepSpeedStub]] = {
         "deepspeed.runtime.fp16.loss_scaler.LossScaler",
         "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
         "deepspeed.utils.tensor_fragment.fragment_address",
+        "deepspeed.checkpoint.universal_checkpoint.SubparamShape",  # universal files of fused TP parameters
     )
 }
 

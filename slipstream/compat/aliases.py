@@ -30,6 +30,7 @@ __all__ = ["ALIASES", "COMPOSITES", "add_prefix", "composite_attribute", "compos
 
 ALIASES: dict[str, str] = {
     "slipstream.utils.zero_to_fp32": "slipstream.compat.zero_to_fp32",
+    "slipstream.checkpoint.ds_to_universal": "slipstream.compat.ds_to_universal",
     "slipstream.checkpointing": "slipstream.activation.checkpointing",
     "slipstream.comm.comm": "slipstream.comm.dist_api",
     "slipstream.runtime.activation_checkpointing.checkpointing": "slipstream.activation.checkpointing",

@@ -175,6 +175,8 @@ class CheckpointPlan:
 
     tag_validation: str
     """"IGNORE", "WARN" or "FAIL": what happens when ranks save under different tags."""
+    load_universal: bool = False
+    """`load_checkpoint(save_dir)` without a tag reads `latest_universal` instead of `latest`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -122,7 +122,9 @@ def resolve(
         gradient_clipping=cfg.gradient_clipping,
         logging=_logging_plan(cfg),
         dataloader_drop_last=cfg.dataloader_drop_last,
-        checkpoint=CheckpointPlan(tag_validation=cfg.checkpoint.tag_validation),
+        checkpoint=CheckpointPlan(
+            tag_validation=cfg.checkpoint.tag_validation, load_universal=cfg.checkpoint.load_universal
+        ),
         pipeline=PipelinePlan(activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval),
         collective_timeout=cfg.collective_timeout,
         parallel=parallel,

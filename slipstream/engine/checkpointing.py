@@ -27,6 +27,7 @@ from slipstream.checkpoint.state import (
     split_client_state,
     to_json,
 )
+from slipstream.checkpoint.universal import LATEST_UNIVERSAL_FILE
 from slipstream.comm import collectives
 from slipstream.comm.collectives import CollectiveError
 from slipstream.utils.errors import ArgumentError
@@ -154,14 +155,16 @@ class Checkpointing:
         self._check_at_boundary("load_checkpoint", "they belong to the parameters a load replaces")
         root = Path(load_dir)
         if tag is None:
-            tag = read_latest(root)
+            universal = self.plan.checkpoint.load_universal
+            tag = read_latest(root, name=LATEST_UNIVERSAL_FILE if universal else "latest")
             if tag is None:
                 if (root / "manifest.json").is_file() or list(root.glob("*model_states.pt")):
                     tag, root = root.name, root.parent
                 else:
                     warn_once(
                         f"no-ckpt:{root}",
-                        f"slipstream: load_checkpoint found no `latest` file in {root}; "
+                        f"slipstream: load_checkpoint found no `{LATEST_UNIVERSAL_FILE if universal else 'latest'}` "
+                        f"file in {root}; "
                         "nothing loaded (pass tag=... to pick a checkpoint)",
                     )
                     return None, None

@@ -81,12 +81,14 @@ class CheckpointConfig(DSModel):
 
     IMPLEMENTED = {
         "tag_validation": "checkpoint.tag_validation",
+        "load_universal": "checkpoint.load_universal",
     }
 
     tag_validation: Literal["WARN", "IGNORE", "FAIL"] = "WARN"
     """What to do when ranks disagree on the checkpoint tag."""
     load_universal: DSBool = False
-    """Load a universal checkpoint."""
+    """`load_checkpoint(save_dir)` without a tag loads the universal checkpoint named by `latest_universal`
+    (ds_to_universal's output) instead of the one `latest` names."""
     use_node_local_storage: DSBool = False
     """Save to node-local storage (every node writes)."""
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)

@@ -230,7 +230,7 @@ def test_implemented_keys_are_not_listed() -> None:
         {"data_efficiency": {"enabled": True}},
         {"tensor_parallel": {"tp_overlap_comm": True}},
         {"aio": {"use_gds": True}},
-        {"checkpoint": {"load_universal": True}},
+        {"checkpoint": {"use_node_local_storage": True}},
         {"compile": {"deepcompile": True}},
         {"nebula": {"enabled": True}},
         {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},

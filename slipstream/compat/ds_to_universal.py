@@ -1,0 +1,98 @@
+"""DeepSpeed's `deepspeed.checkpoint.ds_to_universal`: convert a checkpoint into the universal layout.
+
+Owns the DeepSpeed command line (`python -m slipstream.checkpoint.ds_to_universal --input_folder ckpt/global_stepN
+--output_folder ckpt/global_stepN_universal`; the DeepSpeed path is an alias declared in compat/aliases.py) and
+`main(args)`. The input is a Slipstream checkpoint (manifest.json) or a data-parallel DeepSpeed 0.19 one
+(`*model_states.pt`); the writing is checkpoint/universal.py. Unlike DeepSpeed's converter no per-rank fragments
+are extracted and merged through a temporary folder: both readers already give whole tensors, so the worker and
+temporary-folder options have nothing to do (they are accepted, and the help says so). When the output folder
+sits next to the input folder (in the save_dir), `latest_universal` there names it, so
+`"checkpoint": {"load_universal": true}` loads it with `load_checkpoint(save_dir)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "parse_arguments"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m slipstream.checkpoint.ds_to_universal",
+        description="Convert a Slipstream or DeepSpeed checkpoint (a global_stepN folder) into DeepSpeed's "
+        "universal checkpoint layout, loadable at any world size and ZeRO stage.",
+    )
+    parser.add_argument("--input_folder", required=True, help="the checkpoint's tag folder (e.g. ckpt/global_step100)")
+    parser.add_argument("--output_folder", required=True, help="where to write the universal checkpoint")
+    no_effect = "accepted for DeepSpeed's command line; no effect here: tensors are read whole, one at a time"
+    parser.add_argument("--num_extract_workers", type=int, default=4, help=no_effect)
+    parser.add_argument("--num_merge_workers", type=int, default=2, help=no_effect)
+    parser.add_argument("--keep_temp_folder", action="store_true", help=no_effect + " (no temporary folder)")
+    parser.add_argument(
+        "--no_strict", dest="strict", action="store_false", help="skip the check that every tensor was written"
+    )
+    parser.add_argument(
+        "--inject_missing_state",
+        action="store_true",
+        help="accepted for DeepSpeed's command line; no effect here: no universal_checkpoint_info is needed",
+    )
+    return parser
+
+
+def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
+def main(args: Any = None) -> Path:
+    """Convert `args.input_folder` into `args.output_folder` (an argparse namespace, or None: read sys.argv)."""
+    from slipstream.checkpoint.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
+    from slipstream.checkpoint.errors import CheckpointError
+    from slipstream.checkpoint.reader import CheckpointReader
+    from slipstream.checkpoint.universal import (
+        LATEST_UNIVERSAL_FILE,
+        checkpoint_from_reader,
+        read_universal_checkpoint,
+        write_universal_checkpoint,
+    )
+
+    if args is None:
+        args = parse_arguments()
+    source, out = Path(args.input_folder), Path(args.output_folder)
+    if (source / "manifest.json").is_file():
+        with CheckpointReader(source) as reader:
+            checkpoint = checkpoint_from_reader(reader)
+        model_state_files = None
+    elif is_deepspeed_checkpoint(source):
+        checkpoint = read_deepspeed_checkpoint(source)
+        model_state_files = sorted(source.glob("*model_states.pt"))
+        if not model_state_files:  # a save_dir with `latest` was given: the files are in the tag folder
+            model_state_files = sorted((source / checkpoint.tag).glob("*model_states.pt"))
+    else:
+        raise CheckpointError(
+            f"--input_folder {source} is neither a Slipstream checkpoint (no manifest.json) nor a DeepSpeed one (no "
+            "*model_states.pt); pass the global_stepN folder that save_checkpoint wrote"
+        )
+    print(
+        f"ds_to_universal: {source} ({len(checkpoint.master)} parameters, ZeRO stage {checkpoint.zero_stage}, "
+        f"{checkpoint.world_size} ranks) -> {out}"
+    )
+    write_universal_checkpoint(checkpoint, out, model_state_files=model_state_files)
+    if getattr(args, "strict", True):
+        written = read_universal_checkpoint(out)
+        missing = sorted(set(checkpoint.master) - set(written.master))
+        if missing:
+            raise CheckpointError(f"{out}: the conversion lost {missing}; the output folder is incomplete")
+    if out.resolve().parent == source.resolve().parent:
+        (out.parent / LATEST_UNIVERSAL_FILE).write_text(out.name)
+        print(f"ds_to_universal: {out.parent / LATEST_UNIVERSAL_FILE} names {out.name}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,108 @@
+"""Universal checkpoints (DeepSpeed's `ds_to_universal` layout): DeepSpeed's own conversions of two fixtures load
+into the engine at another world size and stage (`checkpoint.load_universal` and `latest_universal`), and
+Slipstream's `ds_to_universal` converts a DeepSpeed checkpoint into the same tensors and a Slipstream checkpoint
+into one that loads back equal to the original."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipstream.checkpoint.deepspeed_import import read_deepspeed_checkpoint
+from slipstream.checkpoint.errors import CheckpointError
+from slipstream.checkpoint.universal import is_universal_checkpoint, read_universal_checkpoint
+from tests.compat.test_checkpoint_single import TinyNet, _engine, _train, _train_tiny
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+DEEPSPEED = FIXTURES / "deepspeed_ckpt"
+UNIVERSAL = FIXTURES / "deepspeed_universal"
+
+
+def _convert(source: Path, out: Path) -> Path:
+    from slipstream.checkpoint.ds_to_universal import main, parse_arguments  # DeepSpeed's module path
+
+    return main(parse_arguments(["--input_folder", str(source), "--output_folder", str(out)]))
+
+
+@pytest.mark.parametrize("case,stage", [("stage2_bf16_ws2", 1), ("stage3_fp32_ws2", 2)])
+def test_deepspeeds_universal_checkpoint_loads_into_the_engine(case: str, stage: int) -> None:
+    """Saved by DeepSpeed at 2 ranks, converted by DeepSpeed, loaded here at 1 rank and another stage."""
+    expected = json.loads((DEEPSPEED / case / "expected.json").read_text())
+    bf16 = expected["dtype"] == "bf16"
+    engine = _engine(stage=stage, model=TinyNet(), bf16={"enabled": bf16}, checkpoint={"load_universal": True})
+    path, client = engine.load_checkpoint(UNIVERSAL / case)  # the tag comes from latest_universal
+    assert path is not None and Path(path).name == "global_step2_universal"
+    assert client == expected["client_state"] and engine.global_steps == expected["global_steps"]
+    for piece in engine.optimizer.owned_slices(engine._param_names, for_save=False):
+        for key, have in (("master", piece.master), ("exp_avg", None), ("exp_avg_sq", None)):
+            if have is None:
+                have = piece.state_view(engine.optimizer.optimizer.state[piece.piece], key)
+            want = torch.tensor(expected[key][piece.name]).reshape(-1)[piece.lo : piece.hi]
+            torch.testing.assert_close(have, want, rtol=0, atol=0, msg=lambda m, k=key, n=piece.name: f"{k} {n}: {m}")
+    _train_tiny(engine, expected)  # the optimizer step count and hyperparameters came along: the next step is exact
+
+
+@pytest.mark.parametrize("case", ["stage2_bf16_ws2", "stage3_fp32_ws2"])
+def test_conversion_of_a_deepspeed_checkpoint_matches_deepspeeds(case: str, tmp_path: Path) -> None:
+    ours = read_universal_checkpoint(_convert(DEEPSPEED / case / "global_step2", tmp_path / "universal"))
+    theirs = read_universal_checkpoint(UNIVERSAL / case / "global_step2_universal")
+    source = read_deepspeed_checkpoint(DEEPSPEED / case)
+    assert ours.optimizer_step == theirs.optimizer_step == source.optimizer_step == 2
+    assert ours.param_groups == theirs.param_groups and ours.scalars["global_steps"] == 2
+    for name, value in source.master.items():
+        assert torch.equal(ours.master[name], value) and torch.equal(theirs.master[name], value), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = source.optimizer_state[name][key]
+            assert torch.equal(ours.optimizer_state[name][key], want), (name, key)
+            assert torch.equal(theirs.optimizer_state[name][key], want), (name, key)
+    for name, value in source.module.items():
+        assert torch.equal(ours.module[name], value), name
+    # written next to the input folder? no: tmp_path is elsewhere, so no latest_universal was written there
+    assert not (DEEPSPEED / case / "latest_universal").exists()
+
+
+def test_slipstream_checkpoint_round_trip_at_another_stage(tmp_path: Path) -> None:
+    engine = _engine(stage=2, bf16={"enabled": True})
+    _train(engine, steps=3)
+    engine.save_checkpoint(tmp_path)
+    out = _convert(tmp_path / "global_step3", tmp_path / "global_step3_universal")
+    assert is_universal_checkpoint(out) and (tmp_path / "latest_universal").read_text() == out.name
+    assert (out / "zero" / "layers.0.weight" / "exp_avg.pt").is_file() and (out / "zero" / "optimizer_state.pt").is_file()
+
+    direct = _engine(stage=3, bf16={"enabled": True})
+    direct.load_checkpoint(tmp_path)  # `latest`: the native checkpoint
+    universal = _engine(stage=3, bf16={"enabled": True}, checkpoint={"load_universal": True})
+    path, _ = universal.load_checkpoint(tmp_path)  # `latest_universal`
+    assert Path(path) == out and universal.global_steps == direct.global_steps == 3
+    mine = universal.optimizer.owned_slices(universal._param_names, for_save=False)
+    ref = direct.optimizer.owned_slices(direct._param_names, for_save=False)
+    for a, b in zip(mine, ref):
+        assert a.name == b.name and torch.equal(a.master, b.master), a.name
+        for key in ("exp_avg", "exp_avg_sq"):
+            sa = a.state_view(universal.optimizer.optimizer.state[a.piece], key)
+            sb = b.state_view(direct.optimizer.optimizer.state[b.piece], key)
+            assert torch.equal(sa, sb), (a.name, key)
+    _train(universal, steps=1)
+    _train(direct, steps=1)
+    for a, b in zip(universal.optimizer.owned_slices(universal._param_names, for_save=False),
+                    direct.optimizer.owned_slices(direct._param_names, for_save=False)):
+        assert torch.equal(a.master, b.master), a.name
+
+
+def test_broken_universal_checkpoints_are_named(tmp_path: Path) -> None:
+    copy = tmp_path / "u"
+    shutil.copytree(UNIVERSAL / "stage2_bf16_ws2" / "global_step2_universal", copy)
+    (copy / "zero" / "fc1.weight" / "fp32.pt").unlink()
+    with pytest.raises(CheckpointError, match="fc1.weight has no fp32.pt"):
+        read_universal_checkpoint(copy)
+    torch.save(torch.zeros(5), copy / "zero" / "fc1.weight" / "fp32.pt")
+    with pytest.raises(CheckpointError, match="5 elements.*fc1.weight"):
+        read_universal_checkpoint(copy)
+    with pytest.raises(CheckpointError, match="not a universal checkpoint"):
+        read_universal_checkpoint(tmp_path / "nothing")
+    with pytest.raises(CheckpointError, match="neither a Slipstream checkpoint"):
+        _convert(tmp_path / "nothing", tmp_path / "out")
