@@ -8,10 +8,13 @@ on; `slipstream.config.resolve` reports any other field set to a non-default val
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar
 
-from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from slipstream.config.errors import ConfigError
 
 __all__ = ["DSBool", "DSModel", "DSInt", "DSFloat", "OpenSection", "aliased", "accepted_keys", "model_of", "zero_one"]
 
@@ -57,6 +60,42 @@ class DSModel(BaseModel):
     component."""
     LITERAL_AUTO: ClassVar[frozenset[str]] = frozenset()
     """Fields for which the string "auto" is a real DeepSpeed value (not an HF placeholder)."""
+
+    def __init__(self, /, **data: Any) -> None:
+        # here as well as in the validator: an error raised inside validation becomes pydantic's ValidationError,
+        # and DeepSpeed's callers catch the both-given case as AssertionError (ConfigError is one)
+        super().__init__(**_migrate_deprecated(type(self), data))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_fields(cls, data: Any) -> Any:
+        return _migrate_deprecated(cls, data) if isinstance(data, Mapping) else data
+
+
+def _migrate_deprecated(model: type[BaseModel], data: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSpeedConfigModel's deprecated fields: a field declared with `json_schema_extra={"deprecated": True,
+    "new_param": "name", "new_param_fn": f}` is moved to `name` (through `f`, when given) with a deprecation
+    warning; giving both is an error."""
+    out = dict(data)
+    for name, info in model.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, Mapping) else {}
+        if not extra.get("deprecated") or name not in out:
+            continue
+        new = extra.get("new_param")
+        if not new:
+            warnings.warn(f"{model.__name__}: config key {name!r} is deprecated", DeprecationWarning, stacklevel=4)
+            continue
+        if new in out:
+            raise ConfigError(
+                [f"{new}: given together with {name!r}, its deprecated spelling ({model.__name__}); keep only {new!r}"]
+            )
+        value = out.pop(name)
+        convert = extra.get("new_param_fn")
+        out[new] = convert(value) if callable(convert) else value
+        warnings.warn(
+            f"{model.__name__}: config key {name!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=4
+        )
+    return out
 
 
 class OpenSection(DSModel):
