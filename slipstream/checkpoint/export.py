@@ -92,10 +92,13 @@ def plan_shards(items: list[ExportItem], max_shard_size: int) -> list[list[Expor
     return shards if shards[0] else []
 
 
-def shard_file_names(num_shards: int) -> list[str]:
+def shard_file_names(num_shards: int, *, pickle: bool = False) -> list[str]:
+    """HF's file names: model.safetensors / model-0000i-of-0000N.safetensors, or with `pickle` (torch.save)
+    pytorch_model.bin / pytorch_model-0000i-of-0000N.bin."""
+    stem, suffix = ("pytorch_model", ".bin") if pickle else ("model", ".safetensors")
     if num_shards == 1:
-        return [SINGLE_FILE]
-    return [f"model-{i:05d}-of-{num_shards:05d}.safetensors" for i in range(1, num_shards + 1)]
+        return [stem + suffix]
+    return [f"{stem}-{i:05d}-of-{num_shards:05d}{suffix}" for i in range(1, num_shards + 1)]
 
 
 def _output_dtype(stored: torch.dtype, dtype: str | None) -> torch.dtype:
@@ -125,30 +128,47 @@ def export_items(
 
 
 def write_items(
-    reader: CheckpointReader, items: list[ExportItem], out_dir: Path, *, max_shard_size: int, progress: bool
+    reader: CheckpointReader,
+    items: list[ExportItem],
+    out_dir: Path,
+    *,
+    max_shard_size: int,
+    progress: bool,
+    pickle: bool = False,
 ) -> list[Path]:
-    """Stream `items` into HF-named shards under `out_dir` (+ the index when there are several); returns the files."""
+    """Stream `items` into HF-named shards under `out_dir` (+ the index when there are several); returns the files.
+    Safetensors hold one tensor in memory at a time; `pickle` (torch.save files, DeepSpeed's zero_to_fp32 default)
+    holds one shard."""
     shards = plan_shards(items, max_shard_size)
-    names = shard_file_names(len(shards))
+    names = shard_file_names(len(shards), pickle=pickle)
     bar = Progress("export", sum(item.nbytes for item in items), unit="MB", scale=1e6, enabled=progress)
     written = []
     for file_name, shard in zip(names, shards):
-        entries = [(item.name, item.dtype, item.shape) for item in shard]
-        with SafetensorsWriter(out_dir / file_name, entries, metadata={"format": "pt"}) as writer:
+        if pickle:
+            state = {}
             for item in shard:
-                tensor = reader.read(item.key).to(item.dtype)
-                writer.write(item.name, tensor)
-                del tensor  # one tensor in memory at a time
+                state[item.name] = reader.read(item.key).to(item.dtype)
                 bar.advance(item.nbytes, item.name[-40:])
+            torch.save(state, out_dir / file_name)
+            del state
+        else:
+            entries = [(item.name, item.dtype, item.shape) for item in shard]
+            with SafetensorsWriter(out_dir / file_name, entries, metadata={"format": "pt"}) as writer:
+                for item in shard:
+                    tensor = reader.read(item.key).to(item.dtype)
+                    writer.write(item.name, tensor)
+                    del tensor  # one tensor in memory at a time
+                    bar.advance(item.nbytes, item.name[-40:])
         written.append(out_dir / file_name)
     bar.finish()
     if len(shards) > 1:
+        index_file = "pytorch_model.bin.index.json" if pickle else INDEX_FILE
         index = {
             "metadata": {"total_size": sum(item.nbytes for item in items)},
             "weight_map": {item.name: file_name for file_name, shard in zip(names, shards) for item in shard},
         }
-        write_text_atomic(out_dir / INDEX_FILE, json.dumps(index, indent=2) + "\n")
-        written.append(out_dir / INDEX_FILE)
+        write_text_atomic(out_dir / index_file, json.dumps(index, indent=2) + "\n")
+        written.append(out_dir / index_file)
     return written
 
 

@@ -51,24 +51,19 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     checkpoint_dir: str | os.PathLike[str],
     output_dir: str | os.PathLike[str],
     max_shard_size: int | str = "5GB",
-    safe_serialization: bool = True,
+    safe_serialization: bool = False,
     tag: str | None = None,
     exclude_frozen_parameters: bool = False,
 ) -> None:
-    """Write the fp32 model weights as `model.safetensors` (or shards + index) under `output_dir`."""
-    if not safe_serialization:
-        raise ValueError(
-            "convert_zero_checkpoint_to_fp32_state_dict(safe_serialization=False) would write a "
-            "pickle (pytorch_model.bin); Slipstream writes only safetensors. Pass "
-            "safe_serialization=True: transformers' from_pretrained reads model.safetensors."
-        )
+    """Write the fp32 model weights under `output_dir`: `pytorch_model.bin` (torch.save of the state dict, DeepSpeed's
+    default) or with `safe_serialization` `model.safetensors`; shards + index above `max_shard_size`."""
     limit = parse_size(max_shard_size)
     source = resolve_checkpoint_dir(checkpoint_dir, tag)
     out = Path(output_dir)
     with CheckpointReader(source) as reader:
         items = export_items(reader, dtype="fp32", exclude_frozen=exclude_frozen_parameters)
         out.mkdir(parents=True, exist_ok=True)
-        write_items(reader, items, out, max_shard_size=limit, progress=True)
+        write_items(reader, items, out, max_shard_size=limit, progress=True, pickle=not safe_serialization)
 
 
 def load_state_dict_from_zero_checkpoint(
@@ -84,7 +79,7 @@ def load_state_dict_from_zero_checkpoint(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m slipstream.utils.zero_to_fp32",
-        description="Write a checkpoint's fp32 model weights as safetensors.",
+        description="Write a checkpoint's fp32 model weights (pytorch_model.bin, or safetensors).",
     )
     parser.add_argument("checkpoint_dir", help="the save_dir, or one checkpoint (tag) directory")
     parser.add_argument("output_dir", help="directory for model*.safetensors")
@@ -92,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--safe_serialization",
         action="store_true",
-        help="accepted for DeepSpeed compatibility; the output is always safetensors",
+        help="write model.safetensors instead of pytorch_model.bin",
     )
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the `latest` file)")
     parser.add_argument("--exclude_frozen_parameters", action="store_true", help="skip requires_grad=False params")
@@ -101,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         args.checkpoint_dir,
         args.output_dir,
         max_shard_size=args.max_shard_size,
+        safe_serialization=args.safe_serialization,
         tag=args.tag,
         exclude_frozen_parameters=args.exclude_frozen_parameters,
     )

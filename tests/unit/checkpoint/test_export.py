@@ -119,12 +119,21 @@ def test_deepspeed_zero_to_fp32_names(tmp_path: Path) -> None:
                                                         exclude_frozen_parameters=True)
     assert "fc.bias" not in unfrozen and "fc.weight" in unfrozen
 
-    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "fp32", max_shard_size="700B")
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "fp32", max_shard_size="700B",
+                                               safe_serialization=True)
     loaded = _load_dir(tmp_path / "fp32")
     assert (tmp_path / "fp32" / "model.safetensors.index.json").exists()
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
-    with pytest.raises(ValueError, match="safe_serialization=True"):
-        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "bin", safe_serialization=False)
+    # DeepSpeed's default: pytorch_model.bin (torch.save of the state dict), sharded with an index past the limit
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "bin")
+    single = torch.load(tmp_path / "bin" / "pytorch_model.bin", weights_only=True)
+    assert list(single) == list(state) and all(torch.equal(single[k], v) for k, v in state.items())
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "bins", max_shard_size="700B")
+    index = json.loads((tmp_path / "bins" / "pytorch_model.bin.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"pytorch_model-00001-of-{len(files):05d}.bin"
+    merged = {k: v for f in files for k, v in torch.load(tmp_path / "bins" / f, weights_only=True).items()}
+    assert set(merged) == set(state) and all(torch.equal(merged[k], v) for k, v in state.items())
 
     model = torch.nn.Module()
     model.embed = torch.nn.Embedding(16, 8)
