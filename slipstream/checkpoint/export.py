@@ -135,10 +135,15 @@ def write_items(
     max_shard_size: int,
     progress: bool,
     pickle: bool = False,
+    tied: dict[str, str] | None = None,
 ) -> list[Path]:
     """Stream `items` into HF-named shards under `out_dir` (+ the index when there are several); returns the files.
     Safetensors hold one tensor in memory at a time; `pickle` (torch.save files, DeepSpeed's zero_to_fp32 default)
-    holds one shard."""
+    holds one shard, and there each `tied` name (name -> the name it shares its tensor with) is saved as the same
+    tensor object, as DeepSpeed's zero_to_fp32 writes tied parameters."""
+    tied_to: dict[str, list[str]] = {}
+    for name, owner in (tied or {}).items() if pickle else ():
+        tied_to.setdefault(owner, []).append(name)
     shards = plan_shards(items, max_shard_size)
     names = shard_file_names(len(shards), pickle=pickle)
     bar = Progress("export", sum(item.nbytes for item in items), unit="MB", scale=1e6, enabled=progress)
@@ -148,6 +153,8 @@ def write_items(
             state = {}
             for item in shard:
                 state[item.name] = reader.read(item.key).to(item.dtype)
+                for name in tied_to.get(item.name, []):
+                    state[name] = state[item.name]
                 bar.advance(item.nbytes, item.name[-40:])
             torch.save(state, out_dir / file_name)
             del state
@@ -165,7 +172,12 @@ def write_items(
         index_file = "pytorch_model.bin.index.json" if pickle else INDEX_FILE
         index = {
             "metadata": {"total_size": sum(item.nbytes for item in items)},
-            "weight_map": {item.name: file_name for file_name, shard in zip(names, shards) for item in shard},
+            "weight_map": {
+                name: file_name
+                for file_name, shard in zip(names, shards)
+                for item in shard
+                for name in [item.name, *tied_to.get(item.name, [])]
+            },
         }
         write_text_atomic(out_dir / index_file, json.dumps(index, indent=2) + "\n")
         written.append(out_dir / index_file)

@@ -63,7 +63,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     with CheckpointReader(source) as reader:
         items = export_items(reader, dtype="fp32", exclude_frozen=exclude_frozen_parameters)
         out.mkdir(parents=True, exist_ok=True)
-        write_items(reader, items, out, max_shard_size=limit, progress=True, pickle=not safe_serialization)
+        tied = reader.manifest.scalars.get("shared_params") or {}
+        write_items(reader, items, out, max_shard_size=limit, progress=True, pickle=not safe_serialization, tied=tied)
 
 
 def load_state_dict_from_zero_checkpoint(

@@ -136,3 +136,33 @@ def _train_tiny(engine: slipstream.SlipstreamEngine, expected: dict) -> None:
     for piece in engine.optimizer.owned_slices(engine._param_names, for_save=False):
         torch.testing.assert_close(piece.master, want[piece.name][piece.lo:piece.hi], rtol=1e-5, atol=1e-7,
                                    msg=lambda m, name=piece.name: f"{name}: {m}")
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer0 = torch.nn.Linear(4, 6)
+        self.layer1 = torch.nn.Linear(6, 6)
+        self.layer2 = torch.nn.Linear(6, 6)
+        self.layer1.weight = self.layer2.weight  # tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer2(self.layer1(self.layer0(x)))
+
+
+def test_zero_to_fp32_default_is_deepspeeds_pytorch_model_bin_with_tied_weights(tmp_path: Path) -> None:
+    from slipstream.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+    engine = _engine(stage=3, model=_Tied())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "fp32")
+    state = torch.load(tmp_path / "fp32" / "pytorch_model.bin", weights_only=True)
+    assert state["layer1.weight"] is state["layer2.weight"]  # one tensor under both names, as DeepSpeed writes
+    model = _Tied()
+    model.load_state_dict(state, strict=True)
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+        for name, param in engine.module.named_parameters():
+            assert torch.equal(dict(model.named_parameters())[name].detach(), param.detach()), name

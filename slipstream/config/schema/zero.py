@@ -15,6 +15,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from slipstream.config.errors import ConfigWarning
 from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, aliased, zero_one
+from slipstream.utils.logging import get_logger
 
 __all__ = [
     "DEFAULT_LEAF_MODULE_CLASSES",
@@ -323,6 +324,17 @@ class ZeroConfig(DSModel):
         if value:
             raise ValueError("legacy_stage1 was removed from DeepSpeed; delete the key")
         return value
+
+    @model_validator(mode="after")
+    def _elastic_checkpoint_at_stage3(self) -> ZeroConfig:
+        """DeepSpeed logs that elastic checkpointing is deprecated for ZeRO-3 (through its logger, where its
+        callers look for it); Slipstream's checkpoints load at any world size and stage without the key."""
+        if self.stage == 3 and self.elastic_checkpoint:
+            get_logger().warning(
+                "zero_optimization.elastic_checkpoint: elastic checkpointing is deprecated for ZeRO-3 and has no "
+                "effect; Slipstream checkpoints load at any world size and ZeRO stage without it (remove the key)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _overlap_comm_default(self) -> ZeroConfig:

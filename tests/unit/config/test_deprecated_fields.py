@@ -36,3 +36,16 @@ def test_both_given_is_an_error() -> None:
     assert isinstance(info.value, AssertionError)
     with pytest.raises(ValidationError, match="given together"):
         Conf.model_validate({"old_names": "a", "names": ["a"]})
+
+
+def test_elastic_checkpoint_at_stage3_is_logged_as_deprecated(monkeypatch: pytest.MonkeyPatch) -> None:
+    from slipstream.config.schema.zero import ZeroConfig
+    from slipstream.utils.logging import get_logger
+
+    messages: list[str] = []
+    monkeypatch.setattr(get_logger(), "warning", lambda message, *a, **k: messages.append(message))
+    ZeroConfig(stage=2, elastic_checkpoint=True)
+    ZeroConfig(stage=3)
+    assert messages == []
+    ZeroConfig(stage=3, elastic_checkpoint=True)
+    assert len(messages) == 1 and "elastic checkpointing is deprecated for ZeRO-3" in messages[0]
