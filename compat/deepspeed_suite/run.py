@@ -385,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         results.update({k: v for k, v in load_results().items() if k in ("deepspeed", "seconds")})
     exclusions = read_exclusions(EXCLUSIONS.read_text().splitlines()) if EXCLUSIONS.exists() else {}
     if args.causes:
-        denominator = TEST_IDS.read_text().split() if TEST_IDS.exists() else []
+        listed = TEST_IDS.read_text().split() if TEST_IDS.exists() else []
+        denominator = [t for t in listed if not is_excluded(t, exclusions)]
         print(causes_markdown(results.get("slipstream", {}), denominator))
         return 0
     if args.table:
