@@ -115,6 +115,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "checkpointing": "slipstream.activation.checkpointing",
     },
     "slipstream.runtime.swap_tensor": {"MIN_SWAPPABLE_BYTES": f"{_RT}:MIN_SWAPPABLE_BYTES"},
+    "slipstream.utils.timer": {"ThroughputTimer": "slipstream.utils.throughput:ThroughputTimer"},
     "slipstream.runtime.zero.offload_config": {
         "DeepSpeedZeroOffloadParamConfig": f"{_CFG}.zero:OffloadParamConfig",
         "DeepSpeedZeroOffloadOptimizerConfig": f"{_CFG}.zero:OffloadOptimizerConfig",

@@ -40,6 +40,7 @@ from slipstream.engine.observe import CommsLog, StepProfiler
 from slipstream.engine.parallel import setup_parallel
 from slipstream.utils.logging import get_logger, log_rank0, warn_once
 from slipstream.utils.progress import Progress
+from slipstream.utils.throughput import ThroughputTimer
 from slipstream.zero.build import build_zero
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
@@ -150,6 +151,9 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         self._last_loss: float | None = None
         self._window_started = time.perf_counter()
         self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self.tput_timer = ThroughputTimer(batch_size=plan.batch.train_batch_size)
+        """DeepSpeed's throughput timer: started by every forward, stopped by every step()
+        (`engine.tput_timer.avg_samples_per_sec()`); the step line reports samples/s itself."""
         log_rank0(
             f"engine: ZeRO stage {plan.zero.stage}, world size {self.world_size}, params "
             f"{plan.precision.param_dtype}, master {plan.precision.master_dtype}, grad accumulation "
@@ -174,6 +178,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
     # ---- forward / backward ----
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
+        self.tput_timer.start()
         dtype = DTYPES[self.plan.precision.param_dtype]
         if dtype != torch.float32:
             inputs, kwargs = builders.cast_floating((inputs, kwargs), dtype)
@@ -254,6 +259,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._optimizer_step(lr_kwargs or {})
+        self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
         self._window_micro_steps = 0 if boundary else self._window_micro_steps + 1
         self._boundary_override = None
