@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from slipstream.utils.logging import get_logger
 from slipstream.utils.torch_shim import queue_end_of_backward
 from slipstream.zero.stage3.sharded_param import ZeroParamStatus, internal_access
 from slipstream.zero.stage3.unit import Unit
@@ -127,6 +128,8 @@ class Coordinator:
         self.forward_trace, self.backward_trace = OrderTrace(), OrderTrace()
         self.training_state = TrainingState.IDLE
         self.hooks: list[Any] = []
+        self._running: list[Unit] = []
+        """Units whose forward is running, innermost last (a parameter used there is borrowed by the last)."""
 
     # ---- registration ----
     def attach(self, root: torch.nn.Module) -> None:
@@ -195,6 +198,7 @@ class Coordinator:
                 unit.release()
 
     def pre_forward(self, unit: Unit) -> None:
+        self._running.append(unit)
         state = self.state[unit.uid]
         for owner in state.borrow:
             owner.finish_gather()
@@ -205,6 +209,8 @@ class Coordinator:
             self._prefetch(self.forward_trace.upcoming())
 
     def post_forward(self, unit: Unit, output: Any) -> None:
+        if unit in self._running:
+            del self._running[len(self._running) - 1 - self._running[::-1].index(unit)]
         state = self.state[unit.uid]
         outputs = [t for t in _tensors(output) if t.requires_grad]
         if torch.is_grad_enabled() and outputs:
@@ -224,6 +230,31 @@ class Coordinator:
             in_backward = self.training_state is TrainingState.BACKWARD
             if self.state[owner.uid].holds == 0 and not in_backward and not self._reused_soon(owner):
                 owner.release()
+
+    def borrow_on_use(self, owner: Unit, name: str) -> bool:
+        """A parameter of `owner` is used, not gathered, inside the forward of another unit (`F.linear(x,
+        self.other.weight)` in a parent's forward): `owner` becomes one of that unit's borrowed units, as
+        `register_external_parameter` would have said up front, and is gathered now. From then on it is gathered
+        with the unit (forward, and backward, which needs it again) and released with it. False outside any
+        unit's forward (the caller raises). Every rank runs the same forward, so every rank gathers alike."""
+        if not self._running:
+            return False
+        user = self._running[-1]
+        borrow = self.state[user.uid].borrow
+        if owner not in borrow:
+            borrow.append(owner)
+            get_logger().info(
+                "ZeRO-3: '%s' (unit %s) is used in the forward of unit %s; it is gathered with that unit from now on "
+                "(register_external_parameter(module, param) declares it up front)",
+                name,
+                owner.name,
+                user.name,
+            )
+        owner.start_gather()
+        owner.finish_gather()
+        self.state[owner.uid].holds += 1  # released by the user's forward hook, with its other borrowed units
+        owner.active_modules.add(user.uid)
+        return True
 
     def _mark_inputs(self, unit: Unit, args: Any, kwargs: Any) -> Any:
         positions = [(True, i) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]

@@ -192,7 +192,15 @@ class ShardedParameter(DeepSpeedParamAttrs, nn.Parameter):
         if not _INTERNAL[0] and func not in _METADATA and not _is_noop_move(func, args, kwargs):
             for value in itertools.chain(args, kwargs.values()):
                 param = _blocked(value)
-                if param is not None:
+                if param is None:
+                    continue
+                # inside a unit's forward: gather the owner now and from then on with that unit (DeepSpeed fetches
+                # another module's parameter the same way); elsewhere, or if it did not help, it is an error
+                coordinator = getattr(param.ds_record.unit.manager, "coordinator", None)
+                borrowed = coordinator is not None and coordinator.borrow_on_use(
+                    param.ds_record.unit, param.ds_record.name
+                )
+                if not borrowed or _blocked(value) is not None:
                     raise ShardedParameterError(_access_message(param, func))
         with no_subclass_dispatch():
             return func(*args, **kwargs)
