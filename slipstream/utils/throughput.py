@@ -80,7 +80,8 @@ class ThroughputTimer:
                 self.step_elapsed_time = 0.0
 
     def _report_boundary(self) -> bool:
-        return bool(self.steps_per_output) and self.global_step_count % int(self.steps_per_output) == 0
+        every = self.steps_per_output
+        return every is not None and every > 0 and self.global_step_count % int(every) == 0
 
     def avg_samples_per_sec(self) -> float:
         """Samples per second over the timed optimizer steps; -inf until one has been timed."""

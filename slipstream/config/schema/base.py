@@ -82,7 +82,7 @@ def _migrate_deprecated(model: type[BaseModel], data: Mapping[str, Any]) -> dict
         if not extra.get("deprecated") or name not in out:
             continue
         new = extra.get("new_param")
-        if not new:
+        if not isinstance(new, str) or not new:
             warnings.warn(f"{model.__name__}: config key {name!r} is deprecated", DeprecationWarning, stacklevel=4)
             continue
         if new in out:

@@ -12,6 +12,7 @@ precision (fp32_optimizer_states=False with a bf16/fp16 param) and fp16 params g
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import Any, ClassVar
@@ -151,6 +152,63 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
 
             adam_update_any_dtype(ps, gs, ms, vs, **hyper)
 
+    # ---- DeepSpeed's sub-group entry points (SuperOffload: one optimizer step per sub-group, undone on overflow) ----
+    def _subgroup_param(self, what: str) -> tuple[dict[str, Any], Tensor, Tensor]:
+        """The one parameter with a gradient (a sub-group's flat buffer) and its group."""
+        found = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if len(found) != 1:
+            raise ValueError(
+                f"DeepSpeedCPUAdam.{what}: a sub-group is one flat parameter with a gradient; this optimizer has "
+                f"{len(found)} parameters with gradients. Use one optimizer per sub-group, or step() for all"
+            )
+        group, p = found[0]
+        grad = _checked_grad(p, 0)
+        if grad is None:  # not reached: p.grad was checked above
+            raise RuntimeError(f"DeepSpeedCPUAdam.{what}: the parameter's gradient disappeared")
+        return group, p, grad
+
+    @torch.no_grad()
+    def step_subgroup(self, subgroup_id: int, closure: Callable[[], float] | None = None) -> float | None:
+        """One Adam step of this optimizer's parameter, with its state kept under the key `subgroup_id`
+        (DeepSpeed's SuperOffload keeps one state per sub-group this way)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group, p, grad = self._subgroup_param("step_subgroup")
+        states: dict[Any, Any] = self.state  # keyed by sub-group number here, as DeepSpeed keys it
+        state = states[subgroup_id]
+        if not state:
+            state.update(self._init_state(p))
+        state["step"] += 1
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        native = p.dtype in _NATIVE_PARAM_DTYPES and m.dtype == torch.float32 == v.dtype
+        self._update(group, [p], [grad], [m], [v], [], step=int(state["step"].item()), native=native)
+        return loss
+
+    @torch.no_grad()
+    def rollback_subgroup(self, sub_group_id: int, closure: Callable[[], float] | None = None) -> float | None:
+        """Undo the last `step_subgroup(sub_group_id)` with the same gradient: the parameter and both moments
+        return to their values before it (up to rounding: exactly in fp32 math, then stored in their dtypes)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        states: dict[Any, Any] = self.state
+        state = states.get(sub_group_id)
+        if not state:
+            raise RuntimeError(
+                f"Cannot rollback optimizer state for sub_group_id {sub_group_id} as it has not been initialized "
+                "(no step_subgroup for it yet)"
+            )
+        step = int(state["step"].item()) if isinstance(state["step"], Tensor) else int(state["step"])
+        if step <= 0:
+            raise RuntimeError(f"Cannot rollback sub_group_id {sub_group_id}: step count is {step}")
+        group, p, grad = self._subgroup_param("rollback_subgroup")
+        _adam_rollback(group, p, grad, state["exp_avg"], state["exp_avg_sq"], step=step, adamw_mode=self.adamw_mode)
+        state["step"] -= 1
+        return loss
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load_state_dict, except that states keep their dtype (fp32) instead of the param dtype."""
         saved_state: dict[Any, dict[str, Any]] = state_dict["state"]
@@ -166,6 +224,27 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
             for key in ("exp_avg", "exp_avg_sq"):
                 restored[key] = saved[key].detach().to(device="cpu", dtype=self._state_dtype(p), copy=True).contiguous()
             self.state[p] = restored
+
+
+def _adam_rollback(
+    group: dict[str, Any], p: Tensor, grad: Tensor, m: Tensor, v: Tensor, *, step: int, adamw_mode: bool
+) -> None:
+    """The inverse of one Adam/AdamW update at 1-based `step` with gradient `grad` (fp32 math):
+    p_new = p_old * (1 - lr * wd) - u (AdamW) or p_old - u with g += wd * p_old (L2), u = lr / bc1 * m / (sqrt(v) /
+    bc2s + eps) on the new moments, m_new = b1 * m + (1 - b1) * g, v_new = b2 * v + (1 - b2) * g^2."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr, eps, decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+    bc1, bc2s = (1 - beta1**step, math.sqrt(1 - beta2**step)) if group["bias_correction"] else (1.0, 1.0)
+    m32, v32, p32, g32 = m.float(), v.float(), p.float(), grad.float()
+    undone = p32 + (lr / bc1) * m32 / (v32.sqrt() / bc2s + eps)
+    if adamw_mode:
+        p_old = undone / (1 - lr * decay) if decay else undone
+    else:
+        p_old = undone
+        g32 = g32 + decay * p_old
+    m.copy_((m32 - (1 - beta1) * g32) / beta1)
+    v.copy_(((v32 - (1 - beta2) * g32 * g32) / beta2).clamp_(min=0))
+    p.copy_(p_old)
 
 
 def _load_op() -> ModuleType:
