@@ -94,13 +94,27 @@ def _full(param: torch.Tensor, read: Any) -> torch.Tensor | None:
     full = torch.zeros(numel, dtype=torch.float32, device=device)
     for piece in slices:
         full[piece.lo : piece.hi] = read(optimizer, piece).float()
+    _assemble(optimizer, param, full)
+    return full.view(shape)
+
+
+def _assemble(optimizer: Any, param: torch.Tensor, full: torch.Tensor) -> None:
+    """Sum the ranks' disjoint parts of `full` over the process group `param` is sharded over: its param group's or
+    its unit's (MoE experts: their expert-data-parallel group), else the optimizer's data-parallel group."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    location = getattr(optimizer, "_param_location", {}).get(id(param))  # stages 0-2
+    record = getattr(param, "ds_record", None)  # stage 3: the unit's group
+    if location is not None:
+        group = location[0].process_group
+    else:
+        group = record.unit.group if record is not None else optimizer.process_group
+    if dist.get_world_size(group) > 1:
         from slipstream.comm import collectives
 
-        collectives.all_reduce(full)
-    return full.view(shape)
+        collectives.all_reduce(full, group=group)
 
 
 def _local(param: torch.Tensor, read: Any) -> torch.Tensor | None:
@@ -214,12 +228,7 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     full = torch.zeros(numel, dtype=torch.float32, device=device)
     for piece in slices:
         full[piece.lo : piece.hi] = piece.grad.float() / divisor
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from slipstream.comm import collectives
-
-        collectives.all_reduce(full)
+    _assemble(optimizer, param, full)
     return full.view(shape).to(_grad_dtype(optimizer))
 
 
