@@ -284,6 +284,10 @@ class LoggingPlan:
     monitor: MonitorPlan
     flops_profile: FlopsProfilePlan | None = None
     comms_log: CommsLogPlan | None = None
+    throughput_timer: bool = True
+    """`timers.throughput.enabled`: engine.tput_timer counts and times (False: it stays at zero)."""
+    throughput_synchronized: bool = True
+    """`timers.throughput.synchronized`: the timer synchronises the device before reading the clock."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

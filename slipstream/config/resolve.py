@@ -448,6 +448,8 @@ def _logging_plan(cfg: DeepSpeedConfig) -> LoggingPlan:
         monitor=monitor,
         flops_profile=_same_named(flops, FlopsProfilePlan) if flops.enabled else None,
         comms_log=_same_named(comms, CommsLogPlan, prof_ops=tuple(comms.prof_ops)) if comms.enabled else None,
+        throughput_timer=cfg.timers.throughput.enabled,
+        throughput_synchronized=cfg.timers.throughput.synchronized,
     )
 
 

@@ -151,7 +151,11 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         self._last_loss: float | None = None
         self._window_started = time.perf_counter()
         self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self.tput_timer = ThroughputTimer(batch_size=plan.batch.train_batch_size)
+        self.tput_timer = ThroughputTimer(
+            batch_size=plan.batch.train_batch_size,
+            enabled=plan.logging.throughput_timer,
+            synchronize=get_accelerator().synchronize if plan.logging.throughput_synchronized else None,
+        )
         """DeepSpeed's throughput timer: started by every forward, stopped by every step()
         (`engine.tput_timer.avg_samples_per_sec()`); the step line reports samples/s itself."""
         log_rank0(

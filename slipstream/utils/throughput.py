@@ -11,6 +11,7 @@ spent outside forward-to-step (data loading, logging) is not counted. `avg_sampl
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["ThroughputTimer"]
@@ -25,6 +26,9 @@ class ThroughputTimer:
         steps_per_output: int | None = None,
         monitor_memory: bool = False,
         logging_fn: Any = None,
+        *,
+        enabled: bool = True,
+        synchronize: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.batch_size = 1 if batch_size is None else int(batch_size)
@@ -34,6 +38,10 @@ class ThroughputTimer:
         self.steps_per_output = steps_per_output
         self.monitor_memory = monitor_memory
         self.logging = logging_fn
+        self.enabled = enabled
+        """False: start() and stop() do nothing (`timers.throughput.enabled: false`)."""
+        self.synchronize = synchronize
+        """Called before each clock reading (the device's synchronize: `timers.throughput.synchronized`)."""
         self.initialized = False
         self.started = False
         self.start_time = 0.0
@@ -52,10 +60,12 @@ class ThroughputTimer:
 
     def start(self) -> None:
         """A micro-batch begins; timing starts once `start_step` optimizer steps are done."""
+        if not self.enabled:
+            return
         self.initialized = True
         self.started = True
         if self.global_step_count >= self.start_step:
-            self.start_time = time.time()
+            self.start_time = self._now()
 
     def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
         """A micro-batch ends (`global_step`: and with it an optimizer step). No effect before the first start()."""
@@ -66,7 +76,7 @@ class ThroughputTimer:
         if global_step:
             self.global_step_count += 1
         if self.start_time > 0:
-            self.end_time = time.time()
+            self.end_time = self._now()
             duration = self.end_time - self.start_time
             self.total_elapsed_time += duration
             self.step_elapsed_time += duration
@@ -78,6 +88,11 @@ class ThroughputTimer:
                         f"CurrSamplesPerSec={self.batch_size / max(self.step_elapsed_time, 1e-12)}"
                     )
                 self.step_elapsed_time = 0.0
+
+    def _now(self) -> float:
+        if self.synchronize is not None:
+            self.synchronize()
+        return time.time()
 
     def _report_boundary(self) -> bool:
         every = self.steps_per_output

@@ -53,3 +53,29 @@ def test_the_engine_drives_it() -> None:
         engine.step()
     assert (timer.micro_step_count, timer.global_step_count) == (8, 4) and engine.global_steps == 4
     assert timer.total_elapsed_time > 0 and 0 < timer.avg_samples_per_sec() < float("inf")
+
+
+def test_disabled_timer_stays_at_zero_and_synchronize_precedes_each_reading() -> None:
+    calls: list[int] = []
+    timer = ThroughputTimer(batch_size=4, start_step=0, synchronize=lambda: calls.append(1))
+    timer.start()
+    timer.stop(global_step=True)
+    assert len(calls) == 2 and timer.global_step_count == 1  # start and stop each read the clock
+    off = ThroughputTimer(batch_size=4, enabled=False)
+    off.start()
+    off.stop(global_step=True)
+    assert (off.initialized, off.micro_step_count, off.global_step_count) == (False, 0, 0)
+
+
+def test_the_config_keys_reach_the_engine() -> None:
+    import slipstream
+    from tests.harness.models import TinyMLP
+
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+              "timers": {"throughput": {"enabled": False, "synchronized": False}}}
+    engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
+    assert engine.tput_timer.synchronize is None
+    x, y = TinyMLP().make_batch(seed=0, batch_size=4)
+    engine.backward(TinyMLP.loss(engine(x), y))
+    engine.step()
+    assert engine.global_steps == 1 and engine.tput_timer.global_step_count == 0

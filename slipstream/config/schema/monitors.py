@@ -161,6 +161,11 @@ class FlopsProfilerConfig(DSModel):
 class ThroughputTimerConfig(DSModel):
     """`timers.throughput`."""
 
+    IMPLEMENTED = {
+        "enabled": "logging.throughput_timer",
+        "synchronized": "logging.throughput_synchronized",
+    }
+
     enabled: DSBool = True
     """Measure throughput."""
     synchronized: DSBool = True
