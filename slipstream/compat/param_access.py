@@ -220,16 +220,9 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     found = _settled("safe_get_full_grad", param)
     if found is None:
         return None
-    optimizer, name, divisor = found
-    slices = _slices(optimizer, name)
-    numel = param.ds_numel if hasattr(param, "ds_numel") else param.numel()
-    shape = tuple(param.ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
-    device = slices[0].grad.device if slices else param.device
-    full = torch.zeros(numel, dtype=torch.float32, device=device)
-    for piece in slices:
-        full[piece.lo : piece.hi] = piece.grad.float() / divisor
-    _assemble(optimizer, param, full)
-    return full.view(shape).to(_grad_dtype(optimizer))
+    optimizer, _, divisor = found
+    full = _full(param, lambda _optimizer, piece: piece.grad.float() / divisor)
+    return None if full is None else full.to(_grad_dtype(optimizer))
 
 
 def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:

@@ -24,8 +24,8 @@ CASES_2 = [
 CASES_4 = [{"tp": 2, "sp": 1, "stage": 3}, {"tp": 1, "sp": 2, "stage": 1}]
 
 
-def reference(seq: int = SEQ) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
-    model = TinyGPT()
+def reference(seq: int = SEQ, **model_args: int) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    model = TinyGPT(**model_args)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses, norms = [], []
     for x, y in batches(STEPS, BATCH, seq):

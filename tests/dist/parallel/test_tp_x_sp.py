@@ -10,26 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist.parallel.models import TinyGPT, batches, loss_fn
-from tests.dist.parallel.test_tp_sp_training import BATCH, CLIP, LR, STEPS, train_step
+from tests.dist.parallel.models import TinyGPT, batches
+from tests.dist.parallel.test_tp_sp_training import BATCH, CLIP, LR, STEPS, reference, train_step
 from tests.harness import run_distributed, run_subtests
 
 HEADS = 4
 CASES = [{"stage": 1}, {"stage": 3}]
-
-
-def reference() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
-    model = TinyGPT(heads=HEADS, kv_heads=HEADS)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses, norms = [], []
-    for x, y in batches(STEPS, BATCH):
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
 def train(rank: int, world: int, *, stage: int) -> dict[str, Any]:
@@ -72,7 +58,7 @@ def grid(rank: int, world: int) -> list[dict]:
 
 
 def test_tp2_x_sp2_matches_single_process() -> None:
-    ref_losses, ref_params, ref_norms = reference()
+    ref_losses, ref_params, ref_norms = reference(heads=HEADS, kv_heads=HEADS)
     for case, got in zip(CASES, run_distributed(grid, world_size=4, timeout_s=240)[0]):
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (case, got["losses"], ref_losses)
         assert got["norms"] == pytest.approx(ref_norms, rel=1e-5) and min(ref_norms) > CLIP, (case, got["norms"])
