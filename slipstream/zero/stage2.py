@@ -86,18 +86,26 @@ class Stage2Optimizer(ZeroOptimizer):
         grads = self._pending.pop((id(flat), bucket_id), {})
         piece, chunk, owned = bucket.piece_numel, self._chunk[id(flat)], flat.owned_grads[bucket_id]
         world = flat.world_size  # a param group may be reduced over its own group (MoE experts)
+        if world == 1:  # nothing to reduce with (MoE experts on an expert-data-parallel group of one rank)
+            self._add_own(flat, bucket, grads, owned)
+            self._next += 1
+            return
         for lo in range(0, piece, chunk):
             n = min(chunk, piece - lo)
             slot, staging, receive = self._ring.take(n * world, n)
             for rank in range(world):
                 self._pack(flat, bucket, grads, staging[rank * n : (rank + 1) * n], rank * piece + lo)
-            if world == 1:  # nothing to reduce with: the chunk is this rank's own
-                receive.copy_(staging)
-                work = None
-            else:
-                work = collectives.reduce_scatter(receive, staging, group=flat.process_group, async_op=True)
+            work = collectives.reduce_scatter(receive, staging, group=flat.process_group, async_op=True)
             self._ring.launched(slot, work, receive, owned[lo : lo + n].add_)
         self._next += 1
+
+    @staticmethod
+    def _add_own(flat: FlatGroup, bucket: Bucket, grads: dict[int, torch.Tensor], owned: torch.Tensor) -> None:
+        """A group of one rank owns its whole bucket: add the gradients into it directly (no staging copy)."""
+        for index, grad in grads.items():
+            slot = flat.layout.slots[index]
+            lo = slot.flat_offset - bucket.flat_offset
+            owned[lo : lo + slot.numel].add_(grad.reshape(-1))
 
     @staticmethod
     def _pack(flat: FlatGroup, bucket: Bucket, grads: dict[int, torch.Tensor], out: torch.Tensor, start: int) -> None:
