@@ -8,9 +8,14 @@ Rows (gloo on CPU, one thread per rank, 2 ranks; one fresh process group per row
   `single` (1 process, plain torch), `slipstream_tp2` (`tensor_parallel.autotp_size: 2`, ZeRO 0),
   `dtensor_tp2` (parallelize_module + torch AdamW, no engine), `deepspeed_autotp2` (peer environment).
 - SP: one attention layer (8 heads x 64, seq 8192, causal SDPA), forward + backward.
-  `single`, `slipstream_sp2` (DistributedAttention), `deepspeed_sp2` (DeepSpeed's DistributedAttention).
+  `single`, `slipstream_sp2` (DistributedAttention), `slipstream_sp2_chunked` (`head_chunks` = one head per
+  chunk, recomputed in backward), `deepspeed_sp2` (DeepSpeed's DistributedAttention).
 Step time: median over the steps after one warmup. Memory: the peak RSS of the rank above its RSS before the
-model was built (torch's own import is left out), the larger rank's. Ratios are against `single`.
+model was built (torch's own import is left out), the larger rank's. RSS also holds what glibc keeps of freed
+blocks and one-time buffers of the kernels, so SP rows have a second column, `live`: the peak of the tensors
+that the ops of one more step (run after time and RSS are read) create and still reference, counted by a
+TorchDispatchMode; parameters and inputs made before that step, kernels' scratch buffers and the allocator's
+retention are not in it (TP rows have none: DTensor runs its ops below the mode). Ratios are against `single`.
 Targets (reported, not asserted): TP at DTensor's speed and memory; SP at DeepSpeed's speed with a per-rank
 peak at most 0.6x the single process's.
 """
@@ -73,6 +78,43 @@ class TinyLlamaModel(nn.Module):  # DeepSpeed's AutoTP reads the family from a c
         for block in self.layers:
             x = block(x)
         return self.lm_head(self.norm(x))
+
+
+class _LiveTensors:
+    """Peak bytes of the storages that ops create while active and that are still referenced."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                for t in torch.utils._pytree.tree_flatten(out)[0]:
+                    # plain tensors only: a DTensor's storage is its local tensor's, counted where it is made
+                    if type(t) in (torch.Tensor, nn.Parameter) and t.device.type != "meta":
+                        counter.add(t)
+                return out
+
+        self.mode, self.seen, self.now, self.peak = Mode(), set[int](), 0, 0
+
+    def add(self, t: torch.Tensor) -> None:
+        import weakref
+
+        storage = t.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or key in self.seen:
+            return
+        self.seen.add(key)
+        self.now += size
+        self.peak = max(self.peak, self.now)
+
+        def release() -> None:
+            self.seen.discard(key)
+            self.now -= size
+
+        weakref.finalize(storage, release)
 
 
 def _rss_mib() -> float:
@@ -162,11 +204,12 @@ def _sp_stepper(row: str, seq: int) -> Any:
 
     attend: Any = local_attention
     extra: tuple[Any, ...] = ()
-    if row == "slipstream_sp2":
+    if row.startswith("slipstream_sp2"):
         sys.path.insert(0, str(ROOT))
         from slipstream.sequence.layer import DistributedAttention
 
-        attend = DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=1)
+        chunks = heads // dist.get_world_size() if row == "slipstream_sp2_chunked" else None
+        attend = DistributedAttention(local_attention, dist.group.WORLD, 2, 1, head_chunks=chunks)
     elif row == "deepspeed_sp2":
         import deepspeed
         from deepspeed.sequence.layer import DistributedAttention as DeepSpeedAttention
@@ -201,7 +244,13 @@ def rank_main(rank: int, world: int, store_dir: str, kind: str, row: str, steps:
         started = time.perf_counter()
         step(*_batch(i))
         times.append(time.perf_counter() - started)
-    result = {"time_s": statistics.median(times[1:]), "peak_mib": _rss_mib() - base}
+    result = {"time_s": statistics.median(times[1:]), "peak_mib": _rss_mib() - base, "live_mib": None}
+    if kind == "sp":  # one more step, after time and RSS are read, counts the live tensors (plain tensors only)
+        live = _LiveTensors()
+        dist.barrier()
+        with live.mode:
+            step(*_batch(steps + 1))
+        result["live_mib"] = live.peak / 2**20
     Path(out, f"{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -223,7 +272,10 @@ def run_row(python: str, kind: str, row: str, steps: int, seq: int) -> dict[str,
             print(f"  {kind}/{row}: failed: {errors[0].strip().splitlines()[-1:] if errors[0] else '?'}")
             return None
         results = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(world)]
-    return {"time_s": max(r["time_s"] for r in results), "peak_mib": max(r["peak_mib"] for r in results)}
+    live = [r["live_mib"] for r in results if r["live_mib"] is not None]
+    return {"time_s": max(r["time_s"] for r in results), "peak_mib": max(r["peak_mib"] for r in results)} | (
+        {"live_mib": max(live)} if live else {}
+    )
 
 
 def main() -> None:
@@ -239,28 +291,34 @@ def main() -> None:
     peer = args.peer_python if Path(args.peer_python).exists() else None
     rows = {
         "tp": ["single", "slipstream_tp2", "dtensor_tp2", "deepspeed_autotp2"],
-        "sp": ["single", "slipstream_sp2", "deepspeed_sp2"],
+        "sp": ["single", "slipstream_sp2", "slipstream_sp2_chunked", "deepspeed_sp2"],
     }
     for kind, names in rows.items():
         if args.only not in (None, kind):
             continue
         print(f"{kind.upper()} ({'tiny Llama, batch 4 x 128' if kind == 'tp' else f'attention, seq {seq}, 8 heads'})")
-        print(f"  {'row':<20}{'step s':>10}{'x single':>10}{'peak MiB/rank':>15}{'x single':>10}")
+        live_head = f"{'live MiB/rank':>15}{'x single':>10}" if kind == "sp" else ""
+        print(f"  {'row':<24}{'step s':>10}{'x single':>10}{'peak MiB/rank':>15}{'x single':>10}{live_head}")
         single = None
         for name in names:
             if args.rows and name not in args.rows.split(",") and name != "single":
                 continue
             python = peer if name.startswith("deepspeed") else sys.executable
             if python is None:
-                print(f"  {name:<20} skipped: no peer environment (bash bench/make_peer_venv.sh)")
+                print(f"  {name:<24} skipped: no peer environment (bash bench/make_peer_venv.sh)")
                 continue
             got = run_row(python, kind, name, steps, seq)
             if got is None:
                 continue
             single = single or got
             print(
-                f"  {name:<20}{got['time_s']:>10.3f}{got['time_s'] / single['time_s']:>10.2f}"
+                f"  {name:<24}{got['time_s']:>10.3f}{got['time_s'] / single['time_s']:>10.2f}"
                 f"{got['peak_mib']:>15.0f}{got['peak_mib'] / max(single['peak_mib'], 1e-9):>10.2f}"
+                + (
+                    f"{got['live_mib']:>15.0f}{got['live_mib'] / max(single['live_mib'], 1e-9):>10.2f}"
+                    if "live_mib" in got
+                    else ""
+                )
             )
 
 
