@@ -51,6 +51,9 @@ __all__ = [
 ]
 
 LATEST_UNIVERSAL_FILE = "latest_universal"
+FORMAT_VERSION = "0.19.8"
+"""The DeepSpeed release whose universal layout this writes: the `ds_version` of files written from a Slipstream
+checkpoint (DeepSpeed's loader refuses a universal checkpoint without one)."""
 _STATES = ("exp_avg", "exp_avg_sq")
 
 
@@ -193,7 +196,11 @@ def write_universal_checkpoint(
         if step is not None and name in checkpoint.optimizer_state:
             torch.save(torch.tensor(float(step)), folder / "step.pt")
     groups = [{**group, "params": [index]} for index, group in enumerate(checkpoint.param_groups)]
-    torch.save({"param_groups": groups, "zero_stage": checkpoint.zero_stage}, zero / "optimizer_state.pt")
+    version = str(checkpoint.scalars.get("ds_version") or FORMAT_VERSION)
+    torch.save(
+        {"param_groups": groups, "zero_stage": checkpoint.zero_stage, "ds_version": version},
+        zero / "optimizer_state.pt",
+    )
     if model_state_files:
         for file in model_state_files:
             shutil.copy2(file, out / file.name)
@@ -216,7 +223,7 @@ def _model_states_of(checkpoint: DeepSpeedCheckpoint) -> dict[str, Any]:
         "lr_scheduler": scalars.get("lr_scheduler"),
         "dp_world_size": checkpoint.world_size,
         "mp_world_size": 1,
-        "ds_version": scalars.get("ds_version"),
+        "ds_version": str(scalars.get("ds_version") or FORMAT_VERSION),
     }
 
 
@@ -257,7 +264,7 @@ def checkpoint_from_reader(reader: Any) -> DeepSpeedCheckpoint:
             "global_samples": engine.get("global_samples", 0),
             "skipped_steps": engine.get("skipped_steps", 0),
             "lr_scheduler": scalars.get("lr_scheduler"),
-            "ds_version": scalars.get("slipstream_version"),
+            "ds_version": FORMAT_VERSION,
         },
         client_state=dict(scalars.get("client_state") or {}),
     )

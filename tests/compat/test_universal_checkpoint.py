@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -71,7 +72,9 @@ def test_slipstream_checkpoint_round_trip_at_another_stage(tmp_path: Path) -> No
     engine.save_checkpoint(tmp_path)
     out = _convert(tmp_path / "global_step3", tmp_path / "global_step3_universal")
     assert is_universal_checkpoint(out) and (tmp_path / "latest_universal").read_text() == out.name
-    assert (out / "zero" / "layers.0.weight" / "exp_avg.pt").is_file() and (out / "zero" / "optimizer_state.pt").is_file()
+    assert (out / "zero" / "layers.0.weight" / "exp_avg.pt").is_file() and (
+        out / "zero" / "optimizer_state.pt"
+    ).is_file()
 
     direct = _engine(stage=3, bf16={"enabled": True})
     direct.load_checkpoint(tmp_path)  # `latest`: the native checkpoint
@@ -88,8 +91,10 @@ def test_slipstream_checkpoint_round_trip_at_another_stage(tmp_path: Path) -> No
             assert torch.equal(sa, sb), (a.name, key)
     _train(universal, steps=1)
     _train(direct, steps=1)
-    for a, b in zip(universal.optimizer.owned_slices(universal._param_names, for_save=False),
-                    direct.optimizer.owned_slices(direct._param_names, for_save=False)):
+    for a, b in zip(
+        universal.optimizer.owned_slices(universal._param_names, for_save=False),
+        direct.optimizer.owned_slices(direct._param_names, for_save=False),
+    ):
         assert torch.equal(a.master, b.master), a.name
 
 
@@ -106,3 +111,61 @@ def test_broken_universal_checkpoints_are_named(tmp_path: Path) -> None:
         read_universal_checkpoint(tmp_path / "nothing")
     with pytest.raises(CheckpointError, match="neither a Slipstream checkpoint"):
         _convert(tmp_path / "nothing", tmp_path / "out")
+
+
+def _peer_python() -> str | None:
+    """The DeepSpeed peer interpreter (SLIPSTREAM_PEER_PYTHON, else .bench-venv from bench/make_peer_venv.sh)."""
+    import os
+    import subprocess
+
+    candidate = os.environ.get("SLIPSTREAM_PEER_PYTHON") or str(
+        Path(__file__).resolve().parents[2] / ".bench-venv/bin/python"
+    )
+    if not Path(candidate).is_file():
+        return None
+    probe = subprocess.run([candidate, "-c", "import deepspeed"], capture_output=True, timeout=120)
+    return candidate if probe.returncode == 0 else None
+
+
+@pytest.mark.parametrize("stage,world", [(1, 2), (2, 1)])
+def test_deepspeed_loads_a_universal_checkpoint_slipstream_wrote(stage: int, world: int, tmp_path: Path) -> None:
+    """Both ways: real DeepSpeed reads Slipstream's conversion of a Slipstream checkpoint, every master and moment
+    bit-equal, at another world size and stage (peer environment only: DeepSpeed is never a dependency)."""
+    import json
+    import subprocess
+
+    peer = _peer_python()
+    if peer is None:
+        pytest.skip("DeepSpeed peer environment absent (the interop check needs real DeepSpeed)")
+    engine = _engine(stage=2, model=TinyNet())
+    _train_ds(engine)
+    engine.save_checkpoint(tmp_path)
+    _convert(tmp_path / "global_step2", tmp_path / "global_step2_universal")
+    from slipstream.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    expected = {
+        name: {"master": safe_get_full_fp32_param(p), "exp_avg": safe_get_full_optimizer_state(p, "exp_avg")}
+        for name, p in engine.module.named_parameters()
+        if p.requires_grad
+    }
+    torch.save(expected, tmp_path / "expected.pt")
+    script = Path(__file__).parent / "peer" / "load_universal_in_deepspeed.py"
+    done = subprocess.run(
+        [peer, str(script), str(tmp_path), str(tmp_path / "expected.pt"), str(stage), str(world)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["differ"] == [] and result["global_steps"] == 2, result
+    assert result["path"].endswith("global_step2_universal/mp_rank_00_model_states.pt"), result
+
+
+def _train_ds(engine: Any) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x = torch.randn(4, 8, generator=gen)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
