@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 import torch
@@ -32,12 +31,15 @@ class TinyNet(torch.nn.Module):
         return self.fc2(torch.relu(self.norm(self.fc1(x)))) * self.out_scale + self.frozen_bias[:3]
 
 
-def _rank(rank: int, world: int, port: int, save_dir: str, expected_path: str, stage: int, out: str) -> None:
-    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world, "MASTER_PORT": port}
-    os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
+def _rank(rank: int, world: int, store: str, save_dir: str, expected_path: str, stage: int, out: str) -> None:
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world}
+    os.environ.update({k: str(v) for k, v in env.items()}, DS_ACCELERATOR="cpu")
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    # a file store, not a TCP port: no port can be taken by another job between choosing it and binding it;
+    # DeepSpeed's init_distributed then finds the group initialised
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     deepspeed.init_distributed(dist_backend="gloo")
     model = TinyNet()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
@@ -68,12 +70,10 @@ def _rank(rank: int, world: int, port: int, save_dir: str, expected_path: str, s
 
 def main() -> None:
     save_dir, expected_path, stage, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    store = os.path.join(save_dir, f"deepspeed_store_{stage}_{world}")
     out = os.path.join(save_dir, "deepspeed_result.json")
     mp.start_processes(
-        _rank, args=(world, port, save_dir, expected_path, stage, out), nprocs=world, start_method="spawn"
+        _rank, args=(world, store, save_dir, expected_path, stage, out), nprocs=world, start_method="spawn"
     )
     print(open(out).read())
 
