@@ -155,16 +155,15 @@ class Checkpointing:
         self._check_at_boundary("load_checkpoint", "they belong to the parameters a load replaces")
         root = Path(load_dir)
         if tag is None:
-            universal = self.plan.checkpoint.load_universal
-            tag = read_latest(root, name=LATEST_UNIVERSAL_FILE if universal else "latest")
+            latest = LATEST_UNIVERSAL_FILE if self.plan.checkpoint.load_universal else "latest"
+            tag = read_latest(root, name=latest)
             if tag is None:
                 if (root / "manifest.json").is_file() or list(root.glob("*model_states.pt")):
                     tag, root = root.name, root.parent
                 else:
                     warn_once(
                         f"no-ckpt:{root}",
-                        f"slipstream: load_checkpoint found no `{LATEST_UNIVERSAL_FILE if universal else 'latest'}` "
-                        f"file in {root}; "
+                        f"slipstream: load_checkpoint found no `{latest}` file in {root}; "
                         "nothing loaded (pass tag=... to pick a checkpoint)",
                     )
                     return None, None

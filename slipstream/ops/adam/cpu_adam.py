@@ -108,18 +108,23 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
                 if grad is None:
                     continue
                 state = self.state[p]
-                if not state:
-                    state.update(self._init_state(p))
-                state["step"] += 1
+                step, native = self._advance(state, p)
                 m, v = state["exp_avg"], state["exp_avg_sq"]
-                native = p.dtype in _NATIVE_PARAM_DTYPES and m.dtype == torch.float32 == v.dtype
-                lists = calls.setdefault((int(state["step"].item()), native), [[], [], [], [], []])
+                lists = calls.setdefault((step, native), [[], [], [], [], []])
                 for dst, t in zip(lists, (p, grad, m, v, out)):
                     if t is not None:
                         dst.append(t)
             for (step, native), (ps, gs, ms, vs, os_) in calls.items():
                 self._update(group, ps, gs, ms, vs, os_, step=step, native=native)
         return loss
+
+    def _advance(self, state: dict[str, Any], p: Tensor) -> tuple[int, bool]:
+        """Count one more step in `state` (created on first use); (the 1-based step, native kernel usable?)."""
+        if not state:
+            state.update(self._init_state(p))
+        state["step"] += 1
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        return int(state["step"].item()), p.dtype in _NATIVE_PARAM_DTYPES and m.dtype == torch.float32 == v.dtype
 
     def _update(
         self,
@@ -178,12 +183,8 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
         group, p, grad = self._subgroup_param("step_subgroup")
         states: dict[Any, Any] = self.state  # keyed by sub-group number here, as DeepSpeed keys it
         state = states[subgroup_id]
-        if not state:
-            state.update(self._init_state(p))
-        state["step"] += 1
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        native = p.dtype in _NATIVE_PARAM_DTYPES and m.dtype == torch.float32 == v.dtype
-        self._update(group, [p], [grad], [m], [v], [], step=int(state["step"].item()), native=native)
+        step, native = self._advance(state, p)
+        self._update(group, [p], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], step=step, native=native)
         return loss
 
     @torch.no_grad()
@@ -201,7 +202,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
                 f"Cannot rollback optimizer state for sub_group_id {sub_group_id} as it has not been initialized "
                 "(no step_subgroup for it yet)"
             )
-        step = int(state["step"].item()) if isinstance(state["step"], Tensor) else int(state["step"])
+        step = int(state["step"])
         if step <= 0:
             raise RuntimeError(f"Cannot rollback sub_group_id {sub_group_id}: step count is {step}")
         group, p, grad = self._subgroup_param("rollback_subgroup")

@@ -250,8 +250,7 @@ class Coordinator:
                 owner.name,
                 user.name,
             )
-        owner.start_gather()
-        owner.finish_gather()
+        owner.finish_gather()  # starts the gather too
         self.state[owner.uid].holds += 1  # released by the user's forward hook, with its other borrowed units
         owner.active_modules.add(user.uid)
         return True

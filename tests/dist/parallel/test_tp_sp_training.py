@@ -38,7 +38,7 @@ def reference(seq: int = SEQ, **model_args: int) -> tuple[list[float], dict[str,
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def make_engine(tp: int, sp: int, stage: int, data: Any = None) -> Any:
+def make_engine(tp: int, sp: int, stage: int, data: Any = None, **model_args: int) -> Any:
     import slipstream
 
     config = {
@@ -51,7 +51,7 @@ def make_engine(tp: int, sp: int, stage: int, data: Any = None) -> Any:
         "sequence_parallel_size": sp,
     }
     group = slipstream.parallel.build_topology(tp=tp, sp=sp, device_type="cpu").sp_group if sp > 1 else None
-    engine, *_ = slipstream.initialize(model=TinyGPT(sp_group=group), config=config, training_data=data)
+    engine, *_ = slipstream.initialize(model=TinyGPT(sp_group=group, **model_args), config=config, training_data=data)
     return engine
 
 
@@ -74,8 +74,8 @@ def train_step(engine: Any, x: torch.Tensor, y: torch.Tensor) -> float:
     return engine.last_loss
 
 
-def train(rank: int, world: int, *, tp: int, sp: int, stage: int, seq: int = SEQ) -> dict:
-    engine = make_engine(tp, sp, stage)
+def train(rank: int, world: int, *, tp: int, sp: int, stage: int, seq: int = SEQ, **model_args: int) -> dict:
+    engine = make_engine(tp, sp, stage, **model_args)
     losses, norms = [], []
     for x, y in batches(STEPS, BATCH, seq):
         losses.append(train_step(engine, x, y))

@@ -10,36 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist.parallel.models import TinyGPT, batches
-from tests.dist.parallel.test_tp_sp_training import BATCH, CLIP, LR, STEPS, reference, train_step
+from tests.dist.parallel.test_tp_sp_training import CLIP, reference, train
 from tests.harness import run_distributed, run_subtests
 
-HEADS = 4
-CASES = [{"stage": 1}, {"stage": 3}]
-
-
-def train(rank: int, world: int, *, stage: int) -> dict[str, Any]:
-    import slipstream
-
-    config = {
-        "train_batch_size": BATCH,
-        "gradient_clipping": CLIP,
-        "steps_per_print": 1000,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {"stage": stage},
-        "tensor_parallel": {"autotp_size": 2},
-        "sequence_parallel_size": 2,
-    }
-    group = slipstream.parallel.build_topology(tp=2, sp=2, device_type="cpu").sp_group
-    model = TinyGPT(heads=HEADS, kv_heads=HEADS, sp_group=group)
-    engine, *_ = slipstream.initialize(model=model, config=config)
-    losses, norms = [], []
-    for x, y in batches(STEPS, BATCH):
-        losses.append(train_step(engine, x, y))
-        norms.append(engine.get_global_grad_norm())
-    params = engine._zero3_consolidated_16bit_state_dict()
-    engine.destroy()
-    return {"losses": losses, "norms": norms, "params": params if rank == 0 else None}
+HEADS = {"heads": 4, "kv_heads": 4}
+CASES = [{"tp": 2, "sp": 2, "stage": 1, **HEADS}, {"tp": 2, "sp": 2, "stage": 3, **HEADS}]
 
 
 def _close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: Any) -> None:
@@ -58,7 +33,7 @@ def grid(rank: int, world: int) -> list[dict]:
 
 
 def test_tp2_x_sp2_matches_single_process() -> None:
-    ref_losses, ref_params, ref_norms = reference(heads=HEADS, kv_heads=HEADS)
+    ref_losses, ref_params, ref_norms = reference(**HEADS)
     for case, got in zip(CASES, run_distributed(grid, world_size=4, timeout_s=240)[0]):
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (case, got["losses"], ref_losses)
         assert got["norms"] == pytest.approx(ref_norms, rel=1e-5) and min(ref_norms) > CLIP, (case, got["norms"])

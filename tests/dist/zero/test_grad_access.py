@@ -72,6 +72,20 @@ def _backward_window(engine, rank: int, world: int, *, mid_window_read: list | N
             engine.step()
 
 
+def _moved_by_step(stage: int, rank: int, world: int, edit, *, mid_window_read: list | None = None) -> list:  # type: ignore[no-untyped-def]
+    """Train one step's micro-batches, run `edit(params)` between the last backward and step(), step, and
+    return how far the step moved each parameter, divided by the SGD learning rate (= the gradient it used)."""
+    engine = _engine(stage)
+    params = list(engine.module.parameters())
+    before = _full_params(engine)
+    _backward_window(engine, rank, world, mid_window_read=mid_window_read)
+    edit(params)
+    engine.step()
+    moved = [(b - a) / LR for b, a in zip(before, _full_params(engine))]
+    engine.destroy()
+    return moved
+
+
 def grad_access(rank: int, world: int, stage: int) -> dict:
     from slipstream.utils import (
         safe_get_full_grad,
@@ -81,48 +95,26 @@ def grad_access(rank: int, world: int, stage: int) -> dict:
         safe_update_full_grad_vectorized,
     )
 
-    out: dict = {}
-    # 1. read: the averaged gradient, twice (the second read must not reduce again), then step on it
-    engine = _engine(stage)
-    params = list(engine.module.parameters())
-    before = _full_params(engine)
-    mid: list[str] = []
-    _backward_window(engine, rank, world, mid_window_read=mid)
-    out["mid_window_error"] = mid
-    out["full"] = [safe_get_full_grad(p).clone() for p in params]
-    out["full_again"] = [safe_get_full_grad(p).clone() for p in params]
-    out["local_numel"] = [safe_get_local_grad(p).numel() for p in params]
-    engine.step()
-    out["moved_by_read"] = [(b - a) / LR for b, a in zip(before, _full_params(engine))]
-    engine.destroy()
+    out: dict = {"mid_window_error": []}
 
-    # 2. set the whole gradient: the step uses exactly it
-    engine = _engine(stage)
-    params = list(engine.module.parameters())
-    before = _full_params(engine)
-    _backward_window(engine, rank, world)
-    values = [
-        torch.full(tuple(p.ds_shape if hasattr(p, "ds_shape") else p.shape), 0.01 * (i + 1))
-        for i, p in enumerate(params)
-    ]
-    for p, v in zip(params, values):
-        safe_set_full_grad(p, v)
-    out["read_after_set"] = [safe_get_full_grad(p).clone() for p in params]
-    engine.step()
-    out["moved_by_set"] = [(b - a) / LR for b, a in zip(before, _full_params(engine))]
-    engine.destroy()
+    def read(params: list) -> None:  # the averaged gradient, twice (the second read must not reduce again)
+        out["full"] = [safe_get_full_grad(p).clone() for p in params]
+        out["full_again"] = [safe_get_full_grad(p).clone() for p in params]
+        out["local_numel"] = [safe_get_local_grad(p).numel() for p in params]
 
-    # 3. local set (each rank doubles its part) and the vectorized update (then halves the whole): net x1.5
-    engine = _engine(stage)
-    params = list(engine.module.parameters())
-    before = _full_params(engine)
-    _backward_window(engine, rank, world)
-    for p in params:
-        safe_set_local_grad(p, 3.0 * safe_get_local_grad(p))
-    safe_update_full_grad_vectorized(params, lambda grad, param: grad * 0.5)
-    engine.step()
-    out["moved_by_update"] = [(b - a) / LR for b, a in zip(before, _full_params(engine))]
-    engine.destroy()
+    def set_full(params: list) -> None:  # the step must use exactly these values
+        for i, p in enumerate(params):
+            safe_set_full_grad(p, torch.full(tuple(p.ds_shape if hasattr(p, "ds_shape") else p.shape), 0.01 * (i + 1)))
+        out["read_after_set"] = [safe_get_full_grad(p).clone() for p in params]
+
+    def update(params: list) -> None:  # each rank triples its part, then the vectorized update halves: net x1.5
+        for p in params:
+            safe_set_local_grad(p, 3.0 * safe_get_local_grad(p))
+        safe_update_full_grad_vectorized(params, lambda grad, param: grad * 0.5)
+
+    out["moved_by_read"] = _moved_by_step(stage, rank, world, read, mid_window_read=out["mid_window_error"])
+    out["moved_by_set"] = _moved_by_step(stage, rank, world, set_full)
+    out["moved_by_update"] = _moved_by_step(stage, rank, world, update)
     return out
 
 
