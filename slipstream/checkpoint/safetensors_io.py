@@ -6,15 +6,13 @@ with spaces to a multiple of 8, then the raw little-endian tensor bytes (offsets
 header). Files written here load with `safetensors.torch.load_file` and the other way round.
 
 The writer streams: the header is decided up front from (name, dtype, shape) entries, then each tensor's bytes go
-straight from tensor memory to the file and into a running sha256, so a file is hashed without re-reading it.
-The hash runs on a helper thread, one 8 MiB chunk behind the write (hashlib and file writes both release the
-GIL), so hashing and writing overlap instead of adding up.
+through a `HashedFileSink` (direct_io.py: page-aligned buffers, sha256 and O_DIRECT writes on helper threads), so
+a file is hashed without re-reading it and is durable, at the disk's write speed, when `close` returns.
 Readers copy only the bytes asked for into fresh torch-owned tensors (no mmap stays open behind a result).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import io
@@ -23,13 +21,12 @@ import json
 import math
 import os
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
 
 import torch
 
+from slipstream.checkpoint.direct_io import HashedFileSink
 from slipstream.checkpoint.errors import CheckpointError
 
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -141,9 +138,8 @@ class SafetensorsWriter:
         text, self._expected = _header(self.path, entries, metadata)
         self.planned_bytes = 8 + len(text) + sum(entry[3] for entry in self._expected)
         """The size the file will have once every entry is written."""
-        self._file: BinaryIO | None = open(self.path, "wb")
-        self._digest = hashlib.sha256()
-        self._hasher = _Hasher(self._digest)
+        self._sink: HashedFileSink | None = HashedFileSink(self.path, size_hint=self.planned_bytes)
+        self._digest = ""
         self._next = 0
         self.bytes_written = 0
         try:
@@ -154,15 +150,9 @@ class SafetensorsWriter:
             raise
 
     def _emit(self, data: memoryview) -> None:
-        if self._file is None:
+        if self._sink is None:
             raise CheckpointError(f"{self.path} is already closed; create a new SafetensorsWriter")
-        try:
-            for begin in range(0, len(data), _HASH_CHUNK):
-                chunk = data[begin : begin + _HASH_CHUNK]
-                self._hasher.update(chunk)  # hashed on the helper thread while this thread writes it
-                self._file.write(chunk)
-        finally:
-            self._hasher.drain()  # `data` may be freed after this returns: nothing may still read it
+        self._sink.write(data)  # copied into the sink's buffers: `data` may be freed after this returns
         self.bytes_written += len(data)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -189,23 +179,23 @@ class SafetensorsWriter:
         del data
 
     def close(self) -> str:
-        """Check that every entry was written, flush and fsync; returns the file's sha256 hex digest."""
-        if self._file is None:
-            return self._digest.hexdigest()
-        handle, self._file = self._file, None
-        self._hasher.close()
+        """Check that every entry was written, make the file durable; returns the file's sha256 hex digest."""
+        if self._sink is None:
+            return self._digest
+        if self._next != len(self._expected):
+            missing = [entry[0] for entry in self._expected[self._next :]]
+            self._abandon()
+            raise CheckpointError(
+                f"{self.path} closed before these entries were written: {missing[:10]}"
+                f"{' ...' if len(missing) > 10 else ''}; call write() for each of them"
+            )
+        sink, self._sink = self._sink, None
         try:
-            if self._next != len(self._expected):
-                missing = [entry[0] for entry in self._expected[self._next :]]
-                raise CheckpointError(
-                    f"{self.path} closed before these entries were written: {missing[:10]}"
-                    f"{' ...' if len(missing) > 10 else ''}; call write() for each of them"
-                )
-            handle.flush()
-            os.fsync(handle.fileno())
-        finally:
-            handle.close()
-        return self._digest.hexdigest()
+            self._digest = sink.close()
+        except BaseException:
+            sink.abandon()
+            raise
+        return self._digest
 
     def __enter__(self) -> SafetensorsWriter:
         return self
@@ -219,51 +209,11 @@ class SafetensorsWriter:
             self._abandon()
 
     def _abandon(self) -> None:
-        """Release the handle after an error; the error on its way is the one to report, not a failed flush of
-        the bytes still buffered (a full disk fails that flush as well)."""
-        handle, self._file = self._file, None
-        self._hasher.close()
-        if handle is not None:
-            with contextlib.suppress(OSError):
-                handle.close()
-
-
-class _Hasher:
-    """Feeds a sha256 on one helper thread, in order, at most one chunk ahead of the caller (so one 8 MiB chunk
-    is hashed while the next is written). Chunks of up to `_SMALL` bytes are hashed inline: a thread hop costs
-    more than hashing them."""
-
-    _SMALL = 1 << 16
-
-    def __init__(self, digest: hashlib._Hash) -> None:
-        self._digest = digest
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: Future[None] | None = None
-
-    def update(self, chunk: memoryview) -> None:
-        self._wait()
-        if len(chunk) <= self._SMALL:
-            self._digest.update(chunk)
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-sha256")
-        self._pending = self._pool.submit(self._digest.update, chunk)
-
-    def _wait(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-
-    def drain(self) -> None:
-        """Every chunk given so far is hashed."""
-        self._wait()
-
-    def close(self) -> None:
-        with contextlib.suppress(BaseException):
-            self._wait()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Release the file after an error; the error on its way is the one to report, not a failed write of the
+        bytes still buffered (a full disk fails those as well)."""
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            sink.abandon()
 
 
 def save_file(

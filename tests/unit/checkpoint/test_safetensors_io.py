@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.safetensors_io import (ST_DTYPES, SafetensorsFile, SafetensorsWriter, save_file,
-                                                  sha256_file)
+from slipstream.checkpoint.safetensors_io import ST_DTYPES, SafetensorsFile, SafetensorsWriter, save_file, sha256_file
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -146,17 +145,3 @@ def test_flat_range_bounds_and_out(tmp_path: Path) -> None:
             handle.get_flat_range("x", 0, 2, out=torch.empty(2))
         with pytest.raises(CheckpointError, match="has no tensor 'y'"):
             handle.get("y")
-
-
-def test_hash_on_the_helper_thread_matches_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunks above the inline size are hashed on the helper thread, one behind the write, in order; small
-    ones inline: the digest is the file's either way."""
-    import slipstream.checkpoint.safetensors_io as io_mod
-
-    monkeypatch.setattr(io_mod, "_HASH_CHUNK", 4096)
-    monkeypatch.setattr(io_mod._Hasher, "_SMALL", 1024)
-    tensors = {"big": torch.randn(10_000), "small": torch.arange(7, dtype=torch.int32), "mid": torch.randn(300)}
-    digest = save_file(tensors, tmp_path / "h.safetensors")
-    assert digest == hashlib.sha256((tmp_path / "h.safetensors").read_bytes()).hexdigest()
-    with SafetensorsFile(tmp_path / "h.safetensors") as reader:
-        assert all(torch.equal(reader.get(name), value) for name, value in tensors.items())
