@@ -20,7 +20,8 @@ One framework at a time; its checkpoint is deleted before the next one starts:
 Seconds: barrier to barrier. MB/s: bytes on disk (1 MB = 1e6) / seconds. fsync s: rank 0 then fsyncing the
 files (Slipstream and DCP fsync in save, DeepSpeed does not). Peak RSS: VmHWM, reset just before the call, and
 its growth over the RSS then (for export, after the imports). Targets (printed, not asserted): save and load
-at least as fast as DeepSpeed; export peak RSS growth at most 1/4 of zero_to_fp32's.
+at least as fast as DeepSpeed (save counted without and with DeepSpeed's missing fsync); export at most
+zero_to_fp32's time with at most 1/10 of its peak RSS growth.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ PEER = ["deepspeed"]
 EXPORTS = {"slipstream": "slipstream export", "deepspeed": "zero_to_fp32.py"}
 FULL = {"n_layer": 5, "n_embd": 2048, "n_head": 16}
 QUICK = {"n_layer": 2, "n_embd": 128, "n_head": 4}
-TARGET_EXPORT_VS_ZERO_TO_FP32 = 0.25
+TARGET_EXPORT_VS_ZERO_TO_FP32 = 0.1  # peak RSS growth; and the time at most zero_to_fp32's
 
 
 @dataclasses.dataclass(slots=True)
@@ -354,6 +355,8 @@ def print_targets(rows: dict[str, dict[str, Any]]) -> None:
     if all(name in rows for name in EXPORTS):
         durable = [rows[name]["save"]["seconds"] + rows[name]["save"]["fsync_seconds"] for name in EXPORTS]
         print(_verdict(durable[0], durable[1], 1.0, "save + fsync (to a durable checkpoint), the same:"))
+    ours, peer = (_get(rows, name, "export", "seconds") for name in EXPORTS)
+    print(_verdict(ours, peer, 1.0, "export time, slipstream export over zero_to_fp32:"))
     ours, peer = (_get(rows, name, "export", "growth_mib") for name in EXPORTS)
     print(_verdict(ours, peer, TARGET_EXPORT_VS_ZERO_TO_FP32, "export peak RSS growth, over zero_to_fp32's:"))
 

@@ -18,7 +18,7 @@ import torch
 
 from slipstream.checkpoint.atomic import write_text_atomic
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.manifest import parse_dtype, verify_files
+from slipstream.checkpoint.manifest import parse_dtype
 from slipstream.checkpoint.reader import CheckpointReader, resolve_checkpoint_dir
 from slipstream.checkpoint.safetensors_io import SafetensorsWriter
 from slipstream.utils.progress import Progress
@@ -197,7 +197,8 @@ def export_checkpoint(
 
     `ckpt_dir` is a save_dir (the tag comes from `tag` or its `latest` file) or a checkpoint directory holding
     manifest.json. `dtype` ("fp32", "bf16", "fp16") casts floating tensors; None keeps the stored dtypes.
-    Only the files holding model weights are verified against their sha256.
+    The files holding model weights are verified against their sha256 as they are read (each byte is read once);
+    when one does not match, the files written are deleted and CheckpointCorrupt names it.
     """
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(
@@ -206,14 +207,20 @@ def export_checkpoint(
     limit = parse_size(max_shard_size)
     source = resolve_checkpoint_dir(ckpt_dir, tag)
     out = Path(out_dir)
-    with CheckpointReader(source, verify=False) as reader:
+    with CheckpointReader(source, verify="stream") as reader:  # presence and sizes now, hashes while reading
         items = export_items(reader, dtype=dtype)
         if not items:
             raise CheckpointError(
                 f"checkpoint {source} holds no model tensors (keys starting with {MODULE_PREFIX!r}); nothing to export"
             )
-        needed = {piece.file for item in items for piece in reader.entry(item.key).pieces}
-        verify_files(source, reader.manifest, files=needed)
         out.mkdir(parents=True, exist_ok=True)
-        write_items(reader, items, out, max_shard_size=limit, progress=progress)
+        shards = len(plan_shards(items, limit))
+        outputs = [out / name for name in shard_file_names(shards)] + ([out / INDEX_FILE] if shards > 1 else [])
+        try:
+            write_items(reader, items, out, max_shard_size=limit, progress=progress)
+            reader.verify_read()  # the files read match their sha256, else nothing of this export stays
+        except BaseException:
+            for path in outputs:
+                path.unlink(missing_ok=True)
+            raise
     return out

@@ -293,7 +293,12 @@ def verify_files(
         if digest != record.get("sha256"):
             problems.append(f"{name}: sha256 is {digest}, the manifest says {record.get('sha256')}")
     if problems:
-        raise CheckpointCorrupt(
-            f"checkpoint {ckpt_dir} is damaged; {len(problems)} file(s) do not match its "
-            "manifest:\n  " + "\n  ".join(problems) + "\nRestore these files from a copy, or load an older tag."
-        )
+        raise corrupt_files(ckpt_dir, problems)
+
+
+def corrupt_files(ckpt_dir: str | os.PathLike[str], problems: list[str]) -> CheckpointCorrupt:
+    """The error for files that do not match the manifest, one line per file."""
+    return CheckpointCorrupt(
+        f"checkpoint {ckpt_dir} is damaged; {len(problems)} file(s) do not match its "
+        "manifest:\n  " + "\n  ".join(problems) + "\nRestore these files from a copy, or load an older tag."
+    )

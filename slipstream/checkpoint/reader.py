@@ -24,6 +24,7 @@ from slipstream.checkpoint.manifest import (
     Piece,
     TensorEntry,
     check_coverage,
+    corrupt_files,
     read_manifest,
     verify_files,
 )
@@ -58,15 +59,18 @@ class CheckpointReader:
     With `verify=True` (the default) every file's size and sha256 is checked against the manifest first, and a
     CheckpointCorrupt names each missing or damaged file. With `verify="lazy"` (what load_checkpoint uses: a
     rank of a large job reads only its own slices) every file's presence and size are checked first and each
-    file's sha256 when it is first opened, so a rank hashes only the files it reads. Piece coverage is always
-    checked.
+    file's sha256 when it is first opened, so a rank hashes only the files it reads. With `verify="stream"` (what
+    export uses: its output can be deleted when a check fails) presence and sizes are checked first, each file
+    is hashed as it is read, and `verify_read()` completes the hashes of the files read and compares them: every
+    byte is read once. Piece coverage is always checked.
     """
 
     def __init__(self, ckpt_dir: str | os.PathLike[str], *, verify: bool | str = True) -> None:
         self.ckpt_dir = Path(ckpt_dir)
         self.manifest: Manifest = read_manifest(self.ckpt_dir)
         self._lazy = verify == "lazy"
-        if self._lazy:
+        self._stream = verify == "stream"
+        if self._lazy or self._stream:
             verify_files(self.ckpt_dir, self.manifest, hash_files=False)
         elif verify:
             verify_files(self.ckpt_dir, self.manifest)
@@ -107,8 +111,21 @@ class CheckpointReader:
         if name not in self._files:
             if self._lazy:
                 verify_files(self.ckpt_dir, self.manifest, files={name})
-            self._files[name] = SafetensorsFile(self.ckpt_dir / name)
+            self._files[name] = SafetensorsFile(self.ckpt_dir / name, hash_reads=self._stream)
         return self._files[name]
+
+    def verify_read(self) -> None:
+        """With verify="stream": check the sha256 of every file read so far against the manifest (reading only
+        what no read covered); raises CheckpointCorrupt naming each file that differs."""
+        if not self._stream:
+            raise CheckpointError('verify_read() needs CheckpointReader(..., verify="stream")')
+        problems = []
+        for name, handle in self._files.items():
+            digest, recorded = handle.read_digest(), self.manifest.files[name].get("sha256")
+            if digest != recorded:
+                problems.append(f"{name}: sha256 is {digest}, the manifest says {recorded}")
+        if problems:
+            raise corrupt_files(self.ckpt_dir, problems)
 
     def _read_piece_range(
         self, key: str, entry: TensorEntry, piece: Piece, start: int, end: int, out: torch.Tensor

@@ -13,6 +13,7 @@ Readers copy only the bytes asked for into fresh torch-owned tensors (no mmap st
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import io
@@ -21,6 +22,7 @@ import json
 import math
 import os
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
@@ -44,6 +46,7 @@ ST_DTYPES: dict[str, torch.dtype] = {
 """safetensors dtype string -> torch dtype, for every dtype this module reads and writes."""
 _ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
 _HASH_CHUNK = 8 << 20
+_GAP_CHUNK = 1 << 20  # reads of bytes hashed but not asked for (SafetensorsFile(hash_reads=True))
 _MAX_HEADER_BYTES = 100 << 20  # the reference implementation's limit
 
 
@@ -75,12 +78,25 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
-    """sha256 hex digest of a file, read in 8 MiB chunks into one reused buffer."""
+    """sha256 hex digest of a file. Two 8 MiB buffers, reused: a helper thread hashes one while this thread reads
+    the next into the other (both release the GIL), so the time is the slower of reading and hashing, not both."""
     digest = hashlib.sha256()
     with open(path, "rb", buffering=0) as handle:
-        view = memoryview(bytearray(max(1, min(_HASH_CHUNK, os.fstat(handle.fileno()).st_size))))
-        while count := handle.readinto(view):
-            digest.update(view[:count])
+        size = os.fstat(handle.fileno()).st_size
+        with contextlib.suppress(AttributeError, OSError):  # a hint: larger read-ahead
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        chunk = max(1, min(_HASH_CHUNK, size))
+        views = [memoryview(bytearray(chunk)) for _ in range(2)]
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-sha256") as pool:
+            pending: Future[None] | None = None
+            index = 0
+            while count := handle.readinto(views[index]):
+                if pending is not None:
+                    pending.result()  # the other buffer is hashed: the digest stays in file order
+                pending = pool.submit(digest.update, views[index][:count])
+                index = 1 - index
+            if pending is not None:
+                pending.result()
     return digest.hexdigest()
 
 
@@ -278,9 +294,11 @@ def _parse_header(
 class SafetensorsFile:
     """Random access to one safetensors file: parse the header once, read any tensor or flat range of it."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, hash_reads: bool = False) -> None:
         _require_little_endian()
         self.path = Path(path)
+        self._digest = hashlib.sha256() if hash_reads else None
+        self._hashed = 0  # with hash_reads: the file's bytes [0, _hashed) are in the digest
         try:
             self._file: io.FileIO | None = open(self.path, "rb", buffering=0)
         except FileNotFoundError:
@@ -299,6 +317,7 @@ class SafetensorsFile:
             raw = self._file.read(header_len)
             self._data_start = 8 + header_len
             self.metadata, self._entries = _parse_header(self.path, raw, size - self._data_start)
+            self._account(0, memoryview(prefix + raw))
         except BaseException:
             self.close()
             raise
@@ -334,6 +353,43 @@ class SafetensorsFile:
                 position = self._data_start + offset + filled
                 raise CheckpointError(f"{self.path}: unexpected end of file at byte {position}; the file is truncated")
             filled += count
+        self._account(self._data_start + offset, view)
+
+    def _account(self, position: int, data: memoryview) -> None:
+        """With hash_reads, add the file's bytes [position, position + len(data)), just read into `data`, to the
+        digest: bytes skipped since the last read are read and hashed first, bytes read twice are hashed once.
+        Reads in file order (the common case: pieces are written and read in the same order) read every byte
+        once."""
+        if self._digest is None:
+            return
+        if position > self._hashed:
+            self._hash_through(position)
+        end = position + len(data)
+        if end > self._hashed:
+            self._digest.update(data[self._hashed - position :])
+            self._hashed = end
+
+    def _hash_through(self, end: int) -> None:
+        """Read and hash the file's bytes [_hashed, end)."""
+        if self._file is None or self._digest is None:
+            raise CheckpointError(f"{self.path} is closed; open a new SafetensorsFile")
+        scratch = memoryview(bytearray(min(_GAP_CHUNK, max(1, end - self._hashed))))
+        self._file.seek(self._hashed)
+        while self._hashed < end:
+            count = self._file.readinto(scratch[: min(len(scratch), end - self._hashed)])
+            if not count:
+                raise CheckpointError(f"{self.path}: unexpected end of file at byte {self._hashed}; it is truncated")
+            self._digest.update(scratch[:count])
+            self._hashed += count
+
+    def read_digest(self) -> str:
+        """With hash_reads: the sha256 of the whole file, hashing (reading) only the bytes no read has covered."""
+        if self._digest is None:
+            raise CheckpointError(f"{self.path} was opened without hash_reads=True; use sha256_file")
+        if self._file is None:
+            raise CheckpointError(f"{self.path} is closed; open a new SafetensorsFile")
+        self._hash_through(os.fstat(self._file.fileno()).st_size)
+        return self._digest.hexdigest()
 
     def get(self, name: str) -> torch.Tensor:
         """Tensor `name` as a fresh CPU tensor (reads only its bytes)."""

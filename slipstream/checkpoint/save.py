@@ -5,9 +5,9 @@
    and IGNORE, different tags are replaced by rank 0's (`validate_tag`), so there is always one checkpoint.
 2. Rank 0 creates save_dir, removes what earlier failed or killed saves left there (atomic.recover: any
    `.tmp-*` directory, so a full disk does not stay full) and creates an empty `save_dir/.tmp-<tag>/`.
-3. Rank r writes `rank_<r>.safetensors` (its parameter slices -- fp32 masters where they exist --,
-   optimizer-state slices, its RNG states; rank 0 also buffers and client tensors) and a small
-   `rank_<r>.json` listing its pieces and the file's sha256, fsynced.
+3. Rank r writes `rank_<r>.safetensors` (its parameter slices -- fp32 masters where they exist --, its RNG
+   states; rank 0 also buffers and client tensors), `rank_<r>.optim.safetensors` (its optimizer-state slices)
+   and a small `rank_<r>.json` listing its pieces and the files' sha256, all durable (direct_io.py).
 4. Rank 0 merges the rank lists into `manifest.json` (global shapes, pieces, sha256 per file, scalars),
    checks that the pieces cover every tensor, renames the directory into place (atomic.commit_dir) and
    only then replaces `latest`.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import shutil
@@ -224,7 +225,9 @@ def _prepare(root: Path, tag: str) -> None:
 def _write_rank(
     parts: EngineParts, tmp: Path, final: Path, client_tensors: dict[str, torch.Tensor], exclude_frozen: bool
 ) -> None:
-    """This rank's safetensors file and its listing (`rank_<r>.json`), both fsynced."""
+    """This rank's two safetensors files and its listing (`rank_<r>.json`), all fsynced. Optimizer state goes to
+    `rank_<r>.optim.safetensors`, everything else to `rank_<r>.safetensors`: an export of the weights reads and
+    verifies only the latter (a third of the bytes with Adam)."""
     items = _items(parts, client_tensors, exclude_frozen)
     # a key this rank holds several pieces of (a tensor-parallel shard cut along dim 1: one piece per row) is
     # stored under one name per piece, "<key>@<start>"; the listing names the stored key when it differs
@@ -232,29 +235,30 @@ def _write_rank(
     for key, *_ in items:
         counts[key] = counts.get(key, 0) + 1
     stored = [key if counts[key] == 1 else f"{key}@{start}" for key, _, start, *_ in items]
-    entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
-        (name, data.dtype, (end - start,)) for name, (_, data, start, end, _, _) in zip(stored, items)
-    ]
-    path = tmp / f"rank_{parts.rank:05d}.safetensors"
-    written: dict[str, Any] = {}
-
-    def write_tensors() -> None:
-        with SafetensorsWriter(path, entries) as writer:
-            for name, (_, data, *_) in zip(stored, items):
-                writer.write(name, data.detach().reshape(-1).to("cpu"))
-            written.update(sha256=writer.close(), bytes=writer.bytes_written)
-
-    _on_disk(write_tensors, path=path, needed=file_bytes(entries), final=final)
-    listing = {
-        "file": path.name,
-        "sha256": written["sha256"],
-        "bytes": written["bytes"],
-        "pieces": [
-            [key, start, end, list(shape), dtype_name(data.dtype), frozen, *([name] if name != key else [])]
-            for name, (key, data, start, end, shape, frozen) in zip(stored, items)
-        ],
-    }
-    text = json.dumps(listing)
+    groups: dict[str, list[int]] = {}
+    for index, (key, *_) in enumerate(items):
+        suffix = "optim.safetensors" if key.startswith("optimizer/") else "safetensors"
+        groups.setdefault(f"rank_{parts.rank:05d}.{suffix}", []).append(index)
+    files: dict[str, dict[str, Any]] = {}
+    pieces: list[list[Any]] = []
+    for file_name, indices in groups.items():
+        entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
+            (stored[i], items[i][1].dtype, (items[i][3] - items[i][2],)) for i in indices
+        ]
+        path = tmp / file_name
+        record: dict[str, Any] = {}
+        tensors = [(stored[i], items[i][1]) for i in indices]
+        _on_disk(
+            functools.partial(_write_file, path, entries, tensors, record),
+            path=path,
+            needed=file_bytes(entries),
+            final=final,
+        )
+        files[file_name] = record
+        for i in indices:
+            key, data, start, end, shape, frozen = items[i]
+            pieces.append([file_name, key, start, end, list(shape), dtype_name(data.dtype), frozen, stored[i]])
+    text = json.dumps({"files": files, "pieces": pieces})
     listing_path = tmp / f"rank_{parts.rank:05d}.json"
 
     def write_listing() -> None:
@@ -262,6 +266,19 @@ def _write_rank(
         fsync_file(listing_path)
 
     _on_disk(write_listing, path=listing_path, needed=len(text.encode()), final=final)
+
+
+def _write_file(
+    path: Path,
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    tensors: list[tuple[str, torch.Tensor]],
+    record: dict[str, Any],
+) -> None:
+    """One safetensors file of flattened tensors; its sha256 and size go into `record`."""
+    with SafetensorsWriter(path, entries) as writer:
+        for name, data in tensors:
+            writer.write(name, data.detach().reshape(-1).to("cpu"))
+        record.update(sha256=writer.close(), bytes=writer.bytes_written)
 
 
 def _commit(
@@ -326,10 +343,9 @@ def _merge(tmp: Path, parts: EngineParts, tag: str, scalars: dict[str, Any], ver
             raise CheckpointError(f"save_checkpoint: rank {rank} wrote no {listing_path.name}; its save failed")
         listing = json.loads(listing_path.read_text())
         listing_path.unlink()
-        files[listing["file"]] = {"sha256": listing["sha256"], "bytes": listing["bytes"]}
-        for key, start, end, shape, dtype, frozen, *stored_as in listing["pieces"]:
-            name = stored_as[0] if stored_as else key
-            pieces.setdefault(key, []).append(Piece(file=listing["file"], name=name, start=start, end=end))
+        files.update(listing["files"])
+        for file_name, key, start, end, shape, dtype, frozen, name in listing["pieces"]:
+            pieces.setdefault(key, []).append(Piece(file=file_name, name=name, start=start, end=end))
             meta[key] = (tuple(shape), dtype, frozen)
     for key, found in pieces.items():
         shape, dtype, frozen = meta[key]

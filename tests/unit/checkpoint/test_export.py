@@ -97,6 +97,8 @@ def test_export_errors(tmp_path: Path) -> None:
     shard.write_bytes(shard.read_bytes()[:-1] + b"\x7f")
     with pytest.raises(CheckpointCorrupt, match="rank001.safetensors: sha256"):
         export_checkpoint(tmp_path / "ckpt", tmp_path / "hf3", progress=False)
+    # the files are hashed while the export reads them: what it wrote before finding the damage is deleted
+    assert not any((tmp_path / "hf3").iterdir())
 
 
 def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -212,3 +214,22 @@ def test_export_peak_memory_is_one_tensor_not_the_model(tmp_path: Path) -> None:
     assert len(set(index["weight_map"].values())) == 4  # 12 x 4 MiB fit under 48 MB
     with SafetensorsFile(tmp_path / "hf_bf16" / "model-00002-of-00002.safetensors") as handle:
         assert torch.equal(handle.get("layer39.weight"), torch.full((numel,), 39.0, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io to count bytes read")
+def test_export_reads_each_checkpoint_byte_once(tmp_path: Path) -> None:
+    """The sha256 check rides on the reads of the weights: an export reads the checkpoint's bytes once, where
+    verifying first and then reading read them twice. /proc/self/io's rchar counts every byte read() returned."""
+    tensors = {f"module/layer{i}.weight": torch.full((1 << 20,), float(i)) for i in range(8)}  # 32 MiB
+    write_checkpoint(tmp_path / "ckpt", tensors)
+    stored = sum(p.stat().st_size for p in (tmp_path / "ckpt").glob("*.safetensors"))
+
+    def bytes_read() -> int:
+        text = Path("/proc/self/io").read_text()
+        return int(next(line for line in text.splitlines() if line.startswith("rchar:")).split()[1])
+
+    before = bytes_read()
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", progress=False)
+    read = bytes_read() - before
+    assert stored <= read < 1.1 * stored, f"read {read:,} bytes of a {stored:,}-byte checkpoint"
+    assert torch.equal(_load_dir(tmp_path / "hf")["layer7.weight"], tensors["module/layer7.weight"])

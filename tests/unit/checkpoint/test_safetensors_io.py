@@ -145,3 +145,29 @@ def test_flat_range_bounds_and_out(tmp_path: Path) -> None:
             handle.get_flat_range("x", 0, 2, out=torch.empty(2))
         with pytest.raises(CheckpointError, match="has no tensor 'y'"):
             handle.get("y")
+
+
+@pytest.mark.parametrize("order", ["none", "in order", "reversed", "overlapping"])
+def test_hash_reads_digest_is_the_files_whatever_was_read(tmp_path: Path, order: str) -> None:
+    """SafetensorsFile(hash_reads=True) hashes the bytes its reads bring in and reads only the rest: the digest
+    equals the file's sha256 for any read pattern, and one changed byte changes it."""
+    tensors = {f"t{i}": torch.randn(5000 + 37 * i) for i in range(6)}
+    path = tmp_path / "r.safetensors"
+    digest = save_file(tensors, path)
+    ranges = {
+        "none": [],
+        "in order": [(name, 0, t.numel()) for name, t in tensors.items()],
+        "reversed": [(name, 0, t.numel()) for name, t in reversed(tensors.items())],
+        "overlapping": [("t1", 100, 3000), ("t1", 50, 4000), ("t4", 7, 9), ("t0", 0, 10), ("t5", 0, 5185)],
+    }[order]
+    with SafetensorsFile(path, hash_reads=True) as reader:
+        for name, start, end in ranges:
+            assert torch.equal(reader.get_flat_range(name, start, end), tensors[name][start:end])
+        assert reader.read_digest() == digest
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    with SafetensorsFile(path, hash_reads=True) as reader:
+        for name, start, end in ranges:
+            reader.get_flat_range(name, start, end)
+        assert reader.read_digest() != digest
