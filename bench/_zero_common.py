@@ -68,6 +68,9 @@ class BenchSpec:
     bucket_numel: int = 1_000_000
     """reduce_bucket_size / allgather_bucket_size (elements); DDP gets the same bytes as bucket_cap_mb."""
     world_size: int = 2
+    model: str = "gpt"
+    """"gpt": the example GPT (n_layer x n_embd, n_head); "mlp": `MLPStack`, n_layer Linear(n_embd, n_embd) + ReLU
+    blocks on random inputs and targets (micro_batch rows each), MSE loss: the wide-layer model of issue 17."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -111,8 +114,24 @@ def ds_config(spec: BenchSpec, *, stage: int) -> dict[str, Any]:
     }
 
 
-def build_model(spec: BenchSpec, vocab_size: int) -> GPT:
+class MLPStack(nn.Module):
+    """`n_layer` blocks of Linear(width, width) + ReLU; `forward(inputs, targets)` returns the MSE loss, so it
+    drops into every runner where the GPT does (`model.blocks` is what FSDP2 wraps)."""
+
+    def __init__(self, n_layer: int, width: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(n_layer))
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            inputs = block(inputs)
+        return nn.functional.mse_loss(inputs, targets)
+
+
+def build_model(spec: BenchSpec, vocab_size: int) -> nn.Module:
     torch.manual_seed(spec.seed)
+    if spec.model == "mlp":
+        return MLPStack(spec.n_layer, spec.n_embd)
     return GPT(
         GPTConfig(
             vocab_size=vocab_size,
@@ -126,6 +145,13 @@ def build_model(spec: BenchSpec, vocab_size: int) -> GPT:
 
 def make_batches(spec: BenchSpec, rank: int) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
     """(vocab size, this rank's micro-batches): the same samples for every framework."""
+    if spec.model == "mlp":
+        generator = torch.Generator().manual_seed(spec.seed * 1000 + rank)
+        shape = (spec.micro_batch, spec.n_embd)
+        return 0, [
+            (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+            for _ in range(spec.num_batches)
+        ]
     dataset = CharDataset(block_size=spec.block_size)
     generator = torch.Generator().manual_seed(spec.seed * 1000 + rank)
     batches = []
