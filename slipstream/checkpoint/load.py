@@ -19,7 +19,7 @@ import torch
 from slipstream.checkpoint.checks import check_load
 from slipstream.checkpoint.deepspeed_import import DeepSpeedCheckpoint
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.reader import CheckpointReader
+from slipstream.checkpoint.reader import CheckpointReader, direct_target
 from slipstream.checkpoint.state import EngineParts, collect_slices, restore_rng
 from slipstream.utils.progress import Progress
 
@@ -59,8 +59,9 @@ class DeepSpeedSource:
         """(global shape, dtype) of tensor `key`."""
         return tuple(self.tensors[key].shape), self.tensors[key].dtype
 
-    def read_flat_range(self, key: str, start: int, end: int) -> torch.Tensor:
-        return self.tensors[key].reshape(-1)[start:end]
+    def read_flat_range(self, key: str, start: int, end: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        data = self.tensors[key].reshape(-1)[start:end]
+        return data if out is None else out.view(-1).copy_(data)
 
     def read(self, key: str) -> torch.Tensor:
         return self.tensors[key]
@@ -107,9 +108,8 @@ def load_engine(
             bar.advance((piece.hi - piece.lo) * piece.value.element_size(), piece.name[-40:])
             if key not in keys:
                 continue
-            data = source.read_flat_range(key, piece.lo, piece.hi)
             target = piece.master if piece.master is not None else piece.value
-            target.copy_(data.view(target.shape) if target.dim() > 1 else data)
+            data = _read_into(source, key, piece.lo, piece.hi, target)
             if piece.master is not None and piece.value.data_ptr() != piece.master.data_ptr():
                 piece.value.copy_(data)
             if optimizer is None or piece.piece is None or not load_optimizer_states:
@@ -119,7 +119,7 @@ def load_engine(
             for state_key in sorted(k[len(prefix) :] for k in keys if k.startswith(prefix)):
                 if state_key not in state:
                     state[state_key] = torch.zeros_like(piece.piece, dtype=torch.float32)
-                piece.state_view(state, state_key).copy_(source.read_flat_range(prefix + state_key, piece.lo, piece.hi))
+                _read_into(source, prefix + state_key, piece.lo, piece.hi, piece.state_view(state, state_key))
             group_scalars = state_scalars[piece.group_index] if piece.group_index < len(state_scalars) else {}
             for scalar_key, value in group_scalars.items():
                 state[scalar_key] = torch.tensor(float(value), dtype=torch.float32)
@@ -144,6 +144,17 @@ def load_engine(
         restore_rng(rng)
     bar.finish()
     return scalars
+
+
+def _read_into(source: Any, key: str, lo: int, hi: int, target: torch.Tensor) -> torch.Tensor:
+    """Elements [lo, hi) of `key` into `target`; straight from the file where the layouts allow (no intermediate
+    tensor: a load touches each byte of the engine's state once), else through a read and a copy (a cast, a
+    device copy). Returns the data as read (for copies to other views of the same parameter)."""
+    if direct_target(target, source.info(key)[1], hi - lo):
+        return source.read_flat_range(key, lo, hi, out=target)
+    data = source.read_flat_range(key, lo, hi)
+    target.copy_(data.view(target.shape) if target.dim() > 1 else data)
+    return data
 
 
 def client_tensors(source: Any) -> dict[str, torch.Tensor]:

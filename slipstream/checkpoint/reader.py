@@ -31,6 +31,11 @@ from slipstream.checkpoint.manifest import (
 from slipstream.checkpoint.safetensors_io import SafetensorsFile
 
 
+def direct_target(tensor: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
+    """Whether checkpoint bytes of `dtype` can be read straight into `tensor` (`read_flat_range(out=...)`)."""
+    return tensor.dtype == dtype and tensor.numel() == numel and tensor.device.type == "cpu" and tensor.is_contiguous()
+
+
 def resolve_checkpoint_dir(path: str | os.PathLike[str], tag: str | None = None) -> Path:
     """The tag directory to read: `path/<tag>`, `path/<latest>`, or `path` itself when it holds a manifest."""
     path = Path(path)
@@ -144,15 +149,26 @@ class CheckpointReader:
             )
         handle.get_flat_range(piece.name, start - piece.start, end - piece.start, out=out)
 
-    def read_flat_range(self, key: str, start: int, end: int) -> torch.Tensor:
-        """Elements [start, end) of the flattened global tensor `key`, reading only the overlapping pieces."""
+    def read_flat_range(self, key: str, start: int, end: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements [start, end) of the flattened global tensor `key`, reading only the overlapping pieces.
+
+        With `out` (a contiguous CPU tensor of the stored dtype and `end - start` elements, e.g. the engine's own
+        shard) the bytes land there directly, with no intermediate tensor, and `out` (flattened) is returned.
+        """
         entry = self.entry(key)
         if not 0 <= start <= end <= entry.numel:
             raise CheckpointError(
                 f"range [{start}, {end}) is outside {key!r}, which has {entry.numel} elements "
                 f"(shape {list(entry.shape)})"
             )
-        out = torch.empty(end - start, dtype=entry.torch_dtype)
+        if out is None:
+            out = torch.empty(end - start, dtype=entry.torch_dtype)
+        elif not direct_target(out, entry.torch_dtype, end - start):
+            raise CheckpointError(
+                f"{key}: `out` must be a contiguous CPU {entry.torch_dtype} tensor of {end - start} elements, got "
+                f"{out.dtype} {tuple(out.shape)} on {out.device}"
+            )
+        out = out.view(-1)
         for piece in entry.pieces:
             low, high = max(start, piece.start), min(end, piece.end)
             if low < high:
