@@ -69,7 +69,7 @@ def _owner(param: torch.Tensor) -> tuple[Any, str] | None:
 def _slices(optimizer: Any, name: str, *, disjoint: bool = True) -> list[Any]:
     """`name`'s slices on this rank; `disjoint`: at stage 0 (every rank holds everything) only this rank's
     share, so the ranks' parts add up to the whole once."""
-    return [s for s in optimizer.owned_slices(optimizer.param_names, for_save=disjoint) if s.name == name]
+    return optimizer.owned_slices(optimizer.param_names, for_save=disjoint, only=name)
 
 
 def _state(optimizer: Any, piece: torch.Tensor, key: str) -> dict[str, torch.Tensor]:

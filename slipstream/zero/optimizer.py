@@ -401,9 +401,10 @@ class ZeroOptimizer(abc.ABC):
     def trainable_params(self) -> list[torch.Tensor]:
         return [p for flat in self.groups for p in flat.params]
 
-    def owned_slices(self, names: dict[int, str], *, for_save: bool) -> list[OwnedSlice]:
-        """This rank's part of every trainable parameter (see zero/slices.py). At stage 0 every rank holds
-        everything; for a save each rank takes its stage-1 piece, so the ranks write disjoint parts."""
+    def owned_slices(self, names: dict[int, str], *, for_save: bool, only: str | None = None) -> list[OwnedSlice]:
+        """This rank's part of every trainable parameter (see zero/slices.py), or of the one named `only`. At
+        stage 0 every rank holds everything; for a save each rank takes its stage-1 piece, so the ranks write
+        disjoint parts."""
         out: list[OwnedSlice] = []
         for number, flat in enumerate(self.groups):
             for b, (bucket, (start, end)) in enumerate(zip(flat.layout.buckets, flat.piece_ranges)):
@@ -413,9 +414,9 @@ class ZeroOptimizer(abc.ABC):
                 for index in bucket.param_indices:
                     slot = flat.layout.slots[index]
                     a, z = max(slot.flat_offset, lo_cut), min(slot.flat_offset + slot.numel, hi_cut)
-                    if z <= a:
-                        continue
                     param = flat.params[index]
+                    if z <= a or (only is not None and names[id(param)] != only):
+                        continue
                     master = flat.master_pieces[b][a - start : z - start]
                     out.append(
                         OwnedSlice(

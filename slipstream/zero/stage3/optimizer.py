@@ -285,8 +285,9 @@ class Stage3Optimizer(ZeroOptimizer):
     def trainable_params(self) -> list[torch.Tensor]:
         return [self._units[uid].params[i] for uid, indices in self._trainable.items() for i in indices]
 
-    def owned_slices(self, names: dict[int, str], *, for_save: bool) -> list[OwnedSlice]:
-        """This rank's slice of every trainable parameter: [rank * ceil(numel/world), ...) clipped to numel."""
+    def owned_slices(self, names: dict[int, str], *, for_save: bool, only: str | None = None) -> list[OwnedSlice]:
+        """This rank's slice of every trainable parameter (or of the one named `only`): [rank *
+        ceil(numel/world), ...) clipped to numel."""
         out: list[OwnedSlice] = []
         for number, group in enumerate(self.groups):
             for run, master, grad in zip(group.runs, group.master_pieces, group.owned_grads):
@@ -298,11 +299,12 @@ class Stage3Optimizer(ZeroOptimizer):
                         min(record.numel, rank * record.shard_numel),
                         min(record.numel, (rank + 1) * record.shard_numel),
                     )
-                    if hi > lo:
+                    name = names.get(id(run.unit.params[index]), record.name)
+                    if hi > lo and (only is None or name == only):
                         value = run.unit.shard[record.shard_offset : record.shard_offset + hi - lo]
                         out.append(
                             OwnedSlice(
-                                name=names.get(id(run.unit.params[index]), record.name),
+                                name=name,
                                 shape=tuple(record.shape),
                                 lo=lo,
                                 hi=hi,
