@@ -250,20 +250,21 @@ class _SelectiveAdamW(torch.optim.AdamW):
 
 
 class ZenFlowSelectiveAdamW(_SelectiveAdamW):
-    """Selective AdamW over whole parameters (ZeRO stages 1 and 2): column `j` of a 2-D weight is `data[:, j]`.
+    """Selective AdamW over whole parameters (ZeRO stages 1 and 2): column `j` of a 2-D weight is `data[:, j]`;
+    a parameter of any other rank is taken whole.
 
     Args: torch.optim.AdamW's, plus `offload` (moments in host buffers, see the module doc) and `bucket_size`
     (elements updated at a time in offload mode).
     """
 
     def _read(self, param: Tensor) -> Tensor:
-        if param.dim() == 1:
+        if param.dim() != 2:
             return param.data.clone()
         return param.data[:, param.selected_indices.to(param.device)]  # type: ignore[attr-defined]
 
     def _write(self, param: Tensor, value: Tensor) -> None:
-        if param.dim() == 1:
-            param.data.copy_(value)
+        if param.dim() != 2:
+            param.data.copy_(value.reshape(param.shape))
         else:
             param.data[:, param.selected_indices.to(param.device)] = value.to(param.dtype)  # type: ignore[attr-defined]
 
