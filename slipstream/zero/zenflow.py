@@ -18,6 +18,10 @@ update interval `U` and selection interval `S` (0: select once), step `m` (count
   gradients): CPU Adam updates the whole shard from the accumulated gradient (clipped by its own norm),
   the shards are gathered into the parameters, and the selected columns take back the selective values
   (`temp_copy_param` before, restored by the selective step after): they are the selective optimizer's.
+With `overlap_step` the CPU update of a window runs in a thread during the next window and reaches the
+parameters at the next update boundary (one window late, as in DeepSpeed); a selection (which needs every
+update in the parameters) and a checkpoint wait for it first (its gradients have an accumulator of their own,
+and it steps a copy of the optimizer's param groups, so the LR schedule cannot race it).
 As in DeepSpeed: every gradient is divided by `U` (DeepSpeed runs the window as gradient accumulation), the
 CPU update's bias correction counts ZenFlow steps (`m + 1`), not CPU updates, and only the CPU update is
 clipped. Checkpoints hold the CPU optimizer's state; the selective moments, the selection and the gradients
@@ -27,6 +31,7 @@ of an unfinished window are not saved (a resumed run selects again at its first 
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import torch
@@ -65,11 +70,6 @@ class ZenFlowMixin:
         super().__init__(*args, **kwargs)
         me: Any = self
         zenflow: ZenFlowPlan = me.zero.zenflow
-        if zenflow.overlap_step:
-            raise NotImplementedError(
-                "zero_optimization.zenflow.overlap_step: true (the CPU update running in the background) is not "
-                "implemented yet; set overlap_step to false (the CPU update then runs in the step)"
-            )
         if zenflow.update_interval is None:
             raise NotImplementedError(
                 'zero_optimization.zenflow.update_interval: "auto" (an adaptive interval) is not implemented yet; '
@@ -100,7 +100,14 @@ class ZenFlowMixin:
             ],
             offload=zenflow.offload,
         )
-        self._accumulated = [[torch.zeros_like(piece) for piece in flat.master_pieces] for flat in self.groups]
+        slots = 2 if zenflow.overlap_step else 1  # overlap: one accumulates while the other is being applied
+        self._accumulated = [
+            [[torch.zeros_like(piece) for piece in flat.master_pieces] for flat in self.groups] for _ in range(slots)
+        ]
+        self._slot = 0
+        self._background: _Background | None = None
+        self._unpublished = False
+        """overlap_step: the masters hold an update the parameters have not received yet."""
 
     def set_steps_per_epoch(self, steps: int) -> None:
         """The engine's ZenFlow steps per epoch (its loader's batches / accumulation), for the "epoch" and
@@ -130,15 +137,20 @@ class ZenFlowMixin:
             if m == warm_up or (every and m % every == 0):
                 self._select(first=m == 0)
             self._hand_over_selected_grads()
-            for flat, sums in zip(self.groups, self._accumulated):
+            window = self._accumulated[self._slot]
+            for flat, sums in zip(self.groups, window):
                 for total, grad in zip(sums, flat.grads_for_optimizer()):
                     total.add_(grad)
             if (m + 1 - warm_up) % interval == 0 or (every and (m + 1) % every == 0):
                 self.selective.temp_copy_param({i: flat.params for i, flat in enumerate(self.groups)})
-                self._full_update(self._accumulated, clip)
-                for sums in self._accumulated:
-                    for total in sums:
-                        total.zero_()
+                if self.zenflow.overlap_step:  # the last window's update reaches the parameters; this one starts
+                    self._publish_pending()
+                    self._prepare_update(window, clip)
+                    self._background = _Background(self, window)
+                    self._slot ^= 1
+                else:
+                    self._full_update(window, clip)
+                    _zero(window)
             self.selective.step()
         me.zero_grad()
         self.zf_step += 1
@@ -154,6 +166,12 @@ class ZenFlowMixin:
     def _full_update(self, grads: list[list[torch.Tensor]], clip: float) -> None:
         """CPU Adam over the whole shard with `grads`, clipped by their global norm; shards gathered after."""
         me: Any = self
+        self._prepare_update(grads, clip)
+        me._update_from(grads)
+
+    def _prepare_update(self, grads: list[list[torch.Tensor]], clip: float) -> None:
+        """Clip `grads` by their global norm (one all-reduce) and set the CPU optimizer's step counts."""
+        me: Any = self
         if clip > 0:
             sum_sq = torch.zeros(1, dtype=torch.float64, device=self.groups[0].device)
             for group_grads in grads:
@@ -167,7 +185,50 @@ class ZenFlowMixin:
                     for grad in group_grads:
                         grad.mul_(clip / (norm + 1e-6))
         self._set_step_counts(self.zf_step + 1)
-        me._update_from(grads)
+
+    # ---- overlap_step: the CPU update in a background thread ([Note: ZenFlow step]) ----
+    def _wait(self) -> None:
+        """Wait for a background update (its gradients' slot is then free); raise what it raised."""
+        if self._background is None:
+            return
+        background, self._background = self._background, None
+        background.join()
+        _zero(background.grads)
+        self._unpublished = True
+
+    def _publish_pending(self) -> None:
+        """The finished background update into the parameters (all of their columns; callers restore the
+        selected ones)."""
+        me: Any = self
+        self._wait()
+        if self._unpublished:
+            me._publish_params(from_low_precision=bool(me._low_precision_out))
+            self._unpublished = False
+
+    def _publish_keeping_selected(self) -> None:
+        """`_publish_pending` with the selected columns (and the parameters the selective optimizer owns whole)
+        kept as they are: before a new selection the parameters must hold every update."""
+        kept = []
+        for flat in self.groups:
+            for param in flat.params:
+                column = self._columns.get(id(param))
+                if column is not None and column.k == 0:
+                    continue
+                where: Any = slice(None) if column is None else (slice(None), column.indices.to(param.device))
+                kept.append((param, where, param.data[where].clone()))
+        self._publish_pending()
+        for param, where, value in kept:
+            param.data[where] = value
+
+    def resident_state(self) -> Any:
+        """Checkpoints read the masters and states: a background update finishes first (and is published at the
+        next update boundary, as it would have been)."""
+        self._wait()
+        return super().resident_state()  # type: ignore[misc]
+
+    def state_dict(self) -> dict:
+        self._wait()
+        return super().state_dict()  # type: ignore[misc]
 
     def _set_step_counts(self, count: int) -> None:
         """DeepSpeed's CPU update is told the ZenFlow step (`step_id`), which its bias correction uses."""
@@ -206,6 +267,8 @@ class ZenFlowMixin:
     @torch.no_grad()
     def _select(self, *, first: bool) -> None:
         me: Any = self
+        if self.zenflow.overlap_step:
+            self._publish_keeping_selected()
         if not first:  # the masters missed every selective update: take the parameters' values
             for flat in self.groups:
                 for piece, (start, end) in zip(flat.master_pieces, flat.piece_ranges):
@@ -275,6 +338,46 @@ class ZenFlowMixin:
                 if self.zenflow.offload and not hasattr(param, "exp_avg_cpu_data"):
                     param.exp_avg_cpu_data = torch.zeros(grad.numel(), dtype=param.dtype)  # type: ignore[attr-defined]
                     param.exp_avg_sq_cpu_data = torch.zeros(grad.numel(), dtype=param.dtype)  # type: ignore[attr-defined]
+
+
+class _Background:
+    """One CPU update running in a thread: a view of the optimizer with its own param-group dicts, so the LR
+    scheduler of the next steps cannot change the hyperparameters of an update under way."""
+
+    def __init__(self, owner: Any, grads: list[list[torch.Tensor]]) -> None:
+        self.grads = grads
+        self.error: BaseException | None = None
+        optimizer = owner.optimizer
+        view = object.__new__(type(optimizer))  # every attribute shared (state, op), but the group dicts
+        view.__dict__.update(optimizer.__dict__)
+        view.param_groups = [dict(group) for group in optimizer.param_groups]
+        for flat, group_grads in zip(owner.groups, grads):
+            for piece, grad in zip(flat.master_pieces, group_grads):
+                piece.grad = grad
+        low_precision = owner._low_precision_out
+
+        def run() -> None:
+            try:
+                if low_precision:
+                    view.step(low_precision_out=low_precision)
+                else:
+                    view.step()
+            except BaseException as error:  # re-raised in the training thread by join()
+                self.error = error
+
+        self.thread = threading.Thread(target=run, name="zenflow-cpu-update", daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"ZenFlow's background CPU update failed: {self.error}") from self.error
+
+
+def _zero(grads: list[list[torch.Tensor]]) -> None:
+    for group_grads in grads:
+        for grad in group_grads:
+            grad.zero_()
 
 
 def zenflow_stage(stage: type[ZeroOptimizer]) -> type[ZeroOptimizer]:
