@@ -168,6 +168,32 @@ def zenflow_run(rank: int, world: int, *, stage: int, steps: int, zenflow: dict,
     return {"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}, "selected": selected}
 
 
+def checkpoint_round_trip(rank: int, world: int, directory: str) -> bool:
+    """Saved in the middle of a background update (overlap_step): the save waits for it; a new engine loads
+    the same masters and Adam state."""
+    import slipstream
+
+    from tests.harness.checks import owned_state
+
+    config = {"train_micro_batch_size_per_gpu": BATCH // world,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                    "zenflow": {"topk_ratio": 0.3, "update_interval": 2, "overlap_step": True}}}
+    engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
+    per_rank = BATCH // world
+    for inputs, targets in batches(4):
+        engine.backward(TinyMLP.loss(engine(inputs[rank * per_rank:(rank + 1) * per_rank]),
+                                     targets[rank * per_rank:(rank + 1) * per_rank]))
+        engine.step()
+    assert engine.optimizer._background is not None  # the update of steps 2-3 is under way
+    engine.save_checkpoint(directory, tag="zf")
+    saved = owned_state(engine, ("exp_avg", "exp_avg_sq"))
+    other, *_ = slipstream.initialize(model=TinyMLP(seed=1), config=config)
+    other.load_checkpoint(directory, tag="zf")
+    loaded = owned_state(other, ("exp_avg", "exp_avg_sq"))
+    return all(torch.equal(a[3], b[3]) for key in saved for a, b in zip(saved[key], loaded[key]))
+
+
 def refused(rank: int, world: int) -> list[str]:
     import slipstream
 
@@ -182,14 +208,16 @@ def refused(rank: int, world: int) -> list[str]:
     return messages
 
 
-def grid(rank: int, world: int) -> list:
+def grid(rank: int, world: int, directory: str) -> list:
     results = run_subtests(CASES + [PLAIN], lambda **case: zenflow_run(rank, world, **case))
-    return results + [refused(rank, world)]
+    return results + [checkpoint_round_trip(rank, world, directory), refused(rank, world)]
 
 
 @pytest.fixture(scope="module")
 def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[list]:
-    return run_distributed(grid, world_size=2, tmp_dir=tmp_path_factory.mktemp("zenflow"), timeout_s=240)
+    directory = str(tmp_path_factory.mktemp("zenflow-checkpoint"))
+    return run_distributed(grid, world_size=2, tmp_dir=tmp_path_factory.mktemp("zenflow"), timeout_s=240,
+                           directory=directory)
 
 
 @pytest.mark.parametrize("number", range(len(CASES)))
@@ -219,6 +247,10 @@ def test_every_column_every_step_is_plain_adamw(per_rank: list[list]) -> None:
         for name, value in per_rank[rank][len(CASES)]["params"].items():
             torch.testing.assert_close(value, reference.params[name], rtol=1e-5, atol=1e-6,
                                        msg=lambda m, name=name, rank=rank: f"rank {rank} {name}: {m}")
+
+
+def test_a_checkpoint_waits_for_the_background_update(per_rank: list[list]) -> None:
+    assert per_rank[0][-2] and per_rank[1][-2]
 
 
 def test_what_zenflow_does_not_run_is_refused_by_name(per_rank: list[list]) -> None:
