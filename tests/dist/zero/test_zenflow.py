@@ -31,6 +31,9 @@ CASES = [
     {"stage": 1, "steps": 9, "zenflow": {"topk_ratio": 0.2, "update_interval": 2, "overlap_step": True}},
     # gradient accumulation still accumulates: 2 micro-batches per rank make one ZenFlow step
     {"stage": 1, "steps": 7, "gas": 2, "zenflow": {"topk_ratio": 0.3, "update_interval": 3}},
+    # select_strategy "epoch": 32 samples are 4 loader batches of 4 per rank, so one epoch is 4 steps
+    {"stage": 2, "steps": 9, "samples": 32,
+     "zenflow": {"topk_ratio": 0.3, "select_strategy": "epoch", "select_interval": 1, "update_interval": 2}},
     # bf16 parameters (fp32 masters): the selective update runs in bf16, as in DeepSpeed, so the tolerance is bf16's
     {"stage": 2, "steps": 7, "bf16": True, "zenflow": {"topk_ratio": 0.3, "update_interval": 3}},
 ]
@@ -51,12 +54,14 @@ def _adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t
     p.sub_(LR / (1 - BETAS[0] ** t) * m / denom)
 
 
-def zenflow_reference(steps: int, zenflow: dict, clip: float = 0.0) -> dict[str, torch.Tensor]:
+def zenflow_reference(steps: int, zenflow: dict, clip: float = 0.0, steps_per_epoch: int = 0) -> dict[str, torch.Tensor]:
     model = TinyMLP()
     params = dict(model.named_parameters())
     ratio, interval = zenflow["topk_ratio"], zenflow["update_interval"]
     warm_up = zenflow.get("full_warm_up_rounds", 0)
     every = zenflow.get("select_interval", 0) if zenflow.get("select_strategy") == "step" else 0
+    if zenflow.get("select_strategy") == "epoch":
+        every = zenflow["select_interval"] * steps_per_epoch
     overlap = zenflow.get("overlap_step", False)
     unpublished = False  # overlap: the masters hold an update the parameters have not received
     master = {n: p.detach().clone() for n, p in params.items()}
@@ -145,7 +150,7 @@ def zenflow_reference(steps: int, zenflow: dict, clip: float = 0.0) -> dict[str,
 
 # ---- the engine on 2 ranks ----
 def zenflow_run(rank: int, world: int, *, stage: int, steps: int, zenflow: dict, clip: float = 0.0, gas: int = 1,
-                bf16: bool = False) -> dict:
+                bf16: bool = False, samples: int = 0) -> dict:
     import slipstream
 
     micro = BATCH // world // gas
@@ -155,7 +160,10 @@ def zenflow_run(rank: int, world: int, *, stage: int, steps: int, zenflow: dict,
                                                         "eps": EPS}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 700,
                                     "offload_optimizer": {"device": "cpu"}, "zenflow": zenflow}}
-    engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
+    data = None
+    if samples:  # only its length matters: the "epoch" strategy counts the engine loader's batches
+        data = torch.utils.data.TensorDataset(torch.zeros(samples, 13), torch.zeros(samples, 5))
+    engine, *_ = slipstream.initialize(model=TinyMLP(), config=config, training_data=data)
     assert type(engine.optimizer).__name__ == f"ZenFlowStage{stage}Optimizer"
     for inputs, targets in batches(steps):
         for m in range(gas):  # the window's micro-batches make one ZenFlow step
@@ -172,7 +180,6 @@ def checkpoint_round_trip(rank: int, world: int, directory: str) -> bool:
     """Saved in the middle of a background update (overlap_step): the save waits for it; a new engine loads
     the same masters and Adam state."""
     import slipstream
-
     from tests.harness.checks import owned_state
 
     config = {"train_micro_batch_size_per_gpu": BATCH // world,
@@ -223,7 +230,8 @@ def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[list]:
 @pytest.mark.parametrize("number", range(len(CASES)))
 def test_zenflow_matches_single_process_zenflow(per_rank: list[list], number: int) -> None:
     case = CASES[number]
-    expected = zenflow_reference(case["steps"], case["zenflow"], case.get("clip", 0.0))
+    epoch = case.get("samples", 0) // BATCH
+    expected = zenflow_reference(case["steps"], case["zenflow"], case.get("clip", 0.0), steps_per_epoch=epoch)
     first, second = per_rank[0][number], per_rank[1][number]
     assert first["selected"] == second["selected"] and first["selected"], case
     tolerance = 2e-2 if case.get("bf16") else 1e-5  # training moves these weights by about 0.1
