@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
 from slipstream.config.plan import ZenFlowPlan
 from slipstream.ops.adam.zenflow_torch_adam import ZenFlowSelectiveAdamW
@@ -129,17 +130,18 @@ class ZenFlowMixin:
         result: StepResult = me._settle_and_measure(grad_divisor * interval)
         if result.overflow:
             return result
+        result = StepResult(grad_norm=result.grad_norm * interval, overflow=False)  # the step's own gradient
         m, warm_up, every = self.zf_step, self.zenflow.full_warm_up_rounds, self._select_every
         self._sync_hyperparameters()
         if m < warm_up:
-            self._full_update([flat.grads_for_optimizer() for flat in self.groups], clip)
+            self._full_update(self._host_grads(), clip)
         else:
             if m == warm_up or (every and m % every == 0):
                 self._select(first=m == 0)
             self._hand_over_selected_grads()
             window = self._accumulated[self._slot]
-            for flat, sums in zip(self.groups, window):
-                for total, grad in zip(sums, flat.grads_for_optimizer()):
+            for sums, grads in zip(window, self._host_grads()):
+                for total, grad in zip(sums, grads):
                     total.add_(grad)
             if (m + 1 - warm_up) % interval == 0 or (every and (m + 1) % every == 0):
                 self.selective.temp_copy_param({i: flat.params for i, flat in enumerate(self.groups)})
@@ -155,6 +157,12 @@ class ZenFlowMixin:
         me.zero_grad()
         self.zf_step += 1
         return result
+
+    def _host_grads(self) -> list[list[torch.Tensor]]:
+        """This step's owned gradients where the masters live (host copies), the copies complete."""
+        grads = [flat.grads_for_optimizer() for flat in self.groups]
+        get_accelerator().synchronize()  # device -> host copies are non-blocking
+        return grads
 
     def _sync_hyperparameters(self) -> None:
         """The selective optimizer follows the CPU optimizer's hyperparameters (the LR schedule)."""

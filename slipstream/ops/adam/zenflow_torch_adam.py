@@ -127,7 +127,7 @@ class _SelectiveAdamW(torch.optim.AdamW):
 
         The step counts are kept, as DeepSpeed keeps them: bias correction goes on from the step reached.
         """
-        _log.info("ZenFlow: clearing the selective optimizer's moments")
+        _log.debug("ZenFlow: clearing the selective optimizer's moments")
         for group in self.param_groups:
             for param in group["params"]:
                 state = self.state.get(param)

@@ -54,7 +54,9 @@ def _adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t
     p.sub_(LR / (1 - BETAS[0] ** t) * m / denom)
 
 
-def zenflow_reference(steps: int, zenflow: dict, clip: float = 0.0, steps_per_epoch: int = 0) -> dict[str, torch.Tensor]:
+def zenflow_reference(steps: int, zenflow: dict, clip: float = 0.0, steps_per_epoch: int = 0,
+                      norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """The final parameters; `norms` gets each step's global gradient norm."""
     model = TinyMLP()
     params = dict(model.named_parameters())
     ratio, interval = zenflow["topk_ratio"], zenflow["update_interval"]
@@ -90,6 +92,8 @@ def zenflow_reference(steps: int, zenflow: dict, clip: float = 0.0, steps_per_ep
         model.zero_grad()
         TinyMLP.loss(model(inputs), targets).backward()
         grads = {n: p.grad.detach() / interval for n, p in params.items()}
+        if norms is not None:
+            norms.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params.values())))
         if m < warm_up:
             cpu_update(grads, m + 1)
             continue
@@ -164,16 +168,19 @@ def zenflow_run(rank: int, world: int, *, stage: int, steps: int, zenflow: dict,
     if samples:  # only its length matters: the "epoch" strategy counts the engine loader's batches
         data = torch.utils.data.TensorDataset(torch.zeros(samples, 13), torch.zeros(samples, 5))
     engine, *_ = slipstream.initialize(model=TinyMLP(), config=config, training_data=data)
+    norms = []
     assert type(engine.optimizer).__name__ == f"ZenFlowStage{stage}Optimizer"
     for inputs, targets in batches(steps):
         for m in range(gas):  # the window's micro-batches make one ZenFlow step
             lo = (m * world + rank) * micro
             engine.backward(TinyMLP.loss(engine(inputs[lo:lo + micro]), targets[lo:lo + micro]))
             engine.step()
+        norms.append(engine.get_global_grad_norm())
     assert engine.global_steps == steps
     selected = {n: p.selected_indices.tolist() for n, p in engine.module.named_parameters()
                 if hasattr(p, "selected_indices")}
-    return {"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}, "selected": selected}
+    return {"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}, "selected": selected,
+            "norms": norms}
 
 
 def checkpoint_round_trip(rank: int, world: int, directory: str) -> bool:
@@ -231,10 +238,13 @@ def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[list]:
 def test_zenflow_matches_single_process_zenflow(per_rank: list[list], number: int) -> None:
     case = CASES[number]
     epoch = case.get("samples", 0) // BATCH
-    expected = zenflow_reference(case["steps"], case["zenflow"], case.get("clip", 0.0), steps_per_epoch=epoch)
+    norms: list[float] = []
+    expected = zenflow_reference(case["steps"], case["zenflow"], case.get("clip", 0.0), steps_per_epoch=epoch,
+                                 norms=norms)
     first, second = per_rank[0][number], per_rank[1][number]
     assert first["selected"] == second["selected"] and first["selected"], case
     tolerance = 2e-2 if case.get("bf16") else 1e-5  # training moves these weights by about 0.1
+    torch.testing.assert_close(first["norms"], norms, rtol=tolerance * 10, atol=0)  # each step's own gradient
     for name, value in expected.items():
         for rank, result in enumerate((first, second)):
             torch.testing.assert_close(result["params"][name].float(), value, rtol=tolerance, atol=tolerance,
