@@ -291,8 +291,12 @@ class ZenFlowMixin:
                 column = self._columns.get(id(param))
                 if column is None:
                     continue
-                cols = torch.arange(lo, hi, device=device) % column.cols
-                scores.index_add_(0, cols + column.score_offset, grad.abs().to(torch.float32))
+                own = scores[column.score_offset : column.score_offset + column.cols]
+                for row, start, part in _rows_of(lo, hi, column.cols, grad):
+                    if row is None:  # a block of whole rows
+                        own.add_(part.abs().sum(0, dtype=torch.float32))
+                    else:  # part of one row, from column `start`
+                        own[start : start + part.numel()] += part.abs().to(torch.float32)
         if me.world_size > 1:
             collectives.all_reduce(scores, group=me.process_group)
         for column in self._columns.values():
@@ -329,11 +333,14 @@ class ZenFlowMixin:
                 if column is None:
                     buffer[base + lo : base + hi].copy_(grad)
                     continue
-                elements = torch.arange(lo, hi, device=device)
-                place = column.position[elements % column.cols]
-                keep = place >= 0
-                target = base + (elements[keep] // column.cols) * column.k + place[keep]
-                buffer.index_copy_(0, target, grad[keep])
+                selected = buffer[base : base + column.rows * column.k].view(column.rows, column.k)
+                indices = column.indices
+                for row, start, part in _rows_of(lo, hi, column.cols, grad):
+                    if row is None:  # whole rows [start, start + len(part)) of the weight
+                        selected[start : start + part.shape[0]] = part[:, indices]
+                        continue
+                    inside = indices[(indices >= start) & (indices < start + part.numel())]
+                    selected[row, column.position[inside]] = part[inside - start]
         if me.world_size > 1 and total:
             collectives.all_reduce(buffer, group=me.process_group)
         for flat in self.groups:
@@ -346,6 +353,24 @@ class ZenFlowMixin:
                 if self.zenflow.offload and not hasattr(param, "exp_avg_cpu_data"):
                     param.exp_avg_cpu_data = torch.zeros(grad.numel(), dtype=param.dtype)  # type: ignore[attr-defined]
                     param.exp_avg_sq_cpu_data = torch.zeros(grad.numel(), dtype=param.dtype)  # type: ignore[attr-defined]
+
+
+def _rows_of(lo: int, hi: int, cols: int, grad: torch.Tensor) -> list[tuple[int | None, int, torch.Tensor]]:
+    """Elements [lo, hi) of a row-major `(rows, cols)` weight (`grad` holds them) as pieces: (row, first column,
+    the 1-D part of that row) for part of a row, (None, first row, a 2-D block) for whole rows."""
+    pieces: list[tuple[int | None, int, torch.Tensor]] = []
+    at = lo
+    while at < hi:
+        row, col = divmod(at, cols)
+        if col == 0 and hi - at >= cols:  # whole rows
+            count = (hi - at) // cols
+            pieces.append((None, row, grad[at - lo : at - lo + count * cols].view(count, cols)))
+            at += count * cols
+        else:
+            end = min(hi, (row + 1) * cols)
+            pieces.append((row, col, grad[at - lo : end - lo]))
+            at = end
+    return pieces
 
 
 class _Background:
