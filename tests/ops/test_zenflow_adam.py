@@ -149,3 +149,30 @@ def test_wrong_gradient_shape_is_named() -> None:
     param.selected_grad = torch.randn(2, 3)
     with pytest.raises(ValueError, match="selected_grad has shape"):
         opt.step()
+
+
+def test_zenflow_cpu_adam_steps_at_the_given_step_number() -> None:
+    """`step(step_id)` is DeepSpeedCPUAdam's update at that step number (its bias correction), whatever the
+    number of updates before; with overlap_step it is DeepSpeedCPUAdam's own step."""
+    from slipstream.ops.adam import DeepSpeedCPUAdam, ZenFlowCPUAdam
+
+    torch.manual_seed(8)
+    start, grads = torch.randn(19), _grads((19,), 2, 9)
+    ours = torch.nn.Parameter(start.clone())
+    opt = ZenFlowCPUAdam([ours], lr=1e-2)
+    for g, step_id in zip(grads, (4, 8)):  # two updates at ZenFlow steps 4 and 8
+        ours.grad = g.clone()
+        opt.step(step_id)
+    assert opt.state[ours]["step"].item() == 8
+    expected = torch.nn.Parameter(start.clone())
+    ref = DeepSpeedCPUAdam([expected], lr=1e-2)
+    for g, step_id in zip(grads, (4, 8)):
+        expected.grad = g.clone()
+        ref.state[expected].setdefault("step", torch.tensor(0.0))
+        if "exp_avg" not in ref.state[expected]:
+            ref.state[expected].update(exp_avg=torch.zeros(19), exp_avg_sq=torch.zeros(19))
+        ref.state[expected]["step"].fill_(step_id - 1)
+        ref.step()
+    torch.testing.assert_close(ours.detach(), expected.detach(), rtol=0, atol=0)
+    plain = ZenFlowCPUAdam([torch.nn.Parameter(start.clone())], lr=1e-2, overlap_step=True)
+    assert "step" not in vars(plain)  # DeepSpeedCPUAdam's own step

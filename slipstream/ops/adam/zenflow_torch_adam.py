@@ -86,6 +86,14 @@ class _SelectiveAdamW(torch.optim.AdamW):
         # DeepSpeed binds `step` per instance; callers compare `opt.step` with these methods.
         self.step = self._step_with_offload if self.offload else self._step_without_offload  # type: ignore[method-assign]
 
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """The update of every parameter with a `selected_grad` (`_step_with_offload` in offload mode, else
+        `_step_without_offload`; each instance binds `step` to one of them, as DeepSpeed does)."""
+        if self.offload:
+            self._step_with_offload()
+        else:
+            self._step_without_offload()
+
     # -- layout (subclasses) -------------------------------------------------------------------------------
     def _read(self, param: Tensor) -> Tensor:
         """A copy of the selected columns on the gradient's device, shaped like `selected_grad`."""
