@@ -52,7 +52,13 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "CollectiveTimeout",
         "PeerLost",
     ),
-    "slipstream.ops.adam": ("DeepSpeedCPUAdam", "FusedAdam"),
+    "slipstream.ops.adam": (
+        "DeepSpeedCPUAdam",
+        "FusedAdam",
+        "ZenFlowCPUAdam",
+        "ZenFlowSelectiveAdamW",
+        "ZenFlowSelectiveAdamW_stage3",
+    ),
     "slipstream.pipe": (
         "PipelineModule",
         "LayerSpec",

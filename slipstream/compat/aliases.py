@@ -95,6 +95,11 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "DeepSpeedZeroOffloadOptimizerConfig": f"{_CFG}.zero:OffloadOptimizerConfig",
         "ZeroStageEnum": "slipstream.compat.ds_config:ZeroStageEnum",
     },
+    "slipstream.runtime.zenflow": {},
+    "slipstream.runtime.zenflow.zenflow_config": {"ZenFlowConfig": f"{_CFG}.zero:ZenFlowConfig"},
+    "slipstream.runtime.zenflow.zenflow_stage_1_and_2": {  # isinstance(engine.optimizer, ZenFlowZeroOptimizer)
+        "ZenFlowZeroOptimizer": "slipstream.zero.zenflow:ZenFlowMixin",
+    },
     "slipstream.runtime.zero.leaf_module_config": {  # zero_optimization.leaf_module
         "DeepSpeedZeroLeafModuleConfig": f"{_CFG}.zero:LeafModuleConfig",
         "DEFAULT_LEAF_MODULE_CLASSES": f"{_CFG}.zero:DEFAULT_LEAF_MODULE_CLASSES",

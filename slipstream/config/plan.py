@@ -33,6 +33,7 @@ __all__ = [
     "PrecisionPlan",
     "SchedulerPlan",
     "Stage3Plan",
+    "ZenFlowPlan",
     "ZeroPlan",
 ]
 
@@ -156,6 +157,26 @@ class Stage3Plan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ZenFlowPlan:
+    """ZenFlow (zero_optimization.zenflow): selective column updates between offloaded CPU updates."""
+
+    topk_ratio: float
+    """Fraction of each 2-D weight's columns updated at every step (topk_ratio)."""
+    select_every: int
+    """Steps between column selections (select_interval), or epochs when `select_per_epoch`; 0: select once."""
+    select_per_epoch: bool
+    """`select_every` counts epochs of the engine's training data loader (select_strategy "epoch" / "auto")."""
+    update_interval: int | None
+    """Steps between CPU updates of the other columns; None for "auto" (refused by the ZeRO optimizer)."""
+    full_warm_up_rounds: int
+    """Ordinary full steps before the first selection."""
+    overlap_step: bool
+    """Run the CPU update in the background, one update interval behind (overlap_step)."""
+    offload: bool
+    """The selective optimizer's moments live in host buffers (offload)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroPlan:
     """ZeRO stage, its bucket size, optimizer offload and the optimizer checks."""
 
@@ -167,6 +188,8 @@ class ZeroPlan:
     """With optimizer offload, only an optimizer with a host kernel may run (zero_force_ds_cpu_optimizer)."""
     allow_untested_optimizer: bool
     """Per-tensor optimizers may run over flat shards (zero_allow_untested_optimizer)."""
+    zenflow: ZenFlowPlan | None = None
+    """ZenFlow (stages 1-2 with the optimizer offloaded to the CPU), or None."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

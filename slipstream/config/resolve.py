@@ -58,6 +58,7 @@ from slipstream.config.plan import (
     SchedulerPlan,
     Stage3Plan,
     WandbPlan,
+    ZenFlowPlan,
     ZeroPlan,
 )
 from slipstream.config.schema.misc import ActivationCheckpointingConfig
@@ -274,6 +275,60 @@ def _zero_plan(cfg: DeepSpeedConfig, aio: AioPlan, problems: list[str]) -> ZeroP
         stage3=stage3,
         force_host_optimizer=cfg.zero_force_ds_cpu_optimizer,
         allow_untested_optimizer=cfg.zero_allow_untested_optimizer,
+        zenflow=_zenflow_plan(zero, offload, problems),
+    )
+
+
+def _zenflow_plan(zero: ZeroConfig, offload: OffloadTarget, problems: list[str]) -> ZenFlowPlan | None:
+    """ZenFlow's knobs with DeepSpeed's rules (runtime/zenflow/engine.py, configure_zenflow): "auto" selection is
+    once per epoch; an explicit strategy needs an integer interval; selection is no more frequent than updates."""
+    section, prefix = zero.zenflow, "zero_optimization.zenflow"
+    if section is None:
+        return None
+    count = len(problems)
+    if zero.stage not in (1, 2):
+        problems.append(
+            f"{prefix}: ZenFlow runs at ZeRO stages 1 and 2 (zero_optimization.stage is {zero.stage}); "
+            "set zero_optimization.stage to 1 or 2, or remove the zenflow section"
+        )
+    if not isinstance(offload, CpuTarget) or isinstance(offload, NvmeTarget):
+        device = "none" if zero.offload_optimizer is None else zero.offload_optimizer.device
+        problems.append(
+            f'{prefix}: ZenFlow needs zero_optimization.offload_optimizer.device "cpu" (it is "{device}"); '
+            'set it to "cpu", or remove the zenflow section'
+        )
+    strategy, interval = section.select_strategy, section.select_interval
+    if strategy not in ("auto", "step", "epoch"):
+        problems.append(f'{prefix}.select_strategy: {strategy!r} is not one of "auto", "step", "epoch"')
+    elif strategy == "auto" and interval != "auto":
+        problems.append(
+            f'{prefix}.select_interval: {interval!r} is not used with select_strategy "auto" (which selects once '
+            'per epoch); set select_strategy to "step" or "epoch", or select_interval to "auto"'
+        )
+    elif strategy != "auto" and interval == "auto":
+        problems.append(
+            f'{prefix}.select_interval: "auto" needs select_strategy "auto" (it is "{strategy}"); '
+            "give the number of steps or epochs between selections"
+        )
+    update = None if section.update_interval == "auto" else int(section.update_interval)
+    every = 1 if interval == "auto" else int(interval)
+    if update is not None and update < 1:
+        problems.append(f'{prefix}.update_interval: {update} < 1; give a positive number of steps or "auto"')
+    if strategy == "step" and update is not None and 0 < every < update:
+        problems.append(
+            f"{prefix}.select_interval: {every} is below update_interval {update}; selection must not be more "
+            "frequent than the CPU updates (DeepSpeed refuses this too)"
+        )
+    if len(problems) > count:
+        return None
+    return ZenFlowPlan(
+        topk_ratio=section.topk_ratio,
+        select_every=every,
+        select_per_epoch=strategy != "step",
+        update_interval=update,
+        full_warm_up_rounds=section.full_warm_up_rounds,
+        overlap_step=section.overlap_step,
+        offload=section.offload,
     )
 
 

@@ -173,6 +173,19 @@ def make_dataloader(plan: EnginePlan, data: Any, collate_fn: Any, rank: int, wor
     )
 
 
+def tell_epoch_length(optimizer: Any, loader: Any, accumulation: int) -> None:
+    """ZenFlow's "epoch" selection counts optimizer steps per epoch of the engine's loader (DeepSpeed: its
+    length); without a loader (or one of unknown length) it selects once."""
+    setter = getattr(optimizer, "set_steps_per_epoch", None)
+    if setter is None:
+        return
+    try:
+        batches = len(loader) if loader is not None else 0
+    except TypeError:
+        batches = 0
+    setter(batches // max(accumulation, 1))
+
+
 def make_monitors(plan: MonitorPlan) -> list[Any]:
     monitors: list[Any] = []
     if plan.csv_output_path is not None:

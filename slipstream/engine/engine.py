@@ -119,6 +119,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         self.training_dataloader = self.parallel.wrap_loader(
             builders.make_dataloader(plan, training_data, collate_fn, *self.parallel.loader_rank_and_size())
         )
+        builders.tell_epoch_length(self.optimizer, self.training_dataloader, plan.batch.gradient_accumulation_steps)
         self.monitors = builders.make_monitors(plan.logging.monitor) if self.global_rank == 0 else []
         flops, comms = plan.logging.flops_profile, plan.logging.comms_log
         self._step_profiler = (

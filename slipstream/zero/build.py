@@ -57,7 +57,12 @@ class ZeroBuild:
         `group_for` gives param groups reduced over another process group (ZeroOptimizer)."""
         check_optimizer_kind(optimizer, self.zero)
         extra: dict[str, Any] = {} if group_for is None else {"group_for": group_for}
-        return STAGES[self.zero.stage](
+        stage = STAGES[self.zero.stage]
+        if self.zero.zenflow is not None:  # stages 1-2 with CPU offload (config/resolve.py checks)
+            from slipstream.zero.zenflow import zenflow_stage
+
+            stage = zenflow_stage(stage)
+        return stage(
             optimizer,
             zero=self.zero,
             precision=self.precision,

@@ -188,6 +188,21 @@ class ZeroOptimizer(abc.ABC):
     # ---- the step ----
     def step(self, *, grad_divisor: float, clip: float) -> StepResult:
         """Phases 1-4; skips phases 3-4 (and reports overflow) when a gradient is not finite."""
+        result = self._settle_and_measure(grad_divisor)
+        if result.overflow:
+            return result
+        if clip > 0 and result.grad_norm > clip:
+            coef = clip / (result.grad_norm + 1e-6)
+            for flat in self.groups:
+                for grad in flat.owned_grads:
+                    grad.mul_(coef)
+        self._update_from([flat.grads_for_optimizer() for flat in self.groups])
+        self.zero_grad()
+        return result
+
+    def _settle_and_measure(self, grad_divisor: float) -> StepResult:
+        """Phases 1-2 without the clipping: reduce, divide by `grad_divisor`, the global norm and the overflow
+        check (on overflow the gradients are dropped)."""
         if not self._settled:
             self._reduce_for_step()
         owned = [g for flat in self.groups for g in flat.owned_grads]
@@ -210,20 +225,17 @@ class ZeroOptimizer(abc.ABC):
         if self.overflow:
             self.last_nonfinite_param = self.first_nonfinite_param(self.param_names)
             self.zero_grad()
-            return StepResult(grad_norm=grad_norm, overflow=True)
-        if clip > 0 and grad_norm > clip:
-            coef = clip / (grad_norm + 1e-6)
-            for grad in owned:
-                grad.mul_(coef)
-        for flat in self.groups:
-            for piece, grad in zip(flat.master_pieces, flat.grads_for_optimizer()):
+        return StepResult(grad_norm=grad_norm, overflow=self.overflow)
+
+    def _update_from(self, grads: list[list[torch.Tensor]]) -> None:
+        """Phases 3-4 with `grads[g][p]` as the gradient of master piece p of group g (where the masters live)."""
+        for flat, group_grads in zip(self.groups, grads):
+            for piece, grad in zip(flat.master_pieces, group_grads):
                 piece.grad = grad
         if self.offload.on_host:
             get_accelerator().synchronize()  # device -> host gradient copies are complete
         copied = self.offload.run_step(self)  # phase 3 (and the copy of phase 4 when the policy did it)
         self._publish_params(from_low_precision=bool(self._low_precision_out), copied=copied)
-        self.zero_grad()
-        return StepResult(grad_norm=grad_norm, overflow=False)
 
     def _step_optimizer(self, low_precision: list[torch.Tensor]) -> None:
         if low_precision:

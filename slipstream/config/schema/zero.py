@@ -135,6 +135,15 @@ class LeafModuleConfig(DSModel):
 class ZenFlowConfig(DSModel):
     """`zero_optimization.zenflow` (`runtime/zenflow/zenflow_config.py`)."""
 
+    IMPLEMENTED = {
+        "topk_ratio": "zero.zenflow.topk_ratio",
+        "select_strategy": "zero.zenflow.select_per_epoch",
+        "select_interval": "zero.zenflow.select_every",
+        "update_interval": "zero.zenflow.update_interval",
+        "overlap_step": "zero.zenflow.overlap_step",
+        "offload": "zero.zenflow.offload",
+        "full_warm_up_rounds": "zero.zenflow.full_warm_up_rounds",
+    }
     LITERAL_AUTO = frozenset({"select_strategy", "select_interval", "update_interval"})
     topk_ratio: DSFloat = Field(0.1, ge=0.0, le=1.0)
     """Fraction of gradient columns updated on the GPU each step."""

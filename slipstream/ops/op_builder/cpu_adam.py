@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from slipstream.ops.op_builder.builder import CPUOpBuilder
 
 
@@ -12,3 +14,10 @@ class CPUAdamBuilder(CPUOpBuilder):
 
     def sources(self) -> list[str]:
         return ["adam/cpu_adam.cpp"]
+
+    def load(self, verbose: bool = False) -> ModuleType:
+        """The op module, with DeepSpeed's functional interface added (`create_adam`, id-based `adam_update`,
+        the ZenFlow optimizer-process functions: slipstream/ops/adam/ds_op_api.py)."""
+        from slipstream.ops.adam.ds_op_api import install
+
+        return install(super().load(verbose=verbose))

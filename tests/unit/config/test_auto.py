@@ -103,11 +103,16 @@ def test_auto_that_is_a_real_deepspeed_value_is_kept() -> None:
         {
             TBS: 8,
             "pipeline": {"stages": "auto"},
-            "zero_optimization": {"zenflow": {"select_strategy": "auto"}},
+            "zero_optimization": {
+                "stage": 2,
+                "offload_optimizer": {"device": "cpu"},
+                "zenflow": {"select_strategy": "auto"},
+            },
         },
         world_size=1,
     )
     assert plan.resolved["pipeline"]["stages"] == "auto"
+    assert plan.resolved["zero_optimization"]["zenflow"]["select_strategy"] == "auto"
 
 
 def test_hf_trainer_style_config() -> None:

@@ -30,7 +30,7 @@ def test_an_invalid_value_is_named_in_deepspeeds_words() -> None:
     ("extra", "where"),
     [
         ({"zero_optimization": {"stage": 3}}, "ZeRO stage 3"),
-        ({"zero_optimization": {"stage": 2, "zenflow": {}}}, "ZenFlow"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {}}}, "ZenFlow"),
         ({"zero_optimization": {"stage": 1}, "compile": {"deepcompile": True}}, "DeepCompile"),
     ],
 )

@@ -164,7 +164,6 @@ def test_unimplemented_lists_what_the_user_set() -> None:
                 "zero_optimization": {
                     "stage": 3,
                     "round_robin_gradients": True,
-                    "zenflow": {"topk_ratio": 0.2},
                 },
                 "flops_profiler": {"enabled": True},
                 "wandb": {"enabled": False, "project": "p"},
@@ -182,7 +181,6 @@ def test_unimplemented_lists_what_the_user_set() -> None:
         )
     assert set(plan.unimplemented) == {
         "zero_optimization.round_robin_gradients",
-        "zero_optimization.zenflow",
         "activation_checkpointing.contiguous_memory_optimization",
         "hybrid_engine",
         "sparse_attention",
