@@ -227,6 +227,8 @@ COMPOSITES: dict[str, dict[str, str]] = {
             "get_sequence_parallel_rank",
             "get_sequence_parallel_group",
             "_get_sequence_parallel_group",
+            "_get_sequence_parallel_world_size",
+            "_get_sequence_parallel_rank",
             "_get_data_parallel_group",
             "_get_data_parallel_world_size",
             "_get_data_parallel_rank",
