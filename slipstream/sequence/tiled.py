@@ -9,16 +9,20 @@ that slice's gradients and drops the slice before the next. Peak memory holds on
 instead of the sequence's; the price is one more forward of the computation (`TiledFusedLogitsLoss` takes
 its gradients in the forward instead, so it runs once).
 
-[Note: tiled parameter gradients] The parameters the computation uses receive their gradient once, summed
-over the slices, by one `torch.autograd.backward(params, summed)` after the last slice (their gradient hooks
-fire once, as in an untiled backward, so ZeRO's per-parameter hooks see one gradient per step, not one per
-slice). They are found by walking each slice's recomputed graph to its leaves: every parameter the function
-touches is included (`compute_params` is accepted for DeepSpeed's signature and added to them). Tensor
-arguments other than the tiled input are detached in the recompute: only the tiled input and the parameters
-get gradients. `TiledFusedLogitsLoss` keeps the summed parameter gradients from its forward and applies them
-in its backward multiplied by the incoming gradient (DeepSpeed applies them during the forward, unscaled, so a
-loss that is scaled afterwards, like the weighted all-gather of sequence-parallel losses, gets wrong LM-head
-gradients there).
+[Note: tiled parameter gradients] The trainable parameters of the module handed over (`TiledMLP`'s and
+`TiledFusedLogitsLoss`'s `module`, the modules among `sequence_tiled_compute`'s `kwargs_to_pass`) and
+`compute_params` are added as inputs of the autograd node: autograd then runs its backward even when the tiled
+input needs no gradient (a first layer over frozen embeddings; DeepSpeed's functions skip the parameters'
+gradients silently there), and the node returns each parameter's gradient summed over the slices, so each
+arrives once per backward, as in an untiled backward (ZeRO's per-parameter hooks see one gradient, not one
+per slice). A parameter the function uses that is none of those (found by walking the recomputed graph to its
+leaves) gets its summed gradient by one nested `torch.autograd.backward` after the last slice. Only the
+parameters a slice's graph reaches are differentiated (a module's other parameters may be sharded away at
+ZeRO-3). Tensor arguments other than the tiled input are detached in the recompute: only the tiled input and
+the parameters get gradients. `TiledFusedLogitsLoss` takes the gradients in its forward and returns them from
+its backward multiplied by the incoming gradient (DeepSpeed applies the parameters' during the forward,
+unscaled, so a loss scaled afterwards, like the weighted all-gather of sequence-parallel losses, gets wrong
+LM-head gradients there).
 
 The RNG state (CPU and accelerator) of each slice's forward is restored for its recompute, so dropout inside
 the function repeats.
@@ -32,6 +36,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 
 __all__ = ["SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP", "sequence_tiled_compute"]
 
@@ -80,11 +85,30 @@ def _graph_leaves(outputs: Sequence[torch.Tensor], exclude: set[int]) -> list[to
     return list(found.values())
 
 
-class _ParamGrads:
-    """Parameter gradients summed over slices ([Note: tiled parameter gradients])."""
+def _trainable(*sources: Any) -> list[torch.Tensor]:
+    """The parameters requiring grad of the modules and tensor lists in `sources`, each once, in order."""
+    found: dict[int, torch.Tensor] = {}
+    for source in sources:
+        if isinstance(source, nn.Module):
+            tensors: Any = source.parameters()
+        elif isinstance(source, torch.Tensor):
+            tensors = [source]
+        else:
+            tensors = source or ()
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                found.setdefault(id(t), t)
+    return list(found.values())
 
-    def __init__(self, declared: Sequence[torch.Tensor] | None) -> None:
-        self.params: dict[int, torch.Tensor] = {id(p): p for p in declared or () if p.requires_grad}
+
+class _ParamGrads:
+    """Parameter gradients summed over slices ([Note: tiled parameter gradients]): `inputs` are the autograd
+    function's parameter inputs (their gradients are returned from its backward); parameters found only in the
+    recomputed graph get theirs by one nested backward (`apply_found`)."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+        self.inputs = list(inputs)
+        self.params: dict[int, torch.Tensor] = {id(p): p for p in self.inputs}
         self.sums: dict[int, torch.Tensor] = {}
 
     def slice_grads(
@@ -92,25 +116,36 @@ class _ParamGrads:
     ) -> torch.Tensor | None:
         """Gradients of one slice: returned for `tiled` (None if it needs none), summed for the parameters."""
         exclude = {id(tiled)} if tiled is not None else set()
-        for leaf in _graph_leaves([output], exclude):
+        params = _graph_leaves([output], exclude)  # only those used: a declared one may be sharded (ZeRO-3)
+        for leaf in params:
             self.params.setdefault(id(leaf), leaf)
-        params = list(self.params.values())
-        inputs = ([tiled] if tiled is not None else []) + params
-        if not inputs:
+        params = [self.params[id(leaf)] for leaf in params]
+        wrt = ([tiled] if tiled is not None else []) + params
+        if not wrt or not output.requires_grad:
             return None
-        grads = torch.autograd.grad(output, inputs, upstream, allow_unused=True)
-        for param, grad in zip(params, grads[len(inputs) - len(params) :]):
+        grads = torch.autograd.grad(output, wrt, upstream, allow_unused=True)
+        for param, grad in zip(params, grads[len(wrt) - len(params) :]):
             if grad is None:
                 continue
             held = self.sums.get(id(param))
             self.sums[id(param)] = grad if held is None else held.add_(grad)
         return grads[0] if tiled is not None else None
 
-    def apply(self, scale: torch.Tensor | None = None) -> None:
-        """Accumulate the sums into the parameters' `.grad` (their hooks fire once); `scale` multiplies them."""
-        params = [self.params[key] for key in self.sums]
-        grads = [g if scale is None else g.mul_(scale.to(g.dtype)) for g in self.sums.values()]
-        self.sums = {}
+    def input_grads(self, scale: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+        """The summed gradients of the parameter inputs (times `scale`), in input order."""
+        out = []
+        for param in self.inputs:
+            grad = self.sums.pop(id(param), None)
+            out.append(grad if grad is None or scale is None else grad.mul_(scale.to(grad.dtype)))
+        return tuple(out)
+
+    def apply_found(self, scale: torch.Tensor | None = None) -> None:
+        """Accumulate the sums of the parameters that were not inputs into their `.grad` (hooks fire once)."""
+        inputs = {id(p) for p in self.inputs}
+        found = [key for key in self.sums if key not in inputs]
+        params = [self.params[key] for key in found]
+        grads = [self.sums.pop(key) for key in found]
+        grads = [g if scale is None else g.mul_(scale.to(g.dtype)) for g in grads]
         if params:
             torch.autograd.backward(params, grads)
 
@@ -137,19 +172,28 @@ def _bounds(length: int, shards: int) -> list[tuple[int, int]]:
 class TiledMLP(torch.autograd.Function):
     """`TiledMLP.apply(fn, module, x, shards, compute_params)`: `fn(module, x)` on `shards` slices of the tokens
     of `x` ([..., tokens, hidden], every leading dim flattened with the tokens), recomputed per slice in
-    backward. `fn` must treat tokens independently (an MLP does). Returns `fn(module, x)`."""
+    backward. `fn` must treat tokens independently (an MLP does). Returns `fn(module, x)`. The trainable
+    parameters of `module` (and `compute_params`) are inputs of the autograd node, so they get their gradients
+    even when `x` needs none."""
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
+    @classmethod
+    def apply(  # type: ignore[override]
+        cls,
         fn: Callable[..., torch.Tensor],
         module: Any,
         x: torch.Tensor,
         shards: int,
         compute_params: Sequence[torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        out: torch.Tensor = super().apply(fn, module, x, shards, *_trainable(module, compute_params))
+        return out
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, fn: Callable[..., torch.Tensor], module: Any, x: torch.Tensor, shards: int, *params: torch.Tensor
+    ) -> torch.Tensor:
         shards = _check_shards("TiledMLP", shards)
-        ctx.fn, ctx.module, ctx.compute_params = fn, module, list(compute_params or [])
+        ctx.fn, ctx.module, ctx.params = fn, module, params
         ctx.save_for_backward(x)
         rows = x.reshape(-1, x.shape[-1])
         ctx.bounds = _bounds(rows.shape[0], shards)
@@ -167,7 +211,7 @@ class TiledMLP(torch.autograd.Function):
         rows = x.detach().reshape(-1, x.shape[-1])
         upstream = grad.reshape(rows.shape[0], -1)
         x_grad = torch.empty_like(rows) if ctx.needs_input_grad[2] else None
-        params = _ParamGrads(ctx.compute_params)
+        params = _ParamGrads(ctx.params)
         for index, (start, end) in enumerate(ctx.bounds):
             piece = rows[start:end].detach().requires_grad_(x_grad is not None)
             with ctx.rng.restored(index), torch.enable_grad():
@@ -176,8 +220,8 @@ class TiledMLP(torch.autograd.Function):
             if x_grad is not None:
                 x_grad[start:end] = 0 if got is None else got
             del out, piece
-        params.apply()
-        return None, None, None if x_grad is None else x_grad.view_as(x), None, None
+        params.apply_found()
+        return None, None, None if x_grad is None else x_grad.view_as(x), None, *params.input_grads()
 
 
 def sequence_tiled_compute(
@@ -196,7 +240,8 @@ def sequence_tiled_compute(
 
     The slices' outputs are concatenated along `output_unshard_dimension` (0: each slice returns a scalar, and
     they are stacked), then reduced by `output_reduction`: None (the concatenation), "mean" or "sum" (of its
-    elements). Only `kwargs_to_shard[grad_requiring_tensor_key]` and the parameters `fn` uses get gradients."""
+    elements). Only `kwargs_to_shard[grad_requiring_tensor_key]` and the parameters `fn` uses get gradients
+    (those of modules in `kwargs_to_pass` and `compute_params` as inputs of the autograd node)."""
     if grad_requiring_tensor_key not in kwargs_to_shard:
         raise ValueError(
             f"sequence_tiled_compute: grad_requiring_tensor_key {grad_requiring_tensor_key!r} is not one of "
@@ -206,7 +251,7 @@ def sequence_tiled_compute(
         raise ValueError(
             f"sequence_tiled_compute: output_reduction must be None, 'mean' or 'sum', got {output_reduction!r}"
         )
-    out: torch.Tensor = SequenceTiledCompute.apply(
+    return SequenceTiledCompute.apply(
         fn,
         seqlen,
         shards,
@@ -219,15 +264,14 @@ def sequence_tiled_compute(
         *kwargs_to_shard.values(),
         *kwargs_to_pass.values(),
     )
-    return out
 
 
 class SequenceTiledCompute(torch.autograd.Function):
     """The autograd function behind `sequence_tiled_compute` (DeepSpeed's positional signature)."""
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
+    @classmethod
+    def apply(  # type: ignore[override]
+        cls,
         fn: Callable[..., torch.Tensor],
         seqlen: int,
         shards: int,
@@ -239,31 +283,41 @@ class SequenceTiledCompute(torch.autograd.Function):
         output_reduction: str | None,
         *args: Any,
     ) -> torch.Tensor:
-        shards = _check_shards("sequence_tiled_compute", shards)
         if len(args) != len(keys_to_shard) + len(keys_to_pass):
             raise ValueError(
-                f"SequenceTiledCompute: {len(args)} values for {len(keys_to_shard) + len(keys_to_pass)} keys"
+                f"SequenceTiledCompute: {len(args)} values for the {len(keys_to_shard) + len(keys_to_pass)} keys "
+                f"{keys_to_shard + keys_to_pass}"
             )
-        sharded = dict(zip(keys_to_shard, args[: len(keys_to_shard)]))
-        passed = dict(zip(keys_to_pass, args[len(keys_to_shard) :]))
-        for key, value in sharded.items():
+        passed = args[len(keys_to_shard) :]
+        params = _trainable(*(v for v in passed if isinstance(v, nn.Module)), compute_params)
+        layout = (fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key, len(args))
+        out: torch.Tensor = super().apply(layout, output_unshard_dimension, output_reduction, *args, *params)
+        return out
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, layout: tuple[Any, ...], output_unshard_dimension: int, output_reduction: str | None, *args: Any
+    ) -> torch.Tensor:
+        fn, seqlen, shards, keys_to_shard, keys_to_pass, key, count = layout
+        shards = _check_shards("sequence_tiled_compute", shards)
+        values, ctx.params = args[:count], args[count:]
+        sharded = dict(zip(keys_to_shard, values[: len(keys_to_shard)]))
+        passed = dict(zip(keys_to_pass, values[len(keys_to_shard) :]))
+        for name, value in sharded.items():
             if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != seqlen:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(
-                    f"sequence_tiled_compute: kwargs_to_shard[{key!r}] must be a tensor [batch, seqlen={seqlen}, "
+                    f"sequence_tiled_compute: kwargs_to_shard[{name!r}] must be a tensor [batch, seqlen={seqlen}, "
                     f"...], got {shape}"
                 )
-        ctx.fn, ctx.dim, ctx.reduction = fn, output_unshard_dimension, output_reduction
-        ctx.key, ctx.compute_params = grad_requiring_tensor_key, list(compute_params or [])
-        ctx.index = (keys_to_shard + keys_to_pass).index(grad_requiring_tensor_key)
-        ctx.count = len(args)
+        ctx.fn, ctx.dim, ctx.reduction, ctx.key = fn, output_unshard_dimension, output_reduction, key
+        ctx.index = (keys_to_shard + keys_to_pass).index(key)
+        ctx.count, ctx.keys_to_shard, ctx.keys_to_pass = count, keys_to_shard, keys_to_pass
         ctx.bounds = _bounds(seqlen, shards)
-        ctx.keys_to_shard, ctx.keys_to_pass = keys_to_shard, keys_to_pass
-        tensors = [v for v in args if isinstance(v, torch.Tensor)]
-        ctx.save_for_backward(*tensors)
-        ctx.layout = [isinstance(v, torch.Tensor) for v in args]
-        ctx.others = [None if isinstance(v, torch.Tensor) else v for v in args]
-        ctx.rng = _RngStates(_device_of(*args))
+        ctx.save_for_backward(*(v for v in values if isinstance(v, torch.Tensor)))
+        ctx.layout = [isinstance(v, torch.Tensor) for v in values]
+        ctx.others = [None if isinstance(v, torch.Tensor) else v for v in values]
+        ctx.rng = _RngStates(_device_of(*values))
         pieces, ctx.shapes = [], []
         for start, end in ctx.bounds:
             ctx.rng.record()
@@ -283,14 +337,14 @@ class SequenceTiledCompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved = iter(ctx.saved_tensors)
-        args = [next(saved) if is_tensor else other for is_tensor, other in zip(ctx.layout, ctx.others)]
+        values = [next(saved) if is_tensor else other for is_tensor, other in zip(ctx.layout, ctx.others)]
         count = len(ctx.keys_to_shard)
-        sharded = {k: v.detach() for k, v in zip(ctx.keys_to_shard, args[:count])}
-        passed = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in zip(ctx.keys_to_pass, args[count:])}
+        sharded = {k: v.detach() for k, v in zip(ctx.keys_to_shard, values[:count])}
+        passed = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in zip(ctx.keys_to_pass, values[count:])}
         target = sharded[ctx.key]
-        wants_grad = ctx.needs_input_grad[9 + ctx.index]
+        wants_grad = ctx.needs_input_grad[3 + ctx.index]
         target_grad = torch.zeros_like(target) if wants_grad else None
-        params = _ParamGrads(ctx.compute_params)
+        params = _ParamGrads(ctx.params)
         offset = 0
         for index, (start, end) in enumerate(ctx.bounds):
             shape = ctx.shapes[index]
@@ -308,10 +362,10 @@ class SequenceTiledCompute(torch.autograd.Function):
             if target_grad is not None and got is not None:
                 target_grad[:, start:end] = got
             del out, inputs
-        params.apply()
-        arg_grads: list[torch.Tensor | None] = [None] * ctx.count
-        arg_grads[ctx.index] = target_grad
-        return (None,) * 9 + tuple(arg_grads)
+        params.apply_found()
+        value_grads: list[torch.Tensor | None] = [None] * ctx.count
+        value_grads[ctx.index] = target_grad
+        return None, None, None, *value_grads, *params.input_grads()
 
 
 class TiledFusedLogitsLoss(torch.autograd.Function):
@@ -320,6 +374,22 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     and `y` [batch, seq, ...] (mask [batch, seq] or None), reduced by "mean" (of the slices' losses) or
     "sum". The logits of one slice exist at a time; gradients are taken in the forward, and applied in the
     backward times the incoming gradient ([Note: tiled parameter gradients])."""
+
+    @classmethod
+    def apply(  # type: ignore[override]
+        cls,
+        fn: Callable[..., torch.Tensor],
+        module: Any,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        mask: torch.Tensor | None,
+        shards: int,
+        compute_params: Sequence[torch.Tensor] | None = None,
+        output_reduction: str = "mean",
+    ) -> torch.Tensor:
+        params = _trainable(module, compute_params)
+        out: torch.Tensor = super().apply(fn, module, x, y, mask, shards, output_reduction, *params)
+        return out
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -330,8 +400,8 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         y: torch.Tensor,
         mask: torch.Tensor | None,
         shards: int,
-        compute_params: Sequence[torch.Tensor] | None = None,
-        output_reduction: str = "mean",
+        output_reduction: str,
+        *params: torch.Tensor,
     ) -> torch.Tensor:
         shards = _check_shards("TiledFusedLogitsLoss", shards)
         if output_reduction not in ("mean", "sum"):
@@ -354,27 +424,27 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         bounds = _bounds(rows.shape[0], shards)
         upstream = torch.tensor(1.0 / len(bounds) if output_reduction == "mean" else 1.0, device=x.device)
         x_grad = torch.zeros_like(rows) if wants_grad else None
-        params = _ParamGrads(compute_params)
+        grads = _ParamGrads(params)
         losses = []
         for start, end in bounds:
             piece = rows[start:end].detach().requires_grad_(wants_grad)
             extra = () if flat_mask is None else (flat_mask[start:end],)
             with torch.enable_grad():
                 loss = fn(module, piece, targets[start:end], *extra)
-            if loss.requires_grad:
-                got = params.slice_grads(loss, piece if wants_grad else None, upstream.to(loss.dtype))
-                if x_grad is not None and got is not None:
-                    x_grad[start:end] = got
+            got = grads.slice_grads(loss, piece if wants_grad else None, upstream.to(loss.dtype))
+            if x_grad is not None and got is not None:
+                x_grad[start:end] = got
             losses.append(loss.detach())
         stacked = torch.stack(losses)
-        ctx.params, ctx.x_shape = params, x.shape
+        ctx.grads, ctx.x_shape = grads, x.shape
         ctx.save_for_backward(x_grad)
         return stacked.mean() if output_reduction == "mean" else stacked.sum()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x_grad,) = ctx.saved_tensors
-        ctx.params.apply(grad)
+        grads: _ParamGrads = ctx.grads
+        grads.apply_found(grad)
         if x_grad is not None:
             x_grad = (x_grad * grad.to(x_grad.dtype)).view(ctx.x_shape)
-        return None, None, x_grad, None, None, None, None, None
+        return None, None, x_grad, None, None, None, None, *grads.input_grads(grad)

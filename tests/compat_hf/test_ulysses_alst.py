@@ -1,6 +1,6 @@
 """DeepSpeed's ALST recipe for Hugging Face models, run unchanged on Slipstream (`import deepspeed`): a tiny
 Llama with `UlyssesSPAttentionHF.register_with_transformers` at SP=2 on 2 gloo ranks, batches from
-`UlyssesSPDataLoaderAdapter`, the tutorial's weighted all-gather of the ranks' losses, ZeRO 2 and SGD.
+`UlyssesSPDataLoaderAdapter`, the tutorial's weighted all-gather of the ranks' losses, ZeRO 2 and 3, SGD.
 
 Checked against one process training the same model on the whole sequences, in the order the adapter serves
 them: every step's loss and every parameter's gradient (before the step), and the parameters after 4 steps.
@@ -70,7 +70,7 @@ def reference(kv_heads: int = 2) -> dict[str, Any]:
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def train_sp(rank: int, world: int) -> dict[str, Any]:
+def train_sp(rank: int, world: int, stage: int) -> dict[str, Any]:
     H.use_slipstream_as_deepspeed()
     import deepspeed
     import torch.distributed.nn.functional as dist_nn
@@ -92,7 +92,7 @@ def train_sp(rank: int, world: int) -> dict[str, Any]:
         "steps_per_print": 1000,
         "gradient_clipping": CLIP,
         "optimizer": {"type": "SGD", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": stage},
         "sequence_parallel_size": 2,
     }
     engine, *_ = deepspeed.initialize(config=config, model=model, model_parameters=model.parameters(), mpu=mpu)
@@ -123,9 +123,10 @@ def train_sp(rank: int, world: int) -> dict[str, Any]:
     return {"losses": losses, "grads": grads, "params": params, "served": served, "len": len(dl)}
 
 
-def test_ulysses_hf_training_equals_one_process() -> None:
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ulysses_hf_training_equals_one_process(stage: int) -> None:
     expected = reference()
-    results = run_distributed(train_sp, world_size=2, timeout_s=300)
+    results = run_distributed(train_sp, world_size=2, timeout_s=300, stage=stage)
     ids = samples()
     for rank, out in enumerate(results):
         assert out["len"] == SAMPLES

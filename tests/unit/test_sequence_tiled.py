@@ -248,3 +248,19 @@ def test_tiling_lowers_the_peak_of_live_tensors() -> None:
     for mode in ("tiled_mlp", "sequence_tiled"):
         tiled = _peak_bytes(mode, x, y, 8)
         assert tiled < 0.4 * plain, (mode, tiled, plain)
+
+
+def test_parameters_get_gradients_when_the_input_needs_none() -> None:
+    """The first layer's input often needs no gradient (token embeddings frozen, or raw features): the
+    parameters are inputs of the autograd node, so its backward still runs for them."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.rand(2, 33, HIDDEN, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, VOCAB, (2, 33), generator=gen)
+    plain = Model("plain").double()
+    plain(x, y).backward()
+    for mode in ("tiled_mlp", "sequence_tiled"):
+        model = Model(mode).double()
+        model(x, y).backward()
+        for name, p in model.named_parameters():
+            assert p.grad is not None, (mode, name)
+            torch.testing.assert_close(p.grad, dict(plain.named_parameters())[name].grad, rtol=1e-10, atol=1e-14)
