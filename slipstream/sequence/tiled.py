@@ -70,7 +70,7 @@ def _graph_leaves(outputs: Sequence[torch.Tensor], exclude: set[int]) -> list[to
     """The leaf tensors requiring grad (parameters) that `outputs` were computed from, except `exclude` (ids)."""
     seen: set[Any] = set()
     found: dict[int, torch.Tensor] = {}
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    stack: list[Any] = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
