@@ -66,7 +66,7 @@ class UlyssesSPAttentionHF(hf.UlyssesSPAttentionHF):
         if model_impl is not None and model_impl != core_attn_implementation:
             raise ValueError(
                 f"register_with_transformers: core_attn_implementation={core_attn_implementation!r} does not match "
-                f"the model config's attn_implementation={model_impl!r}; set both to the same value so the "
+                f"model config attn_implementation={model_impl!r}; set both to the same value so the "
                 "sequence-parallel wrapper replaces the attention the model calls"
             )
         parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size)
