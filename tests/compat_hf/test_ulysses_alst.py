@@ -6,7 +6,7 @@ Checked against one process training the same model on the whole sequences, in t
 them: every step's loss and every parameter's gradient (before the step), and the parameters after 4 steps.
 The sequences are 11 tokens long, so the ranks' slices differ in length (6 and 5; DeepSpeed refuses that). The
 adapter's slices and shifted labels are checked exactly, and a model with one KV head (repeated to the group
-size) against its single-process logits and gradients.
+size) against its single-process logits and gradients, also with `head_chunks=1`.
 
 SGD, not AdamW: the first gradients agree to 2.5e-7 of the largest element, but AdamW's first step moves every
 element by about lr * sign(g), so elements whose gradient is at the noise level (the summation order differs
@@ -161,16 +161,22 @@ def loader_and_one_kv_head(rank: int, world: int) -> dict[str, Any]:
     ]
     dl = UlyssesSPDataLoaderAdapter(mine, sp_rank=rank, sp_group=group, sp_world_size=2, device="cpu")
     served = list(dl)
-    ids = samples(1, 12)
-    half = slice(0, 6) if rank == 0 else slice(6, 12)
-    logits = model(input_ids=ids[:, half], position_ids=torch.arange(12)[None, half]).logits
-    logits.sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    summed = {}
-    for name, grad in grads.items():  # the group's gradient: the sum of the ranks' (each saw its tokens)
-        torch.distributed.all_reduce(grad, group=group)
-        summed[name] = grad
-    return {"served": served, "logits": logits.detach(), "grads": summed}
+    runs = []
+    for head_chunks in (None, 1):  # 1: DistributedAttention's recomputing path (one chunk of the local heads)
+        if head_chunks is not None:
+            model = llama(kv_heads=1)
+            UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, head_chunks=head_chunks)
+        ids = samples(1, 12)
+        half = slice(0, 6) if rank == 0 else slice(6, 12)
+        logits = model(input_ids=ids[:, half], position_ids=torch.arange(12)[None, half]).logits
+        logits.sum().backward()
+        summed = {}
+        for name, p in model.named_parameters():  # the group's gradient: the sum of the ranks' (each saw its tokens)
+            grad = p.grad.clone()
+            torch.distributed.all_reduce(grad, group=group)
+            summed[name] = grad
+        runs.append({"logits": logits.detach(), "grads": summed})
+    return {"served": served, "runs": runs}
 
 
 def test_loader_adapter_slices_and_one_kv_head() -> None:
@@ -201,10 +207,13 @@ def test_loader_adapter_slices_and_one_kv_head() -> None:
     model = llama(kv_heads=1)
     logits = model(input_ids=samples(1, 12)).logits
     logits.sum().backward()
-    torch.testing.assert_close(torch.cat([r["logits"] for r in results], dim=1), logits.detach(), rtol=1e-5, atol=1e-6)
-    for name, p in model.named_parameters():
-        scale = float(p.grad.abs().max())  # logits.sum() gives gradients up to ~50: float32 noise scales with them
-        torch.testing.assert_close(results[0]["grads"][name], p.grad, rtol=1e-5, atol=1e-6 * scale, msg=name)
+    for run in range(2):
+        got = torch.cat([r["runs"][run]["logits"] for r in results], dim=1)
+        torch.testing.assert_close(got, logits.detach(), rtol=1e-5, atol=1e-6)
+        for name, p in model.named_parameters():
+            scale = float(p.grad.abs().max())  # logits.sum() gives gradients up to ~50: float32 noise scales so
+            got_grad = results[0]["runs"][run]["grads"][name]
+            torch.testing.assert_close(got_grad, p.grad, rtol=1e-5, atol=1e-6 * scale, msg=f"run {run} {name}")
 
 
 def test_register_refuses_what_it_cannot_honour() -> None:
