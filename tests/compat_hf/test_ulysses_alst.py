@@ -176,12 +176,20 @@ def loader_and_one_kv_head(rank: int, world: int) -> dict[str, Any]:
             torch.distributed.all_reduce(grad, group=group)
             summed[name] = grad
         runs.append({"logits": logits.detach(), "grads": summed})
-    return {"served": served, "runs": runs}
+    import deepspeed
+
+    try:  # the config's size must agree with the mpu's groups
+        deepspeed.initialize(model=model, config={"train_batch_size": 1, "sequence_parallel_size": 4}, mpu=mpu)
+        mismatch = ""
+    except ValueError as exc:
+        mismatch = str(exc)
+    return {"served": served, "runs": runs, "mismatch": mismatch}
 
 
 def test_loader_adapter_slices_and_one_kv_head() -> None:
     results = run_distributed(loader_and_one_kv_head, world_size=2, timeout_s=300)
     for rank, out in enumerate(results):
+        assert "sequence_parallel_size=4 but the mpu's sequence groups have 2 ranks" in out["mismatch"]
         served = out["served"]
         assert len(served) == 4  # rank 0's batch, rank 1's, then the second round
         for source in range(2):
@@ -214,6 +222,15 @@ def test_loader_adapter_slices_and_one_kv_head() -> None:
             scale = float(p.grad.abs().max())  # logits.sum() gives gradients up to ~50: float32 noise scales so
             got_grad = results[0]["runs"][run]["grads"][name]
             torch.testing.assert_close(got_grad, p.grad, rtol=1e-5, atol=1e-6 * scale, msg=f"run {run} {name}")
+
+
+def test_initialize_takes_only_the_alst_mpu() -> None:
+    import types
+
+    import slipstream
+
+    with pytest.raises(NotImplementedError, match="a Megatron-style mpu is not supported"):
+        slipstream.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 1}, mpu=types.SimpleNamespace())
 
 
 def test_register_refuses_what_it_cannot_honour() -> None:
