@@ -6,7 +6,8 @@ Checked against one process training the same model on the whole sequences, in t
 them: every step's loss and every parameter's gradient (before the step), and the parameters after 4 steps.
 The sequences are 11 tokens long, so the ranks' slices differ in length (6 and 5; DeepSpeed refuses that). The
 adapter's slices and shifted labels are checked exactly, and a model with one KV head (repeated to the group
-size) against its single-process logits and gradients, also with `head_chunks=1`.
+size) against its single-process logits and gradients, also with `head_chunks=1`; with `disable_in_eval`, a
+model in eval mode on whole sequences gives the single-process logits.
 
 SGD, not AdamW: the first gradients agree to 2.5e-7 of the largest element, but AdamW's first step moves every
 element by about lr * sign(g), so elements whose gradient is at the noise level (the summation order differs
@@ -176,6 +177,11 @@ def loader_and_one_kv_head(rank: int, world: int) -> dict[str, Any]:
             torch.distributed.all_reduce(grad, group=group)
             summed[name] = grad
         runs.append({"logits": logits.detach(), "grads": summed})
+    # disable_in_eval: a module in eval mode calls the original attention, each rank on whole sequences
+    model = llama(kv_heads=1).eval()
+    UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, disable_in_eval=True)
+    with torch.no_grad():
+        whole = model(input_ids=samples(1, 12)).logits
     import deepspeed
 
     try:  # the config's size must agree with the mpu's groups
@@ -183,7 +189,7 @@ def loader_and_one_kv_head(rank: int, world: int) -> dict[str, Any]:
         mismatch = ""
     except ValueError as exc:
         mismatch = str(exc)
-    return {"served": served, "runs": runs, "mismatch": mismatch}
+    return {"served": served, "runs": runs, "mismatch": mismatch, "eval_whole": whole}
 
 
 def test_loader_adapter_slices_and_one_kv_head() -> None:
@@ -215,6 +221,8 @@ def test_loader_adapter_slices_and_one_kv_head() -> None:
     model = llama(kv_heads=1)
     logits = model(input_ids=samples(1, 12)).logits
     logits.sum().backward()
+    for out in results:
+        torch.testing.assert_close(out["eval_whole"], logits.detach(), rtol=1e-6, atol=1e-6)
     for run in range(2):
         got = torch.cat([r["runs"][run]["logits"] for r in results], dim=1)
         torch.testing.assert_close(got, logits.detach(), rtol=1e-5, atol=1e-6)
