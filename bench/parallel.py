@@ -7,7 +7,9 @@ Rows (gloo on CPU, one thread per rank, 2 ranks; one fresh process group per row
 - TP: a tiny Llama (~21M parameters: vocab 8192, dim 512, 4 layers, 8 heads, MLP 1376), AdamW, batch 4 x 128.
   `single` (1 process, plain torch), `slipstream_tp2` (`tensor_parallel.autotp_size: 2`, ZeRO 0),
   `dtensor_tp2` (parallelize_module + torch AdamW, no engine), `deepspeed_autotp2` (peer environment).
-- SP: one attention layer (8 heads x 64, seq 8192, causal SDPA), forward + backward.
+- SP: one attention layer (8 heads x 64, seq 8192, causal SDPA), forward + backward. Each rank builds only its
+  slice of the input sequence, the same rows as the single process's (`_sequence_rows`); the single process
+  holds the whole sequence, as a user's would.
   `single`, `slipstream_sp2` (DistributedAttention), `slipstream_sp2_chunked` (`head_chunks` = one head per
   chunk, recomputed in backward), `deepspeed_sp2` (DeepSpeed's DistributedAttention).
 Step time: median over the steps after one warmup. Memory: the peak RSS of the rank above its RSS before the
@@ -189,6 +191,20 @@ def _tp_stepper(row: str) -> Any:
     return engine_step
 
 
+def _sequence_rows(start: int, end: int, width: int) -> torch.Tensor:
+    """Rows [start, end) of the SP rows' input sequence [1, seq, width], made without the others: every block of
+    256 rows has its own seed, so the single process's whole sequence is the ranks' slices put together (a
+    rank builds only its slice, as it would get only its slice from the loader adapter). One block at a time
+    is the only temporary."""
+    block = 256
+    x = torch.empty(1, end - start, width)
+    for first in range(start - start % block, end, block):
+        rows = torch.randn(1, block, width, generator=torch.Generator().manual_seed(1000 + first // block))
+        lo, hi = max(first, start), min(first + block, end)
+        x[:, lo - start : hi - start] = rows[:, lo - first : hi - first]
+    return x
+
+
 def _sp_stepper(row: str, seq: int) -> Any:
     """One attention layer as a model has it: x -> q, k, v projections -> attention -> output projection."""
     heads, head_dim = 8, 64
@@ -196,7 +212,8 @@ def _sp_stepper(row: str, seq: int) -> Any:
     local = seq // dist.get_world_size()
     torch.manual_seed(0)
     qkv, out_proj = nn.Linear(width, 3 * width, bias=False), nn.Linear(width, width, bias=False)
-    x = torch.randn(1, local, width).requires_grad_()
+    start = dist.get_rank() * local
+    x = _sequence_rows(start, start + local, width).requires_grad_()
 
     def local_attention(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
         qh, kh, vh = (t.transpose(1, 2) for t in (a, b, c))
@@ -218,10 +235,15 @@ def _sp_stepper(row: str, seq: int) -> Any:
         attend = DeepSpeedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=1)
         extra = (0,)  # batch_dim_idx
 
-    def step(*_: Any) -> float:
-        q, k, v = qkv(x).view(1, local, 3, heads, head_dim).unbind(2)
+    def layer(h: torch.Tensor) -> torch.Tensor:
+        # a model's attention layer: q, k and v are its locals, released when it returns (autograd keeps what
+        # the attention saves for its backward, in every row alike)
+        q, k, v = qkv(h).view(1, local, 3, heads, head_dim).unbind(2)
         y = attend(q, k, v, *extra)
-        out_proj(y.reshape(1, local, width)).sum().backward()
+        return out_proj(y.reshape(1, local, width))
+
+    def step(*_: Any) -> float:
+        layer(x).sum().backward()
         for t in (x, qkv.weight, out_proj.weight):
             t.grad = None
         return 0.0

@@ -78,13 +78,15 @@ def initialize(
     """
     if model is None:
         raise ArgumentError("initialize() needs model=<torch.nn.Module>")
-    if mpu is not None or mesh_param is not None:
-        raise NotImplementedError("model parallelism (mpu=, mesh_param=) is not available yet in Slipstream")
+    if mesh_param is not None:
+        raise NotImplementedError("initialize(mesh_param=...) is not available yet in Slipstream")
     from slipstream.comm import collectives
     from slipstream.config import collective_timeout_of, load_config, resolve
     from slipstream.engine.engine import SlipstreamEngine
 
     raw = load_config(_config_source(args, config, config_params))
+    if mpu is not None:
+        raw = _with_sequence_mpu(raw, mpu)
     timeout = collective_timeout_of(raw)
     if timeout is not None:  # before the group exists, so it is created with it (an existing one gets set_timeout)
         collectives.set_collective_timeout(timeout)
@@ -114,6 +116,33 @@ def initialize(
         collate_fn=collate_fn,
     )
     return engine, engine._optimizer_to_return(), engine.training_dataloader, engine.lr_scheduler
+
+
+def _with_sequence_mpu(raw: Any, mpu: Any) -> Any:
+    """The config with the sequence-parallel size of `mpu`: the one `register_with_transformers` returns
+    (DeepSpeed's `parallel_state_sp`) is the only mpu taken; its groups are the mesh the engine builds."""
+    from slipstream.compat import parallel_state_sp
+
+    if mpu is not parallel_state_sp:
+        raise NotImplementedError(
+            f"initialize(mpu={getattr(mpu, '__name__', type(mpu).__name__)}): a Megatron-style mpu is not supported; "
+            "Slipstream takes the mpu of UlyssesSPAttentionHF.register_with_transformers, and builds tensor and "
+            "sequence parallel groups itself from the config (tensor_parallel.autotp_size, sequence_parallel_size)"
+        )
+    size = mpu.get_sequence_parallel_world_size()
+    given = raw.get("sequence_parallel_size") if isinstance(raw, dict) else None
+    if given not in (None, size):
+        raise ValueError(
+            f"initialize: config sequence_parallel_size={given} but the mpu's sequence groups have {size} ranks "
+            "(register_with_transformers(sequence_parallel_size=...)); make them equal"
+        )
+    tp = ((raw.get("tensor_parallel") or {}).get("autotp_size") or 1) if isinstance(raw, dict) else 1
+    if tp > 1:
+        raise NotImplementedError(
+            f"initialize: tensor_parallel.autotp_size={tp} with the mpu of register_with_transformers; its "
+            "sequence groups assume no tensor parallelism"
+        )
+    return {**raw, "sequence_parallel_size": size}
 
 
 def _is_pipeline(model: Any) -> bool:

@@ -139,6 +139,7 @@ class TimedWork:
         counting.record_time(self._info.kind, time.monotonic() - self._started)
         if self._finish is not None:
             self._finish()
+        inflight.prune()  # drop the aliases now if the backend already let go ([Note: handing tensors to gloo])
 
     def _wait_host(self) -> None:
         work = self._entry.work

@@ -82,6 +82,12 @@ def _prune() -> None:
     _live[:] = [entry for entry in _live if not (entry.poll() and entry.released())]
 
 
+def prune() -> None:
+    """Forget the completed collectives whose tensors the backend no longer holds (so a caller's buffers are
+    freed when the caller drops them, not at the next collective)."""
+    _prune()
+
+
 def drain(timeout_s: float) -> list[Handed]:
     """Wait up to `timeout_s` for the backend to let go of every completed collective; return what it still
     holds: the abandoned ones, those never completed, and any it did not release in time."""

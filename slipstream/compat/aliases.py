@@ -43,6 +43,9 @@ ALIASES: dict[str, str] = {
     # launcher area (DeepSpeed's launcher unit tests): backend command builders, core-list/numactl helpers
     "slipstream.launcher.multinode_runner": "slipstream.compat.multinode_runner",
     "slipstream.utils.numa": "slipstream.compat.numa",
+    # ALST for Hugging Face models (slipstream/sequence/hf.py, data.py, tiled.py) and the mpu it returns
+    "slipstream.runtime.sequence_parallel.ulysses_sp": "slipstream.compat.ulysses_sp",
+    "slipstream.runtime.sequence_parallel.parallel_state_sp": "slipstream.compat.parallel_state_sp",
 }
 """DeepSpeed-style path -> the module whose source it runs."""
 
@@ -82,6 +85,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "prefix_sum_inc": f"{_RT}:prefix_sum_inc",
         "PartitionedTensor": f"{_RT}:PartitionedTensor",
     },
+    "slipstream.runtime.sequence_parallel": {},  # the package of the two aliases above
     "slipstream.runtime.dataloader": {
         "RepeatingLoader": "slipstream.engine.dataloader:RepeatingLoader",
     },
@@ -228,6 +232,8 @@ COMPOSITES: dict[str, dict[str, str]] = {
             "get_sequence_parallel_rank",
             "get_sequence_parallel_group",
             "_get_sequence_parallel_group",
+            "_get_sequence_parallel_world_size",
+            "_get_sequence_parallel_rank",
             "_get_data_parallel_group",
             "_get_data_parallel_world_size",
             "_get_data_parallel_rank",

@@ -62,6 +62,8 @@ def get_sequence_parallel_group() -> Any:
 get_tensor_model_parallel_world_size = get_model_parallel_world_size
 get_tensor_model_parallel_rank = get_model_parallel_rank
 _get_sequence_parallel_group = get_sequence_parallel_group
+_get_sequence_parallel_world_size = get_sequence_parallel_world_size
+_get_sequence_parallel_rank = get_sequence_parallel_rank
 _get_data_parallel_group = get_data_parallel_group
 _get_data_parallel_world_size = get_data_parallel_world_size
 _get_data_parallel_rank = get_data_parallel_rank
