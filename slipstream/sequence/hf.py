@@ -38,6 +38,7 @@ from torch import nn
 
 from slipstream.comm import collectives
 from slipstream.sequence.layer import DistributedAttention
+from slipstream.utils.logging import warn_once
 
 __all__ = ["UNSUPPORTED_CORE_ATTENTION", "UlyssesSPAttentionHF", "gather_sequence", "install"]
 
@@ -163,6 +164,13 @@ class UlyssesSPAttentionHF(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         if self.disable_in_eval and not getattr(module, "training", True):
             return self.attn(module, query, key, value, attention_mask, *args, **kwargs)  # type: ignore[no-any-return]
+        if isinstance(attention_mask, torch.Tensor):
+            warn_once(
+                "ulysses-hf-mask",
+                "slipstream: Ulysses sequence parallelism drops the attention mask the model built for its slice "
+                "and attends causally over the whole sequence (as DeepSpeed's UlyssesSPAttentionHF does): padding "
+                "inside a batch is not masked. Pack sequences (with position_ids) or trim padding from batches.",
+            )
         if self.kv_replication_factor > 1 and key.shape[1] < self.world_size:
             key = key.repeat_interleave(self.world_size // key.shape[1], dim=1)
             value = value.repeat_interleave(self.world_size // value.shape[1], dim=1)

@@ -177,6 +177,15 @@ def loader_and_one_kv_head(rank: int, world: int) -> dict[str, Any]:
             torch.distributed.all_reduce(grad, group=group)
             summed[name] = grad
         runs.append({"logits": logits.detach(), "grads": summed})
+    # a padding mask cannot be honoured after the swap: it is dropped, with a warning (not silently)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        padded = torch.ones(1, 6, dtype=torch.int64)
+        padded[0, :2] = 0
+        model(input_ids=ids[:, half], attention_mask=padded)
+    mask_warned = any("drops the attention mask" in str(w.message) for w in caught)
     # disable_in_eval: a module in eval mode calls the original attention, each rank on whole sequences
     model = llama(kv_heads=1).eval()
     UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, disable_in_eval=True)
@@ -189,13 +198,14 @@ def loader_and_one_kv_head(rank: int, world: int) -> dict[str, Any]:
         mismatch = ""
     except ValueError as exc:
         mismatch = str(exc)
-    return {"served": served, "runs": runs, "mismatch": mismatch, "eval_whole": whole}
+    return {"served": served, "runs": runs, "mismatch": mismatch, "eval_whole": whole, "mask_warned": mask_warned}
 
 
 def test_loader_adapter_slices_and_one_kv_head() -> None:
     results = run_distributed(loader_and_one_kv_head, world_size=2, timeout_s=300)
     for rank, out in enumerate(results):
         assert "sequence_parallel_size=4 but the mpu's sequence groups have 2 ranks" in out["mismatch"]
+        assert out["mask_warned"], "a padding mask was dropped without a warning"
         served = out["served"]
         assert len(served) == 4  # rank 0's batch, rank 1's, then the second round
         for source in range(2):
