@@ -109,9 +109,11 @@ class HashedFileSink:
         self._wait(self._current)
 
     def _pwrite(self, view: memoryview, offset: int) -> None:
+        # one writer thread takes the buffers in order, so without pwrite (Windows) a plain write lands at `offset`
+        write = os.pwrite if hasattr(os, "pwrite") else (lambda fd, data, _offset: os.write(fd, data))
         done = 0
         while done < len(view):
-            written = os.pwrite(self._fd, view[done:], offset + done)
+            written = write(self._fd, view[done:], offset + done)
             if written <= 0:
                 raise OSError(errno.EIO, f"short write to {self.path} at byte {offset + done}")
             done += written
