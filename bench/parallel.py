@@ -82,41 +82,16 @@ class TinyLlamaModel(nn.Module):  # DeepSpeed's AutoTP reads the family from a c
         return self.lm_head(self.norm(x))
 
 
-class _LiveTensors:
-    """Peak bytes of the storages that ops create while active and that are still referenced."""
+def _live_tensor_bytes() -> Any:
+    """slipstream/profiling/live_tensors.py's counter, loaded from its file (it imports torch only): the DeepSpeed
+    rows run in the peer environment, where the slipstream package must not be imported."""
+    import importlib.util
 
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                out = func(*args, **(kwargs or {}))
-                for t in torch.utils._pytree.tree_flatten(out)[0]:
-                    # plain tensors only: a DTensor's storage is its local tensor's, counted where it is made
-                    if type(t) in (torch.Tensor, nn.Parameter) and t.device.type != "meta":
-                        counter.add(t)
-                return out
-
-        self.mode, self.seen, self.now, self.peak = Mode(), set[int](), 0, 0
-
-    def add(self, t: torch.Tensor) -> None:
-        import weakref
-
-        storage = t.untyped_storage()
-        key, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or key in self.seen:
-            return
-        self.seen.add(key)
-        self.now += size
-        self.peak = max(self.peak, self.now)
-
-        def release() -> None:
-            self.seen.discard(key)
-            self.now -= size
-
-        weakref.finalize(storage, release)
+    spec = importlib.util.spec_from_file_location("_live_tensors", ROOT / "slipstream" / "profiling" / "live_tensors.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.LiveTensorBytes()
 
 
 def _rss_mib() -> float:
@@ -268,9 +243,8 @@ def rank_main(rank: int, world: int, store_dir: str, kind: str, row: str, steps:
         times.append(time.perf_counter() - started)
     result = {"time_s": statistics.median(times[1:]), "peak_mib": _rss_mib() - base, "live_mib": None}
     if kind == "sp":  # one more step, after time and RSS are read, counts the live tensors (plain tensors only)
-        live = _LiveTensors()
         dist.barrier()
-        with live.mode:
+        with _live_tensor_bytes() as live:
             step(*_batch(steps + 1))
         result["live_mib"] = live.peak / 2**20
     Path(out, f"{rank}.json").write_text(json.dumps(result))

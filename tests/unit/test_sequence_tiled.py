@@ -5,13 +5,13 @@ and the peak of live tensor bytes over forward + backward is lower than untiled.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from slipstream.profiling.live_tensors import LiveTensorBytes
 from slipstream.sequence.tiled import SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 
 HIDDEN, VOCAB = 16, 11
@@ -195,45 +195,10 @@ def test_bad_arguments_are_named() -> None:
     assert SequenceTiledCompute.apply is not None
 
 
-class LiveBytes:
-    """Peak bytes of the storages that ops create while the mode is active and that are still referenced."""
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                out = func(*args, **(kwargs or {}))
-                for t in torch.utils._pytree.tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor):
-                        counter.add(t)
-                return out
-
-        self.mode, self.seen, self.now, self.peak = Mode(), set[int](), 0, 0
-
-    def add(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or key in self.seen:
-            return
-        self.seen.add(key)
-        self.now += size
-        self.peak = max(self.peak, self.now)
-
-        def release() -> None:
-            self.seen.discard(key)
-            self.now -= size
-
-        weakref.finalize(storage, release)
-
-
 def _peak_bytes(mode: str, x: torch.Tensor, y: torch.Tensor, shards: int) -> int:
     model = Model(mode, shards)
     xi = x.clone().requires_grad_()
-    live = LiveBytes()
-    with live.mode:
+    with LiveTensorBytes() as live:
         model(xi, y).backward()
     return live.peak
 
