@@ -30,6 +30,14 @@ BUFFER_BYTES = _CHUNK * _BUFFERS
 _NO_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 
 
+def _write_at(fd: int, data: memoryview, offset: int) -> int:
+    """os.pwrite; without it (Windows) a plain write, which lands at `offset` because one writer thread takes
+    the buffers in order."""
+    if hasattr(os, "pwrite"):
+        return os.pwrite(fd, data, offset)
+    return os.write(fd, data)
+
+
 def direct_io_allowed() -> bool:
     """Whether O_DIRECT is tried at all: the platform has it and SLIPSTREAM_AIO_DIRECT is not "0"."""
     return hasattr(os, "O_DIRECT") and os.environ.get("SLIPSTREAM_AIO_DIRECT", "1") != "0"
@@ -109,11 +117,9 @@ class HashedFileSink:
         self._wait(self._current)
 
     def _pwrite(self, view: memoryview, offset: int) -> None:
-        # one writer thread takes the buffers in order, so without pwrite (Windows) a plain write lands at `offset`
-        write = os.pwrite if hasattr(os, "pwrite") else (lambda fd, data, _offset: os.write(fd, data))
         done = 0
         while done < len(view):
-            written = write(self._fd, view[done:], offset + done)
+            written = _write_at(self._fd, view[done:], offset + done)
             if written <= 0:
                 raise OSError(errno.EIO, f"short write to {self.path} at byte {offset + done}")
             done += written

@@ -65,7 +65,7 @@ _abandoned: list[Handed] = []
 
 def hand(tensors: tuple[torch.Tensor, ...], label: str) -> Handed:
     """Aliases of `tensors` to give to the backend, registered until it lets go of them."""
-    _prune()
+    prune()
     entry = Handed(tuple(tensor.detach() for tensor in tensors), label)
     _live.append(entry)
     return entry
@@ -78,14 +78,10 @@ def abandon(entry: Handed) -> None:
     _abandoned.append(entry)
 
 
-def _prune() -> None:
-    _live[:] = [entry for entry in _live if not (entry.poll() and entry.released())]
-
-
 def prune() -> None:
     """Forget the completed collectives whose tensors the backend no longer holds (so a caller's buffers are
     freed when the caller drops them, not at the next collective)."""
-    _prune()
+    _live[:] = [entry for entry in _live if not (entry.poll() and entry.released())]
 
 
 def drain(timeout_s: float) -> list[Handed]:
@@ -95,10 +91,10 @@ def drain(timeout_s: float) -> list[Handed]:
     _abandoned.extend(unfinished)
     _live[:] = [entry for entry in _live if entry not in unfinished]
     deadline = time.monotonic() + timeout_s
-    _prune()
+    prune()
     while _live and time.monotonic() < deadline:
         time.sleep(_POLL_S)  # the worker only needs a moment of CPU to drop its reference
-        _prune()
+        prune()
     _abandoned.extend(_live)
     _live.clear()
     return list(_abandoned)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from slipstream.comm import collectives
-from slipstream.sequence.layer import DistributedAttention
+from slipstream.sequence.layer import DistributedAttention, sequence_lengths
 from slipstream.utils.logging import warn_once
 
 __all__ = ["UNSUPPORTED_CORE_ATTENTION", "UlyssesSPAttentionHF", "gather_sequence", "install"]
@@ -56,9 +56,7 @@ def gather_sequence(t: torch.Tensor, group: dist.ProcessGroup | None, dim: int =
     size = dist.get_world_size(group)
     if size == 1:
         return t
-    lengths = torch.zeros(size, dtype=torch.int64, device=t.device)
-    collectives.all_gather(lengths, torch.tensor([t.shape[dim]], dtype=torch.int64, device=t.device), group=group)
-    counts = [int(n) for n in lengths.tolist()]
+    counts = sequence_lengths(t.shape[dim], group, t.device)
     longest = max(counts)
     mine = t.movedim(dim, 0)
     padded = mine.new_zeros((longest, *mine.shape[1:]))

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.comm import collectives
+from slipstream.sequence.rng import RngStates
 
 __all__ = ["DistributedAttention", "sdpa_attention", "seq_all_to_all"]
 
@@ -156,7 +157,7 @@ class DistributedAttention(nn.Module):
                     f"parallel size {size} does not divide; use a sequence_parallel_size that divides every "
                     "layer's head count (grouped KV heads included)"
                 )
-        lengths = self._lengths(query.shape[seq], group, query.device)
+        lengths = sequence_lengths(query.shape[seq], group, query.device)
         longest = max(lengths)
         if self.head_chunks is not None:
             return self._chunked(query, key, value, lengths, args, kwargs)
@@ -204,14 +205,14 @@ class DistributedAttention(nn.Module):
         out: torch.Tensor = _ChunkedAttention.apply(query, key, value, plan)
         return out
 
-    @staticmethod
-    def _lengths(local: int, group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
-        """Every rank's local sequence length (one small all-gather)."""
-        size = dist.get_world_size(group)
-        out = torch.zeros(size, dtype=torch.int64, device=device)
-        mine = torch.tensor([local], dtype=torch.int64, device=device)
-        collectives.all_gather(out, mine, group=group)
-        return [int(n) for n in out.tolist()]
+
+def sequence_lengths(local: int, group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
+    """Every rank's local sequence length (one small all-gather)."""
+    size = dist.get_world_size(group)
+    out = torch.zeros(size, dtype=torch.int64, device=device)
+    mine = torch.tensor([local], dtype=torch.int64, device=device)
+    collectives.all_gather(out, mine, group=group)
+    return [int(n) for n in out.tolist()]
 
 
 def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
@@ -290,24 +291,19 @@ class _Plan:
         return self.layer._attend(q, k, v, *self.args, **self.kwargs)
 
 
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    module = getattr(torch, device.type, None) if device.type != "cpu" else None
-    return torch.get_rng_state(), module.get_rng_state(device) if module is not None else None
-
-
 class _ChunkedAttention(torch.autograd.Function):
     """Swap, attention and swap back per head chunk; saves only its inputs and recomputes in backward."""
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: _Plan) -> torch.Tensor:
         device = query.device
-        ctx.plan, ctx.states = plan, []
+        ctx.plan, ctx.rng = plan, RngStates(device)
         ctx.autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
         ctx.save_for_backward(query, key, value)
         out: torch.Tensor | None = None
         for chunk in range(plan.chunks):
             q, k, v = (plan.swap_in(t, chunk, name) for t, name in ((query, "q"), (key, "k"), (value, "v")))
-            ctx.states.append(_rng_state(device))
+            ctx.rng.record()
             attended = plan.attend(q, k, v)
             del q, k, v
             if out is None:
@@ -333,12 +329,7 @@ class _ChunkedAttention(torch.autograd.Function):
                 plan.swap_in(t, chunk, name).detach().requires_grad_()
                 for t, name in ((query, "q"), (key, "k"), (value, "v"))
             ]
-            cpu_state, device_state = ctx.states[chunk]
-            forked = [device] if device_state is not None else []
-            with torch.random.fork_rng(devices=forked, device_type=device.type), torch.enable_grad():
-                torch.set_rng_state(cpu_state)
-                if device_state is not None:
-                    getattr(torch, device.type).set_rng_state(device_state, device)
+            with ctx.rng.restored(chunk), torch.enable_grad():
                 with torch.autocast(device.type, dtype=dtype, enabled=enabled):
                     attended = plan.attend(*inputs)
             upstream = plan.swap_in(grad, chunk, "grad")

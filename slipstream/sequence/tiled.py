@@ -30,40 +30,18 @@ the function repeats.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from slipstream.sequence.data import slice_bounds
+from slipstream.sequence.rng import RngStates
+
 __all__ = ["SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP", "sequence_tiled_compute"]
 
 _REDUCTIONS = (None, "mean", "sum")
-
-
-class _RngStates:
-    """The RNG state before each slice's forward, restored for that slice's recompute."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.module = getattr(torch, device.type, None) if device.type != "cpu" else None
-        self.states: list[tuple[torch.Tensor, Any]] = []
-
-    def record(self) -> None:
-        device_state = self.module.get_rng_state(self.device) if self.module is not None else None
-        self.states.append((torch.get_rng_state(), device_state))
-
-    @contextmanager
-    def restored(self, index: int) -> Iterator[None]:
-        cpu_state, device_state = self.states[index]
-        forked = [self.device] if device_state is not None else []
-        with torch.random.fork_rng(devices=forked, device_type=self.device.type):
-            torch.set_rng_state(cpu_state)
-            if device_state is not None and self.module is not None:
-                self.module.set_rng_state(device_state, self.device)
-            yield
 
 
 def _graph_leaves(outputs: Sequence[torch.Tensor], exclude: set[int]) -> list[torch.Tensor]:
@@ -165,8 +143,7 @@ def _check_shards(owner: str, shards: Any) -> int:
 
 def _bounds(length: int, shards: int) -> list[tuple[int, int]]:
     """[start, end) of each non-empty slice: `ceil(length / shards)` tokens each, the last one shorter."""
-    step = max(1, math.ceil(length / shards))
-    return [(start, min(start + step, length)) for start in range(0, length, step)]
+    return [(start, end) for start, end in (slice_bounds(length, r, shards) for r in range(shards)) if end > start]
 
 
 class TiledMLP(torch.autograd.Function):
@@ -197,7 +174,7 @@ class TiledMLP(torch.autograd.Function):
         ctx.save_for_backward(x)
         rows = x.reshape(-1, x.shape[-1])
         ctx.bounds = _bounds(rows.shape[0], shards)
-        ctx.rng = _RngStates(x.device)
+        ctx.rng = RngStates(x.device)
         pieces = []
         for start, end in ctx.bounds:
             ctx.rng.record()
@@ -317,7 +294,7 @@ class SequenceTiledCompute(torch.autograd.Function):
         ctx.save_for_backward(*(v for v in values if isinstance(v, torch.Tensor)))
         ctx.layout = [isinstance(v, torch.Tensor) for v in values]
         ctx.others = [None if isinstance(v, torch.Tensor) else v for v in values]
-        ctx.rng = _RngStates(_device_of(*values))
+        ctx.rng = RngStates(_device_of(*values))
         pieces, ctx.shapes = [], []
         for start, end in ctx.bounds:
             ctx.rng.record()

@@ -18,7 +18,7 @@ import abc
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -419,32 +419,39 @@ class ZeroOptimizer(abc.ABC):
         disjoint parts."""
         out: list[OwnedSlice] = []
         for number, flat in enumerate(self.groups):
-            for b, (bucket, (start, end)) in enumerate(zip(flat.layout.buckets, flat.piece_ranges)):
-                lo_cut, hi_cut = (
-                    flat.layout.piece_range(bucket, flat.rank) if (self.owns_all and for_save) else (start, end)
-                )
-                for index in bucket.param_indices:
-                    slot = flat.layout.slots[index]
-                    a, z = max(slot.flat_offset, lo_cut), min(slot.flat_offset + slot.numel, hi_cut)
-                    param = flat.params[index]
-                    if z <= a or (only is not None and names[id(param)] != only):
-                        continue
-                    master = flat.master_pieces[b][a - start : z - start]
-                    out.append(
-                        OwnedSlice(
-                            name=names[id(param)],
-                            shape=tuple(param.shape),
-                            lo=a - slot.flat_offset,
-                            hi=z - slot.flat_offset,
-                            value=flat.flat_params[a:z],
-                            master=master,
-                            piece=flat.master_pieces[b],
-                            piece_offset=a - start,
-                            group_index=number,
-                            grad=flat.owned_grads[b][a - start : z - start],
-                        )
+            for b, index, a, z in self.owned_ranges(flat, for_save=for_save):
+                param = flat.params[index]
+                if only is not None and names[id(param)] != only:
+                    continue
+                start, offset = flat.piece_ranges[b][0], flat.layout.slots[index].flat_offset
+                out.append(
+                    OwnedSlice(
+                        name=names[id(param)],
+                        shape=tuple(param.shape),
+                        lo=a - offset,
+                        hi=z - offset,
+                        value=flat.flat_params[a:z],
+                        master=flat.master_pieces[b][a - start : z - start],
+                        piece=flat.master_pieces[b],
+                        piece_offset=a - start,
+                        group_index=number,
+                        grad=flat.owned_grads[b][a - start : z - start],
                     )
+                )
         return out
+
+    def owned_ranges(self, flat: FlatGroup, *, for_save: bool = False) -> Iterator[tuple[int, int, int, int]]:
+        """(bucket, parameter index, flat [a, z)) of each parameter part of `flat` this rank owns. At stage 0
+        every rank owns everything; for a save each rank takes its stage-1 piece."""
+        for b, (bucket, (start, end)) in enumerate(zip(flat.layout.buckets, flat.piece_ranges)):
+            lo_cut, hi_cut = (
+                flat.layout.piece_range(bucket, flat.rank) if (self.owns_all and for_save) else (start, end)
+            )
+            for index in bucket.param_indices:
+                slot = flat.layout.slots[index]
+                a, z = max(slot.flat_offset, lo_cut), min(slot.flat_offset + slot.numel, hi_cut)
+                if z > a:
+                    yield b, index, a, z
 
     def publish_loaded(self) -> None:
         """After a checkpoint wrote the master pieces: every rank's parameters take the loaded values."""

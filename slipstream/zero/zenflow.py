@@ -255,21 +255,11 @@ class ZenFlowMixin:
     # ---- selection and the selected gradients ----
     def _owned_slices(self, flat: FlatGroup) -> list[tuple[torch.Tensor, int, int, torch.Tensor]]:
         """(parameter, first, end element of it this rank owns, that part of the owned gradient)."""
+        me: Any = self
         out: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []
-        for bucket, (start, _end), grad in zip(flat.layout.buckets, flat.piece_ranges, flat.owned_grads):
-            for index in bucket.param_indices:
-                slot = flat.layout.slots[index]
-                lo = max(slot.flat_offset, start)
-                hi = min(slot.flat_offset + slot.numel, start + grad.numel())
-                if hi > lo:
-                    out.append(
-                        (
-                            flat.params[index],
-                            lo - slot.flat_offset,
-                            hi - slot.flat_offset,
-                            grad[lo - start : hi - start],
-                        )
-                    )
+        for b, index, a, z in me.owned_ranges(flat):
+            start, offset = flat.piece_ranges[b][0], flat.layout.slots[index].flat_offset
+            out.append((flat.params[index], a - offset, z - offset, flat.owned_grads[b][a - start : z - start]))
         return out
 
     @torch.no_grad()
