@@ -65,12 +65,13 @@ def sample(model: GPT, dataset: CharDataset, *, prompt: str, num_chars: int, see
     """A seeded continuation of `prompt` at temperature 0.8 (a visible sign of what the model learned)."""
     was_training = model.training
     model.eval()
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([[dataset.stoi[c] for c in prompt]], dtype=torch.long)
+    generator = torch.Generator().manual_seed(seed)  # sampled on the CPU: the same text on any device
+    device = next(model.parameters()).device
+    ids = torch.tensor([[dataset.stoi[c] for c in prompt]], dtype=torch.long, device=device)
     for _ in range(num_chars):
         logits = model(ids[:, -model.config.block_size :])[:, -1] / 0.8
-        next_id = torch.multinomial(torch.softmax(logits.float(), dim=-1), 1, generator=generator)
-        ids = torch.cat([ids, next_id], dim=1)
+        next_id = torch.multinomial(torch.softmax(logits.float(), dim=-1).cpu(), 1, generator=generator)
+        ids = torch.cat([ids, next_id.to(device)], dim=1)
     model.train(was_training)
     return dataset.decode(ids[0].tolist())
 
@@ -98,7 +99,7 @@ def train(args: argparse.Namespace) -> int:
         dataloader.sampler.set_epoch(epoch)
         for inputs, targets in dataloader:
             before = engine.global_steps
-            loss = engine(inputs, targets)
+            loss = engine(inputs.to(engine.device), targets.to(engine.device))
             engine.backward(loss)
             engine.step()
             if engine.global_steps == before:

@@ -86,6 +86,18 @@ def open_source(path: Path) -> Any:
     )
 
 
+def _scalar_tensor(optimizer: Any, piece: Any, key: str, value: Any, existing: Any) -> torch.Tensor:
+    """A per-piece scalar of the optimizer state (Adam's `step`) where the optimizer keeps it: beside the value it
+    replaces, else as torch's optimizers place it (on the parameter's device for fused or capturable kernels,
+    which refuse a CPU step; on the CPU otherwise)."""
+    if isinstance(existing, torch.Tensor):
+        return torch.tensor(float(value), dtype=existing.dtype, device=existing.device)
+    groups = optimizer.optimizer.param_groups
+    group = groups[piece.group_index] if piece.group_index < len(groups) else {}
+    on_device = key == "step" and bool(group.get("fused") or group.get("capturable"))
+    return torch.tensor(float(value), dtype=torch.float32, device=piece.piece.device if on_device else "cpu")
+
+
 def load_engine(
     parts: EngineParts, source: Any, *, strict: bool, load_optimizer_states: bool, restore_engine: bool = True
 ) -> dict[str, Any]:
@@ -122,7 +134,7 @@ def load_engine(
                 _read_into(source, prefix + state_key, piece.lo, piece.hi, piece.state_view(state, state_key))
             group_scalars = state_scalars[piece.group_index] if piece.group_index < len(state_scalars) else {}
             for scalar_key, value in group_scalars.items():
-                state[scalar_key] = torch.tensor(float(value), dtype=torch.float32)
+                state[scalar_key] = _scalar_tensor(optimizer, piece, scalar_key, value, state.get(scalar_key))
         if optimizer is not None and load_optimizer_states:
             saved_groups = (scalars.get("optimizer") or {}).get("param_groups") or []
             if len(saved_groups) == len(optimizer.optimizer.param_groups):

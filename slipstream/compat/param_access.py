@@ -21,6 +21,7 @@ early reduction would count the later micro-batches' gradients wrongly.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -66,6 +67,15 @@ def _owner(param: torch.Tensor) -> tuple[Any, str] | None:
     return None if found is None else (found[1], found[2])
 
 
+def _in_memory(param: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """The engine's NVMe-offloaded parameter shards, masters and optimizer states in memory for the block (the
+    slices the accessors read and write are views of them); nothing to do without NVMe offload. The whole
+    model's state is brought in, as for a checkpoint: these accessors are for inspection, not for a hot loop."""
+    found = _engine_of(param)
+    resident = getattr(found[0], "_resident", None) if found is not None else None
+    return resident() if resident is not None else contextlib.nullcontext()
+
+
 def _slices(optimizer: Any, name: str, *, disjoint: bool = True) -> list[Any]:
     """`name`'s slices on this rank; `disjoint`: at stage 0 (every rank holds everything) only this rank's
     share, so the ranks' parts add up to the whole once."""
@@ -87,13 +97,14 @@ def _full(param: torch.Tensor, read: Any) -> torch.Tensor | None:
     if found is None:
         return None
     optimizer, name = found
-    slices = _slices(optimizer, name)
     numel = param.ds_numel if hasattr(param, "ds_numel") else param.numel()
     shape = tuple(param.ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
-    device = slices[0].value.device if slices else param.device
-    full = torch.zeros(numel, dtype=torch.float32, device=device)
-    for piece in slices:
-        full[piece.lo : piece.hi] = read(optimizer, piece).float()
+    with _in_memory(param):
+        slices = _slices(optimizer, name)
+        device = slices[0].value.device if slices else param.device
+        full = torch.zeros(numel, dtype=torch.float32, device=device)
+        for piece in slices:
+            full[piece.lo : piece.hi] = read(optimizer, piece).float()
     _assemble(optimizer, param, full)
     return full.view(shape)
 
@@ -122,8 +133,9 @@ def _local(param: torch.Tensor, read: Any) -> torch.Tensor | None:
     if found is None:
         return None
     optimizer, name = found
-    pieces = [read(optimizer, piece).float() for piece in _slices(optimizer, name)]
-    return torch.cat(pieces) if pieces else torch.empty(0)
+    with _in_memory(param):
+        pieces = [read(optimizer, piece).float() for piece in _slices(optimizer, name)]
+        return torch.cat(pieces) if pieces else torch.empty(0)
 
 
 def _master(optimizer: Any, piece: Any) -> torch.Tensor:
@@ -137,11 +149,12 @@ def _set(param: torch.Tensor, value: torch.Tensor, write: Any, *, full: bool) ->
     optimizer, name = found
     flat = value.detach().reshape(-1)
     offset = 0
-    for piece in _slices(optimizer, name):
-        part = flat[piece.lo : piece.hi] if full else flat[offset : offset + piece.numel]
-        offset += piece.numel
-        write(optimizer, piece, part)
-    optimizer.publish_loaded()
+    with _in_memory(param):
+        for piece in _slices(optimizer, name):
+            part = flat[piece.lo : piece.hi] if full else flat[offset : offset + piece.numel]
+            offset += piece.numel
+            write(optimizer, piece, part)
+        optimizer.publish_loaded()
 
 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:

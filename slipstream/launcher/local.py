@@ -30,6 +30,7 @@ checkpoint needs Slipstream's checkpoint feature (not written yet), after which 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -163,6 +164,10 @@ def launch_config(plan: LaunchPlan, *, node_rank: int, log_specs: object) -> obj
         "shutdown_timeout": SHUTDOWN_TIMEOUT_S,
         "monitor_interval": 0.1,
     }
+    # torch adds LaunchConfig fields over releases (shutdown_timeout is missing from 2.11's): pass the ones this
+    # torch knows; without shutdown_timeout its agent keeps its own grace period before SIGKILL
+    known = {field.name for field in dataclasses.fields(LaunchConfig)}
+    common = {key: value for key, value in common.items() if key in known}
     if rdzv.elastic:
         return LaunchConfig(
             min_nodes=rdzv.min_nodes if rdzv.min_nodes > 0 else plan.num_nodes,

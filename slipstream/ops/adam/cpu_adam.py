@@ -61,7 +61,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
         self.adamw_mode = adamw_mode
         self.fp32_optimizer_states = fp32_optimizer_states
         for index, p in enumerate(self._all_params()):
-            _check_param(p, index)
+            _check_param(p, index, building=True)
         self._op = _load_op()
 
     def _all_params(self) -> list[Tensor]:
@@ -266,8 +266,11 @@ def _check_hyper(*, lr: float, betas: tuple[float, float], eps: float, weight_de
         raise ValueError(f"DeepSpeedCPUAdam: invalid weight_decay={weight_decay}; it must be >= 0")
 
 
-def _check_param(p: Tensor, index: int) -> None:
-    if p.device.type != "cpu":
+def _check_param(p: Tensor, index: int, *, building: bool = False) -> None:
+    """`building`: the optimizer is being built. Parameters on an accelerator are allowed then: under ZeRO-Offload the
+    engine builds this optimizer from the model's parameters and re-points it at host copies before the first step,
+    as DeepSpeed's engine does; a parameter still on the accelerator at the step is an error."""
+    if p.device.type != "cpu" and (not building or p.device.type == "meta"):
         raise ValueError(
             f"DeepSpeedCPUAdam: param {index} is on {p.device}, but every param must be on the "
             'CPU; keep the model on CPU, or enable ZeRO-Offload ("offload_optimizer": '

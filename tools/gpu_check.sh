@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The CUDA/NCCL checks, for a machine with a GPU and torch's CUDA build but nothing else installed: Slipstream
+# runs from this checkout (PYTHONPATH), its pure-Python requirements come as wheels in .whl/ when pip cannot
+# reach an index. Writes its logs to $OUT (or ./gpu-check-out). Usage: bash tools/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-check-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())" | tee -a "$OUT/gpu.txt"
+status=0
+timeout 360 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu tests/unit/test_accelerator.py 2>&1 | tee "$OUT/pytest.log" || status=1
+# The README's training command, on the GPU: one rank, ZeRO-2, the shipped text.
+timeout 120 python3 -m slipstream.cli.main run --num_gpus 1 examples/gpt/train.py \
+  --deepspeed_config examples/gpt/ds_config_zero2.json > "$OUT/train.log" 2>&1 || status=1
+tail -15 "$OUT/train.log"
+exit $status
