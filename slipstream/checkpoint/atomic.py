@@ -12,8 +12,11 @@ which `recover(save_dir)` moves back. Nothing under a `.tmp-*` name is ever read
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 LATEST_FILE = "latest"
@@ -64,20 +67,27 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Replace `path` with `text` so readers see the old or the new content, never a partial file."""
+@contextlib.contextmanager
+def replaced_atomically(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """`with replaced_atomically(path) as tmp:` write the file at `tmp`; on success it is made durable and renamed
+    over `path`, so readers (and other processes writing the same file, such as every rank exporting the same
+    checkpoint) see a whole old or a whole new file, never a partial one; on an error `tmp` is removed."""
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+        yield tmp
+        fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Replace `path` with `text` so readers see the old or the new content, never a partial file."""
+    with replaced_atomically(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def tmp_dir_for(save_dir: str | os.PathLike[str], tag: str) -> Path:

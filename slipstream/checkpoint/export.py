@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from slipstream.checkpoint.atomic import write_text_atomic
+from slipstream.checkpoint.atomic import replaced_atomically, write_text_atomic
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.manifest import parse_dtype
 from slipstream.checkpoint.reader import CheckpointReader, resolve_checkpoint_dir
@@ -156,11 +156,15 @@ def write_items(
                 for name in tied_to.get(item.name, []):
                     state[name] = state[item.name]
                 bar.advance(item.nbytes, item.name[-40:])
-            torch.save(state, out_dir / file_name)
+            with replaced_atomically(out_dir / file_name) as tmp:
+                torch.save(state, tmp)
             del state
         else:
             entries = [(item.name, item.dtype, item.shape) for item in shard]
-            with SafetensorsWriter(out_dir / file_name, entries, metadata={"format": "pt"}) as writer:
+            with (
+                replaced_atomically(out_dir / file_name) as tmp,
+                SafetensorsWriter(tmp, entries, metadata={"format": "pt"}) as writer,
+            ):
                 for item in shard:
                     tensor = reader.read(item.key).to(item.dtype)
                     writer.write(item.name, tensor)

@@ -87,3 +87,20 @@ def test_commit_refuses_cross_directory(tmp_path: Path) -> None:
     tmp = _save(tmp_path / "a", "t", "x")
     with pytest.raises(ValueError, match="same directory"):
         commit_dir(tmp, tmp_path / "t")
+
+
+def test_replaced_atomically_shows_a_whole_old_or_new_file(tmp_path: Path) -> None:
+    """Every rank of a job may export the same checkpoint to the same file (DeepSpeed's tests call
+    convert_zero_checkpoint_to_fp32_state_dict on each rank): a reader must never see a partial file."""
+    from slipstream.checkpoint.atomic import replaced_atomically
+
+    target = tmp_path / "pytorch_model.bin"
+    target.write_bytes(b"old" * 1000)
+    with replaced_atomically(target) as tmp:
+        tmp.write_bytes(b"new")  # half-way: the target still holds the old, whole file
+        assert target.read_bytes() == b"old" * 1000 and tmp.parent == target.parent
+    assert target.read_bytes() == b"new" and not list(tmp_path.glob("*.tmp-*"))
+    with pytest.raises(RuntimeError, match="disk"), replaced_atomically(target) as tmp:
+        tmp.write_bytes(b"partial")
+        raise RuntimeError("disk full")
+    assert target.read_bytes() == b"new" and not list(tmp_path.glob("*.tmp-*"))
