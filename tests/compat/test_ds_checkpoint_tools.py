@@ -1,0 +1,279 @@
+"""DeepSpeed-format checkpoint tooling (docs/checkpoints.md, "DeepSpeed-format folders"): the 3D reshape maps and
+folder descriptor, and `ds_to_universal` over an AutoTP + ZeRO-3 folder written here file by file in DeepSpeed's
+layout (tensor-parallel shards split over data-parallel ranks with ZeRO-3's per-parameter padding), compared
+with the tensors it was built from: weights and both Adam moments, column- and row-parallel, replicated, uneven
+and fused (grouped-query) parameters."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from slipstream.checkpoint.ds_constants import (
+    CAT_DIM,
+    CHECKPOINT_PARALLEL_DIMS,
+    CHECKPOINT_PP_DEGREE,
+    CHECKPOINT_TP_DEGREE,
+    FP32_FLAT_GROUPS,
+    OPTIMIZER_STATE_DICT,
+    PARAM,
+    PARAM_GROUPS,
+    PARAM_SHAPES,
+    PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+    PARAMETER_WITH_SUB_PARAMS,
+    SUB_PARAM_SHARD_WIDTHS,
+    TP_REPLICATED_PARAMETER_PATTERNS,
+    UNIVERSAL_CHECKPOINT_INFO,
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    ZERO_STAGE,
+)
+from slipstream.checkpoint.ds_folder import DeepSpeedCheckpointFolder, ZeroFiles
+from slipstream.checkpoint.ds_layout import ParallelDegrees, get_model_3d_descriptor, parallel_dimensions_record
+from slipstream.checkpoint.errors import CheckpointError, ConversionMetadataError
+from slipstream.checkpoint.safe_pickle import safe_load
+from slipstream.checkpoint.universal import read_universal_checkpoint
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+# ---- reshape maps ----
+
+
+@pytest.mark.parametrize(
+    "source,target,expected",
+    [
+        # (pp, tp, dp) -> per target dp rank: {(pp, tp): source ZeRO file indices}
+        ((2, 2, 2), (1, 1, 1), [{(0, 0): [0, 4, 1, 5, 2, 6, 3, 7]}]),
+        ((2, 2, 2), (1, 2, 2), [{(0, 0): [0, 4], (0, 1): [1, 5]}, {(0, 0): [2, 6], (0, 1): [3, 7]}]),
+        ((1, 4, 2), (1, 2, 1), [{(0, 0): [0, 4, 1, 5], (0, 1): [2, 6, 3, 7]}]),
+        ((2, 1, 4), (2, 1, 2), [{(0, 0): [0, 2], (1, 0): [1, 3]}, {(0, 0): [4, 6], (1, 0): [5, 7]}]),
+    ],
+)
+def test_reshape_maps(source: tuple[int, int, int], target: tuple[int, int, int], expected: list[dict]) -> None:
+    maps = ParallelDegrees(*source).reshape(ParallelDegrees(*target))
+    assert [{key: m.get_data(*key) for key in want} for m, want in zip(maps, expected)] == expected
+    assert len(maps) == target[2]
+
+
+def test_reshape_refuses_growth() -> None:
+    small, big = ParallelDegrees(1, 2, 1), ParallelDegrees(1, 4, 1)
+    ok, errors = small.can_reshape(big)
+    assert not ok and "TP" in errors[0]
+    with pytest.raises(ValueError, match="grow"):
+        small.reshape(big)
+
+
+def _layout(folder: Path, dims: list[Any], zero_per_model: int = 2) -> None:
+    for mp, dim in enumerate(dims):
+        state: dict[str, Any] = {PARAM_SHAPES: [{}], UNIVERSAL_CHECKPOINT_INFO: {"v": mp}}
+        if dim is not None:
+            state[CHECKPOINT_PARALLEL_DIMS] = dim
+        torch.save(state, folder / f"mp_rank_{mp:02d}_model_states.pt")
+        for dp in range(zero_per_model):
+            torch.save({}, folder / f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt")
+
+
+PP2 = {CHECKPOINT_PP_DEGREE: 2, CHECKPOINT_TP_DEGREE: 1}
+TP2 = {CHECKPOINT_PP_DEGREE: 1, CHECKPOINT_TP_DEGREE: 2}
+
+
+@pytest.mark.parametrize(
+    "dims,error",
+    [
+        ([PP2, None], "missing from model-state files"),
+        ([PP2, TP2], "disagrees across model-state files"),
+        ([{CHECKPOINT_PP_DEGREE: 4, CHECKPOINT_TP_DEGREE: 1}] * 2, "2 model-state files"),
+        ([{CHECKPOINT_PP_DEGREE: 0, CHECKPOINT_TP_DEGREE: 2}] * 2, "positive integer"),
+    ],
+)
+def test_descriptor_errors_name_the_problem(tmp_path: Path, dims: list[Any], error: str) -> None:
+    _layout(tmp_path, dims)
+    with pytest.raises(CheckpointError, match=error):
+        get_model_3d_descriptor(tmp_path)
+
+
+def test_descriptor_from_records_and_from_counts(tmp_path: Path) -> None:
+    (tmp_path / "legacy").mkdir()
+    _layout(tmp_path / "legacy", [None, None])  # no records: every model file is a tensor rank
+    legacy = get_model_3d_descriptor(tmp_path / "legacy")
+    assert (legacy.pp_degree, legacy.tp_degree, legacy.dp_degree) == (1, 2, 2)
+    assert ZeroFiles(str(tmp_path / "legacy")).get_src_tp_degree() == 2
+    record = parallel_dimensions_record(SimpleNamespace(get_pipe_parallel_world_size=lambda: 2))
+    (tmp_path / "recorded").mkdir()
+    _layout(tmp_path / "recorded", [record[CHECKPOINT_PARALLEL_DIMS]] * 2)
+    folder = DeepSpeedCheckpointFolder(str(tmp_path / "recorded"))
+    assert (folder.pp_degree, folder.tp_degree, folder.dp_degree) == (2, 1, 2)
+    assert folder.get_checkpoint_info(UNIVERSAL_CHECKPOINT_INFO) == {"v": 0}  # the first file's
+    assert folder.get_zero_files(1, 0, 1) == [str(tmp_path / "recorded" / "zero_pp_rank_1_mp_rank_01_optim_states.pt")]
+
+
+# ---- an AutoTP + ZeRO-3 folder in DeepSpeed's layout ----
+
+
+def _write_zero3(folder: Path, shards: dict[str, list[dict[str, torch.Tensor]]], dp: int, info: dict) -> None:
+    """shards[name][tp] = {"fp32": shard, "exp_avg": ..., "exp_avg_sq": ...}; one sub-group, each parameter
+    padded to a multiple of dp and cut in dp pieces, the pieces of one rank concatenated (ZeRO-3's layout)."""
+    folder.mkdir(parents=True)
+    names = list(shards)
+    for tp in range(len(shards[names[0]])):
+        shapes = [{name: torch.Size(shards[name][tp]["fp32"].shape) for name in names}]
+        for rank in range(dp):
+            flats = {}
+            for state in ("fp32", *MOMENTS):
+                pieces = []
+                for name in names:
+                    flat = shards[name][tp][state].reshape(-1)
+                    per_rank = math.ceil(flat.numel() / dp)
+                    padded = torch.cat([flat, torch.zeros(per_rank * dp - flat.numel())])
+                    pieces.append(padded[rank * per_rank : (rank + 1) * per_rank])
+                flats[state] = torch.cat(pieces)
+            stem = folder / f"zero_pp_rank_{rank}_mp_rank_{tp:02d}"
+            torch.save({PARAM_SHAPES: shapes, UNIVERSAL_CHECKPOINT_INFO: info}, f"{stem}_model_states.pt")
+            optimizer = {
+                OPTIMIZER_STATE_DICT: {
+                    "state": {0: {"step": torch.tensor(3.0), **{m: flats[m] for m in MOMENTS}}},
+                    PARAM_GROUPS: [{"lr": 0.01, "params": [0]}],
+                },
+                FP32_FLAT_GROUPS: [flats["fp32"]],
+                ZERO_STAGE: 3,
+            }
+            torch.save({OPTIMIZER_STATE_DICT: optimizer}, f"{stem}_optim_states.pt")
+
+
+def _full(*shape: int) -> dict[str, torch.Tensor]:
+    return {state: torch.randn(*shape) for state in ("fp32", *MOMENTS)}
+
+
+def _split(full: dict[str, torch.Tensor], sizes: list[int], dim: int) -> list[dict[str, torch.Tensor]]:
+    parts = {state: value.split(sizes, dim=dim) for state, value in full.items()}
+    return [{state: parts[state][r].contiguous() for state in full} for r in range(len(sizes))]
+
+
+def _convert(source: Path, out: Path, strict: bool = True) -> Path:
+    from slipstream.checkpoint.ds_to_universal import main  # DeepSpeed's module path (compat alias)
+
+    args = SimpleNamespace(input_folder=str(source), output_folder=str(out), strict=strict)
+    return main(args)
+
+
+def test_tp2_dp2_zero3_folder_converts_to_whole_tensors_and_adam_states(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    column, row, norm, uneven = _full(4, 3), _full(3, 4), _full(5), _full(5, 2)
+    shards = {
+        "fc.weight": _split(column, [2, 2], 0),
+        "proj.weight": _split(row, [2, 2], 1),  # row-parallel: cut along dim 1
+        "ln.weight": [norm, {s: v.clone() for s, v in norm.items()}],  # replicated: each rank holds a copy
+        "head.weight": _split(uneven, [3, 2], 0),  # uneven: 5 rows over 2 ranks
+    }
+    info = {
+        UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.4,
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [r"^proj\.weight$"],
+        TP_REPLICATED_PARAMETER_PATTERNS: [r"^ln\.weight$"],
+    }
+    _write_zero3(tmp_path / "ckpt", shards, dp=2, info=info)
+    out = _convert(tmp_path / "ckpt", tmp_path / "universal")
+    for name, full in (("fc.weight", column), ("proj.weight", row), ("ln.weight", norm), ("head.weight", uneven)):
+        for state, value in full.items():
+            written = safe_load(out / "zero" / name / f"{state}.pt")
+            assert torch.equal(written[PARAM], value), (name, state)
+        assert written.get(CAT_DIM) == (1 if name == "proj.weight" else None if name == "ln.weight" else 0), name
+    back = read_universal_checkpoint(out)  # Slipstream's own reader: whole tensors despite per-rank param_shapes
+    assert torch.equal(back.master["head.weight"], uneven["fp32"])
+    assert torch.equal(back.optimizer_state["proj.weight"]["exp_avg_sq"], row["exp_avg_sq"])
+    assert back.optimizer_step == 3 and back.param_groups == [{"lr": 0.01}]
+
+
+def test_zero3_without_tp_writes_deepspeeds_flat_tensors(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    weight, bias = _full(3, 3), _full(3)  # 9 and 3 elements over 2 ranks: both padded
+    _write_zero3(tmp_path / "ckpt", {"w": [weight], "b": [bias]}, dp=2, info={})
+    out = _convert(tmp_path / "ckpt", tmp_path / "universal")
+    assert torch.equal(safe_load(out / "zero" / "w" / "fp32.pt"), weight["fp32"].reshape(-1))
+    assert torch.equal(safe_load(out / "zero" / "b" / "exp_avg.pt"), bias["exp_avg"])
+    assert read_universal_checkpoint(out).master["w"].shape == (3, 3)
+
+
+def test_fused_gqa_weight_merges_by_recorded_widths(tmp_path: Path) -> None:
+    """q has 4 heads, k and v 2 each (one row per head), over 2 ranks: each rank holds half of each."""
+    torch.manual_seed(2)
+    full = _full(8, 2)
+    q, k, v = (full["fp32"][a:b] for a, b in ((0, 4), (4, 6), (6, 8)))
+    pattern = r"^qkv\.weight$"
+    info = {
+        UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.4,
+        PARAMETER_WITH_SUB_PARAMS: [{"patterns": [pattern], "shape": [(4, 2, 2), 2], "partition_dim": 0}],
+        SUB_PARAM_SHARD_WIDTHS: {pattern: [[2, 2], [1, 1], [1, 1]]},
+    }
+
+    def rank_rows(t: torch.Tensor, r: int) -> torch.Tensor:
+        return torch.cat([t[2 * r : 2 * r + 2], t[4 + r : 5 + r], t[6 + r : 7 + r]])
+
+    shards = [{state: rank_rows(value, r) for state, value in full.items()} for r in range(2)]
+    assert torch.equal(shards[1]["fp32"], torch.cat([q[2:], k[1:], v[1:]]))
+    _write_zero3(tmp_path / "ckpt", {"qkv.weight": shards}, dp=2, info=info)
+    out = _convert(tmp_path / "ckpt", tmp_path / "universal")
+    for state, value in full.items():
+        assert torch.equal(safe_load(out / "zero" / "qkv.weight" / f"{state}.pt")[PARAM], value), state
+    # and back: each rank's slice of the universal tensor is what it held
+    from slipstream.compat.universal_checkpoint import load_hp_checkpoint_state
+
+    meta = {"partition_dim": 0, "logical_shape": (8, 2), "sub_param_sizes": (4, 2, 2)}
+    meta |= {UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.4, "sub_param_shard_widths": [[2, 2], [1, 1], [1, 1]]}
+    for rank in range(2):
+        param = _fragment_param((4, 2), meta)
+        assert load_hp_checkpoint_state(param, str(out / "zero" / "qkv.weight"), rank, 2) is None
+        assert torch.equal(param.data, shards[rank]["fp32"])
+        assert torch.equal(param._hp_mapping.optim_fragment["exp_avg"], shards[rank]["exp_avg"].reshape(-1))
+
+
+def _fragment_param(shape: tuple[int, ...], meta: dict) -> torch.nn.Parameter:
+    """A parameter with DeepSpeed's fragment interface: its whole fp32 slice is its fragment."""
+    param = torch.nn.Parameter(torch.zeros(shape))
+    param._hp_mapping = SimpleNamespace(  # type: ignore[attr-defined]
+        lp_fragment_address=SimpleNamespace(start=0, numel=param.numel()),
+        get_hp_fragment=lambda: param.data.view(-1),
+        optim_fragment={},
+    )
+    param.ds_autotp_universal_checkpoint_meta = meta  # type: ignore[attr-defined]
+    return param
+
+
+def test_inconsistent_tp_metadata_is_refused(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    norm = _full(4)
+    different = {s: v + 1 for s, v in norm.items()}
+    info = {TP_REPLICATED_PARAMETER_PATTERNS: [r"^ln\.weight$"]}
+    _write_zero3(tmp_path / "replicas", {"ln.weight": [norm, different]}, dp=1, info=info)
+    with pytest.raises(ConversionMetadataError, match="replicated"):
+        _convert(tmp_path / "replicas", tmp_path / "out1")
+    pattern = r"^qkv\.weight$"
+    sub = {UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.4}
+    sub[PARAMETER_WITH_SUB_PARAMS] = [{"patterns": [pattern], "shape": [(2, 2), 2], "partition_dim": 0}]
+    _write_zero3(tmp_path / "widths", {"qkv.weight": _split(_full(4, 2), [2, 2], 0)}, dp=1, info=sub)
+    with pytest.raises(ConversionMetadataError, match="records no sub_param_shard_widths"):
+        _convert(tmp_path / "widths", tmp_path / "out2")
+    unused = {TP_REPLICATED_PARAMETER_PATTERNS: [r"^nothing$"]}
+    _write_zero3(tmp_path / "unused", {"fc.weight": _split(_full(4, 2), [2, 2], 0)}, dp=1, info=unused)
+    with pytest.raises(ConversionMetadataError, match="matched no parameter"):
+        _convert(tmp_path / "unused", tmp_path / "out3")
+    assert _convert(tmp_path / "unused", tmp_path / "out4", strict=False).is_dir()
+
+
+def test_incomplete_rank_grid_is_named(tmp_path: Path) -> None:
+    _write_zero3(tmp_path / "ckpt", {"fc.weight": _split(_full(4, 2), [2, 2], 0)}, dp=2, info={})
+    (tmp_path / "ckpt" / "zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"\(1, 1\)"):
+        _convert(tmp_path / "ckpt", tmp_path / "out")
+
+
+def test_shard_size_list_deals_heads_then_rows() -> None:
+    from slipstream.compat.tp_shard import get_shard_size_list
+
+    assert get_shard_size_list(10, 4) == [3, 3, 2, 2]
+    assert get_shard_size_list(24, 2, "self_attn.q_proj", num_kv_heads=3) == [16, 8]  # 2 heads, then 1
+    assert get_shard_size_list(24, 2, "mlp.up_proj", num_kv_heads=3) == [12, 12]  # MLPs split rows evenly
