@@ -6,7 +6,8 @@ tensor (DeepSpeed's stage-3 form; `param_shapes` in the copied model-states file
 each rank's shard comes from zero3_grid.py and the shards are merged by the checkpoint's
 `universal_checkpoint_info` (tp_merge.py) into `{"param": whole tensor, "cat_dim": ...}`. The first optimizer
 file's non-partitioned entries go to `zero/optimizer_state.pt`, the model-states files are copied unchanged.
-No temporary folder of fragments is written: the shards are merged in memory, one parameter at a time.
+No temporary folder of fragments is written: every rank's shards are read into memory (about 12 bytes per
+parameter), then merged one parameter at a time.
 """
 
 from __future__ import annotations
@@ -44,15 +45,19 @@ def check_conversion_support(info: Mapping[str, Any] | None) -> None:
         )
 
 
+_DROP = object()
+
+
 def _plain(value: Any) -> Any:
-    """`value` with DeepSpeed objects (stubs: an enum, a loss scaler) as plain data, so the file needs neither
-    DeepSpeed nor Slipstream to load: an enum as its value, any other object as its attribute dict."""
+    """`value` as plain data, so the file loads without DeepSpeed's classes: a DeepSpeed enum as its value, any
+    other DeepSpeed object (the loss scaler) left out, so a loading engine keeps its own."""
     if isinstance(value, DeepSpeedStub):
-        return value.value if value.args else {k: _plain(v) for k, v in value.state.items()}
+        return value.value if value.args else _DROP
     if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
+        items = ((k, _plain(v)) for k, v in value.items())
+        return {k: v for k, v in items if v is not _DROP}
     if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
+        return type(value)(v for v in map(_plain, value) if v is not _DROP)
     return value
 
 
@@ -61,8 +66,9 @@ def _is_partition(value: Any) -> bool:
 
 
 def write_optimizer_state(first_optimizer_file: Path, zero_dir: Path) -> None:
-    """`zero/optimizer_state.pt`: the first rank's optimizer entries without its flat fp32 partition, with the
-    param groups at the top level (where DeepSpeed's universal loader and read_universal_checkpoint look)."""
+    """`zero/optimizer_state.pt`: the first rank's optimizer entries without its partitions (flat fp32 and
+    moments; scalars such as the step stay), with the param groups at the top level (where DeepSpeed's universal
+    loader and read_universal_checkpoint look), as plain data (`_plain`)."""
     loaded = safe_load(first_optimizer_file)
     outer = dict(loaded[OPTIMIZER_STATE_DICT])
     outer.pop(FP32_FLAT_GROUPS, None)

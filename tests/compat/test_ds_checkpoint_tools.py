@@ -277,3 +277,121 @@ def test_shard_size_list_deals_heads_then_rows() -> None:
     assert get_shard_size_list(10, 4) == [3, 3, 2, 2]
     assert get_shard_size_list(24, 2, "self_attn.q_proj", num_kv_heads=3) == [16, 8]  # 2 heads, then 1
     assert get_shard_size_list(24, 2, "mlp.up_proj", num_kv_heads=3) == [12, 12]  # MLPs split rows evenly
+
+
+@pytest.mark.parametrize("stage,world", [(3, 2), (3, 1)])  # DeepSpeed reads a stage-3 source's files at stage 3 only
+def test_deepspeed_loads_our_conversion_of_its_zero3_checkpoint(stage: int, world: int, tmp_path: Path) -> None:
+    """Real DeepSpeed (peer environment only) loads Slipstream's conversion of a ZeRO-3 checkpoint DeepSpeed saved
+    at 2 ranks, at 2 ranks and at 1, every master and exp_avg bit-equal to what DeepSpeed saved."""
+    import json
+    import shutil
+    import subprocess
+
+    from slipstream.checkpoint.deepspeed_import import read_deepspeed_checkpoint
+    from tests.compat.test_universal_checkpoint import DEEPSPEED, _peer_python
+
+    peer = _peer_python()
+    if peer is None:
+        pytest.skip("DeepSpeed peer environment absent (the interop check needs real DeepSpeed)")
+    source = DEEPSPEED / "stage3_fp32_ws2"
+    shutil.copytree(source / "global_step2", tmp_path / "global_step2")
+    (tmp_path / "latest").write_text("global_step2")
+    _convert(tmp_path / "global_step2", tmp_path / "global_step2_universal")
+    assert (tmp_path / "latest_universal").read_text() == "global_step2_universal"
+    saved = read_deepspeed_checkpoint(source)
+    expected = {n: {"master": v, "exp_avg": saved.optimizer_state[n]["exp_avg"]} for n, v in saved.master.items()}
+    torch.save(expected, tmp_path / "expected.pt")
+    script = Path(__file__).parent / "peer" / "load_universal_in_deepspeed.py"
+    done = subprocess.run(
+        [peer, str(script), str(tmp_path), str(tmp_path / "expected.pt"), str(stage), str(world)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["differ"] == [] and result["global_steps"] == 2, result
+
+
+_DEEPSPEED_CONVERT = """
+import sys
+from types import SimpleNamespace
+from deepspeed.checkpoint.ds_to_universal import main
+main(SimpleNamespace(input_folder=sys.argv[1], output_folder=sys.argv[2], num_extract_workers=1,
+                     num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False))
+"""
+
+
+def _record(value: Any) -> Any:
+    """A universal file's content comparable across sides: SubparamShape (ours, or DeepSpeed's as a stub) as a
+    tuple of its fields."""
+    from slipstream.checkpoint.safe_pickle import DeepSpeedStub
+
+    if isinstance(value, DeepSpeedStub):
+        return (list(value.state["patterns"]), value.state["shape"], value.state["partition_dim"])
+    if hasattr(value, "partition_dim"):
+        return (list(value.patterns), value.shape, value.partition_dim)
+    return value
+
+
+def test_conversion_equals_deepspeeds_file_by_file(tmp_path: Path) -> None:
+    """DeepSpeed's own converter (peer environment only) and Slipstream's, on the same AutoTP + ZeRO-3 folder
+    (column, row-parallel, replicated, uneven, fused grouped-query) and a ZeRO-3 folder without TP."""
+    import subprocess
+
+    from tests.compat.test_universal_checkpoint import _peer_python
+
+    peer = _peer_python()
+    if peer is None:
+        pytest.skip("DeepSpeed peer environment absent (the comparison needs real DeepSpeed)")
+    torch.manual_seed(4)
+    qkv = _full(8, 2)
+
+    def rank_rows(t: torch.Tensor, r: int) -> torch.Tensor:
+        return torch.cat([t[2 * r : 2 * r + 2], t[4 + r : 5 + r], t[6 + r : 7 + r]])
+
+    norm = _full(5)
+    tp_shards = {
+        "fc.weight": _split(_full(4, 3), [2, 2], 0),
+        "proj.weight": _split(_full(3, 4), [2, 2], 1),
+        "ln.weight": [norm, {s: v.clone() for s, v in norm.items()}],
+        "head.weight": _split(_full(5, 2), [3, 2], 0),
+        "qkv.weight": [{s: rank_rows(v, r) for s, v in qkv.items()} for r in range(2)],
+    }
+    pattern = r"^qkv\.weight$"
+    info = {
+        UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.4,
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [r"^proj\.weight$"],
+        TP_REPLICATED_PARAMETER_PATTERNS: [r"^ln\.weight$"],
+        PARAMETER_WITH_SUB_PARAMS: [{"patterns": [pattern], "shape": [(4, 2, 2), 2], "partition_dim": 0}],
+        SUB_PARAM_SHARD_WIDTHS: {pattern: [[2, 2], [1, 1], [1, 1]]},
+    }
+    _write_zero3(tmp_path / "tp", tp_shards, dp=2, info=info)
+    _write_zero3(tmp_path / "plain", {"w": [_full(3, 3)], "b": [_full(3)]}, dp=2, info={})
+    for case in ("tp", "plain"):
+        theirs, ours = tmp_path / f"{case}_deepspeed", tmp_path / f"{case}_ours"
+        done = subprocess.run(
+            [peer, "-c", _DEEPSPEED_CONVERT, str(tmp_path / case), str(theirs)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        _convert(tmp_path / case, ours)
+        files = sorted(p.relative_to(theirs) for p in (theirs / "zero").rglob("*.pt") if p.name != "optimizer_state.pt")
+        assert files == sorted(
+            p.relative_to(ours) for p in (ours / "zero").rglob("*.pt") if p.name != "optimizer_state.pt"
+        )
+        assert len(files) == (15 if case == "tp" else 6)
+        for file in files:
+            a, b = safe_load(theirs / file), safe_load(ours / file)
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), file
+                continue
+            assert sorted(a) == sorted(b), file
+            assert torch.equal(a[PARAM], b[PARAM]), file
+            assert {k: _record(v) for k, v in a.items() if k != PARAM} == {
+                k: _record(v) for k, v in b.items() if k != PARAM
+            }, file
