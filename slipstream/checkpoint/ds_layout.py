@@ -28,7 +28,7 @@ from slipstream.checkpoint.ds_constants import (
     MODEL_FILE_PREFIX,
     ZERO_FILE_PREFIX,
 )
-from slipstream.checkpoint.errors import CheckpointError
+from slipstream.checkpoint.errors import CheckpointError, ConversionMetadataError
 
 __all__ = [
     "ParallelDegrees",
@@ -39,6 +39,7 @@ __all__ = [
     "get_model_3d_descriptor",
     "parallel_dimensions_record",
     "reshape_2d",
+    "shapes_per_tp_rank",
     "split_evenly",
     "zero_files",
 ]
@@ -306,3 +307,25 @@ def parallel_dimensions_record(mpu: Any) -> dict[str, dict[str, int]]:
                 tp = int(getattr(mpu, getter)())
                 break
     return {CHECKPOINT_PARALLEL_DIMS: {CHECKPOINT_PP_DEGREE: pp, CHECKPOINT_TP_DEGREE: tp}}
+
+
+def shapes_per_tp_rank(
+    slice_shapes_by_tp: Sequence[Mapping[str, Any]], pp_degree: int, tp_degree: int
+) -> dict[str, list[Any]]:
+    """Per parameter, its shape on each tensor rank (None where a rank has none), from the model-state files'
+    shapes in pp-major order (file pp * tp_degree + tp); a parameter present in several pipeline stages (tied)
+    must have one shape (DeepSpeed's `_group_per_tp_shapes`)."""
+    per_tp: list[dict[str, Any]] = []
+    for tp in range(tp_degree):
+        shapes: dict[str, Any] = {}
+        for pp in range(pp_degree):
+            for name, shape in slice_shapes_by_tp[pp * tp_degree + tp].items():
+                if name in shapes and shapes[name] != shape:
+                    raise ConversionMetadataError(
+                        f"pipeline replicas of {name} on tensor rank {tp} disagree on shape: {shapes[name]} vs "
+                        f"{shape}; the tied parameter was partitioned inconsistently"
+                    )
+                shapes[name] = shape
+        per_tp.append(shapes)
+    names = {name for shapes in per_tp for name in shapes}
+    return {name: [shapes.get(name) for shapes in per_tp] for name in names}

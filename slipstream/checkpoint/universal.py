@@ -14,7 +14,7 @@ deepspeed_import.py returns, so loading goes through `DeepSpeedSource` at any wo
                                              client state, `param_shapes`
 
 Tensor-parallel merges (`cat_dim`, sub-parameter shapes) happen in the converter (DeepSpeed's, or
-zero3_universal.py); a universal tensor is always the whole parameter, so reading needs only the value (its own
+tp_universal.py); a universal tensor is always the whole parameter, so reading needs only the value (its own
 shape when the model-states files record one rank's shard). Every file goes through the restricted
 unpickler (`safe_pickle.safe_load`).
 """

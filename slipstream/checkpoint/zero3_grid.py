@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,15 @@ from slipstream.checkpoint.ds_constants import (
     FP32_FLAT_GROUPS,
     FP32_WEIGHT_KEY,
     OPTIMIZER_STATE_DICT,
+    PARAM_GROUPS,
     PARAM_SHAPES,
     UNIVERSAL_CHECKPOINT_INFO,
 )
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.safe_pickle import safe_load
+from slipstream.checkpoint.tp_shards import TpShards
 
-__all__ = ["MOMENTS", "Zero3TpShards", "rank_grid", "read_tp_shards", "zero3_files"]
+__all__ = ["MOMENTS", "rank_grid", "read_zero3_shards", "zero3_files"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _RANKS = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_")
@@ -61,24 +62,6 @@ def rank_grid(files: Sequence[Path]) -> list[list[Path]]:
             f"{tp} x {dp} grid; copy every rank's files"
         )
     return [[grid[t][d] for d in range(dp)] for t in range(tp)]
-
-
-@dataclass
-class Zero3TpShards:
-    """Rank-local shards: `shards[tp][name][state]` is tensor-parallel rank tp's whole shard of `name` (shaped as
-    recorded), for state "fp32" and the optimizer moments."""
-
-    shards: list[dict[str, dict[str, torch.Tensor]]]
-    names: list[str]
-    """Parameter names in the order of the first rank's param_shapes."""
-    dp_degree: int
-    universal_info: dict[str, Any]
-    first_optimizer_file: Path
-    model_files: list[Path]
-
-    @property
-    def tp_degree(self) -> int:
-        return len(self.shards)
 
 
 def _group_moments(inner: Any, group: int) -> dict[str, torch.Tensor]:
@@ -124,7 +107,7 @@ def _pieces_of_rank(
     return out
 
 
-def read_tp_shards(folder: str | Path) -> Zero3TpShards:
+def read_zero3_shards(folder: str | Path) -> TpShards:
     """Read a ZeRO-3 tag folder into each tensor-parallel rank's whole shards (restricted unpickler)."""
     folder = Path(folder)
     model_grid = rank_grid(zero3_files(folder, "model_states.pt"))
@@ -160,11 +143,33 @@ def read_tp_shards(folder: str | Path) -> Zero3TpShards:
                 for name, states in collected.items()
             }
         )
-    return Zero3TpShards(
+    return TpShards(
         shards=shards,
         names=names,
-        dp_degree=dp_degree,
         universal_info=dict(first_model.get(UNIVERSAL_CHECKPOINT_INFO) or {}),
-        first_optimizer_file=optim_grid[0][0],
+        optimizer_state=_optimizer_state(optim_grid[0][0]),
         model_files=[path for row in model_grid for path in row],
     )
+
+
+def _optimizer_state(first_optimizer_file: Path) -> dict[str, Any]:
+    """The first rank's optimizer entries without its partitions (flat fp32 and moments; scalars such as the step
+    stay), with the param groups at the top level (where DeepSpeed's universal loader and
+    read_universal_checkpoint look)."""
+    outer = dict(safe_load(first_optimizer_file)[OPTIMIZER_STATE_DICT])
+    outer.pop(FP32_FLAT_GROUPS, None)
+    inner = outer.get(OPTIMIZER_STATE_DICT)
+    if isinstance(inner, Mapping):
+        outer[PARAM_GROUPS] = inner.get(PARAM_GROUPS, [])
+        states = inner.get("state")
+        entries = enumerate(states) if isinstance(states, list) else (states or {}).items()
+        scalars = {key: {k: v for k, v in entry.items() if not _is_partition(v)} for key, entry in entries}
+        outer[OPTIMIZER_STATE_DICT] = {
+            **inner,
+            "state": list(scalars.values()) if isinstance(states, list) else scalars,
+        }
+    return outer
+
+
+def _is_partition(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0

@@ -20,7 +20,7 @@ from slipstream.checkpoint.ds_constants import (
 )
 from slipstream.checkpoint.ds_folder import DATA_BEFORE_EXPERT
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.zero3_universal import check_conversion_support
+from slipstream.checkpoint.tp_shards import check_conversion_support
 
 __all__ = ["_aggregate_autoep_zero12_metadata", "_check_for_required_state", "_inject_missing_state"]
 

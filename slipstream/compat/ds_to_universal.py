@@ -2,10 +2,10 @@
 
 Owns the DeepSpeed command line (`python -m slipstream.checkpoint.ds_to_universal --input_folder ckpt/global_stepN
 --output_folder ckpt/global_stepN_universal`; the DeepSpeed path is an alias declared in compat/aliases.py) and
-`main(args)`. The input is a Slipstream checkpoint (manifest.json), a DeepSpeed ZeRO-3 folder with or without
-AutoTP tensor parallelism (`zero_pp_rank_<dp>_mp_rank_<tp>_*`: checkpoint/zero3_universal.py, written as
-DeepSpeed writes it), or a data-parallel DeepSpeed 0.19 ZeRO-0/1/2 one (`*model_states.pt`); the other writing
-is checkpoint/universal.py. Unlike DeepSpeed's converter no per-rank fragments are extracted and merged through
+`main(args)`. The input is a Slipstream checkpoint (manifest.json), a DeepSpeed folder whose ranks hold
+tensor-parallel shards or ZeRO-3 partitions (a ZeRO-3 one, with or without AutoTP, or a ZeRO-1/2 one saved with
+tensor or pipeline parallelism: checkpoint/tp_universal.py, written as DeepSpeed writes it), or a data-parallel
+DeepSpeed 0.19 ZeRO-0/1/2 one (`*model_states.pt`); the other writing is checkpoint/universal.py. Unlike DeepSpeed's converter no per-rank fragments are extracted and merged through
 a temporary folder: the readers give whole tensors (or whole tensor-parallel shards, merged in memory), so the
 worker and temporary-folder options have nothing to do (they are accepted, and the help says so). DeepSpeed's
 helper names that client code and DeepSpeed's tests use are exported too: `merge_tp_slices` and
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.checkpoint.ds_folder import DeepSpeedCheckpointFolder as DeepSpeedCheckpoint
-from slipstream.checkpoint.zero3_universal import check_conversion_support as _validate_autotp_conversion_support
+from slipstream.checkpoint.tp_shards import check_conversion_support as _validate_autotp_conversion_support
 from slipstream.compat.ds_conversion_checks import (
     _aggregate_autoep_zero12_metadata,
     _check_for_required_state,
@@ -79,13 +79,12 @@ def main(args: Any = None) -> Path:
     from slipstream.checkpoint.deepspeed_import import _tag_dir, is_deepspeed_checkpoint, read_deepspeed_checkpoint
     from slipstream.checkpoint.errors import CheckpointError
     from slipstream.checkpoint.reader import CheckpointReader
+    from slipstream.checkpoint.tp_universal import convert_sharded_folder, is_sharded_folder
     from slipstream.checkpoint.universal import (
         LATEST_UNIVERSAL_FILE,
         checkpoint_from_reader,
         write_universal_checkpoint,
     )
-    from slipstream.checkpoint.zero3_grid import zero3_files
-    from slipstream.checkpoint.zero3_universal import convert_zero3_folder
 
     if args is None:
         args = parse_arguments()
@@ -94,13 +93,13 @@ def main(args: Any = None) -> Path:
         with CheckpointReader(source) as reader:
             checkpoint = checkpoint_from_reader(reader)
         model_state_files = None
-    elif is_deepspeed_checkpoint(source) and zero3_files(_tag_dir(source, None), "model_states.pt"):
+    elif is_deepspeed_checkpoint(source) and is_sharded_folder(_tag_dir(source, None)):
         tag_dir = _tag_dir(source, None)
-        print(f"ds_to_universal: {tag_dir} (DeepSpeed ZeRO-3) -> {out}")
-        degrees = convert_zero3_folder(tag_dir, out, strict=getattr(args, "strict", True))
+        print(f"ds_to_universal: {tag_dir} (DeepSpeed, sharded ranks) -> {out}")
+        read = convert_sharded_folder(tag_dir, out, strict=getattr(args, "strict", True))
         print(
-            f"ds_to_universal: {degrees['parameters']} parameters from {degrees['tp_degree']} tensor x "
-            f"{degrees['dp_degree']} data-parallel ranks"
+            f"ds_to_universal: {read['parameters']} parameters, ZeRO {'3' if read['zero_stage'] == 3 else '1/2'}, "
+            f"{read['tp_degree']} tensor-parallel ranks"
         )
         _write_latest_universal(source, out, LATEST_UNIVERSAL_FILE)
         return out

@@ -3,7 +3,7 @@
 
 DeepSpeed's converter first writes every rank's fragment of every state to
 `<slice_dir>/<param name>/<tp rank>/<state>.<dp rank, two digits>` (flat tensors; `step` a scalar), then merges
-them. Slipstream's own conversion merges in memory (checkpoint/zero3_universal.py) and never writes this
+them. Slipstream's own conversion merges in memory (checkpoint/tp_universal.py) and never writes this
 folder; these functions read one that DeepSpeed (or a test) wrote, with the restricted unpickler, and apply the
 same merge rules (checkpoint/tp_merge.py).
 """
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from slipstream.checkpoint.ds_layout import shapes_per_tp_rank as _group_per_tp_shapes
 from slipstream.checkpoint.errors import ConversionMetadataError
 from slipstream.checkpoint.safe_pickle import safe_load
 from slipstream.checkpoint.tp_merge import MergeRules, merge_slices
@@ -97,24 +98,3 @@ def merge_tp_slices(
             raise ConversionMetadataError(f"{source}: no {state} fragment for any tensor rank")
         torch.save(merge_slices(name, slices, rules), target / f"{state}.pt")
     return rules.unused()
-
-
-def _group_per_tp_shapes(
-    slice_shapes_by_tp: Sequence[Mapping[str, Any]], pp_degree: int, tp_degree: int
-) -> dict[str, list[Any]]:
-    """Per parameter, its shape on each tensor rank, from model-state files in pp-major order (file
-    pp * tp_degree + tp); a parameter present in several pipeline stages (tied) must have one shape."""
-    per_tp: list[dict[str, Any]] = []
-    for tp in range(tp_degree):
-        shapes: dict[str, Any] = {}
-        for pp in range(pp_degree):
-            for name, shape in slice_shapes_by_tp[pp * tp_degree + tp].items():
-                if name in shapes and shapes[name] != shape:
-                    raise ConversionMetadataError(
-                        f"pipeline replicas of {name} on tensor rank {tp} disagree on shape: {shapes[name]} vs "
-                        f"{shape}; the tied parameter was partitioned inconsistently"
-                    )
-                shapes[name] = shape
-        per_tp.append(shapes)
-    names = {name for shapes in per_tp for name in shapes}
-    return {name: [shapes.get(name) for shapes in per_tp] for name in names}

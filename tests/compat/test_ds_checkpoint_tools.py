@@ -335,9 +335,10 @@ def _record(value: Any) -> Any:
     return value
 
 
-def test_conversion_equals_deepspeeds_file_by_file(tmp_path: Path) -> None:
+def test_conversion_equals_deepspeeds_file_by_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """DeepSpeed's own converter (peer environment only) and Slipstream's, on the same AutoTP + ZeRO-3 folder
-    (column, row-parallel, replicated, uneven, fused grouped-query) and a ZeRO-3 folder without TP."""
+    (column, row-parallel, replicated, uneven, fused grouped-query), a ZeRO-3 folder without TP and a ZeRO-1
+    folder with two pipeline stages (a tied embedding in both) and two tensor ranks."""
     import subprocess
 
     from tests.compat.test_universal_checkpoint import _peer_python
@@ -369,7 +370,23 @@ def test_conversion_equals_deepspeeds_file_by_file(tmp_path: Path) -> None:
     }
     _write_zero3(tmp_path / "tp", tp_shards, dp=2, info=info)
     _write_zero3(tmp_path / "plain", {"w": [_full(3, 3)], "b": [_full(3)]}, dp=2, info={})
-    for case in ("tp", "plain"):
+    from slipstream.checkpoint.ds_constants import PIPELINE_REPLICATED_PARAMETER_PATTERNS
+
+    tied = _split(_full(6, 3), [3, 3], 0)
+    stages = [
+        {"embed.weight": tied, "l0.weight": _split(_full(4, 3), [2, 2], 0), "ln.weight": [norm, norm]},
+        {
+            "embed.weight": [{s: v.clone() for s, v in t.items()} for t in tied],
+            "l1.weight": _split(_full(3, 4), [2, 2], 1),
+        },
+    ]
+    zero1_info = {
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [r"^l1\.weight$"],
+        TP_REPLICATED_PARAMETER_PATTERNS: [r"^ln\.weight$"],
+        PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"^embed\.weight$"],
+    }
+    _write_zero12(tmp_path / "zero1", stages, dp=2, info=zero1_info, address=_fragment_address_class(monkeypatch))
+    for case in ("tp", "plain", "zero1"):
         theirs, ours = tmp_path / f"{case}_deepspeed", tmp_path / f"{case}_ours"
         done = subprocess.run(
             [peer, "-c", _DEEPSPEED_CONVERT, str(tmp_path / case), str(theirs)],
@@ -384,14 +401,131 @@ def test_conversion_equals_deepspeeds_file_by_file(tmp_path: Path) -> None:
         assert files == sorted(
             p.relative_to(ours) for p in (ours / "zero").rglob("*.pt") if p.name != "optimizer_state.pt"
         )
-        assert len(files) == (15 if case == "tp" else 6)
+        assert len(files) == {"tp": 15, "plain": 6, "zero1": 16}[case]  # ZeRO-1: a step.pt per parameter too
         for file in files:
             a, b = safe_load(theirs / file), safe_load(ours / file)
             if isinstance(a, torch.Tensor):
                 assert torch.equal(a, b), file
+                continue
+            if file.name == "step.pt":
+                assert a == b, file
                 continue
             assert sorted(a) == sorted(b), file
             assert torch.equal(a[PARAM], b[PARAM]), file
             assert {k: _record(v) for k, v in a.items() if k != PARAM} == {
                 k: _record(v) for k, v in b.items() if k != PARAM
             }, file
+
+
+# ---- ZeRO-1/2 folders saved with tensor and pipeline parallelism ----
+
+
+def _fragment_address_class(monkeypatch: pytest.MonkeyPatch) -> type:
+    """DeepSpeed's `deepspeed.utils.tensor_fragment.fragment_address`, importable under its own path for pickling
+    only (the files must name DeepSpeed's class, as DeepSpeed's do)."""
+    import dataclasses
+    import sys
+    import types
+
+    path = "deepspeed.utils.tensor_fragment"
+    cls = dataclasses.make_dataclass("fragment_address", [("numel", int), ("start", int)])
+    cls.__module__ = path
+    for name in ("deepspeed", "deepspeed.utils", path):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[path].fragment_address = cls  # type: ignore[attr-defined]
+    return cls
+
+
+def _write_zero12(
+    folder: Path, stages: list[dict[str, list[dict[str, torch.Tensor]]]], dp: int, info: dict, address: type
+) -> None:
+    """stages[pp][name][tp] = that rank's shard states; per (pp, tp) one flat group padded to a multiple of dp and
+    cut in dp partitions, each rank's param_slice_mappings locating the fragments it holds (ZeRO-1/2's layout)."""
+    folder.mkdir(parents=True)
+    tp_degree = len(next(iter(stages[0].values())))
+    for pp, params in enumerate(stages):
+        for tp in range(tp_degree):
+            mp = pp * tp_degree + tp
+            shapes = {name: torch.Size(shards[tp]["fp32"].shape) for name, shards in params.items()}
+            dims = {CHECKPOINT_PP_DEGREE: len(stages), CHECKPOINT_TP_DEGREE: tp_degree}
+            torch.save(
+                {PARAM_SHAPES: [shapes], UNIVERSAL_CHECKPOINT_INFO: info, CHECKPOINT_PARALLEL_DIMS: dims},
+                folder / f"mp_rank_{mp:02d}_model_states.pt",
+            )
+            flats = {
+                s: torch.cat([shards[tp][s].reshape(-1) for shards in params.values()]) for s in ("fp32", *MOMENTS)
+            }
+            total = flats["fp32"].numel()
+            per_rank = math.ceil(total / dp)
+            pad = per_rank * dp - total
+            bounds, lo = {}, 0
+            for name, shards in params.items():
+                bounds[name] = (lo, lo + shards[tp]["fp32"].numel())
+                lo = bounds[name][1]
+            for rank in range(dp):
+                a, b = rank * per_rank, (rank + 1) * per_rank
+                part = {s: torch.cat([v, torch.zeros(pad)])[a:b].clone() for s, v in flats.items()}
+                mappings = {
+                    name: address(numel=min(hi, b) - max(lo, a), start=max(lo, a) - a)
+                    for name, (lo, hi) in bounds.items()
+                    if min(hi, b) > max(lo, a)
+                }
+                optimizer = {
+                    "base_optimizer_state": {
+                        "state": {0: {"step": torch.tensor(5.0), **{m: part[m] for m in MOMENTS}}},
+                        PARAM_GROUPS: [{"lr": 0.02, "params": [0]}],
+                    },
+                    "single_partition_of_fp32_groups": [part["fp32"]],
+                    "param_slice_mappings": [mappings],
+                    "group_paddings": [pad if rank == dp - 1 else 0],
+                    ZERO_STAGE: 1,
+                }
+                torch.save(
+                    {OPTIMIZER_STATE_DICT: optimizer}, folder / f"zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
+                )
+
+
+def test_tp2_pp2_dp2_zero1_folder_converts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two pipeline stages with their own layers and a tied embedding in both, two tensor ranks, two data ranks."""
+    from slipstream.checkpoint.ds_constants import PIPELINE_REPLICATED_PARAMETER_PATTERNS
+
+    address = _fragment_address_class(monkeypatch)
+    torch.manual_seed(5)
+    embed, l0, l1, out, norm = _full(6, 3), _full(4, 3), _full(3, 4), _full(5, 2), _full(3)
+    tied = _split(embed, [3, 3], 0)
+    stage0 = {"embed.weight": tied, "l0.weight": _split(l0, [2, 2], 0), "ln.weight": [norm, norm]}
+    stage1 = {"embed.weight": [{s: v.clone() for s, v in t.items()} for t in tied], "l1.weight": _split(l1, [2, 2], 1)}
+    stage1["out.weight"] = _split(out, [3, 2], 0)  # uneven
+    info = {
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [r"^l1\.weight$"],
+        TP_REPLICATED_PARAMETER_PATTERNS: [r"^ln\.weight$"],
+        PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"^embed\.weight$"],
+    }
+    _write_zero12(tmp_path / "ckpt", [stage0, stage1], dp=2, info=info, address=address)
+    universal = _convert(tmp_path / "ckpt", tmp_path / "universal")
+    for name, full in (("embed.weight", embed), ("l0.weight", l0), ("l1.weight", l1), ("out.weight", out)):
+        for state, value in full.items():
+            written = safe_load(universal / "zero" / name / f"{state}.pt")
+            assert torch.equal(written[PARAM], value), (name, state)
+        assert written[CAT_DIM] == (1 if name == "l1.weight" else 0)
+        assert float(safe_load(universal / "zero" / name / "step.pt")) == 5.0
+    assert torch.equal(safe_load(universal / "zero" / "ln.weight" / "exp_avg.pt")[PARAM], norm["exp_avg"])
+    assert safe_load(universal / "zero" / "optimizer_state.pt")[PARAM_GROUPS] == [{"lr": 0.02, "params": [0]}]
+    assert sorted(p.name for p in universal.glob("*.pt")) == [f"mp_rank_0{i}_model_states.pt" for i in range(4)]
+
+
+def test_zero12_fragments_of_a_real_deepspeed_checkpoint(tmp_path: Path) -> None:
+    """The fragment reader on files DeepSpeed 0.19.8 wrote (ZeRO-2 bf16, 2 ranks): every master and moment equals
+    what the data-parallel reader (the flat-partition arithmetic of zero_to_fp32) gives."""
+    from slipstream.checkpoint.deepspeed_import import read_deepspeed_checkpoint
+    from slipstream.checkpoint.zero12_grid import read_zero12_shards
+    from tests.compat.test_universal_checkpoint import DEEPSPEED
+
+    shards = read_zero12_shards(DEEPSPEED / "stage2_bf16_ws2" / "global_step2")
+    reference = read_deepspeed_checkpoint(DEEPSPEED / "stage2_bf16_ws2")
+    assert shards.tp_degree == 1 and sorted(shards.names) == sorted(reference.master)
+    for name, value in reference.master.items():
+        assert torch.equal(shards.shards[0][name]["fp32"], value), name
+        for moment in MOMENTS:
+            assert torch.equal(shards.shards[0][name][moment], reference.optimizer_state[name][moment]), name
+        assert int(shards.steps[name]) == reference.optimizer_step
