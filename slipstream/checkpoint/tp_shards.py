@@ -32,7 +32,8 @@ class TpShards:
     shards: list[dict[str, dict[str, torch.Tensor]]]
     names: list[str]
     """Every parameter, in the order the first files list them."""
-    universal_info: dict[str, Any]
+    universal_info: dict[str, Any] | None
+    """The folder's `universal_checkpoint_info` (None: not recorded)."""
     optimizer_state: dict[str, Any]
     """What `zero/optimizer_state.pt` holds: the unpartitioned optimizer entries, param groups at the top level."""
     model_files: list[Path]

@@ -28,11 +28,20 @@ def is_sharded_folder(folder: Path) -> bool:
     )
 
 
-def convert_sharded_folder(source: str | Path, out: str | Path, *, strict: bool = True) -> dict[str, int]:
-    """Write the universal checkpoint of the tag folder `source` into `out`; returns what was read."""
+def convert_sharded_folder(
+    source: str | Path, out: str | Path, *, strict: bool = True, inject_missing_state: bool = False
+) -> dict[str, int]:
+    """Write the universal checkpoint of the tag folder `source` into `out`; returns what was read.
+
+    A ZeRO-1/2 folder must record `universal_checkpoint_info` (the merge rules; without them a replicated norm
+    would be concatenated like a sharded weight), unless `inject_missing_state` accepts the default rules, as
+    DeepSpeed's converter does."""
     source, out = Path(source), Path(out)
     zero3 = bool(zero3_files(source, "model_states.pt"))
-    shards = read_zero3_shards(source) if zero3 else read_zero12_shards(source)
+    if zero3:
+        shards = read_zero3_shards(source)
+    else:
+        shards = read_zero12_shards(source, require_info=not inject_missing_state)
     write_tp_shards(shards, out / "zero", flat_without_tp=zero3, strict=strict, where=source)
     for file in shards.model_files:
         shutil.copy2(file, out / file.name)

@@ -34,7 +34,7 @@ from slipstream.checkpoint.ds_folder import DeepSpeedCheckpointFolder
 from slipstream.checkpoint.ds_layout import shapes_per_tp_rank
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.safe_pickle import DeepSpeedStub
-from slipstream.checkpoint.tp_shards import TpShards
+from slipstream.checkpoint.tp_shards import TpShards, check_conversion_support
 
 __all__ = ["read_zero12_shards"]
 
@@ -62,11 +62,23 @@ def _optimizer(folder: DeepSpeedCheckpointFolder, pp: int, tp: int, dp: int) -> 
     return optimizer
 
 
-def read_zero12_shards(folder_path: str | Path) -> TpShards:
-    """Read a ZeRO-1/2 tag folder into each tensor-parallel rank's whole shards (restricted unpickler)."""
+def read_zero12_shards(folder_path: str | Path, *, require_info: bool = True) -> TpShards:
+    """Read a ZeRO-1/2 tag folder into each tensor-parallel rank's whole shards (restricted unpickler).
+
+    `require_info`: refuse, before reading any optimizer file, a folder whose model-states files record no
+    `universal_checkpoint_info` (the merge rules; without them a replicated norm would be concatenated like a
+    sharded weight). DeepSpeed's converter refuses it too unless told `--inject_missing_state`."""
     folder = DeepSpeedCheckpointFolder(str(folder_path))
     pp_degree, tp_degree, dp_degree = folder.pp_degree, folder.tp_degree, folder.dp_degree
-    info = dict(folder.get_checkpoint_info(UNIVERSAL_CHECKPOINT_INFO) or {})
+    recorded = folder.get_checkpoint_info(UNIVERSAL_CHECKPOINT_INFO)
+    if recorded is None and require_info:
+        raise CheckpointError(
+            f"{folder_path}: the model-states files record no {UNIVERSAL_CHECKPOINT_INFO} (which parameters are "
+            "replicated, row-parallel, fused), so the tensor-parallel shards cannot be merged safely; the training "
+            "script must record it, or pass --inject_missing_state to concatenate every parameter along dim 0"
+        )
+    check_conversion_support(recorded)
+    info = dict(recorded or {})
     replicated = list(info.get(PIPELINE_REPLICATED_PARAMETER_PATTERNS, []))
     shapes_by_file = []
     for file, meta in folder.model_state_metadata:
@@ -114,7 +126,7 @@ def read_zero12_shards(folder_path: str | Path) -> TpShards:
     return TpShards(
         shards=shards,
         names=[name for name in names if any(name in shard for shard in shards)],
-        universal_info=info,
+        universal_info=None if recorded is None else info,
         optimizer_state=optimizer_state,
         model_files=[Path(f) for f in folder.mp_rank_files],
         steps=steps,

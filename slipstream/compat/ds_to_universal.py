@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--inject_missing_state",
         action="store_true",
-        help="accepted for DeepSpeed's command line; no effect here: no universal_checkpoint_info is needed",
+        help="convert a ZeRO-1/2 tensor- or pipeline-parallel folder that records no universal_checkpoint_info, "
+        "concatenating every parameter along dim 0 (other inputs need no such info)",
     )
     return parser
 
@@ -96,7 +97,12 @@ def main(args: Any = None) -> Path:
     elif is_deepspeed_checkpoint(source) and is_sharded_folder(_tag_dir(source, None)):
         tag_dir = _tag_dir(source, None)
         print(f"ds_to_universal: {tag_dir} (DeepSpeed, sharded ranks) -> {out}")
-        read = convert_sharded_folder(tag_dir, out, strict=getattr(args, "strict", True))
+        read = convert_sharded_folder(
+            tag_dir,
+            out,
+            strict=getattr(args, "strict", True),
+            inject_missing_state=getattr(args, "inject_missing_state", False),
+        )
         print(
             f"ds_to_universal: {read['parameters']} parameters, ZeRO {'3' if read['zero_stage'] == 3 else '1/2'}, "
             f"{read['tp_degree']} tensor-parallel ranks"

@@ -514,6 +514,22 @@ def test_tp2_pp2_dp2_zero1_folder_converts(tmp_path: Path, monkeypatch: pytest.M
     assert sorted(p.name for p in universal.glob("*.pt")) == [f"mp_rank_0{i}_model_states.pt" for i in range(4)]
 
 
+def test_zero12_folder_without_merge_rules_needs_inject_missing_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slipstream.checkpoint.ds_to_universal import main
+
+    torch.manual_seed(6)
+    weight = _full(4, 2)
+    stages = [{"fc.weight": _split(weight, [2, 2], 0)}]
+    _write_zero12(tmp_path / "ckpt", stages, dp=2, info=None, address=_fragment_address_class(monkeypatch))  # type: ignore[arg-type]
+    args = SimpleNamespace(input_folder=str(tmp_path / "ckpt"), output_folder=str(tmp_path / "out"))
+    with pytest.raises(CheckpointError, match="--inject_missing_state"):
+        main(args)
+    main(SimpleNamespace(**vars(args), inject_missing_state=True))
+    assert torch.equal(safe_load(tmp_path / "out" / "zero" / "fc.weight" / "fp32.pt")[PARAM], weight["fp32"])
+
+
 def test_zero12_fragments_of_a_real_deepspeed_checkpoint(tmp_path: Path) -> None:
     """The fragment reader on files DeepSpeed 0.19.8 wrote (ZeRO-2 bf16, 2 ranks): every master and moment equals
     what the data-parallel reader (the flat-partition arithmetic of zero_to_fp32) gives."""
@@ -521,7 +537,7 @@ def test_zero12_fragments_of_a_real_deepspeed_checkpoint(tmp_path: Path) -> None
     from slipstream.checkpoint.zero12_grid import read_zero12_shards
     from tests.compat.test_universal_checkpoint import DEEPSPEED
 
-    shards = read_zero12_shards(DEEPSPEED / "stage2_bf16_ws2" / "global_step2")
+    shards = read_zero12_shards(DEEPSPEED / "stage2_bf16_ws2" / "global_step2", require_info=False)
     reference = read_deepspeed_checkpoint(DEEPSPEED / "stage2_bf16_ws2")
     assert shards.tp_degree == 1 and sorted(shards.names) == sorted(reference.master)
     for name, value in reference.master.items():
