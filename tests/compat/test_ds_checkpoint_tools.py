@@ -309,7 +309,8 @@ def test_deepspeed_loads_our_conversion_of_its_zero3_checkpoint(stage: int, worl
         timeout=600,
         cwd=tmp_path,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if "Warning" not in line and "warnings.warn" not in line]
+    assert done.returncode == 0, "\n".join(errors)[-4000:]  # without torch's deprecation warnings: the traceback
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["differ"] == [] and result["global_steps"] == 2, result
 
