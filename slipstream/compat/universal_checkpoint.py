@@ -35,7 +35,7 @@ from slipstream.checkpoint.ds_constants import (
     VOCAB_TENSOR,
 )
 from slipstream.checkpoint.errors import ConversionMetadataError
-from slipstream.checkpoint.safe_pickle import safe_load
+from slipstream.checkpoint.safe_pickle import DeepSpeedStub, safe_load
 from slipstream.checkpoint.subparam import SubparamShape, check_widths, even_widths, rank_slice
 from slipstream.checkpoint.tp_merge import WIDTHS_VERSION
 
@@ -123,6 +123,8 @@ def _generic_slice(
             "belongs to another parameter or tensor-parallel layout"
         )
     sub = ckpt.get(SUB_PARAM_SHAPE)
+    if isinstance(sub, DeepSpeedStub):  # a file DeepSpeed's converter wrote: its SubparamShape, read inert
+        sub = SubparamShape(**sub.state)
     dim = int(ckpt.get(CAT_DIM, 0))
     count = int(ckpt.get(PARAM_N_SUB_PARAMS, 1))
     if sub:

@@ -231,7 +231,27 @@ def test_fused_gqa_weight_merges_by_recorded_widths(tmp_path: Path) -> None:
         assert torch.equal(param._hp_mapping.optim_fragment["exp_avg"], shards[rank]["exp_avg"].reshape(-1))
 
 
-def _fragment_param(shape: tuple[int, ...], meta: dict) -> torch.nn.Parameter:
+def test_restore_by_the_files_own_sub_param_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without AutoTP metadata on the parameter, a fused file's recorded sub-parameter shape cuts each rank's
+    slice (its halves of q, k and v), whether Slipstream's converter wrote the file or DeepSpeed's (whose
+    SubparamShape the restricted loader reads as an inert stub)."""
+    from slipstream.checkpoint.subparam import SubparamShape
+    from slipstream.compat.universal_checkpoint import load_hp_checkpoint_state
+
+    theirs = _deepspeed_class(monkeypatch, "deepspeed.checkpoint.universal_checkpoint", "SubparamShape", SubparamShape)
+    full = torch.arange(16.0).reshape(8, 2)  # q: rows 0-3, k: 4-5, v: 6-7
+    for kind in (SubparamShape, theirs):
+        folder = tmp_path / kind.__module__ / "qkv.weight"
+        folder.mkdir(parents=True)
+        torch.save({PARAM: full, "sub_param_shape": kind(["qkv"], ((4, 2, 2), 2), 0)}, folder / "fp32.pt")
+        for rank in range(2):
+            param = _fragment_param((4, 2), None)
+            load_hp_checkpoint_state(param, str(folder), rank, 2)
+            want = torch.cat([full[2 * rank : 2 * rank + 2], full[4 + rank : 5 + rank], full[6 + rank : 7 + rank]])
+            assert torch.equal(param.data, want), (kind.__module__, rank)
+
+
+def _fragment_param(shape: tuple[int, ...], meta: dict | None) -> torch.nn.Parameter:
     """A parameter with DeepSpeed's fragment interface: its whole fp32 slice is its fragment."""
     param = torch.nn.Parameter(torch.zeros(shape))
     param._hp_mapping = SimpleNamespace(  # type: ignore[attr-defined]
@@ -239,7 +259,8 @@ def _fragment_param(shape: tuple[int, ...], meta: dict) -> torch.nn.Parameter:
         get_hp_fragment=lambda: param.data.view(-1),
         optim_fragment={},
     )
-    param.ds_autotp_universal_checkpoint_meta = meta  # type: ignore[attr-defined]
+    if meta is not None:
+        param.ds_autotp_universal_checkpoint_meta = meta  # type: ignore[attr-defined]
     return param
 
 
@@ -421,20 +442,37 @@ def test_conversion_equals_deepspeeds_file_by_file(tmp_path: Path, monkeypatch: 
 # ---- ZeRO-1/2 folders saved with tensor and pipeline parallelism ----
 
 
-def _fragment_address_class(monkeypatch: pytest.MonkeyPatch) -> type:
-    """DeepSpeed's `deepspeed.utils.tensor_fragment.fragment_address`, importable under its own path for pickling
-    only (the files must name DeepSpeed's class, as DeepSpeed's do)."""
+def _deepspeed_class(monkeypatch: pytest.MonkeyPatch, module: str, name: str, like: type) -> type:
+    """A copy of dataclass `like` importable as DeepSpeed's `module.name`, for pickling only: the files must
+    name DeepSpeed's class, as DeepSpeed's do (loading goes through the restricted unpickler, which never
+    imports it)."""
     import dataclasses
     import sys
     import types
 
-    path = "deepspeed.utils.tensor_fragment"
-    cls = dataclasses.make_dataclass("fragment_address", [("numel", int), ("start", int)])
-    cls.__module__ = path
-    for name in ("deepspeed", "deepspeed.utils", path):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    sys.modules[path].fragment_address = cls  # type: ignore[attr-defined]
+    cls = dataclasses.make_dataclass(name, [(f.name, f.type) for f in dataclasses.fields(like)])
+    cls.__module__ = module
+    parts = module.split(".")
+    for depth in range(1, len(parts) + 1):
+        path = ".".join(parts[:depth])
+        if not isinstance(sys.modules.get(path), types.ModuleType) or not getattr(sys.modules[path], "_fake", False):
+            fake = types.ModuleType(path)
+            fake._fake = True  # type: ignore[attr-defined]
+            monkeypatch.setitem(sys.modules, path, fake)
+    setattr(sys.modules[module], name, cls)
     return cls
+
+
+def _fragment_address_class(monkeypatch: pytest.MonkeyPatch) -> type:
+    """DeepSpeed's `deepspeed.utils.tensor_fragment.fragment_address` (numel, start)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class _Address:
+        numel: int
+        start: int
+
+    return _deepspeed_class(monkeypatch, "deepspeed.utils.tensor_fragment", "fragment_address", _Address)
 
 
 def _write_zero12(
