@@ -8,6 +8,8 @@ The native format is a directory per tag holding safetensors files and a JSON ma
 
 from __future__ import annotations
 
+from typing import Any
+
 from slipstream.checkpoint.atomic import (
     commit_dir,
     make_tmp_dir,
@@ -61,3 +63,11 @@ __all__ = [
     "write_manifest",
     "write_text_atomic",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """DeepSpeed's `deepspeed.checkpoint` names (its folder descriptor, reshape maps, key constants), declared in
+    compat/aliases.py's COMPOSITES."""
+    import importlib
+
+    return importlib.import_module("slipstream.compat.aliases").composite_attribute(__name__, name)

@@ -115,8 +115,9 @@ def read_deepspeed_checkpoint(path: str | Path, tag: str | None = None) -> DeepS
     if any(tag_dir.glob("mp_rank_01_*")) or any(tag_dir.glob("*_mp_rank_01_*")) or any(tag_dir.glob("layer_*")):
         raise CheckpointError(
             f"{tag_dir} was saved with tensor or pipeline parallelism (mp_rank_01 / layer_* "
-            "files); only data-parallel DeepSpeed checkpoints can be imported. Convert it with "
-            "DeepSpeed's zero_to_fp32.py first."
+            "files); only data-parallel DeepSpeed checkpoints are read directly. Convert it with "
+            f"`python -m slipstream.checkpoint.ds_to_universal --input_folder {tag_dir} --output_folder "
+            f"{tag_dir}_universal` and load the universal checkpoint (checkpoint.load_universal)."
         )
     stage3 = any(tag_dir.glob(_ZERO3_MODEL.format(rank="*")))
     if stage3:

@@ -24,3 +24,8 @@ class UnsafeCheckpoint(CheckpointError):
 class TagMismatchError(CheckpointError, AssertionError):
     """Ranks passed different tags to save_checkpoint with `checkpoint.tag_validation` FAIL (an AssertionError
     too: DeepSpeed asserts there)."""
+
+
+class ConversionMetadataError(CheckpointError, AssertionError):
+    """The tensor-parallel metadata of a DeepSpeed-format checkpoint (sub-parameter widths, slice shapes) does
+    not describe its tensors (an AssertionError too: DeepSpeed's converter asserts there)."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from slipstream.checkpoint.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
+from slipstream.checkpoint.subparam import SubparamShape
 from slipstream.utils.torch_versions import safe_globals
 
 if TYPE_CHECKING:
@@ -126,10 +127,15 @@ TORCH_AND_BUILTIN_GLOBALS: frozenset[str] = frozenset(
         "_codecs.encode",
     }
 )
-ALLOWED_GLOBALS: frozenset[str] = TORCH_AND_BUILTIN_GLOBALS | frozenset(DEEPSPEED_STUBS)
+
+# Slipstream's own record classes that its DeepSpeed-format writers pickle: plain dataclasses (no behaviour on
+# construction), built by the restricted unpickler like the stubs.
+_OWN_RECORDS: dict[str, type] = {"slipstream.checkpoint.subparam.SubparamShape": SubparamShape}
+
+ALLOWED_GLOBALS: frozenset[str] = TORCH_AND_BUILTIN_GLOBALS | frozenset(DEEPSPEED_STUBS) | frozenset(_OWN_RECORDS)
 
 # Builtins torch's restricted unpickler does not allow by itself; registered next to the stubs.
-_EXTRA_SAFE_GLOBALS: list[Any] = [set, frozenset, slice, complex]
+_EXTRA_SAFE_GLOBALS: list[Any] = [set, frozenset, slice, complex, *_OWN_RECORDS.values()]
 
 _STRING_OPS = frozenset(
     {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}

@@ -13,8 +13,9 @@ deepspeed_import.py returns, so loading goes through `DeepSpeedSource` at any wo
     <dir>/*model_states.pt                   the source's model-states files: counters, scheduler, buffers,
                                              client state, `param_shapes`
 
-Tensor-parallel merges (`cat_dim`, sub-parameter shapes) happen in DeepSpeed's converter; a universal tensor
-is always the whole parameter, so reading needs only the value. Every file goes through the restricted
+Tensor-parallel merges (`cat_dim`, sub-parameter shapes) happen in the converter (DeepSpeed's, or
+tp_universal.py); a universal tensor is always the whole parameter, so reading needs only the value (its own
+shape when the model-states files record one rank's shard). Every file goes through the restricted
 unpickler (`safe_pickle.safe_load`).
 """
 
@@ -111,8 +112,12 @@ def read_universal_checkpoint(path: str | Path) -> DeepSpeedCheckpoint:
             raise CheckpointError(
                 f"{folder} has no fp32.pt: the universal checkpoint is incomplete (re-run the conversion)"
             )
-        value = _value(safe_load(fp32), fp32).float()
+        loaded = safe_load(fp32)
+        value = _value(loaded, fp32).float()
         shape = shapes.get(name, tuple(value.shape))
+        if isinstance(loaded, Mapping) and math.prod(shape) != value.numel():
+            # a tensor-parallel conversion: the file holds the whole tensor, param_shapes one rank's shard
+            shape = tuple(value.shape)
         if math.prod(shape) != value.numel():
             raise CheckpointError(
                 f"{fp32}: {value.numel()} elements, but the model-states file records shape {shape} for {name!r}"

@@ -31,6 +31,10 @@ __all__ = ["ALIASES", "COMPOSITES", "add_prefix", "composite_attribute", "compos
 ALIASES: dict[str, str] = {
     "slipstream.utils.zero_to_fp32": "slipstream.compat.zero_to_fp32",
     "slipstream.checkpoint.ds_to_universal": "slipstream.compat.ds_to_universal",
+    # DeepSpeed-format checkpoint tooling (docs/checkpoints.md): key names, restore into DeepSpeed's fragments
+    "slipstream.checkpoint.constants": "slipstream.checkpoint.ds_constants",
+    "slipstream.checkpoint.universal_checkpoint": "slipstream.compat.universal_checkpoint",
+    "slipstream.module_inject.tp_shard": "slipstream.compat.tp_shard",
     "slipstream.checkpointing": "slipstream.activation.checkpointing",
     "slipstream.comm.comm": "slipstream.comm.dist_api",
     "slipstream.runtime.activation_checkpointing.checkpointing": "slipstream.activation.checkpointing",
@@ -72,7 +76,23 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "MUON_OPTIMIZER": "slipstream.compat.ds_config:MUON_OPTIMIZER",
         "DeepSpeedOptimizerCallable": "slipstream.compat.runtime_utils:DeepSpeedOptimizerCallable",
         "DeepSpeedSchedulerCallable": "slipstream.compat.runtime_utils:DeepSpeedSchedulerCallable",
+        "_checkpoint_parallel_metadata": "slipstream.checkpoint.ds_layout:parallel_dimensions_record",
     },
+    "slipstream.checkpoint": {  # a package of ours: answered by its __getattr__
+        "*": "slipstream.checkpoint.ds_constants",
+        "DeepSpeedCheckpoint": "slipstream.checkpoint.ds_folder:DeepSpeedCheckpointFolder",
+        "ZeROCheckpoint": "slipstream.checkpoint.ds_folder:ZeroFiles",
+        "model_3d_desc": "slipstream.checkpoint.ds_layout:ParallelDegrees",
+        "get_model_3d_descriptor": "slipstream.checkpoint.ds_layout:get_model_3d_descriptor",
+        "meg_2d_parallel_map": "slipstream.checkpoint.ds_layout:RankMap2D",
+        "reshape_meg_2d_parallel": "slipstream.checkpoint.ds_layout:reshape_2d",
+        "SubparamShape": "slipstream.checkpoint.subparam:SubparamShape",
+        "enable_universal_checkpoint": "slipstream.compat.universal_checkpoint:enable_universal_checkpoint",
+        "get_model_ckpt_name_for_rank": "slipstream.compat.checkpoint_names:get_model_ckpt_name_for_rank",
+        "get_zero_ckpt_name_for_rank": "slipstream.compat.checkpoint_names:get_zero_ckpt_name_for_rank",
+        "get_layer_ckpt_name_for_rank": "slipstream.compat.checkpoint_names:get_layer_ckpt_name_for_rank",
+    },
+    "slipstream.module_inject": {},  # the package of the tp_shard alias
     "slipstream.runtime.utils": {
         "see_memory_usage": f"{_RT}:see_memory_usage",
         "set_random_seed": f"{_RT}:set_random_seed",

@@ -2,10 +2,16 @@
 
 Owns the DeepSpeed command line (`python -m slipstream.checkpoint.ds_to_universal --input_folder ckpt/global_stepN
 --output_folder ckpt/global_stepN_universal`; the DeepSpeed path is an alias declared in compat/aliases.py) and
-`main(args)`. The input is a Slipstream checkpoint (manifest.json) or a data-parallel DeepSpeed 0.19 one
-(`*model_states.pt`); the writing is checkpoint/universal.py. Unlike DeepSpeed's converter no per-rank fragments
-are extracted and merged through a temporary folder: both readers already give whole tensors, so the worker and
-temporary-folder options have nothing to do (they are accepted, and the help says so). When the output folder
+`main(args)`. The input is a Slipstream checkpoint (manifest.json), a DeepSpeed folder whose ranks hold
+tensor-parallel shards or ZeRO-3 partitions (a ZeRO-3 one, with or without AutoTP, or a ZeRO-1/2 one saved with
+tensor or pipeline parallelism: checkpoint/tp_universal.py, written as DeepSpeed writes it), or a data-parallel
+DeepSpeed 0.19 ZeRO-0/1/2 one (`*model_states.pt`); the other writing is checkpoint/universal.py. Unlike DeepSpeed's converter no per-rank fragments are extracted and merged through
+a temporary folder: the readers give whole tensors (or whole tensor-parallel shards, merged in memory), so the
+worker and temporary-folder options have nothing to do (they are accepted, and the help says so). DeepSpeed's
+helper names that client code and DeepSpeed's tests use are exported too: `merge_tp_slices` and
+`_merge_zero_shards` over DeepSpeed's own fragment folder (compat/tp_slice_files.py), `_group_per_tp_shapes`,
+the metadata checks (compat/ds_conversion_checks.py) and `DeepSpeedCheckpoint` (the folder descriptor,
+checkpoint/ds_folder.py). When the output folder
 sits next to the input folder (in the save_dir), `latest_universal` there names it, so
 `"checkpoint": {"load_universal": true}` loads it with `load_checkpoint(save_dir)`.
 """
@@ -18,7 +24,27 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "parse_arguments"]
+from slipstream.checkpoint.ds_folder import DeepSpeedCheckpointFolder as DeepSpeedCheckpoint
+from slipstream.checkpoint.tp_shards import check_conversion_support as _validate_autotp_conversion_support
+from slipstream.compat.ds_conversion_checks import (
+    _aggregate_autoep_zero12_metadata,
+    _check_for_required_state,
+    _inject_missing_state,
+)
+from slipstream.compat.tp_slice_files import _group_per_tp_shapes, _merge_zero_shards, merge_tp_slices
+
+__all__ = [
+    "DeepSpeedCheckpoint",
+    "_aggregate_autoep_zero12_metadata",
+    "_check_for_required_state",
+    "_group_per_tp_shapes",
+    "_inject_missing_state",
+    "_merge_zero_shards",
+    "_validate_autotp_conversion_support",
+    "main",
+    "merge_tp_slices",
+    "parse_arguments",
+]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--inject_missing_state",
         action="store_true",
-        help="accepted for DeepSpeed's command line; no effect here: no universal_checkpoint_info is needed",
+        help="convert a ZeRO-1/2 tensor- or pipeline-parallel folder that records no universal_checkpoint_info, "
+        "concatenating every parameter along dim 0 (other inputs need no such info)",
     )
     return parser
 
@@ -50,9 +77,10 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(args: Any = None) -> Path:
     """Convert `args.input_folder` into `args.output_folder` (an argparse namespace, or None: read sys.argv)."""
-    from slipstream.checkpoint.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
+    from slipstream.checkpoint.deepspeed_import import _tag_dir, is_deepspeed_checkpoint, read_deepspeed_checkpoint
     from slipstream.checkpoint.errors import CheckpointError
     from slipstream.checkpoint.reader import CheckpointReader
+    from slipstream.checkpoint.tp_universal import convert_sharded_folder, is_sharded_folder
     from slipstream.checkpoint.universal import (
         LATEST_UNIVERSAL_FILE,
         checkpoint_from_reader,
@@ -66,6 +94,21 @@ def main(args: Any = None) -> Path:
         with CheckpointReader(source) as reader:
             checkpoint = checkpoint_from_reader(reader)
         model_state_files = None
+    elif is_deepspeed_checkpoint(source) and is_sharded_folder(_tag_dir(source, None)):
+        tag_dir = _tag_dir(source, None)
+        print(f"ds_to_universal: {tag_dir} (DeepSpeed, sharded ranks) -> {out}")
+        read = convert_sharded_folder(
+            tag_dir,
+            out,
+            strict=getattr(args, "strict", True),
+            inject_missing_state=getattr(args, "inject_missing_state", False),
+        )
+        print(
+            f"ds_to_universal: {read['parameters']} parameters, ZeRO {'3' if read['zero_stage'] == 3 else '1/2'}, "
+            f"{read['tp_degree']} tensor-parallel ranks"
+        )
+        _write_latest_universal(source, out, LATEST_UNIVERSAL_FILE)
+        return out
     elif is_deepspeed_checkpoint(source):
         checkpoint = read_deepspeed_checkpoint(source)
         model_state_files = sorted(source.glob("*model_states.pt"))
@@ -85,10 +128,15 @@ def main(args: Any = None) -> Path:
         missing = sorted(name for name in checkpoint.master if not (out / "zero" / name / "fp32.pt").is_file())
         if missing:
             raise CheckpointError(f"{out}: the conversion lost {missing}; the output folder is incomplete")
-    if out.resolve().parent == source.resolve().parent:
-        (out.parent / LATEST_UNIVERSAL_FILE).write_text(out.name)
-        print(f"ds_to_universal: {out.parent / LATEST_UNIVERSAL_FILE} names {out.name}")
+    _write_latest_universal(source, out, LATEST_UNIVERSAL_FILE)
     return out
+
+
+def _write_latest_universal(source: Path, out: Path, file_name: str) -> None:
+    """Next to the input folder (in the save_dir), name the output as the universal checkpoint to load."""
+    if out.resolve().parent == source.resolve().parent:
+        (out.parent / file_name).write_text(out.name)
+        print(f"ds_to_universal: {out.parent / file_name} names {out.name}")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,15 @@ class PipeDataParallelTopology(ProcessTopology):
         super().__init__(axes=["pipe", "data"], dims=[num_pp, num_dp])
 
 
+class PipeModelDataParallelTopology(ProcessTopology):
+    """Pipeline x data x tensor (model) parallelism, DeepSpeed's axis order: tensor ranks are neighbours, then
+    data-parallel replicas, then pipeline stages. `PipelineParallelGrid` builds only the pipe and data groups;
+    tensor parallelism is planned separately (parallel/tensor.py)."""
+
+    def __init__(self, num_pp: int, num_mp: int, num_dp: int) -> None:
+        super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
+
+
 class PipelineParallelGrid:
     """The process groups of a `PipeDataParallelTopology` and this rank's place in it."""
 
