@@ -37,7 +37,7 @@ ROWS = ["torch", "ss_cpu", "ss_nvme", "ds_nvme"]
 VOCAB = 8192
 SEQ = 64
 MARGIN = 2 * 2**30
-NVME_FILE_BYTES = 16  # fp32 parameter shard + fp32 master + two fp32 Adam moments, per parameter
+NVME_FILE_BYTES = 20  # fp32 parameter shard, master, gradient and two Adam moments, per parameter
 SUB_GROUP = 20_000_000
 
 

@@ -39,8 +39,8 @@ __all__ = [
 
 
 RESIDENT_GRAD_SUB_GROUPS = 2
-"""ZeRO-3 with NVMe offload: sub-groups' gradient buffers in memory at once while backward adds into them (the
-step reads two: the one updated and the next); offload/grad_swap.py, and the planner's host figure."""
+"""ZeRO-3 with NVMe offload: sub-groups' gradient buffers kept in memory while backward adds into them (the step
+reads two more at most: the one updated and the next); offload/grad_swap.py, and the planner's host figure."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -11,10 +11,13 @@ masters and Adam states `NVMeOffload` swaps) has its own buffer. A buffer is in 
 During backward the reduce-scatter ring opens a buffer to add a unit's gradients into it (`open`): at most
 `limit` buffers are resident, the least recently opened one is written out to make room (units complete in
 roughly reverse order, so the sub-groups being filled are few, except the ones holding the root and persistent
-units, which complete last). A complete buffer is written out and released (`close`); the step reads each
-sub-group's buffer in with its masters (`fetch`, the next one's read started early, `prefetch`) and drops it
-after the update (`discard`): gradients are never written back after a step. Counts of what is resident are
-kept here, so tests count buffers, not RSS.
+units, which complete last). A complete buffer (`complete`) stays among those `limit` until it is the least
+recent: so the last ones completed in a backward are still in memory for the next micro-batch or the step
+(they are the first sub-groups stepped: the first units complete last), and a model of one or two sub-groups
+does no gradient I/O at all. The step reads each sub-group's buffer in with its masters (`fetch`, the next
+one's read started early, `prefetch`) and drops it after the update (`discard`): gradients are never written
+back after a step. At most `limit` + 2 buffers are in memory at once (the kept ones, the one stepped and the
+next, being read). Counts of what is resident are kept here, so tests count buffers, not RSS.
 """
 
 from __future__ import annotations
@@ -78,9 +81,9 @@ class GradientSwap:
         self.peak_open = max(self.peak_open, self.resident_count())
         return self.buffers[index][0]
 
-    def close(self, index: int) -> None:
-        """Buffer `index` holds a complete sum for now: its file gets it (when changed) and its memory goes."""
-        self._write_out(index)
+    def complete(self, index: int) -> None:
+        """Buffer `index` holds a complete sum for now: it stays resident while it is among the `limit` most
+        recently opened, and is written out when it has to make room."""
 
     def _write_out(self, index: int) -> None:
         if index in self._recent:
@@ -105,10 +108,12 @@ class GradientSwap:
         return self.buffers[index][0]
 
     def release(self, index: int, *, changed: bool = False) -> None:
-        """Done reading buffer `index`: written out first when `changed`, then released."""
+        """Done reading buffer `index` (`changed`: it was written): one of the kept buffers stays resident, any
+        other is written out (when changed) and released."""
         if changed:
             self._dirty.add(index)
-        self._write_out(index)
+        if index not in self._recent:
+            self._write_out(index)
 
     def discard(self, index: int) -> None:
         """Buffer `index`'s values are used up (the step took them): release it without writing; it is zero now."""

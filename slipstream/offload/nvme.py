@@ -275,10 +275,10 @@ class NVMeOffload(CPUOffload):
         return sum(sorted(master_bytes, reverse=True)[:2])
 
     def resident_grad_bytes(self, grad_bytes: list[int]) -> int:
-        """Stage 3's swapped gradients: `grad_buffers` sub-groups' during backward, two during the step."""
+        """Stage 3's swapped gradients: the `grad_buffers` kept, plus the one stepped and the next (a bound)."""
         if self.gradients is None:
             return 0
-        return sum(sorted(grad_bytes, reverse=True)[: max(2, self.grad_buffers)])
+        return sum(sorted(grad_bytes, reverse=True)[: self.grad_buffers + 2])
 
     def check_room(self, needed_bytes: int) -> None:
         """Stop with numbers when the NVMe file system lacks room for what this rank will write there."""

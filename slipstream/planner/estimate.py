@@ -245,7 +245,7 @@ def estimate_option(
             if settings.device_is_host and settings.grad_accum_dtype == settings.master_dtype:
                 # the gradient shards are swapped per sub-group too (offload/grad_swap.py): a few in memory
                 grad_bytes = DTYPE_BYTES[settings.grad_accum_dtype]
-                held = max(2, RESIDENT_GRAD_SUB_GROUPS) * settings.stage3.sub_group_numel * grad_bytes
+                held = (RESIDENT_GRAD_SUB_GROUPS + 2) * settings.stage3.sub_group_numel * grad_bytes  # bound
                 nvme += device.get("grads", 0)
                 device["grads"] = min(device.get("grads", 0), held)
     result = OptionEstimate(

@@ -290,10 +290,10 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def _sub_group_delivered(self, sub: int) -> None:
         self._units_left[sub] -= 1
-        if self._units_left[sub] == 0:  # complete for this backward: measured, written out
+        if self._units_left[sub] == 0:  # complete for this backward: measured (written out when room is needed)
             self._units_left[sub] = self._units_per_sub[sub]
             self._measure_sub_group(sub)
-            self._grad_swap.close(sub)
+            self._grad_swap.complete(sub)
 
     def _repoint_optimizer(self) -> None:
         hypers = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
