@@ -252,8 +252,7 @@ class Stage3Optimizer(ZeroOptimizer):
     def _build_grad_swap(self, groups: list[Stage3Group]) -> None:
         """Swapped gradients ([Note: swapped gradients]): the sub-groups' buffers go to the policy's files; each
         unit's delivery is cut by sub-group, and a sub-group whose units have all delivered in a backward is
-        measured (the fp32 norm of each run's gradient, which phase 2 reads instead of the gradients) and
-        written out."""
+        measured (the fp32 norm of each run's gradient, which phase 2 reads instead of the gradients)."""
         buffers, self._sub_runs, self._run_span = [], [], []
         sub_of: dict[tuple[int, int], int] = {}  # (group, run) -> sub-group
         run_base = 0
@@ -318,6 +317,17 @@ class Stage3Optimizer(ZeroOptimizer):
         self._ring.finish_all()
         self._next = 0
         self._ready.clear()
+        if self._grad_swap is not None:
+            self._settle_counts()
+
+    def _settle_counts(self) -> None:
+        """Every unit delivered once since the last backward, so every sub-group's count is full again; one that
+        is not went through a backward that stopped part-way (an exception): measure it now, with its whole sum."""
+        for sub, left in enumerate(self._units_left):
+            if left != self._units_per_sub[sub]:
+                self._units_left[sub] = self._units_per_sub[sub]
+                with self._one_sub_group(sub):
+                    self._measure_sub_group(sub)
 
     def _launch(self, uid: int, grads: dict[int, torch.Tensor]) -> None:
         width = self._receive_numel[uid]
