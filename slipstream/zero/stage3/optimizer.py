@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from slipstream.comm import collectives
 from slipstream.offload.policy import OffloadPolicy
@@ -253,7 +254,7 @@ class Stage3Optimizer(ZeroOptimizer):
         """Swapped gradients ([Note: swapped gradients]): the sub-groups' buffers go to the policy's files; each
         unit's delivery is cut by sub-group, and a sub-group whose units have all delivered in a backward is
         measured (the fp32 norm of each run's gradient, which phase 2 reads instead of the gradients)."""
-        buffers, self._sub_runs, self._run_span = [], [], []
+        buffers, self._sub_runs, self._run_span, self._sub_spans = [], [], [], []
         sub_of: dict[tuple[int, int], int] = {}  # (group, run) -> sub-group
         run_base = 0
         for number, group in enumerate(groups):
@@ -261,6 +262,7 @@ class Stage3Optimizer(ZeroOptimizer):
                 for r in range(start, end):
                     sub_of[(number, r)] = len(buffers)
                 self._run_span.append((run_base + start, run_base + end))
+                self._sub_spans.append((number, start, end))
                 self._sub_runs.append([group.owned_grads[r] for r in range(start, end)])
                 buffers.append((buffer, f"group{number}_grad"))
             run_base += len(group.runs)
@@ -377,20 +379,36 @@ class Stage3Optimizer(ZeroOptimizer):
     def _grad_stats(self, grad_divisor: float) -> torch.Tensor:
         if self._grad_swap is None:
             return super()._grad_stats(grad_divisor)
-        if self.model_parallel is not None:
-            raise NotImplementedError(
-                "tensor parallelism with ZeRO-3 and offload_optimizer.device 'nvme' (gradients in files): the "
-                "replicated parameters' share of the norm is not streamed; use offload_optimizer.device 'cpu'"
-            )
         inv = 1.0 / grad_divisor
         self._grad_scale = (inv, 1.0)
         # fp32 norm(g) * inv equals the resident path's fp32 norm(g * inv) exactly when the divisor is a power of
         # two (ranks x micro-batches x loss scale usually is), else to the last bit or so
         norms = (self._run_norms * inv).double()
         stats = torch.stack([norms.pow(2).sum(), (~torch.isfinite(norms)).sum().double()])
+        if self.model_parallel is not None:
+            stats[0] -= self._swapped_replicated_sum_sq(self.model_parallel, inv)
         if self.world_size > 1:
             collectives.all_reduce(stats, group=self.process_group)
+        if self.model_parallel is not None:
+            collectives.all_reduce(stats, group=self.model_parallel[0])
         return stats
+
+    def _swapped_replicated_sum_sq(self, model_parallel: tuple[Any, set[int]], inv: float) -> float:
+        """`_replicated_sum_sq` over swapped gradients: the sub-groups holding TP-replicated parameters are read in
+        one at a time (in grad_parts order, each norm times `inv` as phase 2 would have divided)."""
+        group, replicated = model_parallel
+        share = 1.0 - 1.0 / dist.get_world_size(group)
+        total = 0.0
+        for sub, (number, start, end) in enumerate(self._sub_spans):
+            runs = self.groups[number].runs[start:end]
+            if not any(id(run.unit.params[i]) in replicated for run in runs for i in run.indices):
+                continue
+            with self._one_sub_group(sub):  # views of the buffer exist only while it is in memory
+                for param, grad in self._parts(self.groups[number], start, end):
+                    if id(param) in replicated:
+                        norm = torch.linalg.vector_norm(grad, dtype=torch.float32) * inv
+                        total += float(norm.double() ** 2)
+        return share * total
 
     def _clip_grads(self, coef: float) -> None:
         if self._grad_swap is None:
@@ -496,17 +514,21 @@ class Stage3Optimizer(ZeroOptimizer):
         if self._grad_swap is not None:
             raise NotImplementedError(
                 "grad_parts: with ZeRO-3 and offload_optimizer.device 'nvme' the gradients live in files, one "
-                "sub-group at a time; read them inside optimizer.gradients_resident(), or use "
-                "offload_optimizer.device 'cpu'"
+                "sub-group at a time, and views of them are valid only while it is in memory; read them inside "
+                "optimizer.gradients_resident(), or use offload_optimizer.device 'cpu'"
             )
+        return [part for group in self.groups for part in self._parts(group, 0, len(group.runs))]
+
+    @staticmethod
+    def _parts(group: Stage3Group, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, its owned gradient) for the runs [start, end) of `group`."""
         out = []
-        for group in self.groups:
-            for run, grad in zip(group.runs, group.owned_grads):
-                offset = 0
-                for index in run.indices:
-                    piece = run.unit.layout.shard_numels[index]
-                    out.append((run.unit.params[index], grad[offset : offset + piece]))
-                    offset += piece
+        for run, grad in zip(group.runs[start:end], group.owned_grads[start:end]):
+            offset = 0
+            for index in run.indices:
+                piece = run.unit.layout.shard_numels[index]
+                out.append((run.unit.params[index], grad[offset : offset + piece]))
+                offset += piece
         return out
 
     def first_nonfinite_param(self, names: dict[int, str]) -> str | None:
