@@ -8,7 +8,8 @@ causal self-attention and a 4x MLP, an LM head; width `--width`), trained with f
 per process; every row is a fresh process, so machine load does not change it). Rows:
     torch    plain torch AdamW in one process (the model, its gradients and Adam states all in memory)
     ss_cpu   Slipstream ZeRO-3, parameters and optimizer offloaded to the CPU, model built under zero.Init
-    ss_nvme  Slipstream ZeRO-Infinity: parameters and optimizer on NVMe (`--nvme-dir`), `sub_group_size` set
+    ss_nvme  Slipstream ZeRO-Infinity: parameters, optimizer and gradients on NVMe (`--nvme-dir`),
+             `sub_group_size` 2e7 (the host holds a working set: gathered units, a few sub-groups)
     ds_nvme  DeepSpeed's ZeRO-Infinity, the same config (peer environment, bench/make_peer_venv.sh)
 For each row the peak RSS (ru_maxrss, less the RSS after imports) is measured at each size and fitted as
 `fixed + bytes_per_param * N`; from the fit, the host's memory (MemTotal less a 2 GiB margin) and, for NVMe
@@ -37,7 +38,7 @@ ROWS = ["torch", "ss_cpu", "ss_nvme", "ds_nvme"]
 VOCAB = 8192
 SEQ = 64
 MARGIN = 2 * 2**30
-NVME_FILE_BYTES = 16  # fp32 parameter shard + fp32 master + two fp32 Adam moments, per parameter
+NVME_FILE_BYTES = 20  # fp32 parameter shard, master, gradient and two Adam moments, per parameter
 SUB_GROUP = 20_000_000
 
 

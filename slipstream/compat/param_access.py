@@ -16,7 +16,9 @@ DeepSpeed) and the step then skips it. A getter returns the averaged gradient th
 ranks and micro-batches, divided by ranks x micro-batches x the fp16 loss scale), before clipping, in the
 gradient accumulation dtype; a setter stores `value` times that divisor, so the step uses exactly `value`.
 Outside that window (in the middle of an accumulation window) they raise RuntimeError: at stages 0 and 1 the
-early reduction would count the later micro-batches' gradients wrongly.
+early reduction would count the later micro-batches' gradients wrongly. At ZeRO-3 with NVMe offload the
+gradients live in files one sub-group at a time; each call reads in the sub-groups holding its parameter
+(`gradients_resident`) and a setter writes them back and re-measures their norms.
 """
 
 from __future__ import annotations
@@ -233,8 +235,9 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     found = _settled("safe_get_full_grad", param)
     if found is None:
         return None
-    optimizer, _, divisor = found
-    full = _full(param, lambda _optimizer, piece: piece.grad.float() / divisor)
+    optimizer, name, divisor = found
+    with optimizer.gradients_resident(name):  # ZeRO-3 with NVMe offload keeps them in files
+        full = _full(param, lambda _optimizer, piece: piece.grad.float() / divisor)
     return None if full is None else full.to(_grad_dtype(optimizer))
 
 
@@ -244,7 +247,8 @@ def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
     if found is None:
         return None
     optimizer, name, divisor = found
-    pieces = [piece.grad.float() / divisor for piece in _slices(optimizer, name, disjoint=False)]
+    with optimizer.gradients_resident(name):
+        pieces = [piece.grad.float() / divisor for piece in _slices(optimizer, name, disjoint=False)]
     flat = torch.cat(pieces) if pieces else torch.empty(0)
     return flat.to(_grad_dtype(optimizer))
 
@@ -270,10 +274,11 @@ def _set_grad(name: str, param: torch.Tensor, value: torch.Tensor, *, full: bool
             f"{'parameter' if full else 'part this rank holds'} has {expected}"
         )
     offset = 0
-    for piece in pieces:
-        part = flat[piece.lo : piece.hi] if full else flat[offset : offset + piece.numel]
-        offset += piece.numel
-        piece.grad.copy_(part.to(device=piece.grad.device, dtype=torch.float32) * divisor)
+    with optimizer.gradients_resident(param_name, changed=True):
+        for piece in _slices(optimizer, param_name, disjoint=False):  # the gradient views exist in the block
+            part = flat[piece.lo : piece.hi] if full else flat[offset : offset + piece.numel]
+            offset += piece.numel
+            piece.grad.copy_(part.to(device=piece.grad.device, dtype=torch.float32) * divisor)
 
 
 def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:

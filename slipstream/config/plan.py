@@ -38,6 +38,11 @@ __all__ = [
 ]
 
 
+RESIDENT_GRAD_SUB_GROUPS = 2
+"""ZeRO-3 with NVMe offload: sub-groups' gradient buffers kept in memory while backward adds into them (the step
+reads two more at most: the one updated and the next); offload/grad_swap.py, and the planner's host figure."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BatchPlan:
     """train_batch_size == micro_batch_size * gradient_accumulation_steps * world_size."""
@@ -152,7 +157,7 @@ class Stage3Plan:
     leaf_suffixes: tuple[str, ...] = ()
     """Leaves by the end of their qualified names (zero_optimization.leaf_module.name_suffixes)."""
     sub_group_numel: int = 1_000_000_000
-    """The optimizer steps (and NVMe offload swaps) masters and states this many elements at a time
+    """The optimizer steps (and NVMe offload swaps) masters, states and gradients this many elements at a time
     (zero_optimization.sub_group_size); a parameter larger than that is a sub-group of its own."""
 
 

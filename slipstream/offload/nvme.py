@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from slipstream.config.plan import AioPlan
+from slipstream.config.plan import RESIDENT_GRAD_SUB_GROUPS, AioPlan
 from slipstream.offload.policy import CPUOffload, SteppedGroups
 from slipstream.utils.host_memory import cap_mmap_threshold
 from slipstream.utils.logging import log_rank0
@@ -202,13 +202,26 @@ class NVMeOffload(CPUOffload):
     nvme_path: str = ""
     aio: AioPlan = dataclasses.field(default_factory=AioPlan)
     rank: int = 0
+    grad_buffers: int = RESIDENT_GRAD_SUB_GROUPS
+    """Stage 3: gradient buffers resident at once while backward adds into them ([Note: swapped gradients])."""
     swapper: Any = dataclasses.field(default=None, init=False)
     directory: Path | None = dataclasses.field(default=None, init=False)
+    gradients: Any = dataclasses.field(default=None, init=False)
+    """The `GradientSwap` of a stage-3 optimizer (None below stage 3, whose gradients stay in memory)."""
+    swaps_gradients: bool = dataclasses.field(default=True, init=False)
 
     def __post_init__(self) -> None:
         self.pin_memory = False  # swappable storages are resized; pinned host memory cannot be
         self.directory = make_run_dir(self.nvme_path, self.rank, "optimizer", key="offload_optimizer.nvme_path")
         self.swapper = Swapper(self.directory, self.aio)
+
+    def swap_gradients(self, buffers: list[tuple[torch.Tensor, str]]) -> Any:
+        """Take stage 3's gradient buffers (one per sub-group, in stepping order) into files; returns their
+        `GradientSwap`."""
+        from slipstream.offload.grad_swap import GradientSwap
+
+        self.gradients = GradientSwap(self.swapper, buffers, limit=self.grad_buffers)
+        return self.gradients
 
     # ---- step hooks (see offload/policy.py) ----
     def settle(self, tensors: list[tuple[torch.Tensor, str]]) -> None:
@@ -222,20 +235,29 @@ class NVMeOffload(CPUOffload):
             for t, name in groups.swappable(index)
             if name.endswith("_master")
         )
-        self.check_room(3 * 4 * masters)
+        self.check_room(3 * 4 * masters + (self.gradients.file_bytes() if self.gradients is not None else 0))
         for index in range(groups.num_sub_groups):
             self.swapper.swap_out(groups.swappable(index))
 
     def run_step(self, groups: SteppedGroups) -> bool:
         """One sub-group at a time: its tensors are read in (the next one's read overlaps this update),
         updated, copied into the parameters, and written back out."""
-        count = groups.num_sub_groups
+        count, gradients = groups.num_sub_groups, self.gradients
+        if gradients is not None and count:
+            gradients.prefetch(0)  # read with the first sub-group's masters and states
+            self.swapper.start_swap_in([t for t, _ in groups.swappable(0)])
         for index in range(count):
+            if gradients is not None:
+                gradients.fetch(index)
             self.swapper.finish_swap_in([t for t, _ in groups.swappable(index)])
             if index + 1 < count:
+                if gradients is not None:
+                    gradients.prefetch(index + 1)
                 self.swapper.start_swap_in([t for t, _ in groups.swappable(index + 1)])
             groups.step_sub_group(index)
             self.swapper.swap_out(groups.swappable(index))
+            if gradients is not None:
+                gradients.discard(index)  # used up: never written back
         return True
 
     @contextlib.contextmanager
@@ -251,6 +273,12 @@ class NVMeOffload(CPUOffload):
     def resident_master_bytes(self, master_bytes: list[int]) -> int:
         """The sub-group being updated and the next one, being read."""
         return sum(sorted(master_bytes, reverse=True)[:2])
+
+    def resident_grad_bytes(self, grad_bytes: list[int]) -> int:
+        """Stage 3's swapped gradients: the `grad_buffers` kept, plus the one stepped and the next (a bound)."""
+        if self.gradients is None:
+            return 0
+        return sum(sorted(grad_bytes, reverse=True)[: self.grad_buffers + 2])
 
     def check_room(self, needed_bytes: int) -> None:
         """Stop with numbers when the NVMe file system lacks room for what this rank will write there."""

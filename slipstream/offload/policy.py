@@ -72,6 +72,8 @@ class OffloadPolicy:
     """No offload: master weights and optimizer state live with the parameters."""
 
     on_host: bool = False
+    swaps_gradients: bool = False
+    """NVMe offload: stage 3's gradient shards live in files per sub-group (offload/grad_swap.py)."""
 
     def master_device(self, param_device: torch.device) -> torch.device:
         return param_device
@@ -99,6 +101,10 @@ class OffloadPolicy:
     def resident_master_bytes(self, master_bytes: list[int]) -> int:
         """Bytes of the masters in memory at once during a step, given each sub-group's master bytes."""
         return sum(master_bytes)
+
+    def resident_grad_bytes(self, grad_bytes: list[int]) -> int:
+        """Bytes of swapped gradient buffers in memory at once, given each sub-group's (0 when none are swapped)."""
+        return 0
 
 
 NoOffload = OffloadPolicy

@@ -192,19 +192,33 @@ class ZeroOptimizer(abc.ABC):
         if result.overflow:
             return result
         if clip > 0 and result.grad_norm > clip:
-            coef = clip / (result.grad_norm + 1e-6)
-            for flat in self.groups:
-                for grad in flat.owned_grads:
-                    grad.mul_(coef)
+            self._clip_grads(clip / (result.grad_norm + 1e-6))
         self._update_from([flat.grads_for_optimizer() for flat in self.groups])
         self.zero_grad()
         return result
+
+    def _clip_grads(self, coef: float) -> None:
+        """Multiply the owned (already divided) gradients by the clip coefficient `coef`."""
+        for flat in self.groups:
+            for grad in flat.owned_grads:
+                grad.mul_(coef)
 
     def _settle_and_measure(self, grad_divisor: float) -> StepResult:
         """Phases 1-2 without the clipping: reduce, divide by `grad_divisor`, the global norm and the overflow
         check (on overflow the gradients are dropped)."""
         if not self._settled:
             self._reduce_for_step()
+        stats = self._grad_stats(grad_divisor)
+        sum_sq, nonfinite = float(stats[0]), float(stats[1])
+        self.overflow = self.check_overflow and (nonfinite > 0 or not math.isfinite(sum_sq))
+        grad_norm = math.sqrt(sum_sq) if math.isfinite(sum_sq) else float("inf")
+        if self.overflow:
+            self.last_nonfinite_param = self.first_nonfinite_param(self.param_names)
+            self.zero_grad()
+        return StepResult(grad_norm=grad_norm, overflow=self.overflow)
+
+    def _grad_stats(self, grad_divisor: float) -> torch.Tensor:
+        """Divide the owned gradients by `grad_divisor`; [global sum of squares, non-finite count] (float64)."""
         owned = [g for flat in self.groups for g in flat.owned_grads]
         for grad in owned:
             grad.mul_(1.0 / grad_divisor)
@@ -219,13 +233,7 @@ class ZeroOptimizer(abc.ABC):
                 collectives.all_reduce(stats, group=self.process_group)
             if self.model_parallel is not None:
                 collectives.all_reduce(stats, group=self.model_parallel[0])
-        sum_sq, nonfinite = float(stats[0]), float(stats[1])
-        self.overflow = self.check_overflow and (nonfinite > 0 or not math.isfinite(sum_sq))
-        grad_norm = math.sqrt(sum_sq) if math.isfinite(sum_sq) else float("inf")
-        if self.overflow:
-            self.last_nonfinite_param = self.first_nonfinite_param(self.param_names)
-            self.zero_grad()
-        return StepResult(grad_norm=grad_norm, overflow=self.overflow)
+        return stats
 
     def _update_from(self, grads: list[list[torch.Tensor]]) -> None:
         """Phases 3-4 with `grads[g][p]` as the gradient of master piece p of group g (where the masters live)."""
@@ -293,6 +301,13 @@ class ZeroOptimizer(abc.ABC):
             outs.append(low_precision[start : start + len(group["params"])] if low_precision else [])
             start += len(group["params"])
         return outs
+
+    def gradients_resident(
+        self, only: str | None = None, *, changed: bool = False
+    ) -> contextlib.AbstractContextManager[None]:
+        """The owned gradients (of the parameter named `only`, or all) readable in memory for the block;
+        `changed`: the block writes them. Only stage 3 with NVMe offload keeps them elsewhere (in files)."""
+        return contextlib.nullcontext()
 
     def resident_state(self) -> contextlib.AbstractContextManager[None]:
         """Masters and optimizer states in memory for the block (checkpoints); see the offload policy."""
@@ -397,13 +412,18 @@ class ZeroOptimizer(abc.ABC):
     def host_bytes_needed(self) -> int:
         """Host memory the offload of this rank needs at its peak: masters, two Adam states per master element
         and the staging buffers, plus parameter shards offloaded to the host. With NVMe offload only two
-        sub-groups' masters and states are in memory at once (the one being updated and the next, being read)."""
+        sub-groups' masters and states are in memory at once (the one being updated and the next, being read),
+        and at stage 3 a few sub-groups' gradients (offload/grad_swap.py)."""
         owned = self.owned_bytes()
         if not self.offload.on_host:
             return owned.get("offloaded_params", 0)
         masters = [b.numel() * b.element_size() for f in self.groups for b in f.master_buffers]
+        grads = [b.numel() * b.element_size() for f in self.groups for b in getattr(f, "grad_buffers", [])]
         return (
-            self.offload.resident_master_bytes(masters) * 3 + owned["host_buffers"] + owned.get("offloaded_params", 0)
+            self.offload.resident_master_bytes(masters) * 3
+            + self.offload.resident_grad_bytes(grads)
+            + owned["host_buffers"]
+            + owned.get("offloaded_params", 0)
         )
 
     def _comm_buffer_bytes(self) -> int:

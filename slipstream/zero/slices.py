@@ -22,14 +22,16 @@ class OwnedSlice:
     value: torch.Tensor
     """The model-dtype values of [lo, hi) (a view: writing it changes the parameter or its shard)."""
     master: torch.Tensor | None = None
-    """The fp32 master values of [lo, hi) (a view), or None for frozen parameters / no optimizer."""
+    """The fp32 master values of [lo, hi) (a view), or None for frozen parameters / no optimizer, and with NVMe
+    offload outside the optimizer's `resident_state()` (the masters are in files then)."""
     piece: torch.Tensor | None = None
     """The tensor the wrapped optimizer steps (its state is keyed by it), and where [lo, hi) starts in it."""
     piece_offset: int = 0
     group_index: int = 0
     grad: torch.Tensor | None = None
     """The summed (not yet averaged) gradient of [lo, hi) in the owned grad storage (a view), where the
-    optimizer's `settle_gradients()` leaves it before the step; None for frozen parameters."""
+    optimizer's `settle_gradients()` leaves it before the step; None for frozen parameters, and at ZeRO-3 with
+    NVMe offload outside the optimizer's `gradients_resident()` (the gradients are in files then)."""
 
     @property
     def numel(self) -> int:

@@ -12,11 +12,15 @@ Frozen parameters get no master piece, no optimizer state and no place in the re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from slipstream.comm import collectives
 from slipstream.offload.policy import OffloadPolicy
 from slipstream.zero.master_group import MasterGroup
 from slipstream.zero.optimizer import ZeroOptimizer
@@ -49,6 +53,11 @@ def _pack(runs: list[Run], limit: int) -> list[tuple[int, int]]:
     if runs:
         spans.append((start, len(runs)))
     return spans
+
+
+def _in_memory(tensor: torch.Tensor) -> bool:
+    """False for a view of a swapped-out buffer (NVMe offload: its storage has no bytes between uses)."""
+    return tensor.numel() == 0 or tensor.untyped_storage().nbytes() > 0
 
 
 class Stage3Group(MasterGroup):
@@ -97,8 +106,20 @@ class Stage3Group(MasterGroup):
                 self._master_buffers.append(buffer)
             if len(self._master_buffers) == 1:
                 self.master_flat = self._master_buffers[0]
-        self.grad_storage = torch.zeros(total, dtype=grad_dtype, device=device)
-        self.owned_grads = self._split(self.grad_storage)
+        # NVMe offload with the gradients in host memory of the master dtype (the CPU accelerator): one gradient
+        # buffer per sub-group, kept in files between uses ([Note: swapped gradients], offload/grad_swap.py)
+        self.grad_buffers: list[torch.Tensor] = []
+        if offload.swaps_gradients and device.type == "cpu" and grad_dtype == master_dtype:
+            self.owned_grads = []
+            for start, end in self._sub_groups:
+                buffer = torch.empty(sum(r.numel for r in runs[start:end]), dtype=grad_dtype, device=device)
+                self.owned_grads += self._split(buffer, runs[start:end])
+                buffer.untyped_storage().resize_(0)  # never resident here: the swap allocates it when used
+                self.grad_buffers.append(buffer)
+            self.grad_storage = torch.empty(0, dtype=grad_dtype, device=device)
+        else:
+            self.grad_storage = torch.zeros(total, dtype=grad_dtype, device=device)
+            self.owned_grads = self._split(self.grad_storage)
         self._allocate_host_buffers(total, master_dtype)
 
     @property
@@ -109,12 +130,17 @@ class Stage3Group(MasterGroup):
     def sub_groups(self) -> list[tuple[int, int]]:
         return self._sub_groups
 
-    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+    def _split(self, flat: torch.Tensor, runs: list[Run] | None = None) -> list[torch.Tensor]:
         pieces, offset = [], 0
-        for run in self.runs:
+        for run in self.runs if runs is None else runs:
             pieces.append(flat[offset : offset + run.numel])
             offset += run.numel
         return pieces
+
+    def owned_bytes(self) -> dict[str, int]:
+        total = super().owned_bytes()
+        total["grads"] += sum(b.numel() * b.element_size() for b in self.grad_buffers)  # swapped, but owned
+        return total
 
     def copy_master_to_params(self, *, from_low_precision: bool, span: tuple[int, int] | None = None) -> None:
         """The updated masters (or the optimizer's low-precision copy) of pieces [span) into the shards."""
@@ -205,6 +231,9 @@ class Stage3Optimizer(ZeroOptimizer):
         for group in groups:
             for run, grad in zip(group.runs, group.owned_grads):
                 self._targets[run.unit.uid].append((run.receive_start, run.receive_start + run.numel, grad))
+        self._grad_swap: Any = None
+        if any(group.grad_buffers for group in groups):
+            self._build_grad_swap(groups)
         # Reverse registration order (roughly backward's), then the root and persistent units: they complete only
         # at the end of backward, and a unit waiting for them would hold its full-size gradients until then.
         last = [u for u in self.model.units if u.persistent or u.name == "<root>"]
@@ -220,6 +249,52 @@ class Stage3Optimizer(ZeroOptimizer):
         self._next = 0
         self.model.coordinator.watch_gradients(self, {uid: frozenset(ix) for uid, ix in self._trainable.items()})
         return groups
+
+    def _build_grad_swap(self, groups: list[Stage3Group]) -> None:
+        """Swapped gradients ([Note: swapped gradients]): the sub-groups' buffers go to the policy's files; each
+        unit's delivery is cut by sub-group, and a sub-group whose units have all delivered in a backward is
+        measured (the fp32 norm of each run's gradient, which phase 2 reads instead of the gradients)."""
+        buffers, self._sub_runs, self._run_span, self._sub_spans = [], [], [], []
+        sub_of: dict[tuple[int, int], int] = {}  # (group, run) -> sub-group
+        run_base = 0
+        for number, group in enumerate(groups):
+            for (start, end), buffer in zip(group.sub_groups, group.grad_buffers):
+                for r in range(start, end):
+                    sub_of[(number, r)] = len(buffers)
+                self._run_span.append((run_base + start, run_base + end))
+                self._sub_spans.append((number, start, end))
+                self._sub_runs.append([group.owned_grads[r] for r in range(start, end)])
+                buffers.append((buffer, f"group{number}_grad"))
+            run_base += len(group.runs)
+        self._grad_swap = self.offload.swap_gradients(buffers)
+        self._run_norms = torch.zeros(run_base, dtype=torch.float32)
+        """fp32 norm of every run's (undivided) gradient, in the order of the groups' owned_grads."""
+        self._grad_scale: tuple[float, float] = (1.0, 1.0)  # (1 / divisor, clip coefficient) for the step
+        self._swapped_targets: dict[int, list[tuple[int, list[tuple[int, int, torch.Tensor]]]]] = {}
+        units_of: list[set[int]] = [set() for _ in buffers]
+        for number, group in enumerate(groups):
+            for r, (run, grad) in enumerate(zip(group.runs, group.owned_grads)):
+                sub = sub_of[(number, r)]
+                units_of[sub].add(run.unit.uid)
+                entries = self._swapped_targets.setdefault(run.unit.uid, [])
+                if not entries or entries[-1][0] != sub:
+                    entries.append((sub, []))
+                entries[-1][1].append((run.receive_start, run.receive_start + run.numel, grad))
+        self._units_per_sub = [len(u) for u in units_of]
+        self._units_left = list(self._units_per_sub)
+
+    def _measure_sub_group(self, sub: int) -> None:
+        a, b = self._run_span[sub]
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in self._sub_runs[sub]]
+        if norms:
+            self._run_norms[a:b] = torch.stack(norms)
+
+    def _sub_group_delivered(self, sub: int) -> None:
+        self._units_left[sub] -= 1
+        if self._units_left[sub] == 0:  # complete for this backward: measured (written out when room is needed)
+            self._units_left[sub] = self._units_per_sub[sub]
+            self._measure_sub_group(sub)
+            self._grad_swap.complete(sub)
 
     def _repoint_optimizer(self) -> None:
         hypers = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -244,6 +319,17 @@ class Stage3Optimizer(ZeroOptimizer):
         self._ring.finish_all()
         self._next = 0
         self._ready.clear()
+        if self._grad_swap is not None:
+            self._settle_counts()
+
+    def _settle_counts(self) -> None:
+        """Every unit delivered once since the last backward, so every sub-group's count is full again; one that
+        is not went through a backward that stopped part-way (an exception): measure it now, with its whole sum."""
+        for sub, left in enumerate(self._units_left):
+            if left != self._units_per_sub[sub]:
+                self._units_left[sub] = self._units_per_sub[sub]
+                with self._one_sub_group(sub):
+                    self._measure_sub_group(sub)
 
     def _launch(self, uid: int, grads: dict[int, torch.Tensor]) -> None:
         width = self._receive_numel[uid]
@@ -252,14 +338,31 @@ class Stage3Optimizer(ZeroOptimizer):
             grads, self._trainable[uid], staging, receive, self._receive_offsets[uid]
         )
         grads.clear()  # the full-size gradients are packed: drop them now, not at the end of backward
+        deliver = self._swapped_delivery(uid) if self._grad_swap is not None else self._delivery(uid)
+        self._ring.launched(slot, work, receive, deliver)
+        self._next += 1
+
+    def _delivery(self, uid: int) -> Any:
         targets = self._targets[uid]
 
         def deliver(received: torch.Tensor) -> None:
             for start, end, grad in targets:
                 grad.add_(received[start:end])
 
-        self._ring.launched(slot, work, receive, deliver)
-        self._next += 1
+        return deliver
+
+    def _swapped_delivery(self, uid: int) -> Any:
+        """The same additions, one sub-group at a time: its buffer is opened (read back or zeroed) first."""
+        by_sub = self._swapped_targets.get(uid, [])
+
+        def deliver(received: torch.Tensor) -> None:
+            for sub, entries in by_sub:
+                self._grad_swap.open(sub)
+                for start, end, grad in entries:
+                    grad.add_(received[start:end])
+                self._sub_group_delivered(sub)
+
+        return deliver
 
     def micro_step_done(self, *, reduce: bool) -> None:
         if not reduce:
@@ -271,6 +374,94 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def _reduce_for_step(self) -> None:
         self._ring.finish_all()
+
+    # ---- swapped gradients: phase 2 from the measured norms, the scaling applied per sub-group ----
+    def _grad_stats(self, grad_divisor: float) -> torch.Tensor:
+        if self._grad_swap is None:
+            return super()._grad_stats(grad_divisor)
+        inv = 1.0 / grad_divisor
+        self._grad_scale = (inv, 1.0)
+        # fp32 norm(g) * inv equals the resident path's fp32 norm(g * inv) exactly when the divisor is a power of
+        # two (ranks x micro-batches x loss scale usually is), else to the last bit or so
+        norms = (self._run_norms * inv).double()
+        stats = torch.stack([norms.pow(2).sum(), (~torch.isfinite(norms)).sum().double()])
+        if self.model_parallel is not None:
+            stats[0] -= self._swapped_replicated_sum_sq(self.model_parallel, inv)
+        if self.world_size > 1:
+            collectives.all_reduce(stats, group=self.process_group)
+        if self.model_parallel is not None:
+            collectives.all_reduce(stats, group=self.model_parallel[0])
+        return stats
+
+    def _swapped_replicated_sum_sq(self, model_parallel: tuple[Any, set[int]], inv: float) -> float:
+        """`_replicated_sum_sq` over swapped gradients: the sub-groups holding TP-replicated parameters are read in
+        one at a time (in grad_parts order, each norm times `inv` as phase 2 would have divided)."""
+        group, replicated = model_parallel
+        share = 1.0 - 1.0 / dist.get_world_size(group)
+        total = 0.0
+        for sub, (number, start, end) in enumerate(self._sub_spans):
+            runs = self.groups[number].runs[start:end]
+            if not any(id(run.unit.params[i]) in replicated for run in runs for i in run.indices):
+                continue
+            with self._one_sub_group(sub):  # views of the buffer exist only while it is in memory
+                for param, grad in self._parts(self.groups[number], start, end):
+                    if id(param) in replicated:
+                        norm = torch.linalg.vector_norm(grad, dtype=torch.float32) * inv
+                        total += float(norm.double() ** 2)
+        return share * total
+
+    def _clip_grads(self, coef: float) -> None:
+        if self._grad_swap is None:
+            super()._clip_grads(coef)
+        else:
+            self._grad_scale = (self._grad_scale[0], coef)
+
+    def step_sub_group(self, index: int) -> None:
+        if self._grad_swap is not None:  # read in by the policy with the masters: divide, clip, as phase 2 would
+            buffer = self._grad_swap.fetch(index)
+            inv, coef = self._grad_scale
+            buffer.mul_(inv)
+            if coef != 1.0:
+                buffer.mul_(coef)
+        super().step_sub_group(index)
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        if self._grad_swap is not None:
+            self._grad_swap.zero_all()
+            self._run_norms.zero_()
+            self._grad_scale = (1.0, 1.0)
+
+    def _sub_groups_of(self, only: str | None) -> list[int]:
+        if only is None:
+            return list(range(len(self._sub_runs)))
+        subs, base = [], 0
+        for group in self.groups:
+            for start, end in group.sub_groups:
+                if any(
+                    self.param_names.get(id(run.unit.params[i]), run.unit.records[i].name) == only
+                    for run in group.runs[start:end]
+                    for i in run.indices
+                ):
+                    subs.append(base)
+                base += 1
+        return subs
+
+    @contextlib.contextmanager
+    def gradients_resident(self, only: str | None = None, *, changed: bool = False) -> Iterator[None]:
+        if self._grad_swap is None:
+            yield
+            return
+        subs = self._sub_groups_of(only)
+        for sub in subs:
+            self._grad_swap.fetch(sub)
+        try:
+            yield
+        finally:
+            for sub in subs:
+                if changed:
+                    self._measure_sub_group(sub)
+                self._grad_swap.release(sub, changed=changed)
 
     def _publish_params(self, *, from_low_precision: bool, copied: bool = False) -> None:
         for group in self.groups:
@@ -309,37 +500,63 @@ class Stage3Optimizer(ZeroOptimizer):
                                 lo=lo,
                                 hi=hi,
                                 value=value,
-                                master=master[offset : offset + hi - lo],
+                                master=master[offset : offset + hi - lo] if _in_memory(master) else None,
                                 piece=master,
                                 piece_offset=offset,
                                 group_index=number,
-                                grad=grad[offset : offset + hi - lo],
+                                grad=grad[offset : offset + hi - lo] if _in_memory(grad) else None,
                             )
                         )
                     offset += record.shard_numel
         return out
 
     def grad_parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._grad_swap is not None:
+            raise NotImplementedError(
+                "grad_parts: with ZeRO-3 and offload_optimizer.device 'nvme' the gradients live in files, one "
+                "sub-group at a time, and views of them are valid only while it is in memory; read them inside "
+                "optimizer.gradients_resident(), or use offload_optimizer.device 'cpu'"
+            )
+        return [part for group in self.groups for part in self._parts(group, 0, len(group.runs))]
+
+    @staticmethod
+    def _parts(group: Stage3Group, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, its owned gradient) for the runs [start, end) of `group`."""
         out = []
-        for group in self.groups:
-            for run, grad in zip(group.runs, group.owned_grads):
-                offset = 0
-                for index in run.indices:
-                    piece = run.unit.layout.shard_numels[index]
-                    out.append((run.unit.params[index], grad[offset : offset + piece]))
-                    offset += piece
+        for run, grad in zip(group.runs[start:end], group.owned_grads[start:end]):
+            offset = 0
+            for index in run.indices:
+                piece = run.unit.layout.shard_numels[index]
+                out.append((run.unit.params[index], grad[offset : offset + piece]))
+                offset += piece
         return out
 
     def first_nonfinite_param(self, names: dict[int, str]) -> str | None:
+        sub = 0
         for group in self.groups:
-            for run, grad in zip(group.runs, group.owned_grads):
-                offset = 0
-                for index in run.indices:
-                    piece = run.unit.layout.shard_numels[index]
-                    if not bool(torch.isfinite(grad[offset : offset + piece]).all()):
-                        return run.unit.records[index].name
-                    offset += piece
+            for start, end in group.sub_groups:
+                # swapped gradients: one sub-group in memory at a time (the check is on the undivided sums)
+                with self._one_sub_group(sub):
+                    for run, grad in zip(group.runs[start:end], group.owned_grads[start:end]):
+                        offset = 0
+                        for index in run.indices:
+                            piece = run.unit.layout.shard_numels[index]
+                            if not bool(torch.isfinite(grad[offset : offset + piece]).all()):
+                                return run.unit.records[index].name
+                            offset += piece
+                sub += 1
         return None
+
+    @contextlib.contextmanager
+    def _one_sub_group(self, sub: int) -> Iterator[None]:
+        if self._grad_swap is None:
+            yield
+            return
+        self._grad_swap.fetch(sub)
+        try:
+            yield
+        finally:
+            self._grad_swap.release(sub)
 
     def owned_bytes(self) -> dict[str, int]:
         total = super().owned_bytes()

@@ -1,7 +1,7 @@
 """Tensor and sequence parallel training of a tiny Llama-style GPT against a single-process run: after 5 steps
 the global parameters equal the reference to 2e-5 relative (fp32) and the logged losses match, with gradient
 clipping on (so the global norm over TP shards must be right). One spawn of 2 ranks (TP=2 at ZeRO 1 and 3,
-SP=2 at ZeRO 2, a TP=2 checkpoint resumed at TP=1, collectives per step) and one of 4 (TP=2 x DP=2 at ZeRO 3,
+TP=2 at ZeRO 3 with everything on NVMe (the gradients in files), SP=2 at ZeRO 2, a TP=2 checkpoint resumed at TP=1, collectives per step) and one of 4 (TP=2 x DP=2 at ZeRO 3,
 SP=2 x DP=2 at ZeRO 1)."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ STEPS, BATCH, LR, CLIP = 5, 4, 1e-2, 0.5
 CASES_2 = [
     {"tp": 2, "sp": 1, "stage": 1},
     {"tp": 2, "sp": 1, "stage": 3},
+    {"tp": 2, "sp": 1, "stage": 3, "nvme": True},  # gradients in files: the replicated share read per sub-group
     {"tp": 1, "sp": 2, "stage": 2},
     {"tp": 1, "sp": 2, "stage": 0, "seq": 7},
 ]  # slices of 4 and 3 tokens
@@ -38,7 +39,8 @@ def reference(seq: int = SEQ, **model_args: int) -> tuple[list[float], dict[str,
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def make_engine(tp: int, sp: int, stage: int, data: Any = None, **model_args: int) -> Any:
+def make_engine(tp: int, sp: int, stage: int, data: Any = None, nvme: str = "", **model_args: int) -> Any:
+    """`nvme`: optimizer and parameter offload to NVMe under that directory, in sub-groups of 3000 elements."""
     import slipstream
 
     config = {
@@ -50,6 +52,9 @@ def make_engine(tp: int, sp: int, stage: int, data: Any = None, **model_args: in
         "tensor_parallel": {"autotp_size": tp},
         "sequence_parallel_size": sp,
     }
+    if nvme:
+        offload = {"device": "nvme", "nvme_path": nvme}
+        config["zero_optimization"].update(offload_optimizer=offload, offload_param=offload, sub_group_size=3000)
     group = slipstream.parallel.build_topology(tp=tp, sp=sp, device_type="cpu").sp_group if sp > 1 else None
     engine, *_ = slipstream.initialize(model=TinyGPT(sp_group=group, **model_args), config=config, training_data=data)
     return engine
@@ -74,15 +79,17 @@ def train_step(engine: Any, x: torch.Tensor, y: torch.Tensor) -> float:
     return engine.last_loss
 
 
-def train(rank: int, world: int, *, tp: int, sp: int, stage: int, seq: int = SEQ, **model_args: int) -> dict:
-    engine = make_engine(tp, sp, stage, **model_args)
+def train(rank: int, world: int, *, tp: int, sp: int, stage: int, seq: int = SEQ, nvme: bool = False,
+          nvme_dir: str = "", **model_args: int) -> dict:
+    engine = make_engine(tp, sp, stage, nvme=nvme_dir if nvme else "", **model_args)
+    sub_groups = engine.optimizer.num_sub_groups
     losses, norms = [], []
     for x, y in batches(STEPS, BATCH, seq):
         losses.append(train_step(engine, x, y))
         norms.append(engine.get_global_grad_norm())
     params = engine._zero3_consolidated_16bit_state_dict()  # global tensors on rank 0
     engine.destroy()
-    return {"losses": losses, "norms": norms, "params": params if rank == 0 else None}
+    return {"losses": losses, "norms": norms, "params": params if rank == 0 else None, "sub_groups": sub_groups}
 
 
 def count_tp_collectives(rank: int, world: int) -> dict[str, Any]:
@@ -128,9 +135,9 @@ def _close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what
         )
 
 
-def grid2(rank: int, world: int, path: str) -> dict:
+def grid2(rank: int, world: int, path: str, nvme: str) -> dict:
     return {
-        "train": run_subtests(CASES_2, lambda **case: train(rank, world, **case)),
+        "train": run_subtests(CASES_2, lambda **case: train(rank, world, nvme_dir=nvme, **case)),
         "resume": resume_at_tp1(rank, world, path=path),
         "counts": count_tp_collectives(rank, world),
     }
@@ -141,7 +148,8 @@ def grid4(rank: int, world: int) -> list[dict]:
 
 
 def test_tp2_and_sp2_match_single_process_and_tp2_checkpoint_resumes_at_tp1(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    ranks = run_distributed(grid2, world_size=2, path=str(tmp_path / "ckpt"))
+    (tmp_path / "nvme").mkdir()
+    ranks = run_distributed(grid2, world_size=2, path=str(tmp_path / "ckpt"), nvme=str(tmp_path / "nvme"))
     out = ranks[0]
     # the TP group reads one batch: both ranks get the same 4 samples (the whole batch: dp = 1)
     assert torch.equal(ranks[0]["counts"]["batch"], ranks[1]["counts"]["batch"])
@@ -152,6 +160,7 @@ def test_tp2_and_sp2_match_single_process_and_tp2_checkpoint_resumes_at_tp1(tmp_
         # the global norm over TP shards and replicated parameters, above CLIP so clipping acts
         assert got["norms"] == pytest.approx(ref_norms, rel=1e-5) and min(ref_norms) > CLIP, (case, got["norms"])
         _close(got["params"], ref_params, case)
+        assert not case.get("nvme") or got["sub_groups"] > 2, (case, got["sub_groups"])
     (loss_tp2, loss_dp2), (params_tp2, params_dp2) = out["resume"]["losses"], out["resume"]["params"]
     assert loss_dp2 == pytest.approx(loss_tp2, rel=1e-5) and out["resume"]["steps"] == 3
     _close(params_dp2, params_tp2, "TP=2 checkpoint resumed at TP=1")

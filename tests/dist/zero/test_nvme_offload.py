@@ -173,3 +173,146 @@ def test_nvme_path_must_be_a_writable_directory_with_room(tmp_path: Path) -> Non
     with pytest.raises(RuntimeError, match=r"needs .* GiB .* only .* GiB is free"):
         policy.check_room(2**62)
     os.rmdir(policy.directory)
+
+
+# ---- swapped gradients (docs/design.md D38): ZeRO-3 with NVMe offload keeps each sub-group's gradients in a file
+
+POISONED_STEP, SET_INF_STEP, SET_INF_PARAM = 1, 3, "layers.2.weight"  # layers.2.weight is in the third sub-group
+
+
+def swapped_run(rank: int, world: int, *, nvme: str, device: str, precision: str = "fp32",
+                limit: int | None = None) -> dict:
+    """Five steps of TinyMLP at ZeRO-3 (accumulation 2, clipping active, SUB_GROUP's three sub-groups) with the
+    optimizer offloaded to `device`. Before every step the averaged gradients are read with safe_get_full_grad;
+    fp16: one micro-batch carries an inf (a skipped step), and a later step gets an inf gradient set for
+    SET_INF_PARAM (another skipped step, naming it). NVMe also counts the resident gradient buffers."""
+    import slipstream
+    from slipstream.utils import safe_get_full_grad, safe_set_full_grad
+
+    offload = {"device": device, **({"nvme_path": nvme} if device == "nvme" else {})}
+    config = stage3_config(2, 2, offload_optimizer=offload, sub_group_size=SUB_GROUP)
+    config["gradient_clipping"] = CLIP
+    if precision == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
+    engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
+    swap = engine.optimizer.offload.gradients if device == "nvme" else None
+    if swap is not None and limit is not None:
+        swap.limit = limit
+    names = dict(engine.module.named_parameters())
+    norms, grads, culprits, after_backward, after_step = [], [], [], [], []
+    for step, (inputs, targets) in enumerate(global_batches()):
+        for m in range(2):
+            start = (m * world + rank) * 2
+            x = inputs[start:start + 2].clone()
+            if precision == "fp16" and step == POISONED_STEP and m == 0:
+                x[0, 0] = float("inf")
+            engine.backward(TinyMLP.loss(engine(x).float(), targets[start:start + 2]))
+            if swap is not None:
+                after_backward.append(swap.resident_count())
+            if m == 1:
+                grads.append({n: safe_get_full_grad(p).clone() for n, p in names.items()})
+                if precision == "fp16" and step == SET_INF_STEP:
+                    safe_set_full_grad(names[SET_INF_PARAM], torch.full(tuple(names[SET_INF_PARAM].ds_shape), float("inf")))
+            engine.step()
+        if swap is not None:
+            after_step.append(swap.resident_count())
+        norms.append(engine.get_global_grad_norm())
+        culprits.append(engine.optimizer.last_nonfinite_param if not engine._step_applied else "")
+    params = {name: value.float() for name, value in engine.zero_model.full_state(only_rank0=False).items()}
+    out = {"params": params, "norms": norms, "grads": grads, "culprits": culprits,
+           "skipped": engine.skipped_steps, "sub_groups": engine.optimizer.num_sub_groups}
+    if swap is not None:
+        out.update(peak=swap.peak_open, after_backward=after_backward, after_step=after_step, buffers=len(swap),
+                   files=sorted(p.name for p in engine.optimizer.offload.directory.glob("*_grad.swp")))
+    engine.destroy()
+    return out
+
+
+def swapped_grid(rank: int, world: int, *, nvme: str) -> dict:
+    return {
+        "cpu": swapped_run(rank, world, nvme=nvme, device="cpu"),
+        "nvme": swapped_run(rank, world, nvme=nvme, device="nvme"),
+        "nvme_limit1": swapped_run(rank, world, nvme=nvme, device="nvme", limit=1),
+        "cpu_fp16": swapped_run(rank, world, nvme=nvme, device="cpu", precision="fp16"),
+        "nvme_fp16": swapped_run(rank, world, nvme=nvme, device="nvme", precision="fp16"),
+    }
+
+
+def test_swapped_gradients_equal_cpu_offload_and_stay_bounded(tmp_path: Path) -> None:
+    """NVMe offload at ZeRO-3 with the gradients in files (at most `limit` sub-groups' buffers resident during
+    backward, counted by the policy) trains to exactly the CPU-offload run's parameters, grad norms and
+    safe_get_full_grad values (the divisor, 2 ranks x 2 micro-batches x a power-of-two loss scale, keeps the
+    streamed norm bit-equal), including fp16 steps skipped for a non-finite gradient, each naming its parameter."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    per_rank = run_distributed(swapped_grid, world_size=2, tmp_dir=tmp_path / "run", nvme=str(nvme))
+    for rank, runs in enumerate(per_rank):
+        for label, cpu in (("nvme", "cpu"), ("nvme_limit1", "cpu"), ("nvme_fp16", "cpu_fp16")):
+            mine, theirs = runs[label], runs[cpu]
+            assert mine["sub_groups"] == mine["buffers"] == 3, (label, mine["sub_groups"], mine["buffers"])
+            assert mine["files"] == ["group0_grad.swp"], (label, mine["files"])  # the gradients went to a file
+            # the last `limit` buffers opened stay for the next micro-batch and the step (the first ones it
+            # steps); the rest are in the file; after the step none is in memory
+            kept = 1 if label == "nvme_limit1" else 2
+            assert mine["after_backward"] == [kept] * (2 * STEPS), (label, mine["after_backward"])
+            assert mine["after_step"] == [0] * STEPS, (label, mine["after_step"])
+            assert mine["norms"] == theirs["norms"], (label, rank, mine["norms"], theirs["norms"])
+            assert mine["culprits"] == theirs["culprits"] and mine["skipped"] == theirs["skipped"], label
+            for step, (a, b) in enumerate(zip(mine["grads"], theirs["grads"])):
+                for name in b:
+                    torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, equal_nan=True,  # bit-equal
+                                               msg=lambda m, w=f"{label} rank {rank} step {step} {name}": f"{w}: {m}")
+            for name, value in theirs["params"].items():
+                assert torch.equal(mine["params"][name], value), f"{label} rank {rank} {name}"
+        # units finish in reverse order: the third sub-group is still being filled when the second opens (and is
+        # written out when the first opens; with a limit of 1, when the second opens, and read back for its last
+        # run)
+        assert runs["nvme"]["peak"] == 2 and runs["nvme_limit1"]["peak"] == 1, (runs["nvme"]["peak"],
+                                                                                 runs["nvme_limit1"]["peak"])
+        assert min(runs["cpu"]["norms"]) > CLIP  # clipping is active at every step
+        fp16 = runs["nvme_fp16"]
+        assert fp16["skipped"] == 2, fp16["skipped"]
+        assert fp16["culprits"][POISONED_STEP] == "layers.0.weight", fp16["culprits"]
+        assert fp16["culprits"][SET_INF_STEP] == SET_INF_PARAM, fp16["culprits"]
+        assert [c == "" for c in fp16["culprits"]] == [s not in (POISONED_STEP, SET_INF_STEP) for s in range(STEPS)]
+
+
+def checkpoint_with_pending_grads(rank: int, world: int, *, nvme: str, ckpt: str) -> dict:
+    """fp16 at ZeRO-3, everything on NVMe: save between a backward and its step (the gradients in files), load
+    into a fresh engine, run the same backward and step in both."""
+    import slipstream
+
+    offload = {"device": "nvme", "nvme_path": nvme}
+
+    def make():  # type: ignore[no-untyped-def]
+        config = stage3_config(8, 1, offload_optimizer=offload, offload_param=offload, sub_group_size=SUB_GROUP)
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+        return slipstream.initialize(model=TinyMLP(), config=config)[0]
+
+    batches = global_batches()
+    engine = make()
+    for inputs, targets in batches[:2]:
+        engine.backward(TinyMLP.loss(engine(inputs).float(), targets))
+        engine.step()
+    inputs, targets = batches[2]
+    engine.backward(TinyMLP.loss(engine(inputs).float(), targets))
+    states = [s.value for s in engine.optimizer.offload.gradients.states]
+    engine.save_checkpoint(ckpt)
+    engine.step()
+    loaded = make()
+    loaded.load_checkpoint(ckpt)
+    loaded.backward(TinyMLP.loss(loaded(inputs).float(), targets))
+    loaded.step()
+    return {"states": states, "params": [engine.zero_model.full_state(only_rank0=False),
+                                         loaded.zero_model.full_state(only_rank0=False)]}
+
+
+def test_checkpoint_with_gradients_in_files(tmp_path: Path) -> None:
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = run_distributed(checkpoint_with_pending_grads, world_size=1, tmp_dir=tmp_path / "run", nvme=str(nvme),
+                          ckpt=str(tmp_path / "ckpt"))[0]
+    assert "saved" in out["states"], out["states"]  # some gradients were in the file when the save ran
+    trained, loaded = out["params"]
+    for name, value in trained.items():
+        assert torch.equal(loaded[name], value), name

@@ -215,9 +215,39 @@ def test_nvme_option_moves_offloaded_state_to_disk() -> None:
     plan = estimate(params=1_000_000, hidden=64, layers=4, gpus_per_node=2, dtype="bf16")
     by_name = {e.option.name: e for e in plan.estimates}
     cpu, nvme = by_name["zero3+offload_optimizer+offload_param"], by_name["zero3+offload_optimizer+offload_param(nvme)"]
-    assert nvme.nvme_per_rank == cpu.host["master"] + cpu.host["optimizer_state"] + cpu.host["offloaded_params"] > 0
-    assert "offloaded_params" not in nvme.host and nvme.device == cpu.device
+    # on the CPU accelerator the fp32 gradient shards are host memory, and NVMe offload swaps them too
+    swapped = cpu.device["grads"] if plan.settings.device_is_host else 0
+    assert nvme.nvme_per_rank == (
+        cpu.host["master"] + cpu.host["optimizer_state"] + cpu.host["offloaded_params"] + swapped
+    ) > 0
+    assert "offloaded_params" not in nvme.host and nvme.device == cpu.device  # one sub-group: all grads held
     assert cpu.nvme_per_rank == 0
+
+
+def test_nvme_stage3_holds_a_few_sub_groups_of_gradients() -> None:
+    """ZeRO-3 with NVMe offload on the CPU accelerator: the host holds at most four sub-groups' gradients
+    (offload/grad_swap.py), not the model's; CPU offload holds them all."""
+    from slipstream.planner import estimate
+
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3, "sub_group_size": 100_000,
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
+                                    "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}
+    plan = estimate(params=4_000_000, hidden=64, layers=4, ds_config=config)
+    if not plan.settings.device_is_host:
+        pytest.skip("the gradient shards are device memory on this accelerator")
+    mine = next(e for e in plan.estimates if e.option.label == "config")
+    assert plan.settings.grad_accum_dtype == "fp32", plan.settings
+    assert mine.owned["grads"] > 10 * 2 * 100_000 * 4  # the model's gradients: many sub-groups' worth
+    assert mine.device["grads"] == (2 + 2) * 100_000 * 4, mine.device  # kept in backward, + 2 read by the step
+    cpu_config = {**config, "zero_optimization": {**config["zero_optimization"],
+                                                  "offload_optimizer": {"device": "cpu"}}}
+    cpu = next(e for e in estimate(params=4_000_000, hidden=64, layers=4, ds_config=cpu_config).estimates
+               if e.option.label == "config")
+    assert cpu.device["grads"] == mine.owned["grads"], (cpu.device, mine.owned)
+    assert mine.nvme_per_rank == cpu.host["master"] + cpu.host["optimizer_state"] + mine.owned["grads"] + (
+        mine.owned["offloaded_params"]
+    )
 
 
 def _deepspeed_zero2(params: int, gpus: int, nodes: int, *, offload: bool, factor: float) -> tuple[int, int]:
