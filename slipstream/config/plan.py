@@ -42,6 +42,25 @@ RESIDENT_GRAD_SUB_GROUPS = 2
 """ZeRO-3 with NVMe offload: sub-groups' gradient buffers kept in memory while backward adds into them (the step
 reads two more at most: the one updated and the next); offload/grad_swap.py, and the planner's host figure."""
 
+NVME_GRADIENTS_ENV = "SLIPSTREAM_NVME_GRADIENTS"
+"""Where ZeRO-3's fp32 gradient shards live with NVMe optimizer offload: `files` (the default: per sub-group,
+a few in memory; host memory bounded by a working set, 4 more bytes per parameter on the disk and in the step's
+I/O) or `memory` (the whole shard in host memory: 4 bytes per parameter over the ranks, no gradient I/O; for a
+model whose files the disk cannot hold, or a step that must not wait for the disk)."""
+
+
+def nvme_gradients_in_files() -> bool:
+    """`SLIPSTREAM_NVME_GRADIENTS` read (see `NVME_GRADIENTS_ENV`); an unknown value is an error naming both."""
+    import os
+
+    value = os.environ.get(NVME_GRADIENTS_ENV, "files").strip().lower()
+    if value not in ("files", "memory"):
+        raise ValueError(
+            f"{NVME_GRADIENTS_ENV}={value!r}: use 'files' (gradient shards swapped per sub-group, the default) or "
+            "'memory' (kept in host memory)"
+        )
+    return value == "files"
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BatchPlan:

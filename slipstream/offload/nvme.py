@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from slipstream.config.plan import RESIDENT_GRAD_SUB_GROUPS, AioPlan
+from slipstream.config.plan import RESIDENT_GRAD_SUB_GROUPS, AioPlan, nvme_gradients_in_files
 from slipstream.offload.policy import CPUOffload, SteppedGroups
 from slipstream.utils.host_memory import cap_mmap_threshold
 from slipstream.utils.logging import log_rank0
@@ -212,6 +212,7 @@ class NVMeOffload(CPUOffload):
 
     def __post_init__(self) -> None:
         self.pin_memory = False  # swappable storages are resized; pinned host memory cannot be
+        self.swaps_gradients = nvme_gradients_in_files()
         self.directory = make_run_dir(self.nvme_path, self.rank, "optimizer", key="offload_optimizer.nvme_path")
         self.swapper = Swapper(self.directory, self.aio)
 

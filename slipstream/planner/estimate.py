@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from slipstream.config.plan import RESIDENT_GRAD_SUB_GROUPS, CpuTarget, NvmeTarget
+from slipstream.config.plan import RESIDENT_GRAD_SUB_GROUPS, CpuTarget, NvmeTarget, nvme_gradients_in_files
 from slipstream.planner.activations import transformer_activations
 from slipstream.planner.shapes import Dims, ModelShape, from_factory, from_hf_config, from_module, synthetic
 from slipstream.planner.types import DTYPE_BYTES, STANDARD_OPTIONS, Option, OptionEstimate, Plan, Settings
@@ -242,7 +242,11 @@ def estimate_option(
             share = min(1.0, resident / host["master"]) if host.get("master") else 1.0
             host["master"] = int(host["master"] * share)
             host["optimizer_state"] = int(host.get("optimizer_state", 0) * share)
-            if settings.device_is_host and settings.grad_accum_dtype == settings.master_dtype:
+            if (
+                settings.device_is_host
+                and settings.grad_accum_dtype == settings.master_dtype
+                and nvme_gradients_in_files()
+            ):
                 # the gradient shards are swapped per sub-group too (offload/grad_swap.py): a few in memory
                 grad_bytes = DTYPE_BYTES[settings.grad_accum_dtype]
                 held = (RESIDENT_GRAD_SUB_GROUPS + 2) * settings.stage3.sub_group_numel * grad_bytes  # bound

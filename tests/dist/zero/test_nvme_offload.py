@@ -181,7 +181,7 @@ POISONED_STEP, SET_INF_STEP, SET_INF_PARAM = 1, 3, "layers.2.weight"  # layers.2
 
 
 def swapped_run(rank: int, world: int, *, nvme: str, device: str, precision: str = "fp32",
-                limit: int | None = None) -> dict:
+                limit: int | None = None, gradients: str | None = None) -> dict:
     """Five steps of TinyMLP at ZeRO-3 (accumulation 2, clipping active, SUB_GROUP's three sub-groups) with the
     optimizer offloaded to `device`. Before every step the averaged gradients are read with safe_get_full_grad;
     fp16: one micro-batch carries an inf (a skipped step), and a later step gets an inf gradient set for
@@ -194,8 +194,16 @@ def swapped_run(rank: int, world: int, *, nvme: str, device: str, precision: str
     config["gradient_clipping"] = CLIP
     if precision == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
-    engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
+    if gradients is not None:  # SLIPSTREAM_NVME_GRADIENTS, read when the engine is built
+        os.environ["SLIPSTREAM_NVME_GRADIENTS"] = gradients
+    try:
+        engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
+    finally:
+        os.environ.pop("SLIPSTREAM_NVME_GRADIENTS", None)
     swap = engine.optimizer.offload.gradients if device == "nvme" else None
+    if gradients == "memory":
+        assert swap is None and not engine.optimizer.offload.swaps_gradients
+        assert engine.optimizer.groups[0].grad_storage.numel() > 0  # the whole shard, in memory
     if swap is not None and limit is not None:
         swap.limit = limit
     names = dict(engine.module.named_parameters())
@@ -235,6 +243,7 @@ def swapped_grid(rank: int, world: int, *, nvme: str) -> dict:
         "nvme_limit1": swapped_run(rank, world, nvme=nvme, device="nvme", limit=1),
         "cpu_fp16": swapped_run(rank, world, nvme=nvme, device="cpu", precision="fp16"),
         "nvme_fp16": swapped_run(rank, world, nvme=nvme, device="nvme", precision="fp16"),
+        "nvme_memory": swapped_run(rank, world, nvme=nvme, device="nvme", gradients="memory"),
     }
 
 
@@ -267,6 +276,9 @@ def test_swapped_gradients_equal_cpu_offload_and_stay_bounded(tmp_path: Path) ->
         # units finish in reverse order: the third sub-group is still being filled when the second opens (and is
         # written out when the first opens; with a limit of 1, when the second opens, and read back for its last
         # run)
+        memory, cpu = runs["nvme_memory"], runs["cpu"]  # SLIPSTREAM_NVME_GRADIENTS=memory: no gradient file
+        assert "files" not in memory and memory["norms"] == cpu["norms"], (memory.get("files"), memory["norms"])
+        assert all(torch.equal(memory["params"][n], v) for n, v in cpu["params"].items())
         assert runs["nvme"]["peak"] == 2 and runs["nvme_limit1"]["peak"] == 1, (runs["nvme"]["peak"],
                                                                                  runs["nvme_limit1"]["peak"])
         assert min(runs["cpu"]["norms"]) > CLIP  # clipping is active at every step

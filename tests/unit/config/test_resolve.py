@@ -270,3 +270,15 @@ def test_fixed_schedule_keys_are_reported_when_set() -> None:
         "zero_optimization.allgather_bucket_size",
     }
     assert plan_of({"prescale_gradients": False, "gradient_predivide_factor": 1.0}).unimplemented == ()
+
+
+def test_nvme_gradients_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from slipstream.config.plan import nvme_gradients_in_files
+
+    monkeypatch.delenv("SLIPSTREAM_NVME_GRADIENTS", raising=False)
+    assert nvme_gradients_in_files()
+    monkeypatch.setenv("SLIPSTREAM_NVME_GRADIENTS", "Memory")
+    assert not nvme_gradients_in_files()
+    monkeypatch.setenv("SLIPSTREAM_NVME_GRADIENTS", "disk")
+    with pytest.raises(ValueError, match="SLIPSTREAM_NVME_GRADIENTS='disk'.*'files'.*'memory'"):
+        nvme_gradients_in_files()

@@ -224,10 +224,13 @@ def test_nvme_option_moves_offloaded_state_to_disk() -> None:
     assert cpu.nvme_per_rank == 0
 
 
-def test_nvme_stage3_holds_a_few_sub_groups_of_gradients() -> None:
+def test_nvme_stage3_holds_a_few_sub_groups_of_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     """ZeRO-3 with NVMe offload on the CPU accelerator: the host holds at most four sub-groups' gradients
-    (offload/grad_swap.py), not the model's; CPU offload holds them all."""
+    (offload/grad_swap.py), not the model's; CPU offload holds them all, and so does NVMe offload with
+    SLIPSTREAM_NVME_GRADIENTS=memory (no gradient file on the disk then)."""
     from slipstream.planner import estimate
+
+    monkeypatch.delenv("SLIPSTREAM_NVME_GRADIENTS", raising=False)
 
     config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
               "zero_optimization": {"stage": 3, "sub_group_size": 100_000,
@@ -248,6 +251,11 @@ def test_nvme_stage3_holds_a_few_sub_groups_of_gradients() -> None:
     assert mine.nvme_per_rank == cpu.host["master"] + cpu.host["optimizer_state"] + mine.owned["grads"] + (
         mine.owned["offloaded_params"]
     )
+    monkeypatch.setenv("SLIPSTREAM_NVME_GRADIENTS", "memory")
+    kept = next(e for e in estimate(params=4_000_000, hidden=64, layers=4, ds_config=config).estimates
+                if e.option.label == "config")
+    assert kept.device["grads"] == mine.owned["grads"], kept.device
+    assert kept.nvme_per_rank == mine.nvme_per_rank - mine.owned["grads"], (kept.nvme_per_rank, mine.nvme_per_rank)
 
 
 def _deepspeed_zero2(params: int, gpus: int, nodes: int, *, offload: bool, factor: float) -> tuple[int, int]:
