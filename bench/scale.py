@@ -9,7 +9,9 @@ per process; every row is a fresh process, so machine load does not change it). 
     torch    plain torch AdamW in one process (the model, its gradients and Adam states all in memory)
     ss_cpu   Slipstream ZeRO-3, parameters and optimizer offloaded to the CPU, model built under zero.Init
     ss_nvme  Slipstream ZeRO-Infinity: parameters, optimizer and gradients on NVMe (`--nvme-dir`),
-             `sub_group_size` 2e7 (the host holds a working set: gathered units, a few sub-groups)
+             `sub_group_size` 2e7 (the host holds a working set: gathered units, a few sub-groups); with
+             SLIPSTREAM_NVME_GRADIENTS=memory in the environment the gradient shard stays in host memory
+             (16 instead of 20 bytes per parameter on the disk: the larger model where the disk bounds it)
     ds_nvme  DeepSpeed's ZeRO-Infinity, the same config (peer environment, bench/make_peer_venv.sh)
 For each row the peak RSS (ru_maxrss, less the RSS after imports) is measured at each size and fitted as
 `fixed + bytes_per_param * N`; from the fit, the host's memory (MemTotal less a 2 GiB margin) and, for NVMe
@@ -38,7 +40,8 @@ ROWS = ["torch", "ss_cpu", "ss_nvme", "ds_nvme"]
 VOCAB = 8192
 SEQ = 64
 MARGIN = 2 * 2**30
-NVME_FILE_BYTES = 20  # fp32 parameter shard, master, gradient and two Adam moments, per parameter
+# fp32 parameter shard, master, gradient and two Adam moments, per parameter; 16 with SLIPSTREAM_NVME_GRADIENTS=memory
+NVME_FILE_BYTES = 16 if os.environ.get("SLIPSTREAM_NVME_GRADIENTS", "").strip().lower() == "memory" else 20
 SUB_GROUP = 20_000_000
 
 

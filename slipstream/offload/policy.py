@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -105,6 +105,11 @@ class OffloadPolicy:
     def resident_grad_bytes(self, grad_bytes: list[int]) -> int:
         """Bytes of swapped gradient buffers in memory at once, given each sub-group's (0 when none are swapped)."""
         return 0
+
+    def swap_gradients(self, buffers: list[tuple[torch.Tensor, str]]) -> Any:
+        """Take stage 3's per-sub-group gradient buffers into files (`NVMeOffload`); a policy with
+        `swaps_gradients` False is never asked."""
+        raise NotImplementedError(f"{type(self).__name__} keeps gradients in memory; it does not swap them")
 
 
 NoOffload = OffloadPolicy

@@ -254,7 +254,8 @@ class Stage3Optimizer(ZeroOptimizer):
         """Swapped gradients ([Note: swapped gradients]): the sub-groups' buffers go to the policy's files; each
         unit's delivery is cut by sub-group, and a sub-group whose units have all delivered in a backward is
         measured (the fp32 norm of each run's gradient, which phase 2 reads instead of the gradients)."""
-        buffers, self._sub_runs, self._run_span, self._sub_spans = [], [], [], []
+        buffers: list[tuple[torch.Tensor, str]] = []
+        self._sub_runs, self._run_span, self._sub_spans = [], [], []
         sub_of: dict[tuple[int, int], int] = {}  # (group, run) -> sub-group
         run_base = 0
         for number, group in enumerate(groups):
@@ -522,7 +523,7 @@ class Stage3Optimizer(ZeroOptimizer):
     @staticmethod
     def _parts(group: Stage3Group, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, its owned gradient) for the runs [start, end) of `group`."""
-        out = []
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
         for run, grad in zip(group.runs[start:end], group.owned_grads[start:end]):
             offset = 0
             for index in run.indices:
