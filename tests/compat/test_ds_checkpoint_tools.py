@@ -304,12 +304,10 @@ def test_shard_size_list_deals_heads_then_rows() -> None:
 def test_deepspeed_loads_our_conversion_of_its_zero3_checkpoint(stage: int, world: int, tmp_path: Path) -> None:
     """Real DeepSpeed (peer environment only) loads Slipstream's conversion of a ZeRO-3 checkpoint DeepSpeed saved
     at 2 ranks, at 2 ranks and at 1, every master and exp_avg bit-equal to what DeepSpeed saved."""
-    import json
     import shutil
-    import subprocess
 
     from slipstream.checkpoint.deepspeed_import import read_deepspeed_checkpoint
-    from tests.compat.test_universal_checkpoint import DEEPSPEED, _peer_python
+    from tests.compat.test_universal_checkpoint import DEEPSPEED, _peer_python, load_in_deepspeed
 
     peer = _peer_python()
     if peer is None:
@@ -322,17 +320,7 @@ def test_deepspeed_loads_our_conversion_of_its_zero3_checkpoint(stage: int, worl
     saved = read_deepspeed_checkpoint(source)
     expected = {n: {"master": v, "exp_avg": saved.optimizer_state[n]["exp_avg"]} for n, v in saved.master.items()}
     torch.save(expected, tmp_path / "expected.pt")
-    script = Path(__file__).parent / "peer" / "load_universal_in_deepspeed.py"
-    done = subprocess.run(
-        [peer, str(script), str(tmp_path), str(tmp_path / "expected.pt"), str(stage), str(world)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    errors = [line for line in done.stderr.splitlines() if "Warning" not in line and "warnings.warn" not in line]
-    assert done.returncode == 0, "\n".join(errors)[-4000:]  # without torch's deprecation warnings: the traceback
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = load_in_deepspeed(peer, tmp_path, stage=stage, world=world)
     assert result["differ"] == [] and result["global_steps"] == 2, result
 
 
