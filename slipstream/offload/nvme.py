@@ -229,16 +229,25 @@ class NVMeOffload(CPUOffload):
         self.swapper.swap_out(tensors)
 
     def prepare(self, groups: SteppedGroups) -> None:
-        """Check the room for masters and two Adam-sized states, then move every sub-group to its files."""
-        masters = sum(
-            t.numel()
-            for index in range(groups.num_sub_groups)
-            for t, name in groups.swappable(index)
-            if name.endswith("_master")
-        )
-        self.check_room(3 * 4 * masters + (self.gradients.file_bytes() if self.gradients is not None else 0))
+        """Check the room for what is still to be written (the masters still in memory, two Adam-sized states per
+        master element, the gradient files), then move every sub-group to its files."""
+        self.check_room(self.bytes_to_write(groups))
         for index in range(groups.num_sub_groups):
             self.swapper.swap_out(groups.swappable(index))
+
+    def bytes_to_write(self, groups: SteppedGroups) -> int:
+        """File bytes this rank's optimizer has yet to write: masters not yet in their files (stage 3 writes each
+        sub-group's as it is built, so they already take their room on the disk), Adam's two fp32 states per
+        master element (created at the first step) and the swapped gradients."""
+        count = groups.num_sub_groups
+        unwritten = sum(
+            t.numel() * t.element_size()
+            for i in range(count)
+            for t, _ in groups.swappable(i)
+            if self.swapper.resident(t)
+        )
+        states = 2 * 4 * sum(groups.sub_group_numel(i) for i in range(count))
+        return unwritten + states + (self.gradients.file_bytes() if self.gradients is not None else 0)
 
     def run_step(self, groups: SteppedGroups) -> bool:
         """One sub-group at a time: its tensors are read in (the next one's read overlaps this update),

@@ -55,6 +55,10 @@ class SteppedGroups(Protocol):
     @property
     def num_sub_groups(self) -> int: ...
 
+    def sub_group_numel(self, index: int) -> int:
+        """Master elements of sub-group `index` (Adam keeps two fp32 states of that size)."""
+        ...
+
     def swappable(self, index: int) -> list[tuple[torch.Tensor, str]]:
         """Sub-group `index`'s full-size host tensors (master buffer, optimizer states) with a stable name each."""
         ...

@@ -262,6 +262,10 @@ class ZeroOptimizer(abc.ABC):
     def num_sub_groups(self) -> int:
         return len(self.sub_groups)
 
+    def sub_group_numel(self, index: int) -> int:
+        number, start, end = self.sub_groups[index]
+        return sum(piece.numel() for piece in self.groups[number].master_pieces[start:end])
+
     def step_all(self) -> None:
         self._step_optimizer(self._low_precision_out)
 

@@ -196,10 +196,21 @@ def swapped_run(rank: int, world: int, *, nvme: str, device: str, precision: str
         config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
     if gradients is not None:  # SLIPSTREAM_NVME_GRADIENTS, read when the engine is built
         os.environ["SLIPSTREAM_NVME_GRADIENTS"] = gradients
+    from slipstream.offload.nvme import NVMeOffload
+
+    room: list[int] = []  # what the start-up disk check asked for
+    check_room = NVMeOffload.check_room
+    NVMeOffload.check_room = lambda self, needed: (room.append(needed), check_room(self, needed))[1]  # type: ignore[method-assign]
     try:
         engine, *_ = slipstream.initialize(model=TinyMLP(), config=config)
     finally:
         os.environ.pop("SLIPSTREAM_NVME_GRADIENTS", None)
+        NVMeOffload.check_room = check_room  # type: ignore[method-assign]
+    if device == "nvme":  # fp32: the masters alias the shards; fp16: each sub-group's were written as it was built.
+        zero = engine.optimizer  # Either way the start-up check asks room for the two Adam states and the gradients
+        elements = sum(p.numel() for group in zero.groups for p in group.master_pieces)
+        files = zero.offload.gradients.file_bytes() if zero.offload.gradients is not None else 0
+        assert elements > 0 and room == [2 * 4 * elements + files], (room, elements, files)
     swap = engine.optimizer.offload.gradients if device == "nvme" else None
     if gradients == "memory":
         assert swap is None and not engine.optimizer.offload.swaps_gradients
