@@ -11,8 +11,8 @@ masters and Adam states `NVMeOffload` swaps) has its own buffer. A buffer is in 
 During backward the reduce-scatter ring opens a buffer to add a unit's gradients into it (`open`): at most
 `limit` buffers are resident, the least recently opened one is written out to make room (units complete in
 roughly reverse order, so the sub-groups being filled are few, except the ones holding the root and persistent
-units, which complete last). A complete buffer (`complete`) stays among those `limit` until it is the least
-recent: so the last ones completed in a backward are still in memory for the next micro-batch or the step
+units, which complete last). A complete buffer stays among those `limit` until it is the least recent: so the
+last ones completed in a backward are still in memory for the next micro-batch or the step
 (they are the first sub-groups stepped: the first units complete last), and a model of one or two sub-groups
 does no gradient I/O at all. The step reads each sub-group's buffer in with its masters (`fetch`, the next
 one's read started early, `prefetch`) and drops it after the update (`discard`): gradients are never written
@@ -80,10 +80,6 @@ class GradientSwap:
             self._write_out(self._recent[0])
         self.peak_open = max(self.peak_open, self.resident_count())
         return self.buffers[index][0]
-
-    def complete(self, index: int) -> None:
-        """Buffer `index` holds a complete sum for now: it stays resident while it is among the `limit` most
-        recently opened, and is written out when it has to make room."""
 
     def _write_out(self, index: int) -> None:
         if index in self._recent:

@@ -255,7 +255,7 @@ class Stage3Optimizer(ZeroOptimizer):
         unit's delivery is cut by sub-group, and a sub-group whose units have all delivered in a backward is
         measured (the fp32 norm of each run's gradient, which phase 2 reads instead of the gradients)."""
         buffers: list[tuple[torch.Tensor, str]] = []
-        self._sub_runs, self._run_span, self._sub_spans = [], [], []
+        self._sub_runs, self._run_span = [], []
         sub_of: dict[tuple[int, int], int] = {}  # (group, run) -> sub-group
         run_base = 0
         for number, group in enumerate(groups):
@@ -263,7 +263,6 @@ class Stage3Optimizer(ZeroOptimizer):
                 for r in range(start, end):
                     sub_of[(number, r)] = len(buffers)
                 self._run_span.append((run_base + start, run_base + end))
-                self._sub_spans.append((number, start, end))
                 self._sub_runs.append([group.owned_grads[r] for r in range(start, end)])
                 buffers.append((buffer, f"group{number}_grad"))
             run_base += len(group.runs)
@@ -295,7 +294,6 @@ class Stage3Optimizer(ZeroOptimizer):
         if self._units_left[sub] == 0:  # complete for this backward: measured (written out when room is needed)
             self._units_left[sub] = self._units_per_sub[sub]
             self._measure_sub_group(sub)
-            self._grad_swap.complete(sub)
 
     def _repoint_optimizer(self) -> None:
         hypers = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -400,7 +398,7 @@ class Stage3Optimizer(ZeroOptimizer):
         group, replicated = model_parallel
         share = 1.0 - 1.0 / dist.get_world_size(group)
         total = 0.0
-        for sub, (number, start, end) in enumerate(self._sub_spans):
+        for sub, (number, start, end) in enumerate(self.sub_groups):
             runs = self.groups[number].runs[start:end]
             if not any(id(run.unit.params[i]) in replicated for run in runs for i in run.indices):
                 continue
@@ -434,35 +432,24 @@ class Stage3Optimizer(ZeroOptimizer):
             self._grad_scale = (1.0, 1.0)
 
     def _sub_groups_of(self, only: str | None) -> list[int]:
-        if only is None:
-            return list(range(len(self._sub_runs)))
-        subs, base = [], 0
-        for group in self.groups:
-            for start, end in group.sub_groups:
-                if any(
-                    self.param_names.get(id(run.unit.params[i]), run.unit.records[i].name) == only
-                    for run in group.runs[start:end]
-                    for i in run.indices
-                ):
-                    subs.append(base)
-                base += 1
-        return subs
+        return [
+            sub
+            for sub, (number, start, end) in enumerate(self.sub_groups)
+            if only is None
+            or any(
+                self.param_names.get(id(run.unit.params[i]), run.unit.records[i].name) == only
+                for run in self.groups[number].runs[start:end]
+                for i in run.indices
+            )
+        ]
 
     @contextlib.contextmanager
     def gradients_resident(self, only: str | None = None, *, changed: bool = False) -> Iterator[None]:
-        if self._grad_swap is None:
+        with contextlib.ExitStack() as stack:
+            if self._grad_swap is not None:
+                for sub in self._sub_groups_of(only):
+                    stack.enter_context(self._one_sub_group(sub, changed=changed))
             yield
-            return
-        subs = self._sub_groups_of(only)
-        for sub in subs:
-            self._grad_swap.fetch(sub)
-        try:
-            yield
-        finally:
-            for sub in subs:
-                if changed:
-                    self._measure_sub_group(sub)
-                self._grad_swap.release(sub, changed=changed)
 
     def _publish_params(self, *, from_low_precision: bool, copied: bool = False) -> None:
         for group in self.groups:
@@ -533,23 +520,18 @@ class Stage3Optimizer(ZeroOptimizer):
         return out
 
     def first_nonfinite_param(self, names: dict[int, str]) -> str | None:
-        sub = 0
-        for group in self.groups:
-            for start, end in group.sub_groups:
-                # swapped gradients: one sub-group in memory at a time (the check is on the undivided sums)
-                with self._one_sub_group(sub):
-                    for run, grad in zip(group.runs[start:end], group.owned_grads[start:end]):
-                        offset = 0
-                        for index in run.indices:
-                            piece = run.unit.layout.shard_numels[index]
-                            if not bool(torch.isfinite(grad[offset : offset + piece]).all()):
-                                return run.unit.records[index].name
-                            offset += piece
-                sub += 1
+        for sub, (number, start, end) in enumerate(self.sub_groups):
+            # swapped gradients: one sub-group in memory at a time (the check is on the undivided sums)
+            with self._one_sub_group(sub):
+                for param, grad in self._parts(self.groups[number], start, end):
+                    if not bool(torch.isfinite(grad).all()):
+                        return param.ds_record.name  # type: ignore[attr-defined]
         return None
 
     @contextlib.contextmanager
-    def _one_sub_group(self, sub: int) -> Iterator[None]:
+    def _one_sub_group(self, sub: int, *, changed: bool = False) -> Iterator[None]:
+        """Sub-group `sub`'s gradients in memory for the block (`changed`: the block writes them, so their norms are
+        measured again and the buffer is written back when it leaves memory)."""
         if self._grad_swap is None:
             yield
             return
@@ -557,7 +539,9 @@ class Stage3Optimizer(ZeroOptimizer):
         try:
             yield
         finally:
-            self._grad_swap.release(sub)
+            if changed:
+                self._measure_sub_group(sub)
+            self._grad_swap.release(sub, changed=changed)
 
     def owned_bytes(self) -> dict[str, int]:
         total = super().owned_bytes()
