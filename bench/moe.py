@@ -1,6 +1,10 @@
 """Benchmark of a small MoE transformer: Slipstream's MoE against DeepSpeed's MoE and the dense equivalent.
 
-    python bench/moe.py [--quick] [--steps 20] [--warmup 3] [--peer-python .bench-venv/bin/python]
+    python bench/moe.py [--size small|medium|large] [--quick] [--steps 20] [--warmup 3] [--peer-python ...]
+
+Sizes (2 layers, 8 experts, ep 2, micro batch 8): `small` (the default) d_model 128, expert ffn 256, seq 64,
+vocab 512 (per-op and per-collective overheads dominate: a step is tens of ms); `medium` d 256, ffn 1024, seq
+128, vocab 1024; `large` d 512, ffn 2048, seq 128, vocab 2048 (compute dominates, as in real MoE models).
 
 Rows (2 ranks, gloo on CPU, one thread each, ZeRO-2, fp32 AdamW, clip 1.0), for top-1 and top-2:
 - `slipstream-moe`: blocks of attention + `slipstream.moe.layer.MoE` (8 experts, ep_size 2: 4 per rank);
@@ -33,7 +37,17 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parent.parent
 
-VOCAB, D_MODEL, HEADS, FFN, LAYERS, SEQ, MICRO, EXPERTS, EP = 512, 128, 4, 256, 2, 64, 8, 8, 2
+SIZES = {  # vocab, d_model, heads, expert ffn, layers, seq, micro batch, experts, ep
+    "small": (512, 128, 4, 256, 2, 64, 8, 8, 2),
+    "medium": (1024, 256, 4, 1024, 2, 128, 8, 8, 2),
+    "large": (2048, 512, 8, 2048, 2, 128, 8, 8, 2),
+}
+VOCAB, D_MODEL, HEADS, FFN, LAYERS, SEQ, MICRO, EXPERTS, EP = SIZES["small"]
+
+
+def use_size(name: str) -> None:
+    global VOCAB, D_MODEL, HEADS, FFN, LAYERS, SEQ, MICRO, EXPERTS, EP
+    VOCAB, D_MODEL, HEADS, FFN, LAYERS, SEQ, MICRO, EXPERTS, EP = SIZES[name]
 
 
 def build(framework: str, *, moe: bool, k: int):  # type: ignore[no-untyped-def]
@@ -182,6 +196,8 @@ def run_row(python: str, row: str, k: int, args: argparse.Namespace) -> dict | N
                     str(args.steps),
                     "--warmup",
                     str(args.warmup),
+                    "--size",
+                    args.size,
                 ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -214,12 +230,14 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
     parser.add_argument("--k", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--size", choices=sorted(SIZES), default="small", help="model size (see above)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3, help="fresh groups per row, interleaved; medians reported")
     parser.add_argument("--quick", action="store_true", help="3 timed steps after 1 warmup step, one round")
     parser.add_argument("--peer-python", default=str(ROOT / ".bench-venv" / "bin" / "python"))
     args = parser.parse_args()
+    use_size(args.size)
     if args.worker:
         worker(args)
         return
@@ -227,7 +245,7 @@ def main() -> None:
         args.steps, args.warmup, args.rounds = 3, 1, 1
     peer = args.peer_python if Path(args.peer_python).exists() else None
     print(
-        f"MoE transformer: {LAYERS} layers x d{D_MODEL}, {EXPERTS} experts (ffn {FFN}), ep {EP}, seq {SEQ}, "
+        f"MoE transformer ({args.size}): {LAYERS} layers x d{D_MODEL}, {EXPERTS} experts (ffn {FFN}), ep {EP}, seq {SEQ}, "
         f"micro {MICRO}; 2 ranks, ZeRO-2; median of {args.steps} steps after {args.warmup}, {args.rounds} rounds"
     )
     if peer is None:

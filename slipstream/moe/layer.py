@@ -47,6 +47,28 @@ def all_to_all(group: dist.ProcessGroup | None, x: Tensor) -> Tensor:
     return out
 
 
+def dispatch_with_counts(
+    group: dist.ProcessGroup | None, buffer: Tensor, kept: Tensor, ep_size: int
+) -> tuple[Tensor, Tensor]:
+    """The dispatch all-to-all of `buffer` [E * C, M] with the sender's kept counts [E] riding along: each
+    destination's block gets header rows holding the int32 counts of its experts as raw bytes (one collective,
+    not two: on gloo each all-to-all is a ~1 ms synchronisation). Returns the received [ep * L * C, M] and the
+    counts [ep (source), L]."""
+    rows, model = buffer.shape
+    local = kept.numel() // ep_size
+    row_bytes = model * buffer.element_size()
+    header_rows = -(-4 * local // row_bytes)
+    header = torch.zeros(ep_size, header_rows * row_bytes, dtype=torch.uint8, device=buffer.device)
+    header[:, : 4 * local] = kept.to(torch.int32).reshape(ep_size, local).view(torch.uint8)
+    header = header.view(buffer.dtype).reshape(ep_size, header_rows, model)
+    body = buffer.reshape(ep_size, rows // ep_size, model)
+    received = all_to_all(group, torch.cat([body, header], dim=1).reshape(-1, model))
+    received = received.reshape(ep_size, rows // ep_size + header_rows, model)
+    got = received[:, rows // ep_size :].detach().contiguous().view(torch.uint8).reshape(ep_size, -1)
+    counts = got[:, : 4 * local].contiguous().view(torch.int32).to(torch.long)
+    return received[:, : rows // ep_size].reshape(rows, model), counts
+
+
 class TopKGate(nn.Module):
     """The router: `wg` (a bias-free Linear, computed in fp32) and the gating rules of gating.py."""
 
@@ -143,11 +165,15 @@ class MOELayer(nn.Module):
         source.scatter_(0, flat.reshape(-1), tokens.reshape(-1))
         padded = torch.cat([x, x.new_zeros(1, model_dim)])
         dispatched = padded.index_select(0, source[:-1])  # [E * C, M], expert-major
-        if self.ep_size > 1:
-            dispatched = all_to_all(self.ep_group, dispatched)  # [ep (source rank), L, C, M]
         local = self.num_local_experts
+        kept = self._kept_per_expert(routes, num_experts)
+        filled = None if kept is None or self.ep_size > 1 else kept.reshape(1, local)  # [ep, L]
+        if self.ep_size > 1 and kept is not None:
+            dispatched, filled = dispatch_with_counts(self.ep_group, dispatched, kept, self.ep_size)
+        elif self.ep_size > 1:
+            dispatched = all_to_all(self.ep_group, dispatched)  # [ep (source rank), L, C, M]
         grouped_in = dispatched.reshape(self.ep_size, local, cap, model_dim).transpose(0, 1)
-        out = self.experts(grouped_in.reshape(local, self.ep_size * cap, model_dim))  # a call: ZeRO-3 hooks run
+        out = self.experts(grouped_in.reshape(local, self.ep_size * cap, model_dim), filled)  # ZeRO-3 hooks run
         out_dim = out.shape[-1]
         out = out.reshape(local, self.ep_size, cap, out_dim).transpose(0, 1).reshape(num_experts * cap, out_dim)
         if self.ep_size > 1:
@@ -155,6 +181,14 @@ class MOELayer(nn.Module):
         gathered = torch.cat([out, out.new_zeros(1, out_dim)]).index_select(0, flat.reshape(-1))
         combined = (gathered.reshape(*flat.shape, out_dim).float() * routes.weights.unsqueeze(-1)).sum(0)
         return combined.to(hidden.dtype).reshape(*hidden.shape[:-1], out_dim)
+
+    def _kept_per_expert(self, routes: Routes, num_experts: int) -> Tensor | None:
+        """[E]: the routes each expert keeps (filled slots 0 .. n-1, [Note: routes]); None where the experts run
+        batched and compute every row anyway ([Note: filled rows only])."""
+        batch = self.experts.batch_experts
+        if batch or (batch is None and routes.experts.device.type != "cpu"):
+            return None
+        return torch.bincount(routes.experts.reshape(-1) + 1, minlength=num_experts + 1)[1:]  # dropped: -1
 
 
 class MoE(nn.Module):

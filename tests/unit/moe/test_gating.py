@@ -167,3 +167,79 @@ def test_param_groups_split_expert_params_by_group() -> None:
     assert all(sum(p.numel() for p in g["params"]) <= 2 * 16 * HIDDEN for g in moe_groups) and len(moe_groups) > 1
     with pytest.raises(ValueError, match="multiple of ep_size"):
         MoE(HIDDEN, expert(), num_experts=3, ep_size=2)
+
+
+class _RowCounter(nn.Module):
+    """An expert that records how many rows it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN)
+        self.rows: list[int] = []
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.rows.append(h.shape[0])
+        return self.lin(h)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("drop", [True, False])
+@pytest.mark.parametrize("granule", [1, 4])
+def test_the_cpu_path_computes_only_filled_rows_and_matches_every_row_computed(
+    k: int, drop: bool, granule: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import slipstream.moe.experts as experts_module
+
+    monkeypatch.setattr(experts_module, "ROW_GRANULE", granule)
+    torch.manual_seed(0)
+    moe = MoE(
+        HIDDEN,
+        _RowCounter(),
+        num_experts=EXPERTS,
+        k=k,
+        capacity_factor=1.25,
+        use_rts=False,
+        drop_tokens=drop,
+        top2_2nd_expert_sampling=False,
+    )
+    x = tokens().requires_grad_()
+    out, _, counts = moe(x)
+    experts = moe.deepspeed_moe.experts
+    routes = moe.deepspeed_moe.last_routes
+    seen = [e.rows[-1] for e in experts.deepspeed_experts]
+    kept = torch.bincount(routes.experts[routes.experts >= 0], minlength=EXPERTS)
+    rounded = [min(-(-n // granule) * granule, routes.capacity) for n in kept.tolist()]
+    assert seen == rounded  # padding beyond the rounding is not computed
+    assert granule > 1 or sum(seen) < EXPERTS * routes.capacity
+    for e in range(EXPERTS):  # the gate fills slots 0 .. n-1 (what the filled rows rely on)
+        slots = routes.slots[routes.experts == e]
+        assert sorted(slots.tolist()) == list(range(int(kept[e])))
+    out.sum().backward()
+    grads = [p.grad.clone() for p in moe.parameters()] + [x.grad.clone()]
+    moe.zero_grad()
+    x.grad = None
+    experts.batch_experts = True  # every row computed (the vmapped accelerator path)
+    out_all, _, _ = moe(x)
+    out_all.sum().backward()
+    torch.testing.assert_close(out, out_all, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, [p.grad for p in moe.parameters()] + [x.grad]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dispatch_carries_the_kept_counts_exactly_in_any_dtype(monkeypatch: pytest.MonkeyPatch, dtype) -> None:
+    import slipstream.moe.layer as layer_module
+
+    sent: list[torch.Tensor] = []
+
+    def loopback(group: object, buffer: torch.Tensor) -> torch.Tensor:  # this rank's view: what it sent came back
+        sent.append(buffer)
+        return buffer.clone()
+
+    monkeypatch.setattr(layer_module, "all_to_all", loopback)
+    ep, local, cap, model = 2, 3, 5, 4  # a row of 4 bf16 values holds 2 counts: the header takes 2 rows
+    buffer = torch.randn(ep * local * cap, model).to(dtype)
+    kept = torch.tensor([5, 0, 70_001, 3, 1, 2**24 + 1])  # beyond bf16's and fp32's exact integers
+    received, counts = layer_module.dispatch_with_counts(None, buffer, kept, ep)
+    assert counts.tolist() == [[5, 0, 70_001], [3, 1, 2**24 + 1]]
+    assert torch.equal(received, buffer) and sent[0].shape[0] > buffer.shape[0]
