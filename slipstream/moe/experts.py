@@ -18,10 +18,11 @@ path computes only the filled rows: the layer passes `filled` [ep, L] (rows in u
 of each local expert; the gate fills slots 0 .. n-1, [Note: routes]), the rows are gathered into one
 expert-major tensor, each expert runs on its own contiguous chunk, and the outputs are written back into a
 zero buffer of the padded shape (the combine never reads padded rows). Each expert's row count is rounded up to
-a multiple of ROW_GRANULE (64) with padding rows: counts change every step, and tensors of ever-new sizes made
-glibc's heap keep ~20% more (peak RSS per rank 1128-1151 MiB vs 902-942 computing every row, bench/moe.py
---size large, top-1); rounded, 918-924 MiB, and still most of the time saved. One process, 8 experts of 256 -> 1024 ->
-256 over 1024 tokens, top-1, capacity_factor 1.25: forward + backward 55 -> 47 ms CPU (the padding's share).
+a multiple of ROW_GRANULE (32) with padding rows: counts change every step, and tensors of ever-new sizes made
+glibc's heap keep ~20% more. Measured (bench/moe.py --size large, top-1, CPU time per step of the slower rank,
+two runs each): every row computed 724-728 ms, peak RSS per rank 902-942 MiB; filled rows exactly 682-692 ms,
+1128-1151 MiB; rounded to 16, 32 or 64 rows 691-708 ms, 919-963 MiB (the dense model: 609 ms). One process,
+8 experts of 256 -> 1024 -> 256 over 1024 tokens: forward + backward 55 -> 47 ms CPU (exact filled rows).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch import Tensor, nn
 
 from slipstream.utils.logging import warn_once
 
-ROW_GRANULE = 64
+ROW_GRANULE = 32
 """The loop path computes each expert's filled rows rounded up to a multiple of this ([Note: filled rows only])."""
 
 
