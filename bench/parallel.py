@@ -10,9 +10,8 @@ Rows (gloo on CPU, one thread per rank, 2 ranks; one fresh process group per row
 - SP: one attention layer (8 heads x 64, seq 8192, causal SDPA), forward + backward. Each rank builds only its
   slice of the input sequence, the same rows as the single process's (`_sequence_rows`); the single process
   holds the whole sequence, as a user's would.
-  `single`, `slipstream_sp2` (DistributedAttention), `slipstream_sp2_regather` (`regather=True`: the gathered
-  q, k, v are not kept for the backward but swapped in again there), `slipstream_sp2_chunked` (`head_chunks` =
-  one head per chunk, recomputed in backward), `deepspeed_sp2` (DeepSpeed's DistributedAttention).
+  `single`, `slipstream_sp2` (DistributedAttention), `slipstream_sp2_chunked` (`head_chunks` = one head per
+  chunk, recomputed in backward), `deepspeed_sp2` (DeepSpeed's DistributedAttention).
 Step time: median over the steps after one warmup. Memory: the peak RSS of the rank above its RSS before the
 model was built (torch's own import is left out), the larger rank's. RSS also holds what glibc keeps of freed
 blocks and one-time buffers of the kernels, so SP rows have a second column, `live`: the peak of the tensors
@@ -202,8 +201,7 @@ def _sp_stepper(row: str, seq: int) -> Any:
         from slipstream.sequence.layer import DistributedAttention
 
         chunks = heads // dist.get_world_size() if row == "slipstream_sp2_chunked" else None
-        regather = row == "slipstream_sp2_regather"
-        attend = DistributedAttention(local_attention, dist.group.WORLD, 2, 1, head_chunks=chunks, regather=regather)
+        attend = DistributedAttention(local_attention, dist.group.WORLD, 2, 1, head_chunks=chunks)
     elif row == "deepspeed_sp2":
         import deepspeed
         from deepspeed.sequence.layer import DistributedAttention as DeepSpeedAttention
@@ -289,7 +287,7 @@ def main() -> None:
     peer = args.peer_python if Path(args.peer_python).exists() else None
     rows = {
         "tp": ["single", "slipstream_tp2", "dtensor_tp2", "deepspeed_autotp2"],
-        "sp": ["single", "slipstream_sp2", "slipstream_sp2_regather", "slipstream_sp2_chunked", "deepspeed_sp2"],
+        "sp": ["single", "slipstream_sp2", "slipstream_sp2_chunked", "deepspeed_sp2"],
     }
     for kind, names in rows.items():
         if args.only not in (None, kind):

@@ -28,17 +28,6 @@ heads `rank * local + chunk * per_chunk ...` of the input, so the local attentio
 independently (SDPA, flash attention; not per-head biases indexed by position in the call) and extra arguments
 must not need gradients.
 
-[Note: Ulysses regather] With `regather=True` the gathered (whole-sequence, head-sliced) q, k and v are not
-kept for the backward: what the local attention saves of them (SDPA saves its inputs) is packed by saved-tensor
-hooks as a recipe (this rank's local input and the saved view's geometry), and the backward swaps the local
-input in again when the attention's backward unpacks it. The caller holds its local q, k and v through the
-forward anyway (a model layer's locals), so the forward's peak loses the gathered copies (they are freed as the
-attention returns, before the output is swapped back and projected), and between forward and backward a layer
-keeps the local inputs instead of the gathered ones (the same size). The backward drops each local input once
-it is swapped in again, so the graph can be run backward once (`retain_graph=True` and a second backward are a
-named error). The price is three more all-to-alls per layer in backward, small next to attention on long
-sequences. Unlike `head_chunks`, nothing is recomputed but the swaps.
-
 Head counts are read from each call's tensors, so layers with different head counts (or grouped KV heads,
 where k and v have fewer heads than q) work; a head count the group size does not divide is an error
 naming both.
@@ -124,8 +113,6 @@ class DistributedAttention(nn.Module):
     [batch, seq, heads, head_size] is (2, 1). See [Note: uneven sequence lengths] for slices of unequal length.
     `head_chunks=n` (Slipstream's own) attends 1/n of this rank's heads at a time and recomputes in backward
     instead of keeping the head slices ([Note: Ulysses head chunks]); None is one call on all of them.
-    `regather=True` (Slipstream's own) keeps the local inputs instead of the gathered q, k and v for the
-    backward and swaps them in again there ([Note: Ulysses regather]).
     """
 
     def __init__(
@@ -137,7 +124,6 @@ class DistributedAttention(nn.Module):
         sp_stream: Any = None,
         *,
         head_chunks: int | None = None,
-        regather: bool = False,
     ) -> None:
         super().__init__()
         del sp_stream  # DeepSpeed's overlap stream; the all-to-alls here are not overlapped
@@ -151,12 +137,6 @@ class DistributedAttention(nn.Module):
         ):
             raise ValueError(f"DistributedAttention: head_chunks must be a positive int or None, got {head_chunks!r}")
         self.head_chunks = head_chunks
-        if regather and head_chunks is not None:
-            raise ValueError(
-                "DistributedAttention: regather=True and head_chunks are two ways of not keeping the gathered "
-                "q, k and v; pick one"
-            )
-        self.regather = regather
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.local_attn is None:
@@ -183,22 +163,15 @@ class DistributedAttention(nn.Module):
             return self._chunked(query, key, value, lengths, args, kwargs)
         # one all-to-all per tensor: the send and receive buffers of one tensor are alive at a time (stacking
         # q, k and v into one message would hold three of each: [Note: Ulysses memory])
+        q, k, v = (
+            seq_all_to_all(_pad(t, seq, longest), split_dim=heads, cat_dim=seq, group=group)
+            for t in (query, key, value)
+        )
         real = None
         if any(n != longest for n in lengths):
-            real = torch.cat([torch.arange(n, device=query.device) + r * longest for r, n in enumerate(lengths)])
-
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            whole = seq_all_to_all(_pad(t, seq, longest), split_dim=heads, cat_dim=seq, group=group)
-            return whole if real is None else whole.index_select(seq, real)
-
-        q, k, v = (gather(t) for t in (query, key, value))
-        if self.regather:
-            hooks = _Regather(gather, (query, key, value), (q, k, v))
-            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                out = self._attend(q, k, v, *args, **kwargs)
-            del q, k, v, hooks
-        else:
-            out = self._attend(q, k, v, *args, **kwargs)
+            real = torch.cat([torch.arange(n, device=q.device) + r * longest for r, n in enumerate(lengths)])
+            q, k, v = (t.index_select(seq, real) for t in (q, k, v))
+        out = self._attend(q, k, v, *args, **kwargs)
         if real is not None:
             shape = list(out.shape)
             shape[seq] = longest * size
@@ -231,68 +204,6 @@ class DistributedAttention(nn.Module):
         plan = _Plan(self, lengths, chunks, args, kwargs)
         out: torch.Tensor = _ChunkedAttention.apply(query, key, value, plan)
         return out
-
-
-class _Packed:
-    """A saved view of gathered input `index`: its geometry, rebuilt on the input swapped in again."""
-
-    __slots__ = ("index", "size", "stride", "offset")
-
-    def __init__(self, index: int, t: torch.Tensor) -> None:
-        self.index, self.size, self.stride, self.offset = index, t.size(), t.stride(), t.storage_offset()
-
-
-class _Regather:
-    """Saved-tensor hooks of one forward: [Note: Ulysses regather]."""
-
-    def __init__(
-        self,
-        gather: Callable[[torch.Tensor], torch.Tensor],
-        sources: tuple[torch.Tensor, ...],
-        gathered: tuple[torch.Tensor, ...],
-    ) -> None:
-        self.gather = gather
-        self.sources: list[torch.Tensor | None] = list(sources)
-        self.versions = [t._version for t in sources]
-        self.storages = [t.untyped_storage().data_ptr() for t in gathered]
-        self.saved = [0] * len(sources)  # views packed per input, still to unpack in this backward
-        self.again: dict[int, torch.Tensor] = {}
-
-    def pack(self, t: torch.Tensor) -> Any:
-        if t.device.type == "meta" or t.layout != torch.strided:
-            return t
-        ptr = t.untyped_storage().data_ptr()
-        for index, storage in enumerate(self.storages):
-            if ptr == storage:
-                self.saved[index] += 1
-                return _Packed(index, t)
-        return t
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Packed):
-            return packed  # type: ignore[no-any-return]
-        index = packed.index
-        whole = self.again.get(index)
-        if whole is None:
-            source = self.sources[index]
-            if source is None:
-                raise RuntimeError(
-                    "DistributedAttention(regather=True): the backward ran twice through the same forward "
-                    "(retain_graph=True); its local inputs were released after the first; use regather=False"
-                )
-            if source._version != self.versions[index]:
-                raise RuntimeError(
-                    f"DistributedAttention(regather=True): input {'qkv'[index]} was modified in place after the "
-                    f"forward (version {self.versions[index]} -> {source._version}); the backward needs it as it "
-                    "was: do not modify it in place, or use regather=False"
-                )
-            with torch.no_grad():
-                whole = self.again[index] = self.gather(source)
-        self.saved[index] -= 1
-        if self.saved[index] == 0:  # every saved view of it is unpacked: the backward holds them now
-            self.again.pop(index)
-            self.sources[index] = None
-        return whole.as_strided(packed.size, packed.stride, packed.offset)
 
 
 def sequence_lengths(local: int, group: dist.ProcessGroup | None, device: torch.device) -> list[int]:

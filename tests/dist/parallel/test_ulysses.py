@@ -18,9 +18,6 @@ CASES = [
     {"causal": True, "seq_first": False, "seq": 7, "kv_heads": 4, "head_chunks": 2},
     {"causal": False, "seq_first": True, "seq": 8, "kv_heads": 4, "head_chunks": 2},
     {"causal": True, "seq_first": True, "seq": 9, "kv_heads": 2, "head_chunks": 1},
-    # [Note: Ulysses regather]: the gathered q, k, v swapped in again in backward instead of kept
-    {"causal": True, "seq_first": False, "seq": 7, "kv_heads": 2, "regather": True},
-    {"causal": False, "seq_first": True, "seq": 8, "kv_heads": 4, "regather": True},
 ]
 
 
@@ -33,15 +30,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) 
 
 
 def one_case(
-    rank: int,
-    world: int,
-    *,
-    causal: bool,
-    seq_first: bool,
-    seq: int,
-    kv_heads: int,
-    head_chunks: int | None = None,
-    regather: bool = False,
+    rank: int, world: int, *, causal: bool, seq_first: bool, seq: int, kv_heads: int, head_chunks: int | None = None
 ) -> dict:
     from slipstream.comm import count_collectives
     from slipstream.sequence import DistributedAttention
@@ -60,9 +49,7 @@ def one_case(
     if seq_first:
         local = [t.transpose(0, 1).contiguous() for t in local]
     local = [t.requires_grad_() for t in local]
-    attn = DistributedAttention(
-        None, None, scatter_idx=2, gather_idx=0 if seq_first else 1, head_chunks=head_chunks, regather=regather
-    )
+    attn = DistributedAttention(None, None, scatter_idx=2, gather_idx=0 if seq_first else 1, head_chunks=head_chunks)
     with count_collectives() as counter:
         out = attn(*local, is_causal=causal)
         grad_out = upstream[:, start:end]
@@ -112,43 +99,10 @@ def bad_chunks(rank: int, world: int) -> dict:
     return {}
 
 
-def regather_frees_the_gathered_inputs(rank: int, world: int) -> dict:
-    """After the forward, regather=True keeps none of the gathered q, k, v (the live bytes differ by at least
-    their size); a second backward through the same graph is a named error, as is an input modified in place."""
-    import pytest
-
-    from slipstream.profiling.live_tensors import LiveTensorBytes
-    from slipstream.sequence import DistributedAttention
-
-    gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 6, 4, 8, generator=gen).requires_grad_() for _ in range(3))
-    alive = {}
-    for regather in (False, True):
-        with LiveTensorBytes() as live:
-            out = DistributedAttention(None, None, 2, 1, regather=regather)(q, k, v, is_causal=True)
-            alive[regather] = live.now
-        del out
-    gathered = 3 * 1 * 6 * world * (4 // world) * 8 * 4  # whole sequence (6 per rank), this rank's heads, fp32
-    assert alive[False] - alive[True] >= gathered, alive
-    out = DistributedAttention(None, None, 2, 1, regather=True)(q, k, v)
-    out.sum().backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="backward ran twice"):
-        out.sum().backward()
-    out = DistributedAttention(None, None, 2, 1, regather=True)(q, k, v)
-    with torch.no_grad():
-        k.mul_(2)
-    with pytest.raises(RuntimeError, match="input k was modified in place"):
-        out.sum().backward()
-    with pytest.raises(ValueError, match="pick one"):
-        DistributedAttention(None, None, 2, 1, regather=True, head_chunks=1)
-    return {}
-
-
 def grid(rank: int, world: int) -> list[dict]:
     return run_subtests(CASES, lambda **case: one_case(rank, world, **case)) + [
         dropout_recomputed(rank, world),
         bad_chunks(rank, world),
-        regather_frees_the_gathered_inputs(rank, world),
     ]
 
 
@@ -159,7 +113,3 @@ def test_distributed_attention_equals_unsharded_attention() -> None:
     # head chunks: per chunk q, k, v and the output forward; q, k, v, the output gradient and 3 gradients back
     assert counts[4] == counts[5] == {"all_to_all": 2 * 11, "all_gather": 1}
     assert counts[6] == {"all_to_all": 11, "all_gather": 1}
-    # regather: q, k and v swapped in again in backward; with grouped KV heads SDPA saves the repeated k and v
-    # (sdpa_attention's copies), so only q is
-    assert counts[8] == {"all_to_all": 8 + 3, "all_gather": 1}
-    assert counts[7] == {"all_to_all": 8 + 1, "all_gather": 1}
