@@ -71,10 +71,14 @@ class Experts(nn.Module):
         out = self.grouped(inputs.transpose(0, 1).reshape(local, ep * cap, model), filled)
         return out.reshape(local, ep, cap, -1).transpose(0, 1)
 
+    def batched(self, device: torch.device) -> bool:
+        """Whether the experts run as one vmapped call on `device` (computing every row) or one by one."""
+        return self.batch_experts if self.batch_experts is not None else device.type != "cpu"
+
     def grouped(self, x: Tensor, filled: Tensor | None = None) -> Tensor:
         """Every local expert on its own rows: x [L, T, M] -> [L, T, M_out], T = ep blocks of C slots; with
         `filled` [ep, L] only the first filled[j, l] rows of block j of expert l are computed."""
-        batch = self.batch_experts if self.batch_experts is not None else x.device.type != "cpu"
+        batch = self.batched(x.device)
         if filled is not None and not batch:
             return self._filled_rows(x, filled)
         if self.num_local_experts == 1:

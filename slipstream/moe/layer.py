@@ -185,8 +185,7 @@ class MOELayer(nn.Module):
     def _kept_per_expert(self, routes: Routes, num_experts: int) -> Tensor | None:
         """[E]: the routes each expert keeps (filled slots 0 .. n-1, [Note: routes]); None where the experts run
         batched and compute every row anyway ([Note: filled rows only])."""
-        batch = self.experts.batch_experts
-        if batch or (batch is None and routes.experts.device.type != "cpu"):
+        if self.experts.batched(routes.experts.device):
             return None
         return torch.bincount(routes.experts.reshape(-1) + 1, minlength=num_experts + 1)[1:]  # dropped: -1
 
