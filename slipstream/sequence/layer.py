@@ -176,8 +176,13 @@ class DistributedAttention(nn.Module):
             shape = list(out.shape)
             shape[seq] = longest * size
             out = out.new_zeros(shape).index_copy(seq, real, out)
+        # contiguous in the caller's layout: the heads gathered from each rank are strided in it, and the caller
+        # reshapes them for its output projection (a copy) while holding this result; copying here frees the
+        # receive buffer at once ([Note: Ulysses memory])
         out = seq_all_to_all(out, split_dim=seq, cat_dim=heads, group=group)
-        return out.narrow(seq, 0, query.shape[seq])
+        if out.shape[seq] != query.shape[seq]:  # padding rows to cut (a narrow's backward copies: only then)
+            out = out.narrow(seq, 0, query.shape[seq])
+        return out.contiguous()
 
     def _chunked(
         self,
