@@ -52,6 +52,9 @@ def one_case(
     attn = DistributedAttention(None, None, scatter_idx=2, gather_idx=0 if seq_first else 1, head_chunks=head_chunks)
     with count_collectives() as counter:
         out = attn(*local, is_causal=causal)
+        # in the caller's layout, contiguous: the caller's reshape to [.., heads * dim] is a view, not a copy made
+        # while the swap's receive buffer is still referenced
+        assert out.is_contiguous() and out.shape == local[0].shape
         grad_out = upstream[:, start:end]
         (out * (grad_out.transpose(0, 1) if seq_first else grad_out)).sum().backward()
     if seq_first:
