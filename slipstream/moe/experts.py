@@ -112,7 +112,7 @@ class Experts(nn.Module):
         in_use |= free & (free.cumsum(1) <= extra.unsqueeze(1))
         index = in_use.reshape(-1).nonzero().squeeze(1)  # expert-major, then source block, then slot
         compact = x.reshape(local * rows, model).index_select(0, index)
-        sizes = in_use.sum(1).tolist()
+        sizes = (count + extra).tolist()
         outs = [_first(e(chunk)) for chunk, e in zip(compact.split(sizes), self.deepspeed_experts)]
         out = torch.cat(outs)
         return out.new_zeros(local * rows, out.shape[-1]).index_copy(0, index, out).reshape(local, rows, -1)

@@ -48,12 +48,14 @@ class Routes:
     exp_counts: Tensor
 
     @property
+    def kept(self) -> Tensor:
+        """Kept routes per expert ([E]); expert e's fill slots 0 .. kept[e]-1 of its buffer."""
+        return torch.bincount(self.experts.reshape(-1) + 1, minlength=self.exp_counts.numel() + 1)[1:]  # -1: dropped
+
+    @property
     def dropped(self) -> Tensor:
         """Dropped routes per expert ([E]), counted against `exp_counts`."""
-        kept = torch.zeros_like(self.exp_counts)
-        live = self.experts[self.experts >= 0]
-        kept.index_add_(0, live, torch.ones_like(live))
-        return self.exp_counts - kept
+        return self.exp_counts - self.kept
 
 
 def capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int, min_capacity: int) -> int:

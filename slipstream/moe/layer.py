@@ -166,12 +166,16 @@ class MOELayer(nn.Module):
         padded = torch.cat([x, x.new_zeros(1, model_dim)])
         dispatched = padded.index_select(0, source[:-1])  # [E * C, M], expert-major
         local = self.num_local_experts
-        kept = self._kept_per_expert(routes, num_experts)
-        filled = None if kept is None or self.ep_size > 1 else kept.reshape(1, local)  # [ep, L]
-        if self.ep_size > 1 and kept is not None:
-            dispatched, filled = dispatch_with_counts(self.ep_group, dispatched, kept, self.ep_size)
+        # filled [ep, L]: the rows each source rank filled per local expert; None where the experts run batched
+        # and compute every row anyway ([Note: filled rows only])
+        looped = not self.experts.batched(x.device)
+        filled = None
+        if self.ep_size > 1 and looped:
+            dispatched, filled = dispatch_with_counts(self.ep_group, dispatched, routes.kept, self.ep_size)
         elif self.ep_size > 1:
             dispatched = all_to_all(self.ep_group, dispatched)  # [ep (source rank), L, C, M]
+        elif looped:
+            filled = routes.kept.reshape(1, local)
         grouped_in = dispatched.reshape(self.ep_size, local, cap, model_dim).transpose(0, 1)
         out = self.experts(grouped_in.reshape(local, self.ep_size * cap, model_dim), filled)  # ZeRO-3 hooks run
         out_dim = out.shape[-1]
@@ -181,13 +185,6 @@ class MOELayer(nn.Module):
         gathered = torch.cat([out, out.new_zeros(1, out_dim)]).index_select(0, flat.reshape(-1))
         combined = (gathered.reshape(*flat.shape, out_dim).float() * routes.weights.unsqueeze(-1)).sum(0)
         return combined.to(hidden.dtype).reshape(*hidden.shape[:-1], out_dim)
-
-    def _kept_per_expert(self, routes: Routes, num_experts: int) -> Tensor | None:
-        """[E]: the routes each expert keeps (filled slots 0 .. n-1, [Note: routes]); None where the experts run
-        batched and compute every row anyway ([Note: filled rows only])."""
-        if self.experts.batched(routes.experts.device):
-            return None
-        return torch.bincount(routes.experts.reshape(-1) + 1, minlength=num_experts + 1)[1:]  # dropped: -1
 
 
 class MoE(nn.Module):
