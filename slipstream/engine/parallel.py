@@ -9,6 +9,7 @@ the data group (docs/design.md D7): TP ranks hold different shards of one gradie
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -58,11 +59,8 @@ class ParallelSetup:
             return None
         layouts = {}
         for name, _local, spec in self.tp_model.param_specs(model):
-            dim = spec.shard_dim
-            step = 0 if dim is None else -(-spec.shape[dim] // self.tp_size)
-            layouts[name] = TpLayout(
-                tuple(spec.shape), dim, 0 if dim is None else min(self.tp_rank * step, spec.shape[dim])
-            )
+            start, _width = spec.extent(self.tp_rank, self.tp_size)
+            layouts[name] = TpLayout(tuple(spec.shape), spec.shard_dim, start)
         for name, param in model.named_parameters():
             layouts.setdefault(name, TpLayout(tuple(param.shape), None, 0))
         return layouts
@@ -124,5 +122,12 @@ def setup_parallel(model: nn.Module, plan: EnginePlan, device: torch.device, ran
             f"tensor parallel: size {tp}; " + ", ".join(f"{name}: {kind}" for name, kind in decisions.items()),
             rank=rank,
         )
+        uneven = Counter("/".join(map(str, s.sizes)) for _, _, s in tp_model.param_specs(model) if s.sizes)
+        if uneven:
+            log_rank0(
+                "tensor parallel: heads the TP size does not divide are split by whole KV groups; widths per rank: "
+                + ", ".join(f"{widths} ({count} weights)" for widths, count in uneven.items()),
+                rank=rank,
+            )
     log_rank0(f"parallel layout: data {topology.dp} x sequence {sp} x tensor {tp}", rank=rank)
     return ParallelSetup(topology, tp_model)

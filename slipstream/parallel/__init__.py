@@ -9,6 +9,7 @@ from slipstream.parallel.tensor import (
     TensorParallelModel,
     apply_tensor_parallel,
     plan_tensor_parallel,
+    whole_head_widths,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "apply_tensor_parallel",
     "build_topology",
     "plan_tensor_parallel",
+    "whole_head_widths",
 ]

@@ -11,10 +11,10 @@ Which layer is split how is decided by name, per `nn.Linear` / `nn.Embedding` (`
   `patterns` on parameter names with `partition_type` "column" / "row" / "skip") names the rule per pattern
   ahead of the defaults (`use_default_specs: false` drops the defaults).
 Head-aware: a q/k/v/o projection of an attention module that says its head size (`head_dim`, or
-`num_heads`/`num_attention_heads` with the projection's width) is split by whole heads; a head count (grouped
-KV heads included) that the TP size does not divide is refused with `TensorParallelError` naming both numbers.
-(Splitting such counts unevenly by whole heads would need shards of unequal width, which DTensor's `Shard`
-cannot express.)
+`num_heads`/`num_attention_heads` with the projection's width) is split by whole heads. A head count the TP
+size does not divide is split unevenly by whole KV groups (each KV head with its query heads): 4 heads on 3
+ranks are 2 + 1 + 1, 8 query / 4 KV heads are 4/2 + 2/1 + 2/1 (`whole_head_widths`; see [Note: uneven
+whole-head splits]). Fewer KV heads than TP ranks is refused with `TensorParallelError` naming both numbers.
 
 `apply_tensor_parallel` shards with `torch.distributed.tensor.parallel.parallelize_module`
 (`ColwiseParallel`, `RowwiseParallel`), then keeps each DTensor's local shard as a plain `nn.Parameter`
@@ -28,6 +28,17 @@ TP x ZeRO 1, 2 and 3 need no DTensor support in ZeRO. The DTensor is rebuilt in 
 views the gathered parameter (whose storage is regathered in place for the backward). Gradients flow from
 the DTensor to the local parameter through `from_local`'s backward, which reduces a replicated parameter's
 partial gradient over the group first.
+
+[Note: uneven whole-head splits] DTensor's `Shard` placement, when it redistributes, assumes `torch.chunk`'s
+layout (ceil-sized pieces), which cuts heads when the TP size does not divide the head count. A DTensor itself
+may hold pieces of any width (`from_local` with the global `shape`), and the ops of a column- or row-parallel
+linear never redistribute along the split dim: the matmul is computed on the local pieces, and only the
+replicated input's gradient (column) or the partial output (row) is reduced, over full-size tensors. So the
+projections of such an attention module are sliced here by whole heads (not by `parallelize_module`), carry
+their per-rank widths in their `ShardSpec.sizes`, and their forward does what ColwiseParallel /
+RowwiseParallel's hooks do, with the global shape given: the input made a Replicate (column) or a Shard(-1)
+DTensor of the whole width (row), the output returned local (row: reduced first). Global tensors of such
+pieces (checkpoints, `full_tensor`) are gathered by the widths, not by DTensor's redistribution.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ __all__ = [
     "TensorParallelModel",
     "apply_tensor_parallel",
     "plan_tensor_parallel",
+    "whole_head_widths",
 ]
 
 COLUMN, ROW, VOCAB, GATHERED, SKIP = "column", "row", "vocab", "gathered", "skip"
@@ -108,7 +120,8 @@ def plan_tensor_parallel(
     use_default_specs: bool = True,
 ) -> dict[str, str]:
     """Module name -> how it is split ("column", "row", "vocab", "gathered"); layers left replicated are not
-    listed. Reports each unrecognised `nn.Linear` once and raises TensorParallelError for heads cut in half."""
+    listed. Reports each unrecognised `nn.Linear` once and raises TensorParallelError for attention modules
+    that cannot be split by whole heads (fewer KV heads than TP ranks)."""
     compiled = [Rule(re.compile(p), k) for p, k in rules]
     modules = dict(model.named_modules())
     decisions: dict[str, str] = {}
@@ -124,8 +137,6 @@ def plan_tensor_parallel(
             unrecognised.append(name)
         if kind in (None, SKIP):
             continue
-        parent = modules.get(name.rsplit(".", 1)[0]) if "." in name else model
-        _check_heads(name, module, kind, _head_size(parent, model), tp_size)
         decisions[name] = kind
     if unrecognised:
         warn_once(
@@ -134,6 +145,7 @@ def plan_tensor_parallel(
             + ", ".join(unrecognised)
             + "; name a rule for them in tensor_parallel.partition_config",
         )
+    whole_head_widths(model, decisions, tp_size)  # refuses what cannot be split by whole heads
     return decisions
 
 
@@ -143,19 +155,54 @@ def _shares_weight(module: nn.Module, modules: Mapping[str, nn.Module]) -> bool:
     return any(m is not module and getattr(m, "weight", None) is weight for m in modules.values())
 
 
-def _check_heads(name: str, module: nn.Module, kind: str, head_size: int | None, tp: int) -> None:
-    if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in _HEAD_NAMES or head_size is None:
-        return
-    width = module.out_features if kind == COLUMN else module.in_features
-    if width % head_size:
-        return
-    heads = width // head_size
-    if heads % tp:
-        raise TensorParallelError(
-            f"tensor parallelism: layer '{name}' has {heads} attention heads (head size {head_size}), which the "
-            f"TP size {tp} does not divide; heads are never cut, and uneven whole-head splits are not "
-            f"supported: use a TP size that divides {heads} (or name another rule in partition_config)"
-        )
+_QUERY_NAMES = frozenset("q_proj query wq".split())
+_KV_NAMES = frozenset("k_proj v_proj key value wk wv".split())
+
+
+def whole_head_widths(model: nn.Module, decisions: Mapping[str, str], tp: int) -> dict[str, tuple[int, ...]]:
+    """Per attention projection whose heads the TP size does not divide: its width on each rank, by whole KV
+    groups (each KV head with its query heads), the first `groups % tp` ranks taking one group more. Evenly
+    divided heads are not listed (`torch.chunk`'s pieces are then whole heads). Raises TensorParallelError when
+    an attention module has fewer KV heads than TP ranks."""
+    modules = dict(model.named_modules())
+    by_parent: dict[str, dict[str, str]] = {}
+    for name, kind in decisions.items():
+        last = name.rsplit(".", 1)[-1]
+        if last in _HEAD_NAMES and isinstance(modules[name], nn.Linear):
+            by_parent.setdefault(name.rsplit(".", 1)[0] if "." in name else "", {})[name] = kind
+    widths: dict[str, tuple[int, ...]] = {}
+    for parent_name, projections in by_parent.items():
+        head_size = _head_size(modules[parent_name], model)
+        if head_size is None:
+            continue
+        heads = {}  # projection -> its head count (column: output features; row: input features)
+        for name, kind in projections.items():
+            layer = modules[name]
+            width = layer.out_features if kind == COLUMN else layer.in_features  # type: ignore[union-attr]
+            if kind in (COLUMN, ROW) and width % head_size == 0:
+                heads[name] = width // head_size
+        kv = [n for n in heads if n.rsplit(".", 1)[-1] in _KV_NAMES]
+        groups = min((heads[n] for n in kv), default=0) or max(heads.values(), default=0)
+        if groups == 0 or all(h % tp == 0 for h in heads.values()):
+            continue
+        named = kv[0] if kv else next(iter(heads))
+        if groups < tp:
+            raise TensorParallelError(
+                f"tensor parallelism: layer '{named}' has {groups} {'KV' if kv else 'attention'} heads (head size "
+                f"{head_size}), fewer than the TP size {tp}: heads are never cut and each rank needs a whole one; "
+                f"use a TP size of at most {groups} (or name another rule in partition_config)"
+            )
+        for name, count in heads.items():
+            if count % groups:
+                raise TensorParallelError(
+                    f"tensor parallelism: layer '{name}' has {count} attention heads, not a multiple of the "
+                    f"{groups} KV heads of '{named}', so they cannot be split by whole KV groups over the TP size "
+                    f"{tp}; use a TP size that divides both (or name another rule in partition_config)"
+                )
+        per_rank = [groups // tp + (r < groups % tp) for r in range(tp)]
+        for name, count in heads.items():
+            widths[name] = tuple(g * (count // groups) * head_size for g in per_rank)
+    return widths
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,6 +212,8 @@ class ShardSpec:
     placements: tuple[Any, ...]
     shape: torch.Size
     stride: tuple[int, ...]
+    sizes: tuple[int, ...] | None = None
+    """Each rank's width along the shard dim when it is not `torch.chunk`'s (uneven whole-head splits)."""
 
     @property
     def sharded(self) -> bool:
@@ -173,6 +222,18 @@ class ShardSpec:
     @property
     def shard_dim(self) -> int | None:
         return next((p.dim for p in self.placements if p.is_shard()), None)
+
+    def extent(self, rank: int, ranks: int) -> tuple[int, int]:
+        """(first index, width) of rank `rank`'s piece along the shard dim (the whole tensor when replicated)."""
+        dim = self.shard_dim
+        if dim is None:
+            return 0, 0
+        if self.sizes is not None:
+            return sum(self.sizes[:rank]), self.sizes[rank]
+        whole = self.shape[dim]
+        step = -(-whole // ranks)
+        start = min(rank * step, whole)
+        return start, min(step, whole - start)
 
 
 @dataclasses.dataclass
@@ -199,6 +260,8 @@ class TensorParallelModel:
         """The global tensor of a local shard (an all-gather over the TP group)."""
         from torch.distributed.tensor import DTensor
 
+        if spec.sizes is not None and spec.shard_dim is not None:
+            return _gather_widths(local.detach(), spec.shard_dim, spec.sizes, self.mesh)
         value = DTensor.from_local(local.detach(), self.mesh, spec.placements, shape=spec.shape, stride=spec.stride)
         return value.full_tensor()
 
@@ -207,9 +270,21 @@ class TensorParallelModel:
         dim = spec.shard_dim
         if dim is None:
             return full
-        size, rank = self.mesh.size(), self.mesh.get_local_rank()
-        chunks = full.chunk(size, dim=dim)
-        return chunks[rank] if rank < len(chunks) else full.narrow(dim, 0, 0)
+        start, width = spec.extent(self.mesh.get_local_rank(), self.mesh.size())
+        return full.narrow(dim, start, width)
+
+
+def _gather_widths(local: torch.Tensor, dim: int, sizes: tuple[int, ...], mesh: Any) -> torch.Tensor:
+    """The global tensor of pieces of unequal widths along `dim`: each padded to the widest, gathered, and cut
+    back (see [Note: uneven whole-head splits])."""
+    import torch.distributed as dist
+
+    widest = max(sizes)
+    padded = local.new_zeros(local.shape[:dim] + (widest,) + local.shape[dim + 1 :])
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    pieces = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(pieces, padded.contiguous(), group=mesh.get_group())
+    return torch.cat([piece.narrow(dim, 0, width) for piece, width in zip(pieces, sizes)], dim=dim)
 
 
 def _styles(kind: str) -> Any:
@@ -230,27 +305,61 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, decisions: Mapping[str, s
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, mesh, {name: _styles(kind) for name, kind in decisions.items()})
+    uneven = whole_head_widths(model, decisions, mesh.size())
+    plan = {name: _styles(kind) for name, kind in decisions.items() if name not in uneven}
+    parallelize_module(model, mesh, plan)
+    modules = dict(model.named_modules())
     specs: dict[str, dict[str, ShardSpec]] = {}
-    for module_name, module in model.named_modules():
-        found: dict[str, ShardSpec] = {}
-        for param_name, param in list(module._parameters.items()):
-            if not isinstance(param, DTensor):
-                continue
-            found[param_name] = ShardSpec(tuple(param.placements), param.shape, tuple(param.stride()))
-            module._parameters[param_name] = nn.Parameter(param.to_local(), requires_grad=param.requires_grad)
+    for module_name, module in modules.items():
+        if module_name in uneven:
+            found = _slice_by_widths(module, decisions[module_name], uneven[module_name], mesh)
+            io = decisions[module_name]
+        else:
+            found, io = {}, None
+            for param_name, param in list(module._parameters.items()):
+                if not isinstance(param, DTensor):
+                    continue
+                found[param_name] = ShardSpec(tuple(param.placements), param.shape, tuple(param.stride()))
+                module._parameters[param_name] = nn.Parameter(param.to_local(), requires_grad=param.requires_grad)
         if found:
             specs[module_name] = found
             original = module.forward  # bound, or an instance attribute someone else installed
-            module.forward = functools.partial(_forward_with_dtensors, module, original, mesh, found)  # type: ignore[method-assign]
+            module.forward = functools.partial(_forward_with_dtensors, module, original, mesh, found, io)  # type: ignore[method-assign]
     return TensorParallelModel(mesh=mesh, decisions=dict(decisions), specs=specs)
 
 
+def _slice_by_widths(module: nn.Module, kind: str, widths: tuple[int, ...], mesh: Any) -> dict[str, ShardSpec]:
+    """Keep this rank's whole heads of a column- (weight rows, bias) or row-parallel (weight columns; the bias
+    replicated) linear as its parameters; their specs carry the widths."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    rank = mesh.get_local_rank()
+    start, width = sum(widths[:rank]), widths[rank]
+    found: dict[str, ShardSpec] = {}
+    for param_name, param in list(module._parameters.items()):
+        if param is None:
+            continue
+        dim = 0 if kind == COLUMN else 1 if param.dim() == 2 else None
+        placements = (Replicate(),) if dim is None else (Shard(dim),)
+        found[param_name] = ShardSpec(placements, param.shape, tuple(param.stride()), None if dim is None else widths)
+        local = param.detach() if dim is None else param.detach().narrow(dim, start, width).clone()
+        module._parameters[param_name] = nn.Parameter(local, requires_grad=param.requires_grad)
+    return found
+
+
 def _forward_with_dtensors(
-    module: nn.Module, forward: Any, mesh: Any, specs: Mapping[str, ShardSpec], *args: Any, **kwargs: Any
+    module: nn.Module,
+    forward: Any,
+    mesh: Any,
+    specs: Mapping[str, ShardSpec],
+    io: str | None,
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
-    """The module's forward with its local parameters seen as DTensors (see [Note: local shards as parameters])."""
-    from torch.distributed.tensor import DTensor
+    """The module's forward with its local parameters seen as DTensors (see [Note: local shards as parameters]).
+    `io` ("column" / "row") for a layer sliced by whole heads: its input and output are converted here, as
+    ColwiseParallel / RowwiseParallel's hooks do for the others (see [Note: uneven whole-head splits])."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     params = module._parameters
     local: dict[str, Any] = {name: params[name] for name in specs}
@@ -259,6 +368,20 @@ def _forward_with_dtensors(
             params[name] = DTensor.from_local(  # type: ignore[assignment]
                 local[name], mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
             )
-        return forward(*args, **kwargs)
+        if io is None:
+            return forward(*args, **kwargs)
+        # 2-D around the matmul: DTensor's view ops compute local shapes by torch.chunk's layout
+        x, *rest = args
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])
+        if io == COLUMN:
+            y = forward(DTensor.from_local(flat, mesh, (Replicate(),), run_check=False), *rest, **kwargs)
+            return y.to_local().view(*lead, -1)
+        whole = (flat.shape[0], specs["weight"].shape[1])
+        flat = DTensor.from_local(
+            flat, mesh, (Shard(1),), run_check=False, shape=torch.Size(whole), stride=(whole[1], 1)
+        )
+        y = forward(flat, *rest, **kwargs).redistribute(mesh, (Replicate(),)).to_local()
+        return y.view(*lead, -1)
     finally:
         params.update(local)

@@ -9,7 +9,7 @@ import pytest
 from torch import nn
 
 from slipstream.config import ConfigError, resolve
-from slipstream.parallel import TensorParallelError, plan_tensor_parallel
+from slipstream.parallel import TensorParallelError, plan_tensor_parallel, whole_head_widths
 from tests.dist.parallel.models import TinyGPT
 
 
@@ -32,13 +32,31 @@ def test_default_rules_split_a_llama_block() -> None:
     assert len(reported) == 1 and "layers.0.adapter" in reported[0]
 
 
-def test_head_counts_the_tp_size_does_not_divide_are_refused_with_both_numbers() -> None:
-    with pytest.raises(TensorParallelError, match=r"'layers.0.self_attn.q_proj' has 4 attention heads .* TP size 3"):
+def test_head_counts_the_tp_size_does_not_divide_are_split_by_whole_kv_groups() -> None:
+    # 4 query / 4 KV heads of size 8 on 3 ranks: 2 + 1 + 1 heads (16, 8, 8 features); o_proj's inputs alike
+    model = TinyGPT(layers=1, heads=4, kv_heads=4)
+    widths = whole_head_widths(model, plan_tensor_parallel(model, 3), 3)
+    attn = "layers.0.self_attn"
+    assert widths == {f"{attn}.{p}": (16, 8, 8) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    # grouped: 8 query / 4 KV heads: each rank takes whole KV groups with their 2 query heads each
+    model = TinyGPT(layers=1, heads=8, kv_heads=4)
+    widths = whole_head_widths(model, plan_tensor_parallel(model, 3), 3)
+    assert widths[f"{attn}.q_proj"] == widths[f"{attn}.o_proj"] == (32, 16, 16)
+    assert widths[f"{attn}.k_proj"] == widths[f"{attn}.v_proj"] == (16, 8, 8)
+    # heads the TP size divides keep torch.chunk's (equal, whole-head) pieces: nothing listed
+    model = TinyGPT(layers=1, heads=6, kv_heads=3)
+    assert whole_head_widths(model, plan_tensor_parallel(model, 3), 3) == {}
+
+
+def test_heads_that_cannot_be_split_whole_are_refused_with_both_numbers() -> None:
+    # 2 KV heads cannot give each of 3 (or 4) ranks a whole one
+    with pytest.raises(TensorParallelError, match=r"'layers.0.self_attn.k_proj' has 2 KV heads .* TP size 3"):
         plan_tensor_parallel(TinyGPT(layers=1), 3)
-    # grouped KV heads: 4 query heads divide by 4, 2 KV heads do not
-    with pytest.raises(TensorParallelError, match=r"k_proj' has 2 attention heads .* TP size 4"):
+    with pytest.raises(TensorParallelError, match=r"k_proj' has 2 KV heads .* TP size 4"):
         plan_tensor_parallel(TinyGPT(layers=1), 4)
-    plan_tensor_parallel(TinyGPT(layers=1, heads=6, kv_heads=3), 3)  # 6 and 3 heads on 3 ranks: whole heads
+    # 6 query heads are not whole groups of 4 KV heads
+    with pytest.raises(TensorParallelError, match=r"'layers.0.self_attn.q_proj' has 6 attention heads, not a multiple"):
+        plan_tensor_parallel(TinyGPT(layers=1, heads=6, kv_heads=4), 3)
 
 
 def test_partition_config_rules_come_first_and_defaults_can_be_dropped() -> None:
