@@ -93,16 +93,6 @@ class ParallelSetup:
                 out[name] = self.tp_model.full_tensor(name, out[name], spec)
         return out
 
-    def local_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The inverse of `full_state`: this rank's shard of each global tensor."""
-        if self.tp_model is None:
-            return state
-        out = dict(state)
-        for name, _param, spec in self.tp_model.param_specs(model):
-            if spec.sharded and name in out:
-                out[name] = self.tp_model.local_piece(out[name], spec)
-        return out
-
 
 def setup_parallel(model: nn.Module, plan: EnginePlan, device: torch.device, rank: int) -> ParallelSetup:
     """Build the mesh and split `model` over TP as `plan.parallel` says (no-op without TP and SP)."""

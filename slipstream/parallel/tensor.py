@@ -224,7 +224,7 @@ class ShardSpec:
         return next((p.dim for p in self.placements if p.is_shard()), None)
 
     def extent(self, rank: int, ranks: int) -> tuple[int, int]:
-        """(first index, width) of rank `rank`'s piece along the shard dim (the whole tensor when replicated)."""
+        """(first index, width) of rank `rank`'s piece along the shard dim; (0, 0) when replicated."""
         dim = self.shard_dim
         if dim is None:
             return 0, 0
@@ -264,14 +264,6 @@ class TensorParallelModel:
             return _gather_widths(local.detach(), spec.shard_dim, spec.sizes, self.mesh)
         value = DTensor.from_local(local.detach(), self.mesh, spec.placements, shape=spec.shape, stride=spec.stride)
         return value.full_tensor()
-
-    def local_piece(self, full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-        """This rank's shard of a global tensor (no communication)."""
-        dim = spec.shard_dim
-        if dim is None:
-            return full
-        start, width = spec.extent(self.mesh.get_local_rank(), self.mesh.size())
-        return full.narrow(dim, start, width)
 
 
 def _gather_widths(local: torch.Tensor, dim: int, sizes: tuple[int, ...], mesh: Any) -> torch.Tensor:
