@@ -2,7 +2,7 @@
 the global parameters equal the reference to 2e-5 relative (fp32) and the logged losses match, with gradient
 clipping on (so the global norm over TP shards must be right). One spawn of 2 ranks (TP=2 at ZeRO 1 and 3,
 TP=2 at ZeRO 3 with everything on NVMe (the gradients in files), SP=2 at ZeRO 2, a TP=2 checkpoint resumed at
-TP=1, collectives per step), one of 3 (TP=3 on heads it does not divide, split by whole KV groups, at ZeRO 1
+TP=1, collectives per step), one of 3 (TP=3 on heads it does not divide, split by whole KV groups, at ZeRO 2
 and 3; its checkpoint resumed at TP=1 and TP=3) and one of 4 (TP=2 x DP=2 at ZeRO 3, SP=2 x DP=2 at ZeRO 1)."""
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def test_tp2_dp2_and_sp2_dp2_match_single_process() -> None:
 
 
 UNEVEN = {"heads": 8, "kv_heads": 4}  # 4 KV groups on 3 ranks: 2 + 1 + 1 (query heads 4 + 2 + 2)
-CASES_3 = [{"tp": 3, "sp": 1, "stage": 1, **UNEVEN}, {"tp": 3, "sp": 1, "stage": 3, **UNEVEN}]
+CASES_3 = [{"tp": 3, "sp": 1, "stage": 2, **UNEVEN}, {"tp": 3, "sp": 1, "stage": 3, **UNEVEN}]
 
 
 def grid3(rank: int, world: int, path: str) -> dict:
@@ -238,8 +238,9 @@ def _close_by_norm(got: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
 
 
 def test_tp3_splits_uneven_heads_by_whole_kv_groups_and_matches_single_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """TP=3 on 8 query / 4 KV heads (head size 8): the ranks hold 2, 1 and 1 KV groups; trained at ZeRO 1 and 3
-    like one process; its checkpoint (global tensors) resumes at TP=1 x DP=3 and again at TP=3 under ZeRO 3."""
+    """TP=3 on 8 query / 4 KV heads (head size 8): the ranks hold 2, 1 and 1 KV groups; trained at ZeRO 2 and 3
+    like one process; its checkpoint (global tensors, saved at ZeRO 1) resumes at TP=1 x DP=3 and again at TP=3
+    under ZeRO 3."""
     ranks = run_distributed(grid3, world_size=3, timeout_s=240, path=str(tmp_path / "ckpt"))
     assert [r["widths"] for r in ranks] == [
         {"q_proj": 32, "k_proj": 16, "o_proj": 32},
