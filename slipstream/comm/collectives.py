@@ -127,6 +127,7 @@ class TimedWork:
             return
         if self._device == "cpu":
             self._wait_host()
+            inflight.settle(self._entry)
         elif self._entry.work is not None:
             try:
                 self._entry.work.wait()  # orders the stream; the group's own timeout fires on NCCL
