@@ -268,14 +268,15 @@ class TensorParallelModel:
 
 def _gather_widths(local: torch.Tensor, dim: int, sizes: tuple[int, ...], mesh: Any) -> torch.Tensor:
     """The global tensor of pieces of unequal widths along `dim`: each padded to the widest, gathered, and cut
-    back (see [Note: uneven whole-head splits])."""
-    import torch.distributed as dist
+    back (see [Note: uneven whole-head splits]). Through slipstream.comm, which keeps the tensors it hands to
+    gloo until the backend lets go of them ([Note: handing tensors to gloo] in comm/inflight.py)."""
+    from slipstream.comm import collectives
 
-    widest = max(sizes)
-    padded = local.new_zeros(local.shape[:dim] + (widest,) + local.shape[dim + 1 :])
+    padded = local.new_zeros(local.shape[:dim] + (max(sizes),) + local.shape[dim + 1 :])
     padded.narrow(dim, 0, local.shape[dim]).copy_(local)
-    pieces = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(pieces, padded.contiguous(), group=mesh.get_group())
+    gathered = padded.new_empty((len(sizes) * padded.numel(),))
+    collectives.all_gather(gathered, padded.reshape(-1), group=mesh.get_group())
+    pieces = gathered.view(len(sizes), *padded.shape).unbind(0)
     return torch.cat([piece.narrow(dim, 0, width) for piece, width in zip(pieces, sizes)], dim=dim)
 
 
