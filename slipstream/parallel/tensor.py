@@ -36,8 +36,9 @@ linear never redistribute along the split dim: the matmul is computed on the loc
 replicated input's gradient (column) or the partial output (row) is reduced, over full-size tensors. So the
 projections of such an attention module are sliced here by whole heads (not by `parallelize_module`), carry
 their per-rank widths in their `ShardSpec.sizes`, and their forward does what ColwiseParallel /
-RowwiseParallel's hooks do, with the global shape given: the input made a Replicate (column) or a Shard(-1)
-DTensor of the whole width (row), the output returned local (row: reduced first). Global tensors of such
+RowwiseParallel's hooks do, with the global shape given, around a 2-D matmul (DTensor's views compute local
+shapes by `torch.chunk` too): the input, flattened to rows, made a Replicate (column) or a Shard(1) DTensor of
+the whole width (row), the output returned local (row: reduced first) in the input's leading shape. Global tensors of such
 pieces (checkpoints, `full_tensor`) are gathered by the widths, not by DTensor's redistribution.
 """
 
@@ -155,7 +156,6 @@ def _shares_weight(module: nn.Module, modules: Mapping[str, nn.Module]) -> bool:
     return any(m is not module and getattr(m, "weight", None) is weight for m in modules.values())
 
 
-_QUERY_NAMES = frozenset("q_proj query wq".split())
 _KV_NAMES = frozenset("k_proj v_proj key value wk wv".split())
 
 
