@@ -106,7 +106,7 @@ class Experts(nn.Module):
         cap = rows // ep
         in_use = (torch.arange(cap, device=x.device) < filled.t().to(x.device).unsqueeze(-1)).reshape(local, rows)
         # each expert's count rounded up to a multiple of ROW_GRANULE with padding rows (zeros; never combined)
-        count = in_use.sum(1)
+        count = filled.sum(0).to(x.device)  # rows in use per expert, over the source blocks
         extra = torch.clamp((count + ROW_GRANULE - 1) // ROW_GRANULE * ROW_GRANULE, max=rows) - count
         free = ~in_use
         in_use |= free & (free.cumsum(1) <= extra.unsqueeze(1))
