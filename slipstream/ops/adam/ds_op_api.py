@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -55,9 +55,24 @@ def install(module: ModuleType) -> ModuleType:
     """Add DeepSpeed's functional interface to a loaded cpu_adam op module (once)."""
     if getattr(module, "_deepspeed_api", False):
         return module
-    list_update = module.adam_update
+    id_functions = _id_functions(module.adam_update)
+    adam_update = id_functions[-1]
+    control_functions = (
+        zenflow_adam_ctrl_size,
+        zenflow_adam_ctrl_init,
+        zenflow_adam_submit,
+        zenflow_adam_wait,
+        zenflow_adam_ctrl_exit,
+    )
+    for function in (*id_functions, *control_functions, *_worker_functions(adam_update)):
+        setattr(module, function.__name__, function)
+    module._deepspeed_api = True  # type: ignore[attr-defined]
+    return module
+
+
+def _id_functions(list_update: Callable[..., Any]) -> tuple[Callable[..., Any], ...]:
+    """`create_adam`, `destroy_adam` and the id-or-list `adam_update` (last), sharing one id table."""
     optimizers: dict[int, bool] = {}  # id -> adamw_mode
-    workers: dict[int, dict[str, Any]] = {}
 
     def create_adam(
         optimizer_id: int,
@@ -101,45 +116,60 @@ def install(module: ModuleType) -> ModuleType:
         )
         return 0
 
-    def zenflow_adam_ctrl_size() -> int:
-        return _CTRL_BYTES
+    return create_adam, destroy_adam, adam_update
 
-    def zenflow_adam_ctrl_init(ptr: int, groups: int) -> None:
-        if not 0 < groups <= _MAX_GROUPS:
-            raise ValueError(f"zenflow_adam_ctrl_init: {groups} groups; 1 to {_MAX_GROUPS} are supported")
-        ctypes.memset(ptr, 0, _CTRL_BYTES)
-        _int(ptr, _GROUPS).value = int(groups)
 
-    def zenflow_adam_submit(
-        ptr: int,
-        now: int,
-        step: int,
-        lrs: Sequence[float],
-        beta1s: Sequence[float],
-        beta2s: Sequence[float],
-        epss: Sequence[float],
-        weight_decays: Sequence[float],
-        bias_corrections: Sequence[int],
-    ) -> None:
-        for group, values in enumerate(zip(lrs, beta1s, beta2s, epss, weight_decays, bias_corrections)):
-            for field, value in enumerate(values):
-                _float(ptr, group, field).value = float(value)
-        _int(ptr, _NOW).value = int(now)
-        _int(ptr, _STEP).value = int(step)
-        _int(ptr, _SUBMITTED).value += 1  # last: the worker reads the fields above once it sees this
+# The ZenFlow control block: the trainer's side (size, init, submit, wait, exit).
 
-    def zenflow_adam_wait(ptr: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + float(timeout_s)
-        taken, done = _int(ptr, _TAKEN), _int(ptr, _DONE)
-        while done.value <= taken.value:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(_POLL_S)
-        taken.value += 1
-        return True
 
-    def zenflow_adam_ctrl_exit(ptr: int) -> None:
-        _int(ptr, _EXIT).value = 1
+def zenflow_adam_ctrl_size() -> int:
+    return _CTRL_BYTES
+
+
+def zenflow_adam_ctrl_init(ptr: int, groups: int) -> None:
+    if not 0 < groups <= _MAX_GROUPS:
+        raise ValueError(f"zenflow_adam_ctrl_init: {groups} groups; 1 to {_MAX_GROUPS} are supported")
+    ctypes.memset(ptr, 0, _CTRL_BYTES)
+    _int(ptr, _GROUPS).value = int(groups)
+
+
+def zenflow_adam_submit(
+    ptr: int,
+    now: int,
+    step: int,
+    lrs: Sequence[float],
+    beta1s: Sequence[float],
+    beta2s: Sequence[float],
+    epss: Sequence[float],
+    weight_decays: Sequence[float],
+    bias_corrections: Sequence[int],
+) -> None:
+    for group, values in enumerate(zip(lrs, beta1s, beta2s, epss, weight_decays, bias_corrections)):
+        for field, value in enumerate(values):
+            _float(ptr, group, field).value = float(value)
+    _int(ptr, _NOW).value = int(now)
+    _int(ptr, _STEP).value = int(step)
+    _int(ptr, _SUBMITTED).value += 1  # last: the worker reads the fields above once it sees this
+
+
+def zenflow_adam_wait(ptr: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + float(timeout_s)
+    taken, done = _int(ptr, _TAKEN), _int(ptr, _DONE)
+    while done.value <= taken.value:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+    taken.value += 1
+    return True
+
+
+def zenflow_adam_ctrl_exit(ptr: int) -> None:
+    _int(ptr, _EXIT).value = 1
+
+
+def _worker_functions(adam_update: Callable[..., Any]) -> tuple[Callable[..., Any], ...]:
+    """The ZenFlow worker's side (create, register_group, run_worker, destroy), sharing one handle table."""
+    workers: dict[int, dict[str, Any]] = {}
 
     def zenflow_adam_create(optimizer_id: int, affinity: Sequence[int] = ()) -> int:
         if affinity and hasattr(os, "sched_setaffinity"):
@@ -177,20 +207,4 @@ def install(module: ModuleType) -> ModuleType:
     def zenflow_adam_destroy(handle: int) -> None:
         workers.pop(handle, None)
 
-    for function in (
-        create_adam,
-        destroy_adam,
-        adam_update,
-        zenflow_adam_ctrl_size,
-        zenflow_adam_ctrl_init,
-        zenflow_adam_submit,
-        zenflow_adam_wait,
-        zenflow_adam_ctrl_exit,
-        zenflow_adam_create,
-        zenflow_adam_register_group,
-        zenflow_adam_run_worker,
-        zenflow_adam_destroy,
-    ):
-        setattr(module, function.__name__, function)
-    module._deepspeed_api = True  # type: ignore[attr-defined]
-    return module
+    return zenflow_adam_create, zenflow_adam_register_group, zenflow_adam_run_worker, zenflow_adam_destroy
