@@ -35,7 +35,7 @@ from slipstream.config.plan import EnginePlan
 from slipstream.engine import builders
 from slipstream.engine.checkpointing import Checkpointing
 from slipstream.engine.model_saving import ModelSaving
-from slipstream.engine.monitor import StepFigures
+from slipstream.engine.monitor import StepFigures, step_events
 from slipstream.engine.observe import CommsLog, StepProfiler
 from slipstream.engine.parallel import setup_parallel
 from slipstream.utils.logging import get_logger, log_rank0, warn_once
@@ -311,7 +311,8 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         return self.dp_world_size * gas * loss_scale
 
     def _finish_window(self) -> None:
-        """Global mean loss of the batch (one scalar all-reduce), progress line and monitors."""
+        """Global mean loss of the batch (one scalar all-reduce); the monitors' events at every optimizer step, as
+        DeepSpeed writes them; the progress line (and its window's figures) every `steps_per_print` steps."""
         totals = self._loss_totals
         if self.world_size > 1:
             collectives.all_reduce(totals)
@@ -321,12 +322,21 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         every = self.plan.logging.steps_per_print
         if self._progress is not None:
             self._progress.advance(1, "" if self._last_loss is None else f"loss {self._last_loss:.4f}")
-        if not every or self.global_steps % every != 0:
-            return
-        if self._comms_log is not None:
-            self._comms_log.report()  # every rank resets its own counts; rank 0 prints
-        if self.global_rank != 0:
-            return
+        loss_scale = None if self.loss_scaler is None else float(self.loss_scaler.scale)
+        events: dict[str, float] = {}
+        if self.monitors:  # rank 0's
+            lr = self.get_lr()[0]
+            events = step_events(lr=lr, loss=self._last_loss, grad_norm=self._grad_norm, loss_scale=loss_scale)
+        if every and self.global_steps % every == 0:
+            if self._comms_log is not None:
+                self._comms_log.report()  # every rank resets its own counts; rank 0 prints
+            if self.global_rank == 0:
+                events.update(self._print_window(every, loss_scale))
+        for monitor in self.monitors:
+            monitor.write(events, self.global_samples)
+
+    def _print_window(self, every: int, loss_scale: float | None) -> dict[str, float]:
+        """Rank 0's progress line for the last `every` steps; returns the window's figures for the monitors."""
         elapsed = time.perf_counter() - self._window_started
         figures = StepFigures(
             step=self.global_steps,
@@ -334,7 +344,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
             loss=self._last_loss,
             lr=self.get_lr()[0],
             grad_norm=self._grad_norm,
-            loss_scale=None if self.loss_scaler is None else float(self.loss_scaler.scale),
+            loss_scale=loss_scale,
             samples_per_s=every * self.train_batch_size() / max(elapsed, 1e-9),
             step_time_s=elapsed / every,
             breakdown=dict(self._timers) if self.plan.logging.wall_clock_breakdown else None,
@@ -350,10 +360,9 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         log_rank0(figures.line(), rank=self.global_rank)
         if self.loss_scaler is not None and (report := self.loss_scaler.take_report()):
             log_rank0(report, rank=self.global_rank)
-        for monitor in self.monitors:
-            monitor.write(figures.events(), self.global_samples)
         self._window_started = time.perf_counter()
         self._timers = dict.fromkeys(self._timers, 0.0)
+        return figures.window_events() if self.monitors else {}
 
     def get_sequence_parallel_group(self) -> dist.ProcessGroup | None:
         """The Ulysses group of this rank (`sequence_parallel_size`), None without sequence parallelism."""

@@ -1,9 +1,13 @@
-"""Training figures: the rank-0 progress line every `steps_per_print` steps, and the csv/tensorboard monitors.
+"""Training figures: the monitors' events at every optimizer step, and the rank-0 progress line every
+`steps_per_print` steps.
 
-Events use DeepSpeed's names (`Train/Samples/train_loss`, `Train/Samples/lr`, `Train/Samples/loss_scale`,
-`Train/Samples/grad_norm`), indexed by global samples as DeepSpeed does, plus `Train/Samples/samples_per_sec` and
-`Train/Samples/memory_bytes` (what `slipstream plot` draws). The csv monitor writes one file per
-event, `<output_path>/<job_name>/<event with / as _>.csv`, with a `step,value` header.
+The monitors (csv, tensorboard, wandb, comet) write DeepSpeed's events at every optimizer step, whatever
+`steps_per_print` is, indexed by global samples (the count after the step) as DeepSpeed does:
+`Train/Samples/lr`, `Train/Samples/loss_scale` (fp16 only) and `Train/Samples/train_loss` (the batch's mean
+loss, as DeepSpeed's pipeline engine writes it), plus `Train/Samples/grad_norm`. The figures of a print window
+(`Train/Samples/samples_per_sec`, `Train/Samples/memory_bytes`, what `slipstream plot` draws beside them) go
+out with the progress line, so only when `steps_per_print` is set. The csv monitor writes one file per event,
+`<output_path>/<job_name>/<event with / as _>.csv`, with a `step,value` header.
 """
 
 from __future__ import annotations
@@ -47,18 +51,27 @@ class StepFigures:
             parts.append(" ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.breakdown.items()))
         return " | ".join(parts)
 
-    def events(self) -> dict[str, float]:
-        out = {"Train/Samples/lr": self.lr}
-        if self.loss is not None:
-            out["Train/Samples/train_loss"] = self.loss
-        if self.grad_norm is not None:
-            out["Train/Samples/grad_norm"] = self.grad_norm
-        if self.loss_scale is not None:
-            out["Train/Samples/loss_scale"] = self.loss_scale
-        out["Train/Samples/samples_per_sec"] = self.samples_per_s
+    def window_events(self) -> dict[str, float]:
+        """The print window's figures, written with the progress line."""
+        out = {"Train/Samples/samples_per_sec": self.samples_per_s}
         if self.memory_bytes is not None:
             out["Train/Samples/memory_bytes"] = float(self.memory_bytes)
         return out
+
+
+def step_events(
+    *, lr: float, loss: float | None, grad_norm: float | None, loss_scale: float | None
+) -> dict[str, float]:
+    """The events of one optimizer step, written at every step (DeepSpeed's names; `loss_scale` None without
+    fp16, `loss` None when no engine.backward() ran in the window)."""
+    out = {"Train/Samples/lr": lr}
+    if loss is not None:
+        out["Train/Samples/train_loss"] = loss
+    if grad_norm is not None:
+        out["Train/Samples/grad_norm"] = grad_norm
+    if loss_scale is not None:
+        out["Train/Samples/loss_scale"] = loss_scale
+    return out
 
 
 class CsvMonitor:
@@ -118,7 +131,8 @@ class WandbMonitor:
 
 
 class CometMonitor:
-    """Comet: one experiment (rank 0 only); figures logged every `samples_log_interval` samples."""
+    """Comet: one experiment (rank 0 only); each event logged when `samples_log_interval` samples have passed
+    since that event was last logged (its first value always), as DeepSpeed's comet monitor does."""
 
     def __init__(self, plan: CometPlan) -> None:
         comet = _import("comet_ml", "comet")
@@ -134,10 +148,15 @@ class CometMonitor:
         if plan.experiment_name is not None:
             self.experiment.set_name(plan.experiment_name)
         self.interval = plan.samples_log_interval
-        self._last_logged: int | None = None
+        self._last_logged: dict[str, int] = {}
 
     def write(self, events: dict[str, float], samples: int) -> None:
-        if self._last_logged is not None and samples - self._last_logged < self.interval:
+        due = {
+            name: value
+            for name, value in events.items()
+            if name not in self._last_logged or samples - self._last_logged[name] >= self.interval
+        }
+        if not due:
             return
-        self.experiment.log_metrics(dict(events), step=samples)
-        self._last_logged = samples
+        self.experiment.log_metrics(due, step=samples)
+        self._last_logged.update(dict.fromkeys(due, samples))

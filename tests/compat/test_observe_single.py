@@ -130,3 +130,27 @@ def test_wandb_and_comet_get_the_step_figures(monkeypatch: pytest.MonkeyPatch) -
     last = logged["wandb"][-1][1]
     assert last["Train/Samples/train_loss"] == pytest.approx(engine.last_loss) and "Train/Samples/lr" in last
     engine.destroy()
+
+
+def test_csv_monitor_writes_every_optimizer_step_without_steps_per_print(tmp_path: Path, log_lines: list[str]) -> None:
+    """DeepSpeed writes its monitor events at every optimizer step whatever `steps_per_print` is (unset here, its
+    default): one row per step for each event, at the global sample count after the step; no progress line and
+    no print-window figures."""
+    engine = _train(
+        {"fp16": {"enabled": True}, "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "r"}},
+        steps=3,
+        gas=2,
+    )
+    rows = {
+        name: (tmp_path / "r" / f"Train_Samples_{name}.csv").read_text().splitlines()
+        for name in ("train_loss", "lr", "loss_scale")
+    }
+    for name, lines in rows.items():
+        assert lines[0] == "step,value", name
+        assert [line.split(",")[0] for line in lines[1:]] == ["8", "16", "24"], name
+    assert float(rows["lr"][-1].split(",")[1]) == pytest.approx(1e-2)
+    assert float(rows["train_loss"][-1].split(",")[1]) == pytest.approx(engine.last_loss)
+    assert float(rows["loss_scale"][-1].split(",")[1]) == engine.loss_scaler.scale  # type: ignore[union-attr]
+    assert not (tmp_path / "r" / "Train_Samples_samples_per_sec.csv").exists()
+    assert not [line for line in log_lines if line.startswith("step ")]
+    engine.destroy()
