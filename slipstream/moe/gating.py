@@ -8,8 +8,9 @@ A gate turns logits [S tokens, E experts] into k *routes* per token, kept as [k,
 Dispatch and combine (layer.py) are one gather each over these; nothing [S, E, C]-sized is built.
 
 The rules follow DeepSpeed's `top1gating` / `top2gating` / `topkgating`:
-- capacity = max(ceil(S / E * capacity_factor * k), min_capacity); without token dropping it is the largest
-  per-expert count, agreed over the expert-parallel group (all-reduce MAX), so buffers have one size.
+- capacity = max(ceil(S / E * capacity_factor * k), min_capacity), the product in float32; without token dropping
+  it is the largest per-expert count, agreed over the expert-parallel group (all-reduce MAX), so buffers have one
+  size.
 - k = 1: the argmax of the softmax (of logits plus Gumbel noise with noisy_gate_policy 'RSample'); over
   capacity, `use_rts` keeps a uniformly random choice of the expert's tokens, else the first ones;
   weight = the softmax value; l_aux = E * sum(mean gate * fraction routed) per expert.
@@ -59,8 +60,14 @@ class Routes:
 
 
 def capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int, min_capacity: int) -> int:
-    """Buffer slots per expert when tokens are dropped: max(ceil(S / E * capacity_factor * k), min_capacity)."""
-    return max(math.ceil(num_tokens / num_experts * capacity_factor * k), min_capacity)
+    """Buffer slots per expert when tokens are dropped: max(ceil(S / E * capacity_factor * k), min_capacity).
+
+    The product is taken in float32, as DeepSpeed's tensors take it: 25 tokens on 2 experts at factor 1.2 are
+    15.0000006 slots in float32 (16 after the ceil) but exactly 15.0 in double arithmetic.
+    """
+    per_expert = torch.tensor(num_tokens / num_experts, dtype=torch.float32)
+    product = per_expert * torch.tensor(capacity_factor * k, dtype=torch.float32)
+    return max(math.ceil(float(product)), min_capacity)
 
 
 def gumbel(shape: torch.Size, device: torch.device) -> Tensor:
