@@ -17,7 +17,7 @@ from slipstream.config.plan import RESIDENT_GRAD_SUB_GROUPS, CpuTarget, NvmeTarg
 from slipstream.planner.activations import transformer_activations
 from slipstream.planner.shapes import Dims, ModelShape, from_factory, from_hf_config, from_module, synthetic
 from slipstream.planner.types import DTYPE_BYTES, STANDARD_OPTIONS, Option, OptionEstimate, Plan, Settings
-from slipstream.planner.zero_bytes import pinned_rounding, stage012_bytes, stage3_bytes
+from slipstream.planner.zero_bytes import ZeroBytes, pinned_rounding, stage012_bytes, stage3_bytes
 
 
 def estimate(
@@ -55,28 +55,49 @@ def estimate(
     world = gpus_per_node * nodes
     dims = Dims(hidden=hidden, layers=layers, heads=heads, vocab=vocab)
     shape = model_shape(params=params, model=model, hf_config=hf_config, dims=dims)
-    settings, config_option, config_micro = Settings(dtype=dtype), None, None
-    if ds_config is not None:
-        settings, config_option, config_micro = settings_from_config(
-            ds_config, world_size=world, hidden_size=shape.dims.hidden
-        )
-    rows = list(options) if options is not None else list(STANDARD_OPTIONS)
-    if config_option is not None and options is None:
-        rows.insert(0, config_option)
+    settings, rows, config_micro = _settings_and_rows(
+        ds_config, dtype=dtype, options=options, world=world, hidden=shape.dims.hidden
+    )
     micro = micro_batch or config_micro
     notes = [f"model: {shape.source}, {shape.total:,} parameters ({shape.total - shape.frozen_numel:,} trainable)"]
-    activations, checkpointed = _activations(
+    activations = _activations(
         shape.dims, seq=seq, micro_batch=micro, settings=settings, notes=notes, fused_attention=fused_attention
     )
+    return _plan(
+        shape,
+        rows,
+        settings=settings,
+        gpus_per_node=gpus_per_node,
+        nodes=nodes,
+        activations=activations,
+        device_memory=device_memory,
+        host_memory=host_memory,
+        notes=notes,
+    )
+
+
+def _plan(
+    shape: ModelShape,
+    rows: list[Option],
+    *,
+    settings: Settings,
+    gpus_per_node: int,
+    nodes: int,
+    activations: tuple[int | None, int | None],
+    device_memory: int | None,
+    host_memory: int | None,
+    notes: list[str],
+) -> Plan:
+    """Each row's estimate (`activations`: without and with checkpointing) and the cheapest row that fits."""
     estimates = [
         estimate_option(
             shape,
             option,
             settings=settings,
-            world=world,
+            world=gpus_per_node * nodes,
             gpus_per_node=gpus_per_node,
-            activations=activations,
-            activations_checkpointed=checkpointed,
+            activations=activations[0],
+            activations_checkpointed=activations[1],
             device_memory=device_memory,
             host_memory=host_memory,
         )
@@ -86,7 +107,7 @@ def estimate(
     return Plan(
         total_params=shape.total,
         trainable_params=shape.total - shape.frozen_numel,
-        world_size=world,
+        world_size=gpus_per_node * nodes,
         gpus_per_node=gpus_per_node,
         nodes=nodes,
         settings=settings,
@@ -97,6 +118,20 @@ def estimate(
         cheapest_needs_checkpointing=needs_ac,
         notes=tuple(notes),
     )
+
+
+def _settings_and_rows(
+    ds_config: Any, *, dtype: str, options: Sequence[Option] | None, world: int, hidden: int | None
+) -> tuple[Settings, list[Option], int | None]:
+    """(knobs, the options to estimate, the config's micro batch): the config's own row first when it gives one
+    and `options` is not set."""
+    settings, config_option, config_micro = Settings(dtype=dtype), None, None
+    if ds_config is not None:
+        settings, config_option, config_micro = settings_from_config(ds_config, world_size=world, hidden_size=hidden)
+    rows = list(options) if options is not None else list(STANDARD_OPTIONS)
+    if config_option is not None and options is None:
+        rows.insert(0, config_option)
+    return settings, rows, config_micro
 
 
 def model_shape(*, params: float | None, model: Any, hf_config: Any, dims: Dims) -> ModelShape:
@@ -202,29 +237,7 @@ def estimate_option(
     host_memory: int | None = None,
 ) -> OptionEstimate:
     """One option's figures (model states from the engine's layout rules)."""
-    if option.stage == 3:
-        z3 = settings.stage3
-        units = shape.units(z3.persistence_threshold, z3.leaf_classes, z3.leaf_names, z3.leaf_suffixes)
-        figures, _pool = stage3_bytes(
-            units,
-            world=world,
-            settings=settings,
-            offload=option.offload_optimizer,
-            offload_param=option.offload_param,
-            nvme_params=option.nvme,
-        )
-        largest_unit = max((sum(u.numels) for u in units), default=0)
-        init = (largest_unit if settings.zero_init else shape.total) * 4
-    else:
-        figures = stage012_bytes(
-            shape.trainable_numels,
-            shape.frozen_numel,
-            stage=option.stage,
-            world=world,
-            settings=settings,
-            offload=option.offload_optimizer,
-        )
-        init = shape.total * 4
+    figures, init = _model_state_figures(shape, option, settings=settings, world=world)
     host, device = dict(figures.host), dict(figures.device)
     if settings.pin_memory:
         host["pinned_rounding"] = pinned_rounding(figures.pinned_blocks)
@@ -232,26 +245,7 @@ def estimate_option(
     model_states = sum(
         owned[k] for k in ("params", "master", "grads", "optimizer_state", "host_buffers", "comm_buffers")
     )
-    nvme = 0
-    if option.nvme:
-        nvme = host.get("master", 0) + host.get("optimizer_state", 0) + host.get("offloaded_params", 0)
-        host.pop("pinned_rounding", None)  # NVMe-swapped buffers are pageable
-        host.pop("offloaded_params", None)  # parameter shards are read in per unit, not kept on the host
-        if option.stage == 3:  # the step holds two sub-groups' masters and states (offload/nvme.py)
-            resident = 2 * settings.stage3.sub_group_numel * DTYPE_BYTES[settings.master_dtype]
-            share = min(1.0, resident / host["master"]) if host.get("master") else 1.0
-            host["master"] = int(host["master"] * share)
-            host["optimizer_state"] = int(host.get("optimizer_state", 0) * share)
-            if (
-                settings.device_is_host
-                and settings.grad_accum_dtype == settings.master_dtype
-                and nvme_gradients_in_files()
-            ):
-                # the gradient shards are swapped per sub-group too (offload/grad_swap.py): a few in memory
-                grad_bytes = DTYPE_BYTES[settings.grad_accum_dtype]
-                held = (RESIDENT_GRAD_SUB_GROUPS + 2) * settings.stage3.sub_group_numel * grad_bytes  # bound
-                nvme += device.get("grads", 0)
-                device["grads"] = min(device.get("grads", 0), held)
+    nvme = _move_to_nvme(option, settings=settings, host=host, device=device) if option.nvme else 0
     result = OptionEstimate(
         option=option,
         device=device,
@@ -273,6 +267,51 @@ def estimate_option(
         fits_device_checkpointed=result.device_total_checkpointed <= device_memory,
         fits_host=fits_host,
     )
+
+
+def _model_state_figures(shape: ModelShape, option: Option, *, settings: Settings, world: int) -> tuple[ZeroBytes, int]:
+    """(the option's model-state bytes, the host bytes one rank holds while building the model)."""
+    if option.stage == 3:
+        z3 = settings.stage3
+        units = shape.units(z3.persistence_threshold, z3.leaf_classes, z3.leaf_names, z3.leaf_suffixes)
+        figures, _pool = stage3_bytes(
+            units,
+            world=world,
+            settings=settings,
+            offload=option.offload_optimizer,
+            offload_param=option.offload_param,
+            nvme_params=option.nvme,
+        )
+        largest_unit = max((sum(u.numels) for u in units), default=0)
+        return figures, (largest_unit if settings.zero_init else shape.total) * 4
+    figures = stage012_bytes(
+        shape.trainable_numels,
+        shape.frozen_numel,
+        stage=option.stage,
+        world=world,
+        settings=settings,
+        offload=option.offload_optimizer,
+    )
+    return figures, shape.total * 4
+
+
+def _move_to_nvme(option: Option, *, settings: Settings, host: dict[str, int], device: dict[str, int]) -> int:
+    """Take what an NVMe option swaps out of `host` (and `device`) in place; returns the bytes on NVMe per rank."""
+    nvme = host.get("master", 0) + host.get("optimizer_state", 0) + host.get("offloaded_params", 0)
+    host.pop("pinned_rounding", None)  # NVMe-swapped buffers are pageable
+    host.pop("offloaded_params", None)  # parameter shards are read in per unit, not kept on the host
+    if option.stage == 3:  # the step holds two sub-groups' masters and states (offload/nvme.py)
+        resident = 2 * settings.stage3.sub_group_numel * DTYPE_BYTES[settings.master_dtype]
+        share = min(1.0, resident / host["master"]) if host.get("master") else 1.0
+        host["master"] = int(host["master"] * share)
+        host["optimizer_state"] = int(host.get("optimizer_state", 0) * share)
+        if settings.device_is_host and settings.grad_accum_dtype == settings.master_dtype and nvme_gradients_in_files():
+            # the gradient shards are swapped per sub-group too (offload/grad_swap.py): a few in memory
+            grad_bytes = DTYPE_BYTES[settings.grad_accum_dtype]
+            held = (RESIDENT_GRAD_SUB_GROUPS + 2) * settings.stage3.sub_group_numel * grad_bytes  # bound
+            nvme += device.get("grads", 0)
+            device["grads"] = min(device.get("grads", 0), held)
+    return nvme
 
 
 def _cheapest(
