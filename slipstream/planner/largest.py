@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from slipstream.planner.estimate import estimate
-from slipstream.planner.types import Option, OptionEstimate
+from slipstream.planner.types import Option, OptionEstimate, Plan
 
 _MAX_LAYERS = 1 << 20
 
@@ -80,47 +80,69 @@ def largest(
     if device_memory is None and host_memory is None and nvme_free is None:
         raise ValueError("give the machine: --device-memory, --host-memory and/or --nvme-free")
 
-    def plan(layers: int):
-        return estimate(
-            hidden=hidden,
-            layers=layers,
-            heads=heads,
-            vocab=vocab,
-            seq=seq,
-            micro_batch=micro_batch,
-            gpus_per_node=gpus_per_node,
-            nodes=nodes,
-            dtype=dtype,
-            ds_config=ds_config,
-            options=options,
-            fused_attention=fused_attention,
-        )
+    cache: dict[int, Plan] = {}  # plans by layer count, each computed once
 
-    first = plan(1)
-    shared = device_memory is None and first.settings.device_is_host
-    labels = [e.option.name for e in first.estimates]
-    cache: dict[int, Any] = {1: first}
-
-    def at(layers: int) -> Any:
+    def at(layers: int) -> Plan:
         if layers not in cache:
-            cache[layers] = plan(layers)
+            cache[layers] = estimate(
+                hidden=hidden,
+                layers=layers,
+                heads=heads,
+                vocab=vocab,
+                seq=seq,
+                micro_batch=micro_batch,
+                gpus_per_node=gpus_per_node,
+                nodes=nodes,
+                dtype=dtype,
+                ds_config=ds_config,
+                options=options,
+                fused_attention=fused_attention,
+            )
         return cache[layers]
 
-    answers = []
-    for index, label in enumerate(labels):
+    first = at(1)
+    shared = device_memory is None and first.settings.device_is_host
+    labels = [e.option.name for e in first.estimates]
 
-        def failing(layers: int, index: int = index) -> str:
-            return _exceeds(
-                at(layers).estimates[index],
-                device_memory=device_memory,
-                host_memory=host_memory,
-                nvme_free=nvme_free,
-                shared=shared,
-                checkpointing=checkpointing,
-            )
+    return [
+        _search_option(
+            label,
+            index,
+            at,
+            device_memory=device_memory,
+            host_memory=host_memory,
+            nvme_free=nvme_free,
+            shared=shared,
+            checkpointing=checkpointing,
+        )
+        for index, label in enumerate(labels)
+    ]
 
-        answers.append(_search(label, index, failing, at))
-    return answers
+
+def _search_option(
+    label: str,
+    index: int,
+    at: Callable[[int], Plan],
+    *,
+    device_memory: int | None,
+    host_memory: int | None,
+    nvme_free: int | None,
+    shared: bool,
+    checkpointing: bool,
+) -> Largest:
+    """The largest model for the option in row `index` of every plan `at(layers)` returns."""
+
+    def failing(layers: int) -> str:
+        return _exceeds(
+            at(layers).estimates[index],
+            device_memory=device_memory,
+            host_memory=host_memory,
+            nvme_free=nvme_free,
+            shared=shared,
+            checkpointing=checkpointing,
+        )
+
+    return _search(label, index, failing, at)
 
 
 def _search(label: str, index: int, failing: Callable[[int], str], at: Callable[[int], Any]) -> Largest:
