@@ -23,7 +23,15 @@ def parse_count(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model (one of --params, --model, --hf-config)")
+    _add_model_arguments(parser.add_argument_group("model (one of --params, --model, --hf-config)"))
+    _add_run_arguments(parser.add_argument_group("run"))
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    out.add_argument("--png", default=None, metavar="FILE", help="also draw a stacked bar chart (needs matplotlib)")
+
+
+def _add_model_arguments(model: argparse._ArgumentGroup) -> None:
+    """What model: its size or where to read its shape from, and the dimensions of the activations."""
     model.add_argument("--params", type=parse_count, default=None, help="parameter count, e.g. 7e9 or 7B")
     model.add_argument(
         "--model",
@@ -52,7 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="flash/memory-efficient attention: no seq x seq scores in the activation estimate",
     )
-    run = parser.add_argument_group("run")
+
+
+def _add_run_arguments(run: argparse._ArgumentGroup) -> None:
+    """The DeepSpeed config, the machine and the question asked (the plan or --largest)."""
     run.add_argument(
         "config",
         nargs="?",
@@ -98,9 +109,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the inverse question: the largest model of this --hidden (and --heads, --vocab, --seq) that fits "
         "the memory and disk given, per option",
     )
-    out = parser.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
-    out.add_argument("--png", default=None, metavar="FILE", help="also draw a stacked bar chart (needs matplotlib)")
 
 
 def run(args: argparse.Namespace) -> int:
