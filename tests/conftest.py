@@ -60,6 +60,14 @@ def _deterministic_seed() -> Iterator[None]:
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_warn_once() -> None:
+    """Every test starts with no warn_once key or config notice shown, whatever ran before it."""
+    from slipstream.utils.logging import reset_once
+
+    reset_once()
+
+
 # Skipped groups and the one command that enables each (printed at the end of every run, so a machine that
 # skips them says so instead of passing quietly): (group, a fragment of the skip reason, how to enable it).
 _SKIP_GROUPS = (

@@ -17,9 +17,11 @@ from slipstream.config.keys import BATCH_KEYS
 from slipstream.config.plan import BatchPlan
 from slipstream.config.schema.top import DeepSpeedConfig
 
-__all__ = ["apply_elasticity", "batch_plan", "mark_elastic"]
+__all__ = ["AUTO_MARK", "apply_elasticity", "batch_plan", "mark_elastic"]
 
 _TBS, _MICRO, _GAS = BATCH_KEYS
+AUTO_MARK = ' (was "auto")'
+"""The end of a batch source derived for a key given as "auto" (config/notices.py logs those)."""
 
 
 def apply_elasticity(cfg: DeepSpeedConfig, ws: int, problems: list[str]) -> DeepSpeedConfig | None:
@@ -120,7 +122,7 @@ def batch_plan(cfg: DeepSpeedConfig, ws: int, auto: list[str], problems: list[st
     if tbs is None or micro is None or gas is None:
         return None
     for key, (_, text) in derived.items():
-        sources[key] = text + (' (was "auto")' if key in auto else "")
+        sources[key] = text + (AUTO_MARK if key in auto else "")
     return BatchPlan(
         train_batch_size=tbs,
         micro_batch_size=micro,

@@ -19,8 +19,9 @@ _HEADER = """# DeepSpeed config keys in Slipstream
 
 Generated from the schema (`python -m slipstream.config.keys_doc > docs/config-keys.md`; a test keeps it
 current). **honoured**: the key becomes the named field of the resolved plan, which a component reads (a test
-checks that). **reported**: accepted, and when set away from its default, named once in a warning that it
-has no effect yet. A section marked *(section)* is honoured or reported as a whole through its keys below.
+checks that). **reported**: accepted, and when set away from its default, named once (a warning, and a log
+record on rank 0 that a warnings filter does not hide) with what the run does instead: it goes on as with
+the key's default. A section marked *(section)* is honoured or reported as a whole through its keys below.
 Unknown keys are errors naming the closest valid key.
 
 | key | default | status |

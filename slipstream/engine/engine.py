@@ -31,6 +31,7 @@ from slipstream.activation import checkpointing
 from slipstream.comm import collectives
 from slipstream.compat.engine_getters import EngineGetters
 from slipstream.compat.engine_methods import DeepSpeedEngineMethods
+from slipstream.config import notices
 from slipstream.config.plan import EnginePlan
 from slipstream.engine import builders
 from slipstream.engine.checkpointing import Checkpointing
@@ -38,7 +39,7 @@ from slipstream.engine.model_saving import ModelSaving
 from slipstream.engine.monitor import StepFigures, step_events
 from slipstream.engine.observe import CommsLog, StepProfiler
 from slipstream.engine.parallel import setup_parallel
-from slipstream.utils.logging import get_logger, log_rank0, warn_once
+from slipstream.utils.logging import get_logger, log_rank0
 from slipstream.utils.progress import Progress
 from slipstream.utils.throughput import ThroughputTimer
 from slipstream.zero.build import build_zero
@@ -99,13 +100,8 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         if moe is not None:
             self._param_names = moe.global_param_names(self.module, self._param_names)
             self._held_elsewhere = moe.names_held_elsewhere(self.module, self._param_names)
-        for key in plan.unimplemented:
-            warn_once(
-                f"unimplemented:{key}",
-                f"slipstream: config key '{key}' is accepted but not implemented yet; it has no effect",
-            )
-
         self.basic_optimizer = builders.make_basic_optimizer(self.module, plan, optimizer, model_parameters, moe=moe)
+        notices.report_plan(plan, rank=self.global_rank)  # after a refused optimizer has raised
         self.optimizer: ZeroOptimizer | None = None
         if self.basic_optimizer is not None:
             group_for = None if moe is None else moe.group_for

@@ -21,6 +21,7 @@ from torch import nn
 
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
+from slipstream.config import notices
 from slipstream.config.plan import EnginePlan
 from slipstream.offload.policy import policy_for
 from slipstream.pipe.exchange import Exchanger
@@ -29,7 +30,7 @@ from slipstream.pipe.module import PipelineError, PipelineModule
 from slipstream.pipe.runtime import StageRunner
 from slipstream.pipe.schedule import actions_for
 from slipstream.pipe.table import stage_table
-from slipstream.utils.logging import log_rank0, warn_once
+from slipstream.utils.logging import log_rank0
 from slipstream.zero.build import STAGES, check_optimizer_kind
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
@@ -65,8 +66,7 @@ class PipelineEngine(nn.Module):
         self.dp_world_size, self.dp_rank = self.grid.data_parallel_size, self.grid.data_parallel_id
         self.micro_batches = plan.batch.gradient_accumulation_steps
         self.device = get_accelerator().device(get_accelerator().current_device())
-        for key in plan.unimplemented:
-            warn_once(f"unimplemented:{key}", f"slipstream: config key '{key}' is accepted but not implemented yet")
+        notices.report_plan(plan, rank=self.global_rank)
         if plan.pipeline.activation_checkpoint_interval > 0:  # the config seeds the module's interval (DeepSpeed)
             module.activation_checkpoint_interval = plan.pipeline.activation_checkpoint_interval
         self._place()

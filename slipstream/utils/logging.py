@@ -33,9 +33,22 @@ def log_rank0(message: str, *, rank: int) -> None:
         get_logger().info(message)
 
 
+def first_time(key: str) -> bool:
+    """True the first time `key` is asked about in this process (the once-set warn_once and the config notices
+    share)."""
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    return True
+
+
+def reset_once() -> None:
+    """Forget which warn_once keys and notices were shown (the test suite does this before every test, so no
+    test depends on what ran before it)."""
+    _WARNED.clear()
+
+
 def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> None:
     """A warning shown once per process for `key`."""
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
-    warnings.warn(message, category, stacklevel=3)
+    if first_time(key):
+        warnings.warn(message, category, stacklevel=3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import csv
 import logging
+import warnings
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,50 @@ def test_non_elementwise_optimizer_needs_explicit_permission() -> None:
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
         assert float((mine - initial).abs().max()) > 1e-2  # it trained
     engine.destroy()
+
+
+def test_a_refused_optimizer_raises_without_first_saying_it_was_accepted() -> None:
+    for name, refusal in (("OneBitAdam", "'onebitadam' is not supported"), ("Muon", "'muon' is not supported"),
+                          ("Lamb", "Lamb.*zero_allow_untested_optimizer")):
+        config = {"train_batch_size": 4, "optimizer": {"type": name, "params": {"lr": 1e-3}}}
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
+            with pytest.raises(ValueError, match=refusal):
+                slipstream.initialize(model=TinyMLP(), config=config)
+        assert not [w for w in shown if "accepted" in str(w.message)], name
+
+
+def test_notices_reach_the_log_when_a_script_ignores_warnings() -> None:
+    """An accepted-but-not-implemented key is logged (once, naming what the run does instead) even under
+    warnings.filterwarnings("ignore"); an "auto" micro batch is logged with the value it resolved to."""
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger, handler = logging.getLogger("slipstream"), Collect()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    config = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": "auto",
+              "memory_breakdown": True, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            for _ in range(2):
+                slipstream.initialize(model=TinyMLP(), config=config)[0].destroy()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert [r for r in records if "memory_breakdown" in r and "accepted" in r] == [
+        "slipstream: config key 'memory_breakdown' is accepted but not implemented yet; the run goes on as with "
+        "its default, false"
+    ]
+    assert [r for r in records if '"auto" resolved' in r] == [
+        'config: train_micro_batch_size_per_gpu "auto" resolved to 4 (8 / (2 * 1)) from train_batch_size 8 and '
+        "gradient_accumulation_steps 2 and 1 data-parallel rank(s)"
+    ] * 2
 
 
 def test_scheduler_from_config_steps_once_per_optimizer_step() -> None:
