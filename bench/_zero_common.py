@@ -70,7 +70,7 @@ class BenchSpec:
     world_size: int = 2
     model: str = "gpt"
     """"gpt": the example GPT (n_layer x n_embd, n_head); "mlp": `MLPStack`, n_layer Linear(n_embd, n_embd) + ReLU
-    blocks on random inputs and targets (micro_batch rows each), MSE loss: the wide-layer model of issue 17."""
+    blocks on random inputs and targets (micro_batch rows each), MSE loss: the wide-layer model of the ZeRO benches."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

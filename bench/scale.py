@@ -3,7 +3,7 @@
     python bench/scale.py [--sizes 25,50,100] [--rows torch,ss_cpu,ss_nvme,ds_nvme] [--nvme-dir DIR]
                           [--prove ROW] [--steps 3] [--peer-python .bench-venv/bin/python]
 
-Owns issue 17, section 3. The model is decoder-shaped (token embedding, pre-norm blocks of
+Owns the ZeRO-Infinity scale table. The model is decoder-shaped (token embedding, pre-norm blocks of
 causal self-attention and a 4x MLP, an LM head; width `--width`), trained with fp32 Adam states on one rank (the figure is
 per process; every row is a fresh process, so machine load does not change it). Rows:
     torch    plain torch AdamW in one process (the model, its gradients and Adam states all in memory)

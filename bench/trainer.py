@@ -1,4 +1,4 @@
-"""The Transformers `Trainer` on Slipstream and on DeepSpeed: time to first step and samples/s (issue 16).
+"""The Transformers `Trainer` on Slipstream and on DeepSpeed: time to first step and samples/s.
 
     python bench/trainer.py [--quick] [--rounds 2] [--steps 12] [--peer-python .bench-venv/bin/python]
 

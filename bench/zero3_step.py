@@ -60,7 +60,7 @@ NVME_DIR = os.environ.get("SLIPSTREAM_BENCH_NVME", "/tmp/slipstream-bench-nvme")
 PEER = ["deepspeed3", "deepspeed3_offload"]
 TARGETS = {  # step time over the peer's: (slipstream3 / deepspeed3, slipstream3 / fsdp2, offload / DeepSpeed offload)
     "gpt": (0.8, 1.1, 0.8),
-    "mlp": (0.85, 0.9, 0.9),  # issue 17 section 1, the 50.4M model of wide layers
+    "mlp": (0.85, 0.9, 0.9),  # the 50.4M model of wide layers (the stage-3 step target)
 }
 
 
@@ -233,7 +233,7 @@ def main() -> int:
     parser.add_argument(
         "--model", choices=("gpt", "mlp"), default="gpt",
         help="gpt: the example GPT (3.19M); mlp: 48 x Linear(1024, 1024) + ReLU, 50.4M, micro batch 64 rows "
-             "(issue 17's wide layers; --quick: 8 x 256)",
+             "(the wide-layer model; --quick: 8 x 256)",
     )
     args, use_peer = parse_run_arguments(parser)
     if args.model == "mlp":

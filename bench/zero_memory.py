@@ -4,7 +4,7 @@ CPU offload.
     python bench/zero_memory.py [--quick] [--layers 48] [--width 1024] [--steps 4] [--rows fp32,bf16,fp16,offload]
                                 [--stages 1,2] [--no-deepspeed] [--peer-python .bench-venv/bin/python]
 
-Owns the table of issue 17, section 2 ("stage 2 must be lighter than stage 1"). The model is a stack of
+Owns the ZeRO memory table ("stage 2 must be lighter than stage 1"). The model is a stack of
 `--layers` Linear(width, width) layers with ReLU (48 x 1024: 50.4M parameters), trained with AdamW and
 DeepSpeed's default `reduce_bucket_size` (5e8 elements: the whole model is one bucket) on 2 ranks (gloo, one
 thread each). Every row is a fresh pair of processes, so each peak RSS (the ranks' `ru_maxrss`, the larger of

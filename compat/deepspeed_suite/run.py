@@ -1,4 +1,4 @@
-"""DeepSpeed's own unit tests as Slipstream's acceptance suite (issue 15): run them against real DeepSpeed and
+"""DeepSpeed's own unit tests as Slipstream's acceptance suite: run them against real DeepSpeed and
 against Slipstream imported under the name `deepspeed`, and print, per folder, how many tests each passes.
 
     python compat/deepspeed_suite/run.py                 # both sides (`make compat`)

@@ -6,7 +6,7 @@ and with it to the work's tensors. When that drop is the last reference to a ten
 has already died (torch then keeps the object alive from C++), the worker takes the GIL to free it. If the
 main thread has meanwhile returned from the script and the interpreter is finalizing, taking the GIL ends
 the worker with pthread_exit inside a noexcept destructor, and libstdc++ calls std::terminate: "terminate
-called without an active exception", SIGABRT, exit 134, after a run that trained to the end (issue 25,
+called without an active exception", SIGABRT, exit 134, after a run that trained to the end (seen in
 1 run in 8 to 25 on a loaded 2-core machine; a core dump shows the worker in ~AsyncWork -> decref_pyobject
 -> take_gil -> pthread_exit while the main thread is in Py_FinalizeEx).
 

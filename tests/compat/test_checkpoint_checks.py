@@ -1,4 +1,4 @@
-"""A checkpoint that does not fit the engine is refused before anything is copied (issue #14, section 2).
+"""A checkpoint that does not fit the engine is refused before anything is copied.
 
 One process, world of one: a bigger layer at stages 0, 2 and 3, a transposed shape in the manifest, wrong
 scalar types, an integer buffer fed floats, and names on one side only (allowed with load_module_strict=False,

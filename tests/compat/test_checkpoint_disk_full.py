@@ -1,6 +1,5 @@
 """A save that fills the disk fails with a message naming the checkpoint, the file, the bytes needed and free,
-removes what it wrote, and the next save, once space is freed, succeeds and removes what a killed save left
-(issue #14, section 3).
+removes what it wrote, and the next save, once space is freed, succeeds and removes what a killed save left.
 
 The disk is a real 1 MiB tmpfs, mounted by a child process inside its own mount namespace (`unshare
 --map-root-user --mount`), so the mount disappears with the child whatever happens to the test; the test

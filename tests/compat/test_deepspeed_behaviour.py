@@ -1,4 +1,4 @@
-"""DeepSpeed behaviours client code relies on (issue 15 items 9-14, issue 16), single process.
+"""DeepSpeed behaviours client code relies on, single process.
 
 - What `initialize()` returns as the optimizer: the basic optimizer itself at stage 0 in fp32 (the client's
   object, what its callable built, or FusedAdam for a config "Adam"), the ZeRO optimizer otherwise.

@@ -1,4 +1,4 @@
-"""Issue 16 discovery: the opt-in `deepspeed` compatibility distribution, installed into a throwaway venv.
+"""How tools discover DeepSpeed: the opt-in `deepspeed` compatibility distribution, installed into a throwaway venv.
 
 The venv sees this environment's torch and slipstream through a .pth file (nothing is reinstalled) and
 installs the wheel `slipstream compat install` writes, offline. Then: `importlib.metadata.version("deepspeed")`

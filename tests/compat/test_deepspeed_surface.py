@@ -1,4 +1,4 @@
-"""Issue 15 items 1-7 and issue 16's names: every DeepSpeed path and name client code uses imports and works
+"""The DeepSpeed surface, and the names tools use to discover it: every DeepSpeed path and name client code uses imports and works
 (or, for an engine method Slipstream does not offer, raises NotImplementedError naming it). One process."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lightning's DeepSpeed strategy on CPU (issue 16): Lightning 2.6 refuses it on any accelerator but CUDA, before
+"""Lightning's DeepSpeed strategy on CPU: Lightning 2.6 refuses it on any accelerator but CUDA, before
 DeepSpeed is called, so it cannot run here with DeepSpeed or with Slipstream (docs/deepspeed-compat.md). This test
 pins that fact: when a Lightning release lifts the refusal it fails, and a real 2-rank Lightning test belongs here
 (on a GPU machine: `strategy="deepspeed_stage_2"` with `import deepspeed` giving Slipstream)."""

@@ -1,4 +1,4 @@
-"""Known pains of DeepSpeed users under Transformers (issue 16), each on 2 gloo ranks with a tiny GPT-2:
+"""Known pains of DeepSpeed users under Transformers, each on 2 gloo ranks with a tiny GPT-2:
 a PEFT/LoRA adapter saved by the Trainer at ZeRO-3 holds the trained adapter weights (DeepSpeed users report
 empty adapters); the batch triple has one authority; generate() at ZeRO-3 with different prompt lengths per
 rank finishes; a Trainer checkpoint resumes at another world size."""

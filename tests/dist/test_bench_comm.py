@@ -44,7 +44,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", 
 SIZE = 1 << 20
 TRIALS = 11
 REPS = 15
-ROUNDS = 5  # 3 let a reduce_scatter median of 45 pairs end at 1.257 once in 19 runs on a loaded machine (issue 23)
+ROUNDS = 5  # 3 let a reduce_scatter median of 45 pairs end at 1.257 once in 19 runs on a loaded machine
 TOLERANCE = 0.20
 
 

@@ -84,7 +84,7 @@ def _rank_main(rank: int, world_size: int, payload: bytes, run_dir: str, parent_
         store = dist.FileStore(os.path.join(run_dir, "store"), world_size)
         # The group's own timeout only bounds the rendezvous here (the parent enforces timeout_s once every rank
         # is in `fn`): at least _RENDEZVOUS_S, because ranks of a loaded machine start seconds apart and a 5 s
-        # group timeout failed connectFullMesh on a rank started late (issue 23).
+        # group timeout failed connectFullMesh on a rank started late.
         dist.init_process_group(
             "gloo",
             store=store,

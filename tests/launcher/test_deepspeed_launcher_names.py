@@ -1,4 +1,4 @@
-"""DeepSpeed's launcher-area names on Slipstream (issue 15): `launcher.runner`'s parse_resource_filter /
+"""DeepSpeed's launcher-area names on Slipstream: `launcher.runner`'s parse_resource_filter /
 encode_world_info / parse_args / main, `launcher.multinode_runner`'s backend classes, `utils.numa` and
 `utils.pin_memory_tracker`. Command lines and parsed resources are compared with exact expected values."""
 

@@ -1,7 +1,7 @@
 """Checkpoints across world sizes and ZeRO stages (docs/design.md P3): save at (world 2, stage 3) and (world 2,
 stage 1 + optimizer offload), load at (1, 0), (2, 2), (4, 3) and (4, 1); the parameters and the next steps'
 losses equal an uninterrupted run at the new world size. The same across gradient-accumulation counts
-(2 -> 4, 4 -> 1, 2 -> 3, issue #26) at stages 0-3 and with offload; saving or loading mid-window is a named
+(2 -> 4, 4 -> 1, 2 -> 3) at stages 0-3 and with offload; saving or loading mid-window is a named
 error. Also: an exact resume at the same world size (LR schedule, RNG of dropout, counters), every rank must
 call save (named error, bounded time), tag validation."""
 
@@ -135,7 +135,7 @@ def test_checkpoints_reshard_across_world_sizes_and_stages(tmp_path) -> None:  #
                                ref_losses, ref_state)
 
 
-# ---- another gradient-accumulation count after the load (issue #26) ----
+# ---- another gradient-accumulation count after the load ----
 # The sources are saved at world 1 and the targets load at world 2, so every target reshards too. A global
 # batch of 24 splits into all these layouts; the reference is an uninterrupted run at the target's layout
 # (world 2, its accumulation count) at stage 0: the stages agree to rounding (tests/dist/engine).

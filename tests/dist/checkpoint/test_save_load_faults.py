@@ -1,4 +1,4 @@
-"""Faults at world size 2 (issue #14, sections 2 and 3), in one spawn.
+"""Faults at world size 2 (refused checkpoints, a full disk), in one spawn.
 
 - Stage 3 (each rank holds half of each tensor): a checkpoint of a bigger layer is refused on both ranks
   with the same message, and the ranks stay in step (no rank waits in a collective).

@@ -1,4 +1,4 @@
-"""Tensors taken inside GatheredParameters at ZeRO-3 keep their values after the block (issue #14, section 5).
+"""Tensors taken inside GatheredParameters at ZeRO-3 keep their values after the block.
 
 `state_dict()` values, `p.detach()` and a view taken inside the block stay readable after it (before the fix
 reading them killed the rank with SIGSEGV), keep the values of the gather while training goes on, and
