@@ -118,9 +118,8 @@ def _barrier_call(call: Any, what: str) -> None:
     try:
         call()
     except CollectiveError as exc:
-        raise CheckpointError(
-            f"{what}: {exc.summary()}. Every rank must call {what.split()[0]}, with the same arguments"
-        ) from exc
+        # from None: the summary is the collective's whole account; chained, the log would carry it twice
+        raise CheckpointError(f"{what}: {exc.summary()}. {exc.fix_for(what.split()[0])}") from None
 
 
 def _items(parts: EngineParts, client_tensors: dict[str, torch.Tensor], exclude_frozen: bool) -> list[_Item]:

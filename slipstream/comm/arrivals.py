@@ -112,6 +112,15 @@ def standing(rank: int, seq: int, identity: str) -> Standing:
     return Standing(rank, False, None, None)
 
 
+def newest(rank: int) -> Arrival | None:
+    """`rank`'s newest readable record (where it was last, when it stopped or ended inside an operation)."""
+    store = _store()
+    if store is None:
+        return None
+    found = [record for slot in range(WINDOW) if (record := _record_at(store, rank, slot)) is not None]
+    return max(found, key=lambda record: record.seq, default=None)
+
+
 def process_of(rank: int) -> tuple[str, int] | None:
     """(host, pid) that `rank` recorded, or None."""
     store = _store()

@@ -184,9 +184,8 @@ class Checkpointing:
             if self.world_size > 1:
                 collectives.barrier()
         except CollectiveError as exc:
-            raise CheckpointError(
-                f"load_checkpoint: {exc.summary()}. Every rank must call load_checkpoint, with the same arguments"
-            ) from exc
+            # from None: the summary is the collective's whole account; chained, the log would carry it twice
+            raise CheckpointError(f"load_checkpoint: {exc.summary()}. {exc.fix_for('load_checkpoint')}") from None
         finally:
             source.close()
         if not load_module_only:

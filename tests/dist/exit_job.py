@@ -6,7 +6,9 @@ steps and end the way that run's ending says, through the interpreter's own exit
 
 - return: fall off the end of the script;  destroy: call destroy_process_group() first;
 - exit: sys.exit(0);  raise: rank 1 raises after its first step (rank 0 then loses its peer);
-- kill: rank 1 kills itself (SIGKILL) after its first step.
+- kill: rank 1 kills itself (SIGKILL) after its first step;
+- kill_in_save: both ranks save a checkpoint after the first step, and rank 1 kills itself (SIGKILL) right after
+  recording its arrival at the save's first collective (every rank arrived at it).
 
 Forking saves the ~2 s of `import torch` per process, so dozens of real process exits fit in a minute; the
 ranks import torch._dynamo themselves (every optimizer does), after the group exists, as a script started by
@@ -20,9 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -71,6 +75,21 @@ def mean_over_ranks(loss: torch.Tensor) -> float:
     return float(total[0]) / 2
 
 
+def kill_on_arrival(where: str) -> None:
+    """SIGKILL this process once it has recorded its arrival at a collective issued from `where`."""
+    from slipstream.comm import arrivals
+
+    record = arrivals.record
+
+    def recorded(identity: str) -> int:
+        seq = record(identity)
+        if where in identity:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return seq
+
+    arrivals.record = recorded  # type: ignore[assignment]
+
+
 def rank_main(rank: int, port: int, ending: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       LOCAL_RANK=str(rank))
@@ -89,6 +108,10 @@ def rank_main(rank: int, port: int, ending: str) -> None:
             raise RuntimeError("rank 1 fails on purpose")
         if ending == "kill" and rank == 1 and step == 0:
             os.kill(os.getpid(), signal.SIGKILL)
+        if ending == "kill_in_save" and step == 0:
+            if rank == 1:
+                kill_on_arrival("slipstream/checkpoint/")
+            engine.save_checkpoint(os.path.join(tempfile.gettempdir(), f"slipstream-exit-job-{port}"), tag="both")
     print(f"rank {rank}: mean loss {mean_over_ranks(loss):.3f}", flush=True)
     if ending == "destroy":
         torch.distributed.destroy_process_group()
@@ -128,6 +151,7 @@ def drive(runs: int, endings: list[str]) -> bool:
                 return True
             pids.append(pid)
         codes = _reap(pids)
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), f"slipstream-exit-job-{port}"), ignore_errors=True)
         print(json.dumps({"run": run, "ending": ending, "codes": codes,
                           "seconds": round(time.monotonic() - started, 1)}), flush=True)
     return False

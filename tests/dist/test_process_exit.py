@@ -63,3 +63,14 @@ def test_a_killed_peer_is_reported_as_lost_at_once() -> None:
         assert "rank 1 (pid " in line and "on this host) has ended" in line, line
         seconds = float(line.split(" on rank 0 after ", 1)[1].split(" s ", 1)[0])
         assert seconds < 10, line  # a closed connection is seen at once; the timeout (20 s) plays no part
+
+
+def test_a_peer_killed_inside_a_save_every_rank_reached_is_named() -> None:
+    results, output = run_jobs(1, "kill_in_save")
+    assert results[0]["codes"] == [1, -9], results  # rank 0 raised CheckpointError and exited
+    saving = [line for line in output.splitlines() if "CheckpointError: save_checkpoint" in line]
+    assert len(saving) == 1 and "PeerLost" not in output, output[-3000:]  # one account, not the chained cause too
+    line = saving[0]
+    assert "never arrived" not in line and "every rank arrived (ranks [0, 1]), then rank 1 (pid " in line, line
+    assert "on this host) has ended, its last collective #" in line and "from slipstream/checkpoint/" in line, line
+    assert "Every rank must call" not in line and "the rank named stopped or ended during this one" in line, line
