@@ -12,7 +12,8 @@ failure it raises names the rank, pid and exit code, and the log paths are ours)
 - rendezvous `static` at `master_addr:master_port` with this node's rank and no restarts, or, with
   `--elastic_training`, `c10d` there with `min_nodes..max_nodes` and `max_restarts` (DeepSpeed: 100);
 - every rank's stdout and stderr written, in order, to `<log_dir>/<timestamp>_rank<R>.log`
-  (`..._rank<R>.restart<K>.log` after a restart) and teed to the console with a `[rank<R>]:` prefix.
+  (`..._rank<R>.restart<K>.log` after a restart) and teed to the console with a `[rank<R>]:` prefix (the
+  only one: rank_exec.py tells the rank, and init_distributed drops the one torch's excepthook adds).
   Without `--enable_each_rank_log` the directory is a fresh temp dir, removed after a clean exit and
   kept (and named) when anything failed.
 
@@ -20,7 +21,9 @@ When a rank exits non-zero the agent stops every other local rank (SIGTERM to it
 by SIGCONT so that a rank stopped by SIGSTOP acts on it too (`torch_shim.continue_stopped_ranks_on_close`),
 then SIGKILL after a grace period: torch 2.13's agent uses 30 s there, not `SHUTDOWN_TIMEOUT_S`, which
 applies when the launcher itself is signalled); we then print host, rank, exit code and the last `TAIL_LINES`
-lines of that rank's log, and return the exit code (non-zero). SIGINT/SIGTERM/SIGHUP/SIGQUIT to this
+lines of that rank's log, and return the exit code (non-zero). The rank named is never one the agent stopped
+itself (`torch_shim.pids_stopped_by_agent`): a rank ended by a SIGTERM from outside the job is named, not a
+survivor the agent sent SIGTERM to. SIGINT/SIGTERM/SIGHUP/SIGQUIT to this
 process reach every rank through the agent, and we return 128 + the signal number.
 
 Elastic restarts start the ranks again from the beginning of the script; resuming from the newest
@@ -108,27 +111,44 @@ def read_tail(path: str, lines: int = TAIL_LINES) -> list[str]:
         return []
 
 
-def _root_cause_first(failures: Mapping[int, object]) -> list[tuple[int, object]]:
-    """Failures ordered so the likely cause leads: a non-zero exit, then a death by a signal other than the
-    SIGTERM the agent sends while stopping the others, then the stopped ranks; earliest first within each."""
+def _ended_by_agent(failure: object, stopped_by_agent: frozenset[int]) -> bool:
+    return int(getattr(failure, "pid", -1)) in stopped_by_agent
+
+
+def _root_cause_first(failures: Mapping[int, object], *, stopped_by_agent: frozenset[int]) -> list[tuple[int, object]]:
+    """Failures ordered so the cause leads. The ranks the agent stopped itself (`stopped_by_agent`: their pids,
+    signalled while they still ran) come last: they never cause a failure, whatever signal ended them. Of the
+    others, a death by a signal from outside the job (an OOM killer, a scheduler, a crash) leads, then a non-zero
+    exit or an abort: a rank that exits with an error soon after a peer vanished is usually reporting that peer.
+    Earliest first, then lowest rank, within each group."""
 
     def key(item: tuple[int, object]) -> tuple[int, float, int]:
         code = int(getattr(item[1], "exitcode", 1))
-        group = 0 if code > 0 else (1 if code != -signal.SIGTERM else 2)
+        if _ended_by_agent(item[1], stopped_by_agent):
+            group = 2
+        else:
+            group = 0 if code < 0 and code != -signal.SIGABRT else 1
         return group, float(getattr(item[1], "timestamp", 0)), item[0]
 
     return sorted(failures.items(), key=key)
 
 
-def describe_failures(failures: Mapping[int, object], *, host: str, paths: dict[int, str]) -> str:
-    """Host, rank, exit code and log tail of the failed rank, then one line per other stopped rank."""
-    ordered = _root_cause_first(failures)
+def describe_failures(
+    failures: Mapping[int, object], *, host: str, paths: dict[int, str], stopped_by_agent: frozenset[int]
+) -> str:
+    """Host, rank, exit code and log tail of the failed rank, then one line per other rank that ended."""
+    ordered = _root_cause_first(failures, stopped_by_agent=stopped_by_agent)
     out: list[str] = []
     for index, (rank, failure) in enumerate(ordered):
         code = int(getattr(failure, "exitcode", 1))
         how = f"exit code {code}" if code >= 0 else f"signal {failure.signal_name()}"  # type: ignore[attr-defined]
         path = paths.get(rank, "?")
-        verb = "failed" if index == 0 else "also ended"
+        if index == 0:
+            verb = "failed"
+        elif _ended_by_agent(failure, stopped_by_agent):
+            verb = "was stopped by the launcher and ended"
+        else:
+            verb = "also ended"
         out.append(
             f"slipstream: host {host} rank {rank} (local rank {getattr(failure, 'local_rank', '?')}) "
             f"{verb} with {how}; log: {path}"
@@ -142,9 +162,9 @@ def describe_failures(failures: Mapping[int, object], *, host: str, paths: dict[
     return "\n".join(out)
 
 
-def exit_code_of(failures: Mapping[int, object]) -> int:
-    """The launcher's exit code: the first failed rank's code, 128+N for signal N, never 0."""
-    first = _root_cause_first(failures)[0][1]
+def exit_code_of(failures: Mapping[int, object], *, stopped_by_agent: frozenset[int]) -> int:
+    """The launcher's exit code: the failed rank's code, 128+N for signal N, never 0."""
+    first = _root_cause_first(failures, stopped_by_agent=stopped_by_agent)[0][1]
     code = int(getattr(first, "exitcode", 1))
     return code if code > 0 else (128 - code if code < 0 else 1)
 
@@ -194,7 +214,7 @@ def run_node(plan: LaunchPlan, *, node_rank: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from slipstream.utils.torch_shim import continue_stopped_ranks_on_close
+    from slipstream.utils.torch_shim import continue_stopped_ranks_on_close, pids_stopped_by_agent
 
     continue_stopped_ranks_on_close()
     if not 0 <= node_rank < plan.num_nodes:
@@ -214,8 +234,10 @@ def run_node(plan: LaunchPlan, *, node_rank: int) -> int:
         elastic_launch(config, sys.executable)(*rank_exec_args(plan, host=host))  # type: ignore[arg-type]
     except ChildFailedError as error:
         sys.stdout.flush()
-        print(describe_failures(error.failures, host=host, paths=specs.paths), file=sys.stderr, flush=True)
-        return exit_code_of(error.failures)
+        stopped = pids_stopped_by_agent()
+        report = describe_failures(error.failures, host=host, paths=specs.paths, stopped_by_agent=stopped)
+        print(report, file=sys.stderr, flush=True)
+        return exit_code_of(error.failures, stopped_by_agent=stopped)
     except SignalException as error:
         print(
             f"slipstream: host {host} got {error.sigval.name}; stopped every rank of this node (logs in {log_dir})",

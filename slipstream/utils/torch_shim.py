@@ -11,7 +11,10 @@
 - `use_count(tensor)`: how many C++ references hold the tensor's TensorImpl (comm/inflight.py watches gloo's
   worker threads let go of a collective's tensors with it).
 - `continue_stopped_ranks_on_close()`: the elastic agent follows the signal that stops a rank with SIGCONT,
-  so a rank stopped by SIGSTOP ends with the job instead of after the agent's grace period (see the function).
+  so a rank stopped by SIGSTOP ends with the job instead of after the agent's grace period (see the function);
+  `pids_stopped_by_agent()` then says which ranks the agent signalled while they still ran.
+- `drop_traceback_rank_prefix()`: undo the `[rank<N>]: ` prefix init_process_group's excepthook puts on each
+  traceback line, where the launcher already prefixes every line of the rank's output.
 - `live_groups()`: every process group torch.distributed has registered (the default one and subgroups).
 - `backward_input(outputs, grads, inputs, weights)` / `backward_weight(weights, state)`: split one backward into
   the input-gradient part and the weight-gradient part (the zero-bubble schedules, pipe/runtime.py); torch's
@@ -97,6 +100,8 @@ def continue_stopped_ranks_on_close() -> None:
     original = SubprocessHandler.close
 
     def close(self: Any, death_sig: signal.Signals | None = None) -> None:
+        if self.proc.poll() is None:
+            _stopped_by_agent.add(self.proc.pid)
         original(self, death_sig)
         if os.name == "posix":
             try:
@@ -106,6 +111,30 @@ def continue_stopped_ranks_on_close() -> None:
 
     close._slipstream = True  # type: ignore[attr-defined]
     SubprocessHandler.close = close  # type: ignore[method-assign]
+
+
+_stopped_by_agent: set[int] = set()
+
+
+def pids_stopped_by_agent() -> frozenset[int]:
+    """Pids of the ranks this launcher's elastic agent signalled to stop while they still ran (after another
+    rank failed, or when the launcher was signalled). A rank in this set ended because the agent stopped it;
+    one outside it ended on its own or by a signal from outside the job (an OOM killer, a scheduler)."""
+    return frozenset(_stopped_by_agent)
+
+
+def drop_traceback_rank_prefix() -> None:
+    """Put back the excepthook that init_process_group wrapped (its `_distributed_excepthook` prefixes each
+    line of an uncaught exception's traceback with `[rank<N>]: `). Under a launcher that already prefixes every
+    line of the rank's output the traceback lines would carry the prefix twice. A hook that is not torch's is
+    left alone."""
+    hook: Any = sys.excepthook
+    while getattr(getattr(hook, "__code__", None), "co_name", "") == "_distributed_excepthook":
+        cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or ()))
+        if "old_hook" not in cells:
+            return
+        hook = cells["old_hook"].cell_contents
+        sys.excepthook = hook
 
 
 def backward_input(outputs: Any, grads: Any, inputs: Any, weights: Any) -> Any:

@@ -15,8 +15,11 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+
+from slipstream.launcher.local import describe_failures, exit_code_of
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "gpt"
@@ -155,8 +158,34 @@ def test_failing_rank_stops_the_job_and_reports_its_tail(tmp_path: Path) -> None
     lines = tail.splitlines()
     assert len(lines) == 20 and lines[-1].endswith("RuntimeError: rank 1 fails on purpose")  # torch may prefix
     assert any(line.endswith("Traceback (most recent call last):") for line in lines) and "rank 1 line 29" in lines
-    assert "rank 0 (local rank 0) also ended" in report
+    assert "rank 0 (local rank 0) was stopped by the launcher and ended" in report
     assert_no_orphans(tag)
+
+
+def ended(local_rank: int, pid: int, exitcode: int) -> SimpleNamespace:
+    """A stand-in for torch's ProcessFailure (same second: the agent stamps its failures when it collects them)."""
+    name = signal.Signals(-exitcode).name if exitcode < 0 else ""
+    return SimpleNamespace(local_rank=local_rank, pid=pid, exitcode=exitcode, timestamp=1, signal_name=lambda: name)
+
+
+def test_the_rank_named_first_is_never_one_the_agent_stopped() -> None:
+    term, kill, abort = -signal.SIGTERM, -signal.SIGKILL, -signal.SIGABRT
+    cases = [  # failures by global rank, pids the agent signalled, the rank to name
+        ({0: ended(0, 100, term), 1: ended(1, 101, term)}, {100}, 1),  # SIGTERM from outside hit rank 1
+        ({0: ended(0, 100, 1), 1: ended(1, 101, term)}, set(), 1),  # rank 0 exited on the lost peer first
+        ({0: ended(0, 100, term), 1: ended(1, 101, 1)}, {100}, 1),  # rank 1 raised
+        ({0: ended(0, 100, abort), 1: ended(1, 101, kill)}, set(), 1),  # OOM kill before a peer's abort
+        ({0: ended(0, 100, kill), 1: ended(1, 101, 1)}, {100}, 1),  # the agent's SIGKILL after its grace period
+    ]
+    for failures, stopped, blamed in cases:
+        report = describe_failures(failures, host="h", paths={}, stopped_by_agent=frozenset(stopped))
+        first = report.splitlines()[0]
+        assert first.startswith(f"slipstream: host h rank {blamed} ") and " failed with " in first, (failures, report)
+        for rank, failure in failures.items():
+            if failure.pid in stopped:
+                assert f"rank {rank} (local rank {rank}) was stopped by the launcher and ended" in report, report
+        code = exit_code_of(failures, stopped_by_agent=frozenset(stopped))
+        assert code == (failures[blamed].exitcode if failures[blamed].exitcode > 0 else 128 - failures[blamed].exitcode)
 
 
 def test_sigterm_to_the_launcher_stops_every_rank(tmp_path: Path) -> None:
