@@ -3,7 +3,8 @@
 `init_distributed` keeps DeepSpeed's signature. With `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT` set
 (torchrun, `slipstream run`, DeepSpeed's launcher) it joins that job. Without them it starts a world of
 one in-process (a `HashStore`), so a script runs as `python train.py` with no launcher at all. The
-backend is the accelerator's (`gloo` on CPU, `nccl` on CUDA) unless given.
+backend is the accelerator's (`gloo` on CPU, `nccl` on CUDA) unless given. Under `slipstream run`, whose
+console lines already start with `[rank<N>]:`, the prefix torch's excepthook puts on traceback lines is dropped.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def init_distributed(
     if timeout is not None:
         set_collective_timeout(timeout.total_seconds())  # reaches an existing group too (set_timeout)
     if is_initialized():
+        _one_line_prefix()
         return
     if dist_init_required is False:
         raise RuntimeError(
@@ -76,6 +78,7 @@ def init_distributed(
             "with torchrun / `slipstream run`, or unset them all for a single process"
         )
     teardown.install(created=True)
+    _one_line_prefix()
     if verbose:
         logger.info(
             "initialized torch.distributed: backend=%s rank=%d world_size=%d",
@@ -83,3 +86,12 @@ def init_distributed(
             dist.get_rank(),
             dist.get_world_size(),
         )
+
+
+def _one_line_prefix() -> None:
+    """Under `slipstream run`, which prefixes every line of a rank's output with `[rank<N>]:`, drop the
+    prefix torch's excepthook adds to traceback lines, so they carry one prefix like every other line."""
+    if os.environ.get("SLIPSTREAM_PREFIXED_OUTPUT") == "1":
+        from slipstream.utils.torch_shim import drop_traceback_rank_prefix
+
+        drop_traceback_rank_prefix()

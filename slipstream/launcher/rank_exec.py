@@ -8,7 +8,9 @@ but the standard library); this file then
    (the agent has already pointed stdout at the rank's log file and tees it to the console);
 2. adds DeepSpeed's variables the agent does not set: `LOCAL_SIZE` (= `LOCAL_WORLD_SIZE`), `CROSS_RANK`
    (= `GROUP_RANK`, the node rank) and `CROSS_SIZE` (= `GROUP_WORLD_SIZE`, the node count), and
-   `--visible_devices` into each `--visible_env` name (e.g. `CUDA_VISIBLE_DEVICES`);
+   `--visible_devices` into each `--visible_env` name (e.g. `CUDA_VISIBLE_DEVICES`); and
+   `SLIPSTREAM_PREFIXED_OUTPUT=1`: the launcher prefixes every line of this rank's output with `[rank<R>]:`, so
+   init_distributed drops the prefix torch's excepthook would add to traceback lines a second time;
 3. with `--bind_cores` (and optionally `--core_list 0-3,8`) gives this rank an equal, disjoint share of
    the cores with `os.sched_setaffinity` and sets `OMP_NUM_THREADS` to its size;
 4. appends `--local_rank=N` right after the script (DeepSpeed's order) unless `--no_local_rank`, and
@@ -20,6 +22,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+PREFIXED_OUTPUT = "SLIPSTREAM_PREFIXED_OUTPUT"
 
 
 def parse_core_list(text: str) -> list[int]:
@@ -84,6 +88,7 @@ def main(argv: list[str]) -> None:
     env["LOCAL_SIZE"] = str(local_size)
     env["CROSS_RANK"] = env.get("GROUP_RANK", "0")
     env["CROSS_SIZE"] = env.get("GROUP_WORLD_SIZE", "1")
+    env[PREFIXED_OUTPUT] = "1"
     for name in args.visible_env:
         if args.visible_devices:
             env[name] = args.visible_devices
