@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from slipstream.comm.errors import CollectiveError
 from slipstream.utils.logging import get_logger
 from slipstream.utils.torch_shim import queue_end_of_backward
 from slipstream.zero.stage3.sharded_param import ZeroParamStatus, internal_access
@@ -107,6 +110,19 @@ class _UnitState:
     expected: frozenset[int] = frozenset()
 
 
+def _after_forward(cleanup: Callable[[], None], output: Any) -> None:
+    """Run a forward hook's `cleanup` (release gathered units). torch runs these hooks (always_call) also when
+    the forward raised, inside its `except` clause and with no output: a collective that fails during the
+    cleanup then is the same fault as the error already on its way up (a peer lost or stopped), and raising it
+    would only print it once more as torch's warning. Other errors are raised as always."""
+    failing = output is None and sys.exc_info()[1] is not None
+    try:
+        cleanup()
+    except CollectiveError:
+        if not failing:
+            raise
+
+
 class Coordinator:
     """Drives the units of one ZeroModel (see [Note: ZeRO-3 schedule])."""
 
@@ -134,7 +150,9 @@ class Coordinator:
     # ---- registration ----
     def attach(self, root: torch.nn.Module) -> None:
         self.hooks.append(root.register_forward_pre_hook(lambda m, a: self.begin_forward(), prepend=True))
-        self.hooks.append(root.register_forward_hook(lambda m, a, o: self.end_forward(), always_call=True))
+        self.hooks.append(
+            root.register_forward_hook(lambda m, a, o: _after_forward(self.end_forward, o), always_call=True)
+        )
         for unit in self.units:
             if unit.module is None:
                 continue
@@ -168,7 +186,7 @@ class Coordinator:
 
     def _make_post(self, unit: Unit) -> Any:
         def hook(module: Any, args: Any, output: Any) -> Any:
-            self.post_forward(unit, output)
+            _after_forward(lambda: self.post_forward(unit, output), output)
             return None
 
         return hook
