@@ -2,6 +2,9 @@
 
 `slipstream run` starts fault_job.py on 2 ranks at ZeRO-2 and ZeRO-3 with "collective_timeout": TIMEOUT_S; at step
 3 rank 1 stops itself (SIGSTOP), kills itself (SIGKILL) or calls save_checkpoint alone, while rank 0 trains on.
+The last two tests (not slow) check the job's account of a failure: a rank ended by a SIGTERM from outside the job
+is the one the launcher names, and a rank stopped inside a ZeRO-3 gather that every rank reached is named by the
+error, which each rank log carries once, with one `[rank<N>]:` prefix on the console.
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ def _shm_of(pids: list[int]) -> list[str]:
     return [name for name in os.listdir("/dev/shm") if any(str(pid) in name for pid in pids)]
 
 
-def run_fault(tmp_path: Path, stage: int, fault: str) -> dict[str, object]:
+def run_fault(tmp_path: Path, stage: int, fault: str, timeout_s: float = TIMEOUT_S) -> dict[str, object]:
     tag, logs = f"tag-{uuid.uuid4().hex}", tmp_path / "logs"
     cmd = slipstream_run("--num_gpus", "2", "--enable_each_rank_log", str(logs), str(JOB), "--stage", str(stage),
-                         "--fault", fault, "--timeout", str(TIMEOUT_S), "--out", str(tmp_path / "ckpt"), tag)
+                         "--fault", fault, "--timeout", str(timeout_s), "--out", str(tmp_path / "ckpt"), tag)
     launcher = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
     try:
@@ -48,7 +51,7 @@ def run_fault(tmp_path: Path, stage: int, fault: str) -> dict[str, object]:
     assert not _shm_of([launcher.pid, *pids]), _shm_of([launcher.pid, *pids])
     rank_logs = {rank: next(logs.glob(f"*_rank{rank}.log")).read_text() for rank in (0, 1)}
     return {"code": launcher.returncode, "after_s": ended - float(faulted.group(1)), "stderr": stderr,
-            "output": output, "logs": rank_logs}
+            "stdout": stdout, "output": output, "logs": rank_logs}
 
 
 STAGES = [2, 3]
@@ -62,7 +65,8 @@ def test_a_stopped_rank_ends_the_job(tmp_path: Path, stage: int) -> None:
     assert result["after_s"] < BOUND_S, result["after_s"]  # type: ignore[operator]
     stderr, log0 = str(result["stderr"]), result["logs"][0]  # type: ignore[index]
     assert "rank 0 (local rank 0) failed with exit code 1" in stderr, stderr[-4000:]
-    assert "rank 1 (local rank 1) also ended with signal SIGTERM" in stderr, stderr[-4000:]  # not SIGKILL 30 s on
+    # not SIGKILL 30 s on
+    assert "rank 1 (local rank 1) was stopped by the launcher and ended with signal SIGTERM" in stderr, stderr[-4000:]
     message = next(line for line in log0.splitlines() if "CollectiveTimeout: collective" in line)
     assert "did not complete within 8 s" in message and "missing ranks [1]" in message, message
     assert re.search(r"rank 1 \(pid \d+ on this host\) is stopped \(SIGSTOP", message), message
@@ -96,3 +100,35 @@ def test_a_save_on_one_rank_ends_the_job_naming_both_operations(tmp_path: Path, 
     assert "missing ranks [1]" in training and "all_gather of 2 elements from slipstream/checkpoint/save.py" \
         in training, training
     assert not (tmp_path / "ckpt" / "lonely").exists()
+
+
+def failed_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("slipstream: host") and " failed with " in line]
+
+
+def test_an_outside_sigterm_is_blamed_on_the_rank_it_ended(tmp_path: Path) -> None:
+    result = run_fault(tmp_path, 3, "sigterm")
+    stderr, log0 = str(result["stderr"]), str(result["logs"][0])  # type: ignore[index]
+    assert result["code"] == 128 + 15, result["output"][-4000:]  # type: ignore[index]
+    assert failed_lines(stderr) == [line for line in stderr.splitlines() if "rank 1 (local rank 1) failed with "
+                                    "signal SIGTERM" in line], stderr[-4000:]
+    # rank 0 got the agent's SIGTERM, or exited on its own on the lost peer before the agent saw rank 1 end
+    assert re.search(r"rank 0 \(local rank 0\) (was stopped by the launcher and ended with signal SIGTERM|also "
+                     r"ended with exit code 1)", stderr), stderr[-4000:]
+    assert "always_call" not in log0, log0[-3000:]
+    assert len(re.findall(r"collective \w+ #\d+", log0)) <= 1, log0[-3000:]  # the lost peer, reported once
+
+
+def test_a_rank_stopped_inside_a_gather_every_rank_reached_is_named_once(tmp_path: Path) -> None:
+    result = run_fault(tmp_path, 3, "stop_in_gather", timeout_s=5)
+    stderr, stdout, log0 = str(result["stderr"]), str(result["stdout"]), str(result["logs"][0])  # type: ignore[index]
+    assert result["code"] == 1, result["output"][-4000:]  # type: ignore[index]
+    assert failed_lines(stderr) == [line for line in stderr.splitlines() if "rank 0 (local rank 0) failed with "
+                                    "exit code 1" in line], stderr[-4000:]
+    assert "rank 1 (local rank 1) was stopped by the launcher and ended with signal SIGTERM" in stderr, stderr[-4000:]
+    message = next(line for line in log0.splitlines() if "CollectiveTimeout: collective all_gather" in line)
+    assert "missing ranks" not in message and "every rank arrived (ranks [0, 1]), then rank 1 (pid" in message, message
+    assert re.search(r"rank 1 \(pid \d+ on this host\) is stopped \(SIGSTOP or a debugger\), its last collective "
+                     r"#\d+ all_gather of \d+ elements from slipstream/zero/stage3/unit.py", message), message
+    assert "always_call" not in log0 and len(re.findall(r"collective \w+ #\d+", log0)) == 1, log0[-3000:]
+    assert "[rank0]:[rank0]" not in stdout and "[rank0]:Traceback (most recent call last):" in stdout, stdout[-3000:]
