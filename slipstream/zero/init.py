@@ -22,8 +22,10 @@ constructor (`torch.Tensor(3)`) is not wrapped.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +35,7 @@ from torch import nn
 
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
+from slipstream.config import notices
 from slipstream.zero.gathered import GatheredParameters, register_external_parameter
 from slipstream.zero.stage3.manager import UnitManager
 from slipstream.zero.stage3.pool import BufferPool
@@ -194,9 +197,64 @@ def _all_subclasses(cls: type) -> list[type]:
     return found
 
 
+# DeepSpeed 0.19's zero.Init keywords beyond the ones Init names, each with its default and what Slipstream does
+# instead: given away from the default, each is reported through the config notices (config/notices.py).
+_NOT_IMPLEMENTED_KEYWORDS: dict[str, tuple[Any, str]] = {
+    "zero_param_parallel_group": (None, "parameters are sharded over the data-parallel group only (no ZeRO++ "
+                                  "secondary partition)"),
+    "zero_quantized_weights": (False, "parameters are gathered at their own precision (no ZeRO++ quantized "
+                               "weights)"),
+    "zero_quantized_nontrainable_weights": (False, "frozen parameters are kept at their own precision"),
+    "param_swapper": (None, "parameters offloaded to NVMe use Slipstream's own store (offload_param.nvme_path)"),
+}
+_INIT_KEYWORDS = (
+    "module", "data_parallel_group", "mem_efficient_linear", "remote_device", "pin_memory", "config_dict_or_path",
+    "config", "enabled", "dtype", "mpu", "sequence_data_parallel_group", "tensor_overrides",
+    *_NOT_IMPLEMENTED_KEYWORDS,
+)  # fmt: skip
+
+
+def _deepspeed_keywords(given: dict[str, Any], data_parallel_group: Any) -> Any:
+    """The data-parallel group, after checking zero.Init's keywords beyond its named ones: a DeepSpeed keyword
+    Slipstream does not act on is reported (when given away from its default), the deprecated
+    `sequence_data_parallel_group` stands for `data_parallel_group` as in DeepSpeed, and anything else is a
+    TypeError naming the closest keyword."""
+    for name, value in given.items():
+        if name == "sequence_data_parallel_group" or name in _NOT_IMPLEMENTED_KEYWORDS:
+            continue
+        close = difflib.get_close_matches(name, _INIT_KEYWORDS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise TypeError(
+            f"zero.Init() got an unexpected keyword argument {name!r}; {hint}its keywords are DeepSpeed's: "
+            f"{', '.join(_INIT_KEYWORDS)}"
+        )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, (default, instead) in _NOT_IMPLEMENTED_KEYWORDS.items():
+        if given.get(name, default) is not default:
+            message = f"slipstream: zero.Init({name}=...) is accepted but not implemented yet; {instead}"
+            notices.notice(f"zero.Init:{name}", message, rank=rank)
+    sequence_group = given.get("sequence_data_parallel_group")
+    if sequence_group is None:
+        return data_parallel_group
+    if data_parallel_group is not None:
+        raise ValueError(
+            "zero.Init(): both data_parallel_group and sequence_data_parallel_group (its deprecated name) were "
+            "given; pass only data_parallel_group"
+        )
+    warnings.warn(
+        "zero.Init(sequence_data_parallel_group=...) is deprecated; pass data_parallel_group instead",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return sequence_group
+
+
 class Init:
-    """DeepSpeed's `deepspeed.zero.Init` (see the module doc). Arguments DeepSpeed has but Slipstream does not
-    use (`mem_efficient_linear`, `mpu`, quantization, ...) are accepted and ignored."""
+    """DeepSpeed's `deepspeed.zero.Init` (see the module doc), with DeepSpeed 0.19's keywords. `mem_efficient_linear`
+    (a memory saving of DeepSpeed's linear layers; results are the same without it) and `mpu` (read by DeepSpeed
+    only for the config's batch sizes) are accepted and not used; the ZeRO++ keywords (`zero_quantized_weights`,
+    `zero_param_parallel_group`, ...) and `param_swapper` are reported as not implemented when given; an unknown
+    keyword is a TypeError naming the closest one."""
 
     def __init__(
         self,
@@ -211,15 +269,17 @@ class Init:
         dtype: torch.dtype | None = None,
         mpu: Any = None,
         tensor_overrides: Any = None,
-        **ignored: Any,
+        **deepspeed_keywords: Any,
     ) -> None:
         self.enabled = enabled
         if not enabled:
+            _deepspeed_keywords(deepspeed_keywords, data_parallel_group)  # unknown keywords are errors anyway
             return
         from slipstream.comm import init_distributed, is_initialized
 
         if not is_initialized():
             init_distributed()
+        data_parallel_group = _deepspeed_keywords(deepspeed_keywords, data_parallel_group)
         from slipstream.config.plan import CpuTarget, NvmeTarget
         from slipstream.config.resolve import resolve_zero_init
 

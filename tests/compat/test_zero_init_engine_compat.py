@@ -1,16 +1,26 @@
 """What DeepSpeed's ZeRO tests expect around zero.Init models and the engine, one process: `.to()`/`.cpu()` that
 move nothing are allowed on sharded parameters, a zero.Init model given to a stage 0-2 engine is made whole
 (with a warning) and trains like the same model built without Init, the engine passes unknown attributes to
-its model, and the ZeRO config fills `overlap_comm` and `offload_optimizer.pipeline` as DeepSpeed does."""
+its model, the ZeRO config fills `overlap_comm` and `offload_optimizer.pipeline` as DeepSpeed does, and zero.Init
+takes DeepSpeed's keywords and no others."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import subprocess
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import slipstream
 from slipstream.config.schema.zero import OffloadOptimizerConfig, ZeroConfig
 from slipstream.zero import ShardedParameterError, ZeroParamStatus
+from slipstream.zero.init import _INIT_KEYWORDS
 
 Z3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
 
@@ -72,3 +82,46 @@ def test_zero_config_fills_overlap_comm_and_pipeline_like_deepspeed() -> None:
     assert "overlap_comm" not in ZeroConfig(stage=3).model_fields_set  # filled, not set: never reported
     assert OffloadOptimizerConfig().pipeline is False
     assert OffloadOptimizerConfig(pipeline_read=True).pipeline and OffloadOptimizerConfig(pipeline_write=True).pipeline
+
+
+def test_zero_init_names_unknown_keywords_and_reports_deepspeed_ones_it_does_not_implement() -> None:
+    with pytest.raises(TypeError, match="'zero_quantised_weights'; did you mean 'zero_quantized_weights'"):
+        slipstream.zero.Init(config_dict_or_path=Z3, zero_quantised_weights=True)
+    with pytest.raises(TypeError, match="'remote_devices'; did you mean 'remote_device'"):
+        slipstream.zero.Init(enabled=False, remote_devices="cpu")  # checked when disabled too
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger, handler = logging.getLogger("slipstream"), Collect()
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            with slipstream.zero.Init(config_dict_or_path=Z3, zero_quantized_weights=True,
+                                      zero_param_parallel_group=None, param_swapper=None):
+                Net()
+    finally:
+        logger.removeHandler(handler)
+    # given at DeepSpeed's default (None): nothing to report
+    assert [r for r in records if "zero.Init(" in r] == [
+        "slipstream: zero.Init(zero_quantized_weights=...) is accepted but not implemented yet; parameters are "
+        "gathered at their own precision (no ZeRO++ quantized weights)"
+    ]
+    with pytest.raises(ValueError, match="both data_parallel_group and sequence_data_parallel_group"):
+        slipstream.zero.Init(config_dict_or_path=Z3, data_parallel_group=dist.group.WORLD,
+                             sequence_data_parallel_group=dist.group.WORLD)
+
+
+def test_zero_init_knows_every_keyword_of_deepspeeds() -> None:
+    peer = os.environ.get("SLIPSTREAM_PEER_PYTHON") or str(Path(__file__).resolve().parents[2] / ".bench-venv/bin/python")
+    if not Path(peer).is_file():
+        pytest.skip("DeepSpeed peer environment absent (bench/make_peer_venv.sh creates it)")
+    code = ("import inspect, json; from deepspeed.runtime.zero.partition_parameters import Init; "
+            "print(json.dumps(list(inspect.signature(Init.__init__).parameters)[1:]))")
+    done = subprocess.run([peer, "-c", code], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        pytest.skip(f"DeepSpeed peer environment does not import deepspeed: {done.stderr[-300:]}")
+    assert sorted(json.loads(done.stdout.strip().splitlines()[-1])) == sorted(_INIT_KEYWORDS)
