@@ -200,10 +200,11 @@ def _all_subclasses(cls: type) -> list[type]:
 # DeepSpeed 0.19's zero.Init keywords beyond the ones Init names, each with its default and what Slipstream does
 # instead: given away from the default, each is reported through the config notices (config/notices.py).
 _NOT_IMPLEMENTED_KEYWORDS: dict[str, tuple[Any, str]] = {
-    "zero_param_parallel_group": (None, "parameters are sharded over the data-parallel group only (no ZeRO++ "
-                                  "secondary partition)"),
-    "zero_quantized_weights": (False, "parameters are gathered at their own precision (no ZeRO++ quantized "
-                               "weights)"),
+    "zero_param_parallel_group": (
+        None,
+        "parameters are sharded over the data-parallel group only (no ZeRO++ secondary partition)",
+    ),
+    "zero_quantized_weights": (False, "parameters are gathered at their own precision (no ZeRO++ quantized weights)"),
     "zero_quantized_nontrainable_weights": (False, "frozen parameters are kept at their own precision"),
     "param_swapper": (None, "parameters offloaded to NVMe use Slipstream's own store (offload_param.nvme_path)"),
 }
@@ -219,7 +220,7 @@ def _deepspeed_keywords(given: dict[str, Any], data_parallel_group: Any) -> Any:
     Slipstream does not act on is reported (when given away from its default), the deprecated
     `sequence_data_parallel_group` stands for `data_parallel_group` as in DeepSpeed, and anything else is a
     TypeError naming the closest keyword."""
-    for name, value in given.items():
+    for name in given:
         if name == "sequence_data_parallel_group" or name in _NOT_IMPLEMENTED_KEYWORDS:
             continue
         close = difflib.get_close_matches(name, _INIT_KEYWORDS, n=1)

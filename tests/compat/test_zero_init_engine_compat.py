@@ -116,7 +116,8 @@ def test_zero_init_names_unknown_keywords_and_reports_deepspeed_ones_it_does_not
 
 
 def test_zero_init_knows_every_keyword_of_deepspeeds() -> None:
-    peer = os.environ.get("SLIPSTREAM_PEER_PYTHON") or str(Path(__file__).resolve().parents[2] / ".bench-venv/bin/python")
+    repo = Path(__file__).resolve().parents[2]
+    peer = os.environ.get("SLIPSTREAM_PEER_PYTHON") or str(repo / ".bench-venv/bin/python")
     if not Path(peer).is_file():
         pytest.skip("DeepSpeed peer environment absent (bench/make_peer_venv.sh creates it)")
     code = ("import inspect, json; from deepspeed.runtime.zero.partition_parameters import Init; "
