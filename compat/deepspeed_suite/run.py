@@ -5,6 +5,16 @@ against Slipstream imported under the name `deepspeed`, and print, per folder, h
     python compat/deepspeed_suite/run.py --side slipstream   # Slipstream only, against the committed denominator
     python compat/deepspeed_suite/run.py --table         # the table from the committed results, no run
 
+Where things are (each from an argument, else the environment, else a default relative to this repository):
+    --deepspeed-repo  DeepSpeed's git repository ($DEEPSPEED_REPO; default: ../DeepSpeed next to this repository)
+    --ref             the tag whose tests run ($DEEPSPEED_REF; default v0.19.8)
+    --workdir         extracted tests, reports and logs ($SLIPSTREAM_SUITE_WORKDIR; default: the system temporary
+                      directory's slipstream-deepspeed-suite)
+    --peer-python     the Python with real DeepSpeed (default: .bench-venv/bin/python here)
+    --python          the Python with Slipstream (default: .venv/bin/python here)
+Paths in the recorded failure messages are written relative to these places (`<workdir>`, `<slipstream_src>`,
+`<repo>`, `<tmp>`), so the committed results hold no machine's directories.
+
 The denominator is every test real DeepSpeed passes on this machine, less the exclusions (tests that assert on
 DeepSpeed's private internals, each with its reason in exclusions.txt). DeepSpeed's tests are third-party files:
 they are extracted from a DeepSpeed git repository into a directory outside this repository and never committed.
@@ -31,7 +41,7 @@ TEST_IDS = HERE / "test_ids.txt"
 EXCLUSIONS = HERE / "exclusions.txt"
 
 # (folder label, the paths under tests/ that make it up). A test belongs to the first folder whose path prefixes
-# its id. The labels are the issue's.
+# its id. The labels are the acceptance table's.
 FOLDERS: list[tuple[str, list[str]]] = [
     ("runtime/zero", ["unit/runtime/zero"]),
     ("runtime/half_precision", ["unit/runtime/half_precision"]),
@@ -44,7 +54,7 @@ FOLDERS: list[tuple[str, list[str]]] = [
     ("utils", ["unit/utils"]),
 ]
 
-DEFAULT_REPO = "/work/.mirror/deepspeedai+DeepSpeed/repo"
+DEFAULT_REPO = str(ROOT.parent / "DeepSpeed")  # a clone of DeepSpeed's git repository next to this one
 DEFAULT_REF = "v0.19.8"  # falls back to HEAD when the repository has no such tag (said in the output)
 
 
@@ -334,11 +344,20 @@ def save_results(results: dict, path: Path = RESULTS) -> None:
     path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
-def summarise(side: dict[str, dict]) -> dict[str, str]:
+def portable(message: str, places: Mapping[str, str]) -> str:
+    """`message` with each directory of `places` (placeholder -> directory, longest first) written as its
+    placeholder, so a committed result names no machine's paths."""
+    for name, directory in sorted(places.items(), key=lambda item: -len(item[1])):
+        if directory:
+            message = message.replace(directory.rstrip(os.sep), name)
+    return message
+
+
+def summarise(side: dict[str, dict], places: Mapping[str, str] | None = None) -> dict[str, str]:
     """{id: "passed" | "skipped: why" | "failed: last error line" ...} for the committed results."""
     out = {}
     for test_id, record in sorted(side.items()):
-        message = (record.get("message") or "").replace("\n", " ")
+        message = portable((record.get("message") or "").replace("\n", " "), places or {})
         out[test_id] = (
             record["outcome"] if record["outcome"] == "passed" or not message else (f"{record['outcome']}: {message}")
         )
@@ -358,7 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--deepspeed-repo", default=os.environ.get("DEEPSPEED_REPO", DEFAULT_REPO))
     parser.add_argument("--ref", default=os.environ.get("DEEPSPEED_REF", DEFAULT_REF))
-    parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "slipstream-deepspeed-suite"))
+    parser.add_argument(
+        "--workdir",
+        default=os.environ.get(
+            "SLIPSTREAM_SUITE_WORKDIR", str(Path(tempfile.gettempdir()) / "slipstream-deepspeed-suite")
+        ),
+    )
     parser.add_argument("--peer-python", default=str(ROOT / ".bench-venv" / "bin" / "python"))
     parser.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"))
     parser.add_argument(
@@ -404,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--folders: unknown {unknown}; the folders are {labels}")
     paths = [p for label, ps in FOLDERS if label in chosen for p in ps]
     workdir = Path(args.workdir)
+    places = {
+        "<workdir>": str(workdir.resolve()),
+        "<slipstream_src>": str(Path(args.slipstream_src).resolve()) if args.slipstream_src else "",
+        "<repo>": str(ROOT),
+        "<tmp>": str(Path(tempfile.gettempdir()).resolve()),
+    }
     commit = extract(args.deepspeed_repo, args.ref, workdir)
     tests_dir = workdir / "tests"
     results.setdefault("seconds", {})
@@ -428,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         tests, _ = read_jsonl(report.read_text().splitlines() if report.exists() else [])
         previous = {t: o for t, o in results.get("deepspeed", {}).items() if folder_of(t) not in chosen}
-        results["deepspeed"] = {**previous, **summarise(tests)}
+        results["deepspeed"] = {**previous, **summarise(tests, places)}
         results["seconds"]["deepspeed"] = round(seconds, 1)
         passed = sorted(t for t, o in outcomes(results["deepspeed"]).items() if o == "passed")
         TEST_IDS.write_text("".join(t + "\n" for t in passed if not is_excluded(t, exclusions)))
@@ -443,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         alias = args.alias or unpack_compat_wheel(args.python, workdir / "deepspeed-compat")
         if args.slipstream_src:
             alias = os.pathsep.join([args.slipstream_src, alias])
-            results["slipstream_src"] = args.slipstream_src
+            results["slipstream_src"] = portable(str(Path(args.slipstream_src).resolve()), places)
         warm_up("slipstream", args.python, side_env("slipstream", alias))
         seconds = run_side(
             args.python,
@@ -459,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         tests, collect_errors = read_jsonl(report.read_text().splitlines() if report.exists() else [])
         ran = {t: outcome_for(t, tests, collect_errors) for t in wanted}
         previous = {t: o for t, o in results.get("slipstream", {}).items() if folder_of(t) not in chosen}
-        results["slipstream"] = {**previous, **summarise(ran)}
+        results["slipstream"] = {**previous, **summarise(ran, places)}
         results["seconds"]["slipstream"] = round(seconds, 1)
         save_results(results, results_path)
         print(f"Slipstream side: {len(wanted)} tests in {seconds:.0f} s", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,19 @@ def test_causes_group_failures_and_drop_paths_and_numbers():
     assert "| `AssertionError: <n> != <n> in <path>` | 1 | b/test_z.py |" in lines
     assert "| `not run` | 1 | c/test_w.py |" in lines  # a test the side never reported
     assert "t4" not in text
+
+
+def test_recorded_messages_and_defaults_name_no_machine_directory():
+    places = {"<workdir>": "/scratch/suite", "<tmp>": "/scratch", "<slipstream_src>": "/home/me/src/", "<repo>": ""}
+    side = {
+        "unit/a.py::t": {"outcome": "failed", "message": "E: no file '/scratch/suite/tests/x.pt'\n in /scratch/y"},
+        "unit/b.py::t": {"outcome": "error", "message": "ImportError (/home/me/src/slipstream/zero/init.py)"},
+    }
+    assert run.summarise(side, places) == {
+        "unit/a.py::t": "failed: E: no file '<workdir>/tests/x.pt'  in <tmp>/y",
+        "unit/b.py::t": "error: ImportError (<slipstream_src>/slipstream/zero/init.py)",
+    }
+    assert Path(run.DEFAULT_REPO) == _PATH.parents[2].parent / "DeepSpeed"
+    for results in sorted(_PATH.parent.glob("results*.json")):
+        found = re.findall(r"(?<![\w.>])/(?:tmp|home|work|root)/[^\s'\"]*", results.read_text())
+        assert not found, f"{results.name} names a machine's directories: {found[:3]}"
