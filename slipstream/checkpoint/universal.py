@@ -104,49 +104,17 @@ def read_universal_checkpoint(path: str | Path) -> DeepSpeedCheckpoint:
     shapes = {name: tuple(shape) for group in first.get("param_shapes") or [] for name, shape in group.items()}
     master: dict[str, torch.Tensor] = {}
     opt_state: dict[str, dict[str, torch.Tensor]] = {}
-    steps: set[int] = set()
+    steps: set[int] = set()  # the steps recorded per parameter (all equal in a sound checkpoint)
     for folder in sorted(p for p in (path / "zero").iterdir() if p.is_dir()):
         name = folder.name
-        fp32 = folder / "fp32.pt"
-        if not fp32.is_file():
-            raise CheckpointError(
-                f"{folder} has no fp32.pt: the universal checkpoint is incomplete (re-run the conversion)"
-            )
-        loaded = safe_load(fp32)
-        value = _value(loaded, fp32).float()
-        shape = shapes.get(name, tuple(value.shape))
-        if isinstance(loaded, Mapping) and math.prod(shape) != value.numel():
-            # a tensor-parallel conversion: the file holds the whole tensor, param_shapes one rank's shard
-            shape = tuple(value.shape)
-        if math.prod(shape) != value.numel():
-            raise CheckpointError(
-                f"{fp32}: {value.numel()} elements, but the model-states file records shape {shape} for {name!r}"
-            )
-        master[name] = value.reshape(shape)
-        states = {}
-        for key in _STATES:
-            file = folder / f"{key}.pt"
-            if file.is_file():
-                states[key] = _value(safe_load(file), file).float().reshape(shape)
+        master[name], states, step = _read_param_folder(folder, shapes.get(name))
         if states:
             opt_state[name] = states
-        step_file = folder / "step.pt"
-        if step_file.is_file():
-            step = _step_of({"step": safe_load(step_file)})
-            if step is not None:
-                steps.add(step)
-    optimizer_file = path / "zero" / "optimizer_state.pt"
-    optimizer: Mapping[str, Any] = safe_load(optimizer_file) if optimizer_file.is_file() else {}
-    if not steps:  # stage-3 conversions keep the step only in the first rank's optimizer state dict
-        inner = (optimizer.get("optimizer_state_dict") or {}).get("state") or {}
-        first_state = next(iter(inner.values()), None) if isinstance(inner, Mapping) else None
-        step = _step_of(first_state) if isinstance(first_state, Mapping) else None
         if step is not None:
             steps.add(step)
-    if len(steps) > 1:
-        raise CheckpointError(
-            f"{path}: the parameters' step.pt files disagree ({sorted(steps)}); re-run the conversion"
-        )
+    optimizer_file = path / "zero" / "optimizer_state.pt"
+    optimizer: Mapping[str, Any] = safe_load(optimizer_file) if optimizer_file.is_file() else {}
+    optimizer_step = _optimizer_step(steps, optimizer, path)
     module = _module(first, others, master)
     _apply_shared_params(first.get("shared_params") or {}, module, master)
     return DeepSpeedCheckpoint(
@@ -157,11 +125,55 @@ def read_universal_checkpoint(path: str | Path) -> DeepSpeedCheckpoint:
         module=module,
         master=master,
         optimizer_state=opt_state,
-        optimizer_step=next(iter(steps)) if steps else None,
+        optimizer_step=optimizer_step,
         param_groups=_strip_params(list(optimizer.get("param_groups") or [])),
         scalars=_scalars(first, optimizer),
         client_state={k: v for k, v in first.items() if k not in _DS_MODEL_KEYS and k != "universal_checkpoint_info"},
     )
+
+
+def _read_param_folder(
+    folder: Path, recorded_shape: tuple[int, ...] | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], int | None]:
+    """One parameter's folder: (its fp32 master, its optimizer states by key, its step.pt or None)."""
+    fp32 = folder / "fp32.pt"
+    if not fp32.is_file():
+        raise CheckpointError(
+            f"{folder} has no fp32.pt: the universal checkpoint is incomplete (re-run the conversion)"
+        )
+    loaded = safe_load(fp32)
+    value = _value(loaded, fp32).float()
+    shape = recorded_shape if recorded_shape is not None else tuple(value.shape)
+    if isinstance(loaded, Mapping) and math.prod(shape) != value.numel():
+        # a tensor-parallel conversion: the file holds the whole tensor, param_shapes one rank's shard
+        shape = tuple(value.shape)
+    if math.prod(shape) != value.numel():
+        raise CheckpointError(
+            f"{fp32}: {value.numel()} elements, but the model-states file records shape {shape} for {folder.name!r}"
+        )
+    states = {}
+    for key in _STATES:
+        file = folder / f"{key}.pt"
+        if file.is_file():
+            states[key] = _value(safe_load(file), file).float().reshape(shape)
+    step_file = folder / "step.pt"
+    step = _step_of({"step": safe_load(step_file)}) if step_file.is_file() else None
+    return value.reshape(shape), states, step
+
+
+def _optimizer_step(steps: set[int], optimizer: Mapping[str, Any], path: Path) -> int | None:
+    """The checkpoint's one optimizer step: from the parameters' step.pt files, else the optimizer state."""
+    if not steps:  # stage-3 conversions keep the step only in the first rank's optimizer state dict
+        inner = (optimizer.get("optimizer_state_dict") or {}).get("state") or {}
+        first_state = next(iter(inner.values()), None) if isinstance(inner, Mapping) else None
+        step = _step_of(first_state) if isinstance(first_state, Mapping) else None
+        if step is not None:
+            steps.add(step)
+    if len(steps) > 1:
+        raise CheckpointError(
+            f"{path}: the parameters' step.pt files disagree ({sorted(steps)}); re-run the conversion"
+        )
+    return next(iter(steps)) if steps else None
 
 
 def _module(
