@@ -69,7 +69,7 @@ def read_zero12_shards(folder_path: str | Path, *, require_info: bool = True) ->
     `universal_checkpoint_info` (the merge rules; without them a replicated norm would be concatenated like a
     sharded weight). DeepSpeed's converter refuses it too unless told `--inject_missing_state`."""
     folder = DeepSpeedCheckpointFolder(str(folder_path))
-    pp_degree, tp_degree, dp_degree = folder.pp_degree, folder.tp_degree, folder.dp_degree
+    pp_degree, tp_degree = folder.pp_degree, folder.tp_degree
     recorded = folder.get_checkpoint_info(UNIVERSAL_CHECKPOINT_INFO)
     if recorded is None and require_info:
         raise CheckpointError(
@@ -87,11 +87,31 @@ def read_zero12_shards(folder_path: str | Path, *, require_info: bool = True) ->
         shapes_by_file.append(meta[PARAM_SHAPES])
     per_tp = shapes_per_tp_rank(shapes_by_file, pp_degree, tp_degree)
     names = list(dict.fromkeys(name for shapes in shapes_by_file for name in shapes))
-    pieces: list[dict[str, dict[str, list[torch.Tensor]]]] = [{} for _ in range(tp_degree)]
+    pieces, steps = _slices_per_tp_rank(folder, replicated)
+    shards = _whole_shards(folder, pieces, per_tp)
+    first = _optimizer(folder, 0, 0, 0)
+    optimizer_state = {key: value for key, value in first.items() if key not in _SHARDED}
+    optimizer_state[PARAM_GROUPS] = first[BASE_OPTIMIZER_STATE][PARAM_GROUPS]
+    return TpShards(
+        shards=shards,
+        names=[name for name in names if any(name in shard for shard in shards)],
+        universal_info=None if recorded is None else info,
+        optimizer_state=optimizer_state,
+        model_files=[Path(f) for f in folder.mp_rank_files],
+        steps=steps,
+    )
+
+
+def _slices_per_tp_rank(
+    folder: DeepSpeedCheckpointFolder, replicated: list[str]
+) -> tuple[list[dict[str, dict[str, list[torch.Tensor]]]], dict[str, Any]]:
+    """Every optimizer file's slices, per tensor rank, name and state in (pipeline, data-parallel) order; and
+    each parameter's step. A parameter matching `replicated` is read from the first pipeline stage only."""
+    pieces: list[dict[str, dict[str, list[torch.Tensor]]]] = [{} for _ in range(folder.tp_degree)]
     steps: dict[str, Any] = {}
-    for pp in range(pp_degree):
-        for tp in range(tp_degree):
-            for dp in range(dp_degree):
+    for pp in range(folder.pp_degree):
+        for tp in range(folder.tp_degree):
+            for dp in range(folder.dp_degree):
                 where = ", ".join(folder.get_zero_files(pp, tp, dp))
                 optimizer = _optimizer(folder, pp, tp, dp)
                 groups = optimizer[BASE_OPTIMIZER_STATE]["state"]
@@ -108,10 +128,19 @@ def read_zero12_shards(folder_path: str | Path, *, require_info: bool = True) ->
                             pieces[tp].setdefault(name, {}).setdefault(state, []).append(piece)
                         if "step" in group:
                             steps.setdefault(name, group["step"])
+    return pieces, steps
+
+
+def _whole_shards(
+    folder: DeepSpeedCheckpointFolder,
+    pieces: list[dict[str, dict[str, list[torch.Tensor]]]],
+    per_tp: dict[str, list[Any]],
+) -> list[dict[str, dict[str, torch.Tensor]]]:
+    """Each tensor rank's slices joined into its whole shards, shaped as its model-states files record."""
     shards = []
-    for tp in range(tp_degree):
+    for tp, by_name in enumerate(pieces):
         shard = {}
-        for name, states in pieces[tp].items():
+        for name, states in by_name.items():
             shape = per_tp[name][tp]
             if shape is None:
                 raise CheckpointError(
@@ -120,14 +149,4 @@ def read_zero12_shards(folder_path: str | Path, *, require_info: bool = True) ->
                 )
             shard[name] = {state: torch.cat(parts).reshape(tuple(shape)) for state, parts in states.items()}
         shards.append(shard)
-    first = _optimizer(folder, 0, 0, 0)
-    optimizer_state = {key: value for key, value in first.items() if key not in _SHARDED}
-    optimizer_state[PARAM_GROUPS] = first[BASE_OPTIMIZER_STATE][PARAM_GROUPS]
-    return TpShards(
-        shards=shards,
-        names=[name for name in names if any(name in shard for shard in shards)],
-        universal_info=None if recorded is None else info,
-        optimizer_state=optimizer_state,
-        model_files=[Path(f) for f in folder.mp_rank_files],
-        steps=steps,
-    )
+    return shards
