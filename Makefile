@@ -27,8 +27,14 @@ venv: $(STAMP) ## create .venv with torch and slipstream (editable, dev extras)
 train: $(STAMP) ## train a small GPT end to end: 2 ranks, ZeRO-2, the shipped text (about a minute)
 	$(VENV)/bin/slipstream run --num_gpus 2 examples/gpt/train.py --deepspeed_config examples/gpt/ds_config_zero2.json
 
-test: $(STAMP) ## run the test suite (tests/compat_hf runs in `make compat-hf`)
-	$(PY) -m pytest -q --ignore=tests/compat_hf
+# The suite runs in a random order (pytest-random-order: the modules shuffled, and the tests within each), so a
+# test that passes only after some other test fails here. The seed changes daily and is printed before and after
+# the run; `make test TEST_SEED=<seed>` replays that order.
+TEST_SEED ?= $(shell date -u +%Y%m%d)
+test: $(STAMP) ## run the test suite in a random order (replay one: TEST_SEED=...; tests/compat_hf: `make compat-hf`)
+	@echo "make test: random test order, seed $(TEST_SEED); replay it with: make test TEST_SEED=$(TEST_SEED)"
+	$(PY) -m pytest -q -p random_order --random-order-bucket=module --random-order-seed=$(TEST_SEED) \
+		--ignore=tests/compat_hf
 
 compat-hf: $(STAMP) ## Transformers, Accelerate, PEFT on Slipstream end to end (installs them into .venv; ~5 min)
 	$(PY) -m pip install --quiet -e ".[dev,compat-hf]"

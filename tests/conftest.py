@@ -1,8 +1,13 @@
-"""Repo-wide pytest setup: markers (gpu, slow, needs_compiler), thread defaults and per-test seeding.
+"""Repo-wide pytest setup: markers (gpu, slow, needs_compiler), thread defaults, per-test seeding and the
+random-order seed line.
 
 Owns the skip rules: `gpu` tests run only where torch.cuda.is_available(); `needs_compiler` tests
 run only with a C++ compiler (c++ or g++ on PATH) and ninja. `slow` is registered but not skipped;
 deselect it with `-m "not slow"`.
+
+`make test` shuffles the order (pytest-random-order, module buckets); the end of the run names the seed. The
+plugin seeds Python's `random` once, at collection; every test reseeds `random`, numpy and torch itself
+(`_deterministic_seed`), so the order changes but no test's random numbers do.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -54,9 +60,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _deterministic_seed() -> Iterator[None]:
-    """Every test starts from the same RNG state, whatever ran before it."""
+    """Every test starts from the same RNG state, whatever ran before it (numpy's too, where it is installed)."""
     torch.manual_seed(0)
     random.seed(0)
+    numpy = sys.modules.get("numpy")  # imported by torch when present; never imported here for nothing
+    if numpy is not None:
+        numpy.random.seed(0)
     yield
 
 
@@ -80,7 +89,26 @@ _SKIP_GROUPS = (
 )
 
 
+def _random_order_seed(config: pytest.Config) -> str | None:
+    """The seed pytest-random-order shuffled this run with, or None when the order was not shuffled."""
+    seed = config.getoption("random_order_seed", None)
+    bucket = config.getoption("random_order_bucket", None)
+    if seed is None or bucket is None:  # the plugin is not installed
+        return None
+    given = [str(value) for value in (seed, bucket) if not str(value).startswith("default:")]
+    if not (config.getoption("random_order_enabled", False) or given) or str(bucket).endswith("none"):
+        return None
+    return str(seed).removeprefix("default:")
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    seed = _random_order_seed(terminalreporter.config)
+    if seed is not None:
+        terminalreporter.section("test order")
+        terminalreporter.write_line(
+            f"random order, seed {seed}; replay it with: make test TEST_SEED={seed} "
+            f"(or pytest -p random_order --random-order-seed={seed} ...)"
+        )
     counts: dict[int, int] = {}
     for report in terminalreporter.stats.get("skipped", []):
         reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
