@@ -15,6 +15,7 @@ class EngineGetters:
     loss_scaler: Any
     global_rank: int
     world_size: int
+    parallel: Any
 
     def train_batch_size(self) -> int:
         return self.plan.batch.train_batch_size
@@ -102,7 +103,11 @@ class EngineGetters:
         return None if self.plan.scheduler is None else self.plan.scheduler.name
 
     def get_data_parallel_rank(self) -> int:
-        return self.global_rank
+        """This rank's index among the data-parallel replicas (the ranks of one TP or SP group share it)."""
+        topology = self.parallel.topology
+        return self.global_rank if topology is None else topology.data_index
 
     def get_data_parallel_world_size(self) -> int:
-        return self.world_size
+        """How many data-parallel replicas there are (world size / (TP size x SP size))."""
+        topology = self.parallel.topology
+        return self.world_size if topology is None else topology.dp
