@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from slipstream.compat.engine_attributes import EngineAttributes
 from slipstream.compat.param_access import register_engine
 
 _Z = "zero_optimization"
@@ -192,7 +193,7 @@ def _refusal(name: str, why: str) -> Callable[..., Any]:
     return refuse
 
 
-class DeepSpeedEngineMethods:
+class DeepSpeedEngineMethods(EngineAttributes):
     """See the module doc. Attributes it reads are the engine's."""
 
     config: Any
@@ -201,6 +202,7 @@ class DeepSpeedEngineMethods:
     zero_model: Any
     global_rank: int
     world_size: int
+    parallel: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -265,13 +267,15 @@ class DeepSpeedEngineMethods:
         return names[precision.param_dtype], names.get(precision.grad_accum_dtype, torch.float32)
 
     def get_model_parallel_rank(self) -> int:
-        return 0
+        """This rank's index in its tensor-parallel group (DeepSpeed's model parallel is its tensor parallel)."""
+        return self.parallel.tp_rank
 
     def get_tensor_parallel_rank(self) -> int:
-        return 0
+        return self.parallel.tp_rank
 
     def is_first_weights_partition_group(self) -> bool:
-        return True
+        """DeepSpeed 0.19's definition: whether the weights are partitioned (ZeRO-3), whatever the rank."""
+        return self.plan.zero.stage >= 3
 
     def is_compiled(self) -> bool:
         return False
