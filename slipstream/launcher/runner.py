@@ -84,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--bind_cores_to_rank", action="store_true", help="bind each rank to its share of the cores")
     add("--bind_core_list", default="", help="cores to share out, e.g. '0-7,16-23' (implies binding)")
     add("--elastic_training", action="store_true", help="restart failed workers via c10d rendezvous")
+    add(
+        "--autotuning",
+        default="",
+        choices=["tune", "run"],
+        help="DeepSpeed's autotuner: not built in Slipstream (refused with a message)",
+    )
     add("user_script", help="the training script (module with --module, program with --no_python)")
     add("user_args", nargs=argparse.REMAINDER, help="arguments of the training script")
 
@@ -210,6 +216,16 @@ def run(args: argparse.Namespace, *, raise_errors: bool = False) -> int:
     raises its ValueError with `raise_errors` (DeepSpeed's `runner.main`)."""
     from slipstream.launcher.local import run_node
 
+    if getattr(args, "autotuning", ""):
+        from slipstream.compat.unbuilt import NotBuiltError
+
+        refusal = NotBuiltError(
+            f"autotuning (--autotuning {args.autotuning})", "launch without --autotuning and set the config yourself"
+        )
+        if raise_errors:
+            raise refusal
+        print(f"slipstream run: error: {refusal}", file=sys.stderr)
+        return 2
     try:
         plan, multi = prepare(args)
     except ValueError as error:
