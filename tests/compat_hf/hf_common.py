@@ -20,9 +20,9 @@ def missing_packages(*names: str) -> str | None:
     return f"{', '.join(absent)} not installed; install with: {INSTALL_HINT}" if absent else None
 
 
-def use_slipstream_as_deepspeed() -> list[str]:
+def use_slipstream_as_deepspeed() -> None:
     """Make `import deepspeed` give Slipstream: the installed compat distribution if there is one, otherwise the
-    same file from shim/. Refuses a real DeepSpeed. Returns the names gaps.py had to fill."""
+    same file from shim/. Refuses a real DeepSpeed. Nothing is filled in: a name Slipstream lacks fails."""
     spec = importlib.util.find_spec("deepspeed")
     if spec is None or (spec.origin and spec.origin.startswith(SHIM_DIR)):
         if SHIM_DIR not in sys.path:
@@ -35,9 +35,6 @@ def use_slipstream_as_deepspeed() -> list[str]:
         raise RuntimeError(
             f"`import deepspeed` gives {deepspeed.__file__}, not Slipstream; these tests need Slipstream"
         )
-    from tests.compat_hf import gaps
-
-    return list(gaps.fill())
 
 
 def rank_env(rank: int, world: int) -> None:

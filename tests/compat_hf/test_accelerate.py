@@ -34,7 +34,7 @@ def template(name: str) -> dict:
 
 def accelerate_run(rank: int, world: int, *, name: str) -> dict[str, Any]:
     H.rank_env(rank, world)
-    shimmed = H.use_slipstream_as_deepspeed()
+    H.use_slipstream_as_deepspeed()
     H.cpu_partial_state()
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import DummyOptim, DummyScheduler
@@ -65,7 +65,6 @@ def accelerate_run(rank: int, world: int, *, name: str) -> dict[str, Any]:
         "state": H.full_state(accelerator.unwrap_model(model)),
         "steps": model.global_steps,
         "batch": model.get_batch_info(),
-        "shimmed": shimmed,
     }
 
 

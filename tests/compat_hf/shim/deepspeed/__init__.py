@@ -2,8 +2,8 @@
 
 tests/compat_hf puts this directory (with its dist-info) on sys.path when no `deepspeed` distribution is
 installed, so the tests run without changing the virtual environment; it is never installed and never imported
-by the package. It is the distribution's one file (compat/deepspeed_dist.activate). The names Slipstream still
-lacks are filled by tests/compat_hf/gaps.py, whichever of the two gives `import deepspeed`.
+by the package. It is the distribution's one file (compat/deepspeed_dist.activate); nothing is filled in here,
+so a DeepSpeed name Slipstream lacks fails the tests as it would fail a user.
 """
 
 from slipstream.compat.deepspeed_dist import activate as _activate
