@@ -4,7 +4,8 @@ clipped by the global norm and stepped with AdamW. Parameters after 5 steps agre
 top-2 and top-3, dropping and dropless, at ZeRO 0-3; with 4 ranks each expert lives on 2 ranks, so ZeRO
 shards it over its expert-data-parallel group. Also: a rank that routes no token to most experts trains 20
 steps at ZeRO 2 and 3 without a hang, and a checkpoint saved at ep 2 loads at ep 1 and ep 4 with bit-equal
-expert weights. Two spawns in all (2 and 4 ranks)."""
+expert weights, and dropless gating takes its capacity from the largest count on any rank of the expert
+group (the rest of each rank's routing as if alone). Two spawns in all (2 and 4 ranks)."""
 
 from __future__ import annotations
 
@@ -129,6 +130,36 @@ def skewed_batches(steps: int, world: int) -> list:
     return out
 
 
+def gate_logits(rank: int, k: int) -> torch.Tensor:
+    """Each rank's own 24 tokens; rank 1 favours expert 0, so its largest count is the larger."""
+    logits = torch.randn(24, 4, generator=torch.Generator().manual_seed(10 * k + rank))
+    logits[:, 0] += 1.5 * rank
+    return logits
+
+
+def dropless_routes_over_the_expert_group(rank: int) -> list[dict]:
+    """Dropless gating with the expert-parallel group: every rank's capacity is the largest count on any rank."""
+    import torch.distributed as dist
+
+    from slipstream.moe.gating import route
+
+    out = []
+    for k in (1, 2, 3):
+        routes = route(
+            gate_logits(rank, k),
+            k=k,
+            capacity_factor=1.0,
+            min_capacity=1,
+            drop_tokens=False,
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
+            ep_group=dist.group.WORLD,
+            ep_size=2,
+        )
+        out.append({"k": k, "capacity": routes.capacity, "experts": routes.experts, "slots": routes.slots})
+    return out
+
+
 def grid_2(rank: int, world: int) -> dict:
     parity = run_subtests(CASES_2, lambda stage, k, drop: train(rank, world, stage=stage, k=k, drop=drop))
     skew = skewed_batches(20, world)
@@ -136,7 +167,7 @@ def grid_2(rank: int, world: int) -> dict:
     for stage in (2, 3):
         model_counts = train(rank, world, stage=stage, k=1, drop=False, data=skew, steps=20)
         counts.append(model_counts["norms"])
-    return {"parity": parity, "skew_norms": counts}
+    return {"parity": parity, "skew_norms": counts, "dropless": dropless_routes_over_the_expert_group(rank)}
 
 
 def grid_4(rank: int, world: int, *, root: str) -> dict:
@@ -162,6 +193,30 @@ def test_moe_two_ranks_match_reference_and_never_hang(tmp_path) -> None:  # type
     for rank, result in enumerate(per_rank):
         for norms in result["skew_norms"]:
             assert len(norms) == 20 and all(n == n and n > 0 for n in norms), (rank, norms)
+    check_dropless_capacity_is_the_groups_largest_count([r["dropless"] for r in per_rank])
+
+
+def check_dropless_capacity_is_the_groups_largest_count(per_rank: list[list[dict]]) -> None:
+    """DeepSpeed's dropless rule against tests/unit/moe/gating_reference.py: each rank routes as alone, with the
+    capacity all-reduced (MAX) over the expert-parallel group."""
+    from tests.unit.moe import gating_reference
+
+    for results in zip(*per_rank):
+        alone = [
+            gating_reference.gate(
+                gate_logits(rank, r["k"]).tolist(), k=r["k"], capacity_factor=1.0, min_capacity=1, drop_tokens=False
+            )
+            for rank, r in enumerate(results)
+        ]
+        largest = max(decision.capacity for decision in alone)
+        assert alone[0].capacity != alone[1].capacity, "the ranks' own largest counts must differ"
+        for rank, (result, decision) in enumerate(zip(results, alone)):
+            assert result["capacity"] == largest, (result["k"], rank, result["capacity"], largest)
+            want = [[route[:2] if route else (-1, 0) for route in row] for row in decision.routes]
+            got = [
+                list(zip(result["experts"][:, s].tolist(), result["slots"][:, s].tolist())) for s in range(len(want))
+            ]
+            assert got == want, (result["k"], rank)
 
 
 @pytest.mark.slow
