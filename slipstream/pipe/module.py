@@ -87,6 +87,23 @@ def _get_attr(module: nn.Module, dotted: str) -> Any:
     return module
 
 
+def _resolve_topology(num_stages: int | None, topology: ProcessTopology | None) -> ProcessTopology:
+    """`topology`, else a pipe x data topology of `num_stages` stages (the process group started if need be)."""
+    if num_stages is None and topology is None:
+        raise RuntimeError("PipelineModule needs num_stages= or topology=")
+    if not dist.is_initialized():
+        from slipstream.comm.init import init_distributed
+
+        init_distributed(verbose=False)
+    world = dist.get_world_size()
+    if topology is None:
+        assert num_stages is not None
+        if num_stages < 1 or world % num_stages:
+            raise RuntimeError(f"num_stages={num_stages} must divide the world size {world}")
+        topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
+    return topology
+
+
 class PipelineModule(nn.Module):
     """DeepSpeed's `PipelineModule`. Slipstream adds `schedule` ("1f1b", DeepSpeed's; "interleaved_1f1b",
     "interleaved_zero_bubble", "zbv_zero_bubble") and `stage_chunks` (virtual stages per stage; 2 by default
@@ -111,18 +128,7 @@ class PipelineModule(nn.Module):
         stage_chunks: int | None = None,
     ) -> None:
         super().__init__()
-        if num_stages is None and topology is None:
-            raise RuntimeError("PipelineModule needs num_stages= or topology=")
-        if not dist.is_initialized():
-            from slipstream.comm.init import init_distributed
-
-            init_distributed(verbose=False)
-        world = dist.get_world_size()
-        if topology is None:
-            assert num_stages is not None
-            if num_stages < 1 or world % num_stages:
-                raise RuntimeError(f"num_stages={num_stages} must divide the world size {world}")
-            topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
+        topology = _resolve_topology(num_stages, topology)
         if schedule not in SCHEDULES:
             raise ValueError(f"PipelineModule(schedule={schedule!r}) is not known; use one of {sorted(SCHEDULES)}")
         _, default_chunks, chunk_style = SCHEDULES[schedule]
@@ -145,16 +151,23 @@ class PipelineModule(nn.Module):
         only when it differs from the previous one on that link (one message less per transfer)."""
         self._layer_specs = list(layers)
         self.partition_method = partition_method
+        self._build_local_layers()
+
+    # ---- build ----
+    def _build_local_layers(self) -> None:
+        """Partition the layers into virtual stages and build this stage's own, with the tied modules."""
         self.layer_params = self._count_layer_params()
         virtual = self.num_stages * self.stage_chunks
         self.parts = partition(
-            partition_method,
+            self.partition_method,
             num_layers=len(self._layer_specs),
             num_parts=virtual,
             param_counts=self.layer_params,
             type_names=[_type_name(x) for x in self._layer_specs],
         )
-        self.local_virtual = [v for v in range(virtual) if owner_of(v, self.num_stages, chunk_style) == self.stage_id]
+        self.local_virtual = [
+            v for v in range(virtual) if owner_of(v, self.num_stages, self.chunk_style) == self.stage_id
+        ]
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self.chunk_funcs: dict[int, list[tuple[int, Callable[..., Any]]]] = {}
@@ -163,7 +176,6 @@ class PipelineModule(nn.Module):
         self.tied_stages = self._tied_stages()
         self.tied_groups = self._make_tied_groups()
 
-    # ---- build ----
     def _count_layer_params(self) -> list[int]:
         counts = []
         for layer in self._layer_specs:
