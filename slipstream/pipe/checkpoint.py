@@ -101,15 +101,7 @@ def load_pipeline(
             "pipeline engine's save_checkpoint"
         )
     meta = json.loads(meta_path.read_text())
-    saved: dict[str, list[tuple[int, int, Path]]] = {}
-    scalars: dict[str, float] = {}
-    state_keys: dict[str, list[str]] = {}
-    for rank in range(int(meta["world_size"])):
-        index = json.loads((root / f"rank_{rank}.json").read_text())
-        for name, _shape, lo, hi in index["slices"]:
-            saved.setdefault(name, []).append((lo, hi, root / f"rank_{rank}.safetensors"))
-        scalars.update(index["scalars"])
-        state_keys.update(index["state_keys"])
+    saved, scalars, state_keys = _read_indexes(root, int(meta["world_size"]))
     optimizer = engine.optimizer
     files: dict[Path, SafetensorsFile] = {}
     try:
@@ -123,25 +115,7 @@ def load_pipeline(
                 if load_optimizer_states and item.name in state_keys:
                     _create_state(optimizer, item.piece, state_keys[item.name])
                 states = _state_slices(optimizer, item) if load_optimizer_states else {}
-                covered = 0
-                for lo, hi, path in saved[item.name]:
-                    a, z = max(lo, item.lo), min(hi, item.hi)
-                    if z <= a:
-                        continue
-                    source = files.setdefault(path, SafetensorsFile(path))
-                    item.master[a - item.lo : z - item.lo].copy_(
-                        source.get_flat_range(f"{item.name}@{lo}", a - lo, z - lo).to(item.master.dtype)
-                    )
-                    for key, value in states.items():
-                        value[a - item.lo : z - item.lo].copy_(
-                            source.get_flat_range(f"{item.name}@{lo}#{key}", a - lo, z - lo).to(value.dtype)
-                        )
-                    covered += z - a
-                if covered < item.hi - item.lo:
-                    raise CheckpointError(
-                        f"the checkpoint {root} covers {covered} of the {item.hi - item.lo} "
-                        f"elements of '{item.name}' this rank needs: it is incomplete"
-                    )
+                _copy_overlaps(item, saved[item.name], states, files=files, root=root)
                 if load_optimizer_states and item.name in scalars and item.piece in optimizer.optimizer.state:
                     state = optimizer.optimizer.state[item.piece]
                     if isinstance(state.get("step"), torch.Tensor):
@@ -154,3 +128,50 @@ def load_pipeline(
     engine.global_samples = int(meta["global_samples"])
     collectives.barrier()
     return str(root), dict(meta.get("client_state", {}))
+
+
+def _read_indexes(
+    root: Path, world_size: int
+) -> tuple[dict[str, list[tuple[int, int, Path]]], dict[str, float], dict[str, list[str]]]:
+    """Every saving rank's index: (name -> its saved (lo, hi, file) slices, name -> step, name -> state keys)."""
+    saved: dict[str, list[tuple[int, int, Path]]] = {}
+    scalars: dict[str, float] = {}
+    state_keys: dict[str, list[str]] = {}
+    for rank in range(world_size):
+        index = json.loads((root / f"rank_{rank}.json").read_text())
+        for name, _shape, lo, hi in index["slices"]:
+            saved.setdefault(name, []).append((lo, hi, root / f"rank_{rank}.safetensors"))
+        scalars.update(index["scalars"])
+        state_keys.update(index["state_keys"])
+    return saved, scalars, state_keys
+
+
+def _copy_overlaps(
+    item: Any,
+    slices: list[tuple[int, int, Path]],
+    states: dict[str, torch.Tensor],
+    *,
+    files: dict[Path, SafetensorsFile],
+    root: Path,
+) -> None:
+    """Fill the slice this rank owns (master and `states`) from the saved slices that overlap it; `files` keeps
+    the opened checkpoint files for the caller to close."""
+    covered = 0
+    for lo, hi, path in slices:
+        a, z = max(lo, item.lo), min(hi, item.hi)
+        if z <= a:
+            continue
+        source = files.setdefault(path, SafetensorsFile(path))
+        item.master[a - item.lo : z - item.lo].copy_(
+            source.get_flat_range(f"{item.name}@{lo}", a - lo, z - lo).to(item.master.dtype)
+        )
+        for key, value in states.items():
+            value[a - item.lo : z - item.lo].copy_(
+                source.get_flat_range(f"{item.name}@{lo}#{key}", a - lo, z - lo).to(value.dtype)
+            )
+        covered += z - a
+    if covered < item.hi - item.lo:
+        raise CheckpointError(
+            f"the checkpoint {root} covers {covered} of the {item.hi - item.lo} "
+            f"elements of '{item.name}' this rank needs: it is incomplete"
+        )
