@@ -1,4 +1,4 @@
-"""Accelerate on Slipstream, unchanged (issue 16): `Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=...))`
+"""Accelerate on Slipstream, unchanged: `Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=...))`
 with Accelerate's ZeRO-2 and ZeRO-3 + offload templates (tests/fixtures/accelerate/; "auto" filled by Accelerate),
 a custom loop with `accelerator.accumulate` over 2 micro-batches (Accelerate drives the accumulation boundary
 itself: set_gradient_accumulation_boundary, backward() without step()), 2 gloo ranks, a tiny GPT-2. The trained

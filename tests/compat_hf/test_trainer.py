@@ -1,4 +1,4 @@
-"""The Transformers `Trainer` on Slipstream, unchanged (issue 16): 2 gloo ranks on CPU, a tiny GPT-2 built from a
+"""The Transformers `Trainer` on Slipstream, unchanged: 2 gloo ranks on CPU, a tiny GPT-2 built from a
 config (no downloads). Each run is checked against the same Trainer run without DeepSpeed in one process (same
 global batches, the Trainer's AdamW and linear schedule): the trained weights agree, a resume from a mid-run
 checkpoint ends bit-equal to the uninterrupted run, and `from_pretrained` of `save_model`'s output holds the

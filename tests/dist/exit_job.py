@@ -1,4 +1,4 @@
-"""Run a tiny 2-rank ZeRO-2 job many times and report how each rank process ended (issue 25).
+"""Run a tiny 2-rank ZeRO-2 job many times and report how each rank process ended.
 
 `python exit_job.py --runs N --endings return,destroy,exit,raise` imports torch and Slipstream once, then per
 run forks two rank processes that join a fresh process group (env://, rank 0 hosts the store), train two
@@ -13,7 +13,7 @@ steps and end the way that run's ending says, through the interpreter's own exit
 Forking saves the ~2 s of `import torch` per process, so dozens of real process exits fit in a minute; the
 ranks import torch._dynamo themselves (every optimizer does), after the group exists, as a script started by
 `slipstream run` does. Both ranks share CPU 0 so the gloo worker that must let go of the last collective
-competes with the main thread on its way out, which is when the abort of issue 25 happened. Prints one JSON
+competes with the main thread on its way out, which is when the exit abort (SIGABRT after a finished run) happened. Prints one JSON
 line per run: {"run": i, "ending": ..., "codes": [rank0, rank1]} with -N for a death by signal N.
 """
 
@@ -58,7 +58,7 @@ def free_port() -> int:
 def starve_gloo_workers() -> None:
     """Give gloo's worker threads the lowest priority (a loaded machine, made reliable): a worker then gets
     the CPU only while the main thread waits, so after the last collective the main thread reaches
-    interpreter exit before the worker has let go of that collective's tensors -- the race of issue 25."""
+    interpreter exit before the worker has let go of that collective's tensors -- the race behind the exit abort."""
     for task in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{task}/comm") as handle:

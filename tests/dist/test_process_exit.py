@@ -1,4 +1,4 @@
-"""Issue 25: a job that trained exits 0, every time, however the script ends; a job that fails never aborts.
+"""Process exit: a job that trained exits 0, every time, however the script ends; a job that fails never aborts.
 
 The 2-rank ZeRO-2 job of exit_job.py runs in a loop of real process exits. Its ranks give gloo's worker
 threads the lowest CPU priority and keep a reference to their process group, which makes the abort of issue

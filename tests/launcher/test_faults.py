@@ -1,4 +1,4 @@
-"""Issue 14 section 1: a hung, killed or diverging rank ends the job within the timeout + 15 s, named, no orphans.
+"""Rank faults: a hung, killed or diverging rank ends the job within the timeout + 15 s, named, no orphans.
 
 `slipstream run` starts fault_job.py on 2 ranks at ZeRO-2 and ZeRO-3 with "collective_timeout": TIMEOUT_S; at step
 3 rank 1 stops itself (SIGSTOP), kills itself (SIGKILL) or calls save_checkpoint alone, while rank 0 trains on.
