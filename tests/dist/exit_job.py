@@ -13,8 +13,9 @@ steps and end the way that run's ending says, through the interpreter's own exit
 Forking saves the ~2 s of `import torch` per process, so dozens of real process exits fit in a minute; the
 ranks import torch._dynamo themselves (every optimizer does), after the group exists, as a script started by
 `slipstream run` does. Both ranks share CPU 0 so the gloo worker that must let go of the last collective
-competes with the main thread on its way out, which is when the exit abort (SIGABRT after a finished run) happened. Prints one JSON
-line per run: {"run": i, "ending": ..., "codes": [rank0, rank1]} with -N for a death by signal N.
+competes with the main thread on its way out, which is when the exit abort (SIGABRT after a finished run)
+happened. Prints one JSON line per run: {"run": i, "ending": ..., "codes": [rank0, rank1]} with -N for a death
+by signal N.
 """
 
 from __future__ import annotations
