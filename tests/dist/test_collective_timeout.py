@@ -3,6 +3,7 @@ config's collective_timeout is the process group's own timeout too, even for a g
 
 from __future__ import annotations
 
+import re
 import time
 
 from tests.harness import run_distributed
@@ -30,13 +31,13 @@ def skip_a_step(rank: int, world: int) -> str:
 
 
 def test_missing_rank_is_named_within_the_timeout(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    started = time.monotonic()
     rank0, rank1 = run_distributed(skip_a_step, world_size=2, tmp_dir=tmp_path, timeout_s=60)
     assert rank1 == "skipped"
     assert "missing=[1] arrived=[0]" in rank0, rank0
     assert rank0.startswith("reduce_scatter #"), rank0
     assert "rank 1 last reached #" in rank0 and "within 3 s" in rank0
-    assert time.monotonic() - started < 40
+    # a CollectiveTimeout (not PeerLost) means the deadline fired before rank 1 left; the wait it reports says when
+    assert float(re.search(r" after (\d+\.\d) s ", rank0).group(1)) < 8, rank0  # type: ignore[union-attr]
 
 
 GROUP_TIMEOUT_S = 3
