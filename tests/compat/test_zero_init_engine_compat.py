@@ -46,14 +46,18 @@ def test_moves_that_change_nothing_are_allowed_on_sharded_parameters() -> None:
     assert model.cpu() is model and model.to("cpu") is model and model.to(torch.float32) is model
     assert weight.to("cpu", non_blocking=True) is weight and model.a.weight is weight
     assert weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
-    for move in (
-        lambda: model.to(torch.float16),  # a new dtype reads the values
-        lambda: weight.to("cpu", copy=True),
-        lambda: weight.to("cpu", torch.float32, False, True),  # copy=True by position
-        lambda: weight.float() + 1,
+    for converted in (  # a copy or a conversion gives DeepSpeed's 0-element stand-in (docs/zero3.md)
+        weight.to("cpu", copy=True),
+        weight.to("cpu", torch.float32, False, True),  # copy=True by position
+        weight.to(torch.float16),
+    ):
+        assert converted.numel() == 0 and not isinstance(converted, torch.nn.Parameter)
+    for use in (
+        lambda: model.to(torch.float16),  # converting the parameter itself needs its values
+        lambda: weight + 1,
     ):
         with pytest.raises(ShardedParameterError, match="'a.weight'|'weight'"):
-            move()
+            use()
 
 
 def test_a_zero_init_model_trains_whole_at_stage_0_and_the_engine_passes_attributes_through() -> None:

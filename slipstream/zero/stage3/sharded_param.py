@@ -1,11 +1,23 @@
 """The sharded parameter: an `nn.Parameter` that keeps its global shape but refuses data access while sharded.
 
 Model code and libraries read a sharded parameter's `.shape`, `numel()`, `dtype`, `device` and
-`requires_grad` as usual (docs/design.md P13). Any operation that would read or write its values while its
-unit is not gathered raises `ShardedParameterError`, which names the parameter and says to use
-`slipstream.zero.GatheredParameters`, instead of computing on an empty or freed tensor. The check is a
+`requires_grad` as usual (docs/design.md P13). While its unit is not gathered, the operations that derive a
+new tensor from it without computing on its values (`detach()`, `.data`, `clone()`, a `.to()`/`.cpu()`/
+`.float()` that converts) give DeepSpeed's stand-in: a 0-element tensor of the result's dtype and device,
+as DeepSpeed's sharded `param.data` is (see [Note: stand-ins of sharded parameters]). Any other operation that
+would read or write its values raises `ShardedParameterError`, which names the parameter and says to use
+`slipstream.zero.GatheredParameters`, instead of computing on freed storage. The check is a
 `__torch_function__` override; while the unit is gathered every op passes straight through (results are
-plain tensors). Per-parameter state lives in a typed `ParamRecord` (docs/design.md D9); the `ds_*`
+plain tensors).
+
+[Note: stand-ins of sharded parameters] Outside a gather a parameter's storage holds 0 bytes under its global
+shape, so a plain tensor that aliased it would crash the process when read (SIGSEGV, not an exception). Client
+code written for DeepSpeed takes `p.detach()` (every `state_dict()` value), `p.data`, `p.clone()` and
+conversions of sharded parameters, and only looks at their keys, dtype or device, or hashes or saves them,
+expecting DeepSpeed's empty tensors. Those ops therefore return a new 0-element tensor, sharing nothing with
+the parameter: it never gathers later (DeepSpeed's does not either), reading it reads nothing, and
+`p.data = stand_in` (DeepSpeed's `p.data = p.data.to(same dtype and device)`) changes nothing. The parameter
+itself keeps its global shape and `numel()`; its values are reached through GatheredParameters. Per-parameter state lives in a typed `ParamRecord` (docs/design.md D9); the `ds_*`
 attributes come from `slipstream.compat.param_attrs`.
 """
 
@@ -171,6 +183,50 @@ def _is_noop_move(func: Any, args: Any, kwargs: Any) -> bool:
     return False
 
 
+def _is_own_stand_in(tensor: torch.Tensor, value: Any) -> bool:
+    """`value` is a stand-in (see [Note: stand-ins of sharded parameters]) of `tensor`'s dtype and device."""
+    return (
+        isinstance(value, torch.Tensor)
+        and not isinstance(value, ShardedParameter)
+        and value.numel() == 0
+        and value.dtype == tensor.dtype
+        and value.device == tensor.device
+    )
+
+
+_ALIASES = {torch.Tensor.detach, torch.detach, torch.Tensor.clone, torch.clone, torch.Tensor.data.__get__}  # type: ignore[attr-defined]
+_CASTS = {
+    torch.Tensor.float: torch.float32,
+    torch.Tensor.double: torch.float64,
+    torch.Tensor.half: torch.float16,
+    torch.Tensor.bfloat16: torch.bfloat16,
+}
+
+
+def _stand_in(func: Any, args: Any, kwargs: Any, param: ShardedParameter) -> torch.Tensor | None:
+    """What `func(param, ...)` derives from a parameter that is not gathered, or None where it needs values.
+    See [Note: stand-ins of sharded parameters]."""
+    if not args or args[0] is not param:
+        return None
+    dtype, device = param.dtype, param.device
+    if func in _CASTS:
+        dtype = _CASTS[func]
+    elif func is torch.Tensor.cpu:
+        device = torch.device("cpu")
+    elif func is torch.Tensor.to:
+        try:
+            positional = args[1:3] if len(args) > 3 else args[1:]  # (..., non_blocking, copy): copy not parsed
+            moved = {k: v for k, v in kwargs.items() if k != "copy"}
+            to_device, to_dtype, _, _ = torch._C._nn._parse_to(*positional, **moved)
+        except (TypeError, RuntimeError):
+            return None
+        device = torch.device(to_device) if to_device is not None else device
+        dtype = to_dtype if to_dtype is not None else dtype
+    elif func not in _ALIASES:
+        return None
+    return torch.empty(0, dtype=dtype, device=device)
+
+
 def _blocked(value: Any) -> ShardedParameter | None:
     if isinstance(value, ShardedParameter) and value.ds_record.unit.status is not ZeroParamStatus.AVAILABLE:
         return value
@@ -201,7 +257,12 @@ class ShardedParameter(DeepSpeedParamAttrs, nn.Parameter):
                     param.ds_record.unit, param.ds_record.name
                 )
                 if not borrowed or _blocked(value) is not None:
-                    raise ShardedParameterError(_access_message(param, func))
+                    if func == _DATA_SET and len(args) == 2 and _is_own_stand_in(param, args[1]):
+                        return None  # `p.data = p.data.to(...)`, nothing converted: see [Note: stand-ins ...]
+                    stand_in = _stand_in(func, args, kwargs, param)
+                    if stand_in is None:
+                        raise ShardedParameterError(_access_message(param, func))
+                    return stand_in
         with no_subclass_dispatch():
             return func(*args, **kwargs)
 
