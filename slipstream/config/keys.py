@@ -52,6 +52,9 @@ class KeyWalk:
         for key, value in data.items():
             here = (*path, key)
             name = keys.get(key)
+            if name is None and not path and key.partition(".")[0] in keys:
+                self._dotted_top_level(key)
+                continue
             if name is None:
                 if model.model_config.get("extra") == "allow":
                     out[key] = value
@@ -99,6 +102,18 @@ class KeyWalk:
         else:
             warnings.warn(f"{message} (accepted because strict is false)", ConfigWarning, stacklevel=5)
         return {"stage": stage}
+
+    def _dotted_top_level(self, key: str) -> None:
+        """A top-level `"zero_optimization.reduce_bucket_size"` (TRL's `prepare_deepspeed` writes these into the
+        config it passes to `deepspeed.initialize`): DeepSpeed reads only the nested sections, so the key has no
+        effect there and is ignored here too, with a warning, strict or not."""
+        section, _, rest = key.partition(".")
+        warnings.warn(
+            f"{key}: a dotted key at the top level of the config has no effect (as in DeepSpeed, which reads only "
+            f'nested sections) and is ignored; to set it, write "{section}": {{"{rest}": ...}}',
+            ConfigWarning,
+            stacklevel=4,
+        )
 
     def _unknown(self, here: tuple[str, ...], keys: dict[str, str], model: type[DSModel]) -> None:
         home = _section_holding(here[-1], model)
