@@ -75,6 +75,78 @@ def gumbel(shape: torch.Size, device: torch.device) -> Tensor:
     return -torch.log(-torch.log(uniform))
 
 
+def _choose(
+    logits: Tensor, gates: Tensor, k: int, noisy_gate_policy: str | None, top2_2nd_expert_sampling: bool
+) -> Tensor:
+    """The k experts of every token [S, k]: top-1 (Gumbel-sampled under RSample), top-2 with a sampled second
+    choice, or plain top-k."""
+    if k == 1:
+        chooser = logits + gumbel(logits.shape, logits.device) if noisy_gate_policy == "RSample" else gates
+        return chooser.argmax(dim=1, keepdim=True)  # [S, 1]
+    if k == 2:
+        num_experts = logits.shape[1]
+        first = gates.argmax(dim=1)
+        second_logits = logits + gumbel(logits.shape, logits.device) if top2_2nd_expert_sampling else logits
+        second = second_logits.masked_fill(F.one_hot(first, num_experts).bool(), float("-inf")).argmax(dim=1)
+        return torch.stack([first, second], dim=1)
+    return gates.topk(k, dim=1).indices
+
+
+def _aux_loss(gates: Tensor, routed: Tensor, k: int) -> Tensor:
+    """The load-balancing loss: mean gate probability times the fraction of routes, per expert."""
+    num_experts = gates.shape[1]
+    me = gates.mean(dim=0)
+    if k == 1:
+        return (me * routed[:, 0].float().mean(dim=0)).sum() * num_experts
+    if k == 2:
+        return (me * routed[:, 0].float().mean(dim=0)).mean() * num_experts * num_experts
+    return (me * routed.sum(1).float().mean(dim=0)).mean() * num_experts * num_experts / k
+
+
+def _slots(routed: Tensor, k: int) -> Tensor:
+    """The slot [S, k] of every route in its expert's buffer: k = 1, 2 route-major (first choices first), k > 2
+    in token order."""
+    num_tokens, _, num_experts = routed.shape
+    if k <= 2:
+        order = routed.transpose(0, 1).reshape(k * num_tokens, num_experts)
+        positions = (order.cumsum(dim=0) - 1).reshape(k, num_tokens, num_experts).transpose(0, 1)
+    else:
+        per_token = routed.sum(1)
+        positions = (per_token.cumsum(dim=0) - 1).unsqueeze(1).expand(-1, k, -1)
+    return (positions * routed).sum(dim=2)
+
+
+def _drop_over_capacity(
+    gates: Tensor, top: Tensor, routed: Tensor, live: Tensor, slot: Tensor, cap: int, use_rts: bool
+) -> tuple[Tensor, Tensor]:
+    """(live, slot) once each expert keeps at most `cap` routes: random tokens (top-1 with RTS), the highest
+    gates (k > 2), or the first in slot order."""
+    num_tokens, k, num_experts = routed.shape
+    if k == 1 and use_rts:
+        score = routed[:, 0].float() * torch.rand(num_tokens, num_experts, device=gates.device)
+        keep_idx = score.topk(min(cap, num_tokens), dim=0).indices
+        keep = torch.zeros_like(score).scatter_(0, keep_idx, 1.0) * routed[:, 0].float()
+        live = live & (keep.sum(dim=1, keepdim=True) > 0)
+        # kept tokens fill the buffer in token order
+        kept_pos = (keep.cumsum(dim=0) - 1) * keep
+        return live, kept_pos.sum(dim=1, keepdim=True).long()
+    if k > 2:
+        by_expert = torch.zeros_like(gates).scatter(1, top, gates.gather(1, top)) * (routed.sum(1) > 0)
+        keep_idx = by_expert.topk(min(cap, num_tokens), dim=0).indices
+        keep = torch.zeros_like(gates, dtype=torch.bool).scatter_(0, keep_idx, True) & (routed.sum(1) > 0)
+        kept_pos = (keep.long().cumsum(dim=0) - 1) * keep
+        return live & keep.gather(1, top), kept_pos.gather(1, top)
+    return live & (slot < cap), slot
+
+
+def _needed_capacity(exp_counts: Tensor, ep_group: dist.ProcessGroup | None, ep_size: int) -> int:
+    """Without dropping: the largest expert's route count over the expert-parallel group (at least 1)."""
+    needed = exp_counts.max().reshape(1).clone()
+    if ep_group is not None and ep_size > 1:
+        collectives.all_reduce(needed, group=ep_group, op=dist.ReduceOp.MAX)
+    return max(int(needed.item()), 1)
+
+
 def route(
     logits: Tensor,
     *,
@@ -94,70 +166,25 @@ def route(
     if not 1 <= k <= num_experts:
         raise ValueError(f"MoE k={k} must be between 1 and num_experts={num_experts}")
     gates = F.softmax(logits, dim=1)
-    if k == 1:
-        chooser = logits + gumbel(logits.shape, logits.device) if noisy_gate_policy == "RSample" else gates
-        top = chooser.argmax(dim=1, keepdim=True)  # [S, 1]
-    elif k == 2:
-        first = gates.argmax(dim=1)
-        second_logits = logits + gumbel(logits.shape, logits.device) if top2_2nd_expert_sampling else logits
-        second = second_logits.masked_fill(F.one_hot(first, num_experts).bool(), float("-inf")).argmax(dim=1)
-        top = torch.stack([first, second], dim=1)
-    else:
-        top = gates.topk(k, dim=1).indices
+    top = _choose(logits, gates, k, noisy_gate_policy, top2_2nd_expert_sampling)
     routed = torch.zeros(num_tokens, k, num_experts, dtype=torch.int64, device=logits.device)
     routed.scatter_(2, top.unsqueeze(2), 1)  # [S, k, E] one-hot per route
     if used_token is not None:
         routed = routed * used_token.reshape(-1, 1, 1).to(routed.dtype)
     exp_counts = routed.sum(dim=(0, 1)).detach()
-
-    me = gates.mean(dim=0)
-    if k == 1:
-        l_aux = (me * routed[:, 0].float().mean(dim=0)).sum() * num_experts
-    elif k == 2:
-        l_aux = (me * routed[:, 0].float().mean(dim=0)).mean() * num_experts * num_experts
-    else:
-        l_aux = (me * routed.sum(1).float().mean(dim=0)).mean() * num_experts * num_experts / k
-
-    # slot of every route in its expert's buffer: k = 1, 2 route-major (first choices first), k > 2 token order
-    if k <= 2:
-        order = routed.transpose(0, 1).reshape(k * num_tokens, num_experts)
-        positions = (order.cumsum(dim=0) - 1).reshape(k, num_tokens, num_experts).transpose(0, 1)
-    else:
-        per_token = routed.sum(1)
-        positions = (per_token.cumsum(dim=0) - 1).unsqueeze(1).expand(-1, k, -1)
-    slot = (positions * routed).sum(dim=2)  # [S, k]
-    expert = top.clone()
+    l_aux = _aux_loss(gates, routed, k)
+    slot = _slots(routed, k)  # [S, k]
     live = routed.sum(dim=2) > 0  # [S, k]
-
     if drop_tokens:
         cap = capacity(num_tokens, num_experts, capacity_factor, k, min_capacity)
-        if k == 1 and use_rts:
-            score = routed[:, 0].float() * torch.rand(num_tokens, num_experts, device=logits.device)
-            keep_idx = score.topk(min(cap, num_tokens), dim=0).indices
-            keep = torch.zeros_like(score).scatter_(0, keep_idx, 1.0) * routed[:, 0].float()
-            live = live & (keep.sum(dim=1, keepdim=True) > 0)
-            # kept tokens fill the buffer in token order
-            kept_pos = (keep.cumsum(dim=0) - 1) * keep
-            slot = kept_pos.sum(dim=1, keepdim=True).long()
-        elif k > 2:
-            by_expert = torch.zeros_like(gates).scatter(1, top, gates.gather(1, top)) * (routed.sum(1) > 0)
-            keep_idx = by_expert.topk(min(cap, num_tokens), dim=0).indices
-            keep = torch.zeros_like(gates, dtype=torch.bool).scatter_(0, keep_idx, True) & (routed.sum(1) > 0)
-            kept_pos = (keep.long().cumsum(dim=0) - 1) * keep
-            live = live & keep.gather(1, top)
-            slot = kept_pos.gather(1, top)
-        else:
-            live = live & (slot < cap)
+        live, slot = _drop_over_capacity(gates, top, routed, live, slot, cap, use_rts)
     else:
-        needed = exp_counts.max().reshape(1).clone()
-        if ep_group is not None and ep_size > 1:
-            collectives.all_reduce(needed, group=ep_group, op=dist.ReduceOp.MAX)
-        cap = max(int(needed.item()), 1)
+        cap = _needed_capacity(exp_counts, ep_group, ep_size)
 
     weights = gates.gather(1, top) * live  # [S, k]
     if k > 1:
         weights = weights / weights.sum(dim=1, keepdim=True).clamp(min=torch.finfo(weights.dtype).eps)
-    expert = torch.where(live, expert, torch.full_like(expert, -1))
+    expert = torch.where(live, top, torch.full_like(top, -1))
     slot = torch.where(live, slot, torch.zeros_like(slot))
     return Routes(
         experts=expert.t().contiguous(),

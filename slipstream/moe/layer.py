@@ -187,6 +187,23 @@ class MOELayer(nn.Module):
         return combined.to(hidden.dtype).reshape(*hidden.shape[:-1], out_dim)
 
 
+def _check_moe_arguments(num_experts: int, ep_size: int, use_tutel: bool, expert_tensor_parallelism: bool) -> None:
+    """Refuse what MoE cannot build (a ValueError or NotImplementedError naming the argument); warn once that
+    `use_tutel` does nothing."""
+    if ep_size < 1 or num_experts % ep_size != 0:
+        raise ValueError(
+            f"MoE num_experts={num_experts} must be a multiple of ep_size={ep_size} (each expert-parallel "
+            "rank holds num_experts / ep_size experts)"
+        )
+    if expert_tensor_parallelism:
+        raise NotImplementedError(
+            "MoE(enable_expert_tensor_parallelism=True) needs tensor parallelism, which Slipstream does not "
+            "have; leave it False"
+        )
+    if use_tutel:
+        warn_once("moe-tutel", "slipstream MoE: use_tutel=True has no effect (Tutel is not used)")
+
+
 class MoE(nn.Module):
     """DeepSpeed's MoE layer. `forward(hidden_states, used_token=None)` returns (output, l_aux, exp_counts)."""
 
@@ -209,18 +226,7 @@ class MoE(nn.Module):
         top2_2nd_expert_sampling: bool = True,
     ) -> None:
         super().__init__()
-        if ep_size < 1 or num_experts % ep_size != 0:
-            raise ValueError(
-                f"MoE num_experts={num_experts} must be a multiple of ep_size={ep_size} (each expert-parallel "
-                "rank holds num_experts / ep_size experts)"
-            )
-        if enable_expert_tensor_parallelism:
-            raise NotImplementedError(
-                "MoE(enable_expert_tensor_parallelism=True) needs tensor parallelism, which Slipstream does not "
-                "have; leave it False"
-            )
-        if use_tutel:
-            warn_once("moe-tutel", "slipstream MoE: use_tutel=True has no effect (Tutel is not used)")
+        _check_moe_arguments(num_experts, ep_size, use_tutel, enable_expert_tensor_parallelism)
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = False
         self.ep_size = ep_size
