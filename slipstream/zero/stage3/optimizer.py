@@ -554,6 +554,13 @@ class Stage3Optimizer(ZeroOptimizer):
     def _comm_buffer_bytes(self) -> int:
         return self._ring.nbytes
 
+    @property
+    def parameter_offload(self) -> Any:
+        """DeepSpeed's `optimizer.parameter_offload`, as TRL's generation context uses it (compat/zero_offload.py)."""
+        from slipstream.compat.zero_offload import ParameterOffloadView
+
+        return ParameterOffloadView(self.model.module)
+
     def remove_hooks(self) -> None:
         super().remove_hooks()
         self.model.detach_hooks()

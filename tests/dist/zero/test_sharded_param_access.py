@@ -6,7 +6,9 @@ The operations Transformers, Accelerate, TRL and PEFT perform on sharded paramet
 `p.data = stand_in` changes nothing; `numel()`, `shape` stay global; `requires_grad_` freezes and unfreezes;
 tying a parameter to another module outside a gather keeps one parameter; `copy_` and `load_state_dict`
 inside `GatheredParameters(modifier_rank=0)` reach every rank. Values are still refused (`sum()`), and after all
-of it the model trains from the values written. 2 ranks, one spawn.
+of it the model trains from the values written. TRL's generation context (`optimizer.parameter_offload`, its
+hooks taken off and put back inside a gather of everything) runs forwards without collectives and training goes
+on after it. 2 ranks, one spawn.
 """
 
 from __future__ import annotations
@@ -110,6 +112,29 @@ def _train(engine: Any, steps: int = 2) -> list[float]:
     return losses
 
 
+def _generation_context(engine: Any) -> dict[str, Any]:
+    """TRL's `unwrap_model_for_generation` at ZeRO-3: gather everything, take DeepSpeed's hooks off through
+    `optimizer.parameter_offload`, run forwards, put the hooks back; the forwards inside issue no collective."""
+    from slipstream.comm import count_collectives
+    from slipstream.zero import GatheredParameters
+
+    offload = engine.optimizer.parameter_offload
+    ids = torch.randint(0, 12, (2, 5), generator=torch.Generator().manual_seed(5))
+    with GatheredParameters(list(engine.module.parameters())):
+        for _, param in offload.module.named_parameters(recurse=True):
+            param.ds_active_sub_modules.clear()
+        assert list(offload.module.ds_external_parameters()) == []
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        with torch.no_grad(), count_collectives() as counter:
+            logits = [engine.module(ids) for _ in range(3)]
+        if not offload.param_coordinator.is_invalid_trace():
+            offload.param_coordinator._invalidate_trace()
+        offload._register_deepspeed_module(offload.module)
+    return {"collectives": sum(counter.calls.values()), "same": all(torch.equal(x, logits[0]) for x in logits)}
+
+
 def access(rank: int, world: int) -> dict[str, Any]:
     import slipstream
     from slipstream.zero import GatheredParameters
@@ -125,6 +150,8 @@ def access(rank: int, world: int) -> dict[str, Any]:
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
     out["start"] = start
     out["losses"] = _train(engine)
+    out["generation"] = _generation_context(engine)
+    out["losses"] += _train(engine, steps=1)
     out["tied_after"] = model.head.weight is model.embed.weight
     return out
 
@@ -152,4 +179,5 @@ def test_sharded_parameter_outside_a_gather(tmp_path: Any) -> None:
         assert out["tied_init"] and out["tied_after"]
     for out in results:  # the values written under modifier_rank=0 are what training starts from
         assert out["start"]["block.0.weight"].eq(0.25).all() and out["start"]["block.0.bias"].eq(1).all()
-        assert len(out["losses"]) == 2 and all(math.isfinite(x) for x in out["losses"])
+        assert len(out["losses"]) == 3 and all(math.isfinite(x) for x in out["losses"])
+        assert out["generation"] == {"collectives": 0, "same": True}
