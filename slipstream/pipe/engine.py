@@ -23,7 +23,7 @@ from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
 from slipstream.config import notices
 from slipstream.config.plan import EnginePlan
-from slipstream.offload.policy import policy_for
+from slipstream.offload.choose import policy_for
 from slipstream.pipe.exchange import Exchanger
 from slipstream.pipe.grads import pipeline_optimizer_class
 from slipstream.pipe.module import PipelineError, PipelineModule
@@ -35,6 +35,17 @@ from slipstream.zero.build import STAGES, check_optimizer_kind
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
 _ONLY_TRAIN_BATCH = "Only train_batch() is accessible in pipeline mode (DeepSpeed's rule): call engine.train_batch()"
+
+
+def _check_supported(plan: EnginePlan) -> None:
+    """Refuse what a pipeline does not train: ZeRO stage 3 and fp16 loss scaling."""
+    if plan.zero.stage == 3:
+        raise PipelineError(
+            "ZeRO stage 3 with a PipelineModule is not supported (each stage already holds only its layers); "
+            "use zero_optimization.stage 0, 1 or 2"
+        )
+    if plan.precision.loss_scale is not None:
+        raise PipelineError("fp16 with loss scaling is not supported with a PipelineModule yet; use bf16 or fp32")
 
 
 class PipelineEngine(nn.Module):
@@ -51,13 +62,7 @@ class PipelineEngine(nn.Module):
         repeat: Callable[[Any], Any] = iter,
     ) -> None:
         super().__init__()
-        if plan.zero.stage == 3:
-            raise PipelineError(
-                "ZeRO stage 3 with a PipelineModule is not supported (each stage already holds only its layers); "
-                "use zero_optimization.stage 0, 1 or 2"
-            )
-        if plan.precision.loss_scale is not None:
-            raise PipelineError("fp16 with loss scaling is not supported with a PipelineModule yet; use bf16 or fp32")
+        _check_supported(plan)
         self.plan, self.config = plan, plan.resolved
         self.module = module
         self.grid = module.mpu()
@@ -71,24 +76,7 @@ class PipelineEngine(nn.Module):
             module.activation_checkpoint_interval = plan.pipeline.activation_checkpoint_interval
         self._place()
         self.basic_optimizer = make_optimizer(module)
-        self.optimizer: ZeroOptimizer | None = None
-        if self.basic_optimizer is not None:
-            check_optimizer_kind(self.basic_optimizer, plan.zero)
-            cls = pipeline_optimizer_class(STAGES[plan.zero.stage])
-            self.optimizer = cls(
-                self.basic_optimizer,
-                zero=plan.zero,
-                precision=plan.precision,
-                offload=policy_for(plan.zero.offload_optimizer, rank=self.global_rank),
-                group=self.grid.dp_group,
-            )
-            tied = [(p, group, module.is_tied_owner(key)) for key, p, group, _ in module.tied_parameters()]
-            self.optimizer.attach_pipeline(  # type: ignore[attr-defined]
-                tied=tied,
-                pipe_group=self.grid.pp_group,
-                pipe_size=self.num_stages,
-            )
-            self.optimizer.param_names = {id(p): n for n, p in module.named_parameters()}
+        self.optimizer = self._stage_optimizer(self.basic_optimizer)
         self.lr_scheduler = make_scheduler(self.basic_optimizer)
         self.training_dataloader = make_dataloader(self.dp_rank, self.dp_world_size)
         self._repeat = repeat
@@ -108,6 +96,30 @@ class PipelineEngine(nn.Module):
         self._last_loss: torch.Tensor | None = None
         self._actions: dict[tuple[str, int], Any] = {}
         log_rank0(stage_table(module, plan, dp=self.dp_world_size), rank=self.global_rank)
+
+    def _stage_optimizer(self, basic_optimizer: torch.optim.Optimizer | None) -> ZeroOptimizer | None:
+        """The stage's ZeRO optimizer around the client's, over the stage's data-parallel group, with the tied
+        weights and the pipeline group attached (None without a client optimizer)."""
+        if basic_optimizer is None:
+            return None
+        plan, module = self.plan, self.module
+        check_optimizer_kind(basic_optimizer, plan.zero)
+        cls = pipeline_optimizer_class(STAGES[plan.zero.stage])
+        optimizer = cls(
+            basic_optimizer,
+            zero=plan.zero,
+            precision=plan.precision,
+            offload=policy_for(plan.zero.offload_optimizer, rank=self.global_rank),
+            group=self.grid.dp_group,
+        )
+        tied = [(p, group, module.is_tied_owner(key)) for key, p, group, _ in module.tied_parameters()]
+        optimizer.attach_pipeline(  # type: ignore[attr-defined]
+            tied=tied,
+            pipe_group=self.grid.pp_group,
+            pipe_size=self.num_stages,
+        )
+        optimizer.param_names = {id(p): n for n, p in module.named_parameters()}
+        return optimizer
 
     def _place(self) -> None:
         """Parameters to the device and dtype; each stage's replicas take their first rank's values, and every
