@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.utils import checkpoint as torch_checkpoint
 
 from slipstream.accelerator import get_accelerator
+from slipstream.activation.mpu import model_parallel_group, model_parallel_rank, set_mpu
 from slipstream.activation.rng import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from slipstream.config.plan import ActivationCheckpointPlan
 from slipstream.utils.logging import get_logger, warn_once
@@ -50,7 +51,6 @@ __all__ = [
 ]
 
 _settings = ActivationCheckpointPlan()
-_mpu: Any = None
 _configured = False
 
 
@@ -68,7 +68,7 @@ def configure(
     """Set the options (DeepSpeed's signature): the config's `activation_checkpointing` section first, then
     the arguments that are not None. `mpu_` gives the model-parallel group (`get_tensor_model_parallel_group()`
     or `get_model_parallel_group()`)."""
-    global _settings, _mpu, _configured
+    global _settings, _configured
     settings = ActivationCheckpointPlan()
     if deepspeed_config is not None:
         settings = _section_of(deepspeed_config)
@@ -82,7 +82,7 @@ def configure(
     if contiguous_checkpointing or num_checkpoints is not None:
         _report_unimplemented("contiguous_checkpointing / num_checkpoints")
     if mpu_ is not None:
-        _mpu = mpu_
+        set_mpu(mpu_)
     _settings, _configured = settings, True
 
 
@@ -127,22 +127,6 @@ def partition_activations_in_checkpoint(partition_activation: bool) -> None:
 def set_num_layers(nlayers: int) -> None:
     """Used by DeepSpeed's contiguous buffers only (not implemented here): reported when called."""
     _report_unimplemented("set_num_layers")
-
-
-def model_parallel_group(mpu: Any = None) -> Any:
-    mpu = mpu if mpu is not None else _mpu
-    if mpu is None:
-        return None
-    getter = getattr(mpu, "get_tensor_model_parallel_group", None) or mpu.get_model_parallel_group
-    return getter()
-
-
-def model_parallel_rank(mpu: Any = None) -> int:
-    mpu = mpu if mpu is not None else _mpu
-    if mpu is None:
-        return 0
-    getter = getattr(mpu, "get_tensor_model_parallel_rank", None) or mpu.get_model_parallel_rank
-    return int(getter())
 
 
 # ---- checkpointed calls ----

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from slipstream.accelerator import get_accelerator
+from slipstream.activation.mpu import model_parallel_rank
 
 __all__ = ["MODEL_PARALLEL_RNG", "RNGStatesTracker", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed"]
 
@@ -76,9 +77,7 @@ def get_cuda_rng_tracker() -> RNGStatesTracker:
 def model_parallel_cuda_manual_seed(seed: int, mpu: Any = None) -> None:
     """Seed the default RNG with `seed` (equal across a tensor-parallel group) and the model-parallel state with
     `seed + 2718 + tensor-parallel rank` (different within the group), as DeepSpeed and Megatron do."""
-    from slipstream.activation import checkpointing  # the configured mpu, when none is given
-
-    group_rank = checkpointing.model_parallel_rank(mpu)
+    group_rank = model_parallel_rank(mpu)  # the configured mpu's, when none is given
     _TRACKER.reset()
     get_accelerator().manual_seed(seed)
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + _SEED_OFFSET + group_rank)

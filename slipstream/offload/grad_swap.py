@@ -26,7 +26,7 @@ import enum
 
 import torch
 
-from slipstream.offload.nvme import Swapper
+from slipstream.offload.swapper import Swapper
 
 
 class GradState(enum.Enum):

@@ -26,7 +26,6 @@ from typing import Any, Protocol
 
 import torch
 
-from slipstream.config.plan import CpuTarget, NvmeTarget, OffloadTarget
 from slipstream.utils.logging import warn_once
 
 _PIN_FRACTION = 0.5
@@ -148,14 +147,3 @@ class CPUOffload(OffloadPolicy):
 
         self.pinned_bytes += size
         return get_accelerator().pin_memory(tensor)
-
-
-def policy_for(target: OffloadTarget, *, rank: int) -> OffloadPolicy:
-    """The runtime policy of an optimizer offload target (the plan's type picks the class)."""
-    if isinstance(target, NvmeTarget):
-        from slipstream.offload.nvme import NVMeOffload
-
-        return NVMeOffload(pin_memory=False, nvme_path=target.path, rank=rank, aio=target.aio)
-    if isinstance(target, CpuTarget):
-        return CPUOffload(pin_memory=target.pin_memory)
-    return NoOffload()

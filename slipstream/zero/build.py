@@ -18,7 +18,7 @@ from torch import nn
 from slipstream.comm import collectives
 from slipstream.config.optimizers import REGISTRY, spec_for_class
 from slipstream.config.plan import PrecisionPlan, ZeroPlan
-from slipstream.offload.policy import policy_for
+from slipstream.offload.choose import policy_for
 from slipstream.utils.logging import warn_once
 from slipstream.zero.optimizer import DTYPES, GroupFor, ZeroOptimizer
 from slipstream.zero.stage0 import Stage0Optimizer
