@@ -5,6 +5,12 @@ DeepSpeed's `_set_batch_related_parameters`: any two derive the third; only trai
 gradient_accumulation_steps 1; only the micro batch gives gradient_accumulation_steps 1; neither is an error.
 Unlike DeepSpeed's integer division, a derivation that does not divide evenly is an error naming the numbers.
 An "auto" member arrives here as missing and is derived like one (its source says so).
+
+The world_size of the triple is DeepSpeed's config's: the ranks over the sequence-parallel size, tensor-parallel
+ranks included (`batch_plan` gets the data-parallel world and counts each TP group's ranks). DeepSpeed reads the
+batch before AutoTP builds its groups, so a TP group counts as that many data-parallel ranks there even though
+its ranks read the same batch: TP=2 on 2 ranks takes train_batch_size 8 = micro 4 x accumulation 1 x 2 (what
+Transformers' Trainer fills in from its world size), and train_batch_size 4 alone gives micro 2.
 """
 
 from __future__ import annotations
@@ -75,8 +81,10 @@ def _scheduler_disagreement(runtime: dict) -> list[str]:
     ]
 
 
-def batch_plan(cfg: DeepSpeedConfig, ws: int, auto: list[str], problems: list[str]) -> BatchPlan | None:
-    """DeepSpeed's `_set_batch_related_parameters`: any two of the triple derive the third."""
+def batch_plan(cfg: DeepSpeedConfig, data_world: int, auto: list[str], problems: list[str]) -> BatchPlan | None:
+    """DeepSpeed's `_set_batch_related_parameters`: any two of the triple derive the third, over `data_world`
+    (the data-parallel ranks) times the TP size (see the module doc)."""
+    ws = data_world * max(cfg.tensor_parallel.autotp_size, 1)
     tbs, micro, gas = (
         cfg.train_batch_size,
         cfg.train_micro_batch_size_per_gpu,

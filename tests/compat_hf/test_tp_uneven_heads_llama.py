@@ -43,7 +43,7 @@ def train(rank: int, world: int) -> dict[str, Any]:
     import slipstream
 
     config = {
-        "train_batch_size": 2,
+        "train_micro_batch_size_per_gpu": 2,  # train_batch_size counts the TP ranks (DeepSpeed's rule): 6
         "optimizer": {"type": "SGD", "params": {"lr": LR}},
         "tensor_parallel": {"autotp_size": 3},
         "zero_optimization": {"stage": 1},

@@ -55,11 +55,16 @@ def reference(seq: int = SEQ, **model_args: int) -> tuple[list[float], dict[str,
 def make_engine(
     tp: int, sp: int, stage: int, data: Any = None, nvme: str = "", batch: int = BATCH, **model_args: int
 ) -> Any:
-    """`nvme`: optimizer and parameter offload to NVMe under that directory, in sub-groups of 3000 elements."""
+    """`nvme`: optimizer and parameter offload to NVMe under that directory, in sub-groups of 3000 elements.
+    `batch` rows per step over the data-parallel ranks; the config gives the micro batch (train_batch_size
+    counts TP ranks as data-parallel ones, as DeepSpeed's does, so it would not say `batch`)."""
+    import torch.distributed as dist
+
     import slipstream
 
     config = {
-        "train_batch_size": batch,
+        "train_micro_batch_size_per_gpu": batch // (dist.get_world_size() // (tp * sp)),
+        "gradient_accumulation_steps": 1,
         "gradient_clipping": CLIP,
         "steps_per_print": 1000,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS}},
