@@ -92,7 +92,7 @@ def test_config_keys_become_the_parallel_plan() -> None:
     plan = resolve(config, world_size=8)
     assert (plan.parallel.tp_size, plan.parallel.sp_size) == (2, 2)
     assert plan.parallel.tp_rules == ((r".*\.o_proj\.weight$", "row"), ("lm_head", "gathered"), (".*", "skip"))
-    assert plan.batch.micro_batch_size == 4  # the batch is split over the 2 data-parallel ranks only
+    assert plan.batch.micro_batch_size == 2  # 8 over world / sp = 4: the TP ranks count (DeepSpeed's config)
     with pytest.raises(ConfigError, match=r"autotp_size \(2\) x sequence_parallel_size \(2\) = 4 does not divide"):
         resolve(config, world_size=6)
     bad = {
