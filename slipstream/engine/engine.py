@@ -100,6 +100,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         if moe is not None:
             self._param_names = moe.global_param_names(self.module, self._param_names)
             self._held_elsewhere = moe.names_held_elsewhere(self.module, self._param_names)
+        model_parameters = self.parallel.adopt_client_params(optimizer, model_parameters)  # built before the TP split
         self.basic_optimizer = builders.make_basic_optimizer(self.module, plan, optimizer, model_parameters, moe=moe)
         notices.report_plan(plan, rank=self.global_rank)  # after a refused optimizer has raised
         self.optimizer: ZeroOptimizer | None = None

@@ -65,6 +65,32 @@ class ParallelSetup:
             layouts.setdefault(name, TpLayout(tuple(param.shape), None, 0))
         return layouts
 
+    def adopt_client_params(self, optimizer: Any, model_parameters: Any) -> Any:
+        """Point what the client built over the unsplit model at the local shards that replaced its split
+        parameters: the groups of its optimizer instance (in place) and `model_parameters` (returned as a list).
+        An optimizer built before `initialize` otherwise steps the unsplit tensors, and the split layers never
+        train. Refuses optimizer state kept for an unsplit parameter (it has the unsplit shape)."""
+        if self.tp_model is None or not self.tp_model.replaced:
+            return model_parameters
+        local = {id(old): new for old, new in self.tp_model.replaced}
+        if isinstance(optimizer, torch.optim.Optimizer):
+            held = [p for group in optimizer.param_groups for p in group["params"] if id(p) in local]
+            if any(p in optimizer.state for p in held):
+                raise RuntimeError(
+                    f"initialize(optimizer=...): the optimizer has state (it stepped) for {len(held)} parameter(s) "
+                    "that tensor parallelism splits, in their unsplit shapes; build the optimizer without stepping "
+                    "it before initialize, or load its state through engine.load_checkpoint after initialize"
+                )
+            for group in optimizer.param_groups:
+                group["params"] = [local.get(id(p), p) for p in group["params"]]
+        self.tp_model.replaced.clear()  # the unsplit tensors are freed once the client drops them
+        if model_parameters is None:
+            return None
+        return [
+            {**g, "params": [local.get(id(p), p) for p in g["params"]]} if isinstance(g, dict) else local.get(id(g), g)
+            for g in model_parameters
+        ]
+
     def loader_rank_and_size(self) -> tuple[int, int]:
         """(which batch, how many distinct batches): the ranks of a TP or SP group read the same batch."""
         if self.topology is None:

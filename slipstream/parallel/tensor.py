@@ -244,6 +244,9 @@ class TensorParallelModel:
     decisions: dict[str, str]
     specs: dict[str, dict[str, ShardSpec]]
     """module name -> parameter name -> spec."""
+    replaced: list[tuple[nn.Parameter, nn.Parameter]] = dataclasses.field(default_factory=list)
+    """(unsplit parameter, the local parameter now in its place): for an optimizer built before the split
+    (`slipstream.engine.parallel` points it at the local ones, then clears this list)."""
 
     def param_specs(self, model: nn.Module) -> Iterator[tuple[str, nn.Parameter, ShardSpec]]:
         modules = dict(model.named_modules())
@@ -300,8 +303,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, decisions: Mapping[str, s
 
     uneven = whole_head_widths(model, decisions, mesh.size())
     plan = {name: _styles(kind) for name, kind in decisions.items() if name not in uneven}
-    parallelize_module(model, mesh, plan)
     modules = dict(model.named_modules())
+    unsplit = {(m, n): p for m in decisions for n, p in modules[m]._parameters.items() if p is not None}
+    parallelize_module(model, mesh, plan)
     specs: dict[str, dict[str, ShardSpec]] = {}
     for module_name, module in modules.items():
         if module_name in uneven:
@@ -318,7 +322,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, decisions: Mapping[str, s
             specs[module_name] = found
             original = module.forward  # bound, or an instance attribute someone else installed
             module.forward = functools.partial(_forward_with_dtensors, module, original, mesh, found, io)  # type: ignore[method-assign]
-    return TensorParallelModel(mesh=mesh, decisions=dict(decisions), specs=specs)
+    now = {key: modules[key[0]]._parameters[key[1]] for key in unsplit}
+    replaced = [(old, new) for key, old in unsplit.items() if (new := now[key]) is not None and new is not old]
+    return TensorParallelModel(mesh=mesh, decisions=dict(decisions), specs=specs, replaced=replaced)
 
 
 def _slice_by_widths(module: nn.Module, kind: str, widths: tuple[int, ...], mesh: Any) -> dict[str, ShardSpec]:
