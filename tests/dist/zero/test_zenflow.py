@@ -34,7 +34,7 @@ CASES = [
     # select_strategy "epoch": 32 samples are 4 loader batches of 4 per rank, so one epoch is 4 steps
     {"stage": 2, "steps": 9, "samples": 32,
      "zenflow": {"topk_ratio": 0.3, "select_strategy": "epoch", "select_interval": 1, "update_interval": 2}},
-    # bf16 parameters (fp32 masters): the selective update runs in bf16, as in DeepSpeed, so the tolerance is bf16's
+    # bf16 parameters (fp32 masters): the selective update runs in bf16, as in DeepSpeed; so does the reference's
     {"stage": 2, "steps": 7, "bf16": True, "zenflow": {"topk_ratio": 0.3, "update_interval": 3}},
 ]
 # every column, a CPU update after every step, one selection (a new one would zero the selective moments)
@@ -54,10 +54,42 @@ def _adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t
     p.sub_(LR / (1 - BETAS[0] ** t) * m / denom)
 
 
+def _selective_adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: int) -> None:
+    """The selective update in the parameters' dtype (bf16 rounds every operation), in torch.optim.AdamW's order
+    of operations, which the engine's ZenFlowSelectiveAdamW follows, so that the two round alike."""
+    g = g.to(p.dtype)
+    p.mul_(1 - LR * DECAY)
+    m.lerp_(g, 1 - BETAS[0])
+    v.mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
+    denom = (v.sqrt() / math.sqrt(1 - BETAS[1] ** t)).add_(EPS)
+    p.addcdiv_(m, denom, value=-LR / (1 - BETAS[0] ** t))
+
+
+def _step_grads(model: TinyMLP, inputs: torch.Tensor, targets: torch.Tensor, interval: int,
+                dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """This step's gradient divided by the update interval. In fp32 the full batch's; in bf16 each rank's half
+    batch backwards on its own (bf16 rounds each one's gradients) and their fp32 sum is scaled once by
+    1 / (world * interval), as the engine's fp32 gradient buffers do."""
+    model.zero_grad()
+    if dtype == torch.float32:
+        TinyMLP.loss(model(inputs), targets).backward()
+        return {n: p.grad.detach() / interval for n, p in model.named_parameters()}
+    per_rank = BATCH // 2
+    sums = {n: torch.zeros(p.shape) for n, p in model.named_parameters()}
+    for rank in range(2):
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        TinyMLP.loss(model(inputs[rows].to(dtype)), targets[rows]).backward()
+        for n, p in model.named_parameters():
+            sums[n] += p.grad.float()
+            p.grad = None
+    return {n: g.mul_(1.0 / (2 * interval)) for n, g in sums.items()}
+
+
 def zenflow_reference(steps: int, zenflow: dict, clip: float = 0.0, steps_per_epoch: int = 0,
-                      norms: list[float] | None = None) -> dict[str, torch.Tensor]:
-    """The final parameters; `norms` gets each step's global gradient norm."""
-    model = TinyMLP()
+                      norms: list[float] | None = None, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The final parameters (in `dtype`, the optimizers' masters and CPU moments in fp32); `norms` gets each
+    step's global gradient norm."""
+    model = TinyMLP().to(dtype)
     params = dict(model.named_parameters())
     ratio, interval = zenflow["topk_ratio"], zenflow["update_interval"]
     warm_up = zenflow.get("full_warm_up_rounds", 0)
@@ -66,7 +98,7 @@ def zenflow_reference(steps: int, zenflow: dict, clip: float = 0.0, steps_per_ep
         every = zenflow["select_interval"] * steps_per_epoch
     overlap = zenflow.get("overlap_step", False)
     unpublished = False  # overlap: the masters hold an update the parameters have not received
-    master = {n: p.detach().clone() for n, p in params.items()}
+    master = {n: p.detach().float().clone() for n, p in params.items()}
     cpu_m = {n: torch.zeros_like(p) for n, p in master.items()}
     cpu_v = {n: torch.zeros_like(p) for n, p in master.items()}
     pending = {n: torch.zeros_like(p) for n, p in master.items()}
@@ -89,11 +121,9 @@ def zenflow_reference(steps: int, zenflow: dict, clip: float = 0.0, steps_per_ep
         return chosen[n] if params[n].dim() == 2 else slice(None)
 
     for m, (inputs, targets) in enumerate(batches(steps)):
-        model.zero_grad()
-        TinyMLP.loss(model(inputs), targets).backward()
-        grads = {n: p.grad.detach() / interval for n, p in params.items()}
+        grads = _step_grads(model, inputs, targets, interval, dtype)
         if norms is not None:
-            norms.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params.values())))
+            norms.append(interval * math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values())))
         if m < warm_up:
             cpu_update(grads, m + 1)
             continue
@@ -118,7 +148,7 @@ def zenflow_reference(steps: int, zenflow: dict, clip: float = 0.0, steps_per_ep
                     k = int(ratio * p.shape[1])
                     chosen[n] = torch.topk(grads[n].abs().sum(0), k).indices.sort().values
                 shape = p[:, chosen[n]].shape if p.dim() == 2 else p.shape
-                sel_m[n], sel_v[n] = torch.zeros(shape), torch.zeros(shape)
+                sel_m[n], sel_v[n] = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
         for n in master:
             pending[n] += grads[n]
         with torch.no_grad():
@@ -127,7 +157,7 @@ def zenflow_reference(steps: int, zenflow: dict, clip: float = 0.0, steps_per_ep
                 cols = columns(n)
                 value = p[:, cols].clone() if p.dim() == 2 else p.detach().clone()
                 grad = grads[n][:, cols] if p.dim() == 2 else grads[n]
-                _adamw(value, grad, sel_m[n], sel_v[n], sel_t[n])
+                _selective_adamw(value, grad, sel_m[n], sel_v[n], sel_t[n])
                 if p.dim() == 2:
                     p[:, cols] = value
                 else:
@@ -239,15 +269,20 @@ def test_zenflow_matches_single_process_zenflow(per_rank: list[list], number: in
     case = CASES[number]
     epoch = case.get("samples", 0) // BATCH
     norms: list[float] = []
+    bf16 = bool(case.get("bf16"))
     expected = zenflow_reference(case["steps"], case["zenflow"], case.get("clip", 0.0), steps_per_epoch=epoch,
-                                 norms=norms)
+                                 norms=norms, dtype=torch.bfloat16 if bf16 else torch.float32)
     first, second = per_rank[0][number], per_rank[1][number]
     assert first["selected"] == second["selected"] and first["selected"], case
-    tolerance = 2e-2 if case.get("bf16") else 1e-5  # training moves these weights by about 0.1
-    torch.testing.assert_close(first["norms"], norms, rtol=tolerance * 10, atol=0)  # each step's own gradient
+    # Training moves these weights by about 0.1, a step by up to LR. bf16: the reference rounds as the engine
+    # does and matched it bit for bit when this was written; the tolerance is one bf16 step at these weights'
+    # size (2**-9), and a run with its last step skipped is off by more than twice that in 359 of 2114 elements.
+    tolerance = 2e-3 if bf16 else 1e-5
+    torch.testing.assert_close(first["norms"], norms, rtol=1e-4, atol=0)  # each step's own gradient
     for name, value in expected.items():
         for rank, result in enumerate((first, second)):
-            torch.testing.assert_close(result["params"][name].float(), value, rtol=tolerance, atol=tolerance,
+            torch.testing.assert_close(result["params"][name].float(), value.float(), rtol=0 if bf16 else tolerance,
+                                       atol=tolerance,
                                        msg=lambda m, name=name, rank=rank: f"case {number} rank {rank} {name}: {m}")
 
 
