@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("slipstream.cli.bench", ""),
     "io": ("slipstream.cli.io_bench", ""),
     "nvme": ("slipstream.cli.nvme", ""),
-    "compat": ("slipstream.cli.compat", ""),
+    "compat": ("slipstream.compat.command", ""),
     "plot": ("slipstream.cli.plot", ""),
 }
 """Subcommand -> (the module that owns it, a help line when the module has no HELP). Each module has

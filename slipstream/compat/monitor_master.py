@@ -1,7 +1,7 @@
 """DeepSpeed's `deepspeed.monitor.monitor`: `Monitor` (the interface) and `MonitorMaster`, the object behind
 `engine.monitor` that fans `write_events([(name, value, step), ...])` out to the enabled monitors.
 
-The monitors themselves are Slipstream's (csv, tensorboard, wandb, comet: slipstream/engine/monitor.py); the
+The monitors themselves are Slipstream's (csv, tensorboard, wandb, comet: slipstream/monitor/writers.py); the
 engine writes its own events through them at every step, and `engine.monitor.write_events` adds the caller's
 (Megatron-DeepSpeed writes its own loss and timing events this way).
 """
@@ -53,6 +53,6 @@ def _rank() -> int:
 
 
 def _build(monitor_config: Any) -> list[Any]:
-    from slipstream.engine.builders import make_monitors
+    from slipstream.monitor.writers import make_monitors
 
     return make_monitors(monitor_config)

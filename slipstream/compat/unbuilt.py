@@ -11,15 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from slipstream.utils.errors import NotBuiltError
+
 __all__ = ["NotBuiltError", "not_built_class", "not_built_function"]
-
-
-class NotBuiltError(NotImplementedError):
-    """A DeepSpeed feature that Slipstream does not implement; `feature` names it."""
-
-    def __init__(self, feature: str, instead: str) -> None:
-        self.feature = feature
-        super().__init__(f"{feature} is not built in Slipstream; {instead}")
 
 
 def not_built_function(name: str, feature: str, instead: str) -> Callable[..., Any]:

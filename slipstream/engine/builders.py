@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slipstream.config.plan import EnginePlan, LossScalePlan, MonitorPlan
+from slipstream.config.plan import EnginePlan, LossScalePlan
 from slipstream.engine.dataloader import make_training_dataloader
-from slipstream.engine.monitor import CometMonitor, CsvMonitor, TensorboardMonitor, WandbMonitor
 from slipstream.offload.policy import host_available_bytes
 from slipstream.utils.errors import ArgumentTypeError
 from slipstream.utils.logging import log_rank0, warn_once
@@ -184,19 +183,6 @@ def tell_epoch_length(optimizer: Any, loader: Any, accumulation: int) -> None:
     except TypeError:
         batches = 0
     setter(batches // max(accumulation, 1))
-
-
-def make_monitors(plan: MonitorPlan) -> list[Any]:
-    monitors: list[Any] = []
-    if plan.csv_output_path is not None:
-        monitors.append(CsvMonitor(plan.csv_output_path, plan.csv_job_name))
-    if plan.tensorboard_output_path is not None:
-        monitors.append(TensorboardMonitor(plan.tensorboard_output_path, plan.tensorboard_job_name))
-    if plan.wandb is not None:
-        monitors.append(WandbMonitor(plan.wandb))
-    if plan.comet is not None:
-        monitors.append(CometMonitor(plan.comet))
-    return monitors
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:

@@ -39,6 +39,7 @@ from slipstream.engine.model_saving import ModelSaving
 from slipstream.engine.monitor import StepFigures, step_events
 from slipstream.engine.observe import CommsLog, StepProfiler
 from slipstream.engine.parallel import setup_parallel
+from slipstream.monitor.writers import make_monitors
 from slipstream.utils.logging import get_logger, log_rank0
 from slipstream.utils.progress import Progress
 from slipstream.utils.throughput import ThroughputTimer
@@ -117,7 +118,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
             builders.make_dataloader(plan, training_data, collate_fn, *self.parallel.loader_rank_and_size())
         )
         builders.tell_epoch_length(self.optimizer, self.training_dataloader, plan.batch.gradient_accumulation_steps)
-        self.monitors = builders.make_monitors(plan.logging.monitor) if self.global_rank == 0 else []
+        self.monitors = make_monitors(plan.logging.monitor) if self.global_rank == 0 else []
         flops, comms = plan.logging.flops_profile, plan.logging.comms_log
         self._step_profiler = (
             None

@@ -217,7 +217,7 @@ def run(args: argparse.Namespace, *, raise_errors: bool = False) -> int:
     from slipstream.launcher.local import run_node
 
     if getattr(args, "autotuning", ""):
-        from slipstream.compat.unbuilt import NotBuiltError
+        from slipstream.utils.errors import NotBuiltError
 
         refusal = NotBuiltError(
             f"autotuning (--autotuning {args.autotuning})", "launch without --autotuning and set the config yourself"

@@ -8,7 +8,7 @@ argument, its value and the fix. Each class here derives from both, so `except V
 
 from __future__ import annotations
 
-__all__ = ["ArgumentError", "ArgumentTypeError"]
+__all__ = ["ArgumentError", "ArgumentTypeError", "NotBuiltError"]
 
 
 class ArgumentError(ValueError, AssertionError):
@@ -17,3 +17,12 @@ class ArgumentError(ValueError, AssertionError):
 
 class ArgumentTypeError(TypeError, AssertionError):
     """An argument of the wrong type for a DeepSpeed entry point (DeepSpeed asserts here)."""
+
+
+class NotBuiltError(NotImplementedError):
+    """A DeepSpeed feature that Slipstream does not implement; `feature` names it. Placeholders for DeepSpeed's
+    names raise it (compat/unbuilt.py), and so does the launcher for `--autotuning`."""
+
+    def __init__(self, feature: str, instead: str) -> None:
+        self.feature = feature
+        super().__init__(f"{feature} is not built in Slipstream; {instead}")

@@ -556,8 +556,8 @@ class Stage3Optimizer(ZeroOptimizer):
 
     @property
     def parameter_offload(self) -> Any:
-        """DeepSpeed's `optimizer.parameter_offload`, as TRL's generation context uses it (compat/zero_offload.py)."""
-        from slipstream.compat.zero_offload import ParameterOffloadView
+        """DeepSpeed's `optimizer.parameter_offload`, as TRL's generation context uses it (parameter_offload.py)."""
+        from slipstream.zero.stage3.parameter_offload import ParameterOffloadView
 
         return ParameterOffloadView(self.model.module)
 

@@ -18,7 +18,7 @@ expecting DeepSpeed's empty tensors. Those ops therefore return a new 0-element 
 the parameter: it never gathers later (DeepSpeed's does not either), reading it reads nothing, and
 `p.data = stand_in` (DeepSpeed's `p.data = p.data.to(same dtype and device)`) changes nothing. The parameter
 itself keeps its global shape and `numel()`; its values are reached through GatheredParameters. Per-parameter state lives in a typed `ParamRecord` (docs/design.md D9); the `ds_*`
-attributes come from `slipstream.compat.param_attrs`.
+attributes come from `slipstream.zero.stage3.param_attrs`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from slipstream.compat.param_attrs import DeepSpeedParamAttrs
 from slipstream.utils.torch_shim import no_subclass_dispatch
+from slipstream.zero.stage3.param_attrs import DeepSpeedParamAttrs
 
 
 class ZeroParamStatus(enum.Enum):

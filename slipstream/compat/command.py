@@ -1,5 +1,6 @@
 """`slipstream compat install | uninstall | status | wheel`: the opt-in `deepspeed` compatibility package
-(compat/deepspeed_dist.py, docs/deepspeed-compat.md)."""
+(deepspeed_dist.py, docs/deepspeed-compat.md). It lives beside the package it manages; cli/main.py lists it by
+module name, so the core command line imports nothing of compat/."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Training monitors (csv, tensorboard, wandb, comet): writers.py."""
