@@ -33,6 +33,7 @@ from slipstream.accelerator import get_accelerator
 from slipstream.activation.mpu import model_parallel_group, model_parallel_rank, set_mpu
 from slipstream.activation.rng import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from slipstream.config.plan import ActivationCheckpointPlan
+from slipstream.config.section_plans import activation_checkpoint_plan
 from slipstream.utils.logging import get_logger, warn_once
 from slipstream.utils.torch_versions import require_torch
 
@@ -50,7 +51,7 @@ __all__ = [
     "set_num_layers",
 ]
 
-_settings = ActivationCheckpointPlan()
+_settings = activation_checkpoint_plan({})  # the schema's defaults
 _configured = False
 
 
@@ -69,7 +70,7 @@ def configure(
     the arguments that are not None. `mpu_` gives the model-parallel group (`get_tensor_model_parallel_group()`
     or `get_model_parallel_group()`)."""
     global _settings, _configured
-    settings = ActivationCheckpointPlan()
+    settings = activation_checkpoint_plan({})
     if deepspeed_config is not None:
         settings = _section_of(deepspeed_config)
     overrides = {
@@ -95,12 +96,10 @@ def configure_from_plan(plan: ActivationCheckpointPlan) -> None:
 
 def _section_of(deepspeed_config: Any) -> ActivationCheckpointPlan:
     from slipstream.config.load import load_config
-    from slipstream.config.resolve import activation_checkpoint_plan
 
     raw = deepspeed_config if isinstance(deepspeed_config, dict) else getattr(deepspeed_config, "config", None)
     raw = load_config(deepspeed_config) if raw is None else raw
-    plan = activation_checkpoint_plan(raw.get("activation_checkpointing", {}))
-    return plan if plan is not None else ActivationCheckpointPlan()
+    return activation_checkpoint_plan(raw.get("activation_checkpointing", {}))
 
 
 def _report_unimplemented(what: str) -> None:

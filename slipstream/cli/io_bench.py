@@ -22,10 +22,10 @@ HELP = "read and write throughput of the async_io op in a directory (DeepSpeed's
 
 
 def default_settings() -> AioSettings:
-    """The `aio` section's defaults (config/plan.py's AioPlan, the schema's values)."""
-    from slipstream.config.plan import AioPlan
+    """The `aio` section's defaults (the schema's values)."""
+    from slipstream.config.zero_plans import default_aio_plan
 
-    return AioPlan()
+    return default_aio_plan()
 
 
 def parse_ops(text: str) -> list[str]:
@@ -51,9 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     """The `aio` section as flags, defaulting to the section's defaults (AioPlan: no torch import for --help)."""
-    from slipstream.config.plan import AioPlan
-
-    aio = AioPlan()
+    aio = default_settings()
     group = parser.add_argument_group("aio settings (the config's `aio` section; defaults are its defaults)")
     group.add_argument(
         "--block-size",

@@ -58,6 +58,8 @@ def instead_of(key: str) -> str:
     `unimplemented`)."""
     if key.startswith("optimizer.type="):
         return "the optimizer passed to initialize() is used instead"
+    if key in _INSTEAD:
+        return _INSTEAD[key]
     info = _field(key)
     if info is None:
         return "the run ignores it"
@@ -67,6 +69,13 @@ def instead_of(key: str) -> str:
     if default is None:
         return "the run goes on as if it were not set"
     return f"the run goes on as with its default, {_text(default)}"
+
+
+_INSTEAD = {
+    "zero_optimization.reduce_bucket_size": "at ZeRO stage 3 each unit's gradients are reduce-scattered together "
+    "when the unit's backward completes, whatever the bucket size (stages 1 and 2 use it)",
+}
+"""What a run does instead, for keys whose schema default does not say it (see instead_of)."""
 
 
 def _field(key: str) -> FieldInfo | None:

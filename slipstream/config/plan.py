@@ -2,8 +2,9 @@
 
 Components take their own plan, never the whole config and never the engine (docs/design.md). Every knob a
 component reads is a field here, defaulted once (in schema/) and translated from DeepSpeed's name once (in
-resolve.py). Dtypes are named "fp32" | "bf16" | "fp16"; DeepSpeed key spellings stay in schema/, in
-`EnginePlan.resolved` (the config as DeepSpeed clients read it back) and in compat/.
+resolve.py and the *_plans.py modules it calls). Plan fields have no defaults: resolve() fills every one. Dtypes
+are named "fp32" | "bf16" | "fp16"; DeepSpeed key spellings stay in schema/, in `EnginePlan.resolved` (the
+config as DeepSpeed clients read it back) and in compat/.
 """
 
 from __future__ import annotations
@@ -103,11 +104,11 @@ class PrecisionPlan:
 class AioPlan:
     """The `aio` section: how the async I/O op reads and writes NVMe files."""
 
-    block_size: int = 1_048_576
-    queue_depth: int = 8
-    intra_op_parallelism: int = 1
-    single_submit: bool = False
-    overlap_events: bool = True
+    block_size: int
+    queue_depth: int
+    intra_op_parallelism: int
+    single_submit: bool
+    overlap_events: bool
 
 
 class OffloadTarget:
@@ -153,7 +154,7 @@ class NvmeTarget(CpuTarget):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Stage3Plan:
-    """Stage-3 parameter partitioning, in the components' names (resolve.py translates DeepSpeed's
+    """Stage-3 parameter partitioning, in the components' names (zero_plans.py translates DeepSpeed's
     `zero_optimization.stage3_*` keys; `default_stage3_plan()` there gives the schema's defaults)."""
 
     prefetch_numel: int
@@ -168,16 +169,17 @@ class Stage3Plan:
     """save_16bit_model gathers the whole model on rank 0 (stage3_gather_16bit_weights_on_model_save)."""
     offload_param: OffloadTarget
     """Where the parameter shards live."""
-    leaf_classes: tuple[str, ...] = ()
+    leaf_classes: tuple[str, ...]
     """Classes (by name or package.module.Class) whose modules are leaves: gathered whole, never split
     (zero_optimization.leaf_module.classes)."""
-    leaf_names: tuple[str, ...] = ()
+    leaf_names: tuple[str, ...]
     """Qualified module names of leaves (zero_optimization.leaf_module.names)."""
-    leaf_suffixes: tuple[str, ...] = ()
+    leaf_suffixes: tuple[str, ...]
     """Leaves by the end of their qualified names (zero_optimization.leaf_module.name_suffixes)."""
-    sub_group_numel: int = 1_000_000_000
+    sub_group_numel: int
     """The optimizer steps (and NVMe offload swaps) masters, states and gradients this many elements at a time
-    (zero_optimization.sub_group_size); a parameter larger than that is a sub-group of its own."""
+    (zero_optimization.sub_group_size); a parameter larger than that is a sub-group of its own (so 0 makes every
+    parameter one, as in DeepSpeed)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -212,7 +214,7 @@ class ZeroPlan:
     """With optimizer offload, only an optimizer with a host kernel may run (zero_force_ds_cpu_optimizer)."""
     allow_untested_optimizer: bool
     """Per-tensor optimizers may run over flat shards (zero_allow_untested_optimizer)."""
-    zenflow: ZenFlowPlan | None = None
+    zenflow: ZenFlowPlan | None
     """ZenFlow (stages 1-2 with the optimizer offloaded to the CPU), or None."""
 
 
@@ -222,7 +224,7 @@ class CheckpointPlan:
 
     tag_validation: str
     """"IGNORE", "WARN" or "FAIL": what happens when ranks save under different tags."""
-    load_universal: bool = False
+    load_universal: bool
     """`load_checkpoint(save_dir)` without a tag reads `latest_universal` instead of `latest`."""
 
 
@@ -230,12 +232,12 @@ class CheckpointPlan:
 class ParallelPlan:
     """Model parallelism: tensor-parallel and sequence-parallel degrees (the data-parallel degree is the rest)."""
 
-    tp_size: int = 1
+    tp_size: int
     """`tensor_parallel.autotp_size` (0 and 1 both mean no TP)."""
-    tp_rules: tuple[tuple[str, str], ...] = ()
+    tp_rules: tuple[tuple[str, str], ...]
     """`tensor_parallel.partition_config` layer specs, tried before the built-in rules: (regex on parameter
     names, "column" | "row" | "skip" | "gathered"). `use_default_specs: false` ends them with (".*", "skip")."""
-    sp_size: int = 1
+    sp_size: int
     """`sequence_parallel_size`: Ulysses group size."""
 
 
@@ -286,8 +288,8 @@ class MonitorPlan:
     csv_job_name: str
     tensorboard_output_path: str | None
     tensorboard_job_name: str
-    wandb: WandbPlan | None = None
-    comet: CometPlan | None = None
+    wandb: WandbPlan | None
+    comet: CometPlan | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -314,12 +316,12 @@ class CommsLogPlan:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ActivationCheckpointPlan:
-    """The `activation_checkpointing` section (slipstream.checkpointing); every option off by default."""
+    """The `activation_checkpointing` section (slipstream.checkpointing)."""
 
-    partition_activations: bool = False
-    cpu_checkpointing: bool = False
-    synchronize: bool = False
-    profile: bool = False
+    partition_activations: bool
+    cpu_checkpointing: bool
+    synchronize: bool
+    profile: bool
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -329,11 +331,11 @@ class LoggingPlan:
     steps_per_print: int | None
     wall_clock_breakdown: bool
     monitor: MonitorPlan
-    flops_profile: FlopsProfilePlan | None = None
-    comms_log: CommsLogPlan | None = None
-    throughput_timer: bool = True
+    flops_profile: FlopsProfilePlan | None
+    comms_log: CommsLogPlan | None
+    throughput_timer: bool
     """`timers.throughput.enabled`: engine.tput_timer counts and times (False: it stays at zero)."""
-    throughput_synchronized: bool = True
+    throughput_synchronized: bool
     """`timers.throughput.synchronized`: the timer synchronises the device before reading the clock."""
 
 
@@ -361,13 +363,13 @@ class EnginePlan:
     pipeline: PipelinePlan
     collective_timeout: float | None
     """Seconds before a collective that some rank never reached raises; None: the environment's default."""
-    activation_checkpointing: ActivationCheckpointPlan | None = None
+    activation_checkpointing: ActivationCheckpointPlan | None
     """The `activation_checkpointing` section when the config has one (the engine configures
     slipstream.checkpointing with it); None leaves that module's own configuration alone."""
     unimplemented: tuple[str, ...]
     """Dotted keys the user set that Slipstream accepts but does not implement yet (the engine warns once
     each)."""
-    parallel: ParallelPlan = ParallelPlan()
-    """Tensor and sequence parallelism (defaults: none)."""
+    parallel: ParallelPlan
+    """Tensor and sequence parallelism."""
     resolved: dict[str, Any]
     """The full resolved config as plain JSON data, defaults and "auto" filled in (what rank 0 logs)."""

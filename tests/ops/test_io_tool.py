@@ -5,7 +5,6 @@ native op cannot be built) on small files in tmp_path.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import types
 from pathlib import Path
@@ -15,11 +14,11 @@ import torch
 
 import slipstream.ops.fallback.async_io as fallback_op
 from slipstream.cli.main import main as cli_main
-from slipstream.config.plan import AioPlan
-from slipstream.ops.aio.bench import AioSettings, IoBench
+from slipstream.config.zero_plans import default_aio_plan
+from slipstream.ops.aio.bench import IoBench
 from slipstream.ops.op_builder import AsyncIOBuilder
 
-DEFAULTS = AioPlan()
+DEFAULTS = default_aio_plan()
 
 
 def _json_of(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:

@@ -20,10 +20,11 @@ import slipstream.ops.fallback.async_io as fallback_op
 from slipstream.cli.main import main as cli_main
 from slipstream.config import resolve
 from slipstream.config.plan import AioPlan
+from slipstream.config.zero_plans import default_aio_plan
 from slipstream.ops.aio.bench import AioSettings, IoBench
 from slipstream.ops.aio.tune import decide, grid, sign_test_p, tune
 
-DEFAULTS = AioPlan()
+DEFAULTS = default_aio_plan()
 FAST = dataclasses.replace(DEFAULTS, block_size=4 << 20, queue_depth=16)
 
 

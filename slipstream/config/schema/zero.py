@@ -214,7 +214,8 @@ class ZeroConfig(DSModel):
     """ZenFlow stall-free offload."""
     sub_group_size: DSInt = Field(1_000_000_000, ge=0)
     """Elements per optimizer sub-group (stage 3): the optimizer steps, and with NVMe offload swaps, one
-    sub-group at a time, so it bounds the host memory of the step."""
+    sub-group at a time, so it bounds the host memory of the step. 0 makes each parameter a sub-group of its own
+    (as DeepSpeed's `_create_fp16_sub_groups` does)."""
     cpu_offload: DSBool | None = None
     """Deprecated: true means offload_optimizer.device = "cpu"."""
     cpu_offload_param: DSBool | None = None

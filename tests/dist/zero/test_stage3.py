@@ -1,8 +1,8 @@
 """ZeRO stage 3 at world size 2 against the single-process reference: parameters and every step's global grad
 norm after 5 optimizer steps, with and without accumulation, both backward styles, optimizer and parameter
-offload, bf16, weight tying and a block reused in a loop. The offload and bf16 cases clip at CLIP, under every
-step's norm; bf16 compares the fp32 masters with a reference that rounds alike. One spawn runs the whole grid
-(tests/harness/subtests.py)."""
+offload, bf16, weight tying, a block reused in a loop, and sub_group_size 0. The offload and bf16 cases clip at
+CLIP, under every step's norm; bf16 compares the fp32 masters with a reference that rounds alike. One spawn runs
+the whole grid (tests/harness/subtests.py)."""
 
 from __future__ import annotations
 
@@ -59,8 +59,10 @@ def train(rank: int, world: int, *, model: str, micro: int, gas: int, torch_styl
     else:
         state = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     masters = owned_state(engine)["master"]
+    sub_groups = engine.optimizer.num_sub_groups if stage == 3 else None
     engine.destroy()
-    return {"params": {name: value.float() for name, value in state.items()}, "norms": norms, "masters": masters}
+    return {"params": {name: value.float() for name, value in state.items()}, "norms": norms, "masters": masters,
+            "sub_groups": sub_groups}
 
 
 def reference_for(case: dict) -> ReferenceRun:
@@ -85,6 +87,9 @@ CASES = [
     dict(model="mlp", micro=4, gas=1, torch_style=False, clip=CLIP,
          offload_optimizer={"device": "cpu", "pin_memory": True}, offload_param={"device": "cpu", "pin_memory": True}),
     dict(model="mlp", micro=2, gas=2, torch_style=False, clip=CLIP, precision="bf16"),
+    # sub_group_size 0 (as in DeepSpeed): every parameter is a sub-group of its own
+    dict(model="mlp", micro=2, gas=2, torch_style=False, clip=CLIP, offload_optimizer={"device": "cpu"},
+         sub_group_size=0),
 ]
 
 
@@ -102,6 +107,8 @@ def test_stage3_matches_the_reference(tmp_path) -> None:  # type: ignore[no-unty
         assert len(results) == len(CASES)
         for case, result, reference in zip(CASES, results, references):
             where = f"rank {rank} {case}"
+            if case.get("sub_group_size") == 0:
+                assert result["sub_groups"] == len(list(MODELS["mlp"]().parameters())), (where, result["sub_groups"])
             torch.testing.assert_close(result["norms"], reference.grad_norms, rtol=1e-5, atol=0,
                                        msg=lambda m, where=where: f"{where} grad norms: {m}")
             names = set(reference.params) - ({"head.weight"} if case["model"] == "tied" else set())

@@ -9,6 +9,7 @@ import pytest
 
 from slipstream.config import ConfigError, ConfigWarning, CpuTarget, resolve
 from slipstream.config.schema import DeepSpeedConfig
+from slipstream.config.schema.zero import ZeroConfig
 
 BASE = {"train_batch_size": 8}
 
@@ -86,6 +87,15 @@ def test_plan_defaults() -> None:
         plan.logging.monitor.csv_output_path is None and plan.logging.monitor.tensorboard_output_path is None
     )
     assert plan.unimplemented == ()
+
+
+def test_sub_group_size_reaches_the_plan_as_given_zero_included() -> None:
+    """0 is DeepSpeed's one-parameter sub-groups (stage3.py, _create_fp16_sub_groups), not the default."""
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    given = resolve({**BASE, "zero_optimization": {**zero, "sub_group_size": 0}}, world_size=1)
+    unset = resolve({**BASE, "zero_optimization": zero}, world_size=1)
+    assert given.zero.stage3 is not None and given.zero.stage3.sub_group_numel == 0
+    assert unset.zero.stage3 is not None and unset.zero.stage3.sub_group_numel == ZeroConfig().sub_group_size
 
 
 @pytest.mark.parametrize("stage, expected", [(0, False), (1, False), (2, False), (3, True)])

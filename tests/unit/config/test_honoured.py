@@ -132,3 +132,20 @@ def test_the_checks_can_fail() -> None:
     assert not _resolves("zero.allgather_bucket_size")
     assert "surely_not_an_attribute_anyone_reads" not in _attributes_read_outside_config()
     assert "zero.reduce_bucket_size" in _leaf_paths()
+
+
+def _plan_classes() -> list[type]:
+    return [cls for cls in vars(plan_module).values() if isinstance(cls, type) and dataclasses.is_dataclass(cls)]
+
+
+def test_plan_fields_have_no_defaults_of_their_own() -> None:
+    """A plan field with a default would be a second place a knob is defaulted (the schema is the one place):
+    resolve() fills every field from the schema."""
+    defaulted = sorted(
+        f"{cls.__name__}.{field.name}"
+        for cls in _plan_classes()
+        for field in dataclasses.fields(cls)
+        if field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
+    )
+    assert not defaulted, f"plan fields with a default of their own (resolve() fills them from the schema): {defaulted}"
+    assert "Stage3Plan" in {cls.__name__ for cls in _plan_classes()}

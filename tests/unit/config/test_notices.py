@@ -76,3 +76,14 @@ def test_an_auto_micro_batch_is_logged_with_its_value_and_sources(records: list[
     report_auto_batch(resolve({"train_batch_size": 16}, world_size=2).batch, rank=0)  # no "auto": nothing
     report_auto_batch(resolve(config, world_size=2).batch, rank=1)  # not rank 0: nothing
     assert len(records) == 1
+
+
+@pytest.mark.parametrize("stage, reported", [(2, False), (3, True)])
+def test_reduce_bucket_size_is_reported_at_stage_3_only(stage: int, reported: bool) -> None:
+    """Stage 3 reduce-scatters per unit whatever the bucket size: the key set there is not a silent no-op."""
+    zero = {"stage": stage, "reduce_bucket_size": 1000}
+    plan = resolve({"train_batch_size": 2, "zero_optimization": zero}, world_size=1)
+    unset = resolve({"train_batch_size": 2, "zero_optimization": {"stage": stage}}, world_size=1)
+    assert ("zero_optimization.reduce_bucket_size" in plan.unimplemented) is reported
+    assert unset.unimplemented == ()
+    assert "stage 3" in instead_of("zero_optimization.reduce_bucket_size")

@@ -1,0 +1,199 @@
+"""The `zero_optimization` and `aio` sections as plans: ZeroPlan, Stage3Plan, ZenFlowPlan, AioPlan, and the one
+place an offload section's `device` string becomes an OffloadTarget type.
+
+DeepSpeed's `stage3_*` names become the components' names here (Stage3Plan), and nowhere else. Every value
+comes from the schema (schema/zero.py, schema/misc.py): a config that sets nothing gets the schema's defaults,
+which `default_stage3_plan()` and `default_aio_plan()` give to code that runs without a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+from slipstream.config.errors import ConfigWarning
+from slipstream.config.plan import (
+    AioPlan,
+    CpuTarget,
+    NoOffloadTarget,
+    NvmeTarget,
+    OffloadTarget,
+    Stage3Plan,
+    ZenFlowPlan,
+    ZeroPlan,
+)
+from slipstream.config.schema.misc import AioConfig
+from slipstream.config.schema.top import DeepSpeedConfig
+from slipstream.config.schema.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+
+__all__ = [
+    "aio_plan",
+    "default_aio_plan",
+    "default_stage3_plan",
+    "offload_target",
+    "stage3_plan",
+    "unhonoured_at_stage",
+    "zero_plan",
+]
+
+
+def aio_plan(aio: AioConfig) -> AioPlan:
+    return AioPlan(
+        block_size=aio.block_size,
+        queue_depth=aio.queue_depth,
+        intra_op_parallelism=aio.intra_op_parallelism,
+        single_submit=aio.single_submit,
+        overlap_events=aio.overlap_events,
+    )
+
+
+def default_aio_plan() -> AioPlan:
+    """The `aio` section's defaults (the schema's), for tools that run without a config (`slipstream io`)."""
+    return aio_plan(AioConfig())
+
+
+def offload_target(section: OffloadOptimizerConfig | OffloadParamConfig | None, aio: AioPlan) -> OffloadTarget:
+    """The one place an offload section's `device` string becomes a type."""
+    if section is None or section.device == "none":
+        return NoOffloadTarget()
+    if section.device == "nvme":
+        return NvmeTarget(pin_memory=section.pin_memory, path=str(section.nvme_path or ""), aio=aio)
+    return CpuTarget(pin_memory=section.pin_memory)
+
+
+def zero_plan(cfg: DeepSpeedConfig, aio: AioPlan, problems: list[str]) -> ZeroPlan:
+    zero, prefix = cfg.zero_optimization, "zero_optimization"
+    offload = offload_target(zero.offload_optimizer, aio)
+    off = zero.offload_optimizer
+    if off is not None and offload.on_host:
+        if isinstance(offload, NvmeTarget) and not off.nvme_path:
+            problems.append(f'{prefix}.offload_optimizer.nvme_path: required with device "nvme"; set a directory')
+        if off.ratio < 1.0 and zero.stage != 3:
+            problems.append(f"{prefix}.offload_optimizer.ratio: {off.ratio} < 1 needs stage 3; set ratio to 1.0")
+        if zero.stage == 0:
+            warnings.warn(
+                f"{prefix}.offload_optimizer has no effect at stage 0; set {prefix}.stage to 1, 2 or 3",
+                ConfigWarning,
+                stacklevel=3,
+            )
+    param_off = offload_target(zero.offload_param, aio)
+    if param_off.on_host and zero.stage != 3:
+        warnings.warn(
+            f"{prefix}.offload_param has no effect below stage 3 (stage is {zero.stage})",
+            ConfigWarning,
+            stacklevel=3,
+        )
+    stage3 = None
+    if zero.stage == 3:
+        stage3 = stage3_plan(zero, param_off)
+        problems += _param_offload_problems(stage3.offload_param, offload, prefix)
+    return ZeroPlan(
+        stage=zero.stage,
+        reduce_bucket_size=zero.reduce_bucket_size,
+        offload_optimizer=offload,
+        stage3=stage3,
+        force_host_optimizer=cfg.zero_force_ds_cpu_optimizer,
+        allow_untested_optimizer=cfg.zero_allow_untested_optimizer,
+        zenflow=_zenflow_plan(zero, offload, problems),
+    )
+
+
+def _zenflow_plan(zero: ZeroConfig, offload: OffloadTarget, problems: list[str]) -> ZenFlowPlan | None:
+    """ZenFlow's knobs with DeepSpeed's rules (runtime/zenflow/engine.py, configure_zenflow): "auto" selection is
+    once per epoch; an explicit strategy needs an integer interval; selection is no more frequent than updates."""
+    section, prefix = zero.zenflow, "zero_optimization.zenflow"
+    if section is None:
+        return None
+    count = len(problems)
+    if zero.stage not in (1, 2):
+        problems.append(
+            f"{prefix}: ZenFlow runs at ZeRO stages 1 and 2 (zero_optimization.stage is {zero.stage}); "
+            "set zero_optimization.stage to 1 or 2, or remove the zenflow section"
+        )
+    if not isinstance(offload, CpuTarget) or isinstance(offload, NvmeTarget):
+        device = "none" if zero.offload_optimizer is None else zero.offload_optimizer.device
+        problems.append(
+            f'{prefix}: ZenFlow needs zero_optimization.offload_optimizer.device "cpu" (it is "{device}"); '
+            'set it to "cpu", or remove the zenflow section'
+        )
+    strategy, interval = section.select_strategy, section.select_interval
+    if strategy not in ("auto", "step", "epoch"):
+        problems.append(f'{prefix}.select_strategy: {strategy!r} is not one of "auto", "step", "epoch"')
+    elif strategy == "auto" and interval != "auto":
+        problems.append(
+            f'{prefix}.select_interval: {interval!r} is not used with select_strategy "auto" (which selects once '
+            'per epoch); set select_strategy to "step" or "epoch", or select_interval to "auto"'
+        )
+    elif strategy != "auto" and interval == "auto":
+        problems.append(
+            f'{prefix}.select_interval: "auto" needs select_strategy "auto" (it is "{strategy}"); '
+            "give the number of steps or epochs between selections"
+        )
+    update = None if section.update_interval == "auto" else int(section.update_interval)
+    every = 1 if interval == "auto" else int(interval)
+    if update is not None and update < 1:
+        problems.append(f'{prefix}.update_interval: {update} < 1; give a positive number of steps or "auto"')
+    if strategy == "step" and update is not None and 0 < every < update:
+        problems.append(
+            f"{prefix}.select_interval: {every} is below update_interval {update}; selection must not be more "
+            "frequent than the CPU updates (DeepSpeed refuses this too)"
+        )
+    if len(problems) > count:
+        return None
+    return ZenFlowPlan(
+        topk_ratio=section.topk_ratio,
+        select_every=every,
+        select_per_epoch=strategy != "step",
+        update_interval=update,
+        full_warm_up_rounds=section.full_warm_up_rounds,
+        overlap_step=section.overlap_step,
+        offload=section.offload,
+    )
+
+
+def _param_offload_problems(param_off: OffloadTarget, optimizer_off: OffloadTarget, prefix: str) -> list[str]:
+    if not isinstance(param_off, NvmeTarget):
+        return []
+    problems = []
+    if not param_off.path:
+        problems.append(
+            f'{prefix}.offload_param.nvme_path: required with device "nvme"; set it to a directory on a fast local disk'
+        )
+    if not optimizer_off.on_host:
+        problems.append(
+            f'{prefix}.offload_param.device: "nvme" needs offload_optimizer too (device cpu or nvme): '
+            "the fp32 master weights cannot live in the NVMe-resident shards"
+        )
+    return problems
+
+
+def stage3_plan(zero: ZeroConfig, offload_param: OffloadTarget) -> Stage3Plan:
+    """DeepSpeed's stage3_* names become the components' names here, and nowhere else."""
+    leaf = zero.leaf_module
+    return Stage3Plan(
+        prefetch_numel=zero.prefetch_bucket_size,
+        persistence_threshold=zero.param_persistence_threshold,
+        max_live_numel=zero.max_live_parameters,
+        reuse_distance=zero.max_reuse_distance,
+        gather_16bit_on_save=zero.gather_16bit_weights_on_model_save,
+        offload_param=offload_param,
+        leaf_classes=tuple(leaf.classes),
+        leaf_names=tuple(leaf.names),
+        leaf_suffixes=tuple(leaf.name_suffixes),
+        sub_group_numel=zero.sub_group_size,
+    )
+
+
+def default_stage3_plan(**changes: Any) -> Stage3Plan:
+    """The stage-3 plan of a config that sets nothing (the schema's defaults), with `changes` applied."""
+    return dataclasses.replace(stage3_plan(ZeroConfig(), NoOffloadTarget()), **changes)
+
+
+def unhonoured_at_stage(zero: ZeroConfig) -> list[str]:
+    """Keys the config sets that the chosen stage does not act on (reported as not implemented): stage 3
+    reduce-scatters each unit's gradients in one collective when the unit's backward completes, so
+    `reduce_bucket_size` (DeepSpeed's stage-3 gradient bucket) has no effect there."""
+    if zero.stage == 3 and "reduce_bucket_size" in zero.model_fields_set:
+        return ["zero_optimization.reduce_bucket_size"]
+    return []
