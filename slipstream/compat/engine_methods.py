@@ -25,8 +25,10 @@ import torch
 
 from slipstream.compat.engine_attributes import EngineAttributes
 from slipstream.compat.param_access import register_engine
+from slipstream.config.schema.zero import ZeroConfig
 
 _Z = "zero_optimization"
+_ZERO_DEFAULTS = ZeroConfig()  # the schema's defaults of a config without zero_optimization
 CONFIG_GETTERS: dict[str, tuple[str, Any]] = {
     "aio_config": ("aio", {}),
     "amp_enabled": ("amp.enabled", False),
@@ -113,18 +115,18 @@ CONFIG_GETTERS: dict[str, tuple[str, Any]] = {
     "zero_module_granularity_threshold": (f"{_Z}.stage3_module_granularity_threshold", 0),
     "zero_multi_rank_bucket_allreduce": (f"{_Z}.use_multi_rank_bucket_allreduce", True),
     "zero_offload_param": (f"{_Z}.offload_param", None),
-    "zero_overlap_comm": (f"{_Z}.overlap_comm", False),
+    "zero_overlap_comm": (f"{_Z}.overlap_comm", _ZERO_DEFAULTS.overlap_comm),
     "zero_param_persistence_threshold": (f"{_Z}.stage3_param_persistence_threshold", 100_000),
     "zero_partial_offload": (f"{_Z}.offload_optimizer.ratio", 1.0),
     "zero_prefetch_bucket_size": (f"{_Z}.stage3_prefetch_bucket_size", 50_000_000),
     "zero_quantized_gradients": (f"{_Z}.zero_quantized_gradients", False),
     "zero_quantized_nontrainable_weights": (f"{_Z}.zero_quantized_nontrainable_weights", False),
     "zero_quantized_weights": (f"{_Z}.zero_quantized_weights", False),
-    "zero_reduce_bucket_size": (f"{_Z}.reduce_bucket_size", 500_000_000),
+    "zero_reduce_bucket_size": (f"{_Z}.reduce_bucket_size", _ZERO_DEFAULTS.reduce_bucket_size),
     "zero_reduce_scatter": (f"{_Z}.reduce_scatter", True),
     "zero_round_robin_gradients": (f"{_Z}.round_robin_gradients", False),
     "zero_save_muon_momentum_buffer_in_memory": (f"{_Z}.save_muon_momentum_buffer_in_memory", False),
-    "zero_sub_group_size": (f"{_Z}.sub_group_size", 1_000_000_000),
+    "zero_sub_group_size": (f"{_Z}.sub_group_size", _ZERO_DEFAULTS.sub_group_size),
     "zeropp_loco_param": (f"{_Z}.zeropp_loco_param", None),
 }
 """DeepSpeed getter -> (dotted key of the resolved config, DeepSpeed's default)."""
