@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from slipstream.config.plan import RESIDENT_GRAD_SUB_GROUPS, AioPlan, nvme_gradients_in_files
+from slipstream.config.zero_plans import default_aio_plan
 from slipstream.offload.policy import CPUOffload, SteppedGroups
 from slipstream.offload.swapper import Swapper
 from slipstream.utils.logging import log_rank0
@@ -124,7 +125,7 @@ class NVMeOffload(CPUOffload):
     """CPU offload whose masters and optimizer states are swapped to `nvme_path` between uses."""
 
     nvme_path: str = ""
-    aio: AioPlan = dataclasses.field(default_factory=AioPlan)
+    aio: AioPlan = dataclasses.field(default_factory=default_aio_plan)
     rank: int = 0
     grad_buffers: int = RESIDENT_GRAD_SUB_GROUPS
     """Stage 3: gradient buffers resident at once while backward adds into them ([Note: swapped gradients])."""
