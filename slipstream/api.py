@@ -80,30 +80,15 @@ def initialize(
         raise ArgumentError("initialize() needs model=<torch.nn.Module>")
     if mesh_param is not None:
         raise NotImplementedError("initialize(mesh_param=...) is not available yet in Slipstream")
-    from slipstream.comm import collectives
-    from slipstream.config import collective_timeout_of, load_config, resolve
+    from slipstream.config import load_config
     from slipstream.engine.engine import SlipstreamEngine
 
     raw = load_config(_config_source(args, config, config_params))
     if mpu is not None:
         raw = _with_sequence_mpu(raw, mpu)
-    timeout = collective_timeout_of(raw)
-    if timeout is not None:  # before the group exists, so it is created with it (an existing one gets set_timeout)
-        collectives.set_collective_timeout(timeout)
-    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required, verbose=False)
-    collectives.apply_to_group()  # SLIPSTREAM_TIMEOUT / DEEPSPEED_TIMEOUT reach a group created elsewhere too
-    if args is not None and hasattr(args, "local_rank"):
-        import os
-
-        args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+    _join_process_group(raw, args, distributed_port=distributed_port, dist_init_required=dist_init_required)
     pipeline = _is_pipeline(model)
-    data_world = dist.get_world_size() // (int(getattr(model, "num_stages", 1)) if pipeline else 1)
-    raw = _with_recorded_tp(raw, model)
-    plan = resolve(raw, world_size=data_world, strict=strict, hidden_size=hidden_size)
-    log_rank0(
-        "config as given, resolved: " + json.dumps(_given_keys(plan.resolved, raw), default=str), rank=dist.get_rank()
-    )
+    plan = _resolve_plan(raw, model, pipeline=pipeline, strict=strict)
     if pipeline:
         return _pipeline_engine(model, plan, optimizer, model_parameters, lr_scheduler, training_data, collate_fn)
     engine = SlipstreamEngine(
@@ -116,6 +101,37 @@ def initialize(
         collate_fn=collate_fn,
     )
     return engine, engine._optimizer_to_return(), engine.training_dataloader, engine.lr_scheduler
+
+
+def _join_process_group(raw: Any, args: Any, *, distributed_port: int, dist_init_required: bool | None) -> None:
+    """Create (or join) the process group with the config's collective timeout, and set `args.local_rank`."""
+    from slipstream.comm import collectives
+    from slipstream.config import collective_timeout_of
+
+    timeout = collective_timeout_of(raw)
+    if timeout is not None:  # before the group exists, so it is created with it (an existing one gets set_timeout)
+        collectives.set_collective_timeout(timeout)
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required, verbose=False)
+    collectives.apply_to_group()  # SLIPSTREAM_TIMEOUT / DEEPSPEED_TIMEOUT reach a group created elsewhere too
+    if args is not None and hasattr(args, "local_rank"):
+        import os
+
+        args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _resolve_plan(raw: Any, model: nn.Module, *, pipeline: bool, strict: bool | None) -> Any:
+    """The plan for `model` over the data-parallel world (a pipeline's stages divide it); the keys the user
+    gave are logged with their resolved values."""
+    from slipstream.config import resolve
+
+    hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+    data_world = dist.get_world_size() // (int(getattr(model, "num_stages", 1)) if pipeline else 1)
+    raw = _with_recorded_tp(raw, model)
+    plan = resolve(raw, world_size=data_world, strict=strict, hidden_size=hidden_size)
+    log_rank0(
+        "config as given, resolved: " + json.dumps(_given_keys(plan.resolved, raw), default=str), rank=dist.get_rank()
+    )
+    return plan
 
 
 def _with_sequence_mpu(raw: Any, mpu: Any) -> Any:
@@ -156,19 +172,18 @@ def _is_pipeline(model: Any) -> bool:
 def _pipeline_engine(
     model: Any, plan: Any, optimizer: Any, model_parameters: Any, lr_scheduler: Any, training_data: Any, collate_fn: Any
 ) -> tuple[Any, Any, Any, Any]:
-    """DeepSpeed's engine selection: a PipelineModule gets the pipeline engine (the optimizer, scheduler and
-    data loader are made by the engine's builders, which only this entry point may use)."""
-    from slipstream.engine import builders
-    from slipstream.engine.dataloader import RepeatingLoader
+    """DeepSpeed's engine selection: a PipelineModule gets the pipeline engine (the engine with a pipeline
+    schedule, built by the engine's own steps)."""
     from slipstream.pipe.engine import PipelineEngine
 
     engine = PipelineEngine(
         model,
         plan,
-        make_optimizer=lambda module: builders.make_basic_optimizer(module, plan, optimizer, model_parameters),
-        make_scheduler=lambda basic: builders.make_scheduler(plan, basic, lr_scheduler),
-        make_dataloader=lambda rank, world: builders.make_dataloader(plan, training_data, collate_fn, rank, world),
-        repeat=RepeatingLoader,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        training_data=training_data,
+        collate_fn=collate_fn,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
