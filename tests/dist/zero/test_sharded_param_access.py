@@ -6,14 +6,13 @@ The operations Transformers, Accelerate, TRL and PEFT perform on sharded paramet
 `p.data = stand_in` changes nothing; `numel()`, `shape` stay global; `requires_grad_` freezes and unfreezes;
 tying a parameter to another module outside a gather keeps one parameter; `copy_` and `load_state_dict`
 inside `GatheredParameters(modifier_rank=0)` reach every rank. Values are still refused (`sum()`), and after all
-of it the model trains from the values written. TRL's generation context (`optimizer.parameter_offload`, its
+of it the tied model trains from the values written as one process does. TRL's generation context (`optimizer.parameter_offload`, its
 hooks taken off and put back inside a gather of everything) runs forwards without collectives and training goes
 on after it. 2 ranks, one spawn.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -156,6 +155,24 @@ def access(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _reference(start: dict[str, torch.Tensor], seeds: list[int]) -> list[float]:
+    """The same tied model and steps in one process (gradient_clipping defaults to 1.0, as in DeepSpeed)."""
+    model = _Tied()
+    model.head.weight = model.embed.weight
+    model.load_state_dict(start, strict=False)  # named_parameters() lists the tied weight once
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for seed in seeds:
+        ids = torch.randint(0, 12, (2, 5), generator=torch.Generator().manual_seed(seed))
+        loss = model(ids).logsumexp(-1).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
 def test_sharded_parameter_outside_a_gather(tmp_path: Any) -> None:
     results = run_distributed(access, world_size=2, tmp_dir=tmp_path)
     empty = {
@@ -177,7 +194,8 @@ def test_sharded_parameter_outside_a_gather(tmp_path: Any) -> None:
         assert out["state_dict"]["seen"] == {k: (0, torch.float32) for k in keys}
         assert out["frozen"] and out["sum_refused"] and out["copied"]
         assert out["tied_init"] and out["tied_after"]
+    reference = _reference(results[0]["start"], seeds=[0, 1, 0])  # both ranks train on the same batches
     for out in results:  # the values written under modifier_rank=0 are what training starts from
         assert out["start"]["block.0.weight"].eq(0.25).all() and out["start"]["block.0.bias"].eq(1).all()
-        assert len(out["losses"]) == 3 and all(math.isfinite(x) for x in out["losses"])
+        assert torch.allclose(torch.tensor(out["losses"]), torch.tensor(reference), atol=1e-5), (out, reference)
         assert out["generation"] == {"collectives": 0, "same": True}
