@@ -17,8 +17,10 @@ conversions of sharded parameters, and only looks at their keys, dtype or device
 expecting DeepSpeed's empty tensors. Those ops therefore return a new 0-element tensor, sharing nothing with
 the parameter: it never gathers later (DeepSpeed's does not either), reading it reads nothing, and
 `p.data = stand_in` (DeepSpeed's `p.data = p.data.to(same dtype and device)`) changes nothing. The parameter
-itself keeps its global shape and `numel()`; its values are reached through GatheredParameters. Per-parameter state lives in a typed `ParamRecord` (docs/design.md D9); the `ds_*`
-attributes come from `slipstream.zero.stage3.param_attrs`.
+itself keeps its global shape and `numel()`; its values are reached through GatheredParameters.
+
+Per-parameter state lives in a typed `ParamRecord` (docs/design.md D9); the `ds_*` attributes come from
+`slipstream.zero.stage3.param_attrs`.
 """
 
 from __future__ import annotations
@@ -194,7 +196,8 @@ def _is_own_stand_in(tensor: torch.Tensor, value: Any) -> bool:
     )
 
 
-_ALIASES = {torch.Tensor.detach, torch.detach, torch.Tensor.clone, torch.clone, torch.Tensor.data.__get__}  # type: ignore[attr-defined]
+_DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
+_ALIASES = {torch.Tensor.detach, torch.detach, torch.Tensor.clone, torch.clone, _DATA_GET}
 _CASTS = {
     torch.Tensor.float: torch.float32,
     torch.Tensor.double: torch.float64,
