@@ -59,8 +59,39 @@ def init_distributed(
     from slipstream.accelerator import get_accelerator
     from slipstream.comm import teardown
 
-    timeout = collective_timeout()
     backend = dist_backend or get_accelerator().communication_backend_name()
+    _create_group(
+        backend,
+        collective_timeout(),
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        distributed_port=distributed_port,
+    )
+    teardown.install(created=True)
+    _one_line_prefix()
+    if verbose:
+        logger.info(
+            "initialized torch.distributed: backend=%s rank=%d world_size=%d",
+            backend,
+            dist.get_rank(),
+            dist.get_world_size(),
+        )
+
+
+def _create_group(
+    backend: str,
+    timeout: datetime.timedelta,
+    *,
+    init_method: str | None,
+    rank: int,
+    world_size: int,
+    distributed_port: int,
+) -> None:
+    """The default group: from an explicit `init_method`/`rank`, the launcher's environment, or a world of one
+    (no launcher variable set); a partly set launcher environment is an error."""
+    from slipstream.accelerator import get_accelerator
+
     missing = [name for name in _LAUNCHER_VARS if name not in os.environ]
     if init_method is not None or rank >= 0:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
@@ -76,15 +107,6 @@ def init_distributed(
             f"the launcher environment is incomplete: {', '.join(missing)} not set while "
             f"{', '.join(n for n in _LAUNCHER_VARS if n not in missing)} are; start the script "
             "with torchrun / `slipstream run`, or unset them all for a single process"
-        )
-    teardown.install(created=True)
-    _one_line_prefix()
-    if verbose:
-        logger.info(
-            "initialized torch.distributed: backend=%s rank=%d world_size=%d",
-            backend,
-            dist.get_rank(),
-            dist.get_world_size(),
         )
 
 
