@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from slipstream.checkpoint.checks import check_load
-from slipstream.checkpoint.deepspeed_import import DeepSpeedCheckpoint
+from slipstream.checkpoint.deepspeed.reader import DeepSpeedCheckpoint
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.reader import CheckpointReader, direct_target
 from slipstream.checkpoint.state import EngineParts, collect_slices, restore_rng
@@ -71,8 +71,8 @@ class DeepSpeedSource:
 
 
 def open_source(path: Path) -> Any:
-    from slipstream.checkpoint.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
-    from slipstream.checkpoint.universal import is_universal_checkpoint, read_universal_checkpoint
+    from slipstream.checkpoint.deepspeed.reader import is_deepspeed_checkpoint, read_deepspeed_checkpoint
+    from slipstream.checkpoint.deepspeed.universal import is_universal_checkpoint, read_universal_checkpoint
 
     if (path / "manifest.json").is_file():
         return CheckpointReader(path, verify="lazy")  # each rank hashes only the files it reads

@@ -1,7 +1,7 @@
 """DeepSpeed's checkpoint file names (`deepspeed.checkpoint.utils`, `deepspeed.utils.zero_to_fp32`).
 
 Pure path helpers for code that handles DeepSpeed-format checkpoint directories (the ones
-checkpoint/deepspeed_import.py reads). Slipstream's own checkpoints are a manifest and safetensors files
+checkpoint/deepspeed/reader.py reads). Slipstream's own checkpoints are a manifest and safetensors files
 (docs/checkpoints.md), so a name built here points into a DeepSpeed checkpoint, never into one of ours.
 """
 

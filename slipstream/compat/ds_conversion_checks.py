@@ -1,5 +1,5 @@
 """The metadata checks of DeepSpeed's converter (`deepspeed.checkpoint.ds_to_universal`) over a DeepSpeed
-ZeRO-1/2 folder's model-state metadata (checkpoint/ds_folder.py's `model_state_metadata`).
+ZeRO-1/2 folder's model-state metadata (checkpoint/deepspeed/folder.py's `model_state_metadata`).
 
 Owns `_aggregate_autoep_zero12_metadata`, `_inject_missing_state` and `_check_for_required_state`. Each check
 raises a `CheckpointError` (a RuntimeError) naming the file and what is malformed.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from slipstream.checkpoint.ds_constants import (
+from slipstream.checkpoint.deepspeed.constants import (
     AUTOEP_EXPERT_KEY_PREFIX,
     AUTOEP_LAYERS_KEY,
     PARAM_SHAPES,
@@ -18,9 +18,9 @@ from slipstream.checkpoint.ds_constants import (
     UNIVERSAL_CHECKPOINT_VERSION_KEY,
     UNIVERSAL_CHECKPOINT_VERSION_VALUE,
 )
-from slipstream.checkpoint.ds_folder import DATA_BEFORE_EXPERT
+from slipstream.checkpoint.deepspeed.folder import DATA_BEFORE_EXPERT
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.tp_shards import check_conversion_support
+from slipstream.checkpoint.deepspeed.tp_shards import check_conversion_support
 
 __all__ = ["_aggregate_autoep_zero12_metadata", "_check_for_required_state", "_inject_missing_state"]
 

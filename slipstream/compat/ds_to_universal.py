@@ -4,14 +4,14 @@ Owns the DeepSpeed command line (`python -m slipstream.checkpoint.ds_to_universa
 --output_folder ckpt/global_stepN_universal`; the DeepSpeed path is an alias declared in compat/aliases.py) and
 `main(args)`. The input is a Slipstream checkpoint (manifest.json), a DeepSpeed folder whose ranks hold
 tensor-parallel shards or ZeRO-3 partitions (a ZeRO-3 one, with or without AutoTP, or a ZeRO-1/2 one saved with
-tensor or pipeline parallelism: checkpoint/tp_universal.py, written as DeepSpeed writes it), or a data-parallel
-DeepSpeed 0.19 ZeRO-0/1/2 one (`*model_states.pt`); the other writing is checkpoint/universal.py. Unlike DeepSpeed's converter no per-rank fragments are extracted and merged through
+tensor or pipeline parallelism: checkpoint/deepspeed/tp_universal.py, written as DeepSpeed writes it), or a data-parallel
+DeepSpeed 0.19 ZeRO-0/1/2 one (`*model_states.pt`); the other writing is checkpoint/deepspeed/universal.py. Unlike DeepSpeed's converter no per-rank fragments are extracted and merged through
 a temporary folder: the readers give whole tensors (or whole tensor-parallel shards, merged in memory), so the
 worker and temporary-folder options have nothing to do (they are accepted, and the help says so). DeepSpeed's
 helper names that client code and DeepSpeed's tests use are exported too: `merge_tp_slices` and
 `_merge_zero_shards` over DeepSpeed's own fragment folder (compat/tp_slice_files.py), `_group_per_tp_shapes`,
 the metadata checks (compat/ds_conversion_checks.py) and `DeepSpeedCheckpoint` (the folder descriptor,
-checkpoint/ds_folder.py). When the output folder
+checkpoint/deepspeed/folder.py). When the output folder
 sits next to the input folder (in the save_dir), `latest_universal` there names it, so
 `"checkpoint": {"load_universal": true}` loads it with `load_checkpoint(save_dir)`.
 """
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from slipstream.checkpoint.ds_folder import DeepSpeedCheckpointFolder as DeepSpeedCheckpoint
-from slipstream.checkpoint.tp_shards import check_conversion_support as _validate_autotp_conversion_support
+from slipstream.checkpoint.deepspeed.folder import DeepSpeedCheckpointFolder as DeepSpeedCheckpoint
+from slipstream.checkpoint.deepspeed.tp_shards import check_conversion_support as _validate_autotp_conversion_support
 from slipstream.compat.ds_conversion_checks import (
     _aggregate_autoep_zero12_metadata,
     _check_for_required_state,
@@ -77,11 +77,11 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(args: Any = None) -> Path:
     """Convert `args.input_folder` into `args.output_folder` (an argparse namespace, or None: read sys.argv)."""
-    from slipstream.checkpoint.deepspeed_import import _tag_dir, is_deepspeed_checkpoint, read_deepspeed_checkpoint
+    from slipstream.checkpoint.deepspeed.reader import _tag_dir, is_deepspeed_checkpoint, read_deepspeed_checkpoint
     from slipstream.checkpoint.errors import CheckpointError
     from slipstream.checkpoint.reader import CheckpointReader
-    from slipstream.checkpoint.tp_universal import convert_sharded_folder, is_sharded_folder
-    from slipstream.checkpoint.universal import (
+    from slipstream.checkpoint.deepspeed.tp_universal import convert_sharded_folder, is_sharded_folder
+    from slipstream.checkpoint.deepspeed.universal import (
         LATEST_UNIVERSAL_FILE,
         checkpoint_from_reader,
         write_universal_checkpoint,

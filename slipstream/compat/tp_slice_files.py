@@ -3,9 +3,9 @@
 
 DeepSpeed's converter first writes every rank's fragment of every state to
 `<slice_dir>/<param name>/<tp rank>/<state>.<dp rank, two digits>` (flat tensors; `step` a scalar), then merges
-them. Slipstream's own conversion merges in memory (checkpoint/tp_universal.py) and never writes this
+them. Slipstream's own conversion merges in memory (checkpoint/deepspeed/tp_universal.py) and never writes this
 folder; these functions read one that DeepSpeed (or a test) wrote, with the restricted unpickler, and apply the
-same merge rules (checkpoint/tp_merge.py).
+same merge rules (checkpoint/deepspeed/tp_merge.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from slipstream.checkpoint.ds_layout import shapes_per_tp_rank as _group_per_tp_shapes
+from slipstream.checkpoint.deepspeed.layout import shapes_per_tp_rank as _group_per_tp_shapes
 from slipstream.checkpoint.errors import ConversionMetadataError
-from slipstream.checkpoint.safe_pickle import safe_load
-from slipstream.checkpoint.tp_merge import MergeRules, merge_slices
+from slipstream.checkpoint.deepspeed.safe_pickle import safe_load
+from slipstream.checkpoint.deepspeed.tp_merge import MergeRules, merge_slices
 
 __all__ = ["_group_per_tp_shapes", "_merge_zero_shards", "merge_tp_slices"]
 

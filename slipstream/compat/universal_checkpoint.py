@@ -2,14 +2,14 @@
 parameter that carries DeepSpeed's fragment mapping.
 
 Owns `load_hp_checkpoint_state` (bound to a parameter as a method by `enable_universal_checkpoint`),
-`_resolve_autotp_partition` and `_get_param_uc_restore_meta`; `SubparamShape` is checkpoint/subparam.py's.
+`_resolve_autotp_partition` and `_get_param_uc_restore_meta`; `SubparamShape` is checkpoint/deepspeed/subparam.py's.
 
 The parameter interface is DeepSpeed's: `param._hp_mapping` has `lp_fragment_address` (`start`, `numel`: the
 part of the rank's flattened slice this parameter's fp32 fragment holds), `get_hp_fragment()` (the fp32
 fragment to copy into) and `optim_fragment` (filled with the optimizer states read); an AutoTP parameter also
 carries `ds_autotp_universal_checkpoint_meta` (partition dim, logical shape, sub-parameter sizes and per-rank
 widths, explicit uneven partition sizes, or replicated). Slipstream's own engine loads universal checkpoints
-through checkpoint/universal.py instead (global tensors sliced by its own sharding), so nothing here is on
+through checkpoint/deepspeed/universal.py instead (global tensors sliced by its own sharding), so nothing here is on
 that path. Files are read with the restricted unpickler.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from slipstream.checkpoint.ds_constants import (
+from slipstream.checkpoint.deepspeed.constants import (
     CAT_DIM,
     DS_AUTOTP_UC_META,
     EP_IS_EXPERT_PARAM,
@@ -35,9 +35,9 @@ from slipstream.checkpoint.ds_constants import (
     VOCAB_TENSOR,
 )
 from slipstream.checkpoint.errors import ConversionMetadataError
-from slipstream.checkpoint.safe_pickle import DeepSpeedStub, safe_load
-from slipstream.checkpoint.subparam import SubparamShape, check_widths, even_widths, rank_slice
-from slipstream.checkpoint.tp_merge import WIDTHS_VERSION
+from slipstream.checkpoint.deepspeed.safe_pickle import DeepSpeedStub, safe_load
+from slipstream.checkpoint.deepspeed.subparam import SubparamShape, check_widths, even_widths, rank_slice
+from slipstream.checkpoint.deepspeed.tp_merge import WIDTHS_VERSION
 
 __all__ = [
     "SubparamShape",

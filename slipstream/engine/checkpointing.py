@@ -27,7 +27,7 @@ from slipstream.checkpoint.state import (
     split_client_state,
     to_json,
 )
-from slipstream.checkpoint.universal import LATEST_UNIVERSAL_FILE
+from slipstream.checkpoint.deepspeed.universal import LATEST_UNIVERSAL_FILE
 from slipstream.comm import collectives
 from slipstream.comm.collectives import CollectiveError
 from slipstream.utils.errors import ArgumentError

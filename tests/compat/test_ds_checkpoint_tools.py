@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from slipstream.checkpoint.ds_constants import (
+from slipstream.checkpoint.deepspeed.constants import (
     CAT_DIM,
     CHECKPOINT_PARALLEL_DIMS,
     CHECKPOINT_PP_DEGREE,
@@ -32,11 +32,11 @@ from slipstream.checkpoint.ds_constants import (
     UNIVERSAL_CHECKPOINT_VERSION_KEY,
     ZERO_STAGE,
 )
-from slipstream.checkpoint.ds_folder import DeepSpeedCheckpointFolder, ZeroFiles
-from slipstream.checkpoint.ds_layout import ParallelDegrees, get_model_3d_descriptor, parallel_dimensions_record
+from slipstream.checkpoint.deepspeed.folder import DeepSpeedCheckpointFolder, ZeroFiles
+from slipstream.checkpoint.deepspeed.layout import ParallelDegrees, get_model_3d_descriptor, parallel_dimensions_record
 from slipstream.checkpoint.errors import CheckpointError, ConversionMetadataError
-from slipstream.checkpoint.safe_pickle import safe_load
-from slipstream.checkpoint.universal import read_universal_checkpoint
+from slipstream.checkpoint.deepspeed.safe_pickle import safe_load
+from slipstream.checkpoint.deepspeed.universal import read_universal_checkpoint
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -235,7 +235,7 @@ def test_restore_by_the_files_own_sub_param_shape(tmp_path: Path, monkeypatch: p
     """Without AutoTP metadata on the parameter, a fused file's recorded sub-parameter shape cuts each rank's
     slice (its halves of q, k and v), whether Slipstream's converter wrote the file or DeepSpeed's (whose
     SubparamShape the restricted loader reads as an inert stub)."""
-    from slipstream.checkpoint.subparam import SubparamShape
+    from slipstream.checkpoint.deepspeed.subparam import SubparamShape
     from slipstream.compat.universal_checkpoint import load_hp_checkpoint_state
 
     theirs = _deepspeed_class(monkeypatch, "deepspeed.checkpoint.universal_checkpoint", "SubparamShape", SubparamShape)
@@ -306,7 +306,7 @@ def test_deepspeed_loads_our_conversion_of_its_zero3_checkpoint(stage: int, worl
     at 2 ranks, at 2 ranks and at 1, every master and exp_avg bit-equal to what DeepSpeed saved."""
     import shutil
 
-    from slipstream.checkpoint.deepspeed_import import read_deepspeed_checkpoint
+    from slipstream.checkpoint.deepspeed.reader import read_deepspeed_checkpoint
     from tests.compat.test_universal_checkpoint import DEEPSPEED, _peer_python, load_in_deepspeed
 
     peer = _peer_python()
@@ -336,7 +336,7 @@ main(SimpleNamespace(input_folder=sys.argv[1], output_folder=sys.argv[2], num_ex
 def _record(value: Any) -> Any:
     """A universal file's content comparable across sides: SubparamShape (ours, or DeepSpeed's as a stub) as a
     tuple of its fields."""
-    from slipstream.checkpoint.safe_pickle import DeepSpeedStub
+    from slipstream.checkpoint.deepspeed.safe_pickle import DeepSpeedStub
 
     if isinstance(value, DeepSpeedStub):
         return (list(value.state["patterns"]), value.state["shape"], value.state["partition_dim"])
@@ -380,7 +380,7 @@ def test_conversion_equals_deepspeeds_file_by_file(tmp_path: Path, monkeypatch: 
     }
     _write_zero3(tmp_path / "tp", tp_shards, dp=2, info=info)
     _write_zero3(tmp_path / "plain", {"w": [_full(3, 3)], "b": [_full(3)]}, dp=2, info={})
-    from slipstream.checkpoint.ds_constants import PIPELINE_REPLICATED_PARAMETER_PATTERNS
+    from slipstream.checkpoint.deepspeed.constants import PIPELINE_REPLICATED_PARAMETER_PATTERNS
 
     tied = _split(_full(6, 3), [3, 3], 0)
     stages = [
@@ -514,7 +514,7 @@ def _write_zero12(
 
 def test_tp2_pp2_dp2_zero1_folder_converts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two pipeline stages with their own layers and a tied embedding in both, two tensor ranks, two data ranks."""
-    from slipstream.checkpoint.ds_constants import PIPELINE_REPLICATED_PARAMETER_PATTERNS
+    from slipstream.checkpoint.deepspeed.constants import PIPELINE_REPLICATED_PARAMETER_PATTERNS
 
     address = _fragment_address_class(monkeypatch)
     torch.manual_seed(5)
@@ -560,8 +560,8 @@ def test_zero12_folder_without_merge_rules_needs_inject_missing_state(
 def test_zero12_fragments_of_a_real_deepspeed_checkpoint(tmp_path: Path) -> None:
     """The fragment reader on files DeepSpeed 0.19.8 wrote (ZeRO-2 bf16, 2 ranks): every master and moment equals
     what the data-parallel reader (the flat-partition arithmetic of zero_to_fp32) gives."""
-    from slipstream.checkpoint.deepspeed_import import read_deepspeed_checkpoint
-    from slipstream.checkpoint.zero12_grid import read_zero12_shards
+    from slipstream.checkpoint.deepspeed.reader import read_deepspeed_checkpoint
+    from slipstream.checkpoint.deepspeed.zero12_grid import read_zero12_shards
     from tests.compat.test_universal_checkpoint import DEEPSPEED
 
     shards = read_zero12_shards(DEEPSPEED / "stage2_bf16_ws2" / "global_step2", require_info=False)

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from slipstream.checkpoint.deepspeed_import import read_deepspeed_checkpoint
+from slipstream.checkpoint.deepspeed.reader import read_deepspeed_checkpoint
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.universal import is_universal_checkpoint, read_universal_checkpoint
+from slipstream.checkpoint.deepspeed.universal import is_universal_checkpoint, read_universal_checkpoint
 from tests.compat.test_checkpoint_single import TinyNet, _engine, _train, _train_tiny
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

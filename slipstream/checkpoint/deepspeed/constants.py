@@ -1,7 +1,7 @@
 """The key and file-name strings of DeepSpeed's checkpoint format (`deepspeed.checkpoint.constants`).
 
 These are facts of the on-disk format that the DeepSpeed-format readers and converters here
-(`ds_layout`, `ds_folder`, `tp_merge`, `zero3_grid`, compat/ds_to_universal.py) and client code that
+(`layout`, `folder`, `tp_merge`, `zero3_grid`, compat/ds_to_universal.py) and client code that
 inspects DeepSpeed checkpoints agree on. Slipstream's own checkpoints use none of them (a manifest and
 safetensors files: docs/checkpoints.md).
 """

@@ -1,11 +1,11 @@
 """A DeepSpeed-format tag folder described without loading its tensors: DeepSpeed's `DeepSpeedCheckpoint` and
-`ZeROCheckpoint` (named `DeepSpeedCheckpointFolder` and `ZeroFiles` here, since `deepspeed_import`'s
+`ZeROCheckpoint` (named `DeepSpeedCheckpointFolder` and `ZeroFiles` here, since `reader`'s
 `DeepSpeedCheckpoint` is the global-tensor view of a checkpoint).
 
 `DeepSpeedCheckpointFolder` reads every `mp_rank_*` model-state file once, keeps only the metadata a converter
 needs (parallel degrees, parameter shapes, AutoEP layer entries, the data-before-expert ordering flag) and the
 first file's global entries (`iteration`, `args`, `checkpoint_info`, `universal_checkpoint_info`), and maps
-(pp, tp, dp) ranks to their ZeRO files at the saved degrees or smaller ones (ds_layout.py). Every file goes
+(pp, tp, dp) ranks to their ZeRO files at the saved degrees or smaller ones (layout.py). Every file goes
 through the restricted unpickler. Megatron's per-layer file maps (embedding, transformer, final norm) are not
 provided.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from slipstream.checkpoint.ds_constants import (
+from slipstream.checkpoint.deepspeed.constants import (
     AUTOEP_LAYERS_KEY,
     AUTOEP_LAYERS_KEY_LEGACY,
     AUTOEP_ZERO12_REQUIRED_FIELDS,
@@ -33,7 +33,7 @@ from slipstream.checkpoint.ds_constants import (
     PARAM_SHAPES,
     UNIVERSAL_CHECKPOINT_INFO,
 )
-from slipstream.checkpoint.ds_layout import (
+from slipstream.checkpoint.deepspeed.layout import (
     ParallelDegrees,
     RankMap2D,
     degrees_from_metadata,
@@ -44,7 +44,7 @@ from slipstream.checkpoint.ds_layout import (
     zero_files,
 )
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.safe_pickle import safe_load
+from slipstream.checkpoint.deepspeed.safe_pickle import safe_load
 
 __all__ = ["DeepSpeedCheckpointFolder", "ZeroFiles"]
 

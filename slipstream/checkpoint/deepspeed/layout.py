@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from slipstream.checkpoint.ds_constants import (
+from slipstream.checkpoint.deepspeed.constants import (
     BF16_ZERO_FILE_PREFIX,
     CHECKPOINT_PARALLEL_DIMS,
     CHECKPOINT_PP_DEGREE,
@@ -278,7 +278,7 @@ def degrees_from_metadata(
 
 def get_model_3d_descriptor(folder: str | os.PathLike[str]) -> ParallelDegrees:
     """The degrees a DeepSpeed tag folder was saved at (reads each model-state file once, restricted unpickler)."""
-    from slipstream.checkpoint.safe_pickle import safe_load
+    from slipstream.checkpoint.deepspeed.safe_pickle import safe_load
 
     files = folder_files(folder)
     metadata = []

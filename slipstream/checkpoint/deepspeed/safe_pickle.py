@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from slipstream.checkpoint.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
-from slipstream.checkpoint.subparam import SubparamShape
+from slipstream.checkpoint.deepspeed.subparam import SubparamShape
 from slipstream.utils.torch_versions import safe_globals
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ TORCH_AND_BUILTIN_GLOBALS: frozenset[str] = frozenset(
 
 # Slipstream's own record classes that its DeepSpeed-format writers pickle: plain dataclasses (no behaviour on
 # construction), built by the restricted unpickler like the stubs.
-_OWN_RECORDS: dict[str, type] = {"slipstream.checkpoint.subparam.SubparamShape": SubparamShape}
+_OWN_RECORDS: dict[str, type] = {"slipstream.checkpoint.deepspeed.subparam.SubparamShape": SubparamShape}
 
 ALLOWED_GLOBALS: frozenset[str] = TORCH_AND_BUILTIN_GLOBALS | frozenset(DEEPSPEED_STUBS) | frozenset(_OWN_RECORDS)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from slipstream.checkpoint.ds_constants import (
+from slipstream.checkpoint.deepspeed.constants import (
     CAT_DIM,
     ORIGINAL_VOCAB_SIZE,
     PARAM,
@@ -43,7 +43,7 @@ from slipstream.checkpoint.ds_constants import (
     VOCABULARY_PARAMETER_PATTERNS,
 )
 from slipstream.checkpoint.errors import ConversionMetadataError
-from slipstream.checkpoint.subparam import (
+from slipstream.checkpoint.deepspeed.subparam import (
     SubparamShape,
     check_widths,
     even_widths,

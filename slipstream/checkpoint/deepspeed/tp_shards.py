@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from slipstream.checkpoint.ds_constants import AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS
+from slipstream.checkpoint.deepspeed.constants import AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS
 from slipstream.checkpoint.errors import CheckpointError, ConversionMetadataError
-from slipstream.checkpoint.safe_pickle import DeepSpeedStub
-from slipstream.checkpoint.tp_merge import MergeRules, merge_slices
+from slipstream.checkpoint.deepspeed.safe_pickle import DeepSpeedStub
+from slipstream.checkpoint.deepspeed.tp_merge import MergeRules, merge_slices
 
 __all__ = ["TpShards", "check_conversion_support", "plain", "write_tp_shards"]
 

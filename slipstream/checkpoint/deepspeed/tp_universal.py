@@ -14,9 +14,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from slipstream.checkpoint.tp_shards import write_tp_shards
-from slipstream.checkpoint.zero3_grid import read_zero3_shards, zero3_files
-from slipstream.checkpoint.zero12_grid import read_zero12_shards
+from slipstream.checkpoint.deepspeed.tp_shards import write_tp_shards
+from slipstream.checkpoint.deepspeed.zero3_grid import read_zero3_shards, zero3_files
+from slipstream.checkpoint.deepspeed.zero12_grid import read_zero12_shards
 
 __all__ = ["convert_sharded_folder", "is_sharded_folder"]
 

@@ -1,7 +1,7 @@
 """Universal checkpoints: DeepSpeed's `ds_to_universal` layout, one folder of whole tensors per parameter.
 
 Owns `is_universal_checkpoint`, `read_universal_checkpoint` (into the same global `DeepSpeedCheckpoint` that
-deepspeed_import.py returns, so loading goes through `DeepSpeedSource` at any world size and stage) and
+reader.py returns, so loading goes through `DeepSpeedSource` at any world size and stage) and
 `write_universal_checkpoint`. The layout, as DeepSpeed 0.19 writes and reads it:
 
     <dir>/zero/<param name>/fp32.pt          the fp32 master: {"param": tensor, "cat_dim": 0, ...}, or a bare
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from slipstream.checkpoint.deepspeed_import import (
+from slipstream.checkpoint.deepspeed.reader import (
     _DS_MODEL_KEYS,
     DeepSpeedCheckpoint,
     _apply_shared_params,
@@ -41,7 +41,7 @@ from slipstream.checkpoint.deepspeed_import import (
     _strip_params,
 )
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.safe_pickle import safe_load
+from slipstream.checkpoint.deepspeed.safe_pickle import safe_load
 
 __all__ = [
     "LATEST_UNIVERSAL_FILE",

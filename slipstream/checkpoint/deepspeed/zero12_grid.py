@@ -3,7 +3,7 @@ layout; AutoTP's at ZeRO-1/2) as each tensor-parallel rank's whole shards.
 
 Owns `read_zero12_shards`. The layout it reads: `mp_rank_<i>_model_states.pt` per (pipeline stage, tensor
 rank), i = pp * tp_degree + tp, each recording the shapes of its own shards (`param_shapes`), and one optimizer
-file per (pp, tp, dp) rank (ds_layout.py's numbering). In an optimizer file, group g's flat fp32 partition
+file per (pp, tp, dp) rank (layout.py's numbering). In an optimizer file, group g's flat fp32 partition
 (`single_partition_of_fp32_groups[g]`) and the base optimizer's flat moments hold the fragments that
 `param_slice_mappings[g][name]` (start, numel) locate; a parameter's fragments over the data-parallel ranks,
 in rank order, are its shard. Parameters that `pipeline_replicated_parameter_patterns` name (tied embeddings)
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from slipstream.checkpoint.ds_constants import (
+from slipstream.checkpoint.deepspeed.constants import (
     BASE_OPTIMIZER_STATE,
     FP32_WEIGHT_KEY,
     OPTIMIZER_STATE_DICT,
@@ -30,11 +30,11 @@ from slipstream.checkpoint.ds_constants import (
     SINGLE_PARTITION_OF_FP32_GROUPS,
     UNIVERSAL_CHECKPOINT_INFO,
 )
-from slipstream.checkpoint.ds_folder import DeepSpeedCheckpointFolder
-from slipstream.checkpoint.ds_layout import shapes_per_tp_rank
+from slipstream.checkpoint.deepspeed.folder import DeepSpeedCheckpointFolder
+from slipstream.checkpoint.deepspeed.layout import shapes_per_tp_rank
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.safe_pickle import DeepSpeedStub
-from slipstream.checkpoint.tp_shards import TpShards, check_conversion_support
+from slipstream.checkpoint.deepspeed.safe_pickle import DeepSpeedStub
+from slipstream.checkpoint.deepspeed.tp_shards import TpShards, check_conversion_support
 
 __all__ = ["read_zero12_shards"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from slipstream.checkpoint.ds_constants import (
+from slipstream.checkpoint.deepspeed.constants import (
     FP32_FLAT_GROUPS,
     FP32_WEIGHT_KEY,
     OPTIMIZER_STATE_DICT,
@@ -29,8 +29,8 @@ from slipstream.checkpoint.ds_constants import (
     UNIVERSAL_CHECKPOINT_INFO,
 )
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.safe_pickle import safe_load
-from slipstream.checkpoint.tp_shards import TpShards
+from slipstream.checkpoint.deepspeed.safe_pickle import safe_load
+from slipstream.checkpoint.deepspeed.tp_shards import TpShards
 
 __all__ = ["MOMENTS", "rank_grid", "read_zero3_shards", "zero3_files"]
 

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from slipstream.checkpoint.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
+from slipstream.checkpoint.deepspeed.reader import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.safe_pickle import safe_load
+from slipstream.checkpoint.deepspeed.safe_pickle import safe_load
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_ckpt"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.json").is_file())

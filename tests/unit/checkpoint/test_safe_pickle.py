@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from slipstream.checkpoint.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
-from slipstream.checkpoint.safe_pickle import DEEPSPEED_STUBS, DeepSpeedStub, pickle_globals, safe_load
+from slipstream.checkpoint.deepspeed.safe_pickle import DEEPSPEED_STUBS, DeepSpeedStub, pickle_globals, safe_load
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_ckpt"
 
