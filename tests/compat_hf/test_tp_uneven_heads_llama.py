@@ -15,7 +15,7 @@ from tests.harness import run_distributed
 
 STEPS, LR, VOCAB = 3, 0.5, 96
 # SGD, not Adam: Adam's update lr * g / (|g| + eps) on elements whose gradient is near eps turns the last bits of
-# the gradient into a large fraction of lr (tests/dist/parallel/test_tp_sp_training.py, _close_by_norm); with SGD
+# the gradient into a large fraction of lr (tests/dist/parallel/test_tp_sp_training.py, EPS); with SGD
 # every element must match, which checks the gradients themselves
 
 
