@@ -1,6 +1,6 @@
 """The CPU backend: host memory as the "device", gloo for communication.
 
-This module owns `CpuAccelerator`, the null stream/event types every synchronous backend can use
+This module owns `CpuAccelerator`, `HostMemoryAccelerator` (what it shares with mps.py's backend), the null stream/event types every synchronous backend can use
 (`HostStream`, `HostEvent`), and the host-memory readers (`host_rss_bytes`, `host_total_memory`, ...)
 that `mps.py` reuses because Apple silicon memory is unified.
 
@@ -159,22 +159,25 @@ def _psutil_virtual_memory() -> tuple[int, int] | None:
     return int(vm.total), int(vm.available)
 
 
+def _machine_memory(*, meminfo_field: str, psutil_index: int, sysconf_pages: str) -> int:
+    """One /proc/meminfo field in bytes, else psutil's virtual_memory()[psutil_index], else sysconf pages."""
+    value = _proc_kib_field("/proc/meminfo", meminfo_field)
+    if value is not None:
+        return value
+    vm = _psutil_virtual_memory()
+    return vm[psutil_index] if vm is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf(sysconf_pages)
+
+
 def host_total_memory() -> int:
     """Bytes of host memory this process may use (see [Note: CPU memory numbers])."""
-    total = _proc_kib_field("/proc/meminfo", "MemTotal")
-    if total is None:
-        vm = _psutil_virtual_memory()
-        total = vm[0] if vm is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total = _machine_memory(meminfo_field="MemTotal", psutil_index=0, sysconf_pages="SC_PHYS_PAGES")
     cgroup = _cgroup_limit_and_usage()
     return min(total, cgroup[0]) if cgroup is not None else total
 
 
 def host_available_memory() -> int:
     """Bytes of host memory that could still be allocated (see [Note: CPU memory numbers])."""
-    available = _proc_kib_field("/proc/meminfo", "MemAvailable")
-    if available is None:
-        vm = _psutil_virtual_memory()
-        available = vm[1] if vm is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    available = _machine_memory(meminfo_field="MemAvailable", psutil_index=1, sysconf_pages="SC_AVPHYS_PAGES")
     cgroup = _cgroup_limit_and_usage()
     if cgroup is not None:
         available = min(available, max(cgroup[0] - cgroup[1], 0))
@@ -202,7 +205,47 @@ class HostPeakTracker:
             self._sampled_peak = host_rss_bytes()
 
 
-class CpuAccelerator(Accelerator):
+class HostMemoryAccelerator(Accelerator):
+    """What every backend whose tensors live in host memory shares (the CPU, and MPS's unified memory): the
+    host's memory totals, no pinning, no device-visibility or launcher variables, no range profiler, no
+    deferred runtime initialisation, no Triton."""
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        """Host memory this process may use (see [Note: CPU memory numbers])."""
+        return host_total_memory()
+
+    def available_memory(self, device_index: int | None = None) -> int:
+        """Host memory that could still be allocated (see [Note: CPU memory numbers])."""
+        return host_available_memory()
+
+    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+        """`tensor` unchanged: pinning only helps copies from host to a separate device memory."""
+        return tensor
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """False: this backend never pins (and asking torch could initialise a GPU runtime)."""
+        return False
+
+    def visible_devices_envs(self) -> list[str]:
+        return []
+
+    def export_envs(self) -> list[str]:
+        return []
+
+    def range_push(self, msg: str) -> None:
+        """No-op: no range profiler is wired in."""
+
+    def range_pop(self) -> None:
+        """No-op: no range profiler is wired in."""
+
+    def lazy_call(self, callback: Callable[[], object]) -> None:
+        callback()
+
+    def is_triton_supported(self) -> bool:
+        return False
+
+
+class CpuAccelerator(HostMemoryAccelerator):
     """The host as the only device. Always available; synchronous, so host timers are exact."""
 
     _name = "cpu"
@@ -316,41 +359,9 @@ class CpuAccelerator(Accelerator):
     def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
         self._peak.reset()
 
-    def total_memory(self, device_index: int | None = None) -> int:
-        return host_total_memory()
-
-    def available_memory(self, device_index: int | None = None) -> int:
-        return host_available_memory()
-
     def is_bf16_supported(self) -> bool:
         return True
 
     def is_fp16_supported(self) -> bool:
         """True: torch's CPU kernels cover float16 for training (slowly without AVX512-FP16/AMX)."""
         return True
-
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        """`tensor` unchanged: pinning only helps copies to a device, and the CPU is the device."""
-        return tensor
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        """False: this backend never pins (and asking torch could initialise a GPU runtime)."""
-        return False
-
-    def visible_devices_envs(self) -> list[str]:
-        return []
-
-    def export_envs(self) -> list[str]:
-        return []
-
-    def range_push(self, msg: str) -> None:
-        """No-op: no CPU range profiler is wired in."""
-
-    def range_pop(self) -> None:
-        """No-op: no CPU range profiler is wired in."""
-
-    def lazy_call(self, callback: Callable[[], object]) -> None:
-        callback()
-
-    def is_triton_supported(self) -> bool:
-        return False

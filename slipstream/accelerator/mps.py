@@ -10,13 +10,12 @@ Importing this module touches no GPU.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import cast
 
 import torch
 
-from slipstream.accelerator.base import Accelerator, EventLike, StreamLike
-from slipstream.accelerator.cpu import HostStream, host_available_memory, host_total_memory
+from slipstream.accelerator.base import EventLike, StreamLike
+from slipstream.accelerator.cpu import HostMemoryAccelerator, HostStream
 
 
 def unavailable_reason() -> str | None:
@@ -28,7 +27,7 @@ def unavailable_reason() -> str | None:
     return "torch.backends.mps.is_available() is False (MPS needs Apple silicon and macOS 12.3 or newer)"
 
 
-class MpsAccelerator(Accelerator):
+class MpsAccelerator(HostMemoryAccelerator):
     """The single Metal GPU of an Apple-silicon Mac."""
 
     _name = "mps"
@@ -132,14 +131,6 @@ class MpsAccelerator(Accelerator):
     def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
         self._sampled_peak = 0
 
-    def total_memory(self, device_index: int | None = None) -> int:
-        """Host memory: the GPU shares it."""
-        return host_total_memory()
-
-    def available_memory(self, device_index: int | None = None) -> int:
-        """Host available memory: the GPU shares it."""
-        return host_available_memory()
-
     def is_bf16_supported(self) -> bool:
         """bfloat16 on MPS needs macOS 14 or newer."""
         if not self.is_available():
@@ -149,28 +140,3 @@ class MpsAccelerator(Accelerator):
 
     def is_fp16_supported(self) -> bool:
         return self.is_available()
-
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        """`tensor` unchanged: memory is unified, and torch pins only for CUDA."""
-        return tensor
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return False
-
-    def visible_devices_envs(self) -> list[str]:
-        return []
-
-    def export_envs(self) -> list[str]:
-        return []
-
-    def range_push(self, msg: str) -> None:
-        """No-op: MPS signposts are not wired in."""
-
-    def range_pop(self) -> None:
-        """No-op: MPS signposts are not wired in."""
-
-    def lazy_call(self, callback: Callable[[], object]) -> None:
-        callback()
-
-    def is_triton_supported(self) -> bool:
-        return False

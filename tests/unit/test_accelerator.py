@@ -299,3 +299,32 @@ def test_cuda_on_a_real_gpu() -> None:
     pinned = acc.pin_memory(torch.zeros(8))
     assert acc.is_pinned(pinned)
     assert torch.float32 in acc.supported_dtypes()
+
+
+def test_host_memory_falls_back_to_psutil_then_sysconf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without /proc/meminfo: psutil's (total, available), else sysconf pages; the cgroup limit still clamps."""
+    from slipstream.accelerator import cpu as cpu_mod
+
+    monkeypatch.setattr(cpu_mod, "_proc_kib_field", lambda path, field: None)
+    monkeypatch.setattr(cpu_mod, "_cgroup_limit_and_usage", lambda: None)
+    monkeypatch.setattr(cpu_mod, "_psutil_virtual_memory", lambda: (8000, 3000))
+    assert (cpu_mod.host_total_memory(), cpu_mod.host_available_memory()) == (8000, 3000)
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 100, "SC_AVPHYS_PAGES": 40}
+    monkeypatch.setattr(cpu_mod, "_psutil_virtual_memory", lambda: None)
+    monkeypatch.setattr(cpu_mod.os, "sysconf", lambda name: pages[name])
+    assert (cpu_mod.host_total_memory(), cpu_mod.host_available_memory()) == (409600, 163840)
+    monkeypatch.setattr(cpu_mod, "_cgroup_limit_and_usage", lambda: (300000, 200000))
+    assert (cpu_mod.host_total_memory(), cpu_mod.host_available_memory()) == (300000, 100000)
+
+
+def test_mps_shares_the_host_memory_behaviour() -> None:
+    """MPS memory is unified: the host's totals, no pinning, no launcher variables (no Mac needed)."""
+    acc = MpsAccelerator()
+    t = torch.zeros(4)
+    assert acc.pin_memory(t) is t and not acc.is_pinned(t)
+    assert acc.visible_devices_envs() == [] and acc.export_envs() == []
+    assert acc.total_memory() == CpuAccelerator().total_memory()
+    assert not acc.is_triton_supported()
+    calls: list[int] = []
+    acc.lazy_call(lambda: calls.append(1))
+    assert calls == [1]
