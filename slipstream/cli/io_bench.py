@@ -49,63 +49,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
 
 
+_SETTINGS_FLAGS: tuple[tuple[str, tuple[str, ...], Any, str], ...] = (
+    # (AioPlan field, spellings besides --field-name and --field_name, value type or bool, help)
+    ("block_size", (), parse_bytes, "bytes per I/O request"),
+    ("queue_depth", (), positive_int, "requests in flight"),
+    ("intra_op_parallelism", ("--io_parallel",), positive_int, "threads per operation"),
+    ("single_submit", (), bool, "submit requests one at a time"),
+    ("overlap_events", (), bool, "overlap submission and completion"),
+)
+"""The `aio` section's keys as flags; a bool one also gets its --no- form."""
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     """The `aio` section as flags, defaulting to the section's defaults (AioPlan: no torch import for --help)."""
     aio = default_settings()
     group = parser.add_argument_group("aio settings (the config's `aio` section; defaults are its defaults)")
-    group.add_argument(
-        "--block-size",
-        "--block_size",
-        dest="block_size",
-        type=parse_bytes,
-        default=aio.block_size,
-        help=f"bytes per I/O request (default {format_bytes(aio.block_size)})",
-    )
-    group.add_argument(
-        "--queue-depth",
-        "--queue_depth",
-        dest="queue_depth",
-        type=positive_int,
-        default=aio.queue_depth,
-        help=f"requests in flight (default {aio.queue_depth})",
-    )
-    group.add_argument(
-        "--intra-op-parallelism",
-        "--intra_op_parallelism",
-        "--io_parallel",
-        dest="intra_op_parallelism",
-        type=positive_int,
-        default=aio.intra_op_parallelism,
-        help=f"threads per operation (default {aio.intra_op_parallelism})",
-    )
-    group.add_argument(
-        "--single-submit",
-        "--single_submit",
-        dest="single_submit",
-        action=argparse.BooleanOptionalAction,
-        default=aio.single_submit,
-        help="submit requests one at a time",
-    )
-    group.add_argument(
-        "--overlap-events",
-        "--overlap_events",
-        dest="overlap_events",
-        action=argparse.BooleanOptionalAction,
-        default=aio.overlap_events,
-        help="overlap submission and completion",
-    )
+    for field, aliases, kind, help_text in _SETTINGS_FLAGS:
+        flags = (f"--{field.replace('_', '-')}", f"--{field}", *aliases)
+        default = getattr(aio, field)
+        if kind is bool:
+            group.add_argument(
+                *flags, dest=field, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
+        else:
+            shown = format_bytes(default) if kind is parse_bytes else default
+            group.add_argument(*flags, dest=field, type=kind, default=default, help=f"{help_text} (default {shown})")
 
 
 def settings_from(args: argparse.Namespace) -> AioSettings:
     from slipstream.config.plan import AioPlan
 
-    return AioPlan(
-        block_size=args.block_size,
-        queue_depth=args.queue_depth,
-        intra_op_parallelism=args.intra_op_parallelism,
-        single_submit=args.single_submit,
-        overlap_events=args.overlap_events,
-    )
+    return AioPlan(**{field: getattr(args, field) for field, *_ in _SETTINGS_FLAGS})
 
 
 def check_directory(command: str, path: str) -> str | None:
