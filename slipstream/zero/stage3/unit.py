@@ -105,6 +105,14 @@ class Unit:
         self.exposed = False
         """Gathered for user code (GatheredParameters, generation), which may keep aliases; see `release`."""
         self.records: list[ParamRecord] = []
+        self._shard_params(spec)
+        if not self.persistent:
+            self._free_storage()
+        self.store.release(self.shard, dirty=True)
+
+    def _shard_params(self, spec: UnitSpec) -> None:
+        """Copy this rank's slice of each parameter into the shard (zero padding after it), point the parameter
+        at its place in the full buffer (filled for a persistent unit), and record it as sharded."""
         with torch.no_grad(), internal_access():
             for index, ((name, param), offset) in enumerate(zip(spec.params, self.layout.full_offsets)):
                 numel, piece, start = param.numel(), self.layout.shard_numels[index], self.layout.shard_offsets[index]
@@ -128,9 +136,6 @@ class Unit:
                 )
                 self.records.append(record)
                 make_sharded(param, record)
-        if not self.persistent:
-            self._free_storage()
-        self.store.release(self.shard, dirty=True)
 
     # ---- gather ----
     def _rows(self, buffer: torch.Tensor) -> torch.Tensor:
