@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -33,6 +33,22 @@ Params = Iterable[Tensor] | Iterable[dict[str, Any]]
 def _math_dtype(p: Tensor) -> torch.dtype:
     """fp32 for low-precision params (states and math), the param's own dtype when wider."""
     return torch.promote_types(p.dtype, torch.float32)
+
+
+def _closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """`closure()` with autograd on (the step itself runs under no_grad), or None without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _params_with_grads(param_groups: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], Tensor, Tensor]]:
+    """(group, param, its gradient) for every param that has a gradient, in group order."""
+    for group in param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                yield group, p, p.grad
 
 
 class Lamb(torch.optim.Optimizer):
@@ -80,37 +96,31 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
+        loss = _closure_loss(closure)
+        for group, p, p_grad in _params_with_grads(self.param_groups):
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lamb does not support sparse gradients")
-                state, dtype = self.state[p], _math_dtype(p)
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
-                state["step"] += 1
-                grad, weight = p.grad.to(dtype), p.to(dtype)
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-                bc1 = 1.0 - beta1 ** state["step"] if group["bias_correction"] else 1.0
-                bc2 = 1.0 - beta2 ** state["step"] if group["bias_correction"] else 1.0
-                v_hat = exp_avg_sq / bc2
-                denom = (v_hat + group["eps"]).sqrt() if group["eps_inside_sqrt"] else v_hat.sqrt() + group["eps"]
-                update = (exp_avg / bc1) / denom + group["weight_decay"] * weight
-                w_norm, u_norm = float(weight.norm()), float(update.norm())
-                ratio = 1.0
-                if w_norm != 0.0 and u_norm != 0.0:
-                    ratio = min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"])
-                p.copy_(weight - group["lr"] * ratio * update)
+            if p_grad.is_sparse:
+                raise RuntimeError("Lamb does not support sparse gradients")
+            state, dtype = self.state[p], _math_dtype(p)
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
+            state["step"] += 1
+            grad, weight = p_grad.to(dtype), p.to(dtype)
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            bc1 = 1.0 - beta1 ** state["step"] if group["bias_correction"] else 1.0
+            bc2 = 1.0 - beta2 ** state["step"] if group["bias_correction"] else 1.0
+            v_hat = exp_avg_sq / bc2
+            denom = (v_hat + group["eps"]).sqrt() if group["eps_inside_sqrt"] else v_hat.sqrt() + group["eps"]
+            update = (exp_avg / bc1) / denom + group["weight_decay"] * weight
+            w_norm, u_norm = float(weight.norm()), float(update.norm())
+            ratio = 1.0
+            if w_norm != 0.0 and u_norm != 0.0:
+                ratio = min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"])
+            p.copy_(weight - group["lr"] * ratio * update)
         return loss
 
 
@@ -126,23 +136,17 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
+        loss = _closure_loss(closure)
+        for group, p, p_grad in _params_with_grads(self.param_groups):
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state, dtype = self.state[p], _math_dtype(p)
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
-                grad, exp_avg = p.grad.to(dtype), state["exp_avg"]
-                direction = (exp_avg * beta1 + grad * (1.0 - beta1)).sign_()
-                weight = p.to(dtype, copy=True).mul_(1.0 - group["lr"] * group["weight_decay"])
-                p.copy_(weight.sub_(direction, alpha=group["lr"]))
-                exp_avg.mul_(beta2).add_(grad, alpha=1.0 - beta2)
+            state, dtype = self.state[p], _math_dtype(p)
+            if not state:
+                state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+            grad, exp_avg = p_grad.to(dtype), state["exp_avg"]
+            direction = (exp_avg * beta1 + grad * (1.0 - beta1)).sign_()
+            weight = p.to(dtype, copy=True).mul_(1.0 - group["lr"] * group["weight_decay"])
+            p.copy_(weight.sub_(direction, alpha=group["lr"]))
+            exp_avg.mul_(beta2).add_(grad, alpha=1.0 - beta2)
         return loss
 
 

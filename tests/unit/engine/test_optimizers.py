@@ -181,3 +181,26 @@ def test_build_scheduler_errors() -> None:
         build_scheduler(SchedulerPlan(name="WarmupCosineLR", params={}), _sgd())
     with pytest.raises(ValueError, match=r"missing \['step_size'\]"):
         build_scheduler(SchedulerPlan(name="StepLR", params={}), _sgd())
+
+
+@pytest.mark.parametrize("cls", [Lamb, Lion])
+def test_step_returns_the_closure_loss_and_skips_params_without_grads(cls: type[torch.optim.Optimizer]) -> None:
+    used, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = cls([{"params": [unused]}, {"params": [used]}], lr=0.1)
+
+    def closure() -> float:
+        loss = (used * 2.0).sum()
+        loss.backward()  # the closure runs with autograd on, though step() is under no_grad
+        return float(loss)
+
+    assert opt.step(closure) == 6.0
+    assert torch.equal(unused, torch.ones(2)) and not opt.state[unused]
+    assert not torch.equal(used, torch.ones(3)) and opt.state[used]
+    assert opt.step() is None
+
+
+def test_lamb_rejects_sparse_gradients() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        Lamb([p]).step()
