@@ -55,12 +55,13 @@ def split_params_into_shared_and_expert_params(
 def split_params_grads_into_shared_and_expert_params(
     group: Iterable[nn.Parameter],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    shared: list[torch.Tensor] = []
-    expert: list[torch.Tensor] = []
-    for p in group:
-        if p.grad is not None:
-            (expert if is_moe_param(p) else shared).append(p.grad.to(p.dtype))
-    return shared, expert
+    shared, expert = split_params_into_shared_and_expert_params(p for p in group if p.grad is not None)
+    return [_grad_in_param_dtype(p) for p in shared], [_grad_in_param_dtype(p) for p in expert]
+
+
+def _grad_in_param_dtype(p: nn.Parameter) -> torch.Tensor:
+    assert p.grad is not None  # split_params_grads_into_shared_and_expert_params keeps only params with grads
+    return p.grad.to(p.dtype)
 
 
 def split_params_into_different_moe_groups_for_optimizer(

@@ -12,7 +12,11 @@ from torch import nn
 
 from slipstream.moe.gating import capacity, route
 from slipstream.moe.layer import MoE
-from slipstream.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+from slipstream.moe.utils import (
+    is_moe_param,
+    split_params_grads_into_shared_and_expert_params,
+    split_params_into_different_moe_groups_for_optimizer,
+)
 
 HIDDEN, EXPERTS, TOKENS = 8, 4, 24
 
@@ -167,6 +171,14 @@ def test_param_groups_split_expert_params_by_group() -> None:
     assert all(sum(p.numel() for p in g["params"]) <= 2 * 16 * HIDDEN for g in moe_groups) and len(moe_groups) > 1
     with pytest.raises(ValueError, match="multiple of ep_size"):
         MoE(HIDDEN, expert(), num_experts=3, ep_size=2)
+
+
+def test_split_grads_keeps_only_params_with_grads() -> None:
+    dense, expert_p, no_grad = (nn.Parameter(torch.ones(2)) for _ in range(3))
+    expert_p.allreduce = False  # type: ignore[attr-defined]
+    dense.grad, expert_p.grad = torch.full((2,), 2.0), torch.full((2,), 3.0)
+    shared, experts = split_params_grads_into_shared_and_expert_params([dense, no_grad, expert_p])
+    assert [g.tolist() for g in shared] == [[2.0, 2.0]] and [g.tolist() for g in experts] == [[3.0, 3.0]]
 
 
 class _RowCounter(nn.Module):
