@@ -31,6 +31,7 @@ from slipstream.offload.policy import OffloadPolicy
 from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import build_layout
 from slipstream.zero.slices import OwnedSlice
+from slipstream.zero.sub_group_step import SubGroupStepping
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,8 +52,9 @@ class StepResult:
     overflow: bool
 
 
-class ZeroOptimizer(abc.ABC):
-    """Wraps a torch optimizer whose param groups are re-pointed at the flat master pieces."""
+class ZeroOptimizer(SubGroupStepping, abc.ABC):
+    """Wraps a torch optimizer whose param groups are re-pointed at the flat master pieces; its offload policy
+    steps it through `SubGroupStepping` (zero/sub_group_step.py)."""
 
     owns_all: bool = False
     full_grad_storage: bool = True
@@ -245,67 +247,6 @@ class ZeroOptimizer(abc.ABC):
         copied = self.offload.run_step(self)  # phase 3 (and the copy of phase 4 when the policy did it)
         self._publish_params(from_low_precision=bool(self._low_precision_out), copied=copied)
 
-    def _step_optimizer(self, low_precision: list[torch.Tensor]) -> None:
-        if low_precision:
-            host_kernel: Any = self.optimizer  # writes the low-precision copy in the same pass
-            host_kernel.step(low_precision_out=low_precision)
-        else:
-            self.optimizer.step()
-
-    # ---- the offload policy's view of the groups (offload/policy.py, SteppedGroups) ----
-    @property
-    def sub_groups(self) -> list[tuple[int, int, int]]:
-        """(group number, first piece, end piece) of every sub-group, in stepping order."""
-        return [(number, start, end) for number, flat in enumerate(self.groups) for start, end in flat.sub_groups]
-
-    @property
-    def num_sub_groups(self) -> int:
-        return len(self.sub_groups)
-
-    def sub_group_numel(self, index: int) -> int:
-        number, start, end = self.sub_groups[index]
-        return sum(piece.numel() for piece in self.groups[number].master_pieces[start:end])
-
-    def step_all(self) -> None:
-        self._step_optimizer(self._low_precision_out)
-
-    def step_sub_group(self, index: int) -> None:
-        """Update one sub-group's master pieces and copy their new values into the parameters."""
-        number, start, end = self.sub_groups[index]
-        groups = list(self.optimizer.param_groups)
-        group = groups[number]
-        self.optimizer.param_groups = [{**group, "params": group["params"][start:end]}]
-        try:
-            low_precision = self._low_precision_by_group[number]
-            self._step_optimizer(low_precision[start:end] if low_precision else [])
-        finally:
-            for key, value in self.optimizer.param_groups[0].items():  # what the step changed (its counters)
-                if key != "params":
-                    group[key] = value
-            self.optimizer.param_groups = groups
-        self.groups[number].copy_master_to_params(from_low_precision=bool(self._low_precision_out), span=(start, end))
-
-    def swappable(self, index: int) -> list[tuple[torch.Tensor, str]]:
-        """One sub-group's full-size host tensors (its master buffer, its pieces' optimizer states), named."""
-        number, start, end = self.sub_groups[index]
-        flat = self.groups[number]
-        tensors = []
-        position = [s for s, _ in flat.sub_groups].index(start)
-        if flat.master_buffers:
-            tensors.append((flat.master_buffers[position], f"group{number}_master"))
-        for piece in flat.master_pieces[start:end]:
-            for key, value in self.optimizer.state.get(piece, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    tensors.append((value, f"group{number}_{key}"))
-        return tensors
-
-    def _split_by_group(self, low_precision: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        outs, start = [], 0
-        for group in self.optimizer.param_groups:
-            outs.append(low_precision[start : start + len(group["params"])] if low_precision else [])
-            start += len(group["params"])
-        return outs
-
     def gradients_resident(
         self, only: str | None = None, *, changed: bool = False
     ) -> contextlib.AbstractContextManager[None]:
@@ -363,13 +304,6 @@ class ZeroOptimizer(abc.ABC):
                     if hi > lo:
                         out.append((flat.params[index], grad[lo:hi]))
         return out
-
-    def _low_precision_targets(self) -> list[torch.Tensor]:
-        """Host buffers for the CPU Adam op to write the new low-precision values into, in the same pass."""
-        writes_copy = getattr(type(self.optimizer), "writes_low_precision_copy", False)
-        if not writes_copy or not all(f.low_precision_pieces for f in self.groups):
-            return []
-        return [p for flat in self.groups for p in flat.low_precision_pieces]
 
     def _publish_params(self, *, from_low_precision: bool, copied: bool = False) -> None:
         """Phase 4: every rank's flat params get the updated values (`copied`: already in the flat params)."""
