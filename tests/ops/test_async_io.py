@@ -280,7 +280,10 @@ def test_wrapper_waits_on_exit_and_takes_paths(tmp_path: Path) -> None:
     dst = torch.empty_like(src)
     plan = type("Plan", (), {"block_size": BLOCK, "queue_depth": 2, "single_submit": False,
                              "overlap_events": True, "intra_op_parallelism": 1})()
-    assert AsyncIOHandle.from_settings(plan, module=fallback_op).sync_pread(dst, tmp_path / "w.bin") == 1
+    from_plan = AsyncIOHandle.from_settings(plan, module=fallback_op)
+    assert (from_plan.get_block_size(), from_plan.get_queue_depth(), from_plan.get_single_submit(),
+            from_plan.get_overlap_events(), from_plan.get_intra_op_parallelism()) == (BLOCK, 2, False, True, 1)
+    assert from_plan.sync_pread(dst, tmp_path / "w.bin") == 1
     assert torch.equal(src, dst)
 
 

@@ -18,6 +18,9 @@ from slipstream.ops.op_builder.async_io import AsyncIOBuilder
 
 PathLike = str | os.PathLike[str]
 
+SETTING_NAMES = ("block_size", "queue_depth", "single_submit", "overlap_events", "intra_op_parallelism")
+"""The `aio` section's keys: the handle's settings, in the order the native handle takes them."""
+
 
 class AsyncIOHandle:
     """Asynchronous tensor reads and writes to files; the `aio` config section's five settings."""
@@ -40,14 +43,7 @@ class AsyncIOHandle:
     @classmethod
     def from_settings(cls, aio: Any, *, module: ModuleType | None = None) -> AsyncIOHandle:
         """From any object with the `aio` section's attributes (the resolved plan's `AioPlan`)."""
-        return cls(
-            block_size=aio.block_size,
-            queue_depth=aio.queue_depth,
-            single_submit=aio.single_submit,
-            overlap_events=aio.overlap_events,
-            intra_op_parallelism=aio.intra_op_parallelism,
-            module=module,
-        )
+        return cls(module=module, **{name: getattr(aio, name) for name in SETTING_NAMES})
 
     @property
     def engine(self) -> str:
