@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from slipstream.planner.estimate import estimate_option, settings_from_plan
+from slipstream.planner.report import DEVICE_COLUMNS
 from slipstream.planner.shapes import from_module
 from slipstream.planner.types import OptionEstimate
 
@@ -42,17 +43,7 @@ def engine_line(*, plan: Any, model: Any, world_size: int, gpus_per_node: int = 
         for name, on in (("offload_optimizer", option.offload_optimizer), ("offload_param", option.offload_param))
         if on
     ]
-    parts = ", ".join(
-        f"{label} {_size(sum(device[r] for r in roles))}"
-        for label, roles in (
-            ("params", ("params", "frozen_params")),
-            ("grads", ("grads",)),
-            ("master", ("master",)),
-            ("optimizer", ("optimizer_state",)),
-            ("buffers", ("comm_buffers", "gathered_params")),
-            ("transient", ("transient",)),
-        )
-    )
+    parts = ", ".join(f"{label} {_size(sum(device[r] for r in roles))}" for label, roles in DEVICE_COLUMNS)
     params = sum(p.numel() for p in model.parameters())
     return (
         f"planner: ZeRO-{option.stage}{' + ' + ' + '.join(offloads) if offloads else ''}, {params:,} params, "

@@ -8,7 +8,7 @@ from slipstream.planner.types import Plan
 
 GIB = 2**30
 _W = 10
-_DEVICE_COLUMNS = (
+DEVICE_COLUMNS = (  # (label, the device roles it sums); also the engine's start-up line (engine_hooks.py)
     ("params", ("params", "frozen_params")),
     ("grads", ("grads",)),
     ("master", ("master",)),
@@ -49,11 +49,11 @@ def format_plan(plan: Plan) -> str:
     if any(limits):
         lines.append("memory given: " + ", ".join(x for x in limits if x))
     width = max(len(e.option.name) for e in plan.estimates) + 2
-    head = [name for name, _ in _DEVICE_COLUMNS] + ["activ", "activ-ckpt", "total", "total-ckpt", "fits"]
+    head = [name for name, _ in DEVICE_COLUMNS] + ["activ", "activ-ckpt", "total", "total-ckpt", "fits"]
     lines += ["", "per device (GiB, each rank)", f"{'option':<{width}}" + " ".join(f"{h:>{_W}}" for h in head)]
     for est in plan.estimates:
         mark = "*" if est.option.name == plan.cheapest else " "
-        cells = [_gib(sum(est.device.get(r, 0) for r in roles)) for _, roles in _DEVICE_COLUMNS]
+        cells = [_gib(sum(est.device.get(r, 0) for r in roles)) for _, roles in DEVICE_COLUMNS]
         fits = _fits(est.fits_device)
         if est.fits_device is False and est.fits_device_checkpointed:
             fits = "ckpt"
@@ -108,7 +108,7 @@ def draw_png(plan: Plan, path: str) -> str | None:
     figure, (device_axis, host_axis) = plt.subplots(1, 2, figsize=(max(10, 1.3 * len(names)), 5))
     device_parts: list[tuple[str, list[float]]] = [
         (label, [sum(e.device.get(r, 0) for r in roles) / GIB for e in plan.estimates])
-        for label, roles in _DEVICE_COLUMNS
+        for label, roles in DEVICE_COLUMNS
     ]
     device_parts.append(("activations", [(e.activations or 0) / GIB for e in plan.estimates]))
     host_parts = [

@@ -183,6 +183,7 @@ def test_engine_hooks() -> None:
         model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
     line = engine_line(plan=plan, model=model, world_size=4)
     assert "\n" not in line and line.startswith("planner: ZeRO-2") and "4,288 params" in line
+    assert "(params " in line and ", optim " in line and ", comm+gather " in line  # the table's column names
     assert should_warn_materialised(2_000_000_000, 8, 1_000_000_000)
     assert not should_warn_materialised(2_000_000_000, 1, 1_000_000_000)
     assert not should_warn_materialised(10**6, 8, 10**9) and "zero.Init" in materialised_warning(10**10, 8)
