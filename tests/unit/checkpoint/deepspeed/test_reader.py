@@ -18,7 +18,7 @@ from slipstream.checkpoint.deepspeed.reader import is_deepspeed_checkpoint, read
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.deepspeed.safe_pickle import safe_load
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_ckpt"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "deepspeed_ckpt"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.json").is_file())
 # bf16 keeps 8 significant bits: one rounding of a value is within 2**-8 relative.
 BF16_RTOL = 2.0**-8

@@ -13,7 +13,7 @@ import torch
 from slipstream.checkpoint.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
 from slipstream.checkpoint.deepspeed.safe_pickle import DEEPSPEED_STUBS, DeepSpeedStub, pickle_globals, safe_load
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_ckpt"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "deepspeed_ckpt"
 
 
 class _Evil:
