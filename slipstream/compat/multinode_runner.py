@@ -31,7 +31,7 @@ import shlex
 import shutil
 import subprocess
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import Any, ClassVar
 
 from slipstream.launcher import multinode, runner
 from slipstream.launcher.hostfile import World
@@ -136,15 +136,25 @@ class MultiNodeRunner(abc.ABC):
         return str(getattr(self.args, "launcher_args", "") or "")
 
 
-class PDSHRunner(MultiNodeRunner):
-    """pdsh to every host at once (`PDSH_RCMD_TYPE=ssh`); node ranks from pdsh's `%n`."""
+class _BuiltinRunner(MultiNodeRunner):
+    """A built-in backend: named by its `--launcher` value, installed when its `program` is on PATH."""
+
+    launcher: ClassVar[str]
+    program: ClassVar[str]
 
     @property
     def name(self) -> str:
-        return "pdsh"
+        return self.launcher
 
     def backend_exists(self) -> bool:
-        return shutil.which("pdsh") is not None
+        return shutil.which(self.program) is not None
+
+
+class PDSHRunner(_BuiltinRunner):
+    """pdsh to every host at once (`PDSH_RCMD_TYPE=ssh`); node ranks from pdsh's `%n`."""
+
+    launcher = "pdsh"
+    program = "pdsh"
 
     def get_cmd(
         self, environment: MutableMapping[str, str], active_resources: Mapping[str, Any]
@@ -168,7 +178,7 @@ class PDSHRunner(MultiNodeRunner):
         )
 
 
-class _MPIRunner(MultiNodeRunner):
+class _MPIRunner(_BuiltinRunner):
     """An MPI backend: one process per host; `resource_pool` is DeepSpeed's host -> slot count."""
 
     def __init__(self, args: Any, world_info_base64: str, resource_pool: Mapping[str, Any]) -> None:
@@ -185,16 +195,12 @@ class _MPIRunner(MultiNodeRunner):
 class OpenMPIRunner(_MPIRunner):
     """OpenMPI's `mpirun` (`--map-by ppr:1:node`), with DeepSpeed's `--mca` defaults."""
 
+    launcher = "openmpi"
+    program = "ompi_info"
+
     def __init__(self, args: Any, world_info_base64: str, resource_pool: Mapping[str, Any]) -> None:
         super().__init__(args, world_info_base64, resource_pool)
         self.add_export("UCX_TLS", "tcp")
-
-    @property
-    def name(self) -> str:
-        return "openmpi"
-
-    def backend_exists(self) -> bool:
-        return shutil.which("ompi_info") is not None
 
     def get_cmd(self, environment: MutableMapping[str, str], active_resources: Mapping[str, Any]) -> list[str]:
         user = shlex.split(self.launcher_args())
@@ -216,13 +222,7 @@ class MPICHRunner(_MPIRunner):
     """MPICH's Hydra `mpirun` (`-ppn 1 -hosts ...`)."""
 
     launcher = "mpich"
-
-    @property
-    def name(self) -> str:
-        return self.launcher
-
-    def backend_exists(self) -> bool:
-        return shutil.which("mpirun") is not None
+    program = "mpirun"
 
     def get_cmd(self, environment: MutableMapping[str, str], active_resources: Mapping[str, Any]) -> list[str]:
         hosts, argv = self.node_command(active_resources, node_rank="-1")
@@ -275,12 +275,8 @@ class MVAPICHRunner(MPICHRunner):
 class SlurmRunner(_MPIRunner):
     """Slurm's `srun`, one task per host (`--ntasks-per-node 1 --export=ALL`)."""
 
-    @property
-    def name(self) -> str:
-        return "slurm"
-
-    def backend_exists(self) -> bool:
-        return shutil.which("sinfo") is not None
+    launcher = "slurm"
+    program = "sinfo"
 
     def get_cmd(self, environment: MutableMapping[str, str], active_resources: Mapping[str, Any]) -> list[str]:
         self.exported_names(environment)  # srun's --export=ALL passes its environment on

@@ -242,6 +242,28 @@ def test_slurm_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert environment == {"B": "x y"}  # the shell value of the quoted word, passed on by --export=ALL
 
 
+@pytest.mark.parametrize(
+    ("cls", "name", "program"),
+    [
+        (mnr.PDSHRunner, "pdsh", "pdsh"),
+        (mnr.OpenMPIRunner, "openmpi", "ompi_info"),
+        (mnr.MPICHRunner, "mpich", "mpirun"),
+        (mnr.IMPIRunner, "impi", "mpirun"),
+        (mnr.SlurmRunner, "slurm", "sinfo"),
+    ],
+)
+def test_each_backend_is_named_and_found_by_its_program(
+    cls: type[mnr.MultiNodeRunner], name: str, program: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = {"worker-0": 4}
+    runner_ = cls(_args(), "WORLD") if cls is mnr.PDSHRunner else cls(_args(), "WORLD", pool)  # type: ignore[call-arg]
+    asked: list[str] = []
+    monkeypatch.setattr(mnr.shutil, "which", lambda cmd: asked.append(cmd) or None)
+    assert runner_.name == name and not runner_.backend_exists() and asked == [program]
+    monkeypatch.setattr(mnr.shutil, "which", lambda cmd: f"/usr/bin/{cmd}")
+    assert runner_.backend_exists()
+
+
 def test_a_minimal_namespace_and_an_unsupported_flag() -> None:
     from types import SimpleNamespace
 
