@@ -5,6 +5,7 @@ Each function takes the piece of the plan it needs; the engine calls them once, 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
@@ -17,7 +18,7 @@ from slipstream.config.plan import EnginePlan, LossScalePlan
 from slipstream.engine.dataloader import make_training_dataloader
 from slipstream.offload.policy import host_available_bytes
 from slipstream.utils.errors import ArgumentTypeError
-from slipstream.utils.logging import log_rank0, warn_once
+from slipstream.utils.logging import get_logger, log_rank0, warn_once
 from slipstream.zero.optimizer import ZeroOptimizer
 
 
@@ -218,3 +219,18 @@ def skipped_steps_message(count: int, optimizer: ZeroOptimizer) -> str:
         f"learning; {_culprit(optimizer)}. Check the data and the loss for inf/nan, lower the learning rate, "
         'or raise "max_consecutive_skipped_steps" (0 never stops)'
     )
+
+
+def log_engine_plan(plan: EnginePlan, *, world_size: int, rank: int) -> None:
+    """Rank 0: the engine's line (ZeRO stage, dtypes, the batch and where it came from); the resolved config at
+    debug level."""
+    log_rank0(
+        f"engine: ZeRO stage {plan.zero.stage}, world size {world_size}, params "
+        f"{plan.precision.param_dtype}, master {plan.precision.master_dtype}, grad accumulation "
+        f"{plan.precision.grad_accum_dtype}; batch {plan.batch.train_batch_size} = micro "
+        f"{plan.batch.micro_batch_size} x accumulation {plan.batch.gradient_accumulation_steps} x "
+        f"data-parallel {plan.batch.world_size} ({'; '.join(f'{k}: {v}' for k, v in plan.batch.sources.items())})",
+        rank=rank,
+    )
+    if rank == 0:
+        get_logger().debug("resolved config (defaults included): %s", json.dumps(plan.resolved, default=str))

@@ -16,7 +16,6 @@ micro-batches long. Without a load or an early `set_gradient_accumulation_bounda
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -40,10 +39,10 @@ from slipstream.engine.monitor import StepFigures, step_events
 from slipstream.engine.observe import CommsLog, StepProfiler
 from slipstream.engine.parallel import setup_parallel
 from slipstream.monitor.writers import make_monitors
-from slipstream.utils.logging import get_logger, log_rank0
+from slipstream.utils.logging import log_rank0
 from slipstream.utils.progress import Progress
 from slipstream.utils.throughput import ThroughputTimer
-from slipstream.zero.build import build_zero
+from slipstream.zero.build import ZeroBuild, build_zero
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
 
@@ -61,7 +60,20 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         training_data: Any = None,
         collate_fn: Any = None,
     ) -> None:
+        """Built in named steps, in this order; the pipeline engine (pipe/engine.py) overrides some of them."""
         super().__init__()
+        self._setup_basics(plan)
+        moe = self._setup_parallel(model)
+        zero = self._build_zero(model, moe)
+        self._build_optimizer(zero, optimizer, model_parameters, moe)
+        self._build_schedule_and_data(lr_scheduler, training_data, collate_fn)
+        self._setup_observers()
+        self._reset_counters()
+        self._log_plan()
+
+    # ---- construction steps ----
+    def _setup_basics(self, plan: EnginePlan) -> None:
+        """The plan, the resolved config, the collective timeout, this rank and its device."""
         self.plan = plan
         self.config = plan.resolved
         """DeepSpeed's `engine.config` (the resolved JSON, read by client code and stored in checkpoints); the
@@ -74,6 +86,11 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         self.mp_world_size = 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = self.accelerator.device(self.accelerator.current_device())
+
+    def _setup_parallel(self, model: nn.Module) -> Any:
+        """The TP / SP layout (the model split over TP) and the data-parallel size; returns the MoE support
+        (slipstream.moe.engine_support) when the model has MoE layers, else None."""
+        plan = self.plan
         if plan.zero.stage == 3 and isinstance(model, nn.Module):
             builders.warn_if_materialised(model)
         self.parallel = setup_parallel(model, plan, self.device, self.global_rank)
@@ -86,21 +103,35 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
                 "MoE layers with tensor or sequence parallelism are not supported yet; use "
                 "tensor_parallel.autotp_size 1 and sequence_parallel_size 1 with MoE"
             )
+        return moe
+
+    def _build_zero(self, model: nn.Module, moe: Any) -> ZeroBuild:
+        """The model placed for its ZeRO stage over the data-parallel group (zero/build.py)."""
         zero = build_zero(
             model,
-            zero=plan.zero,
-            precision=plan.precision,
+            zero=self.plan.zero,
+            precision=self.plan.precision,
             device=self.device,
             group=self.parallel.data_group,
             sources=None if moe is None else moe.expert_placement(model),
             unit_groups=None if moe is None else moe.unit_group,
         )
-        self.module, self.zero_model = zero.module, zero.zero_model
-        self._param_names = {id(p): n for n, p in self.module.named_parameters()}
-        self._held_elsewhere: frozenset[str] = frozenset()
+        self._adopt_module(zero)
         if moe is not None:
             self._param_names = moe.global_param_names(self.module, self._param_names)
             self._held_elsewhere = moe.names_held_elsewhere(self.module, self._param_names)
+        return zero
+
+    def _adopt_module(self, zero: ZeroBuild) -> None:
+        """Take the placed module (and its stage-3 units) and name its parameters."""
+        self.module, self.zero_model = zero.module, zero.zero_model
+        self._param_names = {id(p): n for n, p in self.module.named_parameters()}
+        self._held_elsewhere: frozenset[str] = frozenset()
+
+    def _build_optimizer(self, zero: ZeroBuild, optimizer: Any, model_parameters: Any, moe: Any) -> None:
+        """The basic optimizer (the client's or the config's) and the ZeRO optimizer around it (None: no
+        optimizer, inference)."""
+        plan = self.plan
         model_parameters = self.parallel.adopt_client_params(optimizer, model_parameters)  # built before the TP split
         self.basic_optimizer = builders.make_basic_optimizer(self.module, plan, optimizer, model_parameters, moe=moe)
         notices.report_plan(plan, rank=self.global_rank)  # after a refused optimizer has raised
@@ -112,12 +143,25 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
             self.optimizer.model_parallel = self.parallel.norm_info(self.module)
             builders.check_host_memory(self.optimizer, rank=self.global_rank)
         builders.log_memory_plan(plan, self.module, world_size=self.dp_world_size, rank=self.global_rank)
+
+    def _build_schedule_and_data(self, lr_scheduler: Any, training_data: Any, collate_fn: Any) -> None:
+        """The learning-rate scheduler, the fp16 loss scaler and the training data loader."""
+        plan = self.plan
         self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler)
         self.loss_scaler = builders.make_loss_scaler(plan.precision.loss_scale)
         self.training_dataloader = self.parallel.wrap_loader(
-            builders.make_dataloader(plan, training_data, collate_fn, *self.parallel.loader_rank_and_size())
+            builders.make_dataloader(plan, training_data, collate_fn, *self._loader_rank_and_size())
         )
         builders.tell_epoch_length(self.optimizer, self.training_dataloader, plan.batch.gradient_accumulation_steps)
+
+    def _loader_rank_and_size(self) -> tuple[int, int]:
+        """(which batch this rank reads, how many distinct batches there are)."""
+        rank_and_size: tuple[int, int] = self.parallel.loader_rank_and_size()
+        return rank_and_size
+
+    def _setup_observers(self) -> None:
+        """Monitors, the flops profiler, the comms logger, the progress line, activation checkpointing."""
+        plan = self.plan
         self.monitors = make_monitors(plan.logging.monitor) if self.global_rank == 0 else []
         flops, comms = plan.logging.flops_profile, plan.logging.comms_log
         self._step_profiler = (
@@ -136,6 +180,8 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         if plan.activation_checkpointing is not None:
             checkpointing.configure_from_plan(plan.activation_checkpointing)
 
+    def _reset_counters(self) -> None:
+        """Step counters, the accumulation window, the loss totals and the timers."""
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._window_micro_steps = 0  # micro-batches stepped since the last optimizer step (or load)
         self._consecutive_skips = 0  # optimizer steps skipped in a row for non-finite gradients
@@ -151,22 +197,15 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
         self._window_started = time.perf_counter()
         self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.tput_timer = ThroughputTimer(
-            batch_size=plan.batch.train_batch_size,
-            enabled=plan.logging.throughput_timer,
-            synchronize=get_accelerator().synchronize if plan.logging.throughput_synchronized else None,
+            batch_size=self.plan.batch.train_batch_size,
+            enabled=self.plan.logging.throughput_timer,
+            synchronize=get_accelerator().synchronize if self.plan.logging.throughput_synchronized else None,
         )
         """DeepSpeed's throughput timer: started by every forward, stopped by every step()
         (`engine.tput_timer.avg_samples_per_sec()`); the step line reports samples/s itself."""
-        log_rank0(
-            f"engine: ZeRO stage {plan.zero.stage}, world size {self.world_size}, params "
-            f"{plan.precision.param_dtype}, master {plan.precision.master_dtype}, grad accumulation "
-            f"{plan.precision.grad_accum_dtype}; batch {plan.batch.train_batch_size} = micro "
-            f"{plan.batch.micro_batch_size} x accumulation {plan.batch.gradient_accumulation_steps} x "
-            f"data-parallel {plan.batch.world_size} ({'; '.join(f'{k}: {v}' for k, v in plan.batch.sources.items())})",
-            rank=self.global_rank,
-        )
-        if self.global_rank == 0:
-            get_logger().debug("resolved config (defaults included): %s", json.dumps(plan.resolved, default=str))
+
+    def _log_plan(self) -> None:
+        builders.log_engine_plan(self.plan, world_size=self.world_size, rank=self.global_rank)
 
     def _optimizer_to_return(self) -> Any:
         """The optimizer `initialize()` returns: DeepSpeed wraps the basic optimizer only with ZeRO (stage >= 1)
