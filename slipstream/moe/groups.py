@@ -42,7 +42,6 @@ __all__ = [
     "_get_expert_broadcast_src_rank",
     "_get_max_expert_size",
     "_get_max_expert_size_name",
-    "_get_expert_parallel_ranks",
 ]
 
 
