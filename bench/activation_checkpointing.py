@@ -62,9 +62,9 @@ def _measure(row: str, steps: int) -> dict[str, float]:
         deepspeed.checkpointing.configure(None)
         run = deepspeed.checkpointing.checkpoint
     else:
-        from slipstream.activation import checkpointing
+        from slipstream.activation import recompute
 
-        run = checkpointing.selective_checkpoint if row == "slipstream_selective" else checkpointing.checkpoint
+        run = recompute.selective_checkpoint if row == "slipstream_selective" else recompute.checkpoint
     x = torch.randn(BATCH, SEQ, WIDTH, requires_grad=True)
 
     def forward() -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The model-parallel unit (mpu) that `checkpointing.configure` was given, and its tensor-parallel group and
-rank: what partitioned activations split over (checkpointing.py) and what the model-parallel seed offsets by
+rank: what partitioned activations split over (recompute.py) and what the model-parallel seed offsets by
 (rng.py). An `mpu` passed to a call wins over the configured one."""
 
 from __future__ import annotations

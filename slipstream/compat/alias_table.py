@@ -18,9 +18,9 @@ ALIASES: dict[str, str] = {
     "slipstream.checkpoint.constants": "slipstream.checkpoint.deepspeed.constants",
     "slipstream.checkpoint.universal_checkpoint": "slipstream.compat.universal_checkpoint",
     "slipstream.module_inject.tp_shard": "slipstream.compat.tp_shard",
-    "slipstream.checkpointing": "slipstream.activation.checkpointing",
+    "slipstream.checkpointing": "slipstream.activation.recompute",
     "slipstream.comm.comm": "slipstream.comm.dist_api",
-    "slipstream.runtime.activation_checkpointing.checkpointing": "slipstream.activation.checkpointing",
+    "slipstream.runtime.activation_checkpointing.checkpointing": "slipstream.activation.recompute",
     "slipstream.runtime.zero": "slipstream.zero",
     "slipstream.runtime.zero.partition_parameters": "slipstream.zero.init",
     "slipstream.runtime.fp16.loss_scaler": "slipstream.zero.loss_scaler",
@@ -158,7 +158,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "estimate_zero2_model_states_mem_needs_all_cold": "slipstream.planner:estimate_zero2_model_states_mem_needs_all_cold",
     },
     "slipstream.runtime.activation_checkpointing": {
-        "checkpointing": "slipstream.activation.checkpointing",
+        "checkpointing": "slipstream.activation.recompute",
     },
     "slipstream.runtime.swap_tensor": {"MIN_SWAPPABLE_BYTES": f"{_RT}:MIN_SWAPPABLE_BYTES"},
     "slipstream.utils.timer": {

@@ -26,18 +26,18 @@ import torch.distributed as dist
 from torch import nn
 
 from slipstream.accelerator import get_accelerator
-from slipstream.activation import checkpointing
+from slipstream.activation import recompute
 from slipstream.comm import collectives
 from slipstream.compat.engine_getters import EngineGetters
 from slipstream.compat.engine_methods import DeepSpeedEngineMethods
 from slipstream.config import notices
 from slipstream.config.plan import EnginePlan
 from slipstream.engine import builders
-from slipstream.engine.checkpointing import Checkpointing
 from slipstream.engine.model_saving import ModelSaving
 from slipstream.engine.monitor import StepFigures, step_events
 from slipstream.engine.observe import CommsLog, StepProfiler
 from slipstream.engine.parallel import setup_parallel
+from slipstream.engine.save_load import SaveLoad
 from slipstream.monitor.writers import make_monitors
 from slipstream.utils.logging import log_rank0
 from slipstream.utils.progress import Progress
@@ -46,7 +46,7 @@ from slipstream.zero.build import ZeroBuild, build_zero
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
 
-class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngineMethods, nn.Module):
+class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, DeepSpeedEngineMethods, nn.Module):
     """DeepSpeed's `DeepSpeedEngine`, for ZeRO stages 0-3. Build it with `slipstream.initialize`."""
 
     def __init__(
@@ -178,7 +178,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, Checkpointing, DeepSpeedEngin
             else None
         )
         if plan.activation_checkpointing is not None:
-            checkpointing.configure_from_plan(plan.activation_checkpointing)
+            recompute.configure_from_plan(plan.activation_checkpointing)
 
     def _reset_counters(self) -> None:
         """Step counters, the accumulation window, the loss totals and the timers."""

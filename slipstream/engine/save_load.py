@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.checkpoint.atomic import read_latest
+from slipstream.checkpoint.deepspeed.universal import LATEST_UNIVERSAL_FILE
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.state import (
     EngineParts,
@@ -27,14 +28,13 @@ from slipstream.checkpoint.state import (
     split_client_state,
     to_json,
 )
-from slipstream.checkpoint.deepspeed.universal import LATEST_UNIVERSAL_FILE
 from slipstream.comm import collectives
 from slipstream.comm.collectives import CollectiveError
 from slipstream.utils.errors import ArgumentError
 from slipstream.utils.logging import log_rank0, warn_once
 
 
-class Checkpointing:
+class SaveLoad:
     """Mixin of the engine (uses its counters, optimizer, scheduler, loss scaler and plan)."""
 
     module: Any

@@ -163,7 +163,7 @@ def test_checkpoint_moves_between_stages_on_cuda(tmp_path: Path) -> None:
 
 
 def test_activation_checkpointing_replays_cuda_dropout() -> None:
-    from slipstream.activation import checkpointing
+    from slipstream.activation import recompute
 
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 64)).cuda()
@@ -175,7 +175,7 @@ def test_activation_checkpointing_replays_cuda_dropout() -> None:
     for p in [*layer.parameters(), x]:
         p.grad = None
     torch.cuda.manual_seed(11)
-    out = checkpointing.checkpoint(layer, x)
+    out = recompute.checkpoint(layer, x)
     torch.testing.assert_close(out, plain, rtol=0, atol=0)
     out.sum().backward()
     for got, ref in zip([p.grad for p in layer.parameters()] + [x.grad], want):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import slipstream
-from slipstream.activation import checkpointing
+from slipstream.activation import recompute
 from slipstream.config import ConfigError
 from slipstream.utils.torch_versions import TorchTooOld
 
@@ -26,13 +26,9 @@ class _Block(nn.Module):
 
 @pytest.fixture(autouse=True)
 def fresh_settings() -> Iterator[None]:
-    checkpointing.configure(
-        None, partition_activations=False, checkpoint_in_cpu=False, synchronize=False, profile=False
-    )
+    recompute.configure(None, partition_activations=False, checkpoint_in_cpu=False, synchronize=False, profile=False)
     yield
-    checkpointing.configure(
-        None, partition_activations=False, checkpoint_in_cpu=False, synchronize=False, profile=False
-    )
+    recompute.configure(None, partition_activations=False, checkpoint_in_cpu=False, synchronize=False, profile=False)
 
 
 def _run(blocks: nn.ModuleList, x: torch.Tensor, checkpointed: Callable | None) -> tuple[torch.Tensor, list]:
@@ -55,11 +51,11 @@ def test_checkpointing_equals_no_checkpointing_with_dropout(how: str) -> None:
     expected, expected_grads = _run(blocks, x, None)
     if how == "selective" and not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
         with pytest.raises(TorchTooOld, match=r"needs PyTorch >= 2\.5"):
-            checkpointing.selective_checkpoint(blocks[0], x)
+            recompute.selective_checkpoint(blocks[0], x)
         return
     if how == "cpu":
-        checkpointing.configure(None, checkpoint_in_cpu=True)
-    run = checkpointing.selective_checkpoint if how == "selective" else checkpointing.checkpoint
+        recompute.configure(None, checkpoint_in_cpu=True)
+    run = recompute.selective_checkpoint if how == "selective" else recompute.checkpoint
     got, grads = _run(blocks, x, run)
     assert torch.equal(got, expected)
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(grads, expected_grads, strict=True))
@@ -86,23 +82,23 @@ def test_checkpointed_activations_are_not_kept() -> None:
                 h = block(h) if run is None else run(block, h)
         return total
 
-    plain, checkpointed = saved_bytes(None), saved_bytes(checkpointing.checkpoint)
+    plain, checkpointed = saved_bytes(None), saved_bytes(recompute.checkpoint)
     assert checkpointed < plain / 4, (checkpointed, plain)
 
 
 def test_configure_reads_the_config_section_and_arguments_win(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "ds.json"
     path.write_text('{"train_batch_size": 1, "activation_checkpointing": {"cpu_checkpointing": true, "profile": true}}')
-    checkpointing.configure(None, deepspeed_config=str(path), profile=False)
-    assert checkpointing.is_configured()
-    assert checkpointing._settings.cpu_checkpointing and not checkpointing._settings.profile
+    recompute.configure(None, deepspeed_config=str(path), profile=False)
+    assert recompute.is_configured()
+    assert recompute._settings.cpu_checkpointing and not recompute._settings.profile
     with pytest.raises(ConfigError, match="activation_checkpointing.cpu_checkpointing"):
-        checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"cpu_checkpointing": "yes"}})
+        recompute.configure(None, deepspeed_config={"activation_checkpointing": {"cpu_checkpointing": "yes"}})
 
 
 def test_the_engine_applies_the_section_and_deepspeeds_names_resolve() -> None:
-    assert slipstream.checkpointing is checkpointing
-    assert checkpointing.non_reentrant_checkpoint is checkpointing.checkpoint
+    assert slipstream.checkpointing is recompute
+    assert recompute.non_reentrant_checkpoint is recompute.checkpoint
     engine, *_ = slipstream.initialize(
         model=nn.Linear(4, 4),
         config={
@@ -111,15 +107,15 @@ def test_the_engine_applies_the_section_and_deepspeeds_names_resolve() -> None:
             "activation_checkpointing": {"synchronize_checkpoint_boundary": True, "profile": True},
         },
     )
-    assert checkpointing._settings.synchronize and checkpointing._settings.profile
+    assert recompute._settings.synchronize and recompute._settings.profile
     engine.destroy()
 
 
 def test_rng_tracker_forks_a_separate_stream() -> None:
-    tracker = checkpointing.get_cuda_rng_tracker()
-    checkpointing.model_parallel_cuda_manual_seed(123)
+    tracker = recompute.get_cuda_rng_tracker()
+    recompute.model_parallel_cuda_manual_seed(123)
     default_first = torch.rand(3)
-    checkpointing.model_parallel_cuda_manual_seed(123)
+    recompute.model_parallel_cuda_manual_seed(123)
     with tracker.fork():
         forked = torch.rand(3)
     assert torch.equal(torch.rand(3), default_first)  # the fork left the default stream where it was

@@ -24,14 +24,14 @@ def partitioned(rank: int, world: int) -> dict:
     import torch
     from torch import nn
 
-    from slipstream.activation import checkpointing
+    from slipstream.activation import recompute
 
     torch.manual_seed(0)  # the same model and input on both ranks, as in a tensor-parallel region
     block = nn.Sequential(nn.Linear(24, 48), nn.GELU(), nn.Linear(48, 24))
     x = torch.randn(6, 23, 24, requires_grad=True)  # 3312 elements: odd split needs padding
 
     def run(use: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        out = checkpointing.checkpoint(block, x) if use else block(x)
+        out = recompute.checkpoint(block, x) if use else block(x)
         out.pow(2).sum().backward()
         grads = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
         block.zero_grad()
@@ -39,10 +39,10 @@ def partitioned(rank: int, world: int) -> dict:
         return out.detach(), grads
 
     expected, expected_grads = run(False)
-    checkpointing.configure(_WorldMpu(), partition_activations=True)
+    recompute.configure(_WorldMpu(), partition_activations=True)
     kept: list[int] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.append(t.numel()), t)[1], lambda t: t):
-        out = checkpointing.checkpoint(block, x)
+        out = recompute.checkpoint(block, x)
     out.pow(2).sum().backward()
     block.zero_grad()
     x.grad = None
