@@ -19,8 +19,8 @@ from slipstream.checkpoint.deepspeed.constants import (
     UNIVERSAL_CHECKPOINT_VERSION_VALUE,
 )
 from slipstream.checkpoint.deepspeed.folder import DATA_BEFORE_EXPERT
-from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.deepspeed.tp_shards import check_conversion_support
+from slipstream.checkpoint.errors import CheckpointError
 
 __all__ = ["_aggregate_autoep_zero12_metadata", "_check_for_required_state", "_inject_missing_state"]
 

@@ -78,14 +78,14 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(args: Any = None) -> Path:
     """Convert `args.input_folder` into `args.output_folder` (an argparse namespace, or None: read sys.argv)."""
     from slipstream.checkpoint.deepspeed.reader import _tag_dir, is_deepspeed_checkpoint, read_deepspeed_checkpoint
-    from slipstream.checkpoint.errors import CheckpointError
-    from slipstream.checkpoint.reader import CheckpointReader
     from slipstream.checkpoint.deepspeed.tp_universal import convert_sharded_folder, is_sharded_folder
     from slipstream.checkpoint.deepspeed.universal import (
         LATEST_UNIVERSAL_FILE,
         checkpoint_from_reader,
         write_universal_checkpoint,
     )
+    from slipstream.checkpoint.errors import CheckpointError
+    from slipstream.checkpoint.reader import CheckpointReader
 
     if args is None:
         args = parse_arguments()

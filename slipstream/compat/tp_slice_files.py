@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from slipstream.checkpoint.deepspeed.layout import shapes_per_tp_rank as _group_per_tp_shapes
-from slipstream.checkpoint.errors import ConversionMetadataError
 from slipstream.checkpoint.deepspeed.safe_pickle import safe_load
 from slipstream.checkpoint.deepspeed.tp_merge import MergeRules, merge_slices
+from slipstream.checkpoint.errors import ConversionMetadataError
 
 __all__ = ["_group_per_tp_shapes", "_merge_zero_shards", "merge_tp_slices"]
 

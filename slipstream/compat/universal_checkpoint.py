@@ -34,10 +34,10 @@ from slipstream.checkpoint.deepspeed.constants import (
     UNIVERSAL_CHECKPOINT_VERSION_KEY,
     VOCAB_TENSOR,
 )
-from slipstream.checkpoint.errors import ConversionMetadataError
 from slipstream.checkpoint.deepspeed.safe_pickle import DeepSpeedStub, safe_load
 from slipstream.checkpoint.deepspeed.subparam import SubparamShape, check_widths, even_widths, rank_slice
 from slipstream.checkpoint.deepspeed.tp_merge import WIDTHS_VERSION
+from slipstream.checkpoint.errors import ConversionMetadataError
 
 __all__ = [
     "SubparamShape",

@@ -43,8 +43,8 @@ from slipstream.checkpoint.deepspeed.layout import (
     reshape_2d,
     zero_files,
 )
-from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.deepspeed.safe_pickle import safe_load
+from slipstream.checkpoint.errors import CheckpointError
 
 __all__ = ["DeepSpeedCheckpointFolder", "ZeroFiles"]
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.deepspeed.safe_pickle import DeepSpeedStub, safe_load
+from slipstream.checkpoint.errors import CheckpointError
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Keys DeepSpeed itself writes into *_model_states.pt (engine._common_checkpoint_state); the rest is client_state.

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from slipstream.checkpoint.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
 from slipstream.checkpoint.deepspeed.subparam import SubparamShape
+from slipstream.checkpoint.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
 from slipstream.utils.torch_versions import safe_globals
 
 if TYPE_CHECKING:

@@ -42,7 +42,6 @@ from slipstream.checkpoint.deepspeed.constants import (
     VOCAB_TENSOR,
     VOCABULARY_PARAMETER_PATTERNS,
 )
-from slipstream.checkpoint.errors import ConversionMetadataError
 from slipstream.checkpoint.deepspeed.subparam import (
     SubparamShape,
     check_widths,
@@ -50,6 +49,7 @@ from slipstream.checkpoint.deepspeed.subparam import (
     merge_rank_slices,
     resolve_placeholder,
 )
+from slipstream.checkpoint.errors import ConversionMetadataError
 
 __all__ = ["MergeRules", "merge_slices"]
 

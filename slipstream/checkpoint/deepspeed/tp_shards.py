@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from slipstream.checkpoint.deepspeed.constants import AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS
-from slipstream.checkpoint.errors import CheckpointError, ConversionMetadataError
 from slipstream.checkpoint.deepspeed.safe_pickle import DeepSpeedStub
 from slipstream.checkpoint.deepspeed.tp_merge import MergeRules, merge_slices
+from slipstream.checkpoint.errors import CheckpointError, ConversionMetadataError
 
 __all__ = ["TpShards", "check_conversion_support", "plain", "write_tp_shards"]
 

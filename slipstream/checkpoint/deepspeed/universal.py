@@ -40,8 +40,8 @@ from slipstream.checkpoint.deepspeed.reader import (
     _step_of,
     _strip_params,
 )
-from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.deepspeed.safe_pickle import safe_load
+from slipstream.checkpoint.errors import CheckpointError
 
 __all__ = [
     "LATEST_UNIVERSAL_FILE",

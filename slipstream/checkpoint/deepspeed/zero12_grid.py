@@ -32,9 +32,9 @@ from slipstream.checkpoint.deepspeed.constants import (
 )
 from slipstream.checkpoint.deepspeed.folder import DeepSpeedCheckpointFolder
 from slipstream.checkpoint.deepspeed.layout import shapes_per_tp_rank
-from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.deepspeed.safe_pickle import DeepSpeedStub
 from slipstream.checkpoint.deepspeed.tp_shards import TpShards, check_conversion_support
+from slipstream.checkpoint.errors import CheckpointError
 
 __all__ = ["read_zero12_shards"]
 

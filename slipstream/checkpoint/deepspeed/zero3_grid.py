@@ -28,9 +28,9 @@ from slipstream.checkpoint.deepspeed.constants import (
     PARAM_SHAPES,
     UNIVERSAL_CHECKPOINT_INFO,
 )
-from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.deepspeed.safe_pickle import safe_load
 from slipstream.checkpoint.deepspeed.tp_shards import TpShards
+from slipstream.checkpoint.errors import CheckpointError
 
 __all__ = ["MOMENTS", "rank_grid", "read_zero3_shards", "zero3_files"]
 
