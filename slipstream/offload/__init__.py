@@ -1,4 +1,5 @@
-"""Offload policies: where master weights and optimizer state live (`NoOffload`, `CPUOffload`)."""
+"""Offload policies, one per offload target: where master weights, optimizer state and stage 3's parameter shards
+live (`NoOffload`, `CPUOffload`; `NVMeOffload` in nvme.py; `policy_for` in choose.py picks one for a target)."""
 
 from __future__ import annotations
 

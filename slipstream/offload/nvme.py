@@ -29,13 +29,19 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from slipstream.config.plan import RESIDENT_GRAD_SUB_GROUPS, AioPlan, nvme_gradients_in_files
+from slipstream.config.plan import (
+    RESIDENT_GRAD_SUB_GROUPS,
+    AioPlan,
+    NvmeTarget,
+    OffloadTarget,
+    nvme_gradients_in_files,
+)
 from slipstream.config.zero_plans import default_aio_plan
-from slipstream.offload.policy import CPUOffload, SteppedGroups
+from slipstream.offload.policy import CPUOffload, OffloadPolicy, SteppedGroups
 from slipstream.offload.swapper import Swapper
 from slipstream.utils.logging import log_rank0
 
@@ -68,15 +74,21 @@ def clean_stale_dirs(root: Path, rank: int) -> list[str]:
     return removed
 
 
-def make_run_dir(nvme_path: str, rank: int, role: str, *, key: str) -> Path:
-    """This engine's directory under `nvme_path` (mode 0700, removed at exit), after checking the path and
-    removing what dead runs left there."""
+def check_nvme_path(nvme_path: str, *, key: str) -> None:
+    """Stop with the config key when `nvme_path` is not a writable directory."""
     root = Path(nvme_path)
     if not root.is_dir() or not os.access(root, os.W_OK):
         raise ValueError(
             f"zero_optimization.{key}={nvme_path!r} is not a writable directory; create it (on a fast "
             "local disk) or point nvme_path at one"
         )
+
+
+def make_run_dir(nvme_path: str, rank: int, role: str, *, key: str) -> Path:
+    """This engine's directory under `nvme_path` (mode 0700, removed at exit), after checking the path and
+    removing what dead runs left there."""
+    check_nvme_path(nvme_path, key=key)
+    root = Path(nvme_path)
     for path in clean_stale_dirs(root, rank):
         log_rank0(f"offload: removed {path}, left by a run that no longer exists", rank=rank)
     directory = root / f"{_PREFIX}{os.getpid()}-rank{rank}-{role}{next(_instances)}"
@@ -122,24 +134,58 @@ class NVMeShardStore:
 
 @dataclasses.dataclass
 class NVMeOffload(CPUOffload):
-    """CPU offload whose masters and optimizer states are swapped to `nvme_path` between uses."""
+    """CPU offload whose masters and optimizer states (or stage 3's parameter shards) are swapped to `nvme_path`
+    between uses. Building one checks the path; the optimizer's directory is made when first used."""
 
     nvme_path: str = ""
     aio: AioPlan = dataclasses.field(default_factory=default_aio_plan)
     rank: int = 0
     grad_buffers: int = RESIDENT_GRAD_SUB_GROUPS
     """Stage 3: gradient buffers resident at once while backward adds into them ([Note: swapped gradients])."""
-    swapper: Any = dataclasses.field(default=None, init=False)
-    directory: Path | None = dataclasses.field(default=None, init=False)
+    section: str = "offload_optimizer"
+    """The config section this policy came from ("offload_optimizer" or "offload_param"), named in errors."""
     gradients: Any = dataclasses.field(default=None, init=False)
     """The `GradientSwap` of a stage-3 optimizer (None below stage 3, whose gradients stay in memory)."""
-    swaps_gradients: bool = dataclasses.field(default=True, init=False)
+    in_files: ClassVar[bool] = True
+    _files: tuple[Path, Swapper] | None = dataclasses.field(default=None, init=False, repr=False)
+    _swaps_gradients: bool | None = dataclasses.field(default=None, init=False, repr=False)
+
+    @classmethod
+    def from_target(cls, target: OffloadTarget, *, rank: int, section: str) -> OffloadPolicy:
+        assert isinstance(target, NvmeTarget), f"NVMeOffload is the policy of NvmeTarget, not {target!r}"
+        return cls(pin_memory=target.pin_memory, nvme_path=target.path, rank=rank, aio=target.aio, section=section)
 
     def __post_init__(self) -> None:
-        self.pin_memory = False  # swappable storages are resized; pinned host memory cannot be
-        self.swaps_gradients = nvme_gradients_in_files()
-        self.directory = make_run_dir(self.nvme_path, self.rank, "optimizer", key="offload_optimizer.nvme_path")
-        self.swapper = Swapper(self.directory, self.aio)
+        check_nvme_path(self.nvme_path, key=f"{self.section}.nvme_path")
+
+    @property
+    def swaps_gradients(self) -> bool:
+        """`SLIPSTREAM_NVME_GRADIENTS`, read when the stage-3 optimizer first asks (as it is built)."""
+        if self._swaps_gradients is None:
+            self._swaps_gradients = nvme_gradients_in_files()
+        return self._swaps_gradients
+
+    @property
+    def pins(self) -> bool:
+        return False  # swappable storages are resized; pinned host memory cannot be
+
+    @property
+    def directory(self) -> Path:
+        """This optimizer's directory of swap files (made on first use)."""
+        return self._open_files()[0]
+
+    @property
+    def swapper(self) -> Swapper:
+        return self._open_files()[1]
+
+    def _open_files(self) -> tuple[Path, Swapper]:
+        if self._files is None:
+            directory = make_run_dir(self.nvme_path, self.rank, "optimizer", key=f"{self.section}.nvme_path")
+            self._files = (directory, Swapper(directory, self.aio))
+        return self._files
+
+    def make_param_store(self, *, role: str = "params") -> NVMeShardStore:
+        return NVMeShardStore(self.nvme_path, self.rank, self.aio, role=role)
 
     def swap_gradients(self, buffers: list[tuple[torch.Tensor, str]]) -> Any:
         """Take stage 3's gradient buffers (one per sub-group, in stepping order) into files; returns their
@@ -217,8 +263,7 @@ class NVMeOffload(CPUOffload):
 
     def check_room(self, needed_bytes: int) -> None:
         """Stop with numbers when the NVMe file system lacks room for what this rank will write there."""
-        directory = self.directory if self.directory is not None else Path(self.nvme_path)
-        free = shutil.disk_usage(directory).free
+        free = shutil.disk_usage(self.directory).free
         if needed_bytes > free:
             raise RuntimeError(
                 f"NVMe offload needs {needed_bytes / 2**30:.2f} GiB on {self.nvme_path} for this rank "

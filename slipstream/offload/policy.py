@@ -12,6 +12,14 @@ optimizer state live, and how host buffers are allocated.
 - `NVMeOffload` (offload/nvme.py): CPU offload whose masters and optimizer states are swapped to files; it
   overrides the step hooks below, so the ZeRO step has no NVMe branches.
 
+One policy class per offload target, for the optimizer (`offload_optimizer`) and for stage 3's parameter shards
+(`offload_param`) alike: `policy_for` (choose.py) is the one place a plan's target becomes its class. The plan
+keeps plain target types (config/plan.py: `NoOffloadTarget`, `CpuTarget`, `NvmeTarget`) because config/ is a
+leaf layer that may not import offload/; each policy is built from its target with `from_target` and carries
+every decision that depends on the target: where shards and masters live (`master_device`, `host_resident`),
+whether host buffers are pinned (`pins`), the parameter shard store (`make_param_store`) and what the planner
+counts (`on_host`, `in_files`).
+
 The ZeRO optimizer calls three hooks of its policy (see `SteppedGroups`): `prepare` once its buffers exist,
 `run_step` for the update, and `resident` around checkpoint reads and writes.
 """
@@ -22,10 +30,11 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
+from slipstream.config.plan import CpuTarget, OffloadTarget
 from slipstream.utils.logging import warn_once
 
 _PIN_FRACTION = 0.5
@@ -71,12 +80,52 @@ class SteppedGroups(Protocol):
         ...
 
 
+class ParamStore(Protocol):
+    """Where stage 3's parameter shards live between uses when not in memory (zero/stage3/unit.py's ShardStore
+    interface; offload/nvme.py's NVMeShardStore)."""
+
+    in_memory: bool
+
+    def fetch(self, shard: torch.Tensor) -> None: ...
+
+    def release(self, shard: torch.Tensor, *, dirty: bool) -> None: ...
+
+    def discard(self, shard: torch.Tensor) -> None: ...
+
+
 class OffloadPolicy:
-    """No offload: master weights and optimizer state live with the parameters."""
+    """No offload: master weights, optimizer state and parameter shards live with the parameters."""
 
     on_host: bool = False
-    swaps_gradients: bool = False
-    """NVMe offload: stage 3's gradient shards live in files per sub-group (offload/grad_swap.py)."""
+    """Offloaded tensors are handled on the host (CPU and NVMe): the step runs there, shards are staged there."""
+    in_files: ClassVar[bool] = False
+    """Offloaded tensors live in files between uses (NVMe); the planner counts them on the disk."""
+
+    @classmethod
+    def from_target(cls, target: OffloadTarget, *, rank: int, section: str) -> OffloadPolicy:
+        """The policy of a plan's `target` on `rank`; `section` ("offload_optimizer" or "offload_param") is the
+        config section it came from, named in errors. Builds nothing on disk."""
+        return cls()
+
+    @property
+    def swaps_gradients(self) -> bool:
+        """NVMe offload: stage 3's gradient shards live in files per sub-group (offload/grad_swap.py)."""
+        return False
+
+    @property
+    def host_resident(self) -> bool:
+        """Offloaded tensors stay in host memory between uses (CPU offload; NVMe's are in files)."""
+        return self.on_host and not self.in_files
+
+    @property
+    def pins(self) -> bool:
+        """Host buffers of this policy are pinned (page-locked) memory."""
+        return False
+
+    def make_param_store(self, *, role: str = "params") -> ParamStore | None:
+        """Where stage 3's parameter shards live between uses when not in memory (None: they stay in memory);
+        `role` names the store's directory."""
+        return None
 
     def master_device(self, param_device: torch.device) -> torch.device:
         return param_device
@@ -123,15 +172,25 @@ class CPUOffload(OffloadPolicy):
     """Master weights, gradients for the step and optimizer state in host memory (see module doc)."""
 
     pin_memory: bool = True
+    """The configured `pin_memory`; `pins` says whether buffers are pinned."""
     pinned_bytes: int = 0
     on_host: bool = dataclasses.field(default=True, init=False)
+
+    @classmethod
+    def from_target(cls, target: OffloadTarget, *, rank: int, section: str) -> OffloadPolicy:
+        assert isinstance(target, CpuTarget), f"{cls.__name__} is the policy of CpuTarget, not {target!r}"
+        return cls(pin_memory=target.pin_memory)
+
+    @property
+    def pins(self) -> bool:
+        return self.pin_memory
 
     def master_device(self, param_device: torch.device) -> torch.device:
         return torch.device("cpu")
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         tensor = torch.zeros(numel, dtype=dtype, device="cpu")
-        if not self.pin_memory:
+        if not self.pins:
             return tensor
         size = numel * tensor.element_size()
         available = host_available_bytes()

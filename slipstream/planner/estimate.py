@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from slipstream.config.plan import RESIDENT_GRAD_SUB_GROUPS, CpuTarget, NvmeTarget, nvme_gradients_in_files
+from slipstream.config.plan import RESIDENT_GRAD_SUB_GROUPS, nvme_gradients_in_files
 from slipstream.planner.activations import transformer_activations
 from slipstream.planner.shapes import Dims, ModelShape, from_factory, from_hf_config, from_module, synthetic
 from slipstream.planner.types import DTYPE_BYTES, STANDARD_OPTIONS, Option, OptionEstimate, Plan, Settings
@@ -162,6 +162,8 @@ def settings_from_config(
 
 def settings_from_plan(plan: Any) -> tuple[Settings, Option]:
     """Knobs and option of an `EnginePlan` (what the engine will run)."""
+    from slipstream.offload.choose import policy_type  # imports torch; the planner's own import stays cheap
+
     zero, precision = plan.zero, plan.precision
     stage3 = zero.stage3
     offload = zero.offload_optimizer
@@ -173,7 +175,9 @@ def settings_from_plan(plan: Any) -> tuple[Settings, Option]:
         master_dtype=precision.master_dtype,
         reduce_bucket_size=int(zero.reduce_bucket_size),
         stage3=stage3 or Settings().stage3,
-        pin_memory=offload.pin_memory if isinstance(offload, CpuTarget) else True,
+        # the configured pin_memory (True without offload); NVMe's buffers are never pinned at run time
+        # (NVMeOffload.pins), which this figure does not model
+        pin_memory=getattr(offload, "pin_memory", True),
         optimizer=optimizer.name if optimizer is not None else "adamw",
         optimizer_params=tuple(
             sorted(
@@ -187,7 +191,7 @@ def settings_from_plan(plan: Any) -> tuple[Settings, Option]:
         stage=zero.stage,
         offload_optimizer=offload.on_host,
         offload_param=offload_param,
-        nvme=isinstance(offload, NvmeTarget),
+        nvme=policy_type(offload).in_files,
         label="config",
     )
     return settings, option

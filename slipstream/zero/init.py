@@ -281,8 +281,8 @@ class Init:
         if not is_initialized():
             init_distributed()
         data_parallel_group = _deepspeed_keywords(deepspeed_keywords, data_parallel_group)
-        from slipstream.config.plan import CpuTarget, NvmeTarget
         from slipstream.config.resolve import resolve_zero_init
+        from slipstream.offload.choose import policy_for
 
         cfg = _config_dict(config_dict_or_path if config_dict_or_path is not None else config)
         stage3, param_dtype = resolve_zero_init(cfg, remote_device=remote_device)
@@ -295,18 +295,12 @@ class Init:
         self._constructor_dtype = (dtype or torch.float32) if "dtype" in overrides else None
         self._constructor_device = device if "device" in overrides else None
         self._saved_constructors: list[dict[str, Any]] = []
-        on_host = stage3.offload_param.on_host
-        pinned = on_host and isinstance(stage3.offload_param, CpuTarget) and stage3.offload_param.pin_memory
-        store = None
-        if isinstance(stage3.offload_param, NvmeTarget):  # each module's shard goes to its file as it is built
-            from slipstream.offload.nvme import NVMeShardStore
-
-            rank = dist.get_rank(data_parallel_group)
-            store = NVMeShardStore(stage3.offload_param.path, rank, stage3.offload_param.aio, role="init")
+        offload = policy_for(stage3.offload_param, rank=dist.get_rank(data_parallel_group), section="offload_param")
+        store = offload.make_param_store(role="init")  # files: each module's shard goes to its file as it is built
         self.staging = StagingUnits(
             device=device,
-            shard_device=torch.device("cpu") if on_host else device,
-            pin_memory=(pin_memory or pinned) and store is None,
+            shard_device=offload.master_device(device),
+            pin_memory=(pin_memory or offload.pins) and store is None,
             group=data_parallel_group,
             store=store,
         )

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from slipstream.comm import collectives
-from slipstream.config.plan import CpuTarget, NvmeTarget, Stage3Plan
+from slipstream.config.plan import Stage3Plan
+from slipstream.offload.choose import policy_for
 from slipstream.utils.host_memory import cap_mmap_threshold
 from slipstream.zero.slices import OwnedSlice
 from slipstream.zero.stage3.coordinator import Coordinator
@@ -51,19 +52,13 @@ class ZeroModel(UnitManager):
         self._deferred_tags = []
         _mark_leaves(module, plan)
         specs = plan_units(module, threshold=plan.persistence_threshold)
-        target = plan.offload_param
-        shard_device = torch.device("cpu") if target.on_host else device
-        self.shards_in_host_memory = target.on_host and not isinstance(target, NvmeTarget)
-        allocate = host_or_device_allocator(
-            isinstance(target, CpuTarget) and target.pin_memory and self.shards_in_host_memory
-        )
-        if target.on_host:  # parameter offload asks for the least host memory ([Note: glibc's mmap threshold])
+        offload = policy_for(plan.offload_param, rank=self.rank, section="offload_param")
+        shard_device = offload.master_device(device)
+        self.shards_in_host_memory = offload.host_resident
+        allocate = host_or_device_allocator(offload.pins)
+        if offload.on_host:  # parameter offload asks for the least host memory ([Note: glibc's mmap threshold])
             cap_mmap_threshold()
-        store: Any = None  # a ShardStore (unit.py) or offload/nvme.py's NVMeShardStore
-        if isinstance(target, NvmeTarget):
-            from slipstream.offload.nvme import NVMeShardStore
-
-            store = NVMeShardStore(target.path, self.rank, target.aio)
+        store: Any = offload.make_param_store()  # None: a ShardStore (unit.py), in memory
         previous = zero_model_of(module)
         if previous is not None:
             previous.detach_hooks()
