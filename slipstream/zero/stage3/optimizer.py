@@ -1,8 +1,8 @@
 """`Stage3Optimizer`: the ZeRO step (zero/optimizer.py, phases 2-3) on the shards of ZeRO-3 units.
 
-The wrapped torch optimizer sees, per param group, one master piece per *run*: consecutive trainable
-parameters of one unit in the same param group (contiguous in the unit's shard). When the master dtype
-is the model dtype and nothing is offloaded, the pieces are views of the shards (updated in place);
+The wrapped torch optimizer sees, per param group, one master piece per *run* (zero/stage3/group.py):
+consecutive trainable parameters of one unit in the same param group (contiguous in the unit's shard). When
+the master dtype is the model dtype and nothing is offloaded, the pieces are views of the shards (updated in place);
 otherwise they live in one fp32 buffer per group (on the host with optimizer offload) and are copied into
 the shards after the step. Gradients reach the per-group gradient shards through the coordinator, which
 hands each complete unit to `unit_ready` and the rest to `flush` at the end of backward (see [Note:
@@ -13,7 +13,6 @@ Frozen parameters get no master piece, no optimizer state and no place in the re
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,139 +20,13 @@ import torch
 import torch.distributed as dist
 
 from slipstream.comm import collectives
-from slipstream.offload.policy import OffloadPolicy
-from slipstream.zero.master_group import MasterGroup
 from slipstream.zero.optimizer import ZeroOptimizer
 from slipstream.zero.slices import OwnedSlice
+from slipstream.zero.stage3.group import Run, Stage3Group, cut_runs, in_memory
 from slipstream.zero.stage3.model import ZeroModel
 from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus
 from slipstream.zero.stage3.unit import Unit
 from slipstream.zero.staging import StagingRing
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Run:
-    unit: Unit
-    indices: tuple[int, ...]
-    shard_start: int
-    numel: int
-    receive_start: int
-
-
-def _pack(runs: list[Run], limit: int) -> list[tuple[int, int]]:
-    """Consecutive runs, in order, packed into sub-groups of at most `limit` elements ([start, end) ranges of
-    run indices); a run larger than `limit` is a sub-group of its own."""
-    spans: list[tuple[int, int]] = []
-    start, size = 0, 0
-    for index, run in enumerate(runs):
-        if index > start and size + run.numel > limit:
-            spans.append((start, index))
-            start, size = index, 0
-        size += run.numel
-    if runs:
-        spans.append((start, len(runs)))
-    return spans
-
-
-def _in_memory(tensor: torch.Tensor) -> bool:
-    """False for a view of a swapped-out buffer (NVMe offload: its storage has no bytes between uses)."""
-    return tensor.numel() == 0 or tensor.untyped_storage().nbytes() > 0
-
-
-class Stage3Group(MasterGroup):
-    """One optimizer param group's view of the shards: master pieces, gradient shards, host buffers."""
-
-    def __init__(
-        self,
-        runs: list[Run],
-        *,
-        device: torch.device,
-        master_dtype: torch.dtype,
-        grad_dtype: torch.dtype,
-        offload: OffloadPolicy,
-        sub_group_numel: int,
-    ) -> None:
-        self.runs, self.device, self.offload = runs, device, offload
-        total = sum(r.numel for r in runs)
-        self.dtype = runs[0].unit.dtype
-        # the masters are views of the shards when both have the same dtype in the same memory: no offload, or
-        # host offload on the CPU accelerator with the shards in memory (not in NVMe files)
-        self.aliased_master = master_dtype == self.dtype and (
-            not offload.on_host or (device.type == "cpu" and all(r.unit.store.in_memory for r in runs))
-        )
-        self.master_flat: torch.Tensor | None = None
-        self._sub_groups = _pack(runs, sub_group_numel)
-        self._master_buffers: list[torch.Tensor] = []
-        if self.aliased_master:
-            self.master_pieces = [r.unit.shard[r.shard_start : r.shard_start + r.numel] for r in runs]
-        else:
-            # one buffer per sub-group, filled and handed to the policy one at a time: with NVMe offload only
-            # one sub-group's masters are ever in memory while they are built
-            self.master_pieces = []
-            for start, end in self._sub_groups:
-                buffer = offload.allocate(
-                    sum(r.numel for r in runs[start:end]), master_dtype, offload.master_device(device)
-                )
-                offset = 0
-                for run in runs[start:end]:
-                    piece = buffer[offset : offset + run.numel]
-                    offset += run.numel
-                    run.unit.store.fetch(run.unit.shard)  # NVMe-resident shards: read in, copied, released
-                    piece.copy_(run.unit.shard[run.shard_start : run.shard_start + run.numel])
-                    run.unit.store.release(run.unit.shard, dirty=False)
-                    self.master_pieces.append(piece)
-                offload.settle([(buffer, "master")])
-                self._master_buffers.append(buffer)
-            if len(self._master_buffers) == 1:
-                self.master_flat = self._master_buffers[0]
-        # NVMe offload with the gradients in host memory of the master dtype (the CPU accelerator): one gradient
-        # buffer per sub-group, kept in files between uses ([Note: swapped gradients], offload/grad_swap.py)
-        self.grad_buffers: list[torch.Tensor] = []
-        if offload.swaps_gradients and device.type == "cpu" and grad_dtype == master_dtype:
-            self.owned_grads = []
-            for start, end in self._sub_groups:
-                buffer = torch.empty(sum(r.numel for r in runs[start:end]), dtype=grad_dtype, device=device)
-                self.owned_grads += self._split(buffer, runs[start:end])
-                buffer.untyped_storage().resize_(0)  # never resident here: the swap allocates it when used
-                self.grad_buffers.append(buffer)
-            self.grad_storage = torch.empty(0, dtype=grad_dtype, device=device)
-        else:
-            self.grad_storage = torch.zeros(total, dtype=grad_dtype, device=device)
-            self.owned_grads = self._split(self.grad_storage)
-        self._allocate_host_buffers(total, master_dtype)
-
-    @property
-    def master_buffers(self) -> list[torch.Tensor]:
-        return self._master_buffers
-
-    @property
-    def sub_groups(self) -> list[tuple[int, int]]:
-        return self._sub_groups
-
-    def _split(self, flat: torch.Tensor, runs: list[Run] | None = None) -> list[torch.Tensor]:
-        pieces, offset = [], 0
-        for run in self.runs if runs is None else runs:
-            pieces.append(flat[offset : offset + run.numel])
-            offset += run.numel
-        return pieces
-
-    def owned_bytes(self) -> dict[str, int]:
-        total = super().owned_bytes()
-        total["grads"] += sum(b.numel() * b.element_size() for b in self.grad_buffers)  # swapped, but owned
-        return total
-
-    def copy_master_to_params(self, *, from_low_precision: bool, span: tuple[int, int] | None = None) -> None:
-        """The updated masters (or the optimizer's low-precision copy) of pieces [span) into the shards."""
-        if self.aliased_master:
-            return
-        source = self.low_precision_pieces if from_low_precision else self.master_pieces
-        start, end = span if span is not None else (0, len(self.runs))
-        for run, piece in zip(self.runs[start:end], source[start:end]):
-            run.unit.store.fetch(run.unit.shard)
-            run.unit.shard[run.shard_start : run.shard_start + run.numel].copy_(
-                piece, non_blocking=self.offload.on_host
-            )
-            run.unit.store.release(run.unit.shard, dirty=True)
 
 
 class Stage3Optimizer(ZeroOptimizer):
@@ -167,54 +40,18 @@ class Stage3Optimizer(ZeroOptimizer):
         super().__init__(optimizer, **kwargs)
 
     def _build_groups(self, *, bucket_numel: int, master_dtype: torch.dtype, grad_dtype: torch.dtype) -> list[Any]:
-        group_of: dict[int, int] = {}
-        for number, hyper in enumerate(self.optimizer.param_groups):
-            for param in hyper["params"]:
-                if not isinstance(param, ShardedParameter) or param.ds_record.unit.manager is not self.model:
-                    raise ValueError(
-                        "ZeRO-3: the optimizer holds a parameter that is not part of the engine's model "
-                        f"({type(param).__name__} of shape {tuple(param.shape)}); build the optimizer "
-                        "from model.parameters()"
-                    )
-                if param.requires_grad:
-                    group_of[id(param)] = number
+        group_of = self._group_of_trainable()
         sub_group_numel = self.model.plan.sub_group_numel
         runs: dict[int, list[Run]] = {n: [] for n in range(len(self.optimizer.param_groups))}
         self._trainable: dict[int, list[int]] = {}
         self._receive_offsets: dict[int, list[int]] = {}
         self._receive_numel: dict[int, int] = {}
         for unit in self.model.units:
-            indices = [i for i, p in enumerate(unit.params) if id(p) in group_of]
-            offsets, receive = [], 0
-            for index in indices:
-                offsets.append(receive)
-                receive += unit.layout.shard_numels[index]
-            self._trainable[unit.uid], self._receive_offsets[unit.uid] = indices, offsets
-            self._receive_numel[unit.uid] = receive
-            current: list[int] = []
-            current_numel = 0
-            for index in indices + [-1]:
-                numel = unit.layout.shard_numels[index] if index >= 0 else 0
-                if current and (
-                    index < 0
-                    or index != current[-1] + 1
-                    or group_of[id(unit.params[index])] != group_of[id(unit.params[current[0]])]
-                    or current_numel + numel > sub_group_numel  # a run never spans two sub-groups
-                ):
-                    first = current[0]
-                    runs[group_of[id(unit.params[first])]].append(
-                        Run(
-                            unit=unit,
-                            indices=tuple(current),
-                            shard_start=unit.layout.shard_offsets[first],
-                            numel=current_numel,
-                            receive_start=offsets[indices.index(first)],
-                        )
-                    )
-                    current, current_numel = [], 0
-                if index >= 0:
-                    current.append(index)
-                    current_numel += numel
+            cut = cut_runs(unit, group_of, sub_group_numel)
+            self._trainable[unit.uid], self._receive_offsets[unit.uid] = cut.indices, cut.receive_offsets
+            self._receive_numel[unit.uid] = cut.receive_numel
+            for run in cut.runs:
+                runs[group_of[id(unit.params[run.indices[0]])]].append(run)
         self._group_numbers = [n for n in sorted(runs) if runs[n]]
         groups = [
             Stage3Group(
@@ -234,12 +71,7 @@ class Stage3Optimizer(ZeroOptimizer):
         self._grad_swap: Any = None
         if any(group.grad_buffers for group in groups):
             self._build_grad_swap(groups)
-        # Reverse registration order (roughly backward's), then the root and persistent units: they complete only
-        # at the end of backward, and a unit waiting for them would hold its full-size gradients until then.
-        last = [u for u in self.model.units if u.persistent or u.name == "<root>"]
-        self._order = [
-            u.uid for u in [*reversed([u for u in self.model.units if u not in last]), *last] if self._trainable[u.uid]
-        ]
+        self._order = self._reduce_order()
         self._units = {u.uid: u for u in self.model.units}
         largest = max(self._receive_numel.values(), default=0)
         self._ring = StagingRing(
@@ -249,6 +81,31 @@ class Stage3Optimizer(ZeroOptimizer):
         self._next = 0
         self.model.coordinator.watch_gradients(self, {uid: frozenset(ix) for uid, ix in self._trainable.items()})
         return groups
+
+    def _group_of_trainable(self) -> dict[int, int]:
+        """id(parameter) -> its param group's number, for the trainable ones; a parameter not of the engine's
+        model is an error."""
+        group_of: dict[int, int] = {}
+        for number, hyper in enumerate(self.optimizer.param_groups):
+            for param in hyper["params"]:
+                if not isinstance(param, ShardedParameter) or param.ds_record.unit.manager is not self.model:
+                    raise ValueError(
+                        "ZeRO-3: the optimizer holds a parameter that is not part of the engine's model "
+                        f"({type(param).__name__} of shape {tuple(param.shape)}); build the optimizer "
+                        "from model.parameters()"
+                    )
+                if param.requires_grad:
+                    group_of[id(param)] = number
+        return group_of
+
+    def _reduce_order(self) -> list[int]:
+        """The uids of the units with trainable parameters in the order their gradients are reduced: reverse
+        registration order (roughly backward's), then the root and persistent units. Those complete only at the
+        end of backward, and a unit waiting for them would hold its full-size gradients until then."""
+        last = [u for u in self.model.units if u.persistent or u.name == "<root>"]
+        return [
+            u.uid for u in [*reversed([u for u in self.model.units if u not in last]), *last] if self._trainable[u.uid]
+        ]
 
     def _build_grad_swap(self, groups: list[Stage3Group]) -> None:
         """Swapped gradients ([Note: swapped gradients]): the sub-groups' buffers go to the policy's files; each
@@ -488,11 +345,11 @@ class Stage3Optimizer(ZeroOptimizer):
                                 lo=lo,
                                 hi=hi,
                                 value=value,
-                                master=master[offset : offset + hi - lo] if _in_memory(master) else None,
+                                master=master[offset : offset + hi - lo] if in_memory(master) else None,
                                 piece=master,
                                 piece_offset=offset,
                                 group_index=number,
-                                grad=grad[offset : offset + hi - lo] if _in_memory(grad) else None,
+                                grad=grad[offset : offset + hi - lo] if in_memory(grad) else None,
                             )
                         )
                     offset += record.shard_numel
