@@ -206,9 +206,22 @@ class HostPeakTracker:
 
 
 class HostMemoryAccelerator(Accelerator):
-    """What every backend whose tensors live in host memory shares (the CPU, and MPS's unified memory): the
-    host's memory totals, no pinning, no device-visibility or launcher variables, no range profiler, no
-    deferred runtime initialisation, no Triton."""
+    """What every backend whose tensors live in host memory shares (the CPU, and MPS's unified memory): no
+    user-visible streams (a `HostStream` stands in), the host's memory totals, no pinning, no device-visibility
+    or launcher variables, no range profiler, no deferred runtime initialisation, no Triton."""
+
+    @property
+    def Stream(self) -> type[HostStream]:
+        return HostStream
+
+    def stream(self, stream: StreamLike | None) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext(stream)
+
+    def current_stream(self, device_index: int | None = None) -> HostStream:
+        return HostStream()
+
+    def default_stream(self, device_index: int | None = None) -> HostStream:
+        return HostStream()
 
     def total_memory(self, device_index: int | None = None) -> int:
         """Host memory this process may use (see [Note: CPU memory numbers])."""
@@ -311,19 +324,6 @@ class CpuAccelerator(HostMemoryAccelerator):
 
     def default_generator(self, device_index: int) -> torch.Generator:
         return torch.default_generator
-
-    @property
-    def Stream(self) -> type[HostStream]:
-        return HostStream
-
-    def stream(self, stream: StreamLike | None) -> contextlib.AbstractContextManager[object]:
-        return contextlib.nullcontext(stream)
-
-    def current_stream(self, device_index: int | None = None) -> HostStream:
-        return HostStream()
-
-    def default_stream(self, device_index: int | None = None) -> HostStream:
-        return HostStream()
 
     @property
     def Event(self) -> type[EventLike]:

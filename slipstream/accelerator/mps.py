@@ -9,13 +9,12 @@ Importing this module touches no GPU.
 
 from __future__ import annotations
 
-import contextlib
 from typing import cast
 
 import torch
 
-from slipstream.accelerator.base import EventLike, StreamLike
-from slipstream.accelerator.cpu import HostMemoryAccelerator, HostStream
+from slipstream.accelerator.base import EventLike
+from slipstream.accelerator.cpu import HostMemoryAccelerator
 
 
 def unavailable_reason() -> str | None:
@@ -82,19 +81,6 @@ class MpsAccelerator(HostMemoryAccelerator):
                 "use get_rng_state()/set_rng_state() instead"
             )
         return cast(torch.Generator, getter())
-
-    @property
-    def Stream(self) -> type[StreamLike]:
-        return HostStream
-
-    def stream(self, stream: StreamLike | None) -> contextlib.AbstractContextManager[object]:
-        return contextlib.nullcontext(stream)
-
-    def current_stream(self, device_index: int | None = None) -> StreamLike:
-        return HostStream()
-
-    def default_stream(self, device_index: int | None = None) -> StreamLike:
-        return HostStream()
 
     @property
     def Event(self) -> type[EventLike]:

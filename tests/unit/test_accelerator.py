@@ -318,8 +318,11 @@ def test_host_memory_falls_back_to_psutil_then_sysconf(monkeypatch: pytest.Monke
 
 
 def test_mps_shares_the_host_memory_behaviour() -> None:
-    """MPS memory is unified: the host's totals, no pinning, no launcher variables (no Mac needed)."""
+    """MPS memory is unified: host streams, the host's totals, no pinning, no launcher variables (no Mac needed)."""
     acc = MpsAccelerator()
+    assert acc.Stream is HostStream and isinstance(acc.current_stream(), HostStream)
+    with acc.stream(acc.default_stream()) as entered:
+        assert isinstance(entered, HostStream)
     t = torch.zeros(4)
     assert acc.pin_memory(t) is t and not acc.is_pinned(t)
     assert acc.visible_devices_envs() == [] and acc.export_envs() == []
