@@ -319,15 +319,17 @@ class DeepSpeedEngineMethods(EngineAttributes):
         collate_fn: Any = None,
         num_local_io_workers: int | None = None,
     ) -> torch.utils.data.DataLoader:
-        """A DataLoader over this rank's share of `dataset` (a DistributedSampler), micro-batch sized."""
+        """A DataLoader over this data-parallel rank's share of `dataset` (a DistributedSampler over the
+        data-parallel replicas: a pipeline's stage or a TP group reads one share), micro-batch sized."""
         del route
         from torch.utils.data import DataLoader, DistributedSampler
 
         if data_sampler is None and not self.is_iterable_style_dataset(dataset):
+            getters: Any = self  # the engine's data-parallel getters (engine_getters.py, pipe/engine.py)
             data_sampler = DistributedSampler(
                 dataset,
-                num_replicas=self.world_size,
-                rank=self.global_rank,
+                num_replicas=getters.get_data_parallel_world_size(),
+                rank=getters.get_data_parallel_rank(),
                 shuffle=False,
                 drop_last=bool(_dotted(self.config, "dataloader_drop_last", False)),
             )

@@ -1,17 +1,24 @@
-"""`PipelineEngine`: DeepSpeed's pipeline engine. `initialize(model=PipelineModule(...))` builds it.
+"""`PipelineEngine`: DeepSpeed's pipeline engine, the engine (engine/engine.py) with a pipeline schedule.
+`initialize(model=PipelineModule(...))` builds it.
+
+It is built by the engine's own construction steps (ZeRO through zero/build.py, the optimizer, scheduler,
+monitors and notices), overriding four of them: the layout is the module's grid (no tensor or sequence
+parallelism), ZeRO runs over the stage's data-parallel group with the pipeline's tied-weight and norm handling
+(pipe/grads.py), every stage's copies of a tied weight start from the first sharing stage's, and the loader
+reads by data-parallel index. ZeRO stage 3, fp16 loss scaling and ZenFlow are refused.
 
 One `train_batch()` runs `gradient_accumulation_steps` micro-batches through the schedule the module names
-(pipe/schedule.py) and takes one optimizer step: the stage's ZeRO optimizer (stages 0, 1 or 2) over the
-stage's data-parallel group, with tied-weight gradients and the global norm handled across stages
-(pipe/grads.py). Gradients are averaged once, at the step, over data-parallel ranks x micro-batches
+(pipe/schedule.py) and takes one optimizer step through the engine's step (clipping, the scheduler, counters,
+monitors, the step line). Gradients are averaged once, at the step, over data-parallel ranks x micro-batches
 (docs/design.md D7). The returned loss is the mean over the micro-batches and the data-parallel ranks, the
 same tensor on every rank. `forward`, `backward` and `step` raise, as in DeepSpeed: a pipeline trains only
-through `train_batch`.
+through `train_batch`. Checkpoints keep the pipeline's own format (pipe/checkpoint.py).
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,26 +26,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
-from slipstream.config import notices
 from slipstream.config.plan import EnginePlan
-from slipstream.offload.choose import policy_for
+from slipstream.engine.dataloader import RepeatingLoader
+from slipstream.engine.engine import SlipstreamEngine
+from slipstream.engine.parallel import ParallelSetup
 from slipstream.pipe.exchange import Exchanger
 from slipstream.pipe.grads import pipeline_optimizer_class
 from slipstream.pipe.module import PipelineError, PipelineModule
 from slipstream.pipe.runtime import StageRunner
-from slipstream.pipe.schedule import actions_for
+from slipstream.pipe.schedule import Action, actions_for
 from slipstream.pipe.table import stage_table
-from slipstream.utils.logging import log_rank0
-from slipstream.zero.build import STAGES, check_optimizer_kind
-from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
+from slipstream.utils.errors import ArgumentTypeError
+from slipstream.utils.logging import get_logger, log_rank0
+from slipstream.zero.build import ZeroBuild, build_zero
 
 _ONLY_TRAIN_BATCH = "Only train_batch() is accessible in pipeline mode (DeepSpeed's rule): call engine.train_batch()"
 
 
 def _check_supported(plan: EnginePlan) -> None:
-    """Refuse what a pipeline does not train: ZeRO stage 3 and fp16 loss scaling."""
+    """Refuse what a pipeline does not train: ZeRO stage 3, fp16 loss scaling and ZenFlow."""
     if plan.zero.stage == 3:
         raise PipelineError(
             "ZeRO stage 3 with a PipelineModule is not supported (each stage already holds only its layers); "
@@ -46,122 +53,188 @@ def _check_supported(plan: EnginePlan) -> None:
         )
     if plan.precision.loss_scale is not None:
         raise PipelineError("fp16 with loss scaling is not supported with a PipelineModule yet; use bf16 or fp32")
+    if plan.zero.zenflow is not None:
+        raise PipelineError(
+            "zero_optimization.zenflow with a PipelineModule is not supported; remove the zenflow section"
+        )
 
 
-class PipelineEngine(nn.Module):
-    """Trains a PipelineModule; built by `slipstream.initialize`."""
+class PipelineEngine(SlipstreamEngine):
+    """Trains a PipelineModule; built by `slipstream.initialize`. A `DeepSpeedEngine`, as in DeepSpeed."""
+
+    module: PipelineModule
 
     def __init__(
         self,
         module: PipelineModule,
         plan: EnginePlan,
         *,
-        make_optimizer: Callable[[nn.Module], torch.optim.Optimizer | None],
-        make_scheduler: Callable[[Any], Any],
-        make_dataloader: Callable[[int, int], Any],
-        repeat: Callable[[Any], Any] = iter,
+        optimizer: Any = None,
+        model_parameters: Any = None,
+        lr_scheduler: Any = None,
+        training_data: Any = None,
+        collate_fn: Any = None,
     ) -> None:
-        super().__init__()
         _check_supported(plan)
-        self.plan, self.config = plan, plan.resolved
-        self.module = module
-        self.grid = module.mpu()
-        self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.stage_id, self.num_stages = module.stage_id, module.num_stages
-        self.dp_world_size, self.dp_rank = self.grid.data_parallel_size, self.grid.data_parallel_id
-        self.micro_batches = plan.batch.gradient_accumulation_steps
-        self.device = get_accelerator().device(get_accelerator().current_device())
-        notices.report_plan(plan, rank=self.global_rank)
-        if plan.pipeline.activation_checkpoint_interval > 0:  # the config seeds the module's interval (DeepSpeed)
-            module.activation_checkpoint_interval = plan.pipeline.activation_checkpoint_interval
-        self._place()
-        self.basic_optimizer = make_optimizer(module)
-        self.optimizer = self._stage_optimizer(self.basic_optimizer)
-        self.lr_scheduler = make_scheduler(self.basic_optimizer)
-        self.training_dataloader = make_dataloader(self.dp_rank, self.dp_world_size)
-        self._repeat = repeat
-        """Wraps the training loader so it restarts at its end (the engine's RepeatingLoader, from api.py)."""
+        super().__init__(
+            module,
+            plan,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler,
+            training_data=training_data,
+            collate_fn=collate_fn,
+        )
+        self.micro_batches = self.gradient_accumulation_steps()
         self.data_iterator: Iterator[Any] | None = None
         self.batch_fn: Callable[[Any], Any] | None = None
-        exchanger = Exchanger(
-            num_virtual=module.num_virtual_stages,
-            dynamic=module.dynamic_shape,
-            device=self.device,
-        )
+        self.has_attention_mask = False
+        self._force_grad_boundary = False
+        exchanger = Exchanger(num_virtual=module.num_virtual_stages, dynamic=module.dynamic_shape, device=self.device)
         self._runner = StageRunner(
             module, exchanger, ranks_of_stage=self.grid.stage_to_global, after_backward=self._after_backward
         )
-        self.global_steps = self.global_samples = self.micro_steps = 0
-        self._grad_norm: float | None = None
-        self._last_loss: torch.Tensor | None = None
         self._actions: dict[tuple[str, int], Any] = {}
-        log_rank0(stage_table(module, plan, dp=self.dp_world_size), rank=self.global_rank)
 
-    def _stage_optimizer(self, basic_optimizer: torch.optim.Optimizer | None) -> ZeroOptimizer | None:
-        """The stage's ZeRO optimizer around the client's, over the stage's data-parallel group, with the tied
-        weights and the pipeline group attached (None without a client optimizer)."""
-        if basic_optimizer is None:
-            return None
-        plan, module = self.plan, self.module
-        check_optimizer_kind(basic_optimizer, plan.zero)
-        cls = pipeline_optimizer_class(STAGES[plan.zero.stage])
-        optimizer = cls(
-            basic_optimizer,
-            zero=plan.zero,
-            precision=plan.precision,
-            offload=policy_for(plan.zero.offload_optimizer, rank=self.global_rank),
+    # ---- construction steps (engine/engine.py) ----
+    def _setup_parallel(self, model: nn.Module) -> Any:
+        """The module's grid: stages x data-parallel replicas; no tensor or sequence parallelism, no MoE."""
+        assert isinstance(model, PipelineModule)
+        self.parallel = ParallelSetup(None, None)
+        self.grid = model.mpu()
+        self.stage_id, self.num_stages = model.stage_id, model.num_stages
+        self.dp_world_size, self.dp_rank = self.grid.data_parallel_size, self.grid.data_parallel_id
+        self.sequence_parallel_size = 1
+        if self.plan.pipeline.activation_checkpoint_interval > 0:  # the config seeds the module's interval (DeepSpeed)
+            model.activation_checkpoint_interval = self.plan.pipeline.activation_checkpoint_interval
+        return None
+
+    def _build_zero(self, model: nn.Module, moe: Any) -> ZeroBuild:
+        """The stage placed over its data-parallel group, its optimizer class with the pipeline's tied weights
+        and norm; then every copy of a tied weight takes the first sharing stage's values."""
+        zero = build_zero(
+            model,
+            zero=self.plan.zero,
+            precision=self.plan.precision,
+            device=self.device,
             group=self.grid.dp_group,
+            extend=pipeline_optimizer_class,
         )
-        tied = [(p, group, module.is_tied_owner(key)) for key, p, group, _ in module.tied_parameters()]
-        optimizer.attach_pipeline(  # type: ignore[attr-defined]
-            tied=tied,
-            pipe_group=self.grid.pp_group,
-            pipe_size=self.num_stages,
-        )
-        optimizer.param_names = {id(p): n for n, p in module.named_parameters()}
-        return optimizer
-
-    def _place(self) -> None:
-        """Parameters to the device and dtype; each stage's replicas take their first rank's values, and every
-        copy of a tied weight takes the first sharing stage's."""
-        dtype = DTYPES[self.plan.precision.param_dtype]
-        self.module.to(self.device)
-        if dtype != torch.float32:
-            self.module.to(dtype)
+        self._adopt_module(zero)
         with torch.no_grad():
-            if self.dp_world_size > 1:
-                for tensor in [*self.module.parameters(), *self.module.buffers()]:
-                    collectives.broadcast(tensor.data, src=self.grid.dp_ranks[0], group=self.grid.dp_group)
             for _key, param, group, ranks in self.module.tied_parameters():
                 collectives.broadcast(param.data, src=ranks[0], group=group)
+        return zero
 
-    # ---- DeepSpeed's surface ----
+    def _build_optimizer(self, zero: ZeroBuild, optimizer: Any, model_parameters: Any, moe: Any) -> None:
+        super()._build_optimizer(zero, optimizer, model_parameters, moe)
+        if self.optimizer is None:
+            return
+        module = self.module
+        tied = [(p, group, module.is_tied_owner(key)) for key, p, group, _ in module.tied_parameters()]
+        self.optimizer.attach_pipeline(  # type: ignore[attr-defined]
+            tied=tied, pipe_group=self.grid.pp_group, pipe_size=self.num_stages
+        )
+
+    def _loader_rank_and_size(self) -> tuple[int, int]:
+        return self.dp_rank, self.dp_world_size
+
+    def _log_plan(self) -> None:
+        super()._log_plan()
+        log_rank0(stage_table(self.module, self.plan, dp=self.dp_world_size), rank=self.global_rank)
+
+    # ---- DeepSpeed's pipeline surface ----
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
 
     def is_last_stage(self) -> bool:
         return self.stage_id == self.module.stage_owner(self.module.num_virtual_stages - 1)
 
+    def get_pipeline_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def get_data_parallel_rank(self) -> int:
+        """This rank's index among its stage's data-parallel replicas (the grid's)."""
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_world_size
+
+    @property
+    def mpu(self) -> Any:
+        """The module's grid, DeepSpeed's model-parallel unit for a pipeline."""
+        return self.grid
+
+    def set_has_attention_mask(self, value: bool) -> None:
+        """DeepSpeed's flag for an attention mask among the activations; the exchange here sends every tensor
+        (bool ones included) with its dtype, so it changes nothing."""
+        if not isinstance(value, bool):
+            raise ArgumentTypeError(f"set_has_attention_mask(value): expected True or False, got {value!r}")
+        self.has_attention_mask = value
+
+    def set_dataloader(self, loader: Any) -> None:
+        """Train from `loader` (first and last stages, the ones that read data)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
-        self.data_iterator = iterator
+        """Train from `iterator` (first and last stages), in place of the engine's loader."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = None
+            self.data_iterator = iterator
 
     def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
         self.batch_fn = fn
 
-    def train_batch_size(self) -> int:
-        return self.plan.batch.train_batch_size
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch by changing the micro-batches per train_batch (DeepSpeed's rule)."""
+        super().set_train_batch_size(train_batch_size)
+        self.micro_batches = self.gradient_accumulation_steps()
 
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.plan.batch.micro_batch_size
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True only while train_batch() takes its optimizer step (DeepSpeed's pipeline rule)."""
+        return self._force_grad_boundary
 
-    def gradient_accumulation_steps(self) -> int:
-        return self.micro_batches
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """The whole pipeline's state dict on rank 0 (each stage's layers from its first data-parallel rank,
+        under the module's names, the same at every stage count); an empty dict on the other ranks."""
+        state = {}
+        if self.dp_rank == 0:
+            own = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+            state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in own.items()}
+        parts: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
+        dist.gather_object(state, parts, dst=0)
+        whole: dict[str, torch.Tensor] = OrderedDict()
+        for part in parts or []:
+            whole.update(part)
+        return whole
 
-    def get_global_grad_norm(self) -> float | None:
-        return self._grad_norm
+    def get_additional_losses(self) -> dict[str, torch.Tensor] | None:
+        """The losses a model reports besides its main one, per batch; a PipelineModule's loss_fn returns only
+        the main one, so None (DeepSpeed's value without them)."""
+        return None
 
-    def get_lr(self) -> list[float]:
-        return [] if self.basic_optimizer is None else [float(g["lr"]) for g in self.basic_optimizer.param_groups]
+    def reset_activation_shape(self) -> None:
+        """Nothing to reset: every transfer's shapes travel with it, or are resent when they change."""
+
+    def log_for_device(self, *msg: Any) -> None:
+        """`msg` in the debug log, tagged with this rank's stage, data-parallel index and step."""
+        text = " ".join(str(m) for m in msg)
+        get_logger().debug(
+            "RANK=%d PIPE-ID=%d DATA-ID=%d STEP-ID=%d :: %s",
+            self.global_rank,
+            self.stage_id,
+            self.dp_rank,
+            self.global_steps,
+            text,
+        )
+
+    def tput_log(self, *msg: Any) -> None:
+        """`msg` on rank 0 at the steps the step line is printed (`steps_per_print`)."""
+        every = self.plan.logging.steps_per_print
+        if every and self.global_steps % every == 0:
+            log_rank0(" ".join(str(m) for m in msg), rank=self.global_rank)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError(_ONLY_TRAIN_BATCH)
@@ -173,23 +246,27 @@ class PipelineEngine(nn.Module):
         raise PipelineError(_ONLY_TRAIN_BATCH)
 
     # ---- batches ----
-    def _next_micro_batches(self, data_iter: Iterator[Any] | None) -> tuple[list[Any], list[Any]]:
-        """(inputs, labels) per micro-batch; only the first and last stages read data (as in DeepSpeed)."""
-        if data_iter is not None:
-            self.data_iterator = data_iter
-        needs = self.is_first_stage() or self.is_last_stage()
-        if not needs:
-            return [None] * self.micro_batches, [None] * self.micro_batches
+    def _training_iterator(self) -> Iterator[Any] | None:
+        """What train_batch reads on the first and last stages (None on the others): the iterator set, or the
+        engine's loader, restarted at its end."""
+        if not (self.is_first_stage() or self.is_last_stage()):
+            return None
         if self.data_iterator is None:
             if self.training_dataloader is None:
                 raise PipelineError(
                     "train_batch() needs data: pass data_iter=, call set_dataiterator(), or give "
                     "initialize(training_data=...)"
                 )
-            self.data_iterator = iter(self._repeat(self.training_dataloader))
+            self.data_iterator = iter(RepeatingLoader(self.training_dataloader))
+        return self.data_iterator
+
+    def _read_micro_batches(self, iterator: Iterator[Any] | None) -> tuple[list[Any], list[Any]]:
+        """(inputs, labels) per micro-batch; only the first and last stages read data (as in DeepSpeed)."""
+        if iterator is None or not (self.is_first_stage() or self.is_last_stage()):
+            return [None] * self.micro_batches, [None] * self.micro_batches
         inputs, labels = [], []
         for _ in range(self.micro_batches):
-            batch = next(self.data_iterator)
+            batch = next(iterator)
             if self.batch_fn is not None:
                 batch = self.batch_fn(batch)
             if not isinstance(batch, (tuple, list)) or len(batch) != 2:
@@ -203,8 +280,6 @@ class PipelineEngine(nn.Module):
         if key not in self._actions:
             if name == "eval":
                 order = [(v, m) for m in range(self.micro_batches) for v in self.module.local_virtual]
-                from slipstream.pipe.schedule import Action
-
                 self._actions[key] = [Action(v, "F", m) for v, m in order]
             else:
                 self._actions[key] = actions_for(
@@ -224,30 +299,27 @@ class PipelineEngine(nn.Module):
         self.optimizer.micro_step_done(reduce=True)
 
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
-        """One batch (gradient_accumulation_steps micro-batches) and one optimizer step; the mean loss."""
+        """One batch (gradient_accumulation_steps micro-batches) and one optimizer step (the engine's); the
+        mean loss over the micro-batches and data-parallel ranks."""
         if self.optimizer is None:
             raise PipelineError("train_batch() needs an optimizer: pass optimizer= or an 'optimizer' config section")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
         self.module.train()
-        inputs, labels = self._next_micro_batches(data_iter)
+        self.tput_timer.start()
+        inputs, labels = self._read_micro_batches(self._training_iterator())
         losses = self._runner.run(self._schedule("train"), inputs, labels, train=True)
-        result = self.optimizer.step(
-            grad_divisor=self.dp_world_size * self.micro_batches, clip=self.plan.gradient_clipping
-        )
-        self._grad_norm = result.grad_norm
-        if not result.overflow and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.global_steps += 1
+        for loss in losses:  # the last stage's; the step's window all-reduces them over every rank
+            self._loss_totals[0] += loss.detach().double().sum()
+            self._loss_totals[1] += 1
+        self._force_grad_boundary = True
+        try:
+            self._optimizer_step({})
+        finally:
+            self._force_grad_boundary = False
+        self.tput_timer.stop(global_step=True)
         self.micro_steps += self.micro_batches
-        self.global_samples += self.train_batch_size()
-        self._last_loss = self._mean_over_batch(losses)
-        every = self.plan.logging.steps_per_print
-        if every and self.global_steps % every == 0:
-            log_rank0(
-                f"pipeline step {self.global_steps}: loss {float(self._last_loss):.6g}, grad norm "
-                f"{self._grad_norm:.4g}",
-                rank=self.global_rank,
-            )
-        return self._last_loss
+        return torch.tensor(float("nan") if self._last_loss is None else self._last_loss, device=self.device)
 
     def _mean_over_batch(self, losses: list[torch.Tensor]) -> torch.Tensor:
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -281,7 +353,7 @@ class PipelineEngine(nn.Module):
         self, data_iter: Any, return_logits: bool, compute_loss: bool, reduce_output: str | None, bcast_loss: bool
     ) -> Any:
         self.module.eval()
-        inputs, labels = self._next_micro_batches(data_iter)
+        inputs, labels = self._read_micro_batches(self._training_iterator() if data_iter is None else data_iter)
         saved_loss = self.module.loss_fn
         if not compute_loss:
             self.module.loss_fn = None
@@ -301,14 +373,17 @@ class PipelineEngine(nn.Module):
             return result, (logits or outputs) if self.is_last_stage() else None
         return result
 
-    # ---- checkpoints ----
+    # ---- checkpoints (the pipeline's format, pipe/checkpoint.py) ----
     def save_checkpoint(
         self,
         save_dir: str,
         tag: str | None = None,
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> bool:
+        """Every rank's slices of its stage's trainable parameters and their optimizer state (frozen parameters
+        are never in this format, so `exclude_frozen_parameters` changes nothing)."""
         from slipstream.pipe.checkpoint import save_pipeline
 
         save_pipeline(
@@ -324,17 +399,18 @@ class PipelineEngine(nn.Module):
         self,
         load_dir: str,
         tag: str | None = None,
+        load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
-        **_: Any,
-    ) -> tuple[str | None, dict[str, Any]]:
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[Any, Any]:
+        """Load a pipeline checkpoint saved at any stage count and data-parallel degree; (path, client_state)."""
         from slipstream.pipe.checkpoint import load_pipeline
 
-        return load_pipeline(self, os.fspath(load_dir), tag, load_optimizer_states=load_optimizer_states)
-
-    def destroy(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.remove_hooks()
+        return load_pipeline(
+            self, os.fspath(load_dir), tag, load_optimizer_states=load_optimizer_states and not load_module_only
+        )
 
 
 class _Capture:

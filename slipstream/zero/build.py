@@ -9,6 +9,7 @@ Two phases, because the optimizer is built over the placed model's parameters:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from slipstream.zero.stage3.sharded_param import ShardedParameter
 __all__ = ["STAGES", "ZeroBuild", "build_zero"]
 
 Sources = dict[int, tuple[int, Any]]
+Extend = Callable[[type[ZeroOptimizer]], type[ZeroOptimizer]]
 
 STAGES: dict[int, type[ZeroOptimizer]] = {
     0: Stage0Optimizer,
@@ -51,6 +53,8 @@ class ZeroBuild:
     precision: PrecisionPlan
     group: dist.ProcessGroup | None = None
     """The data-parallel group ZeRO shards and reduces over (None: the whole world)."""
+    extend: Extend | None = None
+    """Makes a subclass of the chosen stage class (the pipeline's tied weights and norm, pipe/grads.py)."""
 
     def wrap(self, optimizer: torch.optim.Optimizer, *, rank: int, group_for: GroupFor | None = None) -> ZeroOptimizer:
         """The stage's ZeRO optimizer around `optimizer` (whose param groups it re-points at master pieces);
@@ -62,6 +66,8 @@ class ZeroBuild:
             from slipstream.zero.zenflow import zenflow_stage
 
             stage = zenflow_stage(stage)
+        if self.extend is not None:
+            stage = self.extend(stage)
         return stage(
             optimizer,
             zero=self.zero,
@@ -82,12 +88,14 @@ def build_zero(
     group: dist.ProcessGroup | None = None,
     sources: Sources | None = None,
     unit_groups: UnitGroups | None = None,
+    extend: Extend | None = None,
 ) -> ZeroBuild:
     """Place `model` for `zero.stage`: on the device in the parameter dtype with the values of the group's first
     rank (stages 0-2), or sharded into units over `group` (stage 3). `group` None is the whole world; with
     tensor parallelism it is the data-parallel group of this rank's shard. `sources` maps id(param) -> (global
     source rank, process group) for parameters whose values come from elsewhere (MoE experts); `unit_groups`
-    does the same for the stage-3 units of marked modules (stage3/units.py [Note: units over other groups])."""
+    does the same for the stage-3 units of marked modules (stage3/units.py [Note: units over other groups]).
+    `extend` subclasses the stage class the optimizer is wrapped in (the pipeline's, pipe/grads.py)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(model=...) needs a torch.nn.Module, got {type(model).__name__}")
     if zero.stage == 3:
@@ -102,7 +110,7 @@ def build_zero(
             group=group,
         )
     _place_replicated(model, precision, device, group, sources or {})
-    return ZeroBuild(module=model, zero_model=None, zero=zero, precision=precision, group=group)
+    return ZeroBuild(module=model, zero_model=None, zero=zero, precision=precision, group=group, extend=extend)
 
 
 def _place_replicated(

@@ -3,7 +3,7 @@ parameters to 2e-5 relative after 5 train_batch calls, the loss of every batch a
 (clipping is active: CLIP is below every step's norm), at 2 stages and 2 stages x 2 data-parallel ranks,
 with tied embeddings, activation checkpointing, ZeRO 0/1/2, the interleaved and zero-bubble schedules,
 micro-batches of different lengths and dict activations; a checkpoint saved at 2 stages loaded at 1 and 4;
-a stage that raises fails every stage quickly, naming it."""
+a stage that raises fails every stage quickly, naming it; the DeepSpeed engine surface (pipe_surface.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist.pipe import pipe_models as pm
+from tests.dist.pipe.pipe_surface import check_surface, surface_case
 from tests.harness import run_distributed
 
 STEPS = 5
@@ -256,6 +257,7 @@ def two_process_suite(rank: int, world: int, *, path: str) -> dict:
         "cases": run_cases(rank, world, cases=TWO),
         "reload": save_then_load(rank, world, save_stages=2, load_stages=[1], path=path),
         "data": data_case(rank, world),
+        "surface": surface_case(rank, world, path=path + "-16bit", config=_config(1, 4, 1)),
     }
     collectives.set_collective_timeout(6.0)
     out["failure"] = failing_stage(rank, world)
@@ -279,6 +281,7 @@ def test_two_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
         )
         for name, value in result["data"]["params"].items():
             torch.testing.assert_close(value, ref["params"][name], rtol=RTOL, atol=1e-6)
+    check_surface([r["surface"] for r in results], str(tmp_path / "ckpt") + "-16bit")
     for rank, result in enumerate(results):
         seconds, _, message = result["failure"].partition("|")
         assert message and float(seconds) < 12, f"rank {rank}: {result['failure']}"
