@@ -195,3 +195,69 @@ def test_the_cycle_check_sees_a_cycle_and_resolves_relative_imports() -> None:
     assert found == {"slipstream.zero.layout", "slipstream.comm", "slipstream.zero.optimizer"}
     graph = {"slipstream.zero.a": {"slipstream.compat.b"}, "slipstream.compat.b": {"slipstream.zero.c"}}
     assert _cycle(_folder_graph(graph)) in (["compat", "zero", "compat"], ["zero", "compat", "zero"])
+
+
+# Sizes: a function a reader can hold at once (60 lines), a module with one job (450 lines).
+MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 450
+STILL_LONG = {
+    "zero/stage3/model.py:ZeroModel.__init__": 72,
+}
+"""Functions and modules (path relative to slipstream/, `path:Class.function` or `path`) still over the limits,
+each with its size now: an entry may shrink (lower its number) or go, never grow, and no other may join."""
+
+
+def _function_sizes(tree: ast.AST, prefix: str = "") -> dict[str, int]:
+    """Qualified name -> lines (def to last line) of every function in `tree`, nested ones included."""
+    sizes: dict[str, int] = {}
+    for node in ast.iter_child_nodes(tree):
+        name = f"{prefix}{getattr(node, 'name', '')}"
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            sizes[name] = (node.end_lineno or node.lineno) - node.lineno + 1
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            sizes.update(_function_sizes(node, f"{name}."))
+        else:
+            sizes.update(_function_sizes(node, prefix))
+    return sizes
+
+
+def _oversized(package: Path) -> dict[str, int]:
+    """Every function over MAX_FUNCTION_LINES and module over MAX_MODULE_LINES under `package`, with its size."""
+    found: dict[str, int] = {}
+    for source in sorted(package.rglob("*.py")):
+        text, where = source.read_text(), source.relative_to(package).as_posix()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            found[where] = len(text.splitlines())
+        for name, lines in _function_sizes(ast.parse(text)).items():
+            if lines > MAX_FUNCTION_LINES:
+                found[f"{where}:{name}"] = lines
+    return found
+
+
+def _size_problems(found: dict[str, int], allowed: dict[str, int]) -> list[str]:
+    """What breaks the ratchet: a size over its allowance (none for a name not in `allowed`), or an allowance
+    above the size now (it must come down, so the list only shrinks)."""
+    grown = [f"{k}: {n} lines, over the limit; split it" for k, n in found.items() if n > allowed.get(k, 0)]
+    stale = [
+        f"{k}: now {found.get(k, 'within the limit')}; lower or remove its STILL_LONG entry"
+        for k, n in allowed.items()
+        if found.get(k, 0) < n
+    ]
+    return grown + stale
+
+
+def test_functions_and_modules_stay_within_size_limits() -> None:
+    problems = _size_problems(_oversized(PACKAGE), STILL_LONG)
+    assert not problems, (
+        f"functions over {MAX_FUNCTION_LINES} lines or modules over {MAX_MODULE_LINES} in slipstream/: {problems}"
+    )
+
+
+def test_the_size_check_sees_a_long_function_and_a_stale_entry(tmp_path: Path) -> None:
+    lines = ["class K:", "    def f(self) -> None:"] + [f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES)]
+    (tmp_path / "long.py").write_text("\n".join(lines) + "\n")
+    found = _oversized(tmp_path)
+    assert found == {"long.py:K.f": MAX_FUNCTION_LINES + 1}
+    assert _size_problems(found, {}), "a new long function must fail"
+    assert not _size_problems(found, {"long.py:K.f": MAX_FUNCTION_LINES + 1})
+    assert _size_problems(found, {"long.py:K.f": MAX_FUNCTION_LINES + 2}), "a shrunk entry must be lowered"
