@@ -1,9 +1,10 @@
-"""Checkpoints: native save/load, export, and import of DeepSpeed checkpoints.
+"""Checkpoints: Slipstream's own format (save, load at any layout, verify, export); DeepSpeed's format is in
+`deepspeed/` (its folders read, universal checkpoints read and written, sharded folders converted).
 
 The native format is a directory per tag holding safetensors files and a JSON manifest (no pickle):
 `safetensors_io` (bytes on disk), `manifest` (what each tensor is and which file holds which slice),
 `atomic` (crash-safe commit, `latest`), `reader` (read whole tensors or one rank's flat range), `export`
-(Hugging Face-style safetensors, streaming). `errors` holds the exception classes.
+(Hugging Face-style safetensors, streaming). `errors` holds the exception classes of both formats.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ them. Masters (or parameter values, for parameters without one) come from `modul
 from `optimizer/<name>/<key>`; optimizer state entries that do not exist yet are created first. Then the
 optimizer publishes the loaded masters into the parameters (casts, all-gathers), and the engine restores
 its counters, scheduler, loss scale and RNG from the returned scalars. A DeepSpeed 0.19 checkpoint is read
-through the same path (`DeepSpeedSource`), its pickles through the restricted loader.
+through the same path (`DeepSpeedSource`), its pickles through the restricted loader (deepspeed/).
 """
 
 from __future__ import annotations
