@@ -165,8 +165,7 @@ class NVMeOffload(CPUOffload):
             self._swaps_gradients = nvme_gradients_in_files()
         return self._swaps_gradients
 
-    @property
-    def pins(self) -> bool:
+    def pins_with(self, requested: bool) -> bool:
         return False  # swappable storages are resized; pinned host memory cannot be
 
     @property

@@ -120,7 +120,11 @@ class OffloadPolicy:
     @property
     def pins(self) -> bool:
         """Host buffers of this policy are pinned (page-locked) memory."""
-        return False
+        return self.pins_with(False)
+
+    def pins_with(self, requested: bool) -> bool:
+        """Whether host buffers are pinned when a caller also asks for pinning (zero.Init's `pin_memory`)."""
+        return requested
 
     def make_param_store(self, *, role: str = "params") -> ParamStore | None:
         """Where stage 3's parameter shards live between uses when not in memory (None: they stay in memory);
@@ -181,9 +185,8 @@ class CPUOffload(OffloadPolicy):
         assert isinstance(target, CpuTarget), f"{cls.__name__} is the policy of CpuTarget, not {target!r}"
         return cls(pin_memory=target.pin_memory)
 
-    @property
-    def pins(self) -> bool:
-        return self.pin_memory
+    def pins_with(self, requested: bool) -> bool:
+        return requested or self.pin_memory
 
     def master_device(self, param_device: torch.device) -> torch.device:
         return torch.device("cpu")

@@ -300,7 +300,7 @@ class Init:
         self.staging = StagingUnits(
             device=device,
             shard_device=offload.master_device(device),
-            pin_memory=(pin_memory or offload.pins) and store is None,
+            pin_memory=offload.pins_with(pin_memory),
             group=data_parallel_group,
             store=store,
         )

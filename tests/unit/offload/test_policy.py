@@ -23,17 +23,18 @@ def test_each_target_gets_its_policy_and_its_decisions(tmp_path: Path) -> None:
     none = policy_for(NoOffloadTarget(), rank=0)
     assert type(none) is NoOffload and none.master_device(cuda) == cuda
     assert not (none.on_host or none.host_resident or none.pins or none.in_files)
-    assert none.make_param_store() is None
+    assert none.make_param_store() is None and none.pins_with(True)
     for pin in (True, False):
         cpu = policy_for(CpuTarget(pin_memory=pin), rank=0)
         assert type(cpu) is CPUOffload and cpu.master_device(cuda) == torch.device("cpu")
         assert cpu.on_host and cpu.host_resident and cpu.pins is pin and not cpu.in_files
-        assert cpu.make_param_store() is None
+        assert cpu.make_param_store() is None and cpu.pins_with(True)
         nvme_target = NvmeTarget(pin_memory=pin, path=str(tmp_path), aio=default_aio_plan())
         nvme = policy_for(nvme_target, rank=1, section="offload_param")
         assert type(nvme) is NVMeOffload and nvme.master_device(cuda) == torch.device("cpu")
         assert nvme.on_host and nvme.in_files and not nvme.host_resident
         assert nvme.pins is False, "NVMe's swappable host buffers are resized; they are never pinned"
+        assert nvme.pins_with(True) is False, "not even when zero.Init's pin_memory asks"
         assert list(tmp_path.iterdir()) == [], "building the policy (the planner, zero.Init) makes no directory"
         store = nvme.make_param_store(role="init")
         assert isinstance(store, NVMeShardStore) and not store.in_memory
