@@ -10,7 +10,10 @@ config as DeepSpeed clients read it back) and in compat/.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from slipstream.config.schema.zero import OffloadOptimizerConfig, OffloadParamConfig
 
 __all__ = [
     "ActivationCheckpointPlan",
@@ -28,6 +31,7 @@ __all__ = [
     "WandbPlan",
     "NoOffloadTarget",
     "NvmeTarget",
+    "OFFLOAD_TARGETS",
     "OffloadTarget",
     "OptimizerPlan",
     "ParallelPlan",
@@ -114,12 +118,18 @@ class AioPlan:
 class OffloadTarget:
     """Where offloaded tensors live; this base class means nowhere (they stay on the accelerator).
 
-    Decoded once from an `offload_optimizer` / `offload_param` section; components choose behaviour by type
-    (`isinstance(target, CpuTarget)` covers NVMe too: NVMe offload steps on the host and swaps to files).
+    Decoded once from an `offload_optimizer` / `offload_param` section (`OFFLOAD_TARGETS` by `kind`, the
+    section's `device`). Plain data: config/ may not import offload/, where each target's runtime policy lives
+    (offload/choose.py `policy_for`); components read the policy, never the target's type.
     """
 
     __slots__ = ()
     kind: ClassVar[str] = "none"
+
+    @classmethod
+    def from_section(cls, section: OffloadOptimizerConfig | OffloadParamConfig, aio: AioPlan) -> OffloadTarget:
+        """This target from an offload section whose `device` is `kind`."""
+        return cls()
 
     @property
     def on_host(self) -> bool:
@@ -138,6 +148,10 @@ class CpuTarget(OffloadTarget):
     kind: ClassVar[str] = "cpu"
     pin_memory: bool
 
+    @classmethod
+    def from_section(cls, section: OffloadOptimizerConfig | OffloadParamConfig, aio: AioPlan) -> OffloadTarget:
+        return cls(pin_memory=section.pin_memory)
+
     @property
     def on_host(self) -> bool:
         return True
@@ -150,6 +164,14 @@ class NvmeTarget(CpuTarget):
     kind: ClassVar[str] = "nvme"
     path: str
     aio: AioPlan
+
+    @classmethod
+    def from_section(cls, section: OffloadOptimizerConfig | OffloadParamConfig, aio: AioPlan) -> OffloadTarget:
+        return cls(pin_memory=section.pin_memory, path=str(section.nvme_path or ""), aio=aio)
+
+
+OFFLOAD_TARGETS: tuple[type[OffloadTarget], ...] = (NoOffloadTarget, CpuTarget, NvmeTarget)
+"""Every offload target, one per `device` value of an offload section."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 from slipstream.config.errors import ConfigWarning
 from slipstream.config.plan import (
+    OFFLOAD_TARGETS,
     AioPlan,
     CpuTarget,
     NoOffloadTarget,
@@ -54,12 +55,11 @@ def default_aio_plan() -> AioPlan:
 
 
 def offload_target(section: OffloadOptimizerConfig | OffloadParamConfig | None, aio: AioPlan) -> OffloadTarget:
-    """The one place an offload section's `device` string becomes a type."""
-    if section is None or section.device == "none":
+    """The one place an offload section's `device` string becomes a type (the target whose `kind` it is)."""
+    if section is None:
         return NoOffloadTarget()
-    if section.device == "nvme":
-        return NvmeTarget(pin_memory=section.pin_memory, path=str(section.nvme_path or ""), aio=aio)
-    return CpuTarget(pin_memory=section.pin_memory)
+    by_kind = {target.kind: target for target in OFFLOAD_TARGETS}
+    return by_kind[section.device].from_section(section, aio)
 
 
 def zero_plan(cfg: DeepSpeedConfig, aio: AioPlan, problems: list[str]) -> ZeroPlan:

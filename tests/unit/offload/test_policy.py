@@ -69,3 +69,20 @@ def test_planner_counts_what_the_policy_says(offload: dict | None, in_files: boo
     _, option = settings_from_plan(plan)
     assert option.nvme is in_files is policy_type(plan.zero.offload_optimizer).in_files
     assert option.offload_optimizer is (offload is not None)
+
+
+def test_every_target_is_a_schema_device_decoded_by_kind_and_has_a_policy() -> None:
+    from typing import get_args
+
+    from slipstream.config.plan import OFFLOAD_TARGETS
+    from slipstream.config.schema.zero import OffloadDevice, OffloadParamConfig
+    from slipstream.config.zero_plans import offload_target
+    from slipstream.offload.choose import POLICIES
+
+    assert sorted(target.kind for target in OFFLOAD_TARGETS) == sorted(get_args(OffloadDevice))
+    assert set(POLICIES) == set(OFFLOAD_TARGETS), "every offload target needs its policy class in POLICIES"
+    for target in OFFLOAD_TARGETS:
+        section = OffloadParamConfig(device=target.kind, nvme_path="/nv", pin_memory=False)
+        decoded = offload_target(section, default_aio_plan())
+        assert type(decoded) is target and decoded.kind == target.kind
+    assert offload_target(None, default_aio_plan()) == NoOffloadTarget()
