@@ -200,9 +200,7 @@ def test_the_cycle_check_sees_a_cycle_and_resolves_relative_imports() -> None:
 # Sizes: a function a reader can hold at once (60 lines), a module with one job (450 lines).
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 450
-STILL_LONG = {
-    "zero/stage3/model.py:ZeroModel.__init__": 72,
-}
+STILL_LONG: dict[str, int] = {}
 """Functions and modules (path relative to slipstream/, `path:Class.function` or `path`) still over the limits,
 each with its size now: an entry may shrink (lower its number) or go, never grow, and no other may join."""
 

@@ -64,34 +64,10 @@ class ZeroModel(UnitManager):
             previous.detach_hooks()
         self.units: list[Unit] = []
         for uid, spec in enumerate(specs):
-            old_units = _sharded_owners(spec)
-            for old in old_units:
-                old.finish_gather()
-            unit_group, source = _unit_group(spec, group, unit_groups)
-            unit_world = dist.get_world_size(unit_group)
-            plain = [p for _, p in spec.params if not isinstance(p, ShardedParameter)]
-            if plain and unit_world > 1:
-                with torch.no_grad():
-                    for param in plain:
-                        collectives.broadcast(param.data, src=source, group=unit_group)
-            self.units.append(
-                Unit(
-                    uid,
-                    spec,
-                    manager=self,
-                    rank=dist.get_rank(unit_group),
-                    world_size=unit_world,
-                    group=unit_group,
-                    device=device,
-                    shard_device=shard_device,
-                    pool=self.pool,
-                    allocate_shard=allocate,
-                    store=store,
-                )
+            unit = self._build_unit(
+                uid, spec, unit_groups=unit_groups, shard_device=shard_device, allocate=allocate, store=store
             )
-            for old in old_units:  # re-sharded: free an old unit once none of its parameters is left in it
-                if all(p.ds_record.unit is not old for p in old.params if isinstance(p, ShardedParameter)):
-                    old.discard()
+            self.units.append(unit)
         for unit in self.units:
             if unit.persistent:
                 unit.refresh_persistent()
@@ -105,6 +81,46 @@ class ZeroModel(UnitManager):
         if attach_hooks:
             self.coordinator.attach(module)
         module._slipstream_zero_model = self  # type: ignore[assignment]
+
+    def _build_unit(
+        self,
+        uid: int,
+        spec: UnitSpec,
+        *,
+        unit_groups: UnitGroups | None,
+        shard_device: torch.device,
+        allocate: Any,
+        store: Any,
+    ) -> Unit:
+        """One unit: its parameters read out of the units that held them before (re-sharding), plain values
+        broadcast from the unit group's source rank, then sharded; an old unit is freed once it holds nothing."""
+        old_units = _sharded_owners(spec)
+        for old in old_units:
+            old.finish_gather()
+        unit_group, source = _unit_group(spec, self.group, unit_groups)
+        unit_world = dist.get_world_size(unit_group)
+        plain = [p for _, p in spec.params if not isinstance(p, ShardedParameter)]
+        if plain and unit_world > 1:
+            with torch.no_grad():
+                for param in plain:
+                    collectives.broadcast(param.data, src=source, group=unit_group)
+        unit = Unit(
+            uid,
+            spec,
+            manager=self,
+            rank=dist.get_rank(unit_group),
+            world_size=unit_world,
+            group=unit_group,
+            device=self.device,
+            shard_device=shard_device,
+            pool=self.pool,
+            allocate_shard=allocate,
+            store=store,
+        )
+        for old in old_units:  # re-sharded: free an old unit once none of its parameters is left in it
+            if all(p.ds_record.unit is not old for p in old.params if isinstance(p, ShardedParameter)):
+                old.discard()
+        return unit
 
     def _borrowing(self, specs: list[UnitSpec]) -> dict[int, list[Unit]]:
         """For each hooked unit: itself, then the units owning parameters its modules use (weight tying)."""
