@@ -80,14 +80,14 @@ def record(identity: str) -> int:
     return seq
 
 
-def _read(store: Any, key: str) -> str | None:
+def _read(store: dist.Store, key: str) -> str | None:
     try:
         return store.get(key).decode() if store.check([key]) else None
     except RuntimeError:  # the store's host is gone: nothing more to learn from it
         return None
 
 
-def _record_at(store: Any, rank: int, seq: int) -> Arrival | None:
+def _record_at(store: dist.Store, rank: int, seq: int) -> Arrival | None:
     value = _read(store, _KEY.format(rank=rank, slot=seq % WINDOW))
     if not value:
         return None

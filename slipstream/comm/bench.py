@@ -121,7 +121,7 @@ def make_issue(op: str, numel: int, dtype: torch.dtype, device: torch.device) ->
     raise ValueError(f"unknown op {op!r}; the benchmark has {', '.join(OPS)}")
 
 
-def _wait(works: list[Any]) -> None:
+def _wait(works: list[dist.Work]) -> None:
     for work in works:
         work.wait()  # bounded by the process group's timeout (see the module doc)
 

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -106,7 +106,7 @@ def _sites() -> tuple[str, str]:
     return site, "" if origin == site else origin
 
 
-def _where(frame: Any) -> str:
+def _where(frame: FrameType) -> str:
     path = frame.f_code.co_filename
     shown = (
         "slipstream/" + os.path.relpath(path, _PACKAGE_DIR) if path.startswith(_PACKAGE_DIR) else os.path.basename(path)
@@ -117,7 +117,7 @@ def _where(frame: Any) -> str:
 class TimedWork:
     """An in-flight collective; `wait()` raises CollectiveTimeout or PeerLost instead of blocking forever."""
 
-    def __init__(self, entry: inflight.Handed, info: OpInfo, device: str, finish: Callable[[], Any] | None) -> None:
+    def __init__(self, entry: inflight.Handed, info: OpInfo, device: str, finish: Callable[[], object] | None) -> None:
         self._entry, self._info, self._device, self._finish = entry, info, device, finish
         self._started = time.monotonic()
         self._done = False
@@ -170,9 +170,9 @@ def _issue(
     kind: str,
     shown: torch.Tensor,
     tensors: tuple[torch.Tensor, ...],
-    launch: Callable[..., Any],
+    launch: Callable[..., object],
     async_op: bool,
-    finish: Callable[[], Any] | None = None,
+    finish: Callable[[], object] | None = None,
 ) -> TimedWork:
     """Count, number, record and launch one collective on aliases of `tensors` (the backend sees only those;
     `shown` is what the error describes); `finish` runs once it completed. Waits unless `async_op` (the

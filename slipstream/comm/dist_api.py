@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from datetime import timedelta
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,7 @@ __all__ = [
 ]
 
 ReduceOp = dist.ReduceOp
+_F = TypeVar("_F", bound=Callable[..., object])
 _SUM = dist.ReduceOp.SUM
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -103,7 +105,7 @@ def is_available() -> bool:
     return dist.is_available()
 
 
-def destroy_process_group(group: Any = None) -> None:
+def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
     dist.destroy_process_group(group)
 
 
@@ -115,11 +117,11 @@ def get_world_group() -> Any:
     return dist.group.WORLD
 
 
-def get_rank(group: Any = None) -> int:
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_rank(group) if is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def get_world_size(group: Any = None) -> int:
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -128,17 +130,21 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
+def get_global_rank(group: dist.ProcessGroup | None = None, group_rank: int = 0) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def get_all_ranks_from_group(group: Any = None) -> list[int]:
+def get_all_ranks_from_group(group: dist.ProcessGroup | None = None) -> list[int]:
     return list(range(get_world_size())) if group is None else dist.get_process_group_ranks(group)
 
 
 # ---- collectives (counted, numbered, with deadlines) ----
 def all_reduce(
-    tensor: torch.Tensor, op: Any = _SUM, group: Any = None, async_op: bool = False, **_: Any
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = _SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    **_: object,
 ) -> TimedWork | None:
     launch = lambda t: dist.all_reduce(t, op=op, group=group, async_op=True)  # noqa: E731
     return _result(_issue("all_reduce", tensor, (tensor,), launch, async_op), async_op)
@@ -147,7 +153,12 @@ def all_reduce(
 inference_all_reduce = all_reduce
 
 
-def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = _SUM, group: Any = None, async_op: bool = False) -> Any:
+def all_reduce_coalesced(
+    tensors: list[torch.Tensor],
+    op: dist.ReduceOp.RedOpType = _SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
     """One all-reduce over the tensors packed together; each tensor gets its part back."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
 
@@ -161,13 +172,19 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = _SUM, group: Any
     return _result(_issue("all_reduce", flat, (flat,), launch, async_op, finish=unpack), async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, **_: Any) -> TimedWork | None:
+def broadcast(
+    tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False, **_: object
+) -> TimedWork | None:
     launch = lambda t: dist.broadcast(t, src=src, group=group, async_op=True)  # noqa: E731
     return _result(_issue("broadcast", tensor, (tensor,), launch, async_op), async_op)
 
 
 def all_gather_into_tensor(
-    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False, **_: Any
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    **_: object,
 ) -> TimedWork | None:
     launch = lambda o, i: _all_gather_flat(o, i, group=group, async_op=True)  # noqa: E731
     return _result(_issue("all_gather", output_tensor, (output_tensor, input_tensor), launch, async_op), async_op)
@@ -177,7 +194,11 @@ allgather_fn = all_gather_into_tensor
 
 
 def all_gather(
-    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False, **_: Any
+    tensor_list: list[torch.Tensor],
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    **_: object,
 ) -> TimedWork | None:
     """Every rank's `tensor` into `tensor_list[rank]` (one flat all-gather, then copied out).
 
@@ -200,7 +221,7 @@ def all_gather(
 def all_gather_coalesced(
     output_tensors: list[list[torch.Tensor]],
     input_tensors: list[torch.Tensor],
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Any:
     for outputs, tensor in zip(output_tensors, input_tensors, strict=True):
@@ -211,10 +232,10 @@ def all_gather_coalesced(
 def reduce_scatter_tensor(
     output_tensor: torch.Tensor,
     input_tensor: torch.Tensor,
-    op: Any = _SUM,
-    group: Any = None,
+    op: dist.ReduceOp.RedOpType = _SUM,
+    group: dist.ProcessGroup | None = None,
     async_op: bool = False,
-    **_: Any,
+    **_: object,
 ) -> TimedWork | None:
     """Reduce `input_tensor` (world x output's elements) across ranks; rank r keeps chunk r. On the host this
     is an all-reduce and a copy of the chunk, as gloo itself does (see collectives.reduce_scatter)."""
@@ -235,10 +256,10 @@ reduce_scatter_fn = reduce_scatter_tensor
 def reduce_scatter(
     output: torch.Tensor,
     input_list: list[torch.Tensor],
-    op: Any = _SUM,
-    group: Any = None,
+    op: dist.ReduceOp.RedOpType = _SUM,
+    group: dist.ProcessGroup | None = None,
     async_op: bool = False,
-    **_: Any,
+    **_: object,
 ) -> TimedWork | None:
     """Reduce the concatenation of `input_list` across ranks; rank r keeps part r in `output`.
 
@@ -252,7 +273,12 @@ def reduce_scatter(
 
 
 def reduce(
-    tensor: torch.Tensor, dst: int, op: Any = _SUM, group: Any = None, async_op: bool = False, **_: Any
+    tensor: torch.Tensor,
+    dst: int,
+    op: dist.ReduceOp.RedOpType = _SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    **_: object,
 ) -> TimedWork | None:
     launch = lambda t: dist.reduce(t, dst=dst, op=op, group=group, async_op=True)  # noqa: E731
     return _result(_issue("reduce", tensor, (tensor,), launch, async_op), async_op)
@@ -262,9 +288,9 @@ def gather(
     tensor: torch.Tensor,
     gather_list: list[torch.Tensor] | None = None,
     dst: int = 0,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     async_op: bool = False,
-    **_: Any,
+    **_: object,
 ) -> TimedWork | None:
     launch = lambda t: dist.gather(t, gather_list, dst=dst, group=group, async_op=True)  # noqa: E731
     return _result(_issue("gather", tensor, (tensor,), launch, async_op), async_op)
@@ -274,9 +300,9 @@ def scatter(
     tensor: torch.Tensor,
     scatter_list: list[torch.Tensor] | None = None,
     src: int = 0,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     async_op: bool = False,
-    **_: Any,
+    **_: object,
 ) -> TimedWork | None:
     launch = lambda t: dist.scatter(t, scatter_list, src=src, group=group, async_op=True)  # noqa: E731
     return _result(_issue("scatter", tensor, (tensor,), launch, async_op), async_op)
@@ -287,9 +313,9 @@ def all_to_all_single(
     tensor: torch.Tensor,
     output_split_sizes: list[int] | None = None,
     input_split_sizes: list[int] | None = None,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     async_op: bool = False,
-    **_: Any,
+    **_: object,
 ) -> TimedWork | None:
     def launch(o: torch.Tensor, i: torch.Tensor) -> Any:
         return dist.all_to_all_single(o, i, output_split_sizes, input_split_sizes, group=group, async_op=True)
@@ -300,44 +326,59 @@ def all_to_all_single(
 def all_to_all(
     output_tensor_list: list[torch.Tensor],
     input_tensor_list: list[torch.Tensor],
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Any:
     return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
 
 
-def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None, **_: Any) -> TimedWork | None:
+def barrier(
+    group: dist.ProcessGroup | None = None, async_op: bool = False, device_ids: list[int] | None = None, **_: object
+) -> TimedWork | None:
     nothing = torch.empty(0)
     launch = lambda _t: dist.barrier(group=group, async_op=True)  # noqa: E731
     return _result(_issue("barrier", nothing, (nothing,), launch, async_op), async_op)
 
 
-def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False, **_: Any) -> None:
+def monitored_barrier(
+    group: dist.ProcessGroup | None = None, timeout: timedelta | None = None, wait_all_ranks: bool = False, **_: object
+) -> None:
     dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
 # ---- several collectives inside torch, and point to point: the group's own timeout bounds them ----
-def broadcast_object_list(object_list: list[Any], src: int, group: Any = None, device: Any = None) -> None:
+def broadcast_object_list(
+    object_list: list[object],
+    src: int,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> None:
     dist.broadcast_object_list(object_list, src=src, group=group, device=device)
 
 
-def all_gather_object(object_list: list[Any], obj: Any, group: Any = None, **_: Any) -> None:
+def all_gather_object(
+    object_list: list[object], obj: object, group: dist.ProcessGroup | None = None, **_: object
+) -> None:
     dist.all_gather_object(object_list, obj, group=group)
 
 
-def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, **_: Any) -> None:
+def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0, **_: object) -> None:
     dist.send(tensor, dst, group=group, tag=tag)
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0, **_: Any) -> int:
+def recv(
+    tensor: torch.Tensor, src: int | None = None, group: dist.ProcessGroup | None = None, tag: int = 0, **_: object
+) -> int:
     return dist.recv(tensor, src, group=group, tag=tag)
 
 
-def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, **_: Any) -> Any:
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0, **_: object) -> Any:
     return dist.isend(tensor, dst, group=group, tag=tag)
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0, **_: Any) -> Any:
+def irecv(
+    tensor: torch.Tensor, src: int | None = None, group: dist.ProcessGroup | None = None, tag: int = 0, **_: object
+) -> Any:
     return dist.irecv(tensor, src, group=group, tag=tag)
 
 
@@ -383,13 +424,13 @@ def get_world_size_from_launcher() -> int:
     return int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
 
 
-def timed_op(func: Callable[..., Any]) -> Callable[..., Any]:
+def timed_op(func: _F) -> _F:
     """DeepSpeed's timing decorator: collectives here are counted by `count_collectives`; returns `func`."""
     return func
 
 
 def _not_implemented(name: str, why: str) -> Callable[..., Any]:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
+    def refuse(*args: object, **kwargs: object) -> NoReturn:
         raise NotImplementedError(f"slipstream.comm.{name} is not implemented: {why}")
 
     refuse.__name__ = name
