@@ -294,7 +294,11 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
 
     def grad_parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, the part of its owned gradient this rank holds), for every piece of owned gradient."""
-        out = []
+        return [(flat.params[index], grad) for flat, index, grad in self._owned_grad_slices()]
+
+    def _owned_grad_slices(self) -> Iterator[tuple[Any, int, torch.Tensor]]:
+        """(flat group, parameter index in it, the part of that parameter's gradient this rank owns), for every
+        non-empty piece, in group, bucket and parameter order."""
         for flat in self.groups:
             for bucket, (start, _end), grad in zip(flat.layout.buckets, flat.piece_ranges, flat.owned_grads):
                 for index in bucket.param_indices:
@@ -302,8 +306,7 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
                     lo = max(slot.flat_offset, start) - start
                     hi = min(slot.flat_offset + slot.numel, start + grad.numel()) - start
                     if hi > lo:
-                        out.append((flat.params[index], grad[lo:hi]))
-        return out
+                        yield flat, index, grad[lo:hi]
 
     def _publish_params(self, *, from_low_precision: bool, copied: bool = False) -> None:
         """Phase 4: every rank's flat params get the updated values (`copied`: already in the flat params)."""
@@ -324,14 +327,9 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
 
     def first_nonfinite_param(self, names: dict[int, str]) -> str | None:
         """Name of the first parameter whose owned gradient slice is not finite (before it is zeroed)."""
-        for flat in self.groups:
-            for bucket, (start, _end), grad in zip(flat.layout.buckets, flat.piece_ranges, flat.owned_grads):
-                for index in bucket.param_indices:
-                    slot = flat.layout.slots[index]
-                    lo = max(slot.flat_offset, start) - start
-                    hi = min(slot.flat_offset + slot.numel, start + grad.numel()) - start
-                    if hi > lo and not bool(torch.isfinite(grad[lo:hi]).all()):
-                        return names.get(id(flat.params[index]), f"<param {index}>")
+        for flat, index, grad in self._owned_grad_slices():
+            if not bool(torch.isfinite(grad).all()):
+                return names.get(id(flat.params[index]), f"<param {index}>")
         return None
 
     def owned_bytes(self) -> dict[str, int]:
