@@ -11,6 +11,8 @@ Transformers, Accelerate, Lightning, PEFT, TRL and Megatron-DeepSpeed import, an
 
 from __future__ import annotations
 
+from slipstream.utils.expert_group_names import EXPERT_GROUP_FUNCTIONS
+
 ALIASES: dict[str, str] = {
     "slipstream.utils.zero_to_fp32": "slipstream.compat.zero_to_fp32",
     "slipstream.checkpoint.ds_to_universal": "slipstream.compat.ds_to_universal",
@@ -296,22 +298,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
         )
     }
     | {  # the expert groups of MoE (slipstream/moe/groups.py, DeepSpeed's names)
-        name: f"slipstream.moe.groups:{name}"
-        for name in (
-            "_create_expert_and_data_parallel",
-            "_get_expert_parallel_ranks",
-            "_get_expert_parallel_group",
-            "_get_expert_parallel_group_dict",
-            "_get_expert_data_parallel_group",
-            "_get_expert_data_parallel_group_dict",
-            "_get_expert_parallel_world_size",
-            "_get_expert_parallel_rank",
-            "_get_expert_data_parallel_world_size",
-            "_get_expert_data_parallel_rank",
-            "_get_expert_broadcast_src_rank",
-            "_get_max_expert_size",
-            "_get_max_expert_size_name",
-        )
+        name: f"slipstream.moe.groups:{name}" for name in EXPERT_GROUP_FUNCTIONS
     },
     "slipstream.utils.torch": {
         "required_torch_version": f"{_RT}:required_torch_version",

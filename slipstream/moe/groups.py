@@ -24,25 +24,9 @@ import dataclasses
 
 import torch.distributed as dist
 
-__all__ = [
-    "ExpertGroups",
-    "expert_groups",
-    "expert_rank_layout",
-    "group_name",
-    "_create_expert_and_data_parallel",
-    "_get_expert_parallel_ranks",
-    "_get_expert_parallel_group",
-    "_get_expert_parallel_group_dict",
-    "_get_expert_data_parallel_group",
-    "_get_expert_data_parallel_group_dict",
-    "_get_expert_parallel_world_size",
-    "_get_expert_parallel_rank",
-    "_get_expert_data_parallel_world_size",
-    "_get_expert_data_parallel_rank",
-    "_get_expert_broadcast_src_rank",
-    "_get_max_expert_size",
-    "_get_max_expert_size_name",
-]
+from slipstream.utils.expert_group_names import EXPERT_GROUP_FUNCTIONS
+
+__all__ = ["ExpertGroups", "expert_groups", "expert_rank_layout", "group_name", *EXPERT_GROUP_FUNCTIONS]
 
 
 @dataclasses.dataclass(frozen=True)
