@@ -16,9 +16,10 @@ POLICIES: dict[type[OffloadTarget], type[OffloadPolicy]] = {
 """Each offload target's policy class."""
 
 
-def policy_type(target: OffloadTarget) -> type[OffloadPolicy]:
-    """The policy class of `target` (its class-level facts, `in_files`, need no instance: the planner)."""
-    policy = POLICIES.get(type(target))
+def policy_type(target: OffloadTarget | type[OffloadTarget]) -> type[OffloadPolicy]:
+    """The policy class of `target`, a target or a target type (its class-level facts, `on_host`, `in_files`,
+    `pins_configured`, need no instance: the planner)."""
+    policy = POLICIES.get(target if isinstance(target, type) else type(target))
     if policy is None:
         raise TypeError(
             f"offload target {target!r} has no policy; add its class to POLICIES in slipstream/offload/choose.py"

@@ -168,6 +168,10 @@ class NVMeOffload(CPUOffload):
     def pins_with(self, requested: bool) -> bool:
         return False  # swappable storages are resized; pinned host memory cannot be
 
+    @classmethod
+    def pins_configured(cls, pin_memory: bool) -> bool:
+        return False
+
     @property
     def directory(self) -> Path:
         """This optimizer's directory of swap files (made on first use)."""

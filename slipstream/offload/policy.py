@@ -126,6 +126,12 @@ class OffloadPolicy:
         """Whether host buffers are pinned when a caller also asks for pinning (zero.Init's `pin_memory`)."""
         return requested
 
+    @classmethod
+    def pins_configured(cls, pin_memory: bool) -> bool:
+        """Whether this policy's host buffers are pinned when its section sets `pin_memory` (the planner counts
+        the pinned allocator's rounding only then; no instance needed)."""
+        return pin_memory
+
     def make_param_store(self, *, role: str = "params") -> ParamStore | None:
         """Where stage 3's parameter shards live between uses when not in memory (None: they stay in memory);
         `role` names the store's directory."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from slipstream.config.plan import CpuTarget, NoOffloadTarget
 from slipstream.planner.estimate import estimate_option
 from slipstream.planner.shapes import ModelShape, from_module, synthetic
 from slipstream.planner.types import Option, OptionEstimate, Settings
@@ -49,7 +50,7 @@ def _zero2(shape: ModelShape, num_gpus_per_node: int, num_nodes: int, factor: fl
     for offload in (True, False):
         est = estimate_option(
             shape,
-            Option(stage=2, offload_optimizer=offload),
+            Option(stage=2, optimizer_target=CpuTarget if offload else NoOffloadTarget),
             settings=Settings(device_is_host=False),  # DeepSpeed's formulas are for GPUs
             world=num_gpus_per_node * num_nodes,
             gpus_per_node=num_gpus_per_node,
@@ -72,7 +73,11 @@ def _zero3(
         for zero_init in (True, False):
             est = estimate_option(
                 shape,
-                Option(stage=3, offload_optimizer=offload, offload_param=offload_param),
+                Option(
+                    stage=3,
+                    optimizer_target=CpuTarget if offload else NoOffloadTarget,
+                    param_target=CpuTarget if offload_param else NoOffloadTarget,
+                ),
                 settings=Settings(zero_init=zero_init, device_is_host=False),
                 world=num_gpus_per_node * num_nodes,
                 gpus_per_node=num_gpus_per_node,

@@ -13,10 +13,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from slipstream.config.plan import RESIDENT_GRAD_SUB_GROUPS, nvme_gradients_in_files
+from slipstream.config.plan import RESIDENT_GRAD_SUB_GROUPS, NoOffloadTarget, nvme_gradients_in_files
 from slipstream.planner.activations import transformer_activations
 from slipstream.planner.shapes import Dims, ModelShape, from_factory, from_hf_config, from_module, synthetic
-from slipstream.planner.types import DTYPE_BYTES, STANDARD_OPTIONS, Option, OptionEstimate, Plan, Settings
+from slipstream.planner.types import (
+    DTYPE_BYTES,
+    STANDARD_OPTIONS,
+    Option,
+    OptionEstimate,
+    Plan,
+    Settings,
+    offload_policy,
+)
 from slipstream.planner.zero_bytes import ZeroBytes, pinned_rounding, stage012_bytes, stage3_bytes
 
 
@@ -162,12 +170,9 @@ def settings_from_config(
 
 def settings_from_plan(plan: Any) -> tuple[Settings, Option]:
     """Knobs and option of an `EnginePlan` (what the engine will run)."""
-    from slipstream.offload.choose import policy_type  # imports torch; the planner's own import stays cheap
-
     zero, precision = plan.zero, plan.precision
     stage3 = zero.stage3
     offload = zero.offload_optimizer
-    offload_param = stage3 is not None and stage3.offload_param.on_host
     optimizer = plan.optimizer
     settings = Settings(
         dtype=precision.param_dtype,
@@ -175,8 +180,8 @@ def settings_from_plan(plan: Any) -> tuple[Settings, Option]:
         master_dtype=precision.master_dtype,
         reduce_bucket_size=int(zero.reduce_bucket_size),
         stage3=stage3 or Settings().stage3,
-        # the configured pin_memory (True without offload); NVMe's buffers are never pinned at run time
-        # (NVMeOffload.pins), which this figure does not model
+        # the configured pin_memory (True without offload); whether an option's buffers are pinned is its
+        # optimizer policy's `pins_configured` (NVMe pins none)
         pin_memory=getattr(offload, "pin_memory", True),
         optimizer=optimizer.name if optimizer is not None else "adamw",
         optimizer_params=tuple(
@@ -189,9 +194,8 @@ def settings_from_plan(plan: Any) -> tuple[Settings, Option]:
     )
     option = Option(
         stage=zero.stage,
-        offload_optimizer=offload.on_host,
-        offload_param=offload_param,
-        nvme=policy_type(offload).in_files,
+        optimizer_target=type(offload),
+        param_target=type(stage3.offload_param) if stage3 is not None else NoOffloadTarget,
         label="config",
     )
     return settings, option
@@ -243,13 +247,13 @@ def estimate_option(
     """One option's figures (model states from the engine's layout rules)."""
     figures, init = _model_state_figures(shape, option, settings=settings, world=world)
     host, device = dict(figures.host), dict(figures.device)
-    if settings.pin_memory:
+    if offload_policy(option.optimizer_target).pins_configured(settings.pin_memory):
         host["pinned_rounding"] = pinned_rounding(figures.pinned_blocks)
     owned = dict(figures.owned)
     model_states = sum(
         owned[k] for k in ("params", "master", "grads", "optimizer_state", "host_buffers", "comm_buffers")
     )
-    nvme = _move_to_nvme(option, settings=settings, host=host, device=device) if option.nvme else 0
+    nvme = _move_to_nvme(option, settings=settings, host=host, device=device) if option.in_files else 0
     result = OptionEstimate(
         option=option,
         device=device,
@@ -284,7 +288,7 @@ def _model_state_figures(shape: ModelShape, option: Option, *, settings: Setting
             settings=settings,
             offload=option.offload_optimizer,
             offload_param=option.offload_param,
-            nvme_params=option.nvme,
+            nvme_params=option.in_files,
         )
         largest_unit = max((sum(u.numels) for u in units), default=0)
         return figures, (largest_unit if settings.zero_init else shape.total) * 4
@@ -302,7 +306,7 @@ def _model_state_figures(shape: ModelShape, option: Option, *, settings: Setting
 def _move_to_nvme(option: Option, *, settings: Settings, host: dict[str, int], device: dict[str, int]) -> int:
     """Take what an NVMe option swaps out of `host` (and `device`) in place; returns the bytes on NVMe per rank."""
     nvme = host.get("master", 0) + host.get("optimizer_state", 0) + host.get("offloaded_params", 0)
-    host.pop("pinned_rounding", None)  # NVMe-swapped buffers are pageable
+    host.pop("pinned_rounding", None)  # the row has no pinned figure (its policy pins nothing)
     host.pop("offloaded_params", None)  # parameter shards are read in per unit, not kept on the host
     if option.stage == 3:  # the step holds two sub-groups' masters and states (offload/nvme.py)
         resident = 2 * settings.stage3.sub_group_numel * DTYPE_BYTES[settings.master_dtype]

@@ -52,7 +52,7 @@ def _exceeds(
             return "device"
         if host_memory is not None and est.host_total > host_memory:
             return "host"
-    if nvme_free is not None and est.option.nvme and est.nvme_per_rank * est.gpus_per_node > nvme_free:
+    if nvme_free is not None and est.option.in_files and est.nvme_per_rank * est.gpus_per_node > nvme_free:
         return "nvme"
     return ""
 

@@ -78,7 +78,7 @@ def format_plan(plan: Plan) -> str:
             _gib(est.host_init_per_rank),
             _gib(est.host_total),
             _fits(est.fits_host),
-            _gib(est.nvme_per_rank) if est.option.nvme else "-",
+            _gib(est.nvme_per_rank) if est.option.in_files else "-",
         ]
         lines.append(f"{mark}{est.option.name:<{width - 1}}" + " ".join(f"{c:>{_W}}" for c in cells))
     lines.append("")

@@ -20,9 +20,12 @@ master, grads, optimizer_state, host_buffers, comm_buffers.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from slipstream.config.plan import Stage3Plan
+from slipstream.config.plan import CpuTarget, NoOffloadTarget, NvmeTarget, OffloadTarget, Stage3Plan
+
+if TYPE_CHECKING:
+    from slipstream.offload.policy import OffloadPolicy
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OWNED_ROLES = ("params", "master", "grads", "optimizer_state", "host_buffers", "comm_buffers")
@@ -39,30 +42,95 @@ DEVICE_ROLES = (
 HOST_ROLES = ("master", "optimizer_state", "host_buffers", "offloaded_params", "pinned_rounding")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+TargetType = type[OffloadTarget]
+"""An offload target type of config/plan.py (`OFFLOAD_TARGETS`); its policy class (offload/choose.py `POLICIES`)
+says what the target keeps on the host, in files and pinned."""
+
+
+def offload_policy(target: TargetType) -> type[OffloadPolicy]:
+    """The policy class of an offload target type. Imports offload/ (and torch), so it is asked when an option is
+    estimated or named, never when the planner is imported."""
+    from slipstream.offload.choose import policy_type
+
+    return policy_type(target)
+
+
+def _legacy_targets(*, offload_optimizer: bool, offload_param: bool, nvme: bool) -> tuple[TargetType, TargetType]:
+    """The targets that `Option`'s boolean keywords stand for: host memory, or files with `nvme`."""
+    if nvme and not offload_optimizer:
+        raise ValueError("Option: nvme needs offload_optimizer (NVMe holds what offload moves off the device)")
+    offloaded: TargetType = NvmeTarget if nvme else CpuTarget
+    return (offloaded if offload_optimizer else NoOffloadTarget), (offloaded if offload_param else NoOffloadTarget)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Option:
-    """One ZeRO configuration to evaluate."""
+    """One ZeRO configuration to evaluate: a stage and where the optimizer's and the parameters' offloaded
+    tensors go, as offload target types. `Option(stage=3, offload_optimizer=True, offload_param=True, nvme=True)`
+    is accepted too and stands for `CpuTarget` (`NvmeTarget` with `nvme`) on the sections it names."""
 
     stage: int
-    offload_optimizer: bool = False
-    """zero_optimization.offload_optimizer.device == "cpu"."""
-    offload_param: bool = False
-    """zero_optimization.offload_param.device == "cpu" (stage 3 only)."""
-    nvme: bool = False
-    """The offloaded parts go to NVMe (device "nvme") instead of host memory."""
-    label: str = ""
+    optimizer_target: TargetType
+    """zero_optimization.offload_optimizer's target (`NoOffloadTarget`: no optimizer offload)."""
+    param_target: TargetType
+    """zero_optimization.offload_param's target (stage 3 only)."""
+    label: str
     """Shown instead of the generated name (e.g. "config" for the row of a given DeepSpeed config)."""
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        stage: int,
+        optimizer_target: TargetType | None = None,
+        param_target: TargetType | None = None,
+        label: str = "",
+        offload_optimizer: bool = False,
+        offload_param: bool = False,
+        nvme: bool = False,
+    ) -> None:
+        legacy = _legacy_targets(offload_optimizer=offload_optimizer, offload_param=offload_param, nvme=nvme)
+        if (optimizer_target or param_target) and (offload_optimizer or offload_param or nvme):
+            raise ValueError(
+                "Option: give the offload targets (optimizer_target, param_target) or the booleans "
+                "(offload_optimizer, offload_param, nvme), not both"
+            )
+        object.__setattr__(self, "stage", stage)
+        object.__setattr__(self, "optimizer_target", optimizer_target or legacy[0])
+        object.__setattr__(self, "param_target", param_target or legacy[1])
+        object.__setattr__(self, "label", label)
+        self._check()
+
+    def _check(self) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"Option.stage must be 0, 1, 2 or 3, got {self.stage}")
-        if self.offload_param and self.stage != 3:
+        for key in ("optimizer_target", "param_target"):
+            target = getattr(self, key)
+            if not (isinstance(target, type) and issubclass(target, OffloadTarget)):
+                raise TypeError(
+                    f"Option.{key} must be an offload target type of slipstream.config.plan.OFFLOAD_TARGETS "
+                    f"(e.g. CpuTarget), got {target!r}"
+                )
+        if self.param_target.kind != NoOffloadTarget.kind and self.stage != 3:
             raise ValueError(
                 f"Option: offload_param needs stage 3 (got stage {self.stage}); "
                 "zero_optimization.offload_param has no effect below stage 3"
             )
-        if self.nvme and not self.offload_optimizer:
-            raise ValueError("Option: nvme needs offload_optimizer (NVMe holds what offload moves off the device)")
+
+    @property
+    def offload_optimizer(self) -> bool:
+        """The optimizer step runs on the host (its policy's `on_host`)."""
+        return offload_policy(self.optimizer_target).on_host
+
+    @property
+    def offload_param(self) -> bool:
+        """Stage 3's parameter shards are offloaded (their policy's `on_host`)."""
+        return offload_policy(self.param_target).on_host
+
+    @property
+    def in_files(self) -> bool:
+        """The optimizer's offloaded tensors live in files (its policy's `in_files`); the planner moves what the
+        option offloads, parameter shards included, to the disk."""
+        return offload_policy(self.optimizer_target).in_files
 
     @property
     def name(self) -> str:
@@ -73,26 +141,20 @@ class Option:
             parts.append("offload_optimizer")
         if self.offload_param:
             parts.append("offload_param")
-        return "+".join(parts) + ("(nvme)" if self.nvme else "")
+        return "+".join(parts) + (f"({self.optimizer_target.kind})" if self.in_files else "")
 
     @property
     def cost_rank(self) -> tuple[int, int, int, int]:
         """Lower is cheaper to run: no offload before optimizer offload before parameter offload, then the
-        lower stage (less communication)."""
-        return (int(self.nvme), int(self.offload_param), int(self.offload_optimizer), self.stage)
+        lower stage (less communication); an option whose tensors live in files comes last."""
+        return (int(self.in_files), int(self.offload_param), int(self.offload_optimizer), self.stage)
 
 
 STANDARD_OPTIONS = (
-    Option(stage=0),
-    Option(stage=1),
-    Option(stage=2),
-    Option(stage=3),
-    Option(stage=0, offload_optimizer=True),
-    Option(stage=1, offload_optimizer=True),
-    Option(stage=2, offload_optimizer=True),
-    Option(stage=3, offload_optimizer=True),
-    Option(stage=3, offload_optimizer=True, offload_param=True),
-    Option(stage=3, offload_optimizer=True, offload_param=True, nvme=True),
+    *(Option(stage=stage) for stage in range(4)),
+    *(Option(stage=stage, optimizer_target=CpuTarget) for stage in range(4)),
+    Option(stage=3, optimizer_target=CpuTarget, param_target=CpuTarget),
+    Option(stage=3, optimizer_target=NvmeTarget, param_target=NvmeTarget),
 )
 """The rows of `slipstream plan`: stages 0-3 with and without optimizer offload, and stage 3 with parameter
 offload."""
@@ -193,7 +255,7 @@ class OptionEstimate:
             "stage": self.option.stage,
             "offload_optimizer": self.option.offload_optimizer,
             "offload_param": self.option.offload_param,
-            "nvme": self.option.nvme,
+            "nvme": self.option.in_files,
             "nvme_bytes_per_rank": self.nvme_per_rank,
             "device_bytes": dict(self.device),
             "host_bytes_per_rank": dict(self.host),

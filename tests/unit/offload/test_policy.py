@@ -67,7 +67,8 @@ def test_planner_counts_what_the_policy_says(offload: dict | None, in_files: boo
         zero["offload_optimizer"] = offload
     plan = resolve({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, world_size=2)
     _, option = settings_from_plan(plan)
-    assert option.nvme is in_files is policy_type(plan.zero.offload_optimizer).in_files
+    assert option.in_files is in_files is policy_type(plan.zero.offload_optimizer).in_files
+    assert option.optimizer_target is type(plan.zero.offload_optimizer)
     assert option.offload_optimizer is (offload is not None)
 
 
