@@ -21,6 +21,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from slipstream.comm.collectives import TimedWork, _issue
 from slipstream.comm.init import init_distributed, is_initialized
@@ -92,6 +93,7 @@ __all__ = [
 ReduceOp = dist.ReduceOp
 _F = TypeVar("_F", bound=Callable[..., object])
 _SUM = dist.ReduceOp.SUM
+_Group = ProcessGroup | None  # a torch.distributed group; None is the whole world
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -105,7 +107,7 @@ def is_available() -> bool:
     return dist.is_available()
 
 
-def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+def destroy_process_group(group: _Group = None) -> None:
     dist.destroy_process_group(group)
 
 
@@ -117,11 +119,11 @@ def get_world_group() -> Any:
     return dist.group.WORLD
 
 
-def get_rank(group: dist.ProcessGroup | None = None) -> int:
+def get_rank(group: _Group = None) -> int:
     return dist.get_rank(group) if is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+def get_world_size(group: _Group = None) -> int:
     return dist.get_world_size(group) if is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -130,21 +132,17 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def get_global_rank(group: dist.ProcessGroup | None = None, group_rank: int = 0) -> int:
+def get_global_rank(group: _Group = None, group_rank: int = 0) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def get_all_ranks_from_group(group: dist.ProcessGroup | None = None) -> list[int]:
+def get_all_ranks_from_group(group: _Group = None) -> list[int]:
     return list(range(get_world_size())) if group is None else dist.get_process_group_ranks(group)
 
 
 # ---- collectives (counted, numbered, with deadlines) ----
 def all_reduce(
-    tensor: torch.Tensor,
-    op: dist.ReduceOp.RedOpType = _SUM,
-    group: dist.ProcessGroup | None = None,
-    async_op: bool = False,
-    **_: object,
+    tensor: torch.Tensor, op: ReduceOp.RedOpType = _SUM, group: _Group = None, async_op: bool = False, **_: object
 ) -> TimedWork | None:
     launch = lambda t: dist.all_reduce(t, op=op, group=group, async_op=True)  # noqa: E731
     return _result(_issue("all_reduce", tensor, (tensor,), launch, async_op), async_op)
@@ -154,10 +152,7 @@ inference_all_reduce = all_reduce
 
 
 def all_reduce_coalesced(
-    tensors: list[torch.Tensor],
-    op: dist.ReduceOp.RedOpType = _SUM,
-    group: dist.ProcessGroup | None = None,
-    async_op: bool = False,
+    tensors: list[torch.Tensor], op: ReduceOp.RedOpType = _SUM, group: _Group = None, async_op: bool = False
 ) -> Any:
     """One all-reduce over the tensors packed together; each tensor gets its part back."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -173,18 +168,14 @@ def all_reduce_coalesced(
 
 
 def broadcast(
-    tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False, **_: object
+    tensor: torch.Tensor, src: int, group: _Group = None, async_op: bool = False, **_: object
 ) -> TimedWork | None:
     launch = lambda t: dist.broadcast(t, src=src, group=group, async_op=True)  # noqa: E731
     return _result(_issue("broadcast", tensor, (tensor,), launch, async_op), async_op)
 
 
 def all_gather_into_tensor(
-    output_tensor: torch.Tensor,
-    input_tensor: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
-    async_op: bool = False,
-    **_: object,
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: _Group = None, async_op: bool = False, **_: object
 ) -> TimedWork | None:
     launch = lambda o, i: _all_gather_flat(o, i, group=group, async_op=True)  # noqa: E731
     return _result(_issue("all_gather", output_tensor, (output_tensor, input_tensor), launch, async_op), async_op)
@@ -194,11 +185,7 @@ allgather_fn = all_gather_into_tensor
 
 
 def all_gather(
-    tensor_list: list[torch.Tensor],
-    tensor: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
-    async_op: bool = False,
-    **_: object,
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: _Group = None, async_op: bool = False, **_: object
 ) -> TimedWork | None:
     """Every rank's `tensor` into `tensor_list[rank]` (one flat all-gather, then copied out).
 
@@ -221,7 +208,7 @@ def all_gather(
 def all_gather_coalesced(
     output_tensors: list[list[torch.Tensor]],
     input_tensors: list[torch.Tensor],
-    group: dist.ProcessGroup | None = None,
+    group: _Group = None,
     async_op: bool = False,
 ) -> Any:
     for outputs, tensor in zip(output_tensors, input_tensors, strict=True):
@@ -232,8 +219,8 @@ def all_gather_coalesced(
 def reduce_scatter_tensor(
     output_tensor: torch.Tensor,
     input_tensor: torch.Tensor,
-    op: dist.ReduceOp.RedOpType = _SUM,
-    group: dist.ProcessGroup | None = None,
+    op: ReduceOp.RedOpType = _SUM,
+    group: _Group = None,
     async_op: bool = False,
     **_: object,
 ) -> TimedWork | None:
@@ -256,8 +243,8 @@ reduce_scatter_fn = reduce_scatter_tensor
 def reduce_scatter(
     output: torch.Tensor,
     input_list: list[torch.Tensor],
-    op: dist.ReduceOp.RedOpType = _SUM,
-    group: dist.ProcessGroup | None = None,
+    op: ReduceOp.RedOpType = _SUM,
+    group: _Group = None,
     async_op: bool = False,
     **_: object,
 ) -> TimedWork | None:
@@ -275,8 +262,8 @@ def reduce_scatter(
 def reduce(
     tensor: torch.Tensor,
     dst: int,
-    op: dist.ReduceOp.RedOpType = _SUM,
-    group: dist.ProcessGroup | None = None,
+    op: ReduceOp.RedOpType = _SUM,
+    group: _Group = None,
     async_op: bool = False,
     **_: object,
 ) -> TimedWork | None:
@@ -288,7 +275,7 @@ def gather(
     tensor: torch.Tensor,
     gather_list: list[torch.Tensor] | None = None,
     dst: int = 0,
-    group: dist.ProcessGroup | None = None,
+    group: _Group = None,
     async_op: bool = False,
     **_: object,
 ) -> TimedWork | None:
@@ -300,7 +287,7 @@ def scatter(
     tensor: torch.Tensor,
     scatter_list: list[torch.Tensor] | None = None,
     src: int = 0,
-    group: dist.ProcessGroup | None = None,
+    group: _Group = None,
     async_op: bool = False,
     **_: object,
 ) -> TimedWork | None:
@@ -313,7 +300,7 @@ def all_to_all_single(
     tensor: torch.Tensor,
     output_split_sizes: list[int] | None = None,
     input_split_sizes: list[int] | None = None,
-    group: dist.ProcessGroup | None = None,
+    group: _Group = None,
     async_op: bool = False,
     **_: object,
 ) -> TimedWork | None:
@@ -326,14 +313,14 @@ def all_to_all_single(
 def all_to_all(
     output_tensor_list: list[torch.Tensor],
     input_tensor_list: list[torch.Tensor],
-    group: dist.ProcessGroup | None = None,
+    group: _Group = None,
     async_op: bool = False,
 ) -> Any:
     return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
 
 
 def barrier(
-    group: dist.ProcessGroup | None = None, async_op: bool = False, device_ids: list[int] | None = None, **_: object
+    group: _Group = None, async_op: bool = False, device_ids: list[int] | None = None, **_: object
 ) -> TimedWork | None:
     nothing = torch.empty(0)
     launch = lambda _t: dist.barrier(group=group, async_op=True)  # noqa: E731
@@ -341,44 +328,35 @@ def barrier(
 
 
 def monitored_barrier(
-    group: dist.ProcessGroup | None = None, timeout: timedelta | None = None, wait_all_ranks: bool = False, **_: object
+    group: _Group = None, timeout: timedelta | None = None, wait_all_ranks: bool = False, **_: object
 ) -> None:
     dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
 # ---- several collectives inside torch, and point to point: the group's own timeout bounds them ----
 def broadcast_object_list(
-    object_list: list[object],
-    src: int,
-    group: dist.ProcessGroup | None = None,
-    device: torch.device | None = None,
+    object_list: list[object], src: int, group: _Group = None, device: torch.device | None = None
 ) -> None:
     dist.broadcast_object_list(object_list, src=src, group=group, device=device)
 
 
-def all_gather_object(
-    object_list: list[object], obj: object, group: dist.ProcessGroup | None = None, **_: object
-) -> None:
+def all_gather_object(object_list: list[object], obj: object, group: _Group = None, **_: object) -> None:
     dist.all_gather_object(object_list, obj, group=group)
 
 
-def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0, **_: object) -> None:
+def send(tensor: torch.Tensor, dst: int, group: _Group = None, tag: int = 0, **_: object) -> None:
     dist.send(tensor, dst, group=group, tag=tag)
 
 
-def recv(
-    tensor: torch.Tensor, src: int | None = None, group: dist.ProcessGroup | None = None, tag: int = 0, **_: object
-) -> int:
+def recv(tensor: torch.Tensor, src: int | None = None, group: _Group = None, tag: int = 0, **_: object) -> int:
     return dist.recv(tensor, src, group=group, tag=tag)
 
 
-def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0, **_: object) -> Any:
+def isend(tensor: torch.Tensor, dst: int, group: _Group = None, tag: int = 0, **_: object) -> Any:
     return dist.isend(tensor, dst, group=group, tag=tag)
 
 
-def irecv(
-    tensor: torch.Tensor, src: int | None = None, group: dist.ProcessGroup | None = None, tag: int = 0, **_: object
-) -> Any:
+def irecv(tensor: torch.Tensor, src: int | None = None, group: _Group = None, tag: int = 0, **_: object) -> Any:
     return dist.irecv(tensor, src, group=group, tag=tag)
 
 
