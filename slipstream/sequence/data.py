@@ -34,13 +34,13 @@ def slice_bounds(length: int, rank: int, size: int) -> tuple[int, int]:
 
 
 def shard_sequence(
-    batch: Any, group: dist.ProcessGroup | None, *, seq_dim: int = 1, keys: Sequence[str] | None = None
+    batch: object, group: dist.ProcessGroup | None, *, seq_dim: int = 1, keys: Sequence[str] | None = None
 ) -> Any:
     """This rank's slice of every tensor in `batch` (a tensor, tuple/list, or dict; for a dict only `keys` when
     given) with at least `seq_dim + 1` dims, along `seq_dim`."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
 
-    def cut(t: Any) -> Any:
+    def cut(t: object) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() <= seq_dim:
             return t
         start, end = slice_bounds(t.shape[seq_dim], rank, size)
@@ -74,7 +74,7 @@ def sequence_mean_loss(
 class SequenceShardLoader:
     """Wraps a loader: yields `shard_sequence(batch, group, seq_dim=...)` for each of its batches."""
 
-    def __init__(self, loader: Iterable[Any], group: dist.ProcessGroup | None, *, seq_dim: int = 1) -> None:
+    def __init__(self, loader: Iterable[object], group: dist.ProcessGroup | None, *, seq_dim: int = 1) -> None:
         self.loader, self.group, self.seq_dim = loader, group, seq_dim
 
     def __iter__(self) -> Iterator[Any]:
@@ -102,7 +102,14 @@ class UlyssesSPDataLoaderAdapter:
     (move them with `move_to_device`).
     """
 
-    def __init__(self, dl: Iterable[Any], sp_rank: int, sp_group: Any, sp_world_size: int, device: Any) -> None:
+    def __init__(
+        self,
+        dl: Iterable[object],
+        sp_rank: int,
+        sp_group: dist.ProcessGroup | None,
+        sp_world_size: int,
+        device: torch.device,
+    ) -> None:
         if sp_world_size != dist.get_world_size(sp_group) or sp_rank != dist.get_rank(sp_group):
             raise ValueError(
                 f"UlyssesSPDataLoaderAdapter: sp_rank={sp_rank}, sp_world_size={sp_world_size} do not match the "

@@ -140,9 +140,9 @@ class UlyssesSPAttentionHF(nn.Module):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        module: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        module: torch.nn.Module,
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
     ) -> torch.Tensor:
         """The wrapped function on the whole sequence and this rank's heads; [batch, heads, seq, dim] back."""
         with _kv_groups(module, query.shape[1] // key.shape[1]):
@@ -152,7 +152,7 @@ class UlyssesSPAttentionHF(nn.Module):
 
     def forward(
         self,
-        module: Any,
+        module: torch.nn.Module,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,

@@ -66,7 +66,9 @@ def _swap(x: torch.Tensor, split_dim: int, cat_dim: int, group: dist.ProcessGrou
 
 class _SeqAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, split_dim: int, cat_dim: int, group: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, split_dim: int, cat_dim: int, group: dist.ProcessGroup | None
+    ) -> torch.Tensor:
         ctx.dims, ctx.group = (split_dim, cat_dim), group
         return _swap(x, split_dim, cat_dim, group)
 
@@ -121,7 +123,7 @@ class DistributedAttention(nn.Module):
         sequence_process_group: dist.ProcessGroup | None,
         scatter_idx: int = 2,
         gather_idx: int = 0,
-        sp_stream: Any = None,
+        sp_stream: object = None,
         *,
         head_chunks: int | None = None,
     ) -> None:
@@ -138,13 +140,15 @@ class DistributedAttention(nn.Module):
             raise ValueError(f"DistributedAttention: head_chunks must be a positive int or None, got {head_chunks!r}")
         self.head_chunks = head_chunks
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object, **kwargs: object
+    ) -> torch.Tensor:
         if self.local_attn is None:
             return sdpa_attention(q, k, v, *args, seq_dim=self.gather_idx, head_dim=self.scatter_idx, **kwargs)
         return self.local_attn(q, k, v, *args, **kwargs)
 
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: object, **kwargs: object
     ) -> torch.Tensor:
         group, seq, heads = self.spg, self.gather_idx, self.scatter_idx
         size = dist.get_world_size(group)
@@ -190,8 +194,8 @@ class DistributedAttention(nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         lengths: list[int],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
     ) -> torch.Tensor:
         chunks, size = self.head_chunks or 1, len(lengths)
         for name, t in (("query", query), ("key", key), ("value", value)):
@@ -236,8 +240,8 @@ class _Plan:
         layer: DistributedAttention,
         lengths: list[int],
         chunks: int,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
     ) -> None:
         self.layer, self.lengths, self.chunks, self.args, self.kwargs = layer, lengths, chunks, args, kwargs
         self.group, self.seq, self.heads = layer.spg, layer.gather_idx, layer.scatter_idx

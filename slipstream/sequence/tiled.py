@@ -63,7 +63,7 @@ def _graph_leaves(outputs: Sequence[torch.Tensor], exclude: set[int]) -> list[to
     return list(found.values())
 
 
-def _trainable(*sources: Any) -> list[torch.Tensor]:
+def _trainable(*sources: object) -> list[torch.Tensor]:
     """The parameters requiring grad of the modules and tensor lists in `sources`, each once, in order."""
     found: dict[int, torch.Tensor] = {}
     for source in sources:
@@ -128,14 +128,14 @@ class _ParamGrads:
             torch.autograd.backward(params, grads)
 
 
-def _device_of(*tensors: Any) -> torch.device:
+def _device_of(*tensors: object) -> torch.device:
     for t in tensors:
         if isinstance(t, torch.Tensor):
             return t.device
     return torch.device("cpu")
 
 
-def _check_shards(owner: str, shards: Any) -> int:
+def _check_shards(owner: str, shards: object) -> int:
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
         raise ValueError(f"{owner}: shards must be a positive int, got {shards!r}")
     return shards
@@ -157,7 +157,7 @@ class TiledMLP(torch.autograd.Function):
     def apply(  # type: ignore[override]
         cls,
         fn: Callable[..., torch.Tensor],
-        module: Any,
+        module: object,
         x: torch.Tensor,
         shards: int,
         compute_params: Sequence[torch.Tensor] | None = None,
@@ -167,7 +167,12 @@ class TiledMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, fn: Callable[..., torch.Tensor], module: Any, x: torch.Tensor, shards: int, *params: torch.Tensor
+        ctx: Any,
+        fn: Callable[..., torch.Tensor],
+        module: torch.nn.Module,
+        x: torch.Tensor,
+        shards: int,
+        *params: torch.Tensor,
     ) -> torch.Tensor:
         shards = _check_shards("TiledMLP", shards)
         ctx.fn, ctx.module, ctx.params = fn, module, params
@@ -205,8 +210,8 @@ def sequence_tiled_compute(
     fn: Callable[..., torch.Tensor],
     seqlen: int,
     shards: int,
-    kwargs_to_shard: dict[str, Any],
-    kwargs_to_pass: dict[str, Any],
+    kwargs_to_shard: dict[str, object],
+    kwargs_to_pass: dict[str, object],
     grad_requiring_tensor_key: str,
     compute_params: Sequence[torch.Tensor] | None = None,
     output_unshard_dimension: int = 1,
@@ -258,7 +263,7 @@ class SequenceTiledCompute(torch.autograd.Function):
         compute_params: Sequence[torch.Tensor] | None,
         output_unshard_dimension: int,
         output_reduction: str | None,
-        *args: Any,
+        *args: object,
     ) -> torch.Tensor:
         if len(args) != len(keys_to_shard) + len(keys_to_pass):
             raise ValueError(
@@ -356,7 +361,7 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     def apply(  # type: ignore[override]
         cls,
         fn: Callable[..., torch.Tensor],
-        module: Any,
+        module: object,
         x: torch.Tensor,
         y: torch.Tensor,
         mask: torch.Tensor | None,
@@ -372,7 +377,7 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any,
         fn: Callable[..., torch.Tensor],
-        module: Any,
+        module: torch.nn.Module,
         x: torch.Tensor,
         y: torch.Tensor,
         mask: torch.Tensor | None,
