@@ -9,7 +9,7 @@ from typing import Any
 _mpu: Any = None
 
 
-def set_mpu(mpu: Any) -> None:
+def set_mpu(mpu: object) -> None:
     global _mpu
     _mpu = mpu
 

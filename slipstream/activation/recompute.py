@@ -57,8 +57,8 @@ _configured = False
 
 # ---- configuration ----
 def configure(
-    mpu_: Any,
-    deepspeed_config: Any = None,
+    mpu_: object,
+    deepspeed_config: object = None,
     partition_activations: bool | None = None,
     contiguous_checkpointing: bool | None = None,
     num_checkpoints: int | None = None,
@@ -94,7 +94,7 @@ def configure_from_plan(plan: ActivationCheckpointPlan) -> None:
     _settings, _configured = plan, True
 
 
-def _section_of(deepspeed_config: Any) -> ActivationCheckpointPlan:
+def _section_of(deepspeed_config: object) -> ActivationCheckpointPlan:
     from slipstream.config.load import load_config
 
     raw = deepspeed_config if isinstance(deepspeed_config, dict) else getattr(deepspeed_config, "config", None)
@@ -129,14 +129,14 @@ def set_num_layers(nlayers: int) -> None:
 
 
 # ---- checkpointed calls ----
-def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def checkpoint(function: Callable[..., object], *args: object, **kwargs: object) -> Any:
     """Run `function(*args, **kwargs)` keeping only its inputs; its activations are recomputed in backward."""
     group = model_parallel_group() if _settings.partition_activations else None
     group_size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     stash = _Stash(group if group_size > 1 else None, _settings.cpu_checkpointing)
     stored = stash.keep(args)
 
-    def recompute(*kept: Any) -> Any:
+    def recompute(*kept: object) -> Any:
         return function(*stash.restore(kept), **kwargs)
 
     if _settings.synchronize:
@@ -185,7 +185,7 @@ def selective_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any
     )
 
 
-def _name(function: Callable[..., Any]) -> str:
+def _name(function: Callable[..., object]) -> str:
     return getattr(function, "__qualname__", None) or type(function).__name__
 
 
@@ -194,11 +194,11 @@ class _Stash:
     """Moves checkpointed tensor inputs where they wait for the recomputation: a 1/N slice per model-parallel
     rank (`group`), and/or host memory; `restore` brings them back whole, on the device, in the graph."""
 
-    def __init__(self, group: Any, to_host: bool) -> None:
+    def __init__(self, group: object, to_host: bool) -> None:
         self.group, self.to_host = group, to_host
         self.shapes: list[tuple[torch.Size, torch.device] | None] = []
 
-    def keep(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def keep(self, args: tuple[object, ...]) -> tuple[Any, ...]:
         kept = []
         for arg in args:
             if not isinstance(arg, torch.Tensor) or not arg.is_floating_point():
@@ -226,7 +226,7 @@ class _Stash:
         return tuple(restored)
 
 
-def _chunk(numel: int, group: Any) -> tuple[int, int]:
+def _chunk(numel: int, group: dist.ProcessGroup | None) -> tuple[int, int]:
     size = dist.get_world_size(group)
     per_rank = -(-numel // size)
     return per_rank, per_rank * size
@@ -236,7 +236,7 @@ class _Partition(torch.autograd.Function):
     """Keep this rank's 1/N of a tensor replicated in the group; the gradient comes back whole."""
 
     @staticmethod
-    def forward(ctx: Any, full: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, full: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         per_rank, padded = _chunk(full.numel(), group)
         ctx.group, ctx.shape, ctx.numel = group, full.shape, full.numel()
         flat = torch.nn.functional.pad(full.detach().reshape(-1), (0, padded - full.numel()))
@@ -253,7 +253,7 @@ class _Gather(torch.autograd.Function):
     """Rebuild the whole tensor from the ranks' slices; the (replicated) gradient goes back as this rank's slice."""
 
     @staticmethod
-    def forward(ctx: Any, part: torch.Tensor, group: Any, shape: torch.Size) -> torch.Tensor:
+    def forward(ctx: Any, part: torch.Tensor, group: dist.ProcessGroup | None, shape: torch.Size) -> torch.Tensor:
         ctx.group, ctx.per_rank = group, part.numel()
         numel = int(torch.Size(shape).numel())
         return _all_gather(part.contiguous(), group)[:numel].view(shape)
@@ -266,7 +266,7 @@ class _Gather(torch.autograd.Function):
         return flat[rank * per_rank : (rank + 1) * per_rank].clone(), None, None
 
 
-def _all_gather(part: torch.Tensor, group: Any) -> torch.Tensor:
+def _all_gather(part: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     from slipstream.comm import collectives
 
     out = torch.empty(part.numel() * dist.get_world_size(group), dtype=part.dtype, device=part.device)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -74,7 +73,7 @@ def get_cuda_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def model_parallel_cuda_manual_seed(seed: int, mpu: Any = None) -> None:
+def model_parallel_cuda_manual_seed(seed: int, mpu: object = None) -> None:
     """Seed the default RNG with `seed` (equal across a tensor-parallel group) and the model-parallel state with
     `seed + 2718 + tensor-parallel rank` (different within the group), as DeepSpeed and Megatron do."""
     group_rank = model_parallel_rank(mpu)  # the configured mpu's, when none is given
