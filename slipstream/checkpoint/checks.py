@@ -97,15 +97,15 @@ def tensor_problems(parts: EngineParts, source: Any, *, load_optimizer_states: b
     return [p for p in problems if p]
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _typed(problems: list[str], where: str, value: Any, kind: type | tuple[type, ...], expected: str) -> bool:
+def _typed(problems: list[str], where: str, value: object, kind: type | tuple[type, ...], expected: str) -> bool:
     """Record a problem unless `value` is an instance of `kind`; returns whether it is."""
     if isinstance(value, kind):
         return True
@@ -169,7 +169,7 @@ def _optimizer_problems(optimizer: Any, scalars: dict[str, Any], problems: list[
 
 
 def scalar_problems(
-    parts: EngineParts, scalars: Any, *, restore_engine: bool, load_optimizer_states: bool
+    parts: EngineParts, scalars: object, *, restore_engine: bool, load_optimizer_states: bool
 ) -> list[str]:
     """Every scalar the load would restore whose JSON type does not fit (see [Note: load checks])."""
     problems: list[str] = []

@@ -159,7 +159,7 @@ def save_engine(
     save_dir: str,
     tag: str,
     *,
-    scalars: dict[str, Any],
+    scalars: dict[str, object],
     client_tensors: dict[str, torch.Tensor],
     save_latest: bool,
     exclude_frozen: bool,
@@ -271,7 +271,7 @@ def _write_file(
     path: Path,
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
     tensors: list[tuple[str, torch.Tensor]],
-    record: dict[str, Any],
+    record: dict[str, object],
 ) -> None:
     """One safetensors file of flattened tensors; its sha256 and size go into `record`."""
     with SafetensorsWriter(path, entries) as writer:
@@ -281,7 +281,7 @@ def _write_file(
 
 
 def _commit(
-    parts: EngineParts, tmp: Path, final: Path, *, tag: str, scalars: dict[str, Any], version: str, save_latest: bool
+    parts: EngineParts, tmp: Path, final: Path, *, tag: str, scalars: dict[str, object], version: str, save_latest: bool
 ) -> None:
     """Rank 0: merge the listings into the manifest, rename the directory into place, then point `latest`."""
     text = _merge(tmp, parts, tag, scalars, version).to_json()
@@ -331,7 +331,7 @@ def _write_error(exc: OSError, *, path: Path, needed: int, final: Path) -> Check
     )
 
 
-def _merge(tmp: Path, parts: EngineParts, tag: str, scalars: dict[str, Any], version: str) -> Manifest:
+def _merge(tmp: Path, parts: EngineParts, tag: str, scalars: dict[str, object], version: str) -> Manifest:
     files: dict[str, dict[str, Any]] = {}
     tensors: dict[str, TensorEntry] = {}
     pieces: dict[str, list[Piece]] = {}

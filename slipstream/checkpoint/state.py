@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -109,7 +110,7 @@ def hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
     ]
 
 
-def to_json(value: Any, what: str) -> Any:
+def to_json(value: object, what: str) -> Any:
     """A JSON-storable copy of `value` (tensors of one element become numbers, tuples lists)."""
     if isinstance(value, torch.Tensor):
         if value.numel() == 1:
@@ -142,7 +143,7 @@ def shared_parameter_names(module: nn.Module) -> dict[str, str]:
     return shared
 
 
-def split_client_state(client_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def split_client_state(client_state: Mapping[str, object]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """client_state as (JSON values, top-level tensors); anything else is an error naming the key."""
     values: dict[str, Any] = {}
     tensors: dict[str, torch.Tensor] = {}

@@ -127,7 +127,7 @@ class ZeroFiles:
         return state
 
 
-def _strip_group_paddings(state: dict[str, Any]) -> None:
+def _strip_group_paddings(state: dict[str, object]) -> None:
     optimizer = state.get(OPTIMIZER_STATE_DICT)
     if not isinstance(optimizer, dict):
         return
@@ -144,11 +144,11 @@ def _strip_group_paddings(state: dict[str, Any]) -> None:
     optimizer[GROUP_PADDINGS] = [0] * len(paddings)
 
 
-def _type_name_unless(value: Any, kind: type | None) -> Any:
+def _type_name_unless(value: object, kind: type | None) -> Any:
     return value if value is None or (kind is not None and isinstance(value, kind)) else type(value).__name__
 
 
-def _metadata_of(state: Mapping[str, Any]) -> dict[str, Any]:
+def _metadata_of(state: Mapping[str, object]) -> dict[str, Any]:
     """What a converter needs from one model-state file; malformed entries are kept as their type's name so
     that the check that reads them can say what was found."""
     dims = _type_name_unless(state.get(CHECKPOINT_PARALLEL_DIMS), dict)

@@ -217,14 +217,14 @@ def zero_files(folder: str | os.PathLike[str]) -> list[str]:
     return []
 
 
-def _positive(value: Any, key: str, file: str) -> int:
+def _positive(value: object, key: str, file: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise CheckpointError(f"{file}: {CHECKPOINT_PARALLEL_DIMS}[{key!r}] must be a positive integer, got {value!r}")
     return value
 
 
 def degrees_from_metadata(
-    files: Sequence[str], zero: Sequence[str], metadata: Sequence[tuple[str, Mapping[str, Any]]]
+    files: Sequence[str], zero: Sequence[str], metadata: Sequence[tuple[str, Mapping[str, object]]]
 ) -> ParallelDegrees:
     """The degrees of a folder from its model-state files' recorded `checkpoint_parallel_dimensions` (all or
     none must record them, and alike), or, for older writers, from the file counts."""
@@ -288,7 +288,7 @@ def get_model_3d_descriptor(folder: str | os.PathLike[str]) -> ParallelDegrees:
     return degrees_from_metadata(files, zero_files(folder), metadata)
 
 
-def parallel_dimensions_record(mpu: Any) -> dict[str, dict[str, int]]:
+def parallel_dimensions_record(mpu: object) -> dict[str, dict[str, int]]:
     """What a DeepSpeed writer stores in every model-state file about its layout (`_checkpoint_parallel_metadata`):
     the pipeline and tensor degrees of `mpu` (1 and 1 without one), read through whichever getter names it has
     (Megatron's or DeepSpeed's topology's)."""
@@ -310,7 +310,7 @@ def parallel_dimensions_record(mpu: Any) -> dict[str, dict[str, int]]:
 
 
 def shapes_per_tp_rank(
-    slice_shapes_by_tp: Sequence[Mapping[str, Any]], pp_degree: int, tp_degree: int
+    slice_shapes_by_tp: Sequence[Mapping[str, object]], pp_degree: int, tp_degree: int
 ) -> dict[str, list[Any]]:
     """Per parameter, its shape on each tensor rank (None where a rank has none), from the model-state files'
     shapes in pp-major order (file pp * tp_degree + tp); a parameter present in several pipeline stages (tied)

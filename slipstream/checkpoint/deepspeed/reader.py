@@ -200,7 +200,7 @@ def _as_int(value: Any) -> int:
     return int(value.value if isinstance(value, DeepSpeedStub) else value)
 
 
-def _zero_stage(osd: Mapping[str, Any], tag_dir: Path) -> int:
+def _zero_stage(osd: Mapping[str, object], tag_dir: Path) -> int:
     stage = _as_int(osd.get("zero_stage", -1))
     if stage not in (1, 2, 3):
         raise CheckpointError(
@@ -223,7 +223,7 @@ def _param_names(first: Mapping[str, Any]) -> list[str]:
     return [name for name in first["module"] if name not in buffers]
 
 
-def _strip_params(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _strip_params(groups: list[dict[str, object]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in group.items() if k != "params"} for group in groups]
 
 
@@ -272,7 +272,7 @@ def _group_state(base: Any, group: int) -> dict[str, Any]:
     return dict(base["state"].get(index, {}))
 
 
-def _flat_keys(state: Mapping[str, Any], numel: int) -> list[str]:
+def _flat_keys(state: Mapping[str, object], numel: int) -> list[str]:
     return [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() >= numel]
 
 
@@ -362,11 +362,11 @@ def _apply_shared_params(shared: Mapping[str, str], *tables: dict[str, torch.Ten
                 table[name] = table[source]
 
 
-def _loss_scaler(value: Any) -> Any:
+def _loss_scaler(value: object) -> Any:
     return dict(value.state) if isinstance(value, DeepSpeedStub) else value
 
 
-def _scalars(first: Mapping[str, Any], osd: Mapping[str, Any] | None) -> dict[str, Any]:
+def _scalars(first: Mapping[str, object], osd: Mapping[str, object] | None) -> dict[str, Any]:
     keys = (
         "global_steps",
         "global_samples",

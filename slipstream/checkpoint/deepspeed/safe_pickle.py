@@ -43,13 +43,13 @@ class DeepSpeedStub:
     args: tuple[Any, ...]
     state: dict[str, Any]
 
-    def __new__(cls, *args: Any) -> Self:
+    def __new__(cls, *args: object) -> Self:
         obj = super().__new__(cls)
         obj.args = args
         obj.state = {}
         return obj
 
-    def __setstate__(self, state: Any) -> None:
+    def __setstate__(self, state: object) -> None:
         if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state), as pickle's load_build
             state = {**(state[0] or {}), **(state[1] or {})}
         self.state = dict(state) if isinstance(state, dict) else {"state": state}
@@ -195,7 +195,7 @@ def _scan_one(stream: io.BytesIO, found: list[str]) -> None:
             _apply_stack_effect(stack, op)
 
 
-def _apply_stack_effect(stack: list[Any], op: pickletools.OpcodeInfo) -> None:
+def _apply_stack_effect(stack: list[object], op: pickletools.OpcodeInfo) -> None:
     before = op.stack_before
     if pickletools.markobject in before:
         while stack and stack.pop() is not _MARK:

@@ -60,7 +60,7 @@ def check_conversion_support(info: Mapping[str, Any] | None) -> None:
 _DROP = object()
 
 
-def plain(value: Any) -> Any:
+def plain(value: object) -> Any:
     """`value` as plain data, so the file loads without DeepSpeed's classes: a DeepSpeed enum as its value, any
     other DeepSpeed object (the loss scaler) left out, so a loading engine keeps its own."""
     if isinstance(value, DeepSpeedStub):

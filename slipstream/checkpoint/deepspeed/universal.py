@@ -67,7 +67,7 @@ def is_universal_checkpoint(path: str | Path) -> bool:
         return False
 
 
-def _value(obj: Any, file: Path) -> torch.Tensor:
+def _value(obj: object, file: Path) -> torch.Tensor:
     if isinstance(obj, torch.Tensor):
         return obj
     if isinstance(obj, Mapping) and isinstance(obj.get("param"), torch.Tensor):

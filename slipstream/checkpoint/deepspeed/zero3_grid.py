@@ -64,7 +64,7 @@ def rank_grid(files: Sequence[Path]) -> list[list[Path]]:
     return [[grid[t][d] for d in range(dp)] for t in range(tp)]
 
 
-def _group_moments(inner: Any, group: int) -> dict[str, torch.Tensor]:
+def _group_moments(inner: object, group: int) -> dict[str, torch.Tensor]:
     states = inner.get("state") if isinstance(inner, Mapping) else None
     if states is None:
         return {}
@@ -171,5 +171,5 @@ def _optimizer_state(first_optimizer_file: Path) -> dict[str, Any]:
     return outer
 
 
-def _is_partition(value: Any) -> bool:
+def _is_partition(value: object) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
