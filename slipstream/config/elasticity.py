@@ -104,12 +104,12 @@ class ElasticResult:
     """For the world size asked about (None when none was given)."""
 
 
-def elasticity_enabled(ds_config: dict[str, Any]) -> bool:
+def elasticity_enabled(ds_config: dict[str, object]) -> bool:
     section = ds_config.get("elasticity")
     return isinstance(section, dict) and section.get("enabled", False) is True
 
 
-def parse_section(raw: Any) -> ElasticityConfig:
+def parse_section(raw: object) -> ElasticityConfig:
     """A raw `elasticity` dict through the config schema (its defaults and types are the only ones)."""
     try:
         return ElasticityConfig.model_validate(raw)
@@ -249,7 +249,7 @@ def elastic_result(section: ElasticityConfig, *, world_size: int = 0, target_ver
 
 
 def compute_elastic_config(
-    ds_config: dict[str, Any], target_deepspeed_version: str, world_size: int = 0, return_microbatch: bool = False
+    ds_config: dict[str, object], target_deepspeed_version: str, world_size: int = 0, return_microbatch: bool = False
 ) -> tuple[Any, ...]:
     """DeepSpeed's `deepspeed.elasticity.compute_elastic_config`: (batch, valid GPU counts[, micro batch])."""
     if not isinstance(ds_config, dict):

@@ -34,7 +34,7 @@ class ConfigWarning(UserWarning):
     """A config key that is accepted but ignored (unknown key with strict false, deprecated spelling)."""
 
 
-def dotted(loc: Iterable[Any]) -> str:
+def dotted(loc: Iterable[object]) -> str:
     """("zero_optimization", "offload_optimizer", "device") -> "zero_optimization.offload_optimizer.device"
     (list positions become "[i]")."""
     out = ""
@@ -46,7 +46,7 @@ def dotted(loc: Iterable[Any]) -> str:
     return out or "<top level>"
 
 
-def describe(value: Any) -> str:
+def describe(value: object) -> str:
     """How a JSON value reads in a message: "the string '8'", "the integer 8", "an object", ..."""
     if isinstance(value, bool):
         return f"the boolean {str(value).lower()}"
@@ -112,7 +112,7 @@ def _message(error: dict[str, Any]) -> str:
     return f"{error['msg']}, got {describe(given)}"
 
 
-def pydantic_problems(exc: ValidationError, prefix: Sequence[Any] = ()) -> list[str]:
+def pydantic_problems(exc: ValidationError, prefix: Sequence[object] = ()) -> list[str]:
     """One "<dotted path>: <what was expected>, got <what was given>" line per pydantic error."""
     problems = []
     for error in exc.errors():
@@ -121,7 +121,7 @@ def pydantic_problems(exc: ValidationError, prefix: Sequence[Any] = ()) -> list[
     return list(dict.fromkeys(problems))
 
 
-def _is_union_tag(part: Any) -> bool:
+def _is_union_tag(part: object) -> bool:
     """pydantic adds the member type ("int", "str", "function-before[...]") to the loc of union errors."""
     return isinstance(part, str) and (
         part in {"int", "str", "float", "bool", "dict[str,any]", "list[str]"}

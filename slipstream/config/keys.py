@@ -44,7 +44,7 @@ class KeyWalk:
     auto_batch: list[str] = field(default_factory=list)
     auto_filled: dict[str, int] = field(default_factory=dict)
 
-    def clean(self, data: dict[str, Any], model: type[DSModel], path: tuple[str, ...] = ()) -> dict[str, Any]:
+    def clean(self, data: dict[str, object], model: type[DSModel], path: tuple[str, ...] = ()) -> dict[str, Any]:
         """A copy of `data` with unknown keys removed and "auto" handled, recursing into sub-sections."""
         keys = accepted_keys(model)
         out: dict[str, Any] = {}
@@ -70,7 +70,7 @@ class KeyWalk:
                 out[key] = value
         return out
 
-    def _value(self, value: Any, here: tuple[str, ...], name: str, model: type[DSModel]) -> Any:
+    def _value(self, value: object, here: tuple[str, ...], name: str, model: type[DSModel]) -> Any:
         if here == ("zero_optimization",) and isinstance(value, bool):
             return self._legacy_zero_flag(value)
         if isinstance(value, str) and value == "auto":
@@ -166,7 +166,7 @@ def _json_key(model: type[BaseModel], name: str) -> str:
     return alias or name
 
 
-def _is_default(model: type[BaseModel], name: str, value: Any) -> bool:
+def _is_default(model: type[BaseModel], name: str, value: object) -> bool:
     default = model.model_fields[name].get_default(call_default_factory=True)
     return value == default or (default is None and value == {})
 

@@ -22,7 +22,7 @@ __all__ = ["load_config"]
 ConfigSource = Union[dict, str, "os.PathLike[str]"]
 
 
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
@@ -89,7 +89,7 @@ def _from_base64(text: str) -> dict[str, Any]:
     return _parse_json(decoded, "base64 config")
 
 
-def load_config(source: Any) -> dict[str, Any]:
+def load_config(source: object) -> dict[str, Any]:
     """The config as a fresh dict, from a dict, a JSON file path, urlsafe-base64 JSON, or an args namespace.
 
     Raises ConfigError for a missing file, invalid JSON (with line and column), duplicate keys, bad base64,

@@ -91,7 +91,7 @@ def _field(key: str) -> FieldInfo | None:
     return info
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     try:
         return json.dumps(value)
     except TypeError:

@@ -28,7 +28,7 @@ def _fixed(count: int) -> Callable[[Mapping[str, Any]], int]:
     return lambda params: count
 
 
-def _adam_states(params: Mapping[str, Any]) -> int:
+def _adam_states(params: Mapping[str, object]) -> int:
     return 3 if params.get("amsgrad") else 2
 
 
@@ -36,7 +36,7 @@ def _momentum_states(params: Mapping[str, Any]) -> int:
     return int(float(params.get("momentum", 0) or 0) > 0)
 
 
-def _rmsprop_states(params: Mapping[str, Any]) -> int:
+def _rmsprop_states(params: Mapping[str, object]) -> int:
     return 1 + _momentum_states(params) + int(bool(params.get("centered")))
 
 
@@ -130,7 +130,7 @@ def spec_for_class(class_name: str) -> OptimizerSpec | None:
     return None
 
 
-def states_per_element(name: str, params: Mapping[str, Any] = {}) -> int:
+def states_per_element(name: str, params: Mapping[str, object] = {}) -> int:
     """Full-size state tensors per master element for an optimizer name or class name (2 when unknown)."""
     spec = spec_for(name) or spec_for_class(name)
     return 2 if spec is None else spec.states(params)

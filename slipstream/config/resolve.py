@@ -71,7 +71,7 @@ _TBS, _MICRO, _GAS = BATCH_KEYS
 
 
 def resolve(
-    config: dict[str, Any],
+    config: dict[str, object],
     *,
     world_size: int,
     strict: bool | None = None,
@@ -145,7 +145,7 @@ def _batch_and_parallel(
     return cfg, batch, parallel
 
 
-def _validate(cleaned: dict[str, Any], problems: list[str]) -> tuple[DeepSpeedConfig, set[str]]:
+def _validate(cleaned: dict[str, object], problems: list[str]) -> tuple[DeepSpeedConfig, set[str]]:
     """The validated config. When some sections fail, their problems are recorded and the rest is validated
     again without them, so cross-field rules still report their problems in the same ConfigError."""
     try:
@@ -159,7 +159,7 @@ def _validate(cleaned: dict[str, Any], problems: list[str]) -> tuple[DeepSpeedCo
         raise ConfigError(problems) from None
 
 
-def _argument_problems(world_size: Any, hidden_size: Any) -> list[str]:
+def _argument_problems(world_size: object, hidden_size: object) -> list[str]:
     problems = []
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         problems.append(f"world_size: expected an integer >= 1 (the data-parallel size), got {world_size!r}")
@@ -170,7 +170,7 @@ def _argument_problems(world_size: Any, hidden_size: Any) -> list[str]:
     return problems
 
 
-def resolve_zero_init(config: dict[str, Any], *, remote_device: str | None = None) -> tuple[Stage3Plan, str]:
+def resolve_zero_init(config: dict[str, object], *, remote_device: str | None = None) -> tuple[Stage3Plan, str]:
     """(stage-3 plan, parameter dtype) for zero.Init from a DeepSpeed config dict, before initialize().
     `remote_device` ("cpu", "nvme" or "none"; zero.Init's argument) overrides offload_param.device.
 
@@ -203,7 +203,7 @@ def _resolved(cfg: DeepSpeedConfig, batch: BatchPlan) -> dict[str, Any]:
     return data
 
 
-def collective_timeout_of(raw: dict[str, Any]) -> float | None:
+def collective_timeout_of(raw: dict[str, object]) -> float | None:
     """The config's `collective_timeout` ahead of resolve(), which needs the world size and so the process group,
     which should be created with this timeout. A value resolve() rejects is left for resolve() to report."""
     value = raw.get("collective_timeout")

@@ -108,7 +108,7 @@ def activation_plan(section: ActivationCheckpointingConfig) -> ActivationCheckpo
     )
 
 
-def activation_checkpoint_plan(section: dict[str, Any]) -> ActivationCheckpointPlan:
+def activation_checkpoint_plan(section: dict[str, object]) -> ActivationCheckpointPlan:
     """The plan of a raw `activation_checkpointing` section alone (slipstream.checkpointing.configure's
     `deepspeed_config`); a bad key raises ConfigError as a whole config would."""
     try:

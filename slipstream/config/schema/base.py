@@ -19,7 +19,7 @@ from slipstream.config.errors import ConfigError
 __all__ = ["DSBool", "DSModel", "DSInt", "DSFloat", "OpenSection", "aliased", "accepted_keys", "model_of", "zero_one"]
 
 
-def _integral_float_to_int(value: Any) -> Any:
+def _integral_float_to_int(value: object) -> Any:
     """DeepSpeed writes sizes as floats (`5e8`); accept a float that is a whole number as an int."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
@@ -33,7 +33,7 @@ DSFloat = float
 """A number (an int is accepted); strings and booleans are not."""
 
 
-def zero_one(value: Any) -> Any:
+def zero_one(value: object) -> Any:
     """DeepSpeed reads its booleans leniently (pydantic's lax mode, or a plain truth test), and configs write
     `1` / `0` for true / false (`"zero_allow_untested_optimizer": 1`): the integers 0 and 1 become booleans.
     Other values are left to the strict check (the string "true" and 2 stay errors)."""
@@ -61,18 +61,18 @@ class DSModel(BaseModel):
     LITERAL_AUTO: ClassVar[frozenset[str]] = frozenset()
     """Fields for which the string "auto" is a real DeepSpeed value (not an HF placeholder)."""
 
-    def __init__(self, /, **data: Any) -> None:
+    def __init__(self, /, **data: object) -> None:
         # here as well as in the validator: an error raised inside validation becomes pydantic's ValidationError,
         # and DeepSpeed's callers catch the both-given case as AssertionError (ConfigError is one)
         super().__init__(**_migrate_deprecated(type(self), data))
 
     @model_validator(mode="before")
     @classmethod
-    def _deprecated_fields(cls, data: Any) -> Any:
+    def _deprecated_fields(cls, data: object) -> Any:
         return _migrate_deprecated(cls, data) if isinstance(data, Mapping) else data
 
 
-def _migrate_deprecated(model: type[BaseModel], data: Mapping[str, Any]) -> dict[str, Any]:
+def _migrate_deprecated(model: type[BaseModel], data: Mapping[str, object]) -> dict[str, Any]:
     """DeepSpeedConfigModel's deprecated fields: a field declared with `json_schema_extra={"deprecated": True,
     "new_param": "name", "new_param_fn": f}` is moved to `name` (through `f`, when given) with a deprecation
     warning; giving both is an error."""
@@ -129,7 +129,7 @@ def accepted_keys(model: type[BaseModel]) -> dict[str, str]:
     return keys
 
 
-def model_of(annotation: Any) -> type[DSModel] | None:
+def model_of(annotation: object) -> type[DSModel] | None:
     """The DSModel class inside a field annotation (`X`, `Optional[X]`, `X | bool`), if there is one."""
     if isinstance(annotation, type) and issubclass(annotation, DSModel):
         return annotation

@@ -100,7 +100,7 @@ class CheckpointConfig(DSModel):
 
     @field_validator("tag_validation", mode="before")
     @classmethod
-    def _upper(cls, value: Any) -> Any:
+    def _upper(cls, value: object) -> Any:
         return value.upper() if isinstance(value, str) else value
 
 

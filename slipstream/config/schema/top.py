@@ -49,7 +49,7 @@ __all__ = ["DeepSpeedConfig"]
 FreeForm = dict[str, Any] | None
 
 
-def _infinity_is_never(value: Any) -> Any:
+def _infinity_is_never(value: object) -> Any:
     """`steps_per_print: float("inf")` (Accelerate writes it) means never: stored as None."""
     return None if isinstance(value, float) and math.isinf(value) and value > 0 else value
 
@@ -209,7 +209,7 @@ class DeepSpeedConfig(DSModel):
 
     @field_validator("gradient_allreduce_op", mode="before")
     @classmethod
-    def _allreduce_op(cls, value: Any) -> Any:
+    def _allreduce_op(cls, value: object) -> Any:
         """Case-insensitive, as in DeepSpeed ("SUM" is "sum"); DeepSpeed's wording for anything else."""
         if isinstance(value, str) and value.lower() in ("mean", "sum"):
             return value.lower()

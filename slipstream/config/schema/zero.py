@@ -117,7 +117,7 @@ class LeafModuleConfig(DSModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _lists(cls, data: Any) -> Any:
+    def _lists(cls, data: object) -> Any:
         if data is None:
             return {}
         if not isinstance(data, dict):
@@ -290,7 +290,7 @@ class ZeroConfig(DSModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _legacy_forms(cls, data: Any) -> Any:
+    def _legacy_forms(cls, data: object) -> Any:
         if isinstance(data, bool):
             return {"stage": 1 if data else 0}
         if not isinstance(data, dict):
