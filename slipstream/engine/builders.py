@@ -32,7 +32,7 @@ def warn_if_materialised(model: nn.Module) -> None:
         warn_once("z3-materialised", materialised_warning(whole, dist.get_world_size()))
 
 
-def moe_support(model: Any) -> Any:
+def moe_support(model: object) -> Any:
     """slipstream.moe.engine_support when the model has MoE layers (their groups made), else None."""
     if not isinstance(model, nn.Module) or "slipstream.moe" not in sys.modules:
         return None  # no MoE layer can exist before slipstream.moe is imported
@@ -122,7 +122,7 @@ def log_memory_plan(plan: EnginePlan, module: nn.Module, *, world_size: int, ran
     log_rank0(line, rank=rank)
 
 
-def make_scheduler(plan: EnginePlan, optimizer: torch.optim.Optimizer | None, client: Any) -> Any:
+def make_scheduler(plan: EnginePlan, optimizer: torch.optim.Optimizer | None, client: object) -> Any:
     """The client's scheduler (instance, or callable of the optimizer), else the config's, else None. A client
     scheduler wins over a `scheduler` config section, with a warning naming both (DeepSpeed: silently)."""
     if client is not None:
@@ -186,7 +186,7 @@ def tell_epoch_length(optimizer: Any, loader: Any, accumulation: int) -> None:
     setter(batches // max(accumulation, 1))
 
 
-def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+def cast_floating(tree: object, dtype: torch.dtype) -> Any:
     """Cast the floating-point tensors of nested tuples/lists/dicts to `dtype` (others unchanged)."""
     if isinstance(tree, torch.Tensor):
         return tree.to(dtype) if tree.is_floating_point() else tree

@@ -16,7 +16,7 @@ def make_training_dataloader(
     rank: int,
     world_size: int,
     drop_last: bool,
-    collate_fn: Callable[[list[Any]], Any] | None,
+    collate_fn: Callable[[list[object]], object] | None,
     seed: int = 0,
 ) -> DataLoader:
     """A DataLoader over `dataset` with a DistributedSampler (shuffled, seeded) for this rank."""

@@ -29,7 +29,7 @@ _WARMUP_TYPES = ("log", "linear")
 _BETA2 = 0.99  # OneCycle writes betas (momentum, 0.99), as DeepSpeed does
 
 
-def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+def _torch_optimizer(optimizer: object) -> torch.optim.Optimizer:
     """The torch optimizer itself, or the one a wrapper holds in `.optimizer` (as DeepSpeed accepts)."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
@@ -52,7 +52,7 @@ def _per_group(value: PerGroup, name: str, num_groups: int) -> list[float]:
     return [float(value)] * num_groups  # type: ignore[arg-type]
 
 
-def _check_warmup(warmup_num_steps: Any) -> int:
+def _check_warmup(warmup_num_steps: object) -> int:
     if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
         raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
     return max(2, warmup_num_steps)
@@ -68,7 +68,7 @@ def _warmup_type(warmup_type: str) -> str:
     return "log"
 
 
-def _check_total(total_num_steps: Any, warmup_num_steps: int) -> None:
+def _check_total(total_num_steps: object, warmup_num_steps: int) -> None:
     if isinstance(total_num_steps, bool) or not isinstance(total_num_steps, (int, float)) or total_num_steps < 0:
         raise ValueError(f"total_num_steps must be a non-negative number of optimizer steps, got {total_num_steps!r}")
     if total_num_steps < warmup_num_steps:
@@ -89,7 +89,7 @@ def _warmup_fraction(it: int, warmup_num_steps: int, warmup_type: str) -> float:
 class _Schedule:
     """Common state and optimizer writes; subclasses define `get_lr()` for `self.last_batch_iteration`."""
 
-    def __init__(self, optimizer: Any, last_batch_iteration: int) -> None:
+    def __init__(self, optimizer: object, last_batch_iteration: int) -> None:
         self.optimizer = _torch_optimizer(optimizer)
         self.last_batch_iteration = last_batch_iteration
         self._last_lr: list[float] | None = None
@@ -138,7 +138,7 @@ class WarmupLR(_Schedule):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: object,
         warmup_min_lr: PerGroup = 0.0,
         warmup_max_lr: PerGroup | None = None,
         warmup_num_steps: int = 1000,
@@ -178,7 +178,7 @@ class WarmupDecayLR(WarmupLR):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: object,
         total_num_steps: int,
         warmup_min_lr: PerGroup = 0.0,
         warmup_max_lr: PerGroup = 0.001,
@@ -210,7 +210,7 @@ class WarmupCosineLR(_Schedule):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: object,
         total_num_steps: int,
         warmup_min_ratio: float = 0.0,
         warmup_num_steps: int = 1000,
@@ -253,7 +253,7 @@ class LRRangeTest(_Schedule):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: object,
         lr_range_test_min_lr: PerGroup = 1e-3,
         lr_range_test_step_size: int = 2000,
         lr_range_test_step_rate: float = 1.0,
@@ -294,7 +294,7 @@ class OneCycle(_Schedule):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: object,
         cycle_min_lr: PerGroup,
         cycle_max_lr: PerGroup,
         decay_lr_rate: float = 0.0,

@@ -33,7 +33,7 @@ class StepProfiler:
         self.flops_per_step: int | None = None
         self._profiler: FlopsProfiler | None = None
 
-    def forward(self, run: Callable[[], Any], step: int, first_micro_batch: bool) -> Any:
+    def forward(self, run: Callable[[], object], step: int, first_micro_batch: bool) -> Any:
         """Run one forward (`run()`), profiled when it is the first micro-batch of the profiled step."""
         if step + 1 != self.plan.profile_step or not first_micro_batch or self.flops_per_step is not None:
             return run()

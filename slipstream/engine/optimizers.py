@@ -158,7 +158,7 @@ def _accepted(cls: Any, skip: int = 1) -> list[str] | None:
     return [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL]
 
 
-def _check_params(section: str, cls: type, params: dict[str, Any], *, drop: tuple[str, ...] = ()) -> None:
+def _check_params(section: str, cls: type, params: dict[str, object], *, drop: tuple[str, ...] = ()) -> None:
     accepted = _accepted(cls)
     if accepted is None:
         return
@@ -171,7 +171,7 @@ def _check_params(section: str, cls: type, params: dict[str, Any], *, drop: tupl
     check_params(section, cls, params)  # kinds and ranges, naming the dotted key
 
 
-def _torch_fast(cls: Any, params: list[Any], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+def _torch_fast(cls: Any, params: list[object], kwargs: dict[str, object]) -> torch.optim.Optimizer:
     """`cls` with fused=True where torch supports it for these params, else foreach=True (unless the user chose)."""
     accepted = _accepted(cls) or []
     if "fused" in kwargs or "foreach" in kwargs or "foreach" not in accepted:

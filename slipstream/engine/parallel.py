@@ -65,7 +65,7 @@ class ParallelSetup:
             layouts.setdefault(name, TpLayout(tuple(param.shape), None, 0))
         return layouts
 
-    def adopt_client_params(self, optimizer: Any, model_parameters: Any) -> Any:
+    def adopt_client_params(self, optimizer: torch.optim.Optimizer, model_parameters: Any) -> Any:
         """Point what the client built over the unsplit model at the local shards that replaced its split
         parameters: the groups of its optimizer instance (in place) and `model_parameters` (returned as a list).
         An optimizer built before `initialize` otherwise steps the unsplit tensors, and the split layers never

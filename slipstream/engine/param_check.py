@@ -51,7 +51,7 @@ RANGES: dict[str, tuple[float, float, bool]] = {
 }
 
 
-def check_params(section: str, cls: Any, params: dict[str, Any], *, skip: int = 1) -> None:
+def check_params(section: str, cls: Any, params: dict[str, object], *, skip: int = 1) -> None:
     """Raise ValueError for the first value of `params` that `cls(<skip positional args>, **params)` would
     misread. Parameters the checker cannot type (no default, no simple annotation) are left to the class."""
     signature = inspect.signature(cls.__init__)
@@ -73,7 +73,7 @@ def _hints(cls: Any) -> dict[str, Any]:
         return {}
 
 
-def _kinds(hint: Any, default: Any) -> list[Any]:
+def _kinds(hint: object, default: object) -> list[Any]:
     """What a config value may be: kind names, or lists of per-element kinds (a fixed-length sequence)."""
     if hint is not None:
         kinds = _kinds_of_hint(hint)
@@ -84,7 +84,7 @@ def _kinds(hint: Any, default: Any) -> list[Any]:
     return _kinds_of_value(default)
 
 
-def _kinds_of_value(default: Any) -> list[Any]:
+def _kinds_of_value(default: object) -> list[Any]:
     if isinstance(default, bool):
         return [_BOOL]
     if isinstance(default, (int, float)):
@@ -96,7 +96,7 @@ def _kinds_of_value(default: Any) -> list[Any]:
     return []  # None (torch's `foreach=None`, ...): one of several kinds, left to the class
 
 
-def _kinds_of_hint(hint: Any) -> list[Any]:
+def _kinds_of_hint(hint: object) -> list[Any]:
     """Kinds from an annotation; [] when some member cannot be checked. Tensor members are dropped: a JSON
     config cannot hold a tensor (torch allows Tensor learning rates)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -122,7 +122,7 @@ def _kinds_of_hint(hint: Any) -> list[Any]:
     return [simple[hint]] if hint in simple else []
 
 
-def _matches(value: Any, kind: Any) -> bool:
+def _matches(value: object, kind: object) -> bool:
     if isinstance(kind, list):
         return (
             isinstance(value, (list, tuple))
@@ -144,13 +144,13 @@ def _matches(value: Any, kind: Any) -> bool:
     return value is None
 
 
-def _describe(kind: Any) -> str:
+def _describe(kind: object) -> str:
     if isinstance(kind, list):
         return f"a list of {len(kind)} values ({', '.join(' or '.join(k) for k in kind)})"
     return str(kind)
 
 
-def _check_value(key: str, value: Any, kinds: list[Any], name: str) -> None:
+def _check_value(key: str, value: object, kinds: list[object], name: str) -> None:
     if not any(_matches(value, kind) for kind in kinds):
         shown = [kind for kind in kinds if not (kind == _INT and _NUMBER in kinds)]  # a number covers integers
         allowed = " or ".join(_describe(kind) for kind in shown)
