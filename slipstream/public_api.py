@@ -83,7 +83,7 @@ def _signature(obj: Any) -> str:
         return "(...)"  # a builtin without a signature
 
 
-def _describe(obj: Any) -> Any:
+def _describe(obj: object) -> Any:
     if inspect.isclass(obj):
         if issubclass(obj, BaseException):
             return {"kind": "exception", "bases": [base.__name__ for base in obj.__mro__[1:-1]]}

@@ -38,7 +38,7 @@ def is_moe_param(param: torch.Tensor) -> bool:
     return hasattr(param, "allreduce") and not param.allreduce
 
 
-def is_moe_param_group(param_group: dict[str, Any]) -> bool:
+def is_moe_param_group(param_group: dict[str, object]) -> bool:
     return bool(param_group.get("moe", False))
 
 

@@ -18,7 +18,7 @@ MATERIALISED_WARN_NUMEL = 1_000_000_000
 
 
 def engine_estimate(
-    *, plan: Any, model: Any, world_size: int, gpus_per_node: int = 1, optimizer: str | None = None
+    *, plan: object, model: object, world_size: int, gpus_per_node: int = 1, optimizer: str | None = None
 ) -> OptionEstimate:
     """The planner's figures for this engine's config (`EnginePlan`) and model.
 

@@ -103,7 +103,7 @@ def from_factory(spec: str) -> ModelShape:
     return from_module(module, source=spec)
 
 
-def _guess_dims(module: Any, dims: Dims) -> Dims:
+def _guess_dims(module: object, dims: Dims) -> Dims:
     """Read hidden/layers/heads/vocab from a `config` attribute (Hugging Face or GPTConfig-style) if there is one."""
     config = getattr(module, "config", None)
     if config is None:
@@ -281,11 +281,11 @@ def synthetic(
     return from_module(module, source=f"synthetic decoder ({layers} x {hidden}, MLP {intermediate})", dims=dims)
 
 
-def from_hf_config(config: dict[str, Any] | str | Path) -> ModelShape:
+def from_hf_config(config: dict[str, object] | str | Path) -> ModelShape:
     """A decoder from a Hugging Face `config.json` (Llama/Mistral/Qwen-style keys, or GPT-2's n_embd/n_layer)."""
     values: dict[str, Any] = config if isinstance(config, dict) else json.loads(Path(config).read_text())
 
-    def get(*names: str, default: Any = None) -> Any:
+    def get(*names: str, default: object = None) -> Any:
         for name in names:
             if values.get(name) is not None:
                 return values[name]

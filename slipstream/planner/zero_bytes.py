@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from slipstream.config.optimizers import states_per_element
 from slipstream.planner.prefetch import PoolFigures, UnitShape, simulate_pool
@@ -33,7 +32,7 @@ from slipstream.planner.types import DTYPE_BYTES, Settings
 from slipstream.zero.layout import build_layout, stage2_bucket_numel, stage2_chunk_numel
 
 
-def optimizer_states_per_element(name: str, params: Sequence[tuple[str, Any]] = ()) -> int:
+def optimizer_states_per_element(name: str, params: Sequence[tuple[str, object]] = ()) -> int:
     """Full-size state tensors the optimizer keeps per master element (scalars such as `step` excluded), from
     the optimizer registry (config/optimizers.py)."""
     return states_per_element(name, dict(params))

@@ -24,12 +24,12 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 
-def _cpu_attention(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any) -> int:
+def _cpu_attention(query_shape: object, key_shape: object, value_shape: object, *args: object, **kwargs: object) -> int:
     return int(flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape))
 
 
 def _cpu_attention_backward(
-    grad_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any
+    grad_shape: object, query_shape: object, key_shape: object, value_shape: object, *args: object, **kwargs: object
 ) -> int:
     return int(flop_counter.sdpa_backward_flop_count(grad_shape, query_shape, key_shape, value_shape))
 
@@ -90,7 +90,7 @@ class FlopsProfiler:
     `get_total_params()` / `get_total_duration()`, `print_model_profile()`, and `end_profile()`.
     """
 
-    def __init__(self, model: nn.Module, ds_engine: Any = None, recompute_fwd_factor: float = 0.0) -> None:
+    def __init__(self, model: nn.Module, ds_engine: object = None, recompute_fwd_factor: float = 0.0) -> None:
         self.model = model
         self.ds_engine = ds_engine
         self.recompute_fwd_factor = recompute_fwd_factor
@@ -262,13 +262,13 @@ class FlopsProfiler:
         return f"{root}.{path}" if path else root
 
     def _pre_hook(self, ident: int) -> Callable[..., None]:
-        def hook(module: nn.Module, inputs: Any) -> None:
+        def hook(module: nn.Module, inputs: object) -> None:
             self._started.setdefault(ident, []).append(time.perf_counter())
 
         return hook
 
     def _post_hook(self, ident: int, key: str) -> Callable[..., None]:
-        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        def hook(module: nn.Module, inputs: object, output: object) -> None:
             stack = self._started.get(ident)
             if stack:
                 self._latency[key] = self._latency.get(key, 0.0) + time.perf_counter() - stack.pop()
@@ -281,7 +281,7 @@ def _write(stream: TextIO, text: str) -> None:
     stream.flush()
 
 
-def _inputs(input_shape: Sequence[int] | None, args: Sequence[Any], model: nn.Module) -> list[Any]:
+def _inputs(input_shape: Sequence[int] | None, args: Sequence[object], model: nn.Module) -> list[Any]:
     if input_shape is None:
         return list(args)
     if args:
@@ -296,15 +296,15 @@ def _inputs(input_shape: Sequence[int] | None, args: Sequence[Any], model: nn.Mo
 
 
 @torch.no_grad()
-def _forward(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+def _forward(model: nn.Module, args: Sequence[object], kwargs: dict[str, object]) -> None:
     model(*args, **kwargs)
 
 
 def get_model_profile(
     model: nn.Module,
     input_shape: Sequence[int] | None = None,
-    args: Sequence[Any] = (),
-    kwargs: dict[str, Any] | None = None,
+    args: Sequence[object] = (),
+    kwargs: dict[str, object] | None = None,
     print_profile: bool = True,
     detailed: bool = True,
     module_depth: int = -1,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 __all__ = ["ThroughputTimer"]
 
@@ -20,12 +19,12 @@ __all__ = ["ThroughputTimer"]
 class ThroughputTimer:
     def __init__(
         self,
-        config: Any = None,
+        config: object = None,
         batch_size: int | None = 1,
         start_step: int = 2,
         steps_per_output: int | None = None,
         monitor_memory: bool = False,
-        logging_fn: Any = None,
+        logging_fn: Callable[[str], object] | None = None,
         *,
         enabled: bool = True,
         synchronize: Callable[[], None] | None = None,

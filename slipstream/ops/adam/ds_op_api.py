@@ -167,7 +167,7 @@ def zenflow_adam_ctrl_exit(ptr: int) -> None:
     _int(ptr, _EXIT).value = 1
 
 
-def _worker_functions(adam_update: Callable[..., Any]) -> tuple[Callable[..., Any], ...]:
+def _worker_functions(adam_update: Callable[..., object]) -> tuple[Callable[..., Any], ...]:
     """The ZenFlow worker's side (create, register_group, run_worker, destroy), sharing one handle table."""
     workers: dict[int, dict[str, Any]] = {}
 

@@ -79,7 +79,7 @@ class FusedAdam(torch.optim.Adam):
                 group["decoupled_weight_decay"] = self.adam_w_mode
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
+    def step(self, closure: object = None) -> Any:
         if not self._decay_here:
             return super().step(closure)
         decays = [group["weight_decay"] for group in self.param_groups]

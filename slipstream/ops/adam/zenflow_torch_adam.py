@@ -86,7 +86,7 @@ class _SelectiveAdamW(torch.optim.AdamW):
         # DeepSpeed binds `step` per instance; callers compare `opt.step` with these methods.
         self.step = self._step_with_offload if self.offload else self._step_without_offload  # type: ignore[method-assign]
 
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
         """The update of every parameter with a `selected_grad` (`_step_with_offload` in offload mode, else
         `_step_without_offload`; each instance binds `step` to one of them, as DeepSpeed does)."""
         if self.offload:
@@ -204,19 +204,19 @@ class _SelectiveAdamW(torch.optim.AdamW):
         param.temp_selected_param = None  # type: ignore[attr-defined]
         param.selected_grad = None  # type: ignore[attr-defined]
 
-    def _update(self, params: Sequence[Tensor], group: Mapping[str, Any]) -> None:
+    def _update(self, params: Sequence[Tensor], group: Mapping[str, object]) -> None:
         for param in params:
             if _has_selection(param):
                 self._update_one(param, group)
 
     @torch.no_grad()
-    def _step_without_offload(self, closure: Any = None) -> None:
+    def _step_without_offload(self, closure: object = None) -> None:
         """Update the selected columns of every parameter that has a `selected_grad`."""
         for group in self.param_groups:
             self._update(group["params"], group)
 
     @torch.no_grad()
-    def _step_with_offload(self, closure: Any = None) -> None:
+    def _step_with_offload(self, closure: object = None) -> None:
         """Offload mode: the same update, `bucket_size` elements at a time (moments on the device per bucket)."""
         for group_id, group in enumerate(self.param_groups):
             bucket: list[Tensor] = []

@@ -41,7 +41,7 @@ class AsyncIOHandle:
         )
 
     @classmethod
-    def from_settings(cls, aio: Any, *, module: ModuleType | None = None) -> AsyncIOHandle:
+    def from_settings(cls, aio: object, *, module: ModuleType | None = None) -> AsyncIOHandle:
         """From any object with the `aio` section's attributes (the resolved plan's `AioPlan`)."""
         return cls(module=module, **{name: getattr(aio, name) for name in SETTING_NAMES})
 
