@@ -47,7 +47,7 @@ def _create_state(optimizer: Any, piece: torch.Tensor, keys: list[str]) -> None:
         state["step"] = torch.tensor(0.0)
 
 
-def save_pipeline(engine: Any, save_dir: str, tag: str, client_state: dict[str, Any], *, save_latest: bool) -> None:
+def save_pipeline(engine: Any, save_dir: str, tag: str, client_state: dict[str, object], *, save_latest: bool) -> None:
     rank = dist.get_rank()
     tmp = Path(save_dir) / f".tmp-{tag}"
     if rank == 0:

@@ -36,11 +36,11 @@ _PARTS = 1024  # messages per transfer (2 + the tensors)
 _MICROS = 4096  # micro-batches per batch that tags can tell apart
 
 
-def flatten(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+def flatten(tree: object) -> tuple[Any, list[torch.Tensor]]:
     """(a JSON-able description with tensor slots, the tensors in order)."""
     tensors: list[torch.Tensor] = []
 
-    def walk(node: Any) -> Any:
+    def walk(node: object) -> Any:
         if isinstance(node, torch.Tensor):
             tensors.append(node)
             dtype = str(node.dtype).removeprefix("torch.")
@@ -110,7 +110,7 @@ class Exchanger:
         kind = 0 if direction == "act" else 1
         return (((kind * self.num_virtual + stage) * _MICROS + micro) * _PARTS) + part
 
-    def send(self, tree: Any, *, dst: int, direction: str, stage: int, micro: int, what: str) -> None:
+    def send(self, tree: object, *, dst: int, direction: str, stage: int, micro: int, what: str) -> None:
         spec, tensors = flatten(tree)
         if len(tensors) + 2 > _PARTS:
             raise ValueError(f"a pipeline activation has {len(tensors)} tensors; at most {_PARTS - 2} are supported")

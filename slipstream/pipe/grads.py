@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from slipstream.comm import collectives
 from slipstream.zero.optimizer import ZeroOptimizer
@@ -26,7 +27,13 @@ class _PipelineGrads:
     groups: list[Any]
     _param_location: dict[int, Any]
 
-    def attach_pipeline(self, *, tied: list[tuple[torch.Tensor, Any, bool]], pipe_group: Any, pipe_size: int) -> None:
+    def attach_pipeline(
+        self,
+        *,
+        tied: list[tuple[torch.Tensor, dist.ProcessGroup | None, bool]],
+        pipe_group: dist.ProcessGroup | None,
+        pipe_size: int,
+    ) -> None:
         """`tied`: (parameter, the group its gradient is summed over, whether this stage counts it in the norm)."""
         self._tied = {id(p): (p, group, counted) for p, group, counted in tied}
         self._tied_grads = {id(p): torch.zeros_like(p, dtype=torch.float32) for p, _, _ in tied}

@@ -36,7 +36,7 @@ class PipelineError(Exception):
 class LayerSpec:
     """`cls(*args, **kwargs)`, built only on the stage that owns the layer."""
 
-    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
+    def __init__(self, typename: type, *module_args: object, **module_kwargs: object) -> None:
         if not isinstance(typename, type) or not issubclass(typename, nn.Module):
             raise RuntimeError(f"LayerSpec needs an nn.Module subclass; got {typename!r}")
         self.typename, self.module_args, self.module_kwargs = typename, module_args, module_kwargs
@@ -56,10 +56,10 @@ class TiedLayerSpec(LayerSpec):
         self,
         key: str,
         typename: type,
-        *module_args: Any,
-        forward_fn: Callable[..., Any] | None = None,
+        *module_args: object,
+        forward_fn: Callable[..., object] | None = None,
         tied_weight_attr: str | Sequence[str] = "weight",
-        **module_kwargs: Any,
+        **module_kwargs: object,
     ) -> None:
         super().__init__(typename, *module_args, **module_kwargs)
         self.key, self.forward_fn = key, forward_fn
@@ -73,7 +73,7 @@ def owner_of(virtual: int, num_stages: int, style: str) -> int:
     return virtual % num_stages
 
 
-def _type_name(layer: Any) -> str:
+def _type_name(layer: object) -> str:
     if isinstance(layer, LayerSpec):
         return layer.typename.__name__
     if isinstance(layer, nn.Module):
@@ -111,16 +111,16 @@ class PipelineModule(nn.Module):
 
     def __init__(
         self,
-        layers: Sequence[Any],
+        layers: Sequence[object],
         num_stages: int | None = None,
         topology: ProcessTopology | None = None,
-        loss_fn: Callable[..., Any] | None = None,
+        loss_fn: Callable[..., object] | None = None,
         seed_layers: bool = False,
-        seed_fn: Callable[[int], Any] | None = None,
+        seed_fn: Callable[[int], object] | None = None,
         base_seed: int = 1234,
         partition_method: str | Sequence[int] = "parameters",
         activation_checkpoint_interval: int = 0,
-        activation_checkpoint_func: Callable[..., Any] | None = None,
+        activation_checkpoint_func: Callable[..., object] | None = None,
         checkpointable_layers: Sequence[str] | None = None,
         dynamic_shape: bool = True,
         *,
@@ -247,7 +247,7 @@ class PipelineModule(nn.Module):
         return self.tied_stages[key][0] == self.stage_id
 
     # ---- forward ----
-    def run_chunk(self, virtual: int, x: Any) -> Any:
+    def run_chunk(self, virtual: int, x: object) -> Any:
         funcs = self.chunk_funcs[virtual]
         interval = self.activation_checkpoint_interval
         if interval <= 0 or not self.training:
@@ -265,7 +265,7 @@ class PipelineModule(nn.Module):
                 x = self.activation_checkpoint_func(functools.partial(_run_block, block), x)
         return x
 
-    def forward(self, forward_input: Any) -> Any:
+    def forward(self, forward_input: object) -> Any:
         """The layers of this stage, all chunks in order (DeepSpeed's forward of the local layers)."""
         x = forward_input
         for v in self.local_virtual:
@@ -293,7 +293,7 @@ class PipelineModule(nn.Module):
         return [_type_name(layer) for layer in self._layer_specs]
 
 
-def _run_block(block: list[tuple[int, Callable[..., Any]]], x: Any) -> Any:
+def _run_block(block: list[tuple[int, Callable[..., object]]], x: object) -> Any:
     for _, func in block:
         x = func(x)
     return x

@@ -29,7 +29,7 @@ class PipelineStageError(RuntimeError):
     """A pipeline stage failed (its own error, or a peer's, named with stage and rank)."""
 
 
-def _grad_leaves(tree: Any) -> Any:
+def _grad_leaves(tree: object) -> Any:
     """The tree with each tensor detached; floating-point ones become leaves that require grad."""
     spec, tensors = flatten(tree)
     from slipstream.pipe.exchange import unflatten
@@ -38,7 +38,7 @@ def _grad_leaves(tree: Any) -> Any:
     return unflatten(spec, fresh)
 
 
-def _needing_grad(tree: Any) -> list[torch.Tensor]:
+def _needing_grad(tree: object) -> list[torch.Tensor]:
     return [t for t in flatten(tree)[1] if t.requires_grad]
 
 
@@ -70,7 +70,9 @@ class StageRunner:
     def _what(self, verb: str, stage: int, micro: int) -> str:
         return f"pipeline stage {self.module.stage_id} (rank {self.rank}): {verb} of virtual stage {stage}, micro-batch {micro}"
 
-    def run(self, actions: list[Action], inputs: list[Any], labels: list[Any], *, train: bool) -> list[torch.Tensor]:
+    def run(
+        self, actions: list[Action], inputs: list[object], labels: list[object], *, train: bool
+    ) -> list[torch.Tensor]:
         """Run `actions`; return the last stage's per-micro-batch losses (outputs when there is no loss_fn)."""
         self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.local: dict[tuple[str, int, int], Any] = {}
@@ -95,7 +97,7 @@ class StageRunner:
             ) from exc
         return [self.losses[m] for m in sorted(self.losses)]
 
-    def _forward(self, action: Action, inputs: list[Any], labels: list[Any], *, train: bool) -> None:
+    def _forward(self, action: Action, inputs: list[object], labels: list[object], *, train: bool) -> None:
         s, m = action.stage, action.micro
         if s == 0:
             x = inputs[m]
@@ -137,7 +139,7 @@ class StageRunner:
         )
         return list(got)
 
-    def _send_input_grads(self, s: int, m: int, x: Any) -> None:
+    def _send_input_grads(self, s: int, m: int, x: object) -> None:
         if s == 0:
             return
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in _needing_grad(x)]
@@ -187,7 +189,7 @@ class StageRunner:
             self.after_backward(None)
 
 
-def _params(func: Any) -> list[torch.nn.Parameter]:
+def _params(func: object) -> list[torch.nn.Parameter]:
     """The parameters a layer function uses (a module, or a tied forward_fn bound to its module)."""
     module = func.args[0] if isinstance(func, functools.partial) and func.args else func
     return list(module.parameters()) if isinstance(module, torch.nn.Module) else []

@@ -112,7 +112,7 @@ class PipeModelDataParallelTopology(ProcessTopology):
 class PipelineParallelGrid:
     """The process groups of a `PipeDataParallelTopology` and this rank's place in it."""
 
-    def __init__(self, topology: ProcessTopology | None = None, process_group: Any = None) -> None:
+    def __init__(self, topology: ProcessTopology | None = None, process_group: dist.ProcessGroup | None = None) -> None:
         self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if topology is None:
             topology = PipeDataParallelTopology(num_pp=1, num_dp=self.world_size)
