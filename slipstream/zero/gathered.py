@@ -24,7 +24,7 @@ from torch import nn
 from slipstream.zero.stage3.sharded_param import ShardedParameter, internal_access, unshard_type
 
 
-def _managers_and_units(params: Any) -> list[tuple[Any, list[Any]]]:
+def _managers_and_units(params: object) -> list[tuple[Any, list[Any]]]:
     if params is None:
         return []
     if isinstance(params, nn.Parameter) or not hasattr(params, "__iter__"):
@@ -44,7 +44,7 @@ class GatheredParameters:
     """DeepSpeed's `deepspeed.zero.GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True)`."""
 
     def __init__(
-        self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None, enabled: bool = True
+        self, params: object, modifier_rank: int | None = None, fwd_module: object = None, enabled: bool = True
     ) -> None:
         self.modifier_rank = modifier_rank
         self.groups = _managers_and_units(params) if enabled else []
@@ -54,7 +54,7 @@ class GatheredParameters:
             manager.gather_units(units, expose=True)  # tensors taken inside stay valid after the block
         return self
 
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         for manager, units in self.groups:
             if self.modifier_rank is not None and exc_type is None:
                 manager.broadcast_units(units, src=self.modifier_rank)
@@ -79,7 +79,7 @@ def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
         zero_model.release_units(units)
 
 
-def unshard_parameters(params: Any) -> int:
+def unshard_parameters(params: object) -> int:
     """Turn the sharded parameters among `params` back into plain parameters holding their whole values
     (the same objects, so references to them stay valid); returns how many. Collective over each
     parameter's group, like GatheredParameters: every rank passes the same parameters."""

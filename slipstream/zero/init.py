@@ -83,7 +83,7 @@ def zero_wrapper_for_fp_tensor_constructor(
     device; floating-point results in `target_fp_dtype` unless the call names a dtype. None leaves either alone."""
 
     @functools.wraps(fn)
-    def construct(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def construct(*args: object, **kwargs: object) -> torch.Tensor:
         if target_device is not None and kwargs.get("device") is None:
             kwargs["device"] = target_device
         made = fn(*args, **kwargs)
@@ -118,7 +118,7 @@ class MultipleAllGatherHandles:
             handle.wait(handle_dependency=handle_dependency)
 
 
-def is_zero_param(parameter: Any) -> bool:
+def is_zero_param(parameter: object) -> bool:
     """True for a parameter ZeRO-3 shards (it has DeepSpeed's `ds_id`)."""
     return isinstance(parameter, torch.Tensor) and hasattr(parameter, "ds_id")
 
@@ -176,7 +176,7 @@ class StagingUnits(UnitManager):
         )
 
 
-def _config_dict(config_dict_or_path: Any) -> dict[str, Any]:
+def _config_dict(config_dict_or_path: object) -> dict[str, Any]:
     if config_dict_or_path is None:
         return {}
     if isinstance(config_dict_or_path, dict):
@@ -215,7 +215,7 @@ _INIT_KEYWORDS = (
 )  # fmt: skip
 
 
-def _deepspeed_keywords(given: dict[str, Any], data_parallel_group: Any) -> Any:
+def _deepspeed_keywords(given: dict[str, object], data_parallel_group: object) -> Any:
     """The data-parallel group, after checking zero.Init's keywords beyond its named ones: a DeepSpeed keyword
     Slipstream does not act on is reported (when given away from its default), the deprecated
     `sequence_data_parallel_group` stands for `data_parallel_group` as in DeepSpeed, and anything else is a
@@ -260,7 +260,7 @@ class Init:
     def __init__(
         self,
         module: nn.Module | None = None,
-        data_parallel_group: Any = None,
+        data_parallel_group: dist.ProcessGroup | None = None,
         mem_efficient_linear: bool = True,
         remote_device: str | None = None,
         pin_memory: bool = False,
@@ -325,7 +325,7 @@ class Init:
         self._wrap_constructors()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
         for cls, original in reversed(self._patched):

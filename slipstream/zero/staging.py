@@ -33,7 +33,9 @@ class StagingRing:
         self._finish(slot)
         return slot, self.staging[slot][:staging_numel], self.receive[slot][:receive_numel]
 
-    def launched(self, slot: int, work: Any, receive: torch.Tensor, deliver: Callable[[torch.Tensor], Any]) -> None:
+    def launched(
+        self, slot: int, work: object, receive: torch.Tensor, deliver: Callable[[torch.Tensor], object]
+    ) -> None:
         """`work` (None when already complete) fills `receive`; `deliver(receive)` runs once it has."""
         self._in_flight[slot] = (work, receive, deliver)
 

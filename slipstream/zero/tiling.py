@@ -51,7 +51,7 @@ class TiledLinear(nn.Module):
         out_splits: int = 1,
         input_is_already_split: bool = False,
         combine_out_splits: bool = True,
-        linear_cls: Any = nn.Linear,
+        linear_cls: type[torch.nn.Linear] = nn.Linear,
         init_linear: nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
@@ -105,14 +105,14 @@ class TiledLinear(nn.Module):
             return list(x)
         return [x[..., self.in_parts[c] : self.in_parts[c + 1]] for c in range(self.in_splits)]
 
-    def _row(self, row: nn.Module, inputs: list[Any]) -> Any:
+    def _row(self, row: nn.Module, inputs: list[object]) -> Any:
         out = None
         for tile, part in zip(row, inputs):  # type: ignore[call-overload]
             local = tile(part)
             out = local if out is None else out + local
         return out
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: object) -> Any:
         inputs = self._inputs(x)
         outs = [self._row(row, inputs) for row in self.linears]
         return torch.cat(outs, dim=-1) if self.combine_out_splits else outs
@@ -122,7 +122,7 @@ class TiledLinearReturnBias(TiledLinear):
     """A `TiledLinear` whose tiles return `(output, bias)` (Megatron's delayed-bias linears): forward returns
     `(output without bias, bias or None)`, each combined over the row bands like the outputs."""
 
-    def _row(self, row: nn.Module, inputs: list[Any]) -> Any:
+    def _row(self, row: nn.Module, inputs: list[object]) -> Any:
         out, bias = None, None
         for tile, part in zip(row, inputs):  # type: ignore[call-overload]
             local, local_bias = tile(part)
@@ -131,7 +131,7 @@ class TiledLinearReturnBias(TiledLinear):
                 bias = local_bias if bias is None else bias + local_bias
         return out, bias
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: object) -> Any:
         inputs = self._inputs(x)
         pairs = [self._row(row, inputs) for row in self.linears]
         outs = [out for out, _ in pairs]

@@ -67,7 +67,7 @@ class ZenFlowMixin:
     groups: list[FlatGroup]
     optimizer: torch.optim.Optimizer
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         me: Any = self
         zenflow: ZenFlowPlan = me.zero.zenflow

@@ -110,7 +110,7 @@ class _UnitState:
     expected: frozenset[int] = frozenset()
 
 
-def _after_forward(cleanup: Callable[[], None], output: Any) -> None:
+def _after_forward(cleanup: Callable[[], None], output: object) -> None:
     """Run a forward hook's `cleanup` (release gathered units). torch runs these hooks (always_call) also when
     the forward raised, inside its `except` clause and with no output: a collective that fails during the
     cleanup then is the same fault as the error already on its way up (a peer lost or stopped), and raising it
@@ -159,7 +159,7 @@ class Coordinator:
             self.hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit), with_kwargs=True))
             self.hooks.append(unit.module.register_forward_hook(self._make_post(unit), always_call=True))
 
-    def watch_gradients(self, reducer: Any, trainable: dict[int, frozenset[int]]) -> None:
+    def watch_gradients(self, reducer: object, trainable: dict[int, frozenset[int]]) -> None:
         """Hand trainable parameters' gradients to `reducer`; `trainable` maps unit uid -> parameter indices."""
         self.reducer = reducer
         for unit in self.units:
@@ -176,7 +176,7 @@ class Coordinator:
         self.hooks.clear()
 
     def _make_pre(self, unit: Unit) -> Any:
-        def hook(module: Any, args: Any, kwargs: Any) -> Any:
+        def hook(module: object, args: object, kwargs: object) -> Any:
             self.pre_forward(unit)
             if not torch.is_grad_enabled():
                 return None
@@ -185,7 +185,7 @@ class Coordinator:
         return hook
 
     def _make_post(self, unit: Unit) -> Any:
-        def hook(module: Any, args: Any, output: Any) -> Any:
+        def hook(module: object, args: object, output: object) -> Any:
             _after_forward(lambda: self.post_forward(unit, output), output)
             return None
 
@@ -226,7 +226,7 @@ class Coordinator:
         if self.forward_trace.visit([owner.uid for owner in state.borrow]):
             self._prefetch(self.forward_trace.upcoming())
 
-    def post_forward(self, unit: Unit, output: Any) -> None:
+    def post_forward(self, unit: Unit, output: object) -> None:
         if unit in self._running:
             del self._running[len(self._running) - 1 - self._running[::-1].index(unit)]
         state = self.state[unit.uid]
@@ -379,7 +379,7 @@ class Coordinator:
         return False
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def _tensors(value: object) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):

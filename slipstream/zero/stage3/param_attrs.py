@@ -51,7 +51,7 @@ class DeepSpeedParamAttrs:
     def ds_active_sub_modules(self) -> set[int]:
         return set(self.ds_record.unit.active_modules)
 
-    def all_gather(self, param_list: Any = None, async_op: bool = False, hierarchy: int = 0) -> None:
+    def all_gather(self, param_list: object = None, async_op: bool = False, hierarchy: int = 0) -> None:
         """Gather this parameter's unit (DeepSpeed's `param.all_gather()`); see GatheredParameters."""
         self.ds_record.unit.manager.gather_units([self.ds_record.unit])
 
@@ -71,7 +71,7 @@ class DeepSpeedParamAttrs:
             manager.gather_units(units)
         return _DoneHandle()
 
-    def partition(self, param_list: Any = None, hierarchy: int = 0, has_been_updated: bool = False) -> None:
+    def partition(self, param_list: object = None, hierarchy: int = 0, has_been_updated: bool = False) -> None:
         """Release this parameter's unit again (DeepSpeed's `param.partition()`)."""
         self.ds_record.unit.manager.release_units([self.ds_record.unit])
 

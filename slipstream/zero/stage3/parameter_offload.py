@@ -51,6 +51,6 @@ class ParameterOffloadView:
         self.backward_hooks: list[Any] = []
         self.param_coordinator = _CoordinatorView()
 
-    def _register_deepspeed_module(self, module: Any, count: Any = None) -> None:
+    def _register_deepspeed_module(self, module: object, count: object = None) -> None:
         """Slipstream's unit hooks never left the model: nothing to register again."""
         return None
