@@ -190,21 +190,9 @@ class ZeroModel(UnitManager):
         for unit in self.units:
             for record, param in zip(unit.records, unit.params):
                 name = names.get(id(param), record.name)
-                lo, hi = (
-                    min(record.numel, unit.rank * record.shard_numel),
-                    min(record.numel, (unit.rank + 1) * record.shard_numel),
-                )
-                if name in skip or hi <= lo:
-                    continue
-                out.append(
-                    OwnedSlice(
-                        name=name,
-                        shape=tuple(record.shape),
-                        lo=lo,
-                        hi=hi,
-                        value=unit.shard[record.shard_offset : record.shard_offset + hi - lo],
-                    )
-                )
+                part = None if name in skip else record.owned_values(name)
+                if part is not None:
+                    out.append(part)
         return out
 
     @contextlib.contextmanager

@@ -13,6 +13,7 @@ Frozen parameters get no master piece, no optimizer state and no place in the re
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -330,26 +331,18 @@ class Stage3Optimizer(ZeroOptimizer):
                 offset = 0
                 for index in run.indices:
                     record = run.unit.records[index]
-                    rank = run.unit.rank
-                    lo, hi = (
-                        min(record.numel, rank * record.shard_numel),
-                        min(record.numel, (rank + 1) * record.shard_numel),
-                    )
                     name = names.get(id(run.unit.params[index]), record.name)
-                    if hi > lo and (only is None or name == only):
-                        value = run.unit.shard[record.shard_offset : record.shard_offset + hi - lo]
+                    part = record.owned_values(name) if only is None or name == only else None
+                    if part is not None:
+                        end = offset + part.numel
                         out.append(
-                            OwnedSlice(
-                                name=name,
-                                shape=tuple(record.shape),
-                                lo=lo,
-                                hi=hi,
-                                value=value,
-                                master=master[offset : offset + hi - lo] if in_memory(master) else None,
+                            dataclasses.replace(
+                                part,
+                                master=master[offset:end] if in_memory(master) else None,
                                 piece=master,
                                 piece_offset=offset,
                                 group_index=number,
-                                grad=grad[offset : offset + hi - lo] if in_memory(grad) else None,
+                                grad=grad[offset:end] if in_memory(grad) else None,
                             )
                         )
                     offset += record.shard_numel

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from slipstream.utils.torch_shim import no_subclass_dispatch
+from slipstream.zero.slices import OwnedSlice
 from slipstream.zero.stage3.param_attrs import DeepSpeedParamAttrs
 
 
@@ -75,6 +76,16 @@ class ParamRecord:
     @property
     def status(self) -> ZeroParamStatus:
         return self.unit.status
+
+    def owned_values(self, name: str) -> OwnedSlice | None:
+        """This rank's part of the parameter, [rank * shard_numel, (rank + 1) * shard_numel) clipped to numel,
+        as a view of its shard; None when the rank's slice is padding only."""
+        rank = self.unit.rank
+        lo, hi = min(self.numel, rank * self.shard_numel), min(self.numel, (rank + 1) * self.shard_numel)
+        if hi <= lo:
+            return None
+        value = self.unit.shard[self.shard_offset : self.shard_offset + hi - lo]
+        return OwnedSlice(name=name, shape=tuple(self.shape), lo=lo, hi=hi, value=value)
 
 
 _INTERNAL = [0]
