@@ -81,7 +81,6 @@ def initialize(
     if mesh_param is not None:
         raise NotImplementedError("initialize(mesh_param=...) is not available yet in Slipstream")
     from slipstream.config import load_config
-    from slipstream.engine.engine import SlipstreamEngine
 
     raw = load_config(_config_source(args, config, config_params))
     if mpu is not None:
@@ -89,9 +88,7 @@ def initialize(
     _join_process_group(raw, args, distributed_port=distributed_port, dist_init_required=dist_init_required)
     pipeline = _is_pipeline(model)
     plan = _resolve_plan(raw, model, pipeline=pipeline, strict=strict)
-    if pipeline:
-        return _pipeline_engine(model, plan, optimizer, model_parameters, lr_scheduler, training_data, collate_fn)
-    engine = SlipstreamEngine(
+    engine = _engine_class(pipeline=pipeline)(
         model,
         plan,
         optimizer=optimizer,
@@ -169,23 +166,16 @@ def _is_pipeline(model: Any) -> bool:
     return pipe is not None and isinstance(model, pipe.PipelineModule)
 
 
-def _pipeline_engine(
-    model: Any, plan: Any, optimizer: Any, model_parameters: Any, lr_scheduler: Any, training_data: Any, collate_fn: Any
-) -> tuple[Any, Any, Any, Any]:
+def _engine_class(*, pipeline: bool) -> type[Any]:
     """DeepSpeed's engine selection: a PipelineModule gets the pipeline engine (the engine with a pipeline
     schedule, built by the engine's own steps)."""
-    from slipstream.pipe.engine import PipelineEngine
+    if pipeline:
+        from slipstream.pipe.engine import PipelineEngine
 
-    engine = PipelineEngine(
-        model,
-        plan,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler,
-        training_data=training_data,
-        collate_fn=collate_fn,
-    )
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+        return PipelineEngine
+    from slipstream.engine.engine import SlipstreamEngine
+
+    return SlipstreamEngine
 
 
 _TP_ATTRIBUTE = "_slipstream_tp_size"

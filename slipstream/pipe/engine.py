@@ -143,6 +143,10 @@ class PipelineEngine(SlipstreamEngine):
         super()._log_plan()
         log_rank0(stage_table(self.module, self.plan, dp=self.dp_world_size), rank=self.global_rank)
 
+    def _optimizer_to_return(self) -> Any:
+        """DeepSpeed's pipeline engine hands back its own (ZeRO) optimizer, whatever the stage and precision."""
+        return self.optimizer
+
     # ---- DeepSpeed's pipeline surface ----
     def is_first_stage(self) -> bool:
         return self.stage_id == 0

@@ -58,7 +58,8 @@ def _engine(
     )
     dp = dist.get_world_size() // stages
     extra = {"pipeline": {"activation_checkpoint_interval": config_interval}} if config_interval else {}
-    engine, *_ = slipstream.initialize(model=module, config=_config(zero, micros, dp, **extra))
+    engine, returned, *_ = slipstream.initialize(model=module, config=_config(zero, micros, dp, **extra))
+    assert returned is engine.optimizer  # DeepSpeed's pipeline engine hands back its own optimizer at every stage
     return engine
 
 
