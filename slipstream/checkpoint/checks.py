@@ -24,6 +24,7 @@ import torch
 
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.manifest import DTYPE_NAMES
+from slipstream.checkpoint.source import TensorSource, WrapsOptimizer
 from slipstream.checkpoint.state import EngineParts, global_shape
 from slipstream.utils.logging import warn_once
 
@@ -40,7 +41,9 @@ def _fits_dtype(stored: torch.dtype, wanted: torch.dtype) -> bool:
     return stored == wanted or (stored.is_floating_point and wanted.is_floating_point)
 
 
-def _tensor_problem(key: str, source: Any, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> str | None:
+def _tensor_problem(
+    key: str, source: TensorSource, shape: tuple[int, ...], dtype: torch.dtype, what: str
+) -> str | None:
     """None when checkpoint tensor `key` can fill `what` (of global `shape` and `dtype`), else why not."""
     stored_shape, stored_dtype = source.info(key)
     if tuple(stored_shape) == tuple(shape) and _fits_dtype(stored_dtype, dtype):
@@ -71,7 +74,7 @@ def check_names(parts: EngineParts, keys: set[str], *, strict: bool) -> None:
         )
 
 
-def tensor_problems(parts: EngineParts, source: Any, *, load_optimizer_states: bool) -> list[str]:
+def tensor_problems(parts: EngineParts, source: TensorSource, *, load_optimizer_states: bool) -> list[str]:
     """Every checkpoint tensor the load would copy that does not fit its target (shape or dtype)."""
     keys = set(source.keys())
     problems: list[str] = []
@@ -82,9 +85,9 @@ def tensor_problems(parts: EngineParts, source: Any, *, load_optimizer_states: b
             problems.append(_tensor_problem(f"module/{name}", source, shape, dtype, f"parameter {name!r}") or "")
         if load_optimizer_states and parts.optimizer is not None:
             prefix = f"optimizer/{name}/"
-            for key in sorted(k for k in keys if k.startswith(prefix)):
+            for state_key in sorted(k for k in keys if k.startswith(prefix)):
                 problems.append(
-                    _tensor_problem(key, source, shape, torch.float32, f"optimizer state of {name!r}") or ""
+                    _tensor_problem(state_key, source, shape, torch.float32, f"optimizer state of {name!r}") or ""
                 )
     for name, buffer in parts.module.named_buffers():
         key = next((k for k in (f"buffer/{name}", f"module/{name}") if k in keys), None)
@@ -129,7 +132,7 @@ def _engine_problems(scalars: dict[str, Any], problems: list[str]) -> None:
         _typed(problems, "world_size", scalars["world_size"], int, "an integer")
 
 
-def _group_problems(optimizer: Any, saved: dict[str, Any], index: int, problems: list[str]) -> None:
+def _group_problems(optimizer: WrapsOptimizer, saved: dict[str, Any], index: int, problems: list[str]) -> None:
     """One saved param group's hyperparameters against the live group (numbers stay numbers, tuples tuples)."""
     group = optimizer.optimizer.param_groups[index] if index < len(optimizer.optimizer.param_groups) else {}
     for name, value in saved.items():
@@ -145,7 +148,7 @@ def _group_problems(optimizer: Any, saved: dict[str, Any], index: int, problems:
             problems.append(f"scalars.{where} is {value!r} ({type(value).__name__}); expected a number")
 
 
-def _optimizer_problems(optimizer: Any, scalars: dict[str, Any], problems: list[str]) -> None:
+def _optimizer_problems(optimizer: WrapsOptimizer, scalars: dict[str, Any], problems: list[str]) -> None:
     state = scalars.get("optimizer")
     if state is None or not _typed(problems, "optimizer", state, dict, "an object"):
         return
@@ -183,7 +186,7 @@ def scalar_problems(
 
 
 def check_load(
-    parts: EngineParts, source: Any, *, strict: bool, load_optimizer_states: bool, restore_engine: bool
+    parts: EngineParts, source: TensorSource, *, strict: bool, load_optimizer_states: bool, restore_engine: bool
 ) -> None:
     """Raise one CheckpointError listing every name, shape, dtype and scalar problem; see [Note: load checks]."""
     check_names(parts, set(source.keys()), strict=strict)

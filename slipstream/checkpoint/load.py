@@ -20,6 +20,7 @@ from slipstream.checkpoint.checks import check_load
 from slipstream.checkpoint.deepspeed.reader import DeepSpeedCheckpoint
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.reader import CheckpointReader, direct_target
+from slipstream.checkpoint.source import TensorSource, WrapsOptimizer
 from slipstream.checkpoint.state import EngineParts, collect_slices, restore_rng
 from slipstream.utils.progress import Progress
 
@@ -86,7 +87,7 @@ def open_source(path: Path) -> Any:
     )
 
 
-def _scalar_tensor(optimizer: Any, piece: Any, key: str, value: Any, existing: Any) -> torch.Tensor:
+def _scalar_tensor(optimizer: WrapsOptimizer, piece: Any, key: str, value: Any, existing: Any) -> torch.Tensor:
     """A per-piece scalar of the optimizer state (Adam's `step`) where the optimizer keeps it: beside the value it
     replaces, else as torch's optimizers place it (on the parameter's device for fused or capturable kernels,
     which refuse a CPU step; on the CPU otherwise)."""
@@ -99,7 +100,7 @@ def _scalar_tensor(optimizer: Any, piece: Any, key: str, value: Any, existing: A
 
 
 def load_engine(
-    parts: EngineParts, source: Any, *, strict: bool, load_optimizer_states: bool, restore_engine: bool = True
+    parts: EngineParts, source: TensorSource, *, strict: bool, load_optimizer_states: bool, restore_engine: bool = True
 ) -> dict[str, Any]:
     """Load module (and optimizer) state into the engine's tensors; returns the checkpoint's scalars.
 
@@ -158,7 +159,7 @@ def load_engine(
     return scalars
 
 
-def _read_into(source: Any, key: str, lo: int, hi: int, target: torch.Tensor) -> torch.Tensor:
+def _read_into(source: TensorSource, key: str, lo: int, hi: int, target: torch.Tensor) -> torch.Tensor:
     """Elements [lo, hi) of `key` into `target`; straight from the file where the layouts allow (no intermediate
     tensor: a load touches each byte of the engine's state once), else through a read and a copy (a cast, a
     device copy). Returns the data as read (for copies to other views of the same parameter)."""
@@ -169,5 +170,5 @@ def _read_into(source: Any, key: str, lo: int, hi: int, target: torch.Tensor) ->
     return data
 
 
-def client_tensors(source: Any) -> dict[str, torch.Tensor]:
+def client_tensors(source: TensorSource) -> dict[str, torch.Tensor]:
     return {k[len("client/") :]: source.read(k) for k in source.keys() if k.startswith("client/")}

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from slipstream.checkpoint.errors import CheckpointError
+from slipstream.checkpoint.source import WrapsOptimizer
 from slipstream.zero.slices import OwnedSlice
 
 
@@ -77,7 +78,7 @@ def _local_slices(parts: EngineParts, *, for_save: bool) -> list[OwnedSlice]:
     return slices
 
 
-def flat_state_keys(optimizer: Any, piece: torch.Tensor) -> list[str]:
+def flat_state_keys(optimizer: WrapsOptimizer, piece: torch.Tensor) -> list[str]:
     """The state entries of `piece` shaped like it (exp_avg, exp_avg_sq, momentum_buffer, ...)."""
     state = optimizer.optimizer.state.get(piece, {})
     return sorted(
@@ -85,7 +86,7 @@ def flat_state_keys(optimizer: Any, piece: torch.Tensor) -> list[str]:
     )
 
 
-def scalar_state(optimizer: Any) -> list[dict[str, Any]]:
+def scalar_state(optimizer: WrapsOptimizer) -> list[dict[str, Any]]:
     """Per param group: the state values that are not per-element (Adam's step), from its first piece."""
     out: list[dict[str, Any]] = []
     for group in optimizer.optimizer.param_groups:
@@ -103,7 +104,7 @@ def scalar_state(optimizer: Any) -> list[dict[str, Any]]:
     return out
 
 
-def hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
+def hyperparameters(optimizer: WrapsOptimizer) -> list[dict[str, Any]]:
     return [
         {k: to_json(v, f"param group {k!r}") for k, v in group.items() if k != "params"}
         for group in optimizer.optimizer.param_groups

@@ -24,10 +24,11 @@ import torch.distributed as dist
 from slipstream.checkpoint.atomic import commit_dir, make_tmp_dir, read_latest, write_latest, write_text_atomic
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.safetensors_io import SafetensorsFile, save_file
+from slipstream.checkpoint.source import WrapsOptimizer
 from slipstream.comm import collectives
 
 
-def _state_slices(optimizer: Any, item: Any) -> dict[str, torch.Tensor]:
+def _state_slices(optimizer: WrapsOptimizer, item: Any) -> dict[str, torch.Tensor]:
     state = optimizer.optimizer.state.get(item.piece, {})
     n = item.hi - item.lo
     return {
@@ -37,7 +38,7 @@ def _state_slices(optimizer: Any, item: Any) -> dict[str, torch.Tensor]:
     }
 
 
-def _create_state(optimizer: Any, piece: torch.Tensor, keys: list[str]) -> None:
+def _create_state(optimizer: WrapsOptimizer, piece: torch.Tensor, keys: list[str]) -> None:
     """A fresh optimizer has no state until its first step: make the saved tensors' slots (and `step`)."""
     state = optimizer.optimizer.state[piece]
     for key in keys:
