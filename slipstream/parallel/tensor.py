@@ -47,13 +47,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from slipstream.utils.logging import warn_once
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "ShardSpec",
@@ -240,7 +243,7 @@ class ShardSpec:
 class TensorParallelModel:
     """What `apply_tensor_parallel` did: the TP mesh, and per module the specs of its local parameters."""
 
-    mesh: Any
+    mesh: DeviceMesh
     decisions: dict[str, str]
     specs: dict[str, dict[str, ShardSpec]]
     """module name -> parameter name -> spec."""
@@ -269,7 +272,7 @@ class TensorParallelModel:
         return value.full_tensor()
 
 
-def _gather_widths(local: torch.Tensor, dim: int, sizes: tuple[int, ...], mesh: Any) -> torch.Tensor:
+def _gather_widths(local: torch.Tensor, dim: int, sizes: tuple[int, ...], mesh: DeviceMesh) -> torch.Tensor:
     """The global tensor of pieces of unequal widths along `dim`: each padded to the widest, gathered, and cut
     back (see [Note: uneven whole-head splits]). Through slipstream.comm, which keeps the tensors it hands to
     gloo until the backend lets go of them ([Note: handing tensors to gloo] in comm/inflight.py)."""
@@ -296,7 +299,7 @@ def _styles(kind: str) -> Any:
     return ColwiseParallel(output_layouts=Replicate())
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: Any, decisions: Mapping[str, str]) -> TensorParallelModel:
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, decisions: Mapping[str, str]) -> TensorParallelModel:
     """Shard `model` in place over the 1-D TP `mesh` as `decisions` says (see the module doc)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
@@ -327,7 +330,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, decisions: Mapping[str, s
     return TensorParallelModel(mesh=mesh, decisions=dict(decisions), specs=specs, replaced=replaced)
 
 
-def _slice_by_widths(module: nn.Module, kind: str, widths: tuple[int, ...], mesh: Any) -> dict[str, ShardSpec]:
+def _slice_by_widths(module: nn.Module, kind: str, widths: tuple[int, ...], mesh: DeviceMesh) -> dict[str, ShardSpec]:
     """Keep this rank's whole heads of a column- (weight rows, bias) or row-parallel (weight columns; the bias
     replicated) linear as its parameters; their specs carry the widths."""
     from torch.distributed.tensor import Replicate, Shard
@@ -348,8 +351,8 @@ def _slice_by_widths(module: nn.Module, kind: str, widths: tuple[int, ...], mesh
 
 def _forward_with_dtensors(
     module: nn.Module,
-    forward: Any,
-    mesh: Any,
+    forward: Callable[..., Any],
+    mesh: DeviceMesh,
     specs: Mapping[str, ShardSpec],
     io: str | None,
     *args: Any,

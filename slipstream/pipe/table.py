@@ -4,13 +4,17 @@ over its data-parallel group)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slipstream.planner.estimate import settings_from_plan
 from slipstream.planner.zero_bytes import stage012_bytes
 
+if TYPE_CHECKING:
+    from slipstream.config.plan import EnginePlan
+    from slipstream.pipe.module import PipelineModule
 
-def stage_rows(module: Any, plan: Any, *, dp: int) -> list[dict[str, Any]]:
+
+def stage_rows(module: PipelineModule, plan: EnginePlan, *, dp: int) -> list[dict[str, Any]]:
     settings, option = settings_from_plan(plan)
     rows = []
     for stage in range(module.num_stages):
@@ -32,7 +36,7 @@ def stage_rows(module: Any, plan: Any, *, dp: int) -> list[dict[str, Any]]:
     return rows
 
 
-def stage_table(module: Any, plan: Any, *, dp: int) -> str:
+def stage_table(module: PipelineModule, plan: EnginePlan, *, dp: int) -> str:
     names = module.layer_names()
     lines = [
         f"pipeline: {module.num_stages} stages x {dp} data-parallel, schedule {module.schedule}, "

@@ -29,11 +29,12 @@ import os
 import signal
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 def no_subclass_dispatch() -> Any:
@@ -137,7 +138,12 @@ def drop_traceback_rank_prefix() -> None:
         sys.excepthook = hook
 
 
-def backward_input(outputs: Any, grads: Any, inputs: Any, weights: Any) -> Any:
+def backward_input(
+    outputs: list[torch.Tensor],
+    grads: list[torch.Tensor] | None,
+    inputs: list[torch.Tensor],
+    weights: Iterable[nn.Parameter],
+) -> Any:
     """Gradients of `inputs` only (set as their .grad); returns what `backward_weight` needs."""
     from torch.distributed.pipelining import _backward
 
@@ -145,7 +151,7 @@ def backward_input(outputs: Any, grads: Any, inputs: Any, weights: Any) -> Any:
     return state
 
 
-def backward_weight(weights: Any, state: Any) -> None:
+def backward_weight(weights: Iterable[nn.Parameter], state: list[dict[str, object]]) -> None:
     """The weight gradients of a split backward, added to each weight's .grad (no accumulation hooks run)."""
     from torch.distributed.pipelining import _backward
 
