@@ -279,23 +279,13 @@ class DeepSpeedEngineMethods(EngineAttributes):
         """DeepSpeed 0.19's definition: whether the weights are partitioned (ZeRO-3), whatever the rank."""
         return self.plan.zero.stage >= 3
 
-    def is_compiled(self) -> bool:
+    def _never(self) -> bool:
+        """DeepSpeed's questions about what Slipstream's engine does not do (compiling, DeepCompile, elastic
+        model parallelism, sanity checks, accumulation managed by a compiler): always False."""
         return False
 
-    def is_deepcompile_enabled(self) -> bool:
-        return False
-
-    def is_deepcompile_active(self) -> bool:
-        return False
-
-    def is_elastic_model_parallel_supported(self) -> bool:
-        return False
-
-    def is_sanity_checks_enabled(self) -> bool:
-        return False
-
-    def managed_gradient_accumulation(self) -> bool:
-        return False
+    is_compiled = is_deepcompile_enabled = is_deepcompile_active = _never
+    is_elastic_model_parallel_supported = is_sanity_checks_enabled = managed_gradient_accumulation = _never
 
     def cpuadam_cores_perc(self) -> float:
         return float(_dotted(self.config, f"{_Z}.offload_optimizer.cpuadam_cores_perc", 0.8))

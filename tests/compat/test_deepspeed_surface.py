@@ -344,6 +344,9 @@ def test_every_deepspeed_engine_method() -> None:
             refused.append(name)
     assert "compile" in refused and "zero_cpu_offload" not in refused and len(refused) < 40, refused
     assert engine.zero_cpu_offload() is False and engine.zero_allgather_bucket_size() == 500_000_000
+    never = ("is_compiled", "is_deepcompile_enabled", "is_deepcompile_active", "is_elastic_model_parallel_supported",
+             "is_sanity_checks_enabled", "managed_gradient_accumulation")
+    assert [getattr(engine, name)() for name in never] == [False] * len(never)
     assert engine.zero_optimization_stage() == 1 and engine.get_data_types()[0] == torch.float32
     assert engine.module_state_dict().keys() == engine.module.state_dict().keys()
     loader = engine.deepspeed_io(torch.utils.data.TensorDataset(torch.zeros(8, 13)))
