@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -54,11 +54,11 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, DeepSpeedEngineMeth
         model: nn.Module,
         plan: EnginePlan,
         *,
-        optimizer: Any = None,
-        model_parameters: Any = None,
-        lr_scheduler: Any = None,
-        training_data: Any = None,
-        collate_fn: Any = None,
+        optimizer: object = None,
+        model_parameters: object = None,
+        lr_scheduler: object = None,
+        training_data: object = None,
+        collate_fn: object = None,
     ) -> None:
         """Built in named steps, in this order; the pipeline engine (pipe/engine.py) overrides some of them."""
         super().__init__()
@@ -144,7 +144,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, DeepSpeedEngineMeth
             builders.check_host_memory(self.optimizer, rank=self.global_rank)
         builders.log_memory_plan(plan, self.module, world_size=self.dp_world_size, rank=self.global_rank)
 
-    def _build_schedule_and_data(self, lr_scheduler: Any, training_data: Any, collate_fn: Any) -> None:
+    def _build_schedule_and_data(self, lr_scheduler: object, training_data: object, collate_fn: object) -> None:
         """The learning-rate scheduler, the fp16 loss scaler and the training data loader."""
         plan = self.plan
         self.lr_scheduler = builders.make_scheduler(plan, self.basic_optimizer, lr_scheduler)
@@ -218,7 +218,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, DeepSpeedEngineMeth
         return self.basic_optimizer if unwrapped else self.optimizer
 
     # ---- forward / backward ----
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+    def forward(self, *inputs: object, **kwargs: object) -> Any:
         started = time.perf_counter()
         self.tput_timer.start()
         dtype = DTYPES[self.plan.precision.param_dtype]
@@ -283,7 +283,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, DeepSpeedEngineMeth
         self.module.zero_grad(set_to_none=set_to_none)
 
     # ---- the step ----
-    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+    def step(self, lr_kwargs: Mapping[str, object] | None = None) -> None:
         """Call after every micro-batch; the optimizer steps at the accumulation boundary."""
         if self._in_no_sync:
             raise RuntimeError(
@@ -317,7 +317,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, DeepSpeedEngineMeth
             "PyTorch-style backward; a plain loss.backward() would underflow fp16 gradients"
         )
 
-    def _optimizer_step(self, lr_kwargs: dict[str, Any]) -> None:
+    def _optimizer_step(self, lr_kwargs: Mapping[str, object]) -> None:
         assert self.optimizer is not None
         result = self.optimizer.step(grad_divisor=self._step_grad_divisor(), clip=self.plan.gradient_clipping)
         self._grad_norm = result.grad_norm

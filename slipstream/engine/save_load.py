@@ -14,6 +14,7 @@ micro-batches trained so far), while the engine counts the boundary from its las
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,7 @@ class SaveLoad:
         self,
         save_dir: str,
         tag: str | None = None,
-        client_state: dict[str, Any] | None = None,
+        client_state: Mapping[str, object] | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
     ) -> bool:
@@ -146,7 +147,7 @@ class SaveLoad:
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
-        custom_load_fn: Any = None,
+        custom_load_fn: object = None,
     ) -> tuple[Any, Any]:
         """Load a Slipstream (any world size, any stage) or DeepSpeed 0.19 checkpoint; returns
         (path, client_state), or (None, None) with a warning when there is nothing to load."""
