@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -69,11 +69,11 @@ class PipelineEngine(SlipstreamEngine):
         module: PipelineModule,
         plan: EnginePlan,
         *,
-        optimizer: Any = None,
-        model_parameters: Any = None,
-        lr_scheduler: Any = None,
-        training_data: Any = None,
-        collate_fn: Any = None,
+        optimizer: object = None,
+        model_parameters: object = None,
+        lr_scheduler: object = None,
+        training_data: object = None,
+        collate_fn: object = None,
     ) -> None:
         _check_supported(plan)
         super().__init__(
@@ -109,7 +109,7 @@ class PipelineEngine(SlipstreamEngine):
             model.activation_checkpoint_interval = self.plan.pipeline.activation_checkpoint_interval
         return None
 
-    def _build_zero(self, model: nn.Module, moe: Any) -> ZeroBuild:
+    def _build_zero(self, model: nn.Module, moe: object) -> ZeroBuild:
         """The stage placed over its data-parallel group, its optimizer class with the pipeline's tied weights
         and norm; then every copy of a tied weight takes the first sharing stage's values."""
         zero = build_zero(
@@ -126,7 +126,7 @@ class PipelineEngine(SlipstreamEngine):
                 collectives.broadcast(param.data, src=ranks[0], group=group)
         return zero
 
-    def _build_optimizer(self, zero: ZeroBuild, optimizer: Any, model_parameters: Any, moe: Any) -> None:
+    def _build_optimizer(self, zero: ZeroBuild, optimizer: object, model_parameters: object, moe: object) -> None:
         super()._build_optimizer(zero, optimizer, model_parameters, moe)
         if self.optimizer is None:
             return
@@ -182,7 +182,7 @@ class PipelineEngine(SlipstreamEngine):
             self.training_dataloader = loader
             self.data_iterator = iter(loader)
 
-    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+    def set_dataiterator(self, iterator: Iterator[object]) -> None:
         """Train from `iterator` (first and last stages), in place of the engine's loader."""
         if self.is_first_stage() or self.is_last_stage():
             self.training_dataloader = None
@@ -222,7 +222,7 @@ class PipelineEngine(SlipstreamEngine):
     def reset_activation_shape(self) -> None:
         """Nothing to reset: every transfer's shapes travel with it, or are resent when they change."""
 
-    def log_for_device(self, *msg: Any) -> None:
+    def log_for_device(self, *msg: object) -> None:
         """`msg` in the debug log, tagged with this rank's stage, data-parallel index and step."""
         text = " ".join(str(m) for m in msg)
         get_logger().debug(
@@ -234,19 +234,19 @@ class PipelineEngine(SlipstreamEngine):
             text,
         )
 
-    def tput_log(self, *msg: Any) -> None:
+    def tput_log(self, *msg: object) -> None:
         """`msg` on rank 0 at the steps the step line is printed (`steps_per_print`)."""
         every = self.plan.logging.steps_per_print
         if every and self.global_steps % every == 0:
             log_rank0(" ".join(str(m) for m in msg), rank=self.global_rank)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         raise PipelineError(_ONLY_TRAIN_BATCH)
 
-    def backward(self, *args: Any, **kwargs: Any) -> Any:
+    def backward(self, *args: object, **kwargs: object) -> Any:
         raise PipelineError(_ONLY_TRAIN_BATCH)
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
+    def step(self, *args: object, **kwargs: object) -> Any:
         raise PipelineError(_ONLY_TRAIN_BATCH)
 
     # ---- batches ----
@@ -264,7 +264,7 @@ class PipelineEngine(SlipstreamEngine):
             self.data_iterator = iter(RepeatingLoader(self.training_dataloader))
         return self.data_iterator
 
-    def _read_micro_batches(self, iterator: Iterator[Any] | None) -> tuple[list[Any], list[Any]]:
+    def _read_micro_batches(self, iterator: Iterator[object] | None) -> tuple[list[Any], list[Any]]:
         """(inputs, labels) per micro-batch; only the first and last stages read data (as in DeepSpeed)."""
         if iterator is None or not (self.is_first_stage() or self.is_last_stage()):
             return [None] * self.micro_batches, [None] * self.micro_batches
@@ -302,7 +302,7 @@ class PipelineEngine(SlipstreamEngine):
             self.optimizer.take_grads(weights)  # type: ignore[attr-defined]
         self.optimizer.micro_step_done(reduce=True)
 
-    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+    def train_batch(self, data_iter: Iterator[object] | None = None) -> torch.Tensor:
         """One batch (gradient_accumulation_steps micro-batches) and one optimizer step (the engine's); the
         mean loss over the micro-batches and data-parallel ranks."""
         if self.optimizer is None:
@@ -334,7 +334,7 @@ class PipelineEngine(SlipstreamEngine):
 
     def eval_batch(
         self,
-        data_iter: Iterator[Any],
+        data_iter: Iterator[object],
         return_logits: bool = False,
         compute_loss: bool = True,
         reduce_output: str | None = "avg",
@@ -382,7 +382,7 @@ class PipelineEngine(SlipstreamEngine):
         self,
         save_dir: str,
         tag: str | None = None,
-        client_state: dict[str, Any] | None = None,
+        client_state: Mapping[str, object] | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
     ) -> bool:
@@ -394,7 +394,7 @@ class PipelineEngine(SlipstreamEngine):
             self,
             os.fspath(save_dir),
             tag or f"global_step{self.global_steps}",
-            client_state or {},
+            dict(client_state or {}),
             save_latest=save_latest,
         )
         return True
@@ -407,7 +407,7 @@ class PipelineEngine(SlipstreamEngine):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
-        custom_load_fn: Any = None,
+        custom_load_fn: object = None,
     ) -> tuple[Any, Any]:
         """Load a pipeline checkpoint saved at any stage count and data-parallel degree; (path, client_state)."""
         from slipstream.pipe.checkpoint import load_pipeline
@@ -420,15 +420,15 @@ class PipelineEngine(SlipstreamEngine):
 class _Capture:
     """A loss function that also keeps the outputs it was given (eval_batch with return_logits)."""
 
-    def __init__(self, loss_fn: Callable[..., Any], into: list[Any]) -> None:
+    def __init__(self, loss_fn: Callable[..., object], into: list[object]) -> None:
         self.loss_fn, self.into = loss_fn, into
 
-    def __call__(self, outputs: Any, labels: Any) -> Any:
+    def __call__(self, outputs: object, labels: object) -> Any:
         self.into.append(outputs)
         return self.loss_fn(outputs, labels)
 
 
-def _to_device(tree: Any, device: torch.device) -> Any:
+def _to_device(tree: object, device: torch.device) -> Any:
     if isinstance(tree, torch.Tensor):
         return tree.to(device)
     if isinstance(tree, (tuple, list)):
