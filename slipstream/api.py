@@ -26,7 +26,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+def _config_source(args: object, config: object, config_params: object) -> Any:
     """DeepSpeed's precedence: `config` (or legacy `config_params`), or `args.deepspeed_config`; not both."""
     given = config if config is not None else config_params
     from_args = None
@@ -45,7 +45,7 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     return given if given is not None else from_args
 
 
-def _given_keys(resolved: Any, given: Any) -> Any:
+def _given_keys(resolved: object, given: object) -> Any:
     """The resolved values of the keys the user wrote (the full resolved config is logged at debug level)."""
     if not isinstance(given, dict) or not isinstance(resolved, dict):
         return resolved
@@ -53,19 +53,19 @@ def _given_keys(resolved: Any, given: Any) -> Any:
 
 
 def initialize(
-    args: Any = None,
+    args: object = None,
     model: nn.Module | None = None,
-    optimizer: Any = None,
-    model_parameters: Any = None,
-    training_data: Any = None,
-    lr_scheduler: Any = None,
+    optimizer: object = None,
+    model_parameters: object = None,
+    training_data: object = None,
+    lr_scheduler: object = None,
     distributed_port: int = 29500,
-    mpu: Any = None,
+    mpu: object = None,
     dist_init_required: bool | None = None,
-    collate_fn: Any = None,
-    config: Any = None,
-    mesh_param: Any = None,
-    config_params: Any = None,
+    collate_fn: object = None,
+    config: object = None,
+    mesh_param: object = None,
+    config_params: object = None,
     *,
     strict: bool | None = None,
 ) -> tuple[Any, Any, Any, Any]:
@@ -158,7 +158,7 @@ def _with_sequence_mpu(raw: Any, mpu: Any) -> Any:
     return {**raw, "sequence_parallel_size": size}
 
 
-def _is_pipeline(model: Any) -> bool:
+def _is_pipeline(model: object) -> bool:
     """A PipelineModule (checked without importing slipstream.pipe for other models)."""
     import sys
 
