@@ -17,8 +17,8 @@ first parameter with non-finite gradients).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -60,10 +60,19 @@ def _format_scale(scale: float) -> str:
     return str(int(scale)) if float(scale).is_integer() else f"{scale:g}"
 
 
+_COUNTER_STATE: tuple[tuple[str, str, Callable[[Any], Any]], ...] = (
+    ("num_updates", "num_updates", int),
+    ("overflow_count_since_report", "overflow_count_since_report", int),
+    ("report_since_step", "_report_since_step", int),
+)
+
+
 class _OverflowCounter:
     """Counts update() calls and overflows, for the aggregated report; shared by both scalers."""
 
     scale: float
+    STATE: ClassVar[tuple[tuple[str, str, Callable[[Any], Any]], ...]] = _COUNTER_STATE
+    """(state_dict key, attribute, its type) of every value the scaler saves, in the saved order."""
 
     def __init__(self) -> None:
         self.num_updates = 0
@@ -89,21 +98,19 @@ class _OverflowCounter:
         noun = "step" if count == 1 else "steps"
         return f"fp16: {count} overflow {noun} skipped since step {since}; loss scale now {_format_scale(self.scale)}"
 
-    def _counter_state(self) -> dict[str, Any]:
-        return {
-            "num_updates": self.num_updates,
-            "overflow_count_since_report": self.overflow_count_since_report,
-            "report_since_step": self._report_since_step,
-        }
+    def state_dict(self) -> dict[str, Any]:
+        return {key: getattr(self, attribute) for key, attribute, _kind in self.STATE}
 
-    def _load_counter_state(self, state: Mapping[str, Any]) -> None:
-        self.num_updates = int(state["num_updates"])
-        self.overflow_count_since_report = int(state["overflow_count_since_report"])
-        self._report_since_step = int(state["report_since_step"])
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore the scale and counters; the configured settings (window, hysteresis, min_scale) stay."""
+        for key, attribute, kind in self.STATE:
+            setattr(self, attribute, kind(state_dict[key]))
 
 
 class StaticLossScaler(_OverflowCounter):
     """A fixed scale (fp16.loss_scale > 0): update() only counts overflows for the report; never stuck."""
+
+    STATE = (("scale", "scale", float), *_COUNTER_STATE)
 
     def __init__(self, scale: float) -> None:
         super().__init__()
@@ -121,16 +128,18 @@ class StaticLossScaler(_OverflowCounter):
     def stuck(self) -> bool:
         return False
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, **self._counter_state()}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.scale = float(state_dict["scale"])
-        self._load_counter_state(state_dict)
-
 
 class DynamicLossScaler(_OverflowCounter):
     """DeepSpeed's dynamic loss scale (see the module docstring for the rule), from a LossScalePlan."""
+
+    STATE = (
+        ("scale", "scale", float),
+        ("cur_hysteresis", "cur_hysteresis", int),
+        ("cur_iter", "cur_iter", int),
+        ("last_overflow_iter", "last_overflow_iter", int),
+        ("num_overflows_at_min", "num_overflows_at_min", int),
+        *_COUNTER_STATE,
+    )
 
     scale_factor = 2.0
 
@@ -189,25 +198,6 @@ class DynamicLossScaler(_OverflowCounter):
     def stuck(self) -> bool:
         """At the minimum scale and still overflowing for `window` steps in a row: training is not learning."""
         return self.at_minimum_for(self.window)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "scale": self.scale,
-            "cur_hysteresis": self.cur_hysteresis,
-            "cur_iter": self.cur_iter,
-            "last_overflow_iter": self.last_overflow_iter,
-            "num_overflows_at_min": self.num_overflows_at_min,
-            **self._counter_state(),
-        }
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the scale and counters; window, hysteresis and min_scale stay as configured."""
-        self.scale = float(state_dict["scale"])
-        self.cur_hysteresis = int(state_dict["cur_hysteresis"])
-        self.cur_iter = int(state_dict["cur_iter"])
-        self.last_overflow_iter = int(state_dict["last_overflow_iter"])
-        self.num_overflows_at_min = int(state_dict["num_overflows_at_min"])
-        self._load_counter_state(state_dict)
 
 
 def make_loss_scaler(plan: LossScalePlan | None) -> StaticLossScaler | DynamicLossScaler | None:

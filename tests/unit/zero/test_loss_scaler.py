@@ -101,6 +101,10 @@ def test_state_dict_round_trip_continues_identically() -> None:
     assert restored.state_dict() == original.state_dict()
     assert _scales(restored, pattern[5:]) == _scales(original, pattern[5:])
     assert restored.take_report() == original.take_report()
+    as_tensors = DynamicLossScaler(_plan(power=8, window=3, hysteresis=2))  # a checkpoint may hold 0-d tensors
+    as_tensors.load_state_dict({key: torch.tensor(value) for key, value in original.state_dict().items()})
+    loaded = as_tensors.state_dict()
+    assert loaded == original.state_dict() and [type(v) for v in loaded.values()] == [float] + [int] * 7, loaded
 
 
 def test_scale_loss_multiplies() -> None:
