@@ -132,7 +132,7 @@ def _engine_problems(scalars: dict[str, Any], problems: list[str]) -> None:
         _typed(problems, "world_size", scalars["world_size"], int, "an integer")
 
 
-def _group_problems(optimizer: WrapsOptimizer, saved: dict[str, Any], index: int, problems: list[str]) -> None:
+def _group_problems(optimizer: WrapsOptimizer, saved: dict[str, object], index: int, problems: list[str]) -> None:
     """One saved param group's hyperparameters against the live group (numbers stay numbers, tuples tuples)."""
     group = optimizer.optimizer.param_groups[index] if index < len(optimizer.optimizer.param_groups) else {}
     for name, value in saved.items():

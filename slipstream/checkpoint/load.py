@@ -87,7 +87,7 @@ def open_source(path: Path) -> Any:
     )
 
 
-def _scalar_tensor(optimizer: WrapsOptimizer, piece: Any, key: str, value: Any, existing: Any) -> torch.Tensor:
+def _scalar_tensor(optimizer: WrapsOptimizer, piece: Any, key: str, value: float, existing: object) -> torch.Tensor:
     """A per-piece scalar of the optimizer state (Adam's `step`) where the optimizer keeps it: beside the value it
     replaces, else as torch's optimizers place it (on the parameter's device for fused or capturable kernels,
     which refuse a CPU step; on the CPU otherwise)."""

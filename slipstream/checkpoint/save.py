@@ -114,7 +114,7 @@ def _rank0_tag(tag: str) -> str:
     return bytes(buffer.tolist()).decode()
 
 
-def _barrier_call(call: Any, what: str) -> None:
+def _barrier_call(call: Callable[[], object], what: str) -> None:
     try:
         call()
     except CollectiveError as exc:
