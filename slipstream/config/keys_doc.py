@@ -5,9 +5,9 @@ the two equal (`python -m slipstream.config.keys_doc > docs/config-keys.md` rewr
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from slipstream.config.keys import _json_key
 from slipstream.config.schema.base import model_of
@@ -29,7 +29,7 @@ Unknown keys are errors naming the closest valid key.
 """
 
 
-def _default(info: Any) -> str:
+def _default(info: FieldInfo) -> str:
     value = info.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
         return "*(section)*"
