@@ -132,6 +132,6 @@ class Experts(nn.Module):
         return out
 
 
-def _first(output: Any) -> Tensor:
+def _first(output: Tensor | tuple[Tensor, ...]) -> Tensor:
     """Expert modules may return a tuple (DeepSpeed takes the first element)."""
     return output[0] if isinstance(output, tuple) else output
