@@ -97,7 +97,7 @@ def _largest_layer(model: Any) -> int:
 
 
 def estimate_zero2_model_states_mem_needs_all_live(
-    model: Any, num_gpus_per_node: int = 1, num_nodes: int = 1, additional_buffer_factor: float = 1.5
+    model: object, num_gpus_per_node: int = 1, num_nodes: int = 1, additional_buffer_factor: float = 1.5
 ) -> list[OptionEstimate]:
     """Print the ZeRO-2 needs of `model` (an nn.Module, meta or real) with and without optimizer offload."""
     return _zero2(from_module(model), num_gpus_per_node, num_nodes, additional_buffer_factor)
@@ -116,7 +116,7 @@ def estimate_zero2_model_states_mem_needs_all_cold(
 
 
 def estimate_zero3_model_states_mem_needs_all_live(
-    model: Any, num_gpus_per_node: int = 1, num_nodes: int = 1, additional_buffer_factor: float = 1.5
+    model: object, num_gpus_per_node: int = 1, num_nodes: int = 1, additional_buffer_factor: float = 1.5
 ) -> list[OptionEstimate]:
     """Print the ZeRO-3 needs of `model` for each offload choice, with and without zero.Init."""
     shape = from_module(model)

@@ -31,8 +31,8 @@ from slipstream.planner.zero_bytes import ZeroBytes, pinned_rounding, stage012_b
 def estimate(
     *,
     params: float | None = None,
-    model: Any = None,
-    hf_config: Any = None,
+    model: object = None,
+    hf_config: object = None,
     hidden: int | None = None,
     layers: int | None = None,
     seq: int | None = None,
@@ -42,7 +42,7 @@ def estimate(
     gpus_per_node: int = 1,
     nodes: int = 1,
     dtype: str = "bf16",
-    ds_config: Any = None,
+    ds_config: object = None,
     options: Sequence[Option] | None = None,
     device_memory: int | None = None,
     host_memory: int | None = None,
@@ -129,7 +129,7 @@ def _plan(
 
 
 def _settings_and_rows(
-    ds_config: Any, *, dtype: str, options: Sequence[Option] | None, world: int, hidden: int | None
+    ds_config: object, *, dtype: str, options: Sequence[Option] | None, world: int, hidden: int | None
 ) -> tuple[Settings, list[Option], int | None]:
     """(knobs, the options to estimate, the config's micro batch): the config's own row first when it gives one
     and `options` is not set."""
@@ -157,7 +157,7 @@ def _with_dims(shape: ModelShape, dims: Dims) -> ModelShape:
 
 
 def settings_from_config(
-    ds_config: Any, *, world_size: int, hidden_size: int | None = None
+    ds_config: object, *, world_size: int, hidden_size: int | None = None
 ) -> tuple[Settings, Option, int]:
     """(knobs, the config's own option, its micro batch) from a DeepSpeed config dict or JSON path."""
     from slipstream.config import load_config, resolve

@@ -67,7 +67,7 @@ def largest(
     gpus_per_node: int = 1,
     nodes: int = 1,
     dtype: str = "bf16",
-    ds_config: Any = None,
+    ds_config: object = None,
     options: Sequence[Option] | None = None,
     device_memory: int | None = None,
     host_memory: int | None = None,
