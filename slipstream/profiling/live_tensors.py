@@ -9,6 +9,7 @@ that is made; meta tensors hold none. Used by the sequence-parallel benchmark an
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -25,7 +26,13 @@ class _Mode(TorchDispatchMode):
         super().__init__()  # type: ignore[no-untyped-call]
         self.counter = counter
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: Callable[..., object],
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
             if type(tensor) in (torch.Tensor, nn.Parameter) and tensor.device.type != "meta":
