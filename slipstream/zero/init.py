@@ -264,13 +264,13 @@ class Init:
         mem_efficient_linear: bool = True,
         remote_device: str | None = None,
         pin_memory: bool = False,
-        config_dict_or_path: Any = None,
-        config: Any = None,
+        config_dict_or_path: object = None,
+        config: object = None,
         enabled: bool = True,
         dtype: torch.dtype | None = None,
-        mpu: Any = None,
-        tensor_overrides: Any = None,
-        **deepspeed_keywords: Any,
+        mpu: object = None,
+        tensor_overrides: object = None,
+        **deepspeed_keywords: object,
     ) -> None:
         self.enabled = enabled
         if not enabled:

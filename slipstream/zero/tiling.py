@@ -53,7 +53,7 @@ class TiledLinear(nn.Module):
         combine_out_splits: bool = True,
         linear_cls: type[torch.nn.Linear] = nn.Linear,
         init_linear: nn.Module | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features

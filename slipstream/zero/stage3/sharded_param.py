@@ -196,7 +196,7 @@ def _is_noop_move(func: Any, args: Any, kwargs: Any) -> bool:
     return False
 
 
-def _is_own_stand_in(tensor: torch.Tensor, value: Any) -> bool:
+def _is_own_stand_in(tensor: torch.Tensor, value: object) -> bool:
     """`value` is a stand-in (see [Note: stand-ins of sharded parameters]) of `tensor`'s dtype and device."""
     return (
         isinstance(value, torch.Tensor)
@@ -241,7 +241,7 @@ def _stand_in(func: Any, args: Any, kwargs: Any, param: ShardedParameter) -> tor
     return torch.empty(0, dtype=dtype, device=device)
 
 
-def _blocked(value: Any) -> ShardedParameter | None:
+def _blocked(value: object) -> ShardedParameter | None:
     if isinstance(value, ShardedParameter) and value.ds_record.unit.status is not ZeroParamStatus.AVAILABLE:
         return value
     if isinstance(value, (list, tuple)):
@@ -280,7 +280,7 @@ class ShardedParameter(DeepSpeedParamAttrs, nn.Parameter):
         with no_subclass_dispatch():
             return func(*args, **kwargs)
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+    def __repr__(self, *args: object, **kwargs: object) -> str:  # type: ignore[override]
         record = self.ds_record
         if record.unit.status is ZeroParamStatus.AVAILABLE:
             with internal_access():
@@ -290,14 +290,14 @@ class ShardedParameter(DeepSpeedParamAttrs, nn.Parameter):
             f"{record.unit.world_size} ranks)"
         )
 
-    def __deepcopy__(self, memo: Any) -> Any:
+    def __deepcopy__(self, memo: object) -> Any:
         raise ShardedParameterError(_access_message(self, "copy.deepcopy"))
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, protocol: object) -> Any:
         raise ShardedParameterError(_access_message(self, "pickling"))
 
 
-def _access_message(param: ShardedParameter, func: Any) -> str:
+def _access_message(param: ShardedParameter, func: object) -> str:
     name = getattr(func, "__name__", str(func))
     record = param.ds_record
     return (
