@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from slipstream.utils.logging import warn_once
+from slipstream.utils.torch_versions import require_torch
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -301,6 +302,7 @@ def _styles(kind: str) -> Any:
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, decisions: Mapping[str, str]) -> TensorParallelModel:
     """Shard `model` in place over the 1-D TP `mesh` as `decisions` says (see the module doc)."""
+    require_torch("2.5", "tensor parallelism (tensor_parallel.autotp_size > 1; DTensor's public API)")
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 

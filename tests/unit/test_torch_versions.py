@@ -26,6 +26,16 @@ def test_a_feature_that_needs_a_newer_torch_names_both_versions(monkeypatch: pyt
         require_torch("2.6", "zero-bubble schedules")
 
 
+def test_tensor_parallelism_on_torch_2_4_names_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.4 has no public torch.distributed.tensor.DTensor: TP says which torch it needs, before any
+    import fails inside the engine."""
+    from slipstream.parallel.tensor import apply_tensor_parallel
+
+    monkeypatch.setattr(torch_versions.torch, "__version__", "2.4.1")
+    with pytest.raises(TorchTooOld, match=r"tensor parallelism .*needs PyTorch >= 2\.5; .*torch 2\.4\.1"):
+        apply_tensor_parallel(torch.nn.Linear(2, 2), None, {})  # type: ignore[arg-type]
+
+
 class _Allowed:
     pass
 
