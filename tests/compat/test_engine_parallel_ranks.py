@@ -81,6 +81,8 @@ def _ranks(rank: int, world_size: int) -> list[Any]:
 
 def test_rank_getters_under_tp_and_sp() -> None:
     results = run_distributed(_ranks, world_size=4, timeout_s=240)
-    assert [r[0]["data_parallel_rank"] for r in results] == [0, 0, 1, 1]  # TP=2: ranks 0,1 hold one replica
-    assert [r[1]["data_parallel_rank"] for r in results] == [0, 0, 1, 1]  # SP=2: ranks 0,1 share one batch
-    assert [r[0]["tensor_parallel_rank"] for r in results] == [0, 1, 0, 1]
+    by_case = [dict(zip(("tp" if c["tp"] > 1 else "sp" for c in CASES), r)) for r in results]
+    assert [r["sp"]["data_parallel_rank"] for r in by_case] == [0, 0, 1, 1]  # SP=2: ranks 0,1 share one batch
+    if TP_CASE in CASES:
+        assert [r["tp"]["data_parallel_rank"] for r in by_case] == [0, 0, 1, 1]  # TP=2: ranks 0,1 hold one replica
+        assert [r["tp"]["tensor_parallel_rank"] for r in by_case] == [0, 1, 0, 1]
