@@ -22,32 +22,18 @@ __all__ = ["RANGES", "check_params"]
 _NUMBER, _INT, _BOOL, _STR, _NONE = "a number", "an integer", "true or false", "a string", "null"
 _NUMBERS = "a list of numbers"
 
+_NON_NEGATIVE = (
+    "lr eps weight_decay momentum dampening lr_decay initial_accumulator_value alpha max_coeff min_coeff "
+    "warmup_min_lr warmup_max_lr warmup_num_steps total_num_steps cycle_min_lr cycle_max_lr decay_lr_rate "
+    "lr_range_test_min_lr lr_range_test_step_size lr_range_test_step_rate"
+).split()
+_UNIT_INTERVAL = ("rho", "warmup_min_ratio", "cos_min_ratio")
+
+# name: (low, high, high is exclusive); both ends included otherwise
 RANGES: dict[str, tuple[float, float, bool]] = {
-    # name: (low, high, high is exclusive); both ends included otherwise
-    "lr": (0.0, math.inf, False),
-    "eps": (0.0, math.inf, False),
-    "weight_decay": (0.0, math.inf, False),
-    "momentum": (0.0, math.inf, False),
-    "dampening": (0.0, math.inf, False),
-    "lr_decay": (0.0, math.inf, False),
-    "initial_accumulator_value": (0.0, math.inf, False),
-    "alpha": (0.0, math.inf, False),
-    "rho": (0.0, 1.0, False),
+    **{name: (0.0, math.inf, False) for name in _NON_NEGATIVE},
+    **{name: (0.0, 1.0, False) for name in _UNIT_INTERVAL},
     "betas": (0.0, 1.0, True),
-    "max_coeff": (0.0, math.inf, False),
-    "min_coeff": (0.0, math.inf, False),
-    "warmup_min_lr": (0.0, math.inf, False),
-    "warmup_max_lr": (0.0, math.inf, False),
-    "warmup_num_steps": (0.0, math.inf, False),
-    "total_num_steps": (0.0, math.inf, False),
-    "warmup_min_ratio": (0.0, 1.0, False),
-    "cos_min_ratio": (0.0, 1.0, False),
-    "cycle_min_lr": (0.0, math.inf, False),
-    "cycle_max_lr": (0.0, math.inf, False),
-    "decay_lr_rate": (0.0, math.inf, False),
-    "lr_range_test_min_lr": (0.0, math.inf, False),
-    "lr_range_test_step_size": (0.0, math.inf, False),
-    "lr_range_test_step_rate": (0.0, math.inf, False),
 }
 
 

@@ -16,7 +16,18 @@ from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field
 
 from slipstream.config.errors import ConfigError
 
-__all__ = ["DSBool", "DSModel", "DSInt", "DSFloat", "OpenSection", "aliased", "accepted_keys", "model_of", "zero_one"]
+__all__ = [
+    "DSBool",
+    "DSModel",
+    "DSInt",
+    "DSFloat",
+    "OpenSection",
+    "aliased",
+    "accepted_keys",
+    "model_of",
+    "plan_fields",
+    "zero_one",
+]
 
 
 def _integral_float_to_int(value: object) -> Any:
@@ -112,6 +123,12 @@ def aliased(default: Any, *aliases: str, **kwargs: Any) -> Any:
         serialization_alias=aliases[0],
         **kwargs,
     )
+
+
+def plan_fields(plan: str, *fields: str, **elsewhere: str) -> dict[str, str]:
+    """An `IMPLEMENTED` map: each of `fields` becomes the plan field `<plan>.<field>`; each keyword names its
+    field's plan field outright (`enabled="logging.comms_log"`)."""
+    return {**elsewhere, **{field: f"{plan}.{field}" for field in fields}}
 
 
 def accepted_keys(model: type[BaseModel]) -> dict[str, str]:

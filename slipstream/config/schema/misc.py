@@ -153,16 +153,21 @@ class ElasticityConfig(DSModel):
     """`elasticity`: elastic training batch sizes (config/elasticity.py; applied to the batch by resolve)."""
 
     IMPLEMENTED = {
-        "enabled": "batch.train_batch_size",
-        "max_train_batch_size": "batch.train_batch_size",
+        **dict.fromkeys(
+            (
+                "enabled",
+                "max_train_batch_size",
+                "min_gpus",
+                "max_gpus",
+                "num_gpus_per_node",
+                "model_parallel_size",
+                "prefer_larger_batch",
+                "ignore_non_elastic_batch_info",
+                "version",
+            ),
+            "batch.train_batch_size",
+        ),
         "micro_batch_sizes": "batch.micro_batch_size",
-        "min_gpus": "batch.train_batch_size",
-        "max_gpus": "batch.train_batch_size",
-        "num_gpus_per_node": "batch.train_batch_size",
-        "model_parallel_size": "batch.train_batch_size",
-        "prefer_larger_batch": "batch.train_batch_size",
-        "ignore_non_elastic_batch_info": "batch.train_batch_size",
-        "version": "batch.train_batch_size",
     }
 
     enabled: DSBool = False

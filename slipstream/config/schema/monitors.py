@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel
+from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, plan_fields
 
 __all__ = [
     "CSVConfig",
@@ -19,47 +19,39 @@ __all__ = [
 ]
 
 
-class TensorBoardConfig(DSModel):
-    """`tensorboard`: write Train/Samples/* events with torch.utils.tensorboard."""
+class _EventFilesConfig(DSModel):
+    """A monitor that writes Train/Samples/* events into files under `output_path/job_name`."""
 
-    IMPLEMENTED = {
-        "enabled": "logging.monitor.tensorboard_output_path",
-        "output_path": "logging.monitor.tensorboard_output_path",
-        "job_name": "logging.monitor.tensorboard_job_name",
-    }
     enabled: DSBool = False
-    """Write TensorBoard events."""
+    """Write the events."""
     output_path: str = ""
     """Directory for the event files."""
     job_name: str = "DeepSpeedJobName"
     """Sub-directory name of this run."""
 
 
-class CSVConfig(DSModel):
+def _event_files_plan(monitor: str) -> dict[str, str]:
+    """The `IMPLEMENTED` map of a file monitor: its plan fields are `<monitor>_output_path` and `_job_name`."""
+    output = f"logging.monitor.{monitor}_output_path"
+    return {"enabled": output, "output_path": output, "job_name": f"logging.monitor.{monitor}_job_name"}
+
+
+class TensorBoardConfig(_EventFilesConfig):
+    """`tensorboard`: write Train/Samples/* events with torch.utils.tensorboard."""
+
+    IMPLEMENTED = _event_files_plan("tensorboard")
+
+
+class CSVConfig(_EventFilesConfig):
     """`csv_monitor`: write Train/Samples/* events as CSV files."""
 
-    IMPLEMENTED = {
-        "enabled": "logging.monitor.csv_output_path",
-        "output_path": "logging.monitor.csv_output_path",
-        "job_name": "logging.monitor.csv_job_name",
-    }
-    enabled: DSBool = False
-    """Write CSV files."""
-    output_path: str = ""
-    """Directory for the CSV files."""
-    job_name: str = "DeepSpeedJobName"
-    """Sub-directory name of this run."""
+    IMPLEMENTED = _event_files_plan("csv")
 
 
 class WandbConfig(DSModel):
     """`wandb`: log to Weights & Biases."""
 
-    IMPLEMENTED = {
-        "enabled": "logging.monitor.wandb",
-        "group": "logging.monitor.wandb.group",
-        "team": "logging.monitor.wandb.team",
-        "project": "logging.monitor.wandb.project",
-    }
+    IMPLEMENTED = plan_fields("logging.monitor.wandb", "group", "team", "project", enabled="logging.monitor.wandb")
 
     enabled: DSBool = False
     """Log to W&B."""
@@ -74,17 +66,18 @@ class WandbConfig(DSModel):
 class CometConfig(DSModel):
     """`comet`: log to Comet."""
 
-    IMPLEMENTED = {
-        "enabled": "logging.monitor.comet",
-        "samples_log_interval": "logging.monitor.comet.samples_log_interval",
-        "project": "logging.monitor.comet.project",
-        "workspace": "logging.monitor.comet.workspace",
-        "api_key": "logging.monitor.comet.api_key",
-        "experiment_name": "logging.monitor.comet.experiment_name",
-        "experiment_key": "logging.monitor.comet.experiment_key",
-        "online": "logging.monitor.comet.online",
-        "mode": "logging.monitor.comet.mode",
-    }
+    IMPLEMENTED = plan_fields(
+        "logging.monitor.comet",
+        "samples_log_interval",
+        "project",
+        "workspace",
+        "api_key",
+        "experiment_name",
+        "experiment_key",
+        "online",
+        "mode",
+        enabled="logging.monitor.comet",
+    )
 
     enabled: DSBool = False
     """Log to Comet."""
@@ -109,13 +102,9 @@ class CometConfig(DSModel):
 class CommsLoggerConfig(DSModel):
     """`comms_logger`: log every collective."""
 
-    IMPLEMENTED = {
-        "enabled": "logging.comms_log",
-        "verbose": "logging.comms_log.verbose",
-        "prof_all": "logging.comms_log.prof_all",
-        "prof_ops": "logging.comms_log.prof_ops",
-        "debug": "logging.comms_log.debug",
-    }
+    IMPLEMENTED = plan_fields(
+        "logging.comms_log", "verbose", "prof_all", "prof_ops", "debug", enabled="logging.comms_log"
+    )
 
     enabled: DSBool = False
     """Log collectives."""
@@ -132,15 +121,16 @@ class CommsLoggerConfig(DSModel):
 class FlopsProfilerConfig(DSModel):
     """`flops_profiler`: profile one step's FLOPs and latency."""
 
-    IMPLEMENTED = {
-        "enabled": "logging.flops_profile",
-        "recompute_fwd_factor": "logging.flops_profile.recompute_fwd_factor",
-        "profile_step": "logging.flops_profile.profile_step",
-        "module_depth": "logging.flops_profile.module_depth",
-        "top_modules": "logging.flops_profile.top_modules",
-        "detailed": "logging.flops_profile.detailed",
-        "output_file": "logging.flops_profile.output_file",
-    }
+    IMPLEMENTED = plan_fields(
+        "logging.flops_profile",
+        "recompute_fwd_factor",
+        "profile_step",
+        "module_depth",
+        "top_modules",
+        "detailed",
+        "output_file",
+        enabled="logging.flops_profile",
+    )
 
     enabled: DSBool = False
     """Run the profiler."""

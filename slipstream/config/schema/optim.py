@@ -11,34 +11,31 @@ from typing import Any
 
 from pydantic import Field
 
-from slipstream.config.schema.base import DSBool, DSModel
+from slipstream.config.schema.base import DSBool, DSModel, plan_fields
 
 __all__ = ["OptimizerConfig", "SchedulerConfig"]
 
 
-class OptimizerConfig(DSModel):
-    """`optimizer`: which optimizer DeepSpeed builds when the caller passes none."""
+class _BuiltClassConfig(DSModel):
+    """A section naming a class to build (`type`) and the keyword arguments of its constructor (`params`)."""
 
-    IMPLEMENTED = {
-        "type": "optimizer.name",
-        "params": "optimizer.params",
-    }
     type: str
-    """DeepSpeed name (adam, adamw, lamb, lion, adagrad, ...) or a torch.optim class name (case-sensitive)."""
+    """The class: a DeepSpeed name or a torch class name (case-sensitive), listed on the section."""
     params: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of the optimizer (lr, betas, eps, weight_decay, ...)."""
+    """Keyword arguments of the class's constructor."""
+
+
+class OptimizerConfig(_BuiltClassConfig):
+    """`optimizer`: which optimizer DeepSpeed builds when the caller passes none: a DeepSpeed name (adam, adamw,
+    lamb, lion, adagrad, ...) or a torch.optim class name, with its keyword arguments (lr, betas, eps, ...)."""
+
+    IMPLEMENTED = plan_fields("optimizer", "params", type="optimizer.name")
     legacy_fusion: DSBool = False
     """Legacy fused fp16 optimizer path."""
 
 
-class SchedulerConfig(DSModel):
-    """`scheduler`: an LR schedule from DeepSpeed's lr_schedules or torch.optim.lr_scheduler."""
+class SchedulerConfig(_BuiltClassConfig):
+    """`scheduler`: an LR schedule from DeepSpeed's lr_schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle,
+    LRRangeTest) or a torch.optim.lr_scheduler class, with its keyword arguments."""
 
-    IMPLEMENTED = {
-        "type": "scheduler.name",
-        "params": "scheduler.params",
-    }
-    type: str
-    """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, or a torch.optim.lr_scheduler class."""
-    params: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of the scheduler."""
+    IMPLEMENTED = plan_fields("scheduler", "params", type="scheduler.name")
