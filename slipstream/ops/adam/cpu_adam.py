@@ -138,8 +138,10 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
         step: int,
         native: bool,
     ) -> None:
+        from slipstream.ops.fallback.cpu_adam import AdamHyper, adam_update_any_dtype
+
         beta1, beta2 = group["betas"]
-        hyper: dict[str, Any] = dict(
+        hyper = AdamHyper(
             step=step,
             lr=float(group["lr"]),
             beta1=float(beta1),
@@ -148,14 +150,11 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
             weight_decay=float(group["weight_decay"]),
             bias_correction=bool(group["bias_correction"]),
             adamw_mode=self.adamw_mode,
-            low_precision_out=outs,
         )
         if native:
-            self._op.adam_update(ps, gs, ms, vs, **hyper)
+            self._op.adam_update(ps, gs, ms, vs, *hyper, outs)
         else:
-            from slipstream.ops.fallback.cpu_adam import adam_update_any_dtype
-
-            adam_update_any_dtype(ps, gs, ms, vs, **hyper)
+            adam_update_any_dtype(ps, gs, ms, vs, hyper, outs)
 
     # ---- DeepSpeed's sub-group entry points (SuperOffload: one optimizer step per sub-group, undone on overflow) ----
     def _subgroup_param(self, what: str) -> tuple[dict[str, Any], Tensor, Tensor]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -30,6 +30,19 @@ _SCRATCH_BATCH = 1 << 26
 def simd_level() -> str:
     """Always 'fallback' (the native module reports its SIMD level)."""
     return "fallback"
+
+
+class AdamHyper(NamedTuple):
+    """One Adam step's scalars, in the order the native `adam_update` takes them after the four tensor lists."""
+
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    bias_correction: bool
+    adamw_mode: bool
 
 
 def adam_update(
@@ -59,22 +72,8 @@ def adam_update(
             raise TypeError(
                 f"cpu_adam.adam_update: exp_avgs[{i}] and exp_avg_sqs[{i}] must be float32, got {m.dtype} and {v.dtype}"
             )
-    adam_update_any_dtype(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        step=step,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction,
-        adamw_mode=adamw_mode,
-        low_precision_out=low_precision_out,
-        _checked=True,
-    )
+    hyper = AdamHyper(step, lr, beta1, beta2, eps, weight_decay, bias_correction, adamw_mode)
+    adam_update_any_dtype(params, grads, exp_avgs, exp_avg_sqs, hyper, low_precision_out, _checked=True)
 
 
 def adam_update_any_dtype(
@@ -82,16 +81,9 @@ def adam_update_any_dtype(
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    adamw_mode: bool,
+    hyper: AdamHyper,
     low_precision_out: list[Tensor],
+    *,
     _checked: bool = False,
 ) -> None:
     """`adam_update` for any float32/bfloat16/float16 mix: math in fp32, results rounded on store."""
@@ -100,18 +92,9 @@ def adam_update_any_dtype(
         for i, t in enumerate(params + exp_avgs + exp_avg_sqs):
             if t.dtype not in _ANY_DTYPES:
                 raise TypeError(f"cpu_adam: tensor {i} has dtype {t.dtype}; use float32, bfloat16 or float16")
-    if step < 1:
-        raise ValueError(f"cpu_adam.adam_update: step must be the 1-based step count (>= 1), got {step}")
-    hyper = _torch_hyper(
-        step=step,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction,
-        adamw_mode=adamw_mode,
-    )
+    if hyper.step < 1:
+        raise ValueError(f"cpu_adam.adam_update: step must be the 1-based step count (>= 1), got {hyper.step}")
+    torch_hyper = _torch_hyper(hyper)
     outs: list[Tensor | None] = list(low_precision_out) if low_precision_out else [None] * len(params)
     nonempty = [i for i, p in enumerate(params) if p.numel() > 0]
     direct = [i for i in nonempty if _all_fp32(params[i], exp_avgs[i], exp_avg_sqs[i])]
@@ -122,14 +105,14 @@ def adam_update_any_dtype(
             [grads[i] for i in direct],
             [exp_avgs[i] for i in direct],
             [exp_avg_sqs[i] for i in direct],
-            step=step,
-            adamw_mode=adamw_mode,
-            **hyper,
+            step=hyper.step,
+            adamw_mode=hyper.adamw_mode,
+            **torch_hyper,
         )
         for i in direct:
             _copy_out(outs[i], params[i])
     for batch in _batches(mixed, params):
-        _update_upcast(batch, params, grads, exp_avgs, exp_avg_sqs, outs, step=step, adamw_mode=adamw_mode, hyper=hyper)
+        _update_upcast(batch, params, grads, exp_avgs, exp_avg_sqs, outs, hyper=hyper, torch_hyper=torch_hyper)
 
 
 def _update_upcast(
@@ -140,9 +123,8 @@ def _update_upcast(
     exp_avg_sqs: list[Tensor],
     outs: list[Tensor | None],
     *,
-    step: int,
-    adamw_mode: bool,
-    hyper: dict[str, float],
+    hyper: AdamHyper,
+    torch_hyper: dict[str, float],
 ) -> None:
     """Upcasts the non-fp32 tensors of `batch` into one reused fp32 scratch, updates, and rounds back."""
     # grads share the param dtype, so a non-fp32 param needs two slices (param and grad).
@@ -167,7 +149,7 @@ def _update_upcast(
         gs.append(as_fp32(grads[i]))
         ms.append(as_fp32(exp_avgs[i]))
         vs.append(as_fp32(exp_avg_sqs[i]))
-    _torch_adam(ps, gs, ms, vs, step=step, adamw_mode=adamw_mode, **hyper)
+    _torch_adam(ps, gs, ms, vs, step=hyper.step, adamw_mode=hyper.adamw_mode, **torch_hyper)
     for k, i in enumerate(batch):
         for dst, src in ((params[i], ps[k]), (exp_avgs[i], ms[k]), (exp_avg_sqs[i], vs[k])):
             if dst.dtype != torch.float32:
@@ -221,18 +203,9 @@ def _torch_adam(
     torch_adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, **kwargs)
 
 
-def _torch_hyper(
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    adamw_mode: bool,
-) -> dict[str, float]:
+def _torch_hyper(hyper: AdamHyper) -> dict[str, float]:
     """Hyperparameters for torch's (always bias-corrected) Adam; see [Note: fallback bias correction]."""
+    step, lr, beta1, beta2, eps, weight_decay, bias_correction, adamw_mode = hyper
     if bias_correction:
         return dict(lr=lr, eps=eps, weight_decay=weight_decay, beta1=beta1, beta2=beta2)
     bc1 = 1.0 - beta1**step
