@@ -216,6 +216,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "DeepSpeedZeroOffloadParamConfig": f"{_CFG}.zero:OffloadParamConfig",
         "DeepSpeedZeroOffloadOptimizerConfig": f"{_CFG}.zero:OffloadOptimizerConfig",
         "OffloadDeviceEnum": "slipstream.compat.ds_config:OffloadDeviceEnum",
+        "OffloadStateTypeEnum": "slipstream.zero.state_buffers:OffloadStateTypeEnum",
     },
     "slipstream.runtime.zero.utils": {
         "ZeRORuntimeException": f"{_RT}:ZeRORuntimeException",

@@ -156,8 +156,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "get_autotp_backend": "DeepCompile is not implemented",
     "get_compile_time": "DeepCompile is not implemented",
     "uses_parallelization_pass_only": "DeepCompile is not implemented",
-    "offload_states": "offloading ZeRO states between steps is not implemented; use offload_optimizer / offload_param",
-    "reload_states": "offloading ZeRO states between steps is not implemented; use offload_optimizer / offload_param",
     "super_offload": "SuperOffload is not implemented; use offload_optimizer",
     "load_moe_state_dict": "MoE checkpoints load through load_checkpoint",
     "set_custom_curriculum_learning_schedule": "curriculum learning (data_efficiency) is not implemented",

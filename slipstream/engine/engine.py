@@ -37,6 +37,7 @@ from slipstream.engine.model_saving import ModelSaving
 from slipstream.engine.monitor import StepFigures, step_events
 from slipstream.engine.observe import CommsLog, StepProfiler
 from slipstream.engine.parallel import setup_parallel
+from slipstream.engine.post_training import PostTraining
 from slipstream.engine.save_load import SaveLoad
 from slipstream.monitor.writers import make_monitors
 from slipstream.utils.logging import log_rank0
@@ -46,7 +47,7 @@ from slipstream.zero.build import ZeroBuild, build_zero
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
 
-class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, DeepSpeedEngineMethods, nn.Module):
+class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepSpeedEngineMethods, nn.Module):
     """DeepSpeed's `DeepSpeedEngine`, for ZeRO stages 0-3. Build it with `slipstream.initialize`."""
 
     def __init__(

@@ -30,6 +30,10 @@ class BufferPool:
     def give(self, tensor: torch.Tensor) -> None:
         self._free[(tensor.numel(), tensor.dtype)].append(tensor)
 
+    def free_buffers(self) -> list[torch.Tensor]:
+        """The buffers not taken now (between steps: all of them)."""
+        return [tensor for free in self._free.values() for tensor in free]
+
     @property
     def allocated_bytes(self) -> int:
         """Bytes of every buffer the pool ever allocated (taken or free)."""
