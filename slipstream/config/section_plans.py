@@ -100,12 +100,10 @@ def precision_plan(cfg: DeepSpeedConfig, problems: list[str]) -> PrecisionPlan:
 
 
 def activation_plan(section: ActivationCheckpointingConfig) -> ActivationCheckpointPlan:
-    return ActivationCheckpointPlan(
-        partition_activations=section.partition_activations,
-        cpu_checkpointing=section.cpu_checkpointing,
-        synchronize=section.synchronize_checkpoint_boundary,
-        profile=section.profile,
+    plan: ActivationCheckpointPlan = _same_named(
+        section, ActivationCheckpointPlan, synchronize=section.synchronize_checkpoint_boundary
     )
+    return plan
 
 
 def activation_checkpoint_plan(section: dict[str, object]) -> ActivationCheckpointPlan:

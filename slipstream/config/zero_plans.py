@@ -25,6 +25,7 @@ from slipstream.config.plan import (
     ZeroPlan,
 )
 from slipstream.config.schema.misc import AioConfig
+from slipstream.config.section_plans import _same_named
 from slipstream.config.schema.top import DeepSpeedConfig
 from slipstream.config.schema.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
@@ -40,13 +41,9 @@ __all__ = [
 
 
 def aio_plan(aio: AioConfig) -> AioPlan:
-    return AioPlan(
-        block_size=aio.block_size,
-        queue_depth=aio.queue_depth,
-        intra_op_parallelism=aio.intra_op_parallelism,
-        single_submit=aio.single_submit,
-        overlap_events=aio.overlap_events,
-    )
+    """Each AioPlan field is the `aio` key of the same name."""
+    plan: AioPlan = _same_named(aio, AioPlan)
+    return plan
 
 
 def default_aio_plan() -> AioPlan:

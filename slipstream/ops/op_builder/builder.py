@@ -155,7 +155,7 @@ class OpBuilder:
         build_dir, module_name = self.jit_location()
         if verbose:
             print(f"slipstream: building op '{self.NAME}' in {build_dir}", file=sys.stderr)
-        return jit.build(
+        spec = jit.BuildSpec(
             op_name=self.NAME,
             module_name=module_name,
             build_dir=build_dir,
@@ -165,6 +165,7 @@ class OpBuilder:
             ldflags=self.extra_ldflags(),
             cuda_args=self.cuda_args(),
         )
+        return jit.build(spec)
 
     def jit_location(self) -> tuple[Path, str]:
         """(cache directory, module name) of this op's JIT build for the current sources and flags."""

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -143,22 +144,28 @@ def import_built(build_dir: Path, module_name: str) -> ModuleType | None:
     return module
 
 
-def build(
-    *,
-    op_name: str,
-    module_name: str,
-    build_dir: Path,
-    sources: list[Path],
-    include_paths: list[Path],
-    cxx_args: list[str],
-    ldflags: list[str],
-    cuda_args: list[str] | None = None,
-) -> ModuleType:
+@dataclasses.dataclass(frozen=True)
+class BuildSpec:
+    """What one op's JIT build compiles: its sources and flags, and where the module goes."""
+
+    op_name: str
+    module_name: str
+    build_dir: Path
+    sources: list[Path]
+    include_paths: list[Path]
+    cxx_args: list[str]
+    ldflags: list[str]
+    cuda_args: list[str] | None = None
+    """None: a CPU-only op (no CUDA compiler is run)."""
+
+
+def build(spec: BuildSpec) -> ModuleType:
     """Compile (or reuse) the op under the cache lock and import it; raises OpBuildError on failure."""
+    build_dir, module_name = spec.build_dir, spec.module_name
     built = import_built(build_dir, module_name)
     if built is not None:
         return built
-    with exclusive_lock(build_dir.with_name(build_dir.name + ".lock"), what=f"op '{op_name}'"):
+    with exclusive_lock(build_dir.with_name(build_dir.name + ".lock"), what=f"op '{spec.op_name}'"):
         built = import_built(build_dir, module_name)  # another process may have finished meanwhile
         if built is not None:
             return built
@@ -169,7 +176,7 @@ def build(
         shutil.rmtree(build_dir, ignore_errors=True)
         build_dir.mkdir(parents=True)
         try:
-            module = _compile(op_name, module_name, build_dir, sources, include_paths, cxx_args, ldflags, cuda_args)
+            module = _compile(spec)
         except OpBuildError as exc:
             _FAILED_BUILDS[build_dir] = exc
             raise
@@ -178,34 +185,25 @@ def build(
         return module
 
 
-def _compile(
-    op_name: str,
-    module_name: str,
-    build_dir: Path,
-    sources: list[Path],
-    include_paths: list[Path],
-    cxx_args: list[str],
-    ldflags: list[str],
-    cuda_args: list[str] | None,
-) -> ModuleType:
+def _compile(spec: BuildSpec) -> ModuleType:
     from torch.utils import cpp_extension
 
     try:
         return cpp_extension.load(
-            name=module_name,
-            sources=[str(s) for s in sources],
-            extra_include_paths=[str(p) for p in include_paths],
-            extra_cflags=cxx_args,
-            extra_ldflags=ldflags,
-            extra_cuda_cflags=cuda_args,
-            build_directory=str(build_dir),
-            with_cuda=cuda_args is not None,
+            name=spec.module_name,
+            sources=[str(s) for s in spec.sources],
+            extra_include_paths=[str(p) for p in spec.include_paths],
+            extra_cflags=spec.cxx_args,
+            extra_ldflags=spec.ldflags,
+            extra_cuda_cflags=spec.cuda_args,
+            build_directory=str(spec.build_dir),
+            with_cuda=spec.cuda_args is not None,
             verbose=False,
         )
     except (RuntimeError, OSError, SystemError, ImportError) as exc:
         raise OpBuildError(
-            op_name,
-            _ninja_command(build_dir),
+            spec.op_name,
+            _ninja_command(spec.build_dir),
             first_error_lines(str(exc)),
             hint="set SLIPSTREAM_OPS=fallback to skip native ops",
         ) from exc
