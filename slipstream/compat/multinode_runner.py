@@ -30,7 +30,7 @@ import re
 import shlex
 import shutil
 import subprocess
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, ClassVar
 
 from slipstream.launcher import multinode, runner
@@ -191,6 +191,19 @@ class _MPIRunner(_BuiltinRunner):
         environment.update(values)
         return sorted(values)
 
+    def _mpi_argv(
+        self,
+        environment: MutableMapping[str, str],
+        active_resources: Mapping[str, Any],
+        build: Callable[..., list[str]],
+        **options: object,
+    ) -> list[str]:
+        """`build` (multinode.mpirun_argv or hydra_argv) run for one node launcher per host from this directory,
+        with the exports (put into `environment`) and the backend's own `options`."""
+        hosts, argv = self.node_command(active_resources, node_rank="-1")
+        cwd, names = os.path.abspath("."), self.exported_names(environment)
+        return build(hosts, argv=argv, cwd=cwd, export_names=names, **options)
+
 
 class OpenMPIRunner(_MPIRunner):
     """OpenMPI's `mpirun` (`--map-by ppr:1:node`), with DeepSpeed's `--mca` defaults."""
@@ -208,14 +221,8 @@ class OpenMPIRunner(_MPIRunner):
             flag in ("-mca", "--mca") and value == "btl_tcp_if_include" for flag, value in zip(user, user[1:])
         )
         defaults = ["--mca", "btl", "^openib", *([] if names_nic else ["--mca", "btl_tcp_if_include", "eth0"])]
-        hosts, argv = self.node_command(active_resources, node_rank="-1")
-        return multinode.mpirun_argv(
-            hosts,
-            argv=argv,
-            cwd=os.path.abspath("."),
-            export_names=self.exported_names(environment),
-            launcher_args=shlex.join([*defaults, *user]),
-        )
+        launcher_args = shlex.join([*defaults, *user])
+        return self._mpi_argv(environment, active_resources, multinode.mpirun_argv, launcher_args=launcher_args)
 
 
 class MPICHRunner(_MPIRunner):
@@ -225,14 +232,9 @@ class MPICHRunner(_MPIRunner):
     program = "mpirun"
 
     def get_cmd(self, environment: MutableMapping[str, str], active_resources: Mapping[str, Any]) -> list[str]:
-        hosts, argv = self.node_command(active_resources, node_rank="-1")
-        return multinode.hydra_argv(
-            hosts,
-            argv=argv,
-            cwd=os.path.abspath("."),
-            export_names=self.exported_names(environment),
-            settings=multinode.HYDRA_SETTINGS[self.launcher],
-            launcher_args=self.launcher_args(),
+        settings = multinode.HYDRA_SETTINGS[self.launcher]
+        return self._mpi_argv(
+            environment, active_resources, multinode.hydra_argv, settings=settings, launcher_args=self.launcher_args()
         )
 
 
