@@ -8,6 +8,7 @@ returns the mpu (compat/parallel_state_sp.py) to pass to `initialize(mpu=...)`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from slipstream.compat import parallel_state_sp
@@ -71,19 +72,25 @@ class UlyssesSPAttentionHF(hf.UlyssesSPAttentionHF):
             )
         parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = int(text.num_attention_heads)
-        hf.install(
-            core_attn_implementation,
-            batch_size=micro_batch_size,
-            attn_head_count=heads,
-            attn_head_size=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
-            kv_head_count=int(getattr(text, "num_key_value_heads", None) or heads),
-            num_hidden_layers=int(text.num_hidden_layers),
-            process_group=parallel_state_sp.get_sequence_parallel_group(),
-            disable_in_eval=disable_in_eval,
-            head_chunks=head_chunks,
-            cls=cls,
-        )
+        heads, layers = int(text.num_attention_heads), int(text.num_hidden_layers)
+        head_size = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        group = parallel_state_sp.get_sequence_parallel_group()
+
+        def wrap(core: Callable[..., Any]) -> hf.UlyssesSPAttentionHF:
+            return cls(
+                core,
+                micro_batch_size,
+                heads,
+                head_size,
+                kv_heads,
+                layers,
+                group,
+                disable_in_eval=disable_in_eval,
+                head_chunks=head_chunks,
+            )
+
+        hf.install(core_attn_implementation, wrap)
         return parallel_state_sp
 
 

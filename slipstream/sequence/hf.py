@@ -180,21 +180,11 @@ class UlyssesSPAttentionHF(nn.Module):
 
 
 def install(
-    core_attn_implementation: str,
-    *,
-    batch_size: int,
-    attn_head_count: int,
-    attn_head_size: int,
-    kv_head_count: int,
-    num_hidden_layers: int,
-    process_group: dist.ProcessGroup | None,
-    disable_in_eval: bool = False,
-    head_chunks: int | None = None,
-    cls: type[UlyssesSPAttentionHF] | None = None,
+    core_attn_implementation: str, wrap: Callable[[Callable[..., Any]], UlyssesSPAttentionHF]
 ) -> UlyssesSPAttentionHF:
-    """Replace `ALL_ATTENTION_FUNCTIONS[core_attn_implementation]` by Ulysses around it (every model of this
-    process that uses that implementation then runs sequence-parallel). Returns the wrapper (an instance of
-    `cls`, default UlyssesSPAttentionHF)."""
+    """Replace `ALL_ATTENTION_FUNCTIONS[core_attn_implementation]` by `wrap(core)`, Ulysses around that core
+    attention function (every model of this process that uses that implementation then runs sequence-parallel).
+    Returns the wrapper."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if core_attn_implementation in UNSUPPORTED_CORE_ATTENTION:
@@ -212,17 +202,7 @@ def install(
     previous = getattr(core, "__self__", None)
     if isinstance(previous, UlyssesSPAttentionHF):  # registered before: wrap the original, not the wrapper
         core = previous.attn
-    wrapper = (cls or UlyssesSPAttentionHF)(
-        core,
-        batch_size,
-        attn_head_count,
-        attn_head_size,
-        kv_head_count,
-        num_hidden_layers,
-        process_group,
-        disable_in_eval=disable_in_eval,
-        head_chunks=head_chunks,
-    )
+    wrapper = wrap(core)
     wrapper.core_attn_implementation = core_attn_implementation
     ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = wrapper.__call__
     return wrapper
