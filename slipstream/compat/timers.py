@@ -143,14 +143,9 @@ class NoopTimer:
     def get_timers(self) -> dict[str, _Timer]:
         return {}
 
-    def log(
-        self,
-        names: Iterable[str],
-        normalizer: float = 1.0,
-        reset: bool = True,
-        memory_breakdown: bool = False,
-        ranks: list[int] | None = None,
-    ) -> None: ...
+    def log(self, *args: object, **kwargs: object) -> None:
+        """Logs nothing; takes SynchronizedWallClockTimer.log's arguments."""
 
-    def get_mean(self, names: Iterable[str], normalizer: float = 1.0, reset: bool = True) -> dict[str, float]:
+    def get_mean(self, *args: object, **kwargs: object) -> dict[str, float]:
+        """No timer, no mean; takes SynchronizedWallClockTimer.get_mean's arguments."""
         return {}
