@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from slipstream.config.precision_plans import AutocastPlan
+
 if TYPE_CHECKING:
     from slipstream.config.schema.zero import OffloadOptimizerConfig, OffloadParamConfig
 
@@ -93,11 +95,15 @@ class LossScalePlan:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PrecisionPlan:
-    """Dtypes of parameters, gradient accumulation and master weights; loss_scale only for fp16."""
+    """Dtypes of parameters, gradient accumulation, master weights and optimizer states; loss_scale for fp16
+    (parameters or autocast); autocast: the forward's torch.autocast (config/precision_plans.py)."""
 
     param_dtype: str
     grad_accum_dtype: str
     master_dtype: str
+    optimizer_state_dtype: str
+    """The optimizer moments' dtype: fp32 unless `bf16.bf16_optimizer_states` (slipstream/precision/masters.py)."""
+    autocast: AutocastPlan | None
     loss_scale: LossScalePlan | None
     check_grad_overflow: bool
     max_consecutive_skips: int

@@ -24,6 +24,7 @@ from slipstream.config.plan import (
     PrecisionPlan,
     WandbPlan,
 )
+from slipstream.config.precision_plans import autocast_plan, master_options
 from slipstream.config.schema.misc import ActivationCheckpointingConfig
 from slipstream.config.schema.top import DeepSpeedConfig
 
@@ -78,8 +79,9 @@ def precision_plan(cfg: DeepSpeedConfig, problems: list[str]) -> PrecisionPlan:
     fp16, bf16, accum = cfg.fp16, cfg.bf16, cfg.data_types.grad_accum_dtype
     if fp16.enabled and bf16.enabled:
         problems.append("fp16.enabled, bf16.enabled: both are true; enable at most one of fp16 and bf16")
+    autocast = autocast_plan(cfg, problems)
     scale = None
-    if fp16.enabled:
+    if fp16.enabled or (autocast is not None and autocast.dtype == "fp16"):  # fp16 autocast scales the loss too
         scale = LossScalePlan(
             static_scale=fp16.loss_scale if fp16.loss_scale > 0 else None,
             initial_scale_power=fp16.initial_scale_power,
@@ -89,12 +91,16 @@ def precision_plan(cfg: DeepSpeedConfig, problems: list[str]) -> PrecisionPlan:
             min_scale=fp16.min_loss_scale,
         )
     param_dtype = param_dtype_of(cfg)
+    masters = master_options(cfg, param_dtype, problems)
     return PrecisionPlan(
         param_dtype=param_dtype,
-        grad_accum_dtype=accum or "fp32",
-        master_dtype="fp32",
+        grad_accum_dtype=masters.grad_dtype or accum or "fp32",
+        master_dtype=masters.master_dtype,
+        optimizer_state_dtype=masters.state_dtype,
+        autocast=autocast,
         loss_scale=scale,
-        check_grad_overflow={"fp16": True, "bf16": bf16.check_grad_overflow, "fp32": False}[param_dtype],
+        check_grad_overflow=scale is not None
+        or {"fp16": True, "bf16": bf16.check_grad_overflow, "fp32": False}[param_dtype],
         max_consecutive_skips=cfg.max_consecutive_skipped_steps,
     )
 

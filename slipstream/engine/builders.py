@@ -16,7 +16,9 @@ from torch import nn
 
 from slipstream.config.plan import EnginePlan, LossScalePlan
 from slipstream.engine.dataloader import make_training_dataloader
+from slipstream.accelerator import get_accelerator
 from slipstream.offload.policy import host_available_bytes
+from slipstream.precision import NoAutocast, apply_state_dtype, forward_region
 from slipstream.utils.errors import ArgumentTypeError
 from slipstream.utils.logging import get_logger, log_rank0, warn_once
 from slipstream.zero.optimizer import ZeroOptimizer
@@ -42,6 +44,11 @@ def moe_support(model: object) -> Any:
         return None
     engine_support.prepare(model)
     return engine_support
+
+
+def autocast_region(plan: EnginePlan) -> NoAutocast:
+    """The region the engine's forward runs in (slipstream/precision/autocast.py)."""
+    return forward_region(plan.precision.autocast, device_type=get_accelerator().device_name())
 
 
 def make_basic_optimizer(
@@ -79,12 +86,14 @@ def make_basic_optimizer(
                 f"'optimizer' section (type {plan.optimizer.name!r}) were given; using the client's "
                 f"{type(optimizer).__name__}, as DeepSpeed does. Remove one of them to silence this warning",
             )
-        return optimizer
-    if plan.optimizer is None:
+    elif plan.optimizer is None:
         return None
-    from slipstream.engine.optimizers import build_optimizer
+    else:
+        from slipstream.engine.optimizers import build_optimizer
 
-    return build_optimizer(plan.optimizer, params, on_host=plan.zero.offload_optimizer.on_host)
+        optimizer = build_optimizer(plan.optimizer, params, on_host=plan.zero.offload_optimizer.on_host)
+    apply_state_dtype(optimizer, plan.precision)  # low-precision masters: the moments' dtype, or a refusal
+    return optimizer
 
 
 def check_host_memory(optimizer: ZeroOptimizer, *, rank: int) -> None:

@@ -225,11 +225,12 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         dtype = DTYPES[self.plan.precision.param_dtype]
         if dtype != torch.float32:
             inputs, kwargs = builders.cast_floating((inputs, kwargs), dtype)
-        if self._step_profiler is None:
-            output = self.module(*inputs, **kwargs)
-        else:
-            first = self._window_micro_steps == 0
-            output = self._step_profiler.forward(lambda: self.module(*inputs, **kwargs), self.global_steps, first)
+        with builders.autocast_region(self.plan).region():  # the config's torch.autocast, if it has one
+            if self._step_profiler is None:
+                output = self.module(*inputs, **kwargs)
+            else:
+                first = self._window_micro_steps == 0
+                output = self._step_profiler.forward(lambda: self.module(*inputs, **kwargs), self.global_steps, first)
         self._timers["forward"] += time.perf_counter() - started
         return output
 

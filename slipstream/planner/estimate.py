@@ -178,6 +178,7 @@ def settings_from_plan(plan: Any) -> tuple[Settings, Option]:
         dtype=precision.param_dtype,
         grad_accum_dtype=precision.grad_accum_dtype,
         master_dtype=precision.master_dtype,
+        optimizer_state_dtype=precision.optimizer_state_dtype,
         reduce_bucket_size=int(zero.reduce_bucket_size),
         stage3=stage3 or Settings().stage3,
         # the configured pin_memory (True without offload); whether an option's buffers are pinned is its

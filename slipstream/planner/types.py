@@ -187,6 +187,8 @@ class Settings:
     """Parameter dtype: "fp32", "bf16" or "fp16"."""
     grad_accum_dtype: str = "fp32"
     master_dtype: str = "fp32"
+    optimizer_state_dtype: str | None = None
+    """The optimizer moments' dtype (the plan's); None: the master dtype's."""
     reduce_bucket_size: int = dataclasses.field(default_factory=_schema_bucket_size)
     stage3: Stage3Plan = dataclasses.field(default_factory=_schema_stage3)
     pin_memory: bool = True

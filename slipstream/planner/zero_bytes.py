@@ -10,7 +10,8 @@ Stages 0-2 mirror `zero/flat_group.py` on the layout of `zero/layout.py` ([Note:
 - host_buffers (offload): `owned` fp32 gradient copies (none when the device is the host and the gradients are
   fp32: the optimizer reads them in place), plus `owned` elements in the parameter dtype when that is not fp32
   (the CPU Adam op's low-precision output);
-- optimizer_state: states-per-element (AdamW: exp_avg, exp_avg_sq) x `owned` fp32 elements;
+- optimizer_state: states-per-element (AdamW: exp_avg, exp_avg_sq) x `owned` elements in the optimizer state
+  dtype (fp32, or bf16 with `bf16_optimizer_states`);
 - comm_buffers (stage 2, `zero/stage2.py`): two staging buffers of world x chunk and two receive buffers of
   chunk elements, in the grad-accumulation dtype, where the layout's buckets and the chunk are bounded by
   `STAGE2_STAGING_BYTES` ([Note: stage-2 staging bound] in zero/layout.py);
@@ -63,7 +64,9 @@ def _optimizer_roles(owned: int, *, settings: Settings, offload: bool, aliased: 
     """master, optimizer_state, host_buffers for `owned` master elements (identical at every stage)."""
     param, master = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.master_dtype]
     states = optimizer_states_per_element(settings.optimizer, settings.optimizer_params)
-    state_bytes = param if aliased else master
+    state_bytes = DTYPE_BYTES[settings.optimizer_state_dtype] if settings.optimizer_state_dtype else (
+        param if aliased else master
+    )
     grads_in_place = settings.device_is_host and settings.grad_accum_dtype == settings.master_dtype
     host_buffers = (
         ((0 if grads_in_place else owned * master) + (owned * param if settings.dtype != settings.master_dtype else 0))

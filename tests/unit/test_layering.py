@@ -156,6 +156,11 @@ def test_moe_builds_on_comm_and_zero_and_nothing_below_needs_it() -> None:
     assert not bad, f"moe/ uses comm/ and zero/; zero/, checkpoint/ and the rest know nothing of it: {bad}"
 
 
+def test_precision_sits_on_config_and_the_accelerator() -> None:
+    bad = _violations(_imports(), "precision", {"accelerator", "config"} | LEAF_HELPERS)
+    assert not bad, f"precision/ turns the precision plan into autocast regions and optimizer settings: {bad}"
+
+
 def test_the_rules_see_a_violation() -> None:
     graph = {"slipstream.comm.x": {"slipstream.zero.layout"}, "slipstream.config.y": {"slipstream.utils.logging"}}
     assert _violations(graph, "comm", set(LEAF_HELPERS)) == ["slipstream.comm.x imports slipstream.zero.layout"]

@@ -59,6 +59,7 @@ class FP16Config(DSModel):
         "hysteresis": "precision.loss_scale.hysteresis",
         "consecutive_hysteresis": "precision.loss_scale.consecutive_hysteresis",
         "min_loss_scale": "precision.loss_scale.min_scale",
+        "fp16_master_weights_and_grads": "precision.master_dtype",
     }
     enabled: DSBool = False
     """Train with float16 parameters."""
@@ -104,6 +105,8 @@ class BF16Config(DSModel):
     IMPLEMENTED = {
         "enabled": "precision.param_dtype",
         "check_grad_overflow": "precision.check_grad_overflow",
+        "bf16_master_weights_and_grads": "precision.master_dtype",
+        "bf16_optimizer_states": "precision.optimizer_state_dtype",
     }
     enabled: DSBool = False
     """Train with bfloat16 parameters."""
@@ -124,7 +127,10 @@ class BF16Config(DSModel):
 
 
 class AmpConfig(OpenSection):
-    """`amp`: NVIDIA Apex AMP; any Apex keyword (opt_level, ...) is passed through. Incompatible with ZeRO."""
+    """`amp`: NVIDIA Apex AMP, which DeepSpeed 0.19 no longer has; `enabled` runs the forward under
+    torch.autocast in fp16 with dynamic loss scaling (what Apex's O1 does). Other Apex keywords are reported."""
+
+    IMPLEMENTED = {"enabled": "precision.autocast"}
 
     enabled: DSBool = False
     """Use Apex AMP."""
@@ -134,6 +140,8 @@ class AmpConfig(OpenSection):
 
 class TorchAutocastConfig(DSModel):
     """`torch_autocast`: run forward under torch.autocast."""
+
+    IMPLEMENTED = {"enabled": "precision.autocast", "dtype": "precision.autocast.dtype"}
 
     enabled: DSBool = False
     """Use torch.autocast in forward."""

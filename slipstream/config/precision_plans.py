@@ -1,0 +1,116 @@
+"""The precision options beyond the parameter dtype, as plan fields: the forward under torch.autocast
+(`torch_autocast`, `amp`) and low-precision master weights and optimizer states (`bf16.bf16_master_weights_and_grads`,
+`bf16.bf16_optimizer_states`, `fp16.fp16_master_weights_and_grads`). Each rule DeepSpeed enforces for them is
+a problem naming the keys here."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from slipstream.config.schema.precision import canonical_dtype
+from slipstream.config.schema.top import DeepSpeedConfig
+
+__all__ = ["AutocastPlan", "MasterOptions", "autocast_plan", "master_options"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class AutocastPlan:
+    """The forward runs under torch.autocast with `dtype` while the parameters stay fp32 (`torch_autocast`, or
+    `amp` mapped onto it); slipstream/precision/autocast.py applies it. A field of `PrecisionPlan`."""
+
+    dtype: str | None
+    """"bf16" or "fp16"; None: torch.autocast's default for the device (bf16 on CPU, fp16 on CUDA)."""
+
+
+def autocast_plan(cfg: DeepSpeedConfig, problems: list[str]) -> AutocastPlan | None:
+    """`torch_autocast.enabled` (dtype: its `dtype`; unset, torch.autocast's default for the device) or `amp.enabled` (fp16, as Apex's O1
+    casts to fp16) as an AutocastPlan; either contradicts fp16/bf16 parameters, and they exclude each other."""
+    torch_section, amp = cfg.torch_autocast, cfg.amp
+    chosen: list[tuple[str, AutocastPlan]] = []
+    if torch_section.enabled:
+        chosen.append(("torch_autocast", AutocastPlan(dtype=_autocast_dtype(torch_section.dtype, problems))))
+    if amp is not None and amp.enabled:
+        chosen.append(("amp", AutocastPlan(dtype="fp16")))
+    if len(chosen) > 1:
+        problems.append(
+            "torch_autocast.enabled, amp.enabled: both run the forward under torch.autocast; enable only "
+            "torch_autocast (amp is its older spelling)"
+        )
+    if not chosen:
+        return None
+    section, autocast = chosen[0]
+    low = [name for name, low_section in (("fp16", cfg.fp16), ("bf16", cfg.bf16)) if low_section.enabled]
+    if low:
+        problems.append(
+            f"{section}.enabled, {low[0]}.enabled: autocast keeps the parameters in fp32 while {low[0]} makes "
+            f"them {low[0]}; disable {low[0]} (autocast picks the compute dtype) or {section}"
+        )
+    return autocast
+
+
+def _autocast_dtype(value: str | None, problems: list[str]) -> str | None:
+    """The configured dtype, canonical; None when unset (torch.autocast's default for the device)."""
+    if value is None:
+        return None
+    try:
+        dtype = canonical_dtype(value)
+    except ValueError as error:
+        problems.append(f"torch_autocast.dtype: {error}")
+        return None
+    if dtype == "fp32":
+        problems.append(
+            f"torch_autocast.dtype={value!r}: autocast needs a lower precision; use \"bfloat16\" or \"float16\""
+        )
+        return None
+    return dtype
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MasterOptions:
+    """Dtypes of the master weights, their gradients and the optimizer's moments."""
+
+    master_dtype: str
+    grad_dtype: str | None
+    """The gradients' dtype when the masters set it (they are the masters' gradients), else None."""
+    state_dtype: str
+
+
+def master_options(cfg: DeepSpeedConfig, param_dtype: str, problems: list[str]) -> MasterOptions:
+    """fp32 masters by default; bf16 or fp16 masters (and gradients) with the `*_master_weights_and_grads`
+    keys, under DeepSpeed's rules: ZeRO 1-3, the matching parameter dtype, and CPU optimizer offload unless
+    the moments are bf16 too (fp16 masters always need it)."""
+    bf16, fp16 = cfg.bf16, cfg.fp16
+    if bf16.bf16_master_weights_and_grads and fp16.fp16_master_weights_and_grads:
+        problems.append(
+            "bf16.bf16_master_weights_and_grads, fp16.fp16_master_weights_and_grads: enable at most one"
+        )
+    if bf16.bf16_master_weights_and_grads:
+        _check_low_masters(cfg, "bf16", need_offload=not bf16.bf16_optimizer_states, problems=problems)
+        return MasterOptions("bf16", "bf16", "bf16" if bf16.bf16_optimizer_states else "fp32")
+    if fp16.fp16_master_weights_and_grads:
+        _check_low_masters(cfg, "fp16", need_offload=True, problems=problems)
+        return MasterOptions("fp16", "fp16", "fp32")
+    return MasterOptions("fp32", None, "fp32")
+
+
+def _check_low_masters(cfg: DeepSpeedConfig, dtype: str, *, need_offload: bool, problems: list[str]) -> None:
+    key = f"{dtype}.{dtype}_master_weights_and_grads"
+    if not getattr(cfg, dtype).enabled:
+        problems.append(f"{key}: needs {dtype}.enabled true (the masters are the {dtype} parameters)")
+    zero = cfg.zero_optimization
+    if zero.stage == 0:
+        problems.append(f"{key}: needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is 0)")
+    device = zero.offload_optimizer.device if zero.offload_optimizer is not None else "none"
+    if need_offload and device != "cpu":
+        why = "fp32 optimizer states of bf16 masters" if dtype == "bf16" else "fp16 masters"
+        fix = " or set bf16.bf16_optimizer_states true" if dtype == "bf16" else ""
+        problems.append(
+            f"{key}: {why} need CPU optimizer offload (zero_optimization.offload_optimizer.device is "
+            f"{device!r}); set it to \"cpu\"{fix}"
+        )
+    accum = cfg.data_types.grad_accum_dtype
+    if accum is not None and accum != dtype:
+        problems.append(
+            f"{key}, data_types.grad_accum_dtype={accum!r}: the gradients are the {dtype} masters' gradients; "
+            f"remove data_types.grad_accum_dtype or set it to {dtype!r}"
+        )

@@ -1,0 +1,137 @@
+"""Precision options on the engine at world 2 against a single-process run computed the same way:
+`torch_autocast` (bf16 forward, fp32 parameters) at ZeRO 0-3 and with CPU offload, and `bf16` master weights
+(with bf16 or, offloaded, fp32 Adam moments) at ZeRO 1-3, the reference stepping bf16 parameters with the same
+rounding. Parameters must be within a bound the dtype implies, and a reference with one step left out must
+not be (the bound is tight enough to see one step). Also the bytes the planner predicts for bf16 masters and
+states at ZeRO-2, about half those of fp32 masters. One spawn runs every case."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_distributed, run_subtests
+from tests.harness.models import TinyMLP
+
+STEPS = 4
+BATCH = 8
+LR = 1e-2
+AUTOCAST = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+BF16_STATES = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
+BF16_MASTERS = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}
+CPU = {"offload_optimizer": {"device": "cpu"}}
+CASES = [
+    *({"name": f"autocast z{s}", "extra": AUTOCAST, "zero": {"stage": s}, "kind": "autocast"} for s in (0, 2, 3)),
+    {"name": "autocast z2 offload", "extra": AUTOCAST, "zero": {"stage": 2, **CPU}, "kind": "autocast"},
+    *({"name": f"bf16 states z{s}", "extra": BF16_STATES, "zero": {"stage": s}, "kind": "bf16"} for s in (1, 2, 3)),
+    {"name": "bf16 masters z2 offload", "extra": BF16_MASTERS, "zero": {"stage": 2, **CPU}, "kind": "bf16_fp32_states"},
+]
+# parameter bounds: fp32 parameters may differ by fp32 rounding (the order of the reduction); bf16 parameters
+# (|p| < 1) by one bf16 rounding step, 2**-8. A step of this AdamW moves a parameter by about LR = 1e-2.
+BOUNDS = {"autocast": 1e-6, "bf16": 2.0**-8, "bf16_fp32_states": 2.0**-8}
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [TinyMLP().make_batch(seed=200 + s, batch_size=BATCH) for s in range(STEPS)]
+
+
+def config(case: dict) -> dict:
+    return {"train_micro_batch_size_per_gpu": BATCH // 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+            "zero_optimization": {"reduce_bucket_size": 700, **case["zero"]}, **case["extra"]}
+
+
+def full_params(engine) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    from slipstream.zero import GatheredParameters
+
+    with GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def train(rank: int, world: int, **case: object) -> dict:
+    import slipstream
+
+    engine, _, _, _ = slipstream.initialize(model=TinyMLP(), config=config(case))
+    for inputs, targets in batches():
+        half = BATCH // world
+        engine.backward(TinyMLP.loss(engine(inputs[rank * half:(rank + 1) * half]), targets[rank * half:(rank + 1) * half]))
+        engine.step()
+    zero = engine.optimizer
+    owned = {**zero.owned_bytes(), "optimizer_state": state_bytes(zero.optimizer)}
+    states = {t.dtype for s in zero.optimizer.state.values() for t in s.values() if t.dim() > 0}
+    result = {"params": full_params(engine), "owned": owned, "state_dtypes": sorted(map(str, states)),
+              "dtypes": sorted({str(p.dtype) for p in engine.module.parameters()})}
+    engine.destroy()
+    dist.barrier()
+    return result
+
+
+def grid(rank: int, world: int) -> list[dict]:
+    return run_subtests(CASES, lambda **case: train(rank, world, **case))
+
+
+def reference(kind: str, steps: int) -> dict[str, torch.Tensor]:
+    """One process, the batch's two halves (gradients summed, then halved): autocast forward over fp32 parameters and AdamW, or bf16 parameters
+    stepped by FusedAdam (AdamW) with bf16 moments (or the CPU Adam op with fp32 moments), rounded to nearest as stored."""
+    from slipstream.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    model = TinyMLP()
+    if kind != "autocast":
+        model = model.to(torch.bfloat16)
+    if kind == "bf16_fp32_states":
+        opt: torch.optim.Optimizer = DeepSpeedCPUAdam(model.parameters(), lr=LR, weight_decay=0.01)
+    else:  # what the config's "AdamW" builds on the accelerator
+        opt = FusedAdam(model.parameters(), lr=LR, weight_decay=0.01, adam_w_mode=True)
+    for inputs, targets in batches()[:steps]:
+        for x, y in zip(inputs.chunk(2), targets.chunk(2)):  # the ranks' halves, gradients summed in their dtype
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "autocast"):
+                out = model(x.to(next(model.parameters()).dtype))
+            TinyMLP.loss(out, y).backward()
+        for p in model.parameters():
+            p.grad /= 2
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().float() for n, p in model.named_parameters()}
+
+
+def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def test_precision_options_match_reference_and_planner(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    per_rank = run_distributed(grid, world_size=2, tmp_dir=tmp_path)
+    for case, *results in zip(CASES, *per_rank):
+        kind, bound = case["kind"], BOUNDS[case["kind"]]
+        full, short = reference(kind, STEPS), reference(kind, STEPS - 1)
+        for rank, result in enumerate(results):
+            assert worst(result["params"], full) <= bound, (case["name"], rank, worst(result["params"], full))
+            assert worst(result["params"], short) > 2 * bound, (case["name"], "one step left out is within bound")
+        want_params = "torch.float32" if kind == "autocast" else "torch.bfloat16"
+        want_states = "torch.bfloat16" if kind == "bf16" else "torch.float32"
+        assert results[0]["dtypes"] == [want_params] and results[0]["state_dtypes"] == [want_states], (case, results[0])
+    check_planner_bytes(per_rank[0])
+
+
+def check_planner_bytes(results: list[dict]) -> None:
+    """bf16 masters + bf16 states at ZeRO-2 hold what the planner predicts (within 5%), about half the bytes of
+    fp32 masters with Adam (the planner's figure for bf16 parameters with fp32 masters: it is what the engine
+    measures in tests/dist/planner)."""
+    from slipstream.planner.types import Settings
+    from slipstream.planner.zero_bytes import stage012_bytes
+
+    numels = [p.numel() for p in TinyMLP().parameters()]
+    measured = next(r for c, r in zip(CASES, results) if c["name"] == "bf16 states z2")["owned"]
+    low = Settings(dtype="bf16", master_dtype="bf16", grad_accum_dtype="bf16", reduce_bucket_size=700)
+    fp32 = Settings(dtype="bf16", master_dtype="fp32", grad_accum_dtype="fp32", reduce_bucket_size=700)
+    roles = ("params", "master", "grads", "optimizer_state")
+    predicted = stage012_bytes(numels, 0, stage=2, world=2, settings=low, offload=False).owned
+    fp32_bytes = stage012_bytes(numels, 0, stage=2, world=2, settings=fp32, offload=False).owned
+    total, want = sum(measured[r] for r in roles), sum(predicted[r] for r in roles)
+    assert abs(total - want) <= 0.05 * want, (measured, predicted)
+    ratio = want / sum(fp32_bytes[r] for r in roles)
+    assert 0.4 <= ratio <= 0.6, ratio
