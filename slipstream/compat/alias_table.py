@@ -180,7 +180,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "DeepSpeedOptimizer": "slipstream.zero.optimizer:ZeroOptimizer",
         "ZeROOptimizer": "slipstream.zero.optimizer:ZeroOptimizer",
     },
-    "slipstream.ops.lamb": {"FusedLamb": "slipstream.engine.optimizers:Lamb"},
+    "slipstream.ops.lamb": {"FusedLamb": "slipstream.optim.lamb:FusedLamb"},
     "slipstream.monitor": {},  # the package of the monitor alias
     # DeepSpeed features Slipstream does not have: importable, NotBuiltError when used (compat/unbuilt.py)
     "slipstream.inference": {name: f"{_NB}:{name}" for name in ("InferenceEngine", "DeepSpeedInferenceConfig")},

@@ -36,6 +36,12 @@ def _momentum_states(params: Mapping[str, Any]) -> int:
     return int(float(params.get("momentum", 0) or 0) > 0)
 
 
+def _muon_states(params: Mapping[str, object]) -> int:
+    """One momentum buffer for the Muon matrices (a param group with use_muon), Adam's two for the rest; for a
+    whole model (no use_muon given) the larger count."""
+    return 1 if params.get("use_muon") is True else 2
+
+
 def _rmsprop_states(params: Mapping[str, object]) -> int:
     return 1 + _momentum_states(params) + int(bool(params.get("centered")))
 
@@ -54,8 +60,9 @@ class OptimizerSpec:
     """DeepSpeed's defaults where they differ from the class's own (see [Note: optimizer defaults])."""
     elementwise: bool = True
     """The update of each element depends only on that element: ZeRO's flat shards do not change its math.
-    Per-tensor optimizers (Lamb's trust ratio, Adafactor's factored moments) need
-    `zero_allow_untested_optimizer`."""
+    Per-tensor optimizers need `zero_allow_untested_optimizer` (Adafactor's factored moments), unless their
+    class steps pieces through ZeRO's whole-tensor map (`wants_whole_tensors`: slipstream/optim's LAMB and
+    Muon; [Note: whole-tensor map] in zero/whole_tensors.py)."""
     host_target: str | None = None
     """Class that runs this optimizer on the host under offload_optimizer (the CPU Adam op), if any."""
     class_names: tuple[str, ...] = ()
@@ -86,10 +93,17 @@ _ENTRIES = (
     OptimizerSpec(name="adagrad", target="torch.optim:Adagrad", states=_fixed(1), class_names=("Adagrad",)),
     OptimizerSpec(
         name="lamb",
-        target="slipstream.engine.optimizers:Lamb",
+        target="slipstream.optim.lamb:FusedLamb",
         states=_fixed(2),
         elementwise=False,
         class_names=("Lamb", "FusedLamb"),
+    ),
+    OptimizerSpec(
+        name="muon",
+        target="slipstream.optim.muon:MuonWithAuxAdam",
+        states=_muon_states,
+        elementwise=False,
+        class_names=("MuonWithAuxAdam", "Muon"),
     ),
     OptimizerSpec(
         name="lion", target="slipstream.engine.optimizers:Lion", states=_fixed(1), class_names=("Lion", "FusedLion")
@@ -112,7 +126,7 @@ _ENTRIES = (
 )
 REGISTRY: dict[str, OptimizerSpec] = {spec.name: spec for spec in _ENTRIES}
 
-DEEPSPEED_ONLY = ("onebitadam", "onebitlamb", "zerooneadam", "muadam", "muadamw", "musgd", "muon")
+DEEPSPEED_ONLY = ("onebitadam", "onebitlamb", "zerooneadam", "muadam", "muadamw", "musgd")
 """DeepSpeed optimizer names that Slipstream accepts in a config but does not implement (reported when set)."""
 
 

@@ -91,6 +91,10 @@ def make_basic_optimizer(
     else:
         from slipstream.engine.optimizers import build_optimizer
 
+        if plan.optimizer.name == "muon":  # DeepSpeed tags the model's parameters use_muon before building
+            from slipstream.optim.muon import tag_muon_params
+
+            tag_muon_params(module)
         optimizer = build_optimizer(plan.optimizer, params, on_host=plan.zero.offload_optimizer.on_host)
     apply_state_dtype(optimizer, plan.precision)  # low-precision masters: the moments' dtype, or a refusal
     return optimizer

@@ -1,11 +1,8 @@
-"""Build the optimizer and LR schedule a config names, plus our pure-PyTorch Lamb and Lion.
+"""Build the optimizer and LR schedule a config names, plus our pure-PyTorch Lion.
 
 Optimizer names map to classes through the registry (config/optimizers.py); this module imports the class,
-checks params against its signature and builds it. It also holds two small optimizers DeepSpeed ships as
-fused kernels:
-- `Lamb` follows ops.lamb.FusedLamb: Adam moments with bias correction, update u = m_hat / (sqrt(v_hat) + eps)
-  + weight_decay * p, trust ratio ||p|| / ||u|| clamped to [min_coeff, max_coeff] (1 when either norm is 0),
-  p -= lr * ratio * u. eps_inside_sqrt=True uses sqrt(v_hat + eps).
+checks params against its signature and builds it. `Lamb` is slipstream/optim/lamb.py's FusedLamb. It also
+holds a small optimizer DeepSpeed ships as a fused kernel:
 - `Lion` follows ops.lion: p *= 1 - lr * weight_decay; p -= lr * sign(beta1 * m + (1 - beta1) * g);
   m = beta2 * m + (1 - beta2) * g.
 """
@@ -24,23 +21,12 @@ from slipstream.config.optimizers import REGISTRY, OptimizerSpec, spec_for
 from slipstream.config.plan import OptimizerPlan, SchedulerPlan
 from slipstream.engine.lr_schedules import SCHEDULES
 from slipstream.engine.param_check import check_params
+from slipstream.optim.common import closure_loss, math_dtype
+from slipstream.optim.lamb import FusedLamb as Lamb
 
 __all__ = ["Lamb", "Lion", "build_optimizer", "build_scheduler"]
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]]
-
-
-def _math_dtype(p: Tensor) -> torch.dtype:
-    """fp32 for low-precision params (states and math), the param's own dtype when wider."""
-    return torch.promote_types(p.dtype, torch.float32)
-
-
-def _closure_loss(closure: Callable[[], float] | None) -> float | None:
-    """`closure()` with autograd on (the step itself runs under no_grad), or None without a closure."""
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
 
 
 def _params_with_grads(param_groups: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], Tensor, Tensor]]:
@@ -49,79 +35,6 @@ def _params_with_grads(param_groups: list[dict[str, Any]]) -> Iterator[tuple[dic
         for p in group["params"]:
             if p.grad is not None:
                 yield group, p, p.grad
-
-
-class Lamb(torch.optim.Optimizer):
-    """LAMB (https://arxiv.org/abs/1904.00962) with DeepSpeed FusedLamb's arguments and per-tensor trust ratio."""
-
-    def __init__(
-        self,
-        params: Params,
-        lr: float = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        eps_inside_sqrt: bool = False,
-        weight_decay: float = 0.0,
-        max_grad_norm: float = 0.0,
-        max_coeff: float = 10.0,
-        min_coeff: float = 0.01,
-        amsgrad: bool = False,
-    ) -> None:
-        if amsgrad:
-            raise ValueError(
-                "Lamb does not support amsgrad=True (DeepSpeed's FusedLamb does not either); "
-                "remove optimizer.params.amsgrad"
-            )
-        if max_grad_norm:
-            raise ValueError(
-                f"Lamb max_grad_norm={max_grad_norm} is not supported; use the top-level "
-                "'gradient_clipping' config key instead"
-            )
-        if lr < 0 or eps < 0 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"Lamb needs lr >= 0, eps >= 0 and betas in [0, 1); got lr={lr}, eps={eps}, betas={betas}")
-        if not 0.0 < min_coeff <= max_coeff:
-            raise ValueError(f"Lamb needs 0 < min_coeff <= max_coeff; got min_coeff={min_coeff}, max_coeff={max_coeff}")
-        defaults = {
-            "lr": lr,
-            "bias_correction": bias_correction,
-            "betas": betas,
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "eps_inside_sqrt": eps_inside_sqrt,
-            "max_coeff": max_coeff,
-            "min_coeff": min_coeff,
-        }
-        super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = _closure_loss(closure)
-        for group, p, p_grad in _params_with_grads(self.param_groups):
-            beta1, beta2 = group["betas"]
-            if p_grad.is_sparse:
-                raise RuntimeError("Lamb does not support sparse gradients")
-            state, dtype = self.state[p], _math_dtype(p)
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
-            state["step"] += 1
-            grad, weight = p_grad.to(dtype), p.to(dtype)
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-            bc1 = 1.0 - beta1 ** state["step"] if group["bias_correction"] else 1.0
-            bc2 = 1.0 - beta2 ** state["step"] if group["bias_correction"] else 1.0
-            v_hat = exp_avg_sq / bc2
-            denom = (v_hat + group["eps"]).sqrt() if group["eps_inside_sqrt"] else v_hat.sqrt() + group["eps"]
-            update = (exp_avg / bc1) / denom + group["weight_decay"] * weight
-            w_norm, u_norm = float(weight.norm()), float(update.norm())
-            ratio = 1.0
-            if w_norm != 0.0 and u_norm != 0.0:
-                ratio = min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"])
-            p.copy_(weight - group["lr"] * ratio * update)
-        return loss
 
 
 class Lion(torch.optim.Optimizer):
@@ -136,10 +49,10 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = _closure_loss(closure)
+        loss = closure_loss(closure)
         for group, p, p_grad in _params_with_grads(self.param_groups):
             beta1, beta2 = group["betas"]
-            state, dtype = self.state[p], _math_dtype(p)
+            state, dtype = self.state[p], math_dtype(p)
             if not state:
                 state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
             grad, exp_avg = p_grad.to(dtype), state["exp_avg"]
@@ -218,6 +131,10 @@ def build_optimizer(plan: OptimizerPlan, params: Iterable[Any], *, on_host: bool
             )
         _check_params("optimizer", found, kwargs)
         return found(param_list, **kwargs)
+    if spec.name == "muon":  # param groups split into Muon and AdamW halves (slipstream/optim/muon.py)
+        from slipstream.optim.muon import build_muon
+
+        return build_muon(param_list, kwargs)
     torch_adam = kwargs.pop("torch_adam", False) is True and spec.name in ("adam", "adamw")
     cls = _registry_class(spec, on_host)
     if getattr(cls, "writes_low_precision_copy", False):  # the CPU Adam op: Adam or AdamW by a flag

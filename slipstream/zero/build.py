@@ -168,6 +168,7 @@ def check_optimizer_kind(optimizer: torch.optim.Optimizer, zero: ZeroPlan) -> No
     """Refuse optimizers whose math flat shards would change, and host-less optimizers under offload."""
     name = type(optimizer).__name__
     host_kernel = getattr(type(optimizer), "writes_low_precision_copy", False)
+    host_kernel = host_kernel or getattr(type(optimizer), "runs_on_host", False)  # ours: slipstream/optim
     if zero.offload_optimizer.on_host and not host_kernel and zero.force_host_optimizer:
         raise ValueError(
             f"offload_optimizer runs the optimizer on the host, but the optimizer is {name}; use "
@@ -175,11 +176,11 @@ def check_optimizer_kind(optimizer: torch.optim.Optimizer, zero: ZeroPlan) -> No
             '"zero_force_ds_cpu_optimizer": false to run this one on the host anyway'
         )
     spec: Any = spec_for_class(name)
-    if spec is not None and spec.elementwise:
+    if (spec is not None and spec.elementwise) or getattr(type(optimizer), "wants_whole_tensors", False):
         return
     message = (
         f"optimizer {name} is not known to be elementwise: ZeRO's flat shards (used at every stage) "
-        "would change per-tensor math such as Lamb's trust ratio. Use one of "
+        "would change per-tensor math such as Adafactor's factored moments. Use one of "
         f'{", ".join(elementwise_class_names())}, or set "zero_allow_untested_optimizer": true to use it '
         "anyway"
     )

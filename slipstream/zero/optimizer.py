@@ -32,6 +32,7 @@ from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import build_layout
 from slipstream.zero.slices import OwnedSlice
 from slipstream.zero.sub_group_step import SubGroupStepping
+from slipstream.zero.whole_tensors import attach_whole_tensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -100,6 +101,7 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
         self._low_precision_out = self._low_precision_targets()  # fixed for the optimizer's lifetime
         self._low_precision_by_group = self._split_by_group(self._low_precision_out)
         self.offload.prepare(self)
+        attach_whole_tensors(self, offload_in_files=self.offload.in_files)  # LAMB, Muon: [Note: whole-tensor map]
 
     def _layout_bucket_numel(self, reduce_bucket_size: int, grad_dtype: torch.dtype) -> int:
         """Elements per bucket of the flat layout (stage 2 bounds it, [Note: stage-2 staging bound])."""

@@ -149,9 +149,16 @@ _OFFLOAD = {"stage": 1, "offload_optimizer": {"device": "cpu"}}
             "Lamb",
             {},
             {"stage": 0},
-            "Lamb",
+            "FusedLamb",
             {**_ADAM, "bias_correction": True, "eps_inside_sqrt": False, "max_coeff": 10.0, "min_coeff": 0.01},
-        ),  # FusedLamb
+        ),
+        (  # DeepSpeed's MuonWithAuxAdam; its first param group is the Muon half of the model's matrices
+            "Muon",
+            {},
+            {"stage": 0},
+            "MuonWithAuxAdam",
+            {"use_muon": True, "momentum": 0.95, "weight_decay": 0.0, "ns_method": "gram", "ns_steps": 5},
+        ),
         ("Lion", {}, {"stage": 0}, "Lion", {"betas": (0.9, 0.999), "weight_decay": 0.0}),  # FusedLion
         ("Adagrad", {}, {"stage": 0}, "Adagrad", {"eps": 1e-10, "weight_decay": 0.0}),  # torch's, as DeepSpeed's
     ],

@@ -161,6 +161,18 @@ def test_precision_sits_on_config_and_the_accelerator() -> None:
     assert not bad, f"precision/ turns the precision plan into autocast regions and optimizer settings: {bad}"
 
 
+def test_our_optimizers_sit_on_zero_and_comm() -> None:
+    graph = _imports()
+    bad = _violations(graph, "optim", {"accelerator", "comm", "config", "zero"} | LEAF_HELPERS)
+    bad += sorted(
+        f"{m} imports {t}"
+        for m, ts in graph.items()
+        for t in ts
+        if _layer(t) == "optim" and _layer(m) not in ("optim", "engine", "api", "compat", "<root>")
+    )
+    assert not bad, f"optim/ steps ZeRO's pieces (comm/, zero/); only the engine and compat/ build on it: {bad}"
+
+
 def test_the_rules_see_a_violation() -> None:
     graph = {"slipstream.comm.x": {"slipstream.zero.layout"}, "slipstream.config.y": {"slipstream.utils.logging"}}
     assert _violations(graph, "comm", set(LEAF_HELPERS)) == ["slipstream.comm.x imports slipstream.zero.layout"]

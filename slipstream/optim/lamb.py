@@ -1,0 +1,138 @@
+"""LAMB (https://arxiv.org/abs/1904.00962) with DeepSpeed FusedLamb's arguments, defaults and per-tensor trust
+ratio, at every ZeRO stage.
+
+For each parameter w with gradient g (Adam moments with optional bias correction):
+    m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
+    u = m_hat / (sqrt(v_hat) + eps) + weight_decay w      (eps_inside_sqrt: m_hat / sqrt(v_hat + eps))
+    ratio = clamp(||w|| / ||u||, min_coeff, max_coeff)    (1 when either norm is 0)
+    w -= lr ratio u
+The norms are of the whole parameter. Under ZeRO a parameter is cut across ranks and pieces, so a step is:
+    Phase 1: moments and u for every piece this rank owns (elementwise), u kept in a reused scratch buffer;
+    Phase 2: per parameter, the sums of squares of w and of u over its parts here, then ONE all-reduce of the
+             (parameters x 2) vector over the data-parallel group ([Note: whole-tensor map]);
+    Phase 3: each parameter's ratio applied to its parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slipstream.optim.common import WholeTensorOptimizer, closure_loss, math_dtype
+
+__all__ = ["FusedLamb", "trust_ratios"]
+
+Params = Iterable[Tensor] | Iterable[dict[str, Any]]
+
+
+def trust_ratios(norms: Tensor, min_coeff: Tensor, max_coeff: Tensor) -> Tensor:
+    """||w|| / ||u|| clamped to [min_coeff, max_coeff] per row of `norms` ([||w||, ||u||]); 1 where either is 0."""
+    w_norm, u_norm = norms[:, 0], norms[:, 1]
+    ratio = (w_norm / u_norm.clamp_min(1e-300)).clamp(min=min_coeff, max=max_coeff)
+    return torch.where((w_norm != 0) & (u_norm != 0), ratio, torch.ones_like(ratio))
+
+
+class FusedLamb(WholeTensorOptimizer):
+    """LAMB with DeepSpeed FusedLamb's arguments; the trust ratio uses each parameter's whole-tensor norms."""
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        amsgrad: bool = False,
+    ) -> None:
+        if amsgrad:
+            raise ValueError(
+                "Lamb does not support amsgrad=True (DeepSpeed's FusedLamb does not either); "
+                "remove optimizer.params.amsgrad"
+            )
+        if max_grad_norm:
+            raise ValueError(
+                f"Lamb max_grad_norm={max_grad_norm} is not supported; use the top-level "
+                "'gradient_clipping' config key instead"
+            )
+        if lr < 0 or eps < 0 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Lamb needs lr >= 0, eps >= 0 and betas in [0, 1); got lr={lr}, eps={eps}, betas={betas}")
+        if not 0.0 < min_coeff <= max_coeff:
+            raise ValueError(f"Lamb needs 0 < min_coeff <= max_coeff; got min_coeff={min_coeff}, max_coeff={max_coeff}")
+        defaults = {
+            "lr": lr,
+            "bias_correction": bias_correction,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "eps_inside_sqrt": eps_inside_sqrt,
+            "max_coeff": max_coeff,
+            "min_coeff": min_coeff,
+        }
+        super().__init__(params, defaults)
+        self.lamb_coeffs: list[float] = []
+        """Each parameter's trust ratio in the last step, by parameter number (DeepSpeed's `get_lamb_coeffs`)."""
+
+    def get_lamb_coeffs(self) -> list[float]:
+        return list(self.lamb_coeffs)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = closure_loss(closure)
+        whole = self.whole_tensors()
+        stepped = [(group, p, self._update(group, p)) for group in self.param_groups for p in group["params"]]
+        stepped = [(group, p, u) for group, p, u in stepped if u is not None]
+        norms = whole.sum_squares((p, [p, u]) for _, p, u in stepped).sqrt()
+        limits = torch.tensor(
+            [[self.param_groups[g]["min_coeff"], self.param_groups[g]["max_coeff"]] for g in whole.group_of],
+            dtype=torch.float64,
+            device=norms.device,
+        ).reshape(-1, 2)
+        ratios = trust_ratios(norms, limits[:, 0], limits[:, 1]).tolist()
+        self.lamb_coeffs = ratios
+        for group, p, u in stepped:
+            for part in whole.parts(p):
+                end = part.offset + part.numel
+                step = -group["lr"] * ratios[part.tensor]
+                if p.dtype == u.dtype:
+                    p[part.offset : end].add_(u[part.offset : end], alpha=step)
+                else:
+                    p[part.offset : end].copy_(p[part.offset : end].to(u.dtype).add_(u[part.offset : end], alpha=step))
+        return loss
+
+    def _update(self, group: dict[str, Any], p: Tensor) -> Tensor | None:
+        """Phase 1 for one tensor: its moments, and u (weight decay included) in its scratch buffer."""
+        if p.grad is None:
+            return None
+        if p.grad.is_sparse:
+            raise RuntimeError("Lamb does not support sparse gradients")
+        beta1, beta2 = group["betas"]
+        state, dtype = self.state[p], math_dtype(p)
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
+        state["step"] += 1
+        grad = p.grad.to(dtype)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        step = int(state["step"])
+        bc1 = 1.0 - beta1**step if group["bias_correction"] else 1.0
+        bc2 = 1.0 - beta2**step if group["bias_correction"] else 1.0
+        update = self.scratch(p)
+        if group["eps_inside_sqrt"]:
+            torch.div(exp_avg_sq, bc2, out=update).add_(group["eps"]).sqrt_()
+        else:
+            torch.div(exp_avg_sq, bc2, out=update).sqrt_().add_(group["eps"])
+        update.reciprocal_().mul_(exp_avg).div_(bc1)
+        if group["weight_decay"]:
+            update.add_(p.to(dtype), alpha=group["weight_decay"])
+        return update
