@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,6 +58,13 @@ class PoolFigures:
 
 
 _NA, _INFLIGHT, _AVAILABLE = 0, 1, 2
+
+
+class _Limits(NamedTuple):
+    """Stage 3's prefetch limits, in elements: the prefetch bucket and the most gathered at once."""
+
+    budget: int
+    max_live: int
 
 
 class _Replay:
@@ -108,7 +116,11 @@ class _Replay:
     def owners(self, i: int) -> list[int]:
         return [i, *self.units[i].borrow]
 
-    def prefetch(self, order: Sequence[int], pos: int, *, budget: int, max_live: int) -> None:
+    def prefetch(self, order: Sequence[int], pos: int, limits: _Limits | None) -> None:
+        """Start gathering the units from order[pos] on while they fit `limits` (None: no prefetching)."""
+        if limits is None:
+            return
+        budget, max_live = limits
         live = sum(self.full[i] for i, u in enumerate(self.units) if self.status[i] != _NA and not u.persistent)
         for i in order[pos:]:
             if self.status[i] != _NA:
@@ -134,9 +146,9 @@ def simulate_pool(
     roots = [i for i, u in enumerate(units) if u.is_root and u.hooked]
     others = [i for i, u in enumerate(units) if u.hooked and not u.is_root]
     forward, backward = roots + others, roots + others[::-1]
-    for prefetching in (False, True):
-        _forward(replay, forward, roots, prefetching, prefetch_numel, max_live_numel)
-        _backward(replay, backward, roots, prefetching, prefetch_numel, max_live_numel)
+    for limits in (None, _Limits(prefetch_numel, max_live_numel)):  # a step without prefetching, then with
+        _forward(replay, forward, roots, limits)
+        _backward(replay, backward, roots, limits)
         for i in persistent:  # the step re-gathers what is gathered: the persistent unit
             replay.status[i] = _NA
             replay.start(i)
@@ -181,15 +193,12 @@ def _held_gradients(units: Sequence[UnitShape], backward: list[int], dtype_bytes
     return peak
 
 
-def _forward(
-    replay: _Replay, order: list[int], roots: list[int], prefetching: bool, budget: int, max_live: int
-) -> None:
+def _forward(replay: _Replay, order: list[int], roots: list[int], limits: _Limits | None) -> None:
     for pos, i in enumerate(order):
         for owner in replay.owners(i):
             replay.finish(owner)
             replay.holds[owner] += 1
-        if prefetching:
-            replay.prefetch(order, pos + 1, budget=budget, max_live=max_live)
+        replay.prefetch(order, pos + 1, limits)
         if i not in roots:
             _drop_holds(replay, i)
     for i in roots:
@@ -206,14 +215,11 @@ def _drop_holds(replay: _Replay, i: int) -> None:
             replay.release(owner)
 
 
-def _backward(
-    replay: _Replay, order: list[int], roots: list[int], prefetching: bool, budget: int, max_live: int
-) -> None:
+def _backward(replay: _Replay, order: list[int], roots: list[int], limits: _Limits | None) -> None:
     for pos, i in enumerate(order):
         for owner in replay.owners(i):
             replay.finish(owner)
-        if prefetching:
-            replay.prefetch(order, pos + 1, budget=budget, max_live=max_live)
+        replay.prefetch(order, pos + 1, limits)
         if i not in roots:
             for owner in replay.owners(i):
                 replay.release(owner)
