@@ -116,6 +116,16 @@ _ENTRIES = (
         class_names=("Adafactor",),
         min_torch=(2, 5),
     ),
+    # the 1-bit optimizers (slipstream/optim/onebit/): ZeRO stage 0 only (zero/build.py refuses the others)
+    OptimizerSpec(
+        name="onebitadam",
+        target="slipstream.optim.onebit:OneBitAdam",
+        states=_fixed(2),
+        class_names=("OneBitAdam", "OnebitAdam"),
+    ),
+    OptimizerSpec(
+        name="zerooneadam", target="slipstream.optim.onebit:ZeroOneAdam", states=_fixed(3), class_names=("ZeroOneAdam",)
+    ),
     # torch.optim classes by their torch names (DeepSpeed passes unknown names to torch.optim as well).
     OptimizerSpec(name="Adamax", target="torch.optim:Adamax", states=_fixed(2), class_names=("Adamax",)),
     OptimizerSpec(name="NAdam", target="torch.optim:NAdam", states=_fixed(2), class_names=("NAdam",)),
@@ -126,7 +136,7 @@ _ENTRIES = (
 )
 REGISTRY: dict[str, OptimizerSpec] = {spec.name: spec for spec in _ENTRIES}
 
-DEEPSPEED_ONLY = ("onebitadam", "onebitlamb", "zerooneadam", "muadam", "muadamw", "musgd")
+DEEPSPEED_ONLY = ("onebitlamb", "muadam", "muadamw", "musgd")
 """DeepSpeed optimizer names that Slipstream accepts in a config but does not implement (reported when set)."""
 
 

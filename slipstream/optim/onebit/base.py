@@ -1,0 +1,136 @@
+"""What the 1-bit optimizers share: DeepSpeed's communication arguments, the process group the ZeRO-0 optimizer
+names, one `OneBitAllReduce` (and so one pair of error buffers) per parameter, and the Adam update."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from slipstream.comm.compressed import OneBitAllReduce
+from slipstream.utils.logging import get_logger
+
+__all__ = ["OneBitBase", "Params", "adam_update"]
+
+Params = Iterable[Tensor] | Iterable[dict[str, Any]]
+COMM_BACKENDS = ("nccl", "gloo", "mpi")
+
+
+def adam_update(p: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, group: dict[str, Any]) -> Tensor:
+    """DeepSpeed's 1-bit Adam update (no bias correction): m / (sqrt(v) + eps), plus weight_decay * p."""
+    update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
+    if group["weight_decay"] > 0.0:
+        update.add_(p, alpha=group["weight_decay"])
+    return update
+
+
+class OneBitBase(torch.optim.Optimizer):
+    """The arguments and the compressed all-reduce common to OneBitAdam and ZeroOneAdam."""
+
+    label = "1-bit optimizer"
+
+    def __init__(
+        self, params: Params, defaults: dict[str, Any], *, amsgrad: bool, cuda_aware: bool, comm_backend_name: str
+    ) -> None:
+        if amsgrad:
+            raise ValueError(f"{self.label} does not support amsgrad=True (nor does DeepSpeed); remove the key")
+        if comm_backend_name not in COMM_BACKENDS:
+            raise ValueError(
+                f"{self.label}: comm_backend_name={comm_backend_name!r} is not supported; use one of "
+                f"{', '.join(COMM_BACKENDS)} (every one runs over torch.distributed's process group here)"
+            )
+        lr, eps, betas = defaults["lr"], defaults["eps"], defaults["betas"]
+        if lr < 0 or eps < 0 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(
+                f"{self.label} needs lr >= 0, eps >= 0 and betas in [0, 1); got lr={lr}, eps={eps}, betas={betas}"
+            )
+        super().__init__(params, defaults)
+        self.cuda_aware = cuda_aware
+        self.comm_backend_name = comm_backend_name
+        self.process_group: dist.ProcessGroup | None = None
+        self._all_reduces: dict[Tensor, OneBitAllReduce] = {}
+        self._loaded_errors: dict[Tensor, tuple[Tensor, Tensor]] = {}
+        """Errors from load_state_dict, copied into each parameter's all-reduce when it is built."""
+
+    # ---- the ZeRO-0 optimizer's questions ----
+    def takes_over_reduction(self, group: dist.ProcessGroup | None) -> bool:
+        """True when the next step communicates itself: its gradients must arrive un-reduced (this rank's own)."""
+        if group is not self.process_group:
+            self.process_group = group
+            self._all_reduces.clear()
+        return self.next_step_is_local()
+
+    def next_step_is_local(self) -> bool:
+        raise NotImplementedError
+
+    def steps_done(self) -> int:
+        """Steps taken so far (the state's 'step', which checkpoints keep)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state:
+                    return int(state["step"])
+        return 0
+
+    # ---- the compressed all-reduce ----
+    def compressed_mean(self, p: Tensor, values: Tensor) -> None:
+        """Replace `values` (shaped like `p`) by their 1-bit error-compensated mean over the process group."""
+        reduce = self._all_reduces.get(p)
+        if reduce is None:
+            reduce = OneBitAllReduce(values.numel(), dtype=values.dtype, device=values.device, group=self.process_group)
+            self._all_reduces[p] = reduce
+            loaded = self._loaded_errors.pop(p, None)
+            if loaded is not None:
+                reduce.worker_error.copy_(loaded[0])
+                reduce.server_error.copy_(loaded[1])
+        reduce(values)
+
+    def reset_errors(self) -> None:
+        for reduce in self._all_reduces.values():
+            reduce.reset_errors()
+
+    def error_buffers(self) -> dict[str, Tensor]:
+        """Each parameter's worker and server errors, keyed '<group>.<index>.worker' / '.server'."""
+        out: dict[str, Tensor] = {}
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                reduce = self._all_reduces.get(p)
+                if reduce is not None:
+                    out[f"{g}.{i}.worker"], out[f"{g}.{i}.server"] = reduce.worker_error, reduce.server_error
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        saved = super().state_dict()
+        saved["onebit_errors"] = {"world_size": self._world(), "buffers": dict(self.error_buffers())}
+        return saved
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The moments and counters; the error buffers when saved at this world size, else zeros (logged)."""
+        state_dict = dict(state_dict)
+        errors = state_dict.pop("onebit_errors", None)
+        super().load_state_dict(state_dict)
+        self.reset_errors()
+        self._loaded_errors.clear()
+        if errors is None or not errors["buffers"]:
+            return
+        if errors["world_size"] != self._world():
+            get_logger().info(
+                f"{self.label}: the checkpoint's compression errors were saved at world size {errors['world_size']} "
+                f"and this run has {self._world()}; they start again from zero"
+            )
+            return
+        buffers = errors["buffers"]
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if f"{g}.{i}.worker" in buffers:
+                    self._loaded_errors[p] = (buffers[f"{g}.{i}.worker"], buffers[f"{g}.{i}.server"])
+                    if p in self._all_reduces:
+                        self._all_reduces[p].worker_error.copy_(buffers[f"{g}.{i}.worker"])
+                        self._all_reduces[p].server_error.copy_(buffers[f"{g}.{i}.server"])
+                        del self._loaded_errors[p]
+
+    def _world(self) -> int:
+        return dist.get_world_size(self.process_group) if dist.is_initialized() else 1

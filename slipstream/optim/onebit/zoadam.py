@@ -1,0 +1,161 @@
+"""0/1 Adam (https://arxiv.org/abs/2202.06009) with DeepSpeed ZeroOneAdam's arguments and defaults.
+
+Two phases, by the step number s (1-based):
+- Variance phase (s <= var_freeze_step + 1). The variance is updated on steps where s % var_interval == 0,
+  with the engine's all-reduced gradient (a full-precision step: Adam's update as in adam.py). On the other
+  steps the engine hands over this rank's gradient, the gradient's 1-bit mean updates the momentum only.
+  var_interval starts at 1 and doubles every var_update_scaler variance updates, so the first
+  var_update_scaler steps are plain (uncorrected) Adam.
+- Frozen phase (after it; the error buffers restart from zero). Each step is local: the momentum takes this
+  rank's gradient, the parameters move by lr * update and the accumulator u collects -lr * update. Every
+  local_step_interval steps the ranks synchronise: the local moves are undone, u * (sqrt(v) + eps) goes
+  through the 1-bit mean, the momentum becomes -u / (sum of the window's lr) and the parameters move by
+  u / (sqrt(v) + eps). local_step_interval starts at 1 and doubles every local_step_scaler steps, up to
+  local_step_clipper.
+The counters are per-parameter state scalars, so checkpoints keep them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slipstream.optim.onebit.base import OneBitBase, Params, adam_update
+
+__all__ = ["ZeroOneAdam"]
+
+
+class ZeroOneAdam(OneBitBase):
+    """0/1 Adam; `deepspeed`, `bias_correction`, `eps_inside_sqrt` and `max_grad_norm` are accepted and unused,
+    as in DeepSpeed (see OneBitAdam)."""
+
+    label = "ZeroOneAdam"
+
+    def __init__(
+        self,
+        params: Params,
+        deepspeed: object = None,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+    ) -> None:
+        for key, value in (
+            ("var_update_scaler", var_update_scaler),
+            ("local_step_scaler", local_step_scaler),
+            ("local_step_clipper", local_step_clipper),
+        ):
+            if value < 1:
+                raise ValueError(f"ZeroOneAdam: {key}={value} must be >= 1")
+        defaults = {
+            "lr": lr,
+            "bias_correction": bias_correction,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "max_grad_norm": max_grad_norm,
+        }
+        super().__init__(
+            params, defaults, amsgrad=amsgrad, cuda_aware=cuda_aware, comm_backend_name=comm_backend_name
+        )
+        self.var_freeze_step = var_freeze_step
+        self.var_update_scaler = var_update_scaler
+        self.local_step_scaler = local_step_scaler
+        self.local_step_clipper = local_step_clipper
+
+    def _counters(self) -> dict[str, Any]:
+        """The first parameter's state (every parameter keeps the same counters)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self.state.get(p):
+                    return self.state[p]
+        return {"step": 0, "var_interval": 1}
+
+    def _frozen(self, step: int) -> bool:
+        return step > self.var_freeze_step + 1
+
+    def next_step_is_local(self) -> bool:
+        counters = self._counters()
+        upcoming = int(counters["step"]) + 1
+        return self._frozen(upcoming) or upcoming % int(counters["var_interval"]) != 0
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        upcoming = int(self._counters()["step"]) + 1
+        if self._frozen(upcoming) and not self._frozen(upcoming - 1):
+            self.reset_errors()  # the errors now measure the accumulated update, not the gradient
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self._state_of(p)
+                    state["step"] += 1
+                    if self._frozen(state["step"]):
+                        self._local_step(p, state, group)
+                    else:
+                        self._variance_phase_step(p, state, group)
+        return loss
+
+    def _state_of(self, p: Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state.update(step=0, var_interval=1, var_counter=0, local_step_interval=1, local_step_counter=0, lrs=0.0)
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+            state["momentum_accumulator"] = torch.zeros_like(p)
+        return state
+
+    def _variance_phase_step(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        exp_avg, exp_avg_sq, grad = state["exp_avg"], state["exp_avg_sq"], p.grad
+        assert grad is not None
+        if state["step"] % state["var_interval"] == 0:
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+            state["var_counter"] += 1
+            if state["var_counter"] == self.var_update_scaler:
+                state["var_counter"] = 0
+                state["var_interval"] *= 2
+        else:
+            self.compressed_mean(p, grad)
+            exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        p.sub_(adam_update(p, exp_avg, exp_avg_sq, group), alpha=group["lr"])
+
+    def _local_step(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        beta1 = group["betas"][0]
+        exp_avg, exp_avg_sq, accumulated = state["exp_avg"], state["exp_avg_sq"], state["momentum_accumulator"]
+        assert p.grad is not None
+        exp_avg.mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
+        state["lrs"] += group["lr"]
+        move = adam_update(p, exp_avg, exp_avg_sq, group).mul_(-group["lr"])
+        p.add_(move)
+        accumulated.add_(move)
+        if state["step"] % state["local_step_interval"] == 0:
+            denom = exp_avg_sq.sqrt().add_(group["eps"])
+            p.sub_(accumulated)
+            accumulated.mul_(denom)
+            self.compressed_mean(p, accumulated)
+            exp_avg.copy_(accumulated).div_(-state["lrs"])
+            p.add_(accumulated / denom)
+            accumulated.zero_()
+            state["lrs"] = 0.0
+        state["local_step_counter"] += 1
+        if state["local_step_counter"] == self.local_step_scaler:
+            state["local_step_counter"] = 0
+            state["local_step_interval"] = min(self.local_step_clipper, state["local_step_interval"] * 2)
