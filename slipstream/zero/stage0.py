@@ -1,9 +1,28 @@
-"""ZeRO stage 0: replicated parameters, gradients and optimizer state; gradients all-reduced in buckets."""
+"""ZeRO stage 0: replicated parameters, gradients and optimizer state; gradients all-reduced in buckets.
+
+[Note: optimizers that communicate themselves]
+An optimizer may take over the gradient all-reduce (the 1-bit optimizers do once their warm-up is over, as
+DeepSpeed's turn off its backward all-reduce). Before each step stage 0 calls the wrapped optimizer's
+`takes_over_reduction(group) -> bool`, when it has one. On True this step's gradients are not all-reduced: each
+rank's optimizer gets its own gradients, divided by the accumulation steps and the loss scale but not by the
+world size, and the gradient norm (and clipping) is this rank's. Under fp16 and bf16 the ranks still agree on an
+overflow (one all-reduce of the non-finite count), so that they skip the same steps. The ZeRO stages that shard
+refuse such optimizers (zero/build.py).
+"""
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
 from slipstream.comm import collectives
 from slipstream.zero.optimizer import ZeroOptimizer
+
+
+def reduces_itself(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None) -> bool:
+    """The optimizer's answer to `takes_over_reduction(group)`, False when it has no such method."""
+    ask = getattr(optimizer, "takes_over_reduction", None)
+    return bool(ask(group)) if callable(ask) else False
 
 
 class Stage0Optimizer(ZeroOptimizer):
@@ -11,8 +30,13 @@ class Stage0Optimizer(ZeroOptimizer):
 
     owns_all = True
     full_grad_storage = True
+    _local_grads = False
+    """This step's gradients stay on their rank (see [Note: optimizers that communicate themselves])."""
 
     def _reduce_for_step(self) -> None:
+        self._local_grads = reduces_itself(self.optimizer, self.process_group)
+        if self._local_grads:
+            return
         works = [
             collectives.all_reduce(flat.bucket_grads(bucket), group=flat.process_group, async_op=True)
             for flat in self.groups
@@ -21,3 +45,13 @@ class Stage0Optimizer(ZeroOptimizer):
         ]
         for work in works:
             work.wait()
+
+    def _grad_stats(self, grad_divisor: float) -> torch.Tensor:
+        if not self._local_grads:
+            return super()._grad_stats(grad_divisor)
+        stats = super()._grad_stats(grad_divisor / self.world_size)
+        if self.check_overflow and self.world_size > 1:
+            nonfinite = stats[1:].clone()
+            collectives.all_reduce(nonfinite, group=self.process_group)
+            stats[1] = nonfinite[0]
+        return stats

@@ -174,7 +174,7 @@ def test_unimplemented_lists_what_the_user_set() -> None:
                 "dump_state": False,
                 "bf16": {"enabled": True, "immediate_grad_update": True},
                 "data_types": {"param_dtype": "bf16"},
-                "optimizer": {"type": "OneBitAdam"},
+                "optimizer": {"type": "OneBitLamb"},
                 "csv_monitor": {"enabled": True, "output_path": "/tmp/csv"},
                 "comet": {"enabled": True},
             }
@@ -187,7 +187,7 @@ def test_unimplemented_lists_what_the_user_set() -> None:
         "memory_breakdown",
         "bf16.immediate_grad_update",
         "data_types.param_dtype",
-        "optimizer.type=onebitadam",
+        "optimizer.type=onebitlamb",
     }
     assert plan.logging.monitor.csv_output_path == "/tmp/csv"
     assert plan.logging.flops_profile is not None and plan.logging.monitor.comet is not None
