@@ -118,20 +118,26 @@ def test_precision_options_match_reference_and_planner(tmp_path) -> None:  # typ
 
 
 def check_planner_bytes(results: list[dict]) -> None:
-    """bf16 masters + bf16 states at ZeRO-2 hold what the planner predicts (within 5%), about half the bytes of
-    fp32 masters with Adam (the planner's figure for bf16 parameters with fp32 masters: it is what the engine
-    measures in tests/dist/planner)."""
-    from slipstream.planner.types import Settings
+    """bf16 masters + bf16 states at ZeRO-2 hold what the planner predicts from the same config (within 5%),
+    about half the bytes of fp32 masters with Adam; offloaded bf16 masters keep fp32 moments, as predicted."""
+    from slipstream.config import resolve
+    from slipstream.planner.estimate import settings_from_plan
     from slipstream.planner.zero_bytes import stage012_bytes
 
     numels = [p.numel() for p in TinyMLP().parameters()]
-    measured = next(r for c, r in zip(CASES, results) if c["name"] == "bf16 states z2")["owned"]
-    low = Settings(dtype="bf16", master_dtype="bf16", grad_accum_dtype="bf16", reduce_bucket_size=700)
-    fp32 = Settings(dtype="bf16", master_dtype="fp32", grad_accum_dtype="fp32", reduce_bucket_size=700)
     roles = ("params", "master", "grads", "optimizer_state")
-    predicted = stage012_bytes(numels, 0, stage=2, world=2, settings=low, offload=False).owned
-    fp32_bytes = stage012_bytes(numels, 0, stage=2, world=2, settings=fp32, offload=False).owned
-    total, want = sum(measured[r] for r in roles), sum(predicted[r] for r in roles)
-    assert abs(total - want) <= 0.05 * want, (measured, predicted)
-    ratio = want / sum(fp32_bytes[r] for r in roles)
-    assert 0.4 <= ratio <= 0.6, ratio
+
+    def predicted(name: str, extra: dict | None = None) -> dict[str, int]:
+        case = next(c for c in CASES if c["name"] == name)
+        settings, option = settings_from_plan(resolve(config({**case, **(extra or {})}), world_size=2))
+        offload = option.optimizer_target.__name__ != "NoOffloadTarget"
+        return stage012_bytes(numels, 0, stage=2, world=2, settings=settings, offload=offload).owned
+
+    measured = dict(zip((c["name"] for c in CASES), results))
+    low, want = measured["bf16 states z2"]["owned"], predicted("bf16 states z2")
+    total = sum(want[r] for r in roles)
+    assert abs(sum(low[r] for r in roles) - total) <= 0.05 * total, (low, want)
+    fp32 = predicted("bf16 states z2", {"extra": {"bf16": {"enabled": True}}})  # bf16 params, fp32 masters
+    assert 0.4 <= total / sum(fp32[r] for r in roles) <= 0.6, (want, fp32)
+    offloaded = measured["bf16 masters z2 offload"]["owned"]["optimizer_state"]
+    assert offloaded == predicted("bf16 masters z2 offload")["optimizer_state"], offloaded
