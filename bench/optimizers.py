@@ -1,0 +1,116 @@
+"""Step time of LAMB against AdamW and of Muon against AdamW at ZeRO-2 on 2 ranks (gloo), and optimizer-state
+bytes as the planner predicts them against what the engine holds.
+
+    .venv/bin/python bench/optimizers.py [--width 512] [--layers 6] [--steps 20] [--stage 2]
+
+Each rank builds one engine per optimizer on the same stack of wide layers, then the engines take turns in
+chunks of a few steps (so drift in machine load hits all of them alike); a step's time is the slowest rank's.
+Prints each optimizer's median step time, the ratios LAMB / AdamW and Muon / AdamW, and per optimizer the
+planner's optimizer-state bytes per rank, the engine's (`owned_bytes()` after a step) and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+OPTIMIZERS = {
+    "adamw": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+    "lamb": {"type": "Lamb", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+    "muon": {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 1e-3, "weight_decay": 0.01}},
+}
+CHUNK = 5
+
+
+def wide_stack(width: int, layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.GELU())))
+
+
+def build(name: str, args: argparse.Namespace, world: int) -> object:
+    import slipstream
+
+    config = {"train_batch_size": 8 * world, "train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
+              "optimizer": OPTIMIZERS[name], "zero_optimization": {"stage": args.stage}}
+    engine, *_ = slipstream.initialize(model=wide_stack(args.width, args.layers), config=config)
+    return engine
+
+
+def step(engine: object, batch: torch.Tensor) -> None:
+    engine.backward(engine(batch).square().mean())  # type: ignore[attr-defined]
+    engine.step()  # type: ignore[attr-defined]
+
+
+def state_bytes(engine: object, world: int) -> tuple[int, int]:
+    """(planner's optimizer-state bytes per rank, the engine's)."""
+    from slipstream.planner.engine_hooks import engine_estimate
+
+    planned = engine_estimate(plan=engine.plan, model=engine.module, world_size=world)  # type: ignore[attr-defined]
+    return planned.owned["optimizer_state"], engine.optimizer.owned_bytes()["optimizer_state"]  # type: ignore[attr-defined]
+
+
+def rank_main(rank: int, world: int, args: argparse.Namespace, store_path: str, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    engines = {name: build(name, args, world) for name in OPTIMIZERS}
+    batch = torch.randn(8, args.width, generator=torch.Generator().manual_seed(rank))
+    times: dict[str, list[float]] = {name: [] for name in OPTIMIZERS}
+    for name, engine in engines.items():  # warm up: states allocated, first-touch page faults paid
+        step(engine, batch)
+    for _ in range(max(1, args.steps // CHUNK)):
+        for name, engine in engines.items():
+            for _ in range(CHUNK):
+                dist.barrier()
+                start = time.perf_counter()
+                step(engine, batch)
+                took = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                times[name].append(float(took))
+    sizes = {name: state_bytes(engine, world) for name, engine in engines.items()}
+    if rank == 0:
+        torch.save({"times": times, "sizes": sizes}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--stage", type=int, default=2)
+    args = parser.parse_args()
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.pt")
+        mp.spawn(rank_main, args=(world, args, os.path.join(tmp, "store"), out), nprocs=world)
+        result = torch.load(out)
+    median = {name: statistics.median(values) for name, values in result["times"].items()}
+    params = sum(p.numel() for p in wide_stack(args.width, args.layers).parameters())
+    print(f"ZeRO-{args.stage}, {world} ranks (gloo), {args.layers} x Linear({args.width}), {params:,} params")
+    for name, seconds in median.items():
+        print(f"  {name:6s} step {seconds * 1e3:8.2f} ms (median of {len(result['times'][name])})")
+    print(f"  ratio lamb / adamw  {median['lamb'] / median['adamw']:.2f}x")
+    print(f"  ratio muon / adamw  {median['muon'] / median['adamw']:.2f}x")
+    print("  optimizer-state bytes per rank: planner, engine, planner / engine")
+    for name, (planned, held) in result["sizes"].items():
+        print(f"  {name:6s} {planned:>12,} {held:>12,}  {planned / max(held, 1):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
