@@ -36,7 +36,7 @@ _LAZY_ATTRIBUTES = {
     "init_distributed": "slipstream.api",
     "add_config_arguments": "slipstream.api",
     "tp_model_init": "slipstream.api",
-    "init_inference": "slipstream.compat.unbuilt",
+    "init_inference": "slipstream.inference",
     "get_accelerator": "slipstream.accelerator",
     "SlipstreamEngine": "slipstream.engine.engine",
     "DeepSpeedEngine": "slipstream.engine.engine",

@@ -29,7 +29,9 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "DeepSpeedEngine",
         "ConfigError",
         "__version__",
+        "init_inference",
     ),
+    "slipstream.inference": ("init_inference", "InferenceEngine", "DeepSpeedInferenceConfig"),
     "slipstream.zero": (
         "Init",
         "GatheredParameters",

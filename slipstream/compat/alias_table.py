@@ -42,6 +42,7 @@ ALIASES: dict[str, str] = {
     "slipstream.monitor.monitor": "slipstream.compat.monitor_master",
     "slipstream.launcher.constants": "slipstream.compat.launcher_constants",
     "slipstream.env_report": "slipstream.report",
+    "slipstream.inference.config": "slipstream.config.schema.inference",  # DeepSpeedInferenceConfig
 }
 """DeepSpeed-style path -> the module whose source it runs."""
 
@@ -183,7 +184,6 @@ COMPOSITES: dict[str, dict[str, str]] = {
     "slipstream.ops.lamb": {"FusedLamb": "slipstream.optim.lamb:FusedLamb"},
     "slipstream.monitor": {},  # the package of the monitor alias
     # DeepSpeed features Slipstream does not have: importable, NotBuiltError when used (compat/unbuilt.py)
-    "slipstream.inference": {name: f"{_NB}:{name}" for name in ("InferenceEngine", "DeepSpeedInferenceConfig")},
     "slipstream.autotuning": {"Autotuner": f"{_NB}:Autotuner"},
     "slipstream.launcher.launch": {"main": f"{_NB}:launch_main"},
     "slipstream.runtime.pipe.p2p": {name: f"{_NB}:{name}" for name in ("send", "recv", "wait", "send_obj", "recv_obj")},

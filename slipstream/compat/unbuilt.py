@@ -38,11 +38,6 @@ def not_built_class(name: str, feature: str, instead: str) -> type:
     return type(name, (), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
 
 
-_INFERENCE = ("DeepSpeed inference (init_inference, kernel injection)", "use the trained model with plain PyTorch")
-init_inference = not_built_function("init_inference", *_INFERENCE)
-InferenceEngine = not_built_class("InferenceEngine", *_INFERENCE)
-DeepSpeedInferenceConfig = not_built_class("DeepSpeedInferenceConfig", *_INFERENCE)
-
 _AUTOTUNING = ("autotuning (`deepspeed --autotuning tune|run`)", "launch without --autotuning and set the config")
 Autotuner = not_built_class("Autotuner", *_AUTOTUNING)
 

@@ -154,7 +154,6 @@ CLIENT_PATHS: dict[str, tuple[str, ...]] = {
 
 NOT_BUILT: frozenset[str] = frozenset(
     {
-        "deepspeed.init_inference",
         "deepspeed.runtime.zero.offload_states.offload_adam_states",
         "deepspeed.runtime.zero.offload_states.reload_adam_states",
         "deepspeed.runtime.zero.offload_states.get_state_devices",
@@ -167,6 +166,5 @@ NOT_BUILT: frozenset[str] = frozenset(
         "deepspeed.runtime.data_pipeline.curriculum_scheduler.CurriculumScheduler",
         "deepspeed.launcher.launch.main",
         "deepspeed.autotuning.Autotuner",
-        "deepspeed.inference.InferenceEngine",
     }
 )

@@ -156,6 +156,18 @@ def test_moe_builds_on_comm_and_zero_and_nothing_below_needs_it() -> None:
     assert not bad, f"moe/ uses comm/ and zero/; zero/, checkpoint/ and the rest know nothing of it: {bad}"
 
 
+def test_inference_builds_on_parallel_and_checkpoint_and_only_the_entry_points_use_it() -> None:
+    graph = _imports()
+    bad = _violations(graph, "inference", {"accelerator", "config", "parallel", "checkpoint"} | LEAF_HELPERS)
+    bad += sorted(
+        f"{m} imports {t}"
+        for m, ts in graph.items()
+        for t in ts
+        if _layer(t) == "inference" and _layer(m) not in ("inference", "engine", "api", "compat", "<root>")
+    )
+    assert not bad, f"inference/ prepares a model with parallel/ and checkpoint/; training code never needs it: {bad}"
+
+
 def test_precision_sits_on_config_and_the_accelerator() -> None:
     bad = _violations(_imports(), "precision", {"accelerator", "config"} | LEAF_HELPERS)
     assert not bad, f"precision/ turns the precision plan into autocast regions and optimizer settings: {bad}"

@@ -1,0 +1,86 @@
+"""`InferencePlan`: `init_inference`'s config (a dict, a JSON file, keyword arguments) resolved once.
+
+DeepSpeed's rules kept here: keyword arguments override the config's keys; the deprecated `mp_size` stands for
+`tensor_parallel.tp_size`; `tensor_parallel.enabled: false` means one rank. The keys Slipstream does not act on
+are listed in `unimplemented` (reported once by name by the engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from slipstream.config.errors import ConfigError, pydantic_problems
+from slipstream.config.keys import unimplemented_keys
+from slipstream.config.schema.inference import DeepSpeedInferenceConfig
+
+__all__ = ["InferencePlan", "resolve_inference"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class InferencePlan:
+    """What inference/engine.py builds (field docs: the schema's keys)."""
+
+    dtype: str
+    """"fp32" | "fp16" | "bf16" | "int8" (int8 is refused by the engine: weight quantization is not built)."""
+    tp_size: int
+    checkpoint: str | None
+    """A folder: a Slipstream checkpoint (manifest.json, or save_dir with `latest`) or Hugging Face safetensors."""
+    max_out_tokens: int
+    cuda_graph: bool
+    kernel_inject: bool
+    unimplemented: tuple[str, ...]
+
+
+def _as_dict(config: object) -> dict[str, object]:
+    if config is None:
+        return {}
+    if isinstance(config, (str, Path)):
+        with open(config, encoding="utf-8") as handle:
+            loaded = json.load(handle)
+        return dict(loaded)
+    if isinstance(config, DeepSpeedInferenceConfig):
+        return config.model_dump(exclude_unset=True, by_alias=False)
+    if isinstance(config, Mapping):
+        return dict(config)
+    raise TypeError(
+        f"init_inference(config=...): expected a dict, a path to a JSON file or a DeepSpeedInferenceConfig, got "
+        f"{type(config).__name__}"
+    )
+
+
+def _checkpoint_path(value: str | Mapping[str, object] | None) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise ConfigError(
+        [
+            "checkpoint: DeepSpeed's checkpoint description dicts (Megatron / ds_model shard lists) are not "
+            "supported; give the path of a Slipstream checkpoint or of a Hugging Face safetensors folder"
+        ]
+    )
+
+
+def resolve_inference(config: object = None, **kwargs: object) -> InferencePlan:
+    """The plan of `init_inference(model, config, **kwargs)` (kwargs win over the config's keys)."""
+    merged = {**_as_dict(config), **kwargs}
+    try:
+        cfg = DeepSpeedInferenceConfig.model_validate(merged)
+    except ValidationError as error:
+        raise ConfigError(pydantic_problems(error)) from None
+    tp = cfg.tensor_parallel
+    tp_size = tp.tp_size if tp.enabled else 1
+    if cfg.mp_size > 1 and tp_size == 1:
+        tp_size = cfg.mp_size
+    return InferencePlan(
+        dtype=cfg.dtype,
+        tp_size=tp_size,
+        checkpoint=_checkpoint_path(cfg.checkpoint),
+        max_out_tokens=cfg.max_out_tokens,
+        cuda_graph=cfg.enable_cuda_graph,
+        kernel_inject=cfg.replace_with_kernel_inject,
+        unimplemented=tuple(unimplemented_keys(cfg)),
+    )

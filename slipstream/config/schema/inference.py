@@ -1,0 +1,113 @@
+"""`DeepSpeedInferenceConfig`: the keys of `deepspeed.init_inference(model, config=..., **kwargs)`, with DeepSpeed
+0.19's names, aliases and defaults (`deepspeed/inference/config.py`). Parsed by config/inference_plans.py into an
+`InferencePlan`; the keys outside `IMPLEMENTED` are accepted and reported by name when set."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import torch
+from pydantic import BeforeValidator, Field
+
+from slipstream.config.schema.base import DSBool, DSInt, DSModel, aliased, plan_fields
+from slipstream.config.schema.precision import canonical_dtype
+
+_TORCH_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8"}
+
+
+def _dtype_name(value: object) -> Any:
+    """A torch dtype or any DeepSpeed spelling ("half", "torch.bfloat16", "float") as "fp32" / "fp16" / "bf16" /
+    "int8"; anything else is left to fail the check."""
+    if isinstance(value, torch.dtype):
+        return _TORCH_DTYPES.get(value, str(value))
+    if isinstance(value, str):
+        name = value.lower().removeprefix("torch.")
+        if name == "int8":
+            return "int8"
+        return canonical_dtype({"half": "fp16", "float": "fp32", "bfloat": "bf16"}.get(name, name))
+    return value
+
+
+InferenceDtype = Annotated[str, BeforeValidator(_dtype_name)]
+
+
+class InferenceTPConfig(DSModel):
+    """`tensor_parallel` (alias `tp`): split the model's attention and MLP over ranks (AutoTP rules)."""
+
+    IMPLEMENTED = plan_fields("inference", "tp_size", enabled="inference.tp_size")
+    enabled: DSBool = True
+    """Split the model (False: tp_size is taken as 1)."""
+    tp_size: DSInt = Field(1, ge=1)
+    """Ranks a model is split over; the world size must be a multiple of it."""
+    tp_grain_size: DSInt = 64
+    """Granularity of uneven splits (DeepSpeed's kernel path); Slipstream splits by whole heads."""
+    mpu: object = None
+    """A model-parallel unit giving the TP group."""
+    tp_group: object = None
+    """The TP process group to use."""
+
+
+class InferenceCheckpointConfig(DSModel):
+    """`checkpoint_config` (alias `ckpt_config`)."""
+
+    checkpoint_dir: str | None = None
+    save_mp_checkpoint_path: str | None = None
+    base_dir: str | None = None
+
+
+class DeepSpeedInferenceConfig(DSModel):
+    """The inference engine's configuration (see the module doc)."""
+
+    IMPLEMENTED = plan_fields(
+        "inference",
+        "dtype",
+        "checkpoint",
+        "max_out_tokens",
+        "enable_cuda_graph",
+        replace_with_kernel_inject="inference.kernel_inject",
+        tensor_parallel="inference.tp_size",
+        mp_size="inference.tp_size",
+    )
+    replace_with_kernel_inject: DSBool = aliased(False, "replace_with_kernel_inject", "kernel_inject")
+    """Inject DeepSpeed's fused kernels. Accepted: the model's own PyTorch attention (SDPA where it uses it) runs."""
+    dtype: InferenceDtype = "fp16"
+    """The parameters' dtype: fp32, fp16 or bf16 (torch dtypes and DeepSpeed's spellings accepted)."""
+    tensor_parallel: InferenceTPConfig = aliased(InferenceTPConfig(), "tensor_parallel", "tp")
+    """Tensor parallelism."""
+    enable_cuda_graph: DSBool = False
+    """Capture the forward in a CUDA graph (CUDA only)."""
+    use_triton: DSBool = False
+    triton_autotune: DSBool = False
+    zero: dict[str, Any] = Field(default_factory=dict)
+    """ZeRO-Inference settings."""
+    triangular_masking: DSBool = aliased(True, "triangular_masking", "tm")
+    moe: DSBool | dict[str, Any] = Field(default_factory=dict)
+    keep_module_on_host: DSBool = False
+    quant: dict[str, Any] = Field(default_factory=dict)
+    """Weight / activation quantization (int8 weight-only among them)."""
+    checkpoint: str | dict[str, Any] | None = None
+    """Weights to load: a Slipstream checkpoint folder or a Hugging Face safetensors folder (a path)."""
+    base_dir: str = ""
+    set_empty_params: DSBool = False
+    save_mp_checkpoint_path: str | None = None
+    checkpoint_config: InferenceCheckpointConfig = aliased(
+        InferenceCheckpointConfig(), "checkpoint_config", "ckpt_config"
+    )
+    return_tuple: DSBool = True
+    training_mp_size: DSInt = 1
+    replace_method: str = "auto"
+    injection_policy: dict[Any, Any] | None = aliased(None, "injection_policy", "injection_dict")
+    injection_policy_tuple: tuple[Any, ...] | None = None
+    config: dict[str, Any] | None = aliased(None, "config", "args")
+    max_out_tokens: DSInt = aliased(1024, "max_out_tokens", "max_tokens", gt=0)
+    """The longest prompt `generate()` takes."""
+    min_out_tokens: DSInt = aliased(1, "min_out_tokens", "min_tokens")
+    transposed_mode: DSBool = False
+    mp_size: DSInt = 1
+    """Deprecated spelling of tensor_parallel.tp_size."""
+    mpu: object = None
+    ep_size: DSInt = 1
+    ep_group: object = None
+    ep_mp_group: object = None
+    moe_experts: list[int] = Field(default_factory=lambda: [1])
+    moe_type: str = "standard"

@@ -1,0 +1,85 @@
+"""init_inference on a tiny Hugging Face Llama built offline, on 2 gloo ranks in one spawn.
+
+fp32 logits equal the plain model's (2e-5) and greedy generate gives the same tokens at tensor_parallel.tp_size 1
+and 2 (at 2 the attention and MLP projections hold half their rows or columns); `checkpoint` loads a Hugging Face
+safetensors folder (save_pretrained, sharded into several files) and a Slipstream checkpoint (save_checkpoint of
+a ZeRO-1 engine) into a model built with other weights, which then answers as the saved one; dtype casts the
+parameters; a prompt over max_out_tokens is refused by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_distributed
+
+VOCAB = 64
+
+
+def _llama(seed: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         pad_token_id=0, eos_token_id=None)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def _answers(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        logits = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+    return logits, tokens
+
+
+def _check(engine: Any, expected: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor, what: str) -> None:
+    logits, tokens = _answers(engine, ids)
+    torch.testing.assert_close(logits, expected[0], rtol=0, atol=2e-5, msg=lambda m: f"{what} logits: {m}")
+    assert torch.equal(tokens, expected[1]), f"{what}: generated {tokens.tolist()}, expected {expected[1].tolist()}"
+
+
+def _checkpoints(rank: int, folder: Path) -> tuple[str, str]:
+    import slipstream
+
+    hf_dir, ours = folder / "hf", folder / "ours"
+    if rank == 0:
+        _llama(1).save_pretrained(hf_dir, safe_serialization=True, max_shard_size="40KB")
+    engine, *_ = slipstream.initialize(model=_llama(2), config={
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    engine.save_checkpoint(str(ours), tag="t")
+    dist.barrier()
+    assert len(list(hf_dir.glob("*.safetensors"))) > 1  # shards: read one file at a time
+    return str(hf_dir), str(ours)
+
+
+def rank_fn(rank: int, world: int, *, folder: str) -> None:
+    import slipstream as deepspeed
+
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    expected = _answers(_llama(0), ids)
+    for tp in (1, 2):
+        engine = deepspeed.init_inference(_llama(0), dtype=torch.float32, tensor_parallel={"tp_size": tp})
+        q_rows = engine.module.model.layers[0].self_attn.q_proj.weight.shape[0]
+        assert q_rows == 32 // tp, q_rows
+        _check(engine, expected, ids, f"tp {tp}")
+    hf_dir, ours = _checkpoints(rank, Path(folder))
+    engine = deepspeed.init_inference(_llama(0), config={"dtype": "fp32", "checkpoint": hf_dir}, tp={"tp_size": 2})
+    _check(engine, _answers(_llama(1), ids), ids, "Hugging Face folder")
+    engine = deepspeed.init_inference(_llama(0), dtype=torch.float32, checkpoint=ours)
+    _check(engine, _answers(_llama(2), ids), ids, "Slipstream checkpoint")
+    engine = deepspeed.init_inference(_llama(0), dtype="bf16", max_tokens=5, replace_with_kernel_inject=True)
+    assert {p.dtype for p in engine.parameters()} == {torch.bfloat16}
+    with pytest.raises(RuntimeError, match="max_out_tokens"):
+        engine.generate(ids, max_new_tokens=2)
+
+
+def test_init_inference_matches_the_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("transformers")
+    run_distributed(rank_fn, world_size=2, tmp_dir=tmp_path, timeout_s=180, folder=str(tmp_path))
