@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from slipstream.checkpoint.atomic import read_latest
 from slipstream.checkpoint.deepspeed.universal import LATEST_UNIVERSAL_FILE
@@ -33,6 +33,24 @@ from slipstream.comm import collectives
 from slipstream.comm.collectives import CollectiveError
 from slipstream.utils.errors import ArgumentError
 from slipstream.utils.logging import log_rank0, warn_once
+
+
+class SaveRequest(NamedTuple):
+    """save_checkpoint's arguments past the directory and tag, as the writers read them."""
+
+    client_state: Mapping[str, object]
+    save_latest: bool
+    exclude_frozen: bool
+
+
+class LoadRequest(NamedTuple):
+    """load_checkpoint's switches, as the readers read them."""
+
+    strict: bool
+    optimizer_states: bool
+    """False with `load_module_only` as well."""
+    lr_scheduler_states: bool
+    module_only: bool
 
 
 class SaveLoad:
@@ -87,7 +105,13 @@ class SaveLoad:
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
     ) -> bool:
-        """Write a checkpoint every rank can load at any world size and stage; returns True (DeepSpeed's)."""
+        """Write a checkpoint every rank can load at any world size and stage; returns True (DeepSpeed's). A
+        PipelineEngine writes the pipeline's format instead (pipe/checkpoint.py)."""
+        request = SaveRequest(client_state or {}, save_latest, exclude_frozen_parameters)
+        self._save_checkpoint(save_dir, tag, request)
+        return True
+
+    def _save_checkpoint(self, save_dir: str, tag: str | None, request: SaveRequest) -> None:
         from slipstream import __version__
         from slipstream.checkpoint.save import save_engine
 
@@ -98,7 +122,7 @@ class SaveLoad:
             )
         self._check_at_boundary("save_checkpoint", "a checkpoint holds no partial gradients")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        values, tensors = split_client_state(client_state or {})
+        values, tensors = split_client_state(request.client_state)
         scalars: dict[str, Any] = {
             "engine": {
                 "global_steps": self.global_steps,
@@ -131,13 +155,12 @@ class SaveLoad:
                 tag,
                 scalars=scalars,
                 client_tensors=tensors,
-                save_latest=save_latest,
-                exclude_frozen=exclude_frozen_parameters,
+                save_latest=request.save_latest,
+                exclude_frozen=request.exclude_frozen,
                 tag_validation=tag_validation,
                 version=__version__,
             )
         log_rank0(f"checkpoint: saved {path}", rank=self.global_rank)
-        return True
 
     def load_checkpoint(
         self,
@@ -150,7 +173,13 @@ class SaveLoad:
         custom_load_fn: object = None,
     ) -> tuple[Any, Any]:
         """Load a Slipstream (any world size, any stage) or DeepSpeed 0.19 checkpoint; returns
-        (path, client_state), or (None, None) with a warning when there is nothing to load."""
+        (path, client_state), or (None, None) with a warning when there is nothing to load. A PipelineEngine
+        loads the pipeline's format instead (pipe/checkpoint.py)."""
+        optimizer_states = load_optimizer_states and not load_module_only
+        request = LoadRequest(load_module_strict, optimizer_states, load_lr_scheduler_states, load_module_only)
+        return self._load_checkpoint(load_dir, tag, request)
+
+    def _load_checkpoint(self, load_dir: str, tag: str | None, request: LoadRequest) -> tuple[Any, Any]:
         from slipstream.checkpoint.load import client_tensors, load_engine, open_source
 
         self._check_at_boundary("load_checkpoint", "they belong to the parameters a load replaces")
@@ -171,14 +200,13 @@ class SaveLoad:
         path = root / str(tag)
         source = open_source(path)
         try:
-            load_optimizer = load_optimizer_states and not load_module_only
             with self._resident():
                 scalars = load_engine(
                     self._parts(),
                     source,
-                    strict=load_module_strict,
-                    load_optimizer_states=load_optimizer,
-                    restore_engine=not load_module_only,
+                    strict=request.strict,
+                    load_optimizer_states=request.optimizer_states,
+                    restore_engine=not request.module_only,
                 )
             client = dict(scalars.get("client_state") or {})
             client.update(client_tensors(source))
@@ -189,8 +217,8 @@ class SaveLoad:
             raise CheckpointError(f"load_checkpoint: {exc.summary()}. {exc.fix_for('load_checkpoint')}") from None
         finally:
             source.close()
-        if not load_module_only:
-            self._restore_scalars(scalars, load_lr_scheduler_states=load_lr_scheduler_states)
+        if not request.module_only:
+            self._restore_scalars(scalars, load_lr_scheduler_states=request.lr_scheduler_states)
         log_rank0(f"checkpoint: loaded {path}", rank=self.global_rank)
         return str(path), client
 

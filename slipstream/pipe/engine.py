@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from slipstream.config.plan import EnginePlan
 from slipstream.engine.dataloader import RepeatingLoader
 from slipstream.engine.engine import SlipstreamEngine
 from slipstream.engine.parallel import ParallelSetup
+from slipstream.engine.save_load import LoadRequest, SaveRequest
 from slipstream.pipe.exchange import Exchanger
 from slipstream.pipe.grads import pipeline_optimizer_class
 from slipstream.pipe.module import PipelineError, PipelineModule
@@ -378,43 +379,19 @@ class PipelineEngine(SlipstreamEngine):
         return result
 
     # ---- checkpoints (the pipeline's format, pipe/checkpoint.py) ----
-    def save_checkpoint(
-        self,
-        save_dir: str,
-        tag: str | None = None,
-        client_state: Mapping[str, object] | None = None,
-        save_latest: bool = True,
-        exclude_frozen_parameters: bool = False,
-    ) -> bool:
+    def _save_checkpoint(self, save_dir: str, tag: str | None, request: SaveRequest) -> None:
         """Every rank's slices of its stage's trainable parameters and their optimizer state (frozen parameters
-        are never in this format, so `exclude_frozen_parameters` changes nothing)."""
+        are never in this format, so `request.exclude_frozen` changes nothing)."""
         from slipstream.pipe.checkpoint import save_pipeline
 
-        save_pipeline(
-            self,
-            os.fspath(save_dir),
-            tag or f"global_step{self.global_steps}",
-            dict(client_state or {}),
-            save_latest=save_latest,
-        )
-        return True
+        tag = tag or f"global_step{self.global_steps}"
+        save_pipeline(self, os.fspath(save_dir), tag, dict(request.client_state), save_latest=request.save_latest)
 
-    def load_checkpoint(
-        self,
-        load_dir: str,
-        tag: str | None = None,
-        load_module_strict: bool = True,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-        custom_load_fn: object = None,
-    ) -> tuple[Any, Any]:
+    def _load_checkpoint(self, load_dir: str, tag: str | None, request: LoadRequest) -> tuple[Any, Any]:
         """Load a pipeline checkpoint saved at any stage count and data-parallel degree; (path, client_state)."""
         from slipstream.pipe.checkpoint import load_pipeline
 
-        return load_pipeline(
-            self, os.fspath(load_dir), tag, load_optimizer_states=load_optimizer_states and not load_module_only
-        )
+        return load_pipeline(self, os.fspath(load_dir), tag, load_optimizer_states=request.optimizer_states)
 
 
 class _Capture:
