@@ -244,6 +244,13 @@ class ZeroPlan:
     """Per-tensor optimizers may run over flat shards (zero_allow_untested_optimizer)."""
     zenflow: ZenFlowPlan | None
     """ZenFlow (stages 1-2 with the optimizer offloaded to the CPU), or None."""
+    overlap_comm: bool
+    """Stages 1-3: a bucket's gradient reduction is launched during backward as it fills and stays in flight
+    while backward goes on, waited for when its buffer is needed again or at the step
+    (zero_optimization.overlap_comm); false waits at launch (stages 2, 3) or reduces at the step (stage 1)."""
+    reduce_dtype: str
+    """"fp32" | "fp16" | "bf16": the dtype gradients travel in when reduced across ranks, added back into the
+    gradient accumulation dtype (communication_data_type; unset: the gradient accumulation dtype)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -97,7 +97,7 @@ def resolve(
     cfg, bad_sections = _validate(cleaned, problems)
     cfg, batch, parallel = _batch_and_parallel(cfg, world_size, walk, bad_sections, problems)
     precision = precision_plan(cfg, problems)
-    zero = zero_plan(cfg, aio_plan(cfg.aio), problems)
+    zero = zero_plan(cfg, aio_plan(cfg.aio), problems, grad_accum_dtype=precision.grad_accum_dtype)
     optimizer, unimplemented = optimizer_plan(cfg, problems), unimplemented_keys(cfg)
     scheduler = scheduler_plan(cfg, problems)
     if problems or batch is None:

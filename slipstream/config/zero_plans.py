@@ -59,7 +59,8 @@ def offload_target(section: OffloadOptimizerConfig | OffloadParamConfig | None, 
     return by_kind[section.device].from_section(section, aio)
 
 
-def zero_plan(cfg: DeepSpeedConfig, aio: AioPlan, problems: list[str]) -> ZeroPlan:
+def zero_plan(cfg: DeepSpeedConfig, aio: AioPlan, problems: list[str], *, grad_accum_dtype: str) -> ZeroPlan:
+    """`grad_accum_dtype`: the precision plan's; gradients travel in it unless communication_data_type is set."""
     zero, prefix = cfg.zero_optimization, "zero_optimization"
     offload = offload_target(zero.offload_optimizer, aio)
     off = zero.offload_optimizer
@@ -93,6 +94,8 @@ def zero_plan(cfg: DeepSpeedConfig, aio: AioPlan, problems: list[str]) -> ZeroPl
         force_host_optimizer=cfg.zero_force_ds_cpu_optimizer,
         allow_untested_optimizer=cfg.zero_allow_untested_optimizer,
         zenflow=_zenflow_plan(zero, offload, problems),
+        overlap_comm=bool(zero.overlap_comm),
+        reduce_dtype=cfg.communication_data_type or grad_accum_dtype,
     )
 
 
@@ -190,7 +193,11 @@ def default_stage3_plan(**changes: Any) -> Stage3Plan:
 def unhonoured_at_stage(zero: ZeroConfig) -> list[str]:
     """Keys the config sets that the chosen stage does not act on (reported as not implemented): stage 3
     reduce-scatters each unit's gradients in one collective when the unit's backward completes, so
-    `reduce_bucket_size` (DeepSpeed's stage-3 gradient bucket) has no effect there."""
+    `reduce_bucket_size` (DeepSpeed's stage-3 gradient bucket) has no effect there; stage 0 all-reduces at
+    the step, never during backward, so `overlap_comm` true has nothing to overlap there."""
+    unhonoured = []
     if zero.stage == 3 and "reduce_bucket_size" in zero.model_fields_set:
-        return ["zero_optimization.reduce_bucket_size"]
-    return []
+        unhonoured.append("zero_optimization.reduce_bucket_size")
+    if zero.stage == 0 and zero.overlap_comm and "overlap_comm" in zero.model_fields_set:
+        unhonoured.append("zero_optimization.overlap_comm")
+    return unhonoured

@@ -141,6 +141,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
             group_for = None if moe is None else moe.group_for
             self.optimizer = zero.wrap(self.basic_optimizer, rank=self.global_rank, group_for=group_for)
             self.optimizer.param_names = self._param_names
+            self.optimizer.at_boundary = lambda: self.is_gradient_accumulation_boundary() and not self._in_no_sync
             self.optimizer.model_parallel = self.parallel.norm_info(self.module)
             builders.check_host_memory(self.optimizer, rank=self.global_rank)
         builders.log_memory_plan(plan, self.module, world_size=self.dp_world_size, rank=self.global_rank)

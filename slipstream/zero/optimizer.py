@@ -93,6 +93,9 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
         self.model_parallel: tuple[dist.ProcessGroup, set[int]] | None = None
         """Tensor parallelism: (the TP group, ids of the parameters replicated over it), set by the engine; the
         global gradient norm then sums the sharded parameters over the group and counts replicated ones once."""
+        self.at_boundary: Callable[[], bool] = lambda: False
+        """Whether the backward now running is the last before the optimizer step (set by the engine: the
+        accumulation boundary, outside no_sync); stage 1 with overlap_comm then reduces buckets as they fill."""
         self._hooks: list[Any] = []
         self.groups: list[Any] = self._build_groups(
             bucket_numel=bucket_numel, master_dtype=DTYPES[master_dtype], grad_dtype=DTYPES[grad_dtype]

@@ -1,4 +1,5 @@
-"""ZeRO stage 0: replicated parameters, gradients and optimizer state; gradients all-reduced in buckets.
+"""ZeRO stage 0: replicated parameters, gradients and optimizer state; gradients all-reduced in buckets (in the
+reduce dtype, zero/staging.py `StepReducer`).
 
 [Note: optimizers that communicate themselves]
 An optimizer may take over the gradient all-reduce (the 1-bit optimizers do once their warm-up is over, as
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.comm import collectives
-from slipstream.zero.optimizer import ZeroOptimizer
+from slipstream.zero.staging import ReducesAtStep
 
 
 def reduces_itself(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None) -> bool:
@@ -25,7 +26,7 @@ def reduces_itself(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | 
     return bool(ask(group)) if callable(ask) else False
 
 
-class Stage0Optimizer(ZeroOptimizer):
+class Stage0Optimizer(ReducesAtStep):
     """Data parallelism as DDP does it, on the flat layout: every rank owns every bucket."""
 
     owns_all = True
@@ -37,14 +38,12 @@ class Stage0Optimizer(ZeroOptimizer):
         self._local_grads = reduces_itself(self.optimizer, self.process_group)
         if self._local_grads:
             return
-        works = [
-            collectives.all_reduce(flat.bucket_grads(bucket), group=flat.process_group, async_op=True)
-            for flat in self.groups
-            if flat.world_size > 1
-            for bucket in flat.layout.buckets
-        ]
-        for work in works:
-            work.wait()
+        for flat in self.groups:
+            if flat.world_size == 1:
+                continue
+            for bucket in flat.layout.buckets:
+                self.step_reducer.all_reduce(flat.bucket_grads(bucket), group=flat.process_group)
+        self.step_reducer.finish_all()
 
     def _grad_stats(self, grad_divisor: float) -> torch.Tensor:
         if not self._local_grads:

@@ -1,30 +1,92 @@
 """ZeRO stage 1: optimizer state and fp32 master weights sharded; gradients reduce-scattered at the boundary.
 
-Gradients accumulate locally in full-size storage over the micro-batches of one optimizer step; at the
-boundary each bucket is reduce-scattered in place, so a rank's piece of the storage holds the summed
-gradient of the piece it owns.
+Gradients accumulate locally in full-size storage over the micro-batches of one optimizer step; each bucket is
+reduce-scattered once per step (in the reduce dtype, zero/staging.py `StepReducer`), so a rank's piece of the
+storage holds the summed gradient of the piece it owns.
+
+[Note: stage-1 overlapped reduction]
+Without overlap_comm every bucket is reduced at the step. With it, a backward pass (from its first gradient
+to the engine's `micro_step_done`) that starts at the accumulation boundary (`at_boundary()`, which the engine
+sets: the boundary, outside no_sync) launches each bucket's reduce-scatter as soon as every parameter in it has
+its gradient from that pass and every earlier bucket has been launched: strictly in layout order, on every
+rank, so ranks issue the same collectives in the same order whatever their control flow; the step launches
+the rest (buckets with parameters that got no gradient) and waits for all of them. A launched bucket's
+storage is being reduced in place, so a gradient for it before the step (a second backward of the last
+micro-batch) is an error naming the parameter, as DeepSpeed's stage 1 with overlap_comm refuses it too.
 """
 
 from __future__ import annotations
 
-from slipstream.comm import collectives
-from slipstream.zero.optimizer import ZeroOptimizer
+import collections
+
+from slipstream.zero.flat_group import FlatGroup
+from slipstream.zero.staging import ReducesAtStep
 
 
-class Stage1Optimizer(ZeroOptimizer):
+class Stage1Optimizer(ReducesAtStep):
     owns_all = False
     full_grad_storage = True
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._order = [
+            (flat, b) for flat in self.groups if flat.world_size > 1 for b in range(len(flat.layout.buckets))
+        ]
+        self._position = {(id(flat), b): i for i, (flat, b) in enumerate(self._order)}
+        self._arrived: dict[tuple[int, int], set[int]] = collections.defaultdict(set)
+        self._next = 0
+        self._pass_open = False
+        """A backward pass has produced gradients since the last `micro_step_done`."""
+        self._early = False
+        """This pass reduces buckets as they fill ([Note: stage-1 overlapped reduction])."""
+        self.peak_in_flight = 0
+        """The most reductions launched during backward still in flight when the step began."""
+
+    def micro_step_done(self, *, reduce: bool) -> None:
+        self._pass_open = False
+
+    def _accumulate(self, flat: FlatGroup, index: int, grad: object) -> None:
+        key = (id(flat), flat.layout.slots[index].bucket)
+        position = self._position.get(key)
+        if position is not None and position < self._next:
+            name = self.param_names.get(id(flat.params[index]), f"<param {index}>")
+            raise RuntimeError(
+                f"ZeRO stage 1 with overlap_comm: a second gradient for '{name}' arrived after its bucket was "
+                "already reduce-scattered in the last backward before the step; run one backward per micro-batch "
+                "(add the losses first), or set zero_optimization.overlap_comm to false"
+            )
+        super()._accumulate(flat, index, grad)  # type: ignore[arg-type]
+        if not self._pass_open:
+            self._pass_open = True
+            self._early = self.zero.overlap_comm and self.at_boundary()
+            self._arrived.clear()
+        if not self._early or position is None:
+            return
+        self._arrived[key].add(index)
+        while self._next < len(self._order):
+            next_flat, bucket = self._order[self._next]
+            if len(self._arrived[(id(next_flat), bucket)]) < len(next_flat.layout.buckets[bucket].param_indices):
+                break
+            self._launch(next_flat, bucket)
+
+    def _launch(self, flat: FlatGroup, bucket_id: int) -> None:
+        start, end = flat.piece_ranges[bucket_id]
+        bucket = flat.layout.buckets[bucket_id]
+        self.step_reducer.reduce_scatter(
+            flat.grad_storage[start:end], flat.bucket_grads(bucket), group=flat.process_group
+        )
+        self._next += 1
+
+    def zero_grad(self) -> None:
+        self.step_reducer.finish_all()  # a reduction launched during backward completes before its storage is cleared
+        self._next, self._early, self._pass_open = 0, False, False
+        self._arrived.clear()
+        super().zero_grad()
+
     def _reduce_for_step(self) -> None:
-        works = []
-        for flat in self.groups:
-            if flat.world_size == 1:
-                continue
-            for bucket, (start, end) in zip(flat.layout.buckets, flat.piece_ranges):
-                works.append(
-                    collectives.reduce_scatter(
-                        flat.grad_storage[start:end], flat.bucket_grads(bucket), group=flat.process_group, async_op=True
-                    )
-                )
-        for work in works:
-            work.wait()
+        self.peak_in_flight = max(self.peak_in_flight, self.step_reducer.in_flight)
+        while self._next < len(self._order):
+            self._launch(*self._order[self._next])
+        self.step_reducer.finish_all()
+        self._next, self._early, self._pass_open = 0, False, False
+        self._arrived.clear()

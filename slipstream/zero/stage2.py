@@ -9,10 +9,12 @@
   unused parameters and conditional branches never hang.
 - Buckets hold at most `STAGE2_STAGING_BYTES` of gradients whatever `reduce_bucket_size` says, and a
   larger parameter is reduced in chunks of that size ([Note: stage-2 staging bound] in layout.py).
-- Launching packs the bucket's gradients into a staging buffer of the `StagingRing` (zero/staging.py) and
-  starts an asynchronous reduce-scatter into its receive buffer; the freshly produced `param.grad`
-  tensors are dropped as they are packed. Reusing a slot waits for the reduce-scatter that used it last
-  and adds its result into this rank's shard of the gradients.
+- Launching packs the bucket's gradients into a staging buffer of the `StagingRing` (zero/staging.py), cast
+  to the reduce dtype (communication_data_type), and starts an asynchronous reduce-scatter into its receive
+  buffer; the freshly produced `param.grad` tensors are dropped as they are packed. Reusing a slot waits for
+  the reduce-scatter that used it last and adds its result into this rank's shard of the gradients. With
+  overlap_comm off each reduce-scatter is waited for and added at launch ([Note: overlapped gradient
+  reduction] in staging.py).
 - A gradient for a bucket already launched (or a second one for a parameter still pending) means a new
   backward began before `micro_step_done()` closed the last one: Accelerate and Transformers accumulate
   this way (`set_gradient_accumulation_boundary(False)`, several `backward()` calls, `step()` only at the
@@ -50,8 +52,8 @@ class Stage2Optimizer(ZeroOptimizer):
         self._chunk = {id(flat): stage2_chunk_numel(flat.layout, grad_bytes) for flat in self.groups}
         chunk = max(self._chunk.values(), default=0)
         device = self.groups[0].device if self.groups else None
-        self._ring = StagingRing(
-            staging_numel=chunk * self.world_size, receive_numel=chunk, dtype=grad_dtype, device=device
+        self._ring = StagingRing.for_plan(
+            self.zero, staging_numel=chunk * self.world_size, receive_numel=chunk, device=device
         )
         self._pending: dict[tuple[int, int], dict[int, torch.Tensor]] = collections.defaultdict(dict)
         self._next = 0

@@ -71,6 +71,7 @@ class DeepSpeedConfig(DSModel):
         "dataloader_drop_last": "dataloader_drop_last",
         "strict": "",
         "sequence_parallel_size": "parallel.sp_size",
+        "communication_data_type": "zero.reduce_dtype",
     }
     train_batch_size: DSInt | None = Field(None, gt=0)
     """Global batch: micro batch * gradient accumulation steps * data-parallel world size."""
@@ -104,7 +105,8 @@ class DeepSpeedConfig(DSModel):
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"
     """How gradients are combined across ranks."""
     communication_data_type: str | None = None
-    """Dtype of gradient communication ("fp32", "fp16", "bf16"); None: the gradient dtype."""
+    """Dtype gradients are reduced in across data-parallel ranks ("fp32", "fp16", "bf16"), summed back into the
+    gradient accumulation dtype; None: that accumulation dtype (data_types.grad_accum_dtype, fp32 unless set)."""
     seq_parallel_communication_data_type: str = "fp32"
     """Dtype of sequence-parallel communication."""
     sparse_gradients: DSBool = False

@@ -185,6 +185,7 @@ class ZeroConfig(DSModel):
         "gather_16bit_weights_on_model_save": "zero.stage3.gather_16bit_on_save",
         "leaf_module": "zero.stage3.leaf_classes",
         "sub_group_size": "zero.stage3.sub_group_numel",
+        "overlap_comm": "zero.overlap_comm",
     }
     stage: DSInt = Field(0, ge=0, le=3)
     """0 disabled, 1 optimizer state, 2 + gradients, 3 + parameters are partitioned."""
@@ -201,7 +202,7 @@ class ZeroConfig(DSModel):
     allgather_bucket_size: DSInt = Field(500_000_000, ge=0)
     """Elements all-gathered at a time."""
     overlap_comm: DSBool | None = None
-    """Overlap gradient reduction with backward; None means true for stage 3, false otherwise."""
+    """Overlap gradient reduction with backward (stages 1-3); None means true for stage 3, false otherwise."""
     load_from_fp32_weights: DSBool = True
     """Initialise fp32 master weights from the checkpoint's fp32 copy."""
     elastic_checkpoint: DSBool = False

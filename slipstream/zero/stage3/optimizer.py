@@ -75,8 +75,8 @@ class Stage3Optimizer(ZeroOptimizer):
         self._order = self._reduce_order()
         self._units = {u.uid: u for u in self.model.units}
         largest = max(self._receive_numel.values(), default=0)
-        self._ring = StagingRing(
-            staging_numel=largest * self.world_size, receive_numel=largest, dtype=grad_dtype, device=self.model.device
+        self._ring = StagingRing.for_plan(
+            self.zero, staging_numel=largest * self.world_size, receive_numel=largest, device=self.model.device
         )
         self._ready: dict[int, dict[int, torch.Tensor]] = {}
         self._next = 0

@@ -157,5 +157,6 @@ def test_hf_trainer_style_config() -> None:
     assert plan.zero.reduce_bucket_size == 768**2
     assert plan.optimizer is not None and plan.optimizer.name == "adamw"
     assert plan.zero.offload_optimizer.on_host
-    # Transformers' sample config sets two knobs whose behaviour is fixed here: reported, not silently dropped
-    assert set(plan.unimplemented) == {"zero_optimization.allgather_bucket_size", "zero_optimization.overlap_comm"}
+    # Transformers' sample config sets a knob whose behaviour is fixed here: reported, not silently dropped
+    assert set(plan.unimplemented) == {"zero_optimization.allgather_bucket_size"}
+    assert plan.zero.overlap_comm is True

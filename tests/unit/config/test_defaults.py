@@ -107,8 +107,32 @@ def test_overlap_comm_defaults_true_only_for_stage_3(stage: int, expected: bool)
 def test_overlap_comm_given_wins() -> None:
     plan = resolve({**BASE, "zero_optimization": {"stage": 3, "overlap_comm": False}}, world_size=1)
     assert plan.resolved["zero_optimization"]["overlap_comm"] is False
-    # the schedule is fixed here (stage 2 reduces during backward, stage 3 at its end): reported, not dropped
-    assert plan.unimplemented == ("zero_optimization.overlap_comm",)
+    assert plan.zero.overlap_comm is False and plan.unimplemented == ()
+
+
+@pytest.mark.parametrize("stage, reported", [(0, True), (1, False), (2, False), (3, False)])
+def test_overlap_comm_true_is_reported_only_at_stage_0(stage: int, reported: bool) -> None:
+    """Stage 0 all-reduces at the step: overlap_comm has nothing to overlap there (DeepSpeed ignores it too)."""
+    plan = resolve({**BASE, "zero_optimization": {"stage": stage, "overlap_comm": True}}, world_size=1)
+    assert plan.zero.overlap_comm is True
+    assert ("zero_optimization.overlap_comm" in plan.unimplemented) is reported
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ({}, "fp32"),
+        ({"bf16": {"enabled": True}}, "fp32"),  # gradients accumulate in fp32 here, and travel so
+        ({"data_types": {"grad_accum_dtype": "bf16"}}, "bf16"),
+        ({"bf16": {"enabled": True}, "communication_data_type": "bf16"}, "bf16"),
+        ({"communication_data_type": "fp16"}, "fp16"),
+        ({"communication_data_type": "torch.float32"}, "fp32"),
+    ],
+)
+def test_communication_data_type_is_the_reduce_dtype(config: dict, expected: str) -> None:
+    plan = resolve({**BASE, **config}, world_size=1)
+    assert plan.zero.reduce_dtype == expected
+    assert "communication_data_type" not in plan.unimplemented
 
 
 @pytest.mark.parametrize(

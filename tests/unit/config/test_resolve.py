@@ -232,7 +232,6 @@ def test_implemented_keys_are_not_listed() -> None:
         {"compile": {"deepcompile": True}},
         {"nebula": {"enabled": True}},
         {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
-        {"communication_data_type": "fp32"},
     ],
 )
 def test_unimplemented_sections_are_accepted_and_listed(section: dict) -> None:
@@ -266,7 +265,6 @@ def test_fixed_schedule_keys_are_reported_when_set() -> None:
     assert set(plan.unimplemented) == {
         "prescale_gradients",
         "gradient_predivide_factor",
-        "zero_optimization.overlap_comm",
         "zero_optimization.allgather_bucket_size",
     }
     assert plan_of({"prescale_gradients": False, "gradient_predivide_factor": 1.0}).unimplemented == ()
