@@ -122,7 +122,8 @@ class SaveLoad:
             )
         self._check_at_boundary("save_checkpoint", "a checkpoint holds no partial gradients")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        values, tensors = split_client_state(request.client_state)
+        client_state, save_latest, exclude_frozen = request
+        values, tensors = split_client_state(client_state)
         scalars: dict[str, Any] = {
             "engine": {
                 "global_steps": self.global_steps,
@@ -155,8 +156,8 @@ class SaveLoad:
                 tag,
                 scalars=scalars,
                 client_tensors=tensors,
-                save_latest=request.save_latest,
-                exclude_frozen=request.exclude_frozen,
+                save_latest=save_latest,
+                exclude_frozen=exclude_frozen,
                 tag_validation=tag_validation,
                 version=__version__,
             )
