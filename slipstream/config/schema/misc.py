@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, OpenSection
+from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, OpenSection, plan_fields
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -29,12 +29,13 @@ __all__ = [
 class ActivationCheckpointingConfig(DSModel):
     """`activation_checkpointing` (`deepspeed.checkpointing.configure`)."""
 
-    IMPLEMENTED = {
-        "partition_activations": "activation_checkpointing.partition_activations",
-        "synchronize_checkpoint_boundary": "activation_checkpointing.synchronize",
-        "profile": "activation_checkpointing.profile",
-        "cpu_checkpointing": "activation_checkpointing.cpu_checkpointing",
-    }
+    IMPLEMENTED = plan_fields(
+        "activation_checkpointing",
+        "partition_activations",
+        "profile",
+        "cpu_checkpointing",
+        synchronize_checkpoint_boundary="activation_checkpointing.synchronize",
+    )
 
     partition_activations: DSBool = False
     """Partition checkpointed activations across model-parallel ranks."""
