@@ -15,12 +15,26 @@ import torch
 
 from slipstream.zero.whole_tensors import WholeTensorMap
 
-__all__ = ["WholeTensorOptimizer", "closure_loss", "math_dtype"]
+__all__ = ["WholeTensorOptimizer", "apply_update", "closure_loss", "grad_of", "math_dtype"]
 
 
 def math_dtype(p: torch.Tensor) -> torch.dtype:
     """fp32 for low-precision params (states and math), the param's own dtype when wider."""
     return torch.promote_types(p.dtype, torch.float32)
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor:
+    """`p`'s gradient in its math dtype (zeros when it has none, as DeepSpeed's Muon does)."""
+    dtype = math_dtype(p)
+    return p.grad.to(dtype) if p.grad is not None else torch.zeros_like(p, dtype=dtype)
+
+
+def apply_update(target: torch.Tensor, update: torch.Tensor, *, lr: float, decay: float = 0.0) -> None:
+    """target = target (1 - lr decay) - lr update, computed in the update's dtype."""
+    if target.dtype == update.dtype:
+        target.mul_(1.0 - lr * decay).add_(update, alpha=-lr)
+    else:
+        target.copy_(target.to(update.dtype).mul_(1.0 - lr * decay).add_(update, alpha=-lr))
 
 
 def closure_loss(closure: Callable[[], float] | None) -> float | None:
@@ -56,3 +70,34 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
         if found is None or found.shape != p.shape:
             found = self._scratch[id(p)] = torch.empty_like(p, dtype=math_dtype(p))
         return found
+
+    def adam_direction(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        *,
+        betas: tuple[float, float],
+        eps: float,
+        bias_correction: bool = True,
+        eps_inside_sqrt: bool = False,
+    ) -> torch.Tensor:
+        """Adam's moments of `p` (state `step`, `exp_avg`, `exp_avg_sq`, made on first use) updated with `grad`,
+        and m_hat / (sqrt(v_hat) + eps) (`eps_inside_sqrt`: m_hat / sqrt(v_hat + eps)) in `p`'s scratch buffer."""
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, dtype=grad.dtype)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=grad.dtype)
+        state["step"] += 1
+        step, (beta1, beta2) = int(state["step"]), betas
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        bc1 = 1.0 - beta1**step if bias_correction else 1.0
+        bc2 = 1.0 - beta2**step if bias_correction else 1.0
+        out = self.scratch(p)
+        if eps_inside_sqrt:
+            torch.div(exp_avg_sq, bc2, out=out).add_(eps).sqrt_()
+        else:
+            torch.div(exp_avg_sq, bc2, out=out).sqrt_().add_(eps)
+        return out.reciprocal_().mul_(exp_avg).div_(bc1)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slipstream.optim.common import WholeTensorOptimizer, closure_loss, math_dtype
+from slipstream.optim.common import WholeTensorOptimizer, apply_update, closure_loss, math_dtype
 
 __all__ = ["FusedLamb", "trust_ratios"]
 
@@ -87,9 +87,13 @@ class FusedLamb(WholeTensorOptimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure_loss(closure)
         whole = self.whole_tensors()
-        stepped = [(group, p, self._update(group, p)) for group in self.param_groups for p in group["params"]]
-        stepped = [(group, p, u) for group, p, u in stepped if u is not None]
-        norms = whole.sum_squares((p, [p, u]) for _, p, u in stepped).sqrt()
+        stepped: list[tuple[dict[str, Any], Tensor, Tensor]] = []
+        for group in self.param_groups:  # phase 1
+            for p in group["params"]:
+                update = self._update(group, p)
+                if update is not None:
+                    stepped.append((group, p, update))
+        norms = whole.sum_squares((p, [p, u]) for _, p, u in stepped).sqrt()  # phase 2
         limits = torch.tensor(
             [[self.param_groups[g]["min_coeff"], self.param_groups[g]["max_coeff"]] for g in whole.group_of],
             dtype=torch.float64,
@@ -97,14 +101,10 @@ class FusedLamb(WholeTensorOptimizer):
         ).reshape(-1, 2)
         ratios = trust_ratios(norms, limits[:, 0], limits[:, 1]).tolist()
         self.lamb_coeffs = ratios
-        for group, p, u in stepped:
+        for group, p, u in stepped:  # phase 3
             for part in whole.parts(p):
                 end = part.offset + part.numel
-                step = -group["lr"] * ratios[part.tensor]
-                if p.dtype == u.dtype:
-                    p[part.offset : end].add_(u[part.offset : end], alpha=step)
-                else:
-                    p[part.offset : end].copy_(p[part.offset : end].to(u.dtype).add_(u[part.offset : end], alpha=step))
+                apply_update(p[part.offset : end], u[part.offset : end], lr=group["lr"] * ratios[part.tensor])
         return loss
 
     def _update(self, group: dict[str, Any], p: Tensor) -> Tensor | None:
@@ -113,26 +113,15 @@ class FusedLamb(WholeTensorOptimizer):
             return None
         if p.grad.is_sparse:
             raise RuntimeError("Lamb does not support sparse gradients")
-        beta1, beta2 = group["betas"]
-        state, dtype = self.state[p], math_dtype(p)
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
-        state["step"] += 1
-        grad = p.grad.to(dtype)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        step = int(state["step"])
-        bc1 = 1.0 - beta1**step if group["bias_correction"] else 1.0
-        bc2 = 1.0 - beta2**step if group["bias_correction"] else 1.0
-        update = self.scratch(p)
-        if group["eps_inside_sqrt"]:
-            torch.div(exp_avg_sq, bc2, out=update).add_(group["eps"]).sqrt_()
-        else:
-            torch.div(exp_avg_sq, bc2, out=update).sqrt_().add_(group["eps"])
-        update.reciprocal_().mul_(exp_avg).div_(bc1)
+        dtype = math_dtype(p)
+        update = self.adam_direction(
+            p,
+            p.grad.to(dtype),
+            betas=group["betas"],
+            eps=group["eps"],
+            bias_correction=group["bias_correction"],
+            eps_inside_sqrt=group["eps_inside_sqrt"],
+        )
         if group["weight_decay"]:
             update.add_(p.to(dtype), alpha=group["weight_decay"])
         return update

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from slipstream.optim.common import WholeTensorOptimizer, closure_loss, math_dtype
+from slipstream.optim.common import WholeTensorOptimizer, apply_update, closure_loss, grad_of
 from slipstream.zero.whole_tensors import WholeTensorMap
 
 __all__ = ["MuonWithAuxAdam", "build_muon", "newton_schulz", "tag_muon_params"]
@@ -106,10 +106,9 @@ class MuonWithAuxAdam(WholeTensorOptimizer):
 
     def _momentum(self, group: dict[str, Any], p: Tensor) -> Tensor:
         """m = lerp(m, g, 1 - momentum); the update u (Nesterov: lerp(g, m, momentum)) in a scratch buffer."""
-        state, dtype = self.state[p], math_dtype(p)
+        state, grad = self.state[p], grad_of(p)
         if not state:
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
-        grad = p.grad.to(dtype) if p.grad is not None else torch.zeros_like(p, dtype=dtype)
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=grad.dtype)
         momentum, beta = state["momentum_buffer"], group["momentum"]
         momentum.lerp_(grad, 1.0 - beta)
         update = self.scratch(p)
@@ -134,34 +133,15 @@ class MuonWithAuxAdam(WholeTensorOptimizer):
                     done[part.tensor] = newton_schulz(source, group["ns_steps"]).reshape(-1)
                 orthogonal = done[part.tensor][part.lo : part.lo + part.numel]
                 target = p[part.offset : part.offset + part.numel]
-                _apply(target, orthogonal, lr=group["lr"], decay=group["weight_decay"])
+                apply_update(target, orthogonal, lr=group["lr"], decay=group["weight_decay"])
 
     def _adam(self, group: dict[str, Any], p: Tensor) -> None:
         """One AdamW (or, without adam_w_mode, L2 Adam) step of `p`, elementwise."""
-        state, dtype = self.state[p], math_dtype(p)
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
-        state["step"] += 1
-        step, (beta1, beta2) = int(state["step"]), group["betas"]
-        grad = p.grad.to(dtype) if p.grad is not None else torch.zeros_like(p, dtype=dtype)
+        grad = grad_of(p)
         if not self.adam_w_mode and group["weight_decay"]:
-            grad = grad.add(p.to(dtype), alpha=group["weight_decay"])
-        state["exp_avg"].lerp_(grad, 1.0 - beta1)
-        state["exp_avg_sq"].lerp_(grad.square(), 1.0 - beta2)
-        update = self.scratch(p)
-        torch.div(state["exp_avg_sq"], 1.0 - beta2**step, out=update).sqrt_().add_(group["eps"])
-        update.reciprocal_().mul_(state["exp_avg"]).div_(1.0 - beta1**step)
-        _apply(p, update, lr=group["lr"], decay=group["weight_decay"] if self.adam_w_mode else 0.0)
-
-
-def _apply(target: Tensor, update: Tensor, *, lr: float, decay: float) -> None:
-    """target = target (1 - lr decay) - lr update, in the update's dtype."""
-    if target.dtype == update.dtype:
-        target.mul_(1.0 - lr * decay).add_(update, alpha=-lr)
-    else:
-        target.copy_(target.to(update.dtype).mul_(1.0 - lr * decay).add_(update, alpha=-lr))
+            grad = grad.add(p.to(grad.dtype), alpha=group["weight_decay"])
+        update = self.adam_direction(p, grad, betas=group["betas"], eps=group["eps"])
+        apply_update(p, update, lr=group["lr"], decay=group["weight_decay"] if self.adam_w_mode else 0.0)
 
 
 def _check_group(group: dict[str, Any]) -> None:

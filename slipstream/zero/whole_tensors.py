@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 
 from slipstream.comm import collectives
+from slipstream.zero.slices import OwnedSlice
 
 __all__ = ["TensorPart", "WholeTensorMap", "attach_whole_tensors"]
 
@@ -128,12 +129,8 @@ def _tensors(params: object) -> list[torch.Tensor]:
     return [p for p in params if isinstance(p, torch.Tensor)] if isinstance(params, Iterable) else []
 
 
-class _Slice(Protocol):
-    name: str
-    lo: int
-    hi: int
-    piece: torch.Tensor | None
-    piece_offset: int
+class _Attaches(Protocol):
+    def attach_whole_tensors(self, whole: WholeTensorMap) -> None: ...
 
 
 class _ZeroOptimizer(Protocol):
@@ -145,7 +142,7 @@ class _ZeroOptimizer(Protocol):
 
     def trainable_params(self) -> list[torch.Tensor]: ...
 
-    def owned_slices(self, names: dict[int, str], *, for_save: bool, only: str | None = None) -> Sequence[_Slice]: ...
+    def owned_slices(self, names: dict[int, str], *, for_save: bool, only: str | None = None) -> list[OwnedSlice]: ...
 
     def _other_groups(self) -> bool: ...
 
@@ -196,8 +193,7 @@ def attach_whole_tensors(zero: _ZeroOptimizer, offload_in_files: bool) -> None:
     whole = (held == torch.tensor([math.prod(s) for s in shapes], dtype=torch.int64)).to(torch.int64).to(device)
     if sharded:
         collectives.all_reduce(whole, group=zero.process_group, op=dist.ReduceOp.MAX)
-    attach = getattr(zero.optimizer, "attach_whole_tensors")
-    attach(
+    cast(_Attaches, zero.optimizer).attach_whole_tensors(
         WholeTensorMap(
             shapes=shapes,
             group_of=tuple(group_of),
