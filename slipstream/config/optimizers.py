@@ -17,11 +17,19 @@ Adding an optimizer: one `OptimizerSpec` below (plus the class, when it is our o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEEPSPEED_ONLY", "OptimizerSpec", "REGISTRY", "spec_for", "spec_for_class", "states_per_element"]
+__all__ = [
+    "DEEPSPEED_ONLY",
+    "OptimizerSpec",
+    "REGISTRY",
+    "is_muon_matrix",
+    "spec_for",
+    "spec_for_class",
+    "states_per_element",
+]
 
 
 def _fixed(count: int) -> Callable[[Mapping[str, Any]], int]:
@@ -36,10 +44,21 @@ def _momentum_states(params: Mapping[str, Any]) -> int:
     return int(float(params.get("momentum", 0) or 0) > 0)
 
 
-def _muon_states(params: Mapping[str, object]) -> int:
-    """One momentum buffer for the Muon matrices (a param group with use_muon), Adam's two for the rest; for a
-    whole model (no use_muon given) the larger count."""
-    return 1 if params.get("use_muon") is True else 2
+def is_muon_matrix(name: str, shape: Sequence[int]) -> bool:
+    """DeepSpeed's rule for which parameters Muon updates: matrices (2-D and up) whose name has neither 'embed'
+    nor 'lm_head'; the rest take Muon's AdamW."""
+    lowered = name.lower()
+    return len(shape) >= 2 and "embed" not in lowered and "lm_head" not in lowered
+
+
+def _muon_states(params: Mapping[str, object]) -> float:
+    """One momentum buffer per element of a Muon matrix (a param group with use_muon), Adam's two per other
+    element; over a whole model, 2 minus the share of its trainable elements in Muon matrices (`muon_share`,
+    which the planner fills in from the model)."""
+    if "use_muon" in params:
+        return 1 if params["use_muon"] else 2
+    share = params.get("muon_share", 0.0)
+    return 2.0 - (float(share) if isinstance(share, (int, float)) else 0.0)
 
 
 def _rmsprop_states(params: Mapping[str, object]) -> int:
@@ -54,8 +73,9 @@ class OptimizerSpec:
     """The canonical name: DeepSpeed's lower-case name, or a torch.optim class name as torch spells it."""
     target: str
     """Import path of the class, "module:attr"."""
-    states: Callable[[Mapping[str, Any]], int]
-    """Full-size state tensors kept per parameter element, given the optimizer's params (the planner's count)."""
+    states: Callable[[Mapping[str, Any]], float]
+    """Full-size state tensors kept per parameter element, given the optimizer's params (the planner's count;
+    an average over the model where it differs by parameter, as Muon's)."""
     defaults: Mapping[str, Any] = field(default_factory=dict)
     """DeepSpeed's defaults where they differ from the class's own (see [Note: optimizer defaults])."""
     elementwise: bool = True
@@ -154,7 +174,7 @@ def spec_for_class(class_name: str) -> OptimizerSpec | None:
     return None
 
 
-def states_per_element(name: str, params: Mapping[str, object] = {}) -> int:
+def states_per_element(name: str, params: Mapping[str, object] = {}) -> float:
     """Full-size state tensors per master element for an optimizer name or class name (2 when unknown)."""
     spec = spec_for(name) or spec_for_class(name)
     return 2 if spec is None else spec.states(params)

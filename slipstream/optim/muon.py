@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slipstream.config.optimizers import is_muon_matrix
 from slipstream.optim.common import WholeTensorOptimizer, apply_update, closure_loss, grad_of
 from slipstream.zero.whole_tensors import WholeTensorMap
 
@@ -69,8 +70,7 @@ def tag_muon_params(module: nn.Module) -> None:
     'embed' nor 'lm_head'."""
     for name, param in module.named_parameters():
         shape = getattr(param, "ds_shape", None) or param.shape
-        lowered = name.lower()
-        param.use_muon = len(shape) >= 2 and "embed" not in lowered and "lm_head" not in lowered  # type: ignore[attr-defined]
+        param.use_muon = is_muon_matrix(name, shape)  # type: ignore[attr-defined]
 
 
 class MuonWithAuxAdam(WholeTensorOptimizer):

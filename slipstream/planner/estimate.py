@@ -9,10 +9,12 @@ both the knobs of every row and a row of its own, labelled "config".
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from slipstream.config.optimizers import is_muon_matrix
 from slipstream.config.plan import RESIDENT_GRAD_SUB_GROUPS, NoOffloadTarget, nvme_gradients_in_files
 from slipstream.planner.activations import transformer_activations
 from slipstream.planner.shapes import Dims, ModelShape, from_factory, from_hf_config, from_module, synthetic
@@ -246,6 +248,7 @@ def estimate_option(
     host_memory: int | None = None,
 ) -> OptionEstimate:
     """One option's figures (model states from the engine's layout rules)."""
+    settings = _with_muon_share(shape, settings)
     figures, init = _model_state_figures(shape, option, settings=settings, world=world)
     host, device = dict(figures.host), dict(figures.device)
     if offload_policy(option.optimizer_target).pins_configured(settings.pin_memory):
@@ -276,6 +279,23 @@ def estimate_option(
         fits_device_checkpointed=result.device_total_checkpointed <= device_memory,
         fits_host=fits_host,
     )
+
+
+def _with_muon_share(shape: ModelShape, settings: Settings) -> Settings:
+    """Muon keeps one state per element of its matrices and two elsewhere: the share of the trainable elements in
+    Muon matrices (config/optimizers.py `is_muon_matrix`) goes to the registry's count as `muon_share`."""
+    if settings.optimizer != "muon" or shape.module is None:
+        return settings
+    shapes = [
+        (name, tuple(getattr(p, "ds_shape", None) or p.shape))
+        for name, p in shape.module.named_parameters()
+        if p.requires_grad
+    ]  # stage 3's sharded parameters keep their layer shape in ds_shape
+    total = sum(math.prod(dims) for _, dims in shapes)
+    muon = sum(math.prod(dims) for name, dims in shapes if is_muon_matrix(name, dims))
+    share = muon / total if total else 0.0
+    params = tuple(kv for kv in settings.optimizer_params if kv[0] != "muon_share") + (("muon_share", share),)
+    return dataclasses.replace(settings, optimizer_params=params)
 
 
 def _model_state_figures(shape: ModelShape, option: Option, *, settings: Settings, world: int) -> tuple[ZeroBytes, int]:

@@ -33,7 +33,7 @@ from slipstream.planner.types import DTYPE_BYTES, Settings
 from slipstream.zero.layout import build_layout, stage2_bucket_numel, stage2_chunk_numel
 
 
-def optimizer_states_per_element(name: str, params: Sequence[tuple[str, object]] = ()) -> int:
+def optimizer_states_per_element(name: str, params: Sequence[tuple[str, object]] = ()) -> float:
     """Full-size state tensors the optimizer keeps per master element (scalars such as `step` excluded), from
     the optimizer registry (config/optimizers.py)."""
     return states_per_element(name, dict(params))
@@ -75,7 +75,7 @@ def _optimizer_roles(owned: int, *, settings: Settings, offload: bool, aliased: 
     )
     return {
         "master": 0 if aliased else owned * master,
-        "optimizer_state": states * owned * state_bytes,
+        "optimizer_state": round(states * owned) * state_bytes,
         "host_buffers": host_buffers,
     }
 

@@ -72,3 +72,25 @@ def test_fused_lamb_alias_and_coefficients() -> None:
     # ||p|| = 2, ||u|| = 2 (u = 1 per element after bias correction): ratio 1; q's weight norm 0: ratio 1
     assert opt.get_lamb_coeffs() == pytest.approx([1.0, 1.0], rel=1e-6)
     torch.testing.assert_close(p.detach(), torch.full((4,), 0.9), rtol=1e-6, atol=1e-6)
+
+
+class TinyLM(Tiny):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.tanh(self.hidden(self.embed_tokens(tokens))))
+
+
+def test_the_planner_counts_muon_state_as_the_engine_holds_it() -> None:
+    import slipstream
+    from slipstream.planner.engine_hooks import engine_estimate
+
+    config = {"train_batch_size": 2, "optimizer": {"type": "Muon", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 1}}
+    engine, *_ = slipstream.initialize(model=TinyLM(), config=config)
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    engine.backward(engine(tokens).square().mean())
+    engine.step()
+    held = engine.optimizer.owned_bytes()["optimizer_state"]
+    # one momentum buffer for hidden.weight (36), two Adam moments for the rest (66 + 66 + 6), fp32
+    assert held == (36 + 2 * (66 + 66 + 6)) * 4
+    assert engine_estimate(plan=engine.plan, model=engine.module, world_size=1).owned["optimizer_state"] == held
+    engine.destroy()
