@@ -404,6 +404,8 @@ class EnginePlan:
     unimplemented: tuple[str, ...]
     """Dotted keys the user set that Slipstream accepts but does not implement yet (the engine warns once
     each)."""
+    hybrid_generate: bool
+    """`hybrid_engine.enabled`: `engine.generate()` gathers the ZeRO-3 model once per call (engine/weight_handoff.py)."""
     parallel: ParallelPlan
     """Tensor and sequence parallelism."""
     resolved: dict[str, Any]

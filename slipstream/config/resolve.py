@@ -118,6 +118,7 @@ def resolve(
         pipeline=pipeline_plan(cfg),
         collective_timeout=cfg.collective_timeout,
         parallel=parallel,
+        hybrid_generate=cfg.hybrid_engine.enabled,
         activation_checkpointing=activation_plan(cfg.activation_checkpointing)
         if "activation_checkpointing" in cfg.model_fields_set
         else None,

@@ -6,25 +6,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-import torch
 from pydantic import BeforeValidator, Field
 
 from slipstream.config.schema.base import DSBool, DSInt, DSModel, aliased, plan_fields
 from slipstream.config.schema.precision import canonical_dtype
 
-_TORCH_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8"}
-
 
 def _dtype_name(value: object) -> Any:
     """A torch dtype or any DeepSpeed spelling ("half", "torch.bfloat16", "float") as "fp32" / "fp16" / "bf16" /
-    "int8"; anything else is left to fail the check."""
-    if isinstance(value, torch.dtype):
-        return _TORCH_DTYPES.get(value, str(value))
+    "int8"; anything else is left to fail the check. (torch is not imported here: the schema stays light.)"""
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        value = str(value)
     if isinstance(value, str):
         name = value.lower().removeprefix("torch.")
         if name == "int8":
             return "int8"
-        return canonical_dtype({"half": "fp16", "float": "fp32", "bfloat": "bf16"}.get(name, name))
+        return canonical_dtype({"float": "fp32", "bfloat": "bf16"}.get(name, name))
     return value
 
 
@@ -111,3 +108,24 @@ class DeepSpeedInferenceConfig(DSModel):
     ep_mp_group: object = None
     moe_experts: list[int] = Field(default_factory=lambda: [1])
     moe_type: str = "standard"
+
+
+class HybridEngineConfig(DSModel):
+    """`hybrid_engine` of the training config (RLHF): `engine.generate()` at ZeRO-3 gathers the model once per call
+    and generates with the model's own generate (its KV cache), then releases it; training goes on unchanged."""
+
+    IMPLEMENTED = {"enabled": "hybrid_generate"}
+    enabled: DSBool = False
+    """Gather the whole model once per `engine.generate()` call (ZeRO-3)."""
+    max_out_tokens: DSInt = Field(512, gt=0)
+    """Workspace size of DeepSpeed's inference kernels."""
+    inference_tp_size: DSInt = 1
+    """Tensor parallelism for generation only."""
+    release_inference_cache: DSBool = False
+    """Free the kernels' workspace after each generate."""
+    pin_parameters: DSBool = True
+    """Keep the gathered parameters in pinned memory."""
+    tp_gather_partition_size: DSInt = 8
+    """Layers gathered together with inference_tp_size > 1."""
+    enable_cuda_graph: DSBool = False
+    """Capture generation in CUDA graphs."""

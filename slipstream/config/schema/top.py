@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, aliased
+from slipstream.config.schema.inference import HybridEngineConfig
 from slipstream.config.schema.misc import (
     ActivationCheckpointingConfig,
     AioConfig,
@@ -189,7 +190,7 @@ class DeepSpeedConfig(DSModel):
     """Legacy curriculum learning."""
     data_efficiency: EnabledSection = Field(default_factory=EnabledSection)
     """Data efficiency library (sampling, routing)."""
-    hybrid_engine: EnabledSection = Field(default_factory=EnabledSection)
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
     """Hybrid training/inference engine (RLHF)."""
     nebula: EnabledSection = Field(default_factory=EnabledSection)
     """Nebula checkpoint service."""

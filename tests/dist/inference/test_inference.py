@@ -1,10 +1,14 @@
-"""init_inference on a tiny Hugging Face Llama built offline, on 2 gloo ranks in one spawn.
+"""init_inference and the hybrid engine's generate on a tiny Hugging Face Llama built offline, on 2 gloo ranks in
+one spawn.
 
 fp32 logits equal the plain model's (2e-5) and greedy generate gives the same tokens at tensor_parallel.tp_size 1
 and 2 (at 2 the attention and MLP projections hold half their rows or columns); `checkpoint` loads a Hugging Face
 safetensors folder (save_pretrained, sharded into several files) and a Slipstream checkpoint (save_checkpoint of
 a ZeRO-1 engine) into a model built with other weights, which then answers as the saved one; dtype casts the
 parameters; a prompt over max_out_tokens is refused by name.
+Hybrid engine (`hybrid_engine.enabled`, ZeRO-3): `engine.eval(); engine.generate(...)` all-gathers each unit
+once for the whole call (without it the hooks gather per layer and token), gives the tokens of the plain model
+holding the engine's weights, leaves nothing gathered, and training goes on bit-equal to a run without it.
 """
 
 from __future__ import annotations
@@ -59,6 +63,52 @@ def _checkpoints(rank: int, folder: Path) -> tuple[str, str]:
     return str(hf_dir), str(ours)
 
 
+def _zero3(hybrid: bool) -> Any:
+    import slipstream
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "hybrid_engine": {"enabled": hybrid}}
+    engine, *_ = slipstream.initialize(model=_llama(0), config=config)
+    return engine
+
+
+def _train(engine: Any, rank: int, steps: range) -> None:
+    for step in steps:
+        ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(100 + step))[rank:rank + 1]
+        engine.backward(engine(ids, labels=ids).loss)
+        engine.step()
+
+
+def _generate_gathers(engine: Any, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    from slipstream.comm import count_collectives
+
+    engine.eval()
+    with count_collectives() as counter:
+        tokens = engine.generate(ids, max_new_tokens=6, do_sample=False)
+    engine.train()
+    return tokens, counter.calls["all_gather"]
+
+
+def _check_hybrid(rank: int, ids: torch.Tensor) -> None:
+    straight, engine = _zero3(True), _zero3(True)
+    _train(straight, rank, range(4))
+    _train(engine, rank, range(2))
+    plain = _llama(0)
+    plain.load_state_dict({name: value.clone() for name, value in engine.iter_full_weights()}, strict=False)
+    tokens, gathers = _generate_gathers(engine, ids)
+    assert torch.equal(tokens, _answers(plain, ids)[1]), tokens
+    units = [u for u in engine.zero_model.units if u.params]
+    assert gathers == len(units), (gathers, len(units))
+    assert engine.zero_model.owned_bytes()["gathered"] == 0
+    _, per_token = _generate_gathers(_zero3(False), ids)
+    assert per_token > 3 * gathers, (per_token, gathers)  # without the hybrid engine: per layer, per token
+    _train(engine, rank, range(2, 4))
+    theirs = dict(straight.iter_full_weights())
+    for name, value in engine.iter_full_weights():
+        assert torch.equal(value, theirs[name]), f"{name} differs after generate"
+
+
 def rank_fn(rank: int, world: int, *, folder: str) -> None:
     import slipstream as deepspeed
 
@@ -78,6 +128,7 @@ def rank_fn(rank: int, world: int, *, folder: str) -> None:
     assert {p.dtype for p in engine.parameters()} == {torch.bfloat16}
     with pytest.raises(RuntimeError, match="max_out_tokens"):
         engine.generate(ids, max_new_tokens=2)
+    _check_hybrid(rank, ids)
 
 
 def test_init_inference_matches_the_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
