@@ -60,11 +60,12 @@ class FP16Config(DSModel):
         "consecutive_hysteresis": "precision.loss_scale.consecutive_hysteresis",
         "min_loss_scale": "precision.loss_scale.min_scale",
         "fp16_master_weights_and_grads": "precision.master_dtype",
+        "auto_cast": "precision.param_dtype",
     }
     enabled: DSBool = False
     """Train with float16 parameters."""
     auto_cast: DSBool = False
-    """Cast floating-point inputs of the model to fp16."""
+    """Cast floating-point inputs of the model to fp16 (Slipstream casts them to the parameter dtype either way)."""
     loss_scale: DSFloat = 0.0
     """Static loss scale; 0 means dynamic loss scaling."""
     initial_scale_power: DSInt = Field(16, ge=0)

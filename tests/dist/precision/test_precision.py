@@ -1,7 +1,8 @@
 """Precision options on the engine at world 2 against a single-process run computed the same way:
-`torch_autocast` (bf16 forward, fp32 parameters) at ZeRO 0-3 and with CPU offload, and `bf16` master weights
-(with bf16 or, offloaded, fp32 Adam moments) at ZeRO 1-3, the reference stepping bf16 parameters with the same
-rounding. Parameters must be within a bound the dtype implies, and a reference with one step left out must
+`torch_autocast` (bf16 forward, fp32 parameters) at ZeRO 0, 2, 3 and with CPU offload, `bf16` master weights
+with bf16 Adam moments at ZeRO 1-3 and offloaded at ZeRO 3, offloaded with fp32 moments at ZeRO 2, and fp16
+masters (offloaded, with `auto_cast` inputs and a static loss scale), the reference stepping low-precision
+parameters with the same optimizer and rounding. Parameters must be within a bound the dtype implies, and a reference with one step left out must
 not be (the bound is tight enough to see one step). Also the bytes the planner predicts for bf16 masters and
 states at ZeRO-2, about half those of fp32 masters. One spawn runs every case."""
 
@@ -13,22 +14,28 @@ import torch.distributed as dist
 from tests.harness import run_distributed, run_subtests
 from tests.harness.models import TinyMLP
 
-STEPS = 4
+STEPS = 3
 BATCH = 8
 LR = 1e-2
 AUTOCAST = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
 BF16_STATES = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
 BF16_MASTERS = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}
+# auto_cast: the fp32 inputs reach the fp16 model cast to fp16 (else its first Linear refuses them)
+FP16_MASTERS = {"fp16": {"enabled": True, "loss_scale": 128, "fp16_master_weights_and_grads": True, "auto_cast": True}}
 CPU = {"offload_optimizer": {"device": "cpu"}}
 CASES = [
     *({"name": f"autocast z{s}", "extra": AUTOCAST, "zero": {"stage": s}, "kind": "autocast"} for s in (0, 2, 3)),
     {"name": "autocast z2 offload", "extra": AUTOCAST, "zero": {"stage": 2, **CPU}, "kind": "autocast"},
     *({"name": f"bf16 states z{s}", "extra": BF16_STATES, "zero": {"stage": s}, "kind": "bf16"} for s in (1, 2, 3)),
     {"name": "bf16 masters z2 offload", "extra": BF16_MASTERS, "zero": {"stage": 2, **CPU}, "kind": "bf16_fp32_states"},
+    {"name": "bf16 states z3 offload", "extra": BF16_STATES, "zero": {"stage": 3, **CPU}, "kind": "bf16_host_states"},
+    {"name": "fp16 masters z2 offload", "extra": FP16_MASTERS, "zero": {"stage": 2, **CPU}, "kind": "fp16"},
 ]
 # parameter bounds: fp32 parameters may differ by fp32 rounding (the order of the reduction); bf16 parameters
 # (|p| < 1) by one bf16 rounding step, 2**-8. A step of this AdamW moves a parameter by about LR = 1e-2.
-BOUNDS = {"autocast": 1e-6, "bf16": 2.0**-8, "bf16_fp32_states": 2.0**-8}
+BOUNDS = {"autocast": 1e-6, "bf16": 2.0**-8, "bf16_fp32_states": 2.0**-8, "bf16_host_states": 2.0**-8, "fp16": 2.0**-11}
+DTYPES = {"autocast": torch.float32, "fp16": torch.float16}  # the parameters' dtype; bf16 otherwise
+LOSS_SCALE = {"fp16": 128.0}
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -80,20 +87,21 @@ def reference(kind: str, steps: int) -> dict[str, torch.Tensor]:
     stepped by FusedAdam (AdamW) with bf16 moments (or the CPU Adam op with fp32 moments), rounded to nearest as stored."""
     from slipstream.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
-    model = TinyMLP()
-    if kind != "autocast":
-        model = model.to(torch.bfloat16)
-    if kind == "bf16_fp32_states":
-        opt: torch.optim.Optimizer = DeepSpeedCPUAdam(model.parameters(), lr=LR, weight_decay=0.01)
+    model = TinyMLP().to(DTYPES.get(kind, torch.bfloat16))
+    if kind in ("bf16_fp32_states", "bf16_host_states", "fp16"):  # offloaded: the CPU Adam op
+        fp32_states = kind != "bf16_host_states"
+        opt: torch.optim.Optimizer = DeepSpeedCPUAdam(model.parameters(), lr=LR, weight_decay=0.01,
+                                                      fp32_optimizer_states=fp32_states)
     else:  # what the config's "AdamW" builds on the accelerator
         opt = FusedAdam(model.parameters(), lr=LR, weight_decay=0.01, adam_w_mode=True)
+    scale = LOSS_SCALE.get(kind, 1.0)
     for inputs, targets in batches()[:steps]:
         for x, y in zip(inputs.chunk(2), targets.chunk(2)):  # the ranks' halves, gradients summed in their dtype
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "autocast"):
                 out = model(x.to(next(model.parameters()).dtype))
-            TinyMLP.loss(out, y).backward()
+            (TinyMLP.loss(out, y) * scale).backward()
         for p in model.parameters():
-            p.grad /= 2
+            p.grad /= 2 * scale
         opt.step()
         opt.zero_grad()
     return {n: p.detach().float() for n, p in model.named_parameters()}
@@ -111,8 +119,8 @@ def test_precision_options_match_reference_and_planner(tmp_path) -> None:  # typ
         for rank, result in enumerate(results):
             assert worst(result["params"], full) <= bound, (case["name"], rank, worst(result["params"], full))
             assert worst(result["params"], short) > 2 * bound, (case["name"], "one step left out is within bound")
-        want_params = "torch.float32" if kind == "autocast" else "torch.bfloat16"
-        want_states = "torch.bfloat16" if kind == "bf16" else "torch.float32"
+        want_params = str(DTYPES.get(kind, torch.bfloat16))
+        want_states = "torch.bfloat16" if kind in ("bf16", "bf16_host_states") else "torch.float32"
         assert results[0]["dtypes"] == [want_params] and results[0]["state_dtypes"] == [want_states], (case, results[0])
     check_planner_bytes(per_rank[0])
 
