@@ -110,7 +110,8 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2, mpu:
 
 
 def is_zero_supported_optimizer(optimizer: Any) -> bool:
-    """True for an optimizer ZeRO steps without `zero_allow_untested_optimizer` (an elementwise update)."""
+    """True for an optimizer ZeRO steps without `zero_allow_untested_optimizer`: an elementwise update, or one
+    that steps ZeRO's pieces through the whole-tensor map (LAMB, Muon)."""
     from slipstream.config.optimizers import REGISTRY
 
     name = type(optimizer).__name__

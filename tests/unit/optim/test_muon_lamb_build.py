@@ -63,10 +63,12 @@ def test_newton_schulz_is_near_orthogonal_and_scaled_by_shape() -> None:
 
 def test_fused_lamb_alias_and_coefficients() -> None:
     import slipstream.ops.lamb as lamb_module
+    from slipstream.runtime.zero.utils import is_zero_supported_optimizer
 
     assert lamb_module.FusedLamb is FusedLamb
     p, q = nn.Parameter(torch.ones(4)), nn.Parameter(torch.zeros(3))
     opt = FusedLamb([p, q], lr=0.1)
+    assert is_zero_supported_optimizer(opt)  # ZeRO steps it without zero_allow_untested_optimizer
     p.grad, q.grad = torch.full((4,), 0.5), torch.ones(3)
     opt.step()
     # ||p|| = 2, ||u|| = 2 (u = 1 per element after bias correction): ratio 1; q's weight norm 0: ratio 1
