@@ -115,6 +115,8 @@ def is_zero_supported_optimizer(optimizer: Any) -> bool:
     from slipstream.config.optimizers import REGISTRY
 
     name = type(optimizer).__name__
+    if getattr(type(optimizer), "wants_whole_tensors", False):
+        return True
     return any(name in spec.class_names and spec.elementwise for spec in REGISTRY.values())
 
 
