@@ -96,6 +96,16 @@ def _violations(graph: dict[str, set[str]], layer: str, allowed: set[str]) -> li
     )
 
 
+def _outside_users(graph: dict[str, set[str]], layer: str, users: set[str]) -> list[str]:
+    """Imports of `layer` by modules of neither `layer` nor `users`."""
+    return sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if _layer(target) == layer and _layer(module) not in users | {layer}
+    )
+
+
 def test_nothing_imports_the_engine_but_the_entry_point() -> None:
     graph = _imports()
     bad = sorted(
@@ -147,24 +157,14 @@ def test_model_parallel_layers_sit_on_comm() -> None:
 def test_moe_builds_on_comm_and_zero_and_nothing_below_needs_it() -> None:
     graph = _imports()
     bad = _violations(graph, "moe", {"comm", "zero", "config"} | LEAF_HELPERS)
-    bad += sorted(
-        f"{m} imports {t}"
-        for m, ts in graph.items()
-        for t in ts
-        if _layer(t) == "moe" and _layer(m) not in ("moe", "engine", "api", "compat", "<root>")
-    )
+    bad += _outside_users(graph, "moe", {"engine", "api", "compat", "<root>"})
     assert not bad, f"moe/ uses comm/ and zero/; zero/, checkpoint/ and the rest know nothing of it: {bad}"
 
 
 def test_inference_builds_on_parallel_and_checkpoint_and_only_the_entry_points_use_it() -> None:
     graph = _imports()
     bad = _violations(graph, "inference", {"accelerator", "config", "parallel", "checkpoint"} | LEAF_HELPERS)
-    bad += sorted(
-        f"{m} imports {t}"
-        for m, ts in graph.items()
-        for t in ts
-        if _layer(t) == "inference" and _layer(m) not in ("inference", "engine", "api", "compat", "<root>")
-    )
+    bad += _outside_users(graph, "inference", {"engine", "api", "compat", "<root>"})
     assert not bad, f"inference/ prepares a model with parallel/ and checkpoint/; training code never needs it: {bad}"
 
 
@@ -176,12 +176,7 @@ def test_precision_sits_on_config_and_the_accelerator() -> None:
 def test_our_optimizers_sit_on_zero_and_comm() -> None:
     graph = _imports()
     bad = _violations(graph, "optim", {"accelerator", "comm", "config", "zero"} | LEAF_HELPERS)
-    bad += sorted(
-        f"{m} imports {t}"
-        for m, ts in graph.items()
-        for t in ts
-        if _layer(t) == "optim" and _layer(m) not in ("optim", "engine", "api", "compat", "<root>")
-    )
+    bad += _outside_users(graph, "optim", {"engine", "api", "compat", "<root>"})
     assert not bad, f"optim/ steps ZeRO's pieces (comm/, zero/); only the engine and compat/ build on it: {bad}"
 
 
