@@ -28,19 +28,34 @@ from slipstream.comm import collectives
 __all__ = ["OneBitAllReduce", "compress_rows", "pack_signs", "unpack_signs"]
 
 _SCALE_BYTES = 4  # one float32 scale per packed row
-_BIT_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)  # first sign in the high bit
+# [Note: packing signs with one multiply] Eight sign bytes (0 or 1) read as one little-endian int64 v: the
+# product v * _GATHER has, in its top byte, byte 0 in bit 7 down to byte 7 in bit 0 (no carries reach it, since
+# every byte is 0 or 1). Unpacking copies the byte into all eight (p * _SPREAD) and keeps bit 7 - k in byte k.
+_GATHER = 0x8040201008040201 - 2**64  # as a signed int64
+_SPREAD = 0x0101010101010101
+_BIT_OF_BYTE = 0x0102040810204080
+
+
+def _pack_bits(nonneg: torch.Tensor) -> torch.Tensor:
+    """[r, n] bool (n a multiple of 8) -> [r, n / 8] uint8, the first of each 8 in the high bit."""
+    eights = nonneg.view(torch.uint8).view(torch.int64)  # see [Note: packing signs with one multiply]
+    return eights.mul(_GATHER).bitwise_right_shift_(56).bitwise_and_(0xFF).to(torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
+    """[r, m] uint8 -> [r, 8 m] bool (the inverse of `_pack_bits`)."""
+    spread = packed.to(torch.int64).mul_(_SPREAD).bitwise_and_(_BIT_OF_BYTE)
+    return spread.view(torch.uint8).ne(0)
 
 
 def pack_signs(rows: torch.Tensor) -> torch.Tensor:
     """[r, n] values (n a multiple of 8) -> [r, n / 8] uint8: bit set where the value is >= 0."""
-    bits = (rows >= 0).to(torch.uint8).view(rows.shape[0], -1, 8)
-    return (bits << _BIT_SHIFTS.to(rows.device)).sum(dim=-1, dtype=torch.uint8)
+    return _pack_bits((rows >= 0).contiguous())
 
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[r, m] uint8 -> [r, 8 m] of +1 / -1 in `dtype` (the inverse of `pack_signs` on signs)."""
-    bits = (packed.unsqueeze(-1) >> _BIT_SHIFTS.to(packed.device)) & 1
-    return bits.view(packed.shape[0], -1).to(dtype).mul_(2).sub_(1)
+    return _unpack_bits(packed).to(dtype).mul_(2).sub_(1)
 
 
 def compress_rows(rows: torch.Tensor, error: torch.Tensor, packed: torch.Tensor) -> None:
@@ -48,15 +63,21 @@ def compress_rows(rows: torch.Tensor, error: torch.Tensor, packed: torch.Tensor)
     and write the compression error into `error` (same shape as `rows`). See [Note: 1-bit compression]."""
     num_rows, numel = rows.shape
     scales = torch.linalg.vector_norm(rows, dim=1, keepdim=True).div_(math.sqrt(numel))
-    torch.addcmul(rows, scales, torch.where(rows >= 0, 1.0, -1.0).to(rows.dtype), value=-1, out=error)
-    packed[:, : numel // 8] = pack_signs(rows)
+    nonneg = rows >= 0
+    torch.sub(rows, _signed(nonneg, scales, rows.dtype), out=error)  # rows - scale * sign
+    packed[:, : numel // 8] = _pack_bits(nonneg)
     packed[:, numel // 8 :] = scales.to(torch.float32).view(torch.uint8).view(num_rows, _SCALE_BYTES)
 
 
 def decompress_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[r, m + 4] packed rows -> [r, 8 m] values scale * sign, in `dtype`."""
-    scales = packed[:, -_SCALE_BYTES:].contiguous().view(torch.float32)  # [r, 1]
-    return unpack_signs(packed[:, :-_SCALE_BYTES], dtype).mul_(scales.to(dtype))
+    scales = packed[:, -_SCALE_BYTES:].contiguous().view(torch.float32).to(dtype)  # [r, 1]
+    return _signed(_unpack_bits(packed[:, :-_SCALE_BYTES]), scales, dtype)
+
+
+def _signed(nonneg: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """scale where `nonneg`, else -scale, per row: 2 s b - s is exact (and faster than torch.where here)."""
+    return nonneg.to(dtype).mul_(scales * 2).sub_(scales)
 
 
 class OneBitAllReduce:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -160,9 +161,67 @@ def check_after_warmup(rank: int, world: int) -> None:
             assert torch.equal(gathered[0], gathered[1])
 
 
+def check_low_precision(rank: int, world: int) -> None:
+    """bf16 and fp16 (loss scaling) train through the compressed steps too."""
+    for precision in ({"bf16": {"enabled": True}}, {"fp16": {"enabled": True, "initial_scale_power": 8}}):
+        for kind, params in (("OneBitAdam", {"freeze_step": WARMUP_STEPS}), ("ZeroOneAdam", {"var_freeze_step": 4})):
+            losses = train(rank, world, onebit(kind, **params), steps=STEPS, precision=precision)["losses"]
+            assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.5 * losses[0], (kind, precision, losses)
+
+
+def compressed_steps(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, *, rank: int, steps: int) -> None:
+    for step in range(steps):
+        param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(100 * step + rank))
+        optimizer.step()
+
+
+def check_error_buffers_in_state_dict(rank: int, world: int) -> None:
+    """state_dict holds the errors: a copy loaded at the same world size steps exactly as the original; loaded
+    with another world size recorded, its errors restart from zero (and a line is logged)."""
+    import logging
+
+    from slipstream.optim.onebit import OneBitAdam
+    from slipstream.utils.logging import get_logger
+
+    def fresh() -> tuple[OneBitAdam, torch.nn.Parameter]:
+        param = torch.nn.Parameter(torch.linspace(-1, 1, 29))
+        optimizer = OneBitAdam([param], lr=0.01, freeze_step=1, comm_backend_name="gloo")
+        optimizer.takes_over_reduction(None)
+        return optimizer, param
+
+    original, param = fresh()
+    compressed_steps(original, param, rank=rank, steps=4)
+    saved = copy.deepcopy(original.state_dict())  # its tensors are the optimizer's own, as torch's are
+    assert saved["onebit_errors"]["world_size"] == world and saved["onebit_errors"]["buffers"]["0.0.worker"].abs().sum() > 0
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    get_logger().addHandler(handler)
+    try:
+        for recorded_world, same in ((world, True), (world + 1, False)):
+            loaded, copied = fresh()
+            with torch.no_grad():
+                copied.copy_(param)
+            saved["onebit_errors"]["world_size"] = recorded_world
+            loaded.load_state_dict(copy.deepcopy(saved))
+            reference, ref_param = (original, param) if same else fresh()
+            if not same:
+                reference.load_state_dict(copy.deepcopy({k: v for k, v in saved.items() if k != "onebit_errors"}))
+                with torch.no_grad():
+                    ref_param.copy_(param)
+            compressed_steps(loaded, copied, rank=rank, steps=1)
+            compressed_steps(reference, ref_param, rank=rank, steps=1)
+            assert torch.equal(copied, ref_param), f"world {recorded_world}"
+    finally:
+        get_logger().removeHandler(handler)
+    assert len([m for m in logged if "start again from zero" in m]) == 1, logged
+
+
 def run_all(rank: int, world: int) -> None:
     check_all_reduce(rank, world)
+    check_error_buffers_in_state_dict(rank, world)
     check_warmup(rank, world)
     check_after_warmup(rank, world)
+    check_low_precision(rank, world)
 def test_onebit_all_reduce_and_optimizers() -> None:
     run_distributed(run_all, world_size=2, timeout_s=240)

@@ -1,0 +1,113 @@
+"""Bytes on the wire per optimizer step: Adam's fp32 gradient all-reduce against 1-bit Adam and 0/1 Adam.
+
+    python bench/optimizers_onebit.py [--quick] [--layers 48] [--width 1024] [--steps 4]
+
+Two ranks (gloo, one thread each) train a stack of `--layers` Linear(width, width) layers (48 x 1024: 50.4M
+parameters, fp32, ZeRO stage 0, the default bucket size: one bucket) with each optimizer through the engine.
+Each rank counts the bytes it hands to the collectives in every step (slipstream.comm's counter: the
+all-reduce's buffer, the all-to-all's input, the all-gather's output), split into warm-up steps (full
+precision) and compressed steps. The ratio is Adam's bytes per step over the optimizer's; the target is >= 16x
+per compressed step. 0/1 Adam syncs every `local_step_interval` steps once its variance is frozen; its
+row runs with the interval at 1 (every step synchronises), the most it ever sends. DeepSpeed's 1-bit optimizers
+need NCCL and cupy, so there is no peer row on CPU. The step time is printed for information only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+ROWS = {
+    "Adam": {"type": "Adam", "params": {"lr": 1e-4}},
+    "OneBitAdam": {"type": "OneBitAdam", "params": {"lr": 1e-4, "freeze_step": 1, "comm_backend_name": "gloo"}},
+    "ZeroOneAdam": {
+        "type": "ZeroOneAdam",
+        "params": {"lr": 1e-4, "var_freeze_step": 0, "var_update_scaler": 1, "comm_backend_name": "gloo"},
+    },
+}
+
+
+def make_model(layers: int, width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+
+
+WIRE_SHARE = {"all_reduce": 2.0, "all_to_all": 1.0, "all_gather": 1.0}
+"""What a rank sends of a counted buffer, times (world - 1) / world: a ring all-reduce sends its buffer twice over
+(reduce-scatter, then all-gather), an all-to-all and an all-gather once (less the rank's own chunk)."""
+
+
+def measure(optimizer: dict, *, layers: int, width: int, steps: int) -> list[tuple[int, float, float]]:
+    """(bytes this rank handed to collectives, bytes it sent on the wire, seconds) for each of `steps` steps."""
+    import slipstream
+    from slipstream.comm import count_collectives
+
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": optimizer, "steps_per_print": 10**6}
+    engine, _, _, _ = slipstream.initialize(model=make_model(layers, width), config=config)
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        with count_collectives() as counted:
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+        world = dist.get_world_size()
+        wire = sum(WIRE_SHARE.get(op, 1.0) * size * (world - 1) / world for op, size in counted.bytes.items())
+        out.append((sum(counted.bytes.values()), wire, time.perf_counter() - started))
+    engine.destroy()
+    return out
+
+
+def rank_main(rank: int, store_path: str, args: argparse.Namespace) -> None:
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    results = {name: measure(cfg, layers=args.layers, width=args.width, steps=args.steps) for name, cfg in ROWS.items()}
+    if rank == 0:
+        report(results, layers=args.layers, width=args.width)
+    dist.destroy_process_group()
+
+
+def report(results: dict[str, list[tuple[int, float, float]]], *, layers: int, width: int) -> None:
+    params = layers * (width * width + width)
+    adam = results["Adam"][-1]
+    print(f"{params / 1e6:.1f}M parameters, fp32, 2 ranks (gloo), rank 0's bytes per step: counted (the buffers "
+          "handed to collectives) and sent (on the wire: ring all-reduce)")
+    print(f"{'optimizer':<12} {'step':>4} {'kind':<11} {'counted':>13} {'Adam/this':>10} {'sent':>13} "
+          f"{'Adam/this':>10} {'seconds':>8}")
+    warmups = {"Adam": 10**9, "OneBitAdam": 1, "ZeroOneAdam": 1}
+    for name, steps in results.items():
+        for number, (counted, sent, seconds) in enumerate(steps, start=1):
+            kind = "full" if number <= warmups[name] else "compressed"
+            print(f"{name:<12} {number:>4} {kind:<11} {counted:>13,} {adam[0] / counted:>9.2f}x {sent:>13,.0f} "
+                  f"{adam[1] / sent:>9.2f}x {seconds:>8.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 layers of 256, 3 steps")
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    if args.quick:
+        args.layers, args.width, args.steps = 4, 256, 3
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(rank_main, args=(os.path.join(tmp, "store"), args), nprocs=2, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()
