@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from slipstream.cli.sizes import parse_bytes, positive_int
 from slipstream.launcher import runner
 
 HELP = "launch a training script on this machine or many (DeepSpeed's `deepspeed` command)"
@@ -16,9 +17,23 @@ HELP = "launch a training script on this machine or many (DeepSpeed's `deepspeed
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     runner.add_arguments(parser)
+    add = parser.add_argument
+    add(
+        "--autotuning_memory",
+        type=parse_bytes,
+        default=None,
+        help="autotuning: memory budget per rank "
+        "(Slipstream's; default the accelerator's memory, shared by the local ranks on the CPU), e.g. 16G",
+    )
+    add("--autotuning_trials", type=positive_int, default=3, help="autotuning: most full trials (Slipstream's)")
+    add("--autotuning_timeout", type=float, default=600.0, help="autotuning: seconds per launch (Slipstream's)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "autotuning", ""):  # the tuner launches the script itself (slipstream/autotuning/)
+        from slipstream.autotuning.command import run_autotuning
+
+        return run_autotuning(args)
     return runner.run(args)
 
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ActivationCheckpointPlan",
     "AioPlan",
+    "AutotuningPlan",
     "BatchPlan",
     "CheckpointPlan",
     "CpuTarget",
@@ -383,6 +384,31 @@ class PipelinePlan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class AutotuningPlan:
+    """The `autotuning` section: the tuner's search (slipstream/autotuning/) and a profiled run's metrics."""
+
+    enabled: bool
+    """The engine writes its step metrics to `metric_path` after `end_profile_step` and exits."""
+    metric_path: str
+    results_dir: str
+    exps_dir: str
+    overwrite: bool
+    metric: str
+    """"throughput" (samples/s, higher wins) or "latency" (s per step, lower wins)."""
+    start_profile_step: int
+    end_profile_step: int
+    fast: bool
+    """True: the reduce bucket size is left as configured (not a dimension of the search)."""
+    max_train_batch_size: int | None
+    min_micro_batch_size: int
+    max_micro_batch_size: int
+    num_tuning_micro_batch_sizes: int
+    tuner_num_trials: int
+    tuner_early_stopping: int
+    arg_mappings: dict[str, str]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EnginePlan:
     """Everything the engine needs, resolved from one DeepSpeed config."""
 
@@ -408,5 +434,6 @@ class EnginePlan:
     """`hybrid_engine.enabled`: `engine.generate()` gathers the ZeRO-3 model once per call (engine/weight_handoff.py)."""
     parallel: ParallelPlan
     """Tensor and sequence parallelism."""
+    autotuning: AutotuningPlan
     resolved: dict[str, Any]
     """The full resolved config as plain JSON data, defaults and "auto" filled in (what rank 0 logs)."""

@@ -44,6 +44,7 @@ from slipstream.config.schema.zero import OffloadParamConfig
 from slipstream.config.section_plans import (
     activation_checkpoint_plan,
     activation_plan,
+    autotuning_plan,
     checkpoint_plan,
     logging_plan,
     parallel_plan,
@@ -105,6 +106,8 @@ def resolve(
     if optimizer is not None and optimizer.name.lower() in DEEPSPEED_ONLY:
         unimplemented.append(f"optimizer.type={optimizer.name}")
     unimplemented += unhonoured_at_stage(cfg.zero_optimization)
+    if cfg.autotuning.metric == "flops":  # the tuner ranks by throughput or latency only
+        unimplemented.append("autotuning.metric=flops")
     return EnginePlan(
         batch=batch,
         precision=precision,
@@ -116,6 +119,7 @@ def resolve(
         dataloader_drop_last=cfg.dataloader_drop_last,
         checkpoint=checkpoint_plan(cfg),
         pipeline=pipeline_plan(cfg),
+        autotuning=autotuning_plan(cfg),
         collective_timeout=cfg.collective_timeout,
         parallel=parallel,
         hybrid_generate=cfg.hybrid_engine.enabled,

@@ -1,10 +1,11 @@
 """The config's smaller sections as plans: parallelism degrees and TP rules, precision and loss scaling,
 activation checkpointing, logging and monitors, checkpoint and pipeline options. One function per section;
-each reads the validated schema and fills every plan field from it."""
+each reads the validated schema and fills every plan field from it; the autotuning section too."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from pydantic import ValidationError
@@ -12,6 +13,7 @@ from pydantic import ValidationError
 from slipstream.config.errors import ConfigError, pydantic_problems
 from slipstream.config.plan import (
     ActivationCheckpointPlan,
+    AutotuningPlan,
     CheckpointPlan,
     CometPlan,
     CommsLogPlan,
@@ -31,6 +33,7 @@ from slipstream.config.schema.top import DeepSpeedConfig
 __all__ = [
     "activation_checkpoint_plan",
     "activation_plan",
+    "autotuning_plan",
     "checkpoint_plan",
     "logging_plan",
     "param_dtype_of",
@@ -147,6 +150,18 @@ def logging_plan(cfg: DeepSpeedConfig) -> LoggingPlan:
         comms_log=_same_named(comms, CommsLogPlan, prof_ops=tuple(comms.prof_ops)) if comms.enabled else None,
         throughput_timer=cfg.timers.throughput.enabled,
         throughput_synchronized=cfg.timers.throughput.synchronized,
+    )
+
+
+def autotuning_plan(cfg: DeepSpeedConfig) -> AutotuningPlan:
+    section = cfg.autotuning
+    return _same_named(
+        section,
+        AutotuningPlan,
+        metric_path=section.metric_path or os.path.join(os.getcwd(), "autotuning_metric.json"),
+        min_micro_batch_size=section.min_train_micro_batch_size_per_gpu,
+        max_micro_batch_size=section.max_train_micro_batch_size_per_gpu,
+        arg_mappings=dict(section.arg_mappings or {}),
     )
 
 

@@ -35,7 +35,7 @@ from slipstream.config.plan import EnginePlan
 from slipstream.engine import builders
 from slipstream.engine.model_saving import ModelSaving
 from slipstream.engine.monitor import StepFigures, step_events
-from slipstream.engine.observe import CommsLog, StepProfiler
+from slipstream.engine.observe import CommsLog, step_observers, step_profiler
 from slipstream.engine.parallel import setup_parallel
 from slipstream.engine.post_training import PostTraining
 from slipstream.engine.save_load import SaveLoad
@@ -165,15 +165,10 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         """Monitors, the flops profiler, the comms logger, the progress line, activation checkpointing."""
         plan = self.plan
         self.monitors = make_monitors(plan.logging.monitor) if self.global_rank == 0 else []
-        flops, comms = plan.logging.flops_profile, plan.logging.comms_log
-        self._step_profiler = (
-            None
-            if flops is None
-            else StepProfiler(
-                flops, self.module, rank=self.global_rank, accumulation=plan.batch.gradient_accumulation_steps
-            )
-        )
+        comms = plan.logging.comms_log
+        self._step_profiler = step_profiler(plan, self.module, rank=self.global_rank)
         self._comms_log = None if comms is None else CommsLog(comms, rank=self.global_rank)
+        self._step_observers = step_observers(self._step_profiler, plan, self.module, rank=self.global_rank)
         self._progress = (
             Progress("train", unit="step", lines=False)  # a bar in a terminal; the step lines otherwise
             if self.global_rank == 0 and plan.logging.steps_per_print
@@ -339,8 +334,8 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
             self.lr_scheduler.step(**lr_kwargs)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
-        if self._step_profiler is not None:
-            self._step_profiler.step_ended(self.global_steps)
+        for observer in self._step_observers:  # the flops profiler, an autotuning trial (may end the run)
+            observer.step_ended(self.global_steps)
         self._finish_window()
 
     def _step_grad_divisor(self) -> float:

@@ -5,24 +5,49 @@ and prints the profile on rank 0 when that step ends; from then on the step line
 (the training step taken as 3 forwards, plus `recompute_fwd_factor`) and MFU where the device's peak is known.
 The comms logger (`comms_logger` section) counts every collective the engine and its components issue
 (calls, bytes, time) with the collectives layer's own counter, summarised every `steps_per_print` steps and
-by `engine.comms_summary()`.
+by `engine.comms_summary()`. `step_observers` lists what hears of each optimizer step's end (the profiler, an
+autotuning trial).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from slipstream.accelerator.peak import peak_flops
+from slipstream.autotuning.trial import trial_recorder
 from slipstream.comm import counting
-from slipstream.config.plan import CommsLogPlan, FlopsProfilePlan
+from slipstream.config.plan import CommsLogPlan, EnginePlan, FlopsProfilePlan
 from slipstream.profiling.flops_profiler import FlopsProfiler, number_to_string, training_flops
 from slipstream.utils.logging import log_rank0
 
-__all__ = ["CommsLog", "StepProfiler"]
+__all__ = ["CommsLog", "StepObserver", "StepProfiler", "step_observers", "step_profiler"]
+
+
+class StepObserver(Protocol):
+    """Told the number of every optimizer step that ends (1-based)."""
+
+    def step_ended(self, step: int) -> None: ...
+
+
+def step_profiler(plan: EnginePlan, module: nn.Module, *, rank: int) -> StepProfiler | None:
+    """The flops profiler when the `flops_profiler` section is enabled, else None."""
+    flops = plan.logging.flops_profile
+    if flops is None:
+        return None
+    return StepProfiler(flops, module, rank=rank, accumulation=plan.batch.gradient_accumulation_steps)
+
+
+def step_observers(
+    profiler: StepProfiler | None, plan: EnginePlan, module: nn.Module, *, rank: int
+) -> list[StepObserver]:
+    """What the engine tells after each optimizer step: the flops profiler, and the autotuning trial recorder
+    when the run is profiled for the tuner (slipstream/autotuning/trial.py; it may end the run)."""
+    trial = trial_recorder(plan, module, rank=rank)
+    return [observer for observer in (profiler, trial) if observer is not None]
 
 
 class StepProfiler:

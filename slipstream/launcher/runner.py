@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--autotuning",
         default="",
         choices=["tune", "run"],
-        help="DeepSpeed's autotuner: not built in Slipstream (refused with a message)",
+        help="tune the config in a few short trials, then (run) launch the best (through `slipstream run` only)",
     )
     add("user_script", help="the training script (module with --module, program with --no_python)")
     add("user_args", nargs=argparse.REMAINDER, help="arguments of the training script")
@@ -220,7 +220,8 @@ def run(args: argparse.Namespace, *, raise_errors: bool = False) -> int:
         from slipstream.utils.errors import NotBuiltError
 
         refusal = NotBuiltError(
-            f"autotuning (--autotuning {args.autotuning})", "launch without --autotuning and set the config yourself"
+            f"autotuning from python -m slipstream.launcher.runner (--autotuning {args.autotuning})",
+            f"use `slipstream run --autotuning {args.autotuning} ...` (or DeepSpeed's `deepspeed` script)",
         )
         if raise_errors:
             raise refusal

@@ -168,6 +168,12 @@ def test_inference_builds_on_parallel_and_checkpoint_and_only_the_entry_points_u
     assert not bad, f"inference/ prepares a model with parallel/ and checkpoint/; training code never needs it: {bad}"
 
 
+def test_the_tuner_launches_training_and_never_imports_it() -> None:
+    allowed = {"accelerator", "config", "launcher", "planner"} | LEAF_HELPERS
+    bad = _violations(_imports(), "autotuning", allowed)
+    assert not bad, f"autotuning/ runs trials as launched jobs over the planner; it imports no training code: {bad}"
+
+
 def test_precision_sits_on_config_and_the_accelerator() -> None:
     bad = _violations(_imports(), "precision", {"accelerator", "config"} | LEAF_HELPERS)
     assert not bad, f"precision/ turns the precision plan into autocast regions and optimizer settings: {bad}"

@@ -196,28 +196,68 @@ class ElasticityConfig(DSModel):
 
 
 class AutotuningConfig(OpenSection):
-    """`autotuning`: DeepSpeed's autotuner (further keys are kept as given)."""
+    """`autotuning`: DeepSpeed's autotuner, behind `slipstream run --autotuning tune|run` (slipstream/autotuning/;
+    further keys are kept as given)."""
+
+    IMPLEMENTED = {
+        "enabled": "autotuning.enabled",
+        "results_dir": "autotuning.results_dir",
+        "exps_dir": "autotuning.exps_dir",
+        "overwrite": "autotuning.overwrite",
+        "metric": "autotuning.metric",
+        "metric_path": "autotuning.metric_path",
+        "start_profile_step": "autotuning.start_profile_step",
+        "end_profile_step": "autotuning.end_profile_step",
+        "fast": "autotuning.fast",
+        "max_train_batch_size": "autotuning.max_train_batch_size",
+        "min_train_micro_batch_size_per_gpu": "autotuning.min_micro_batch_size",
+        "max_train_micro_batch_size_per_gpu": "autotuning.max_micro_batch_size",
+        "num_tuning_micro_batch_sizes": "autotuning.num_tuning_micro_batch_sizes",
+        "tuner_early_stopping": "autotuning.tuner_early_stopping",
+        "tuner_num_trials": "autotuning.tuner_num_trials",
+        "arg_mappings": "autotuning.arg_mappings",
+    }
 
     enabled: DSBool = False
-    """Run the autotuner."""
+    """Profile this run: write the step metrics to `metric_path` after `end_profile_step`, then exit (the tuner
+    sets it in each trial's config)."""
     fast: DSBool = True
-    """Tune only the micro batch size and ZeRO stage."""
+    """Tune only the micro batch size, ZeRO stage and optimizer offload (false: the reduce bucket size too)."""
     results_dir: str = "autotuning_results"
     """Where results are written."""
     exps_dir: str = "autotuning_exps"
     """Where experiments are written."""
     overwrite: DSBool = True
     """Overwrite earlier results."""
-    start_profile_step: DSInt = 3
+    metric: Literal["throughput", "latency", "flops"] = "throughput"
+    """What the best trial maximises (throughput) or minimises (latency)."""
+    metric_path: str | None = None
+    """Metrics file of a profiled run (default ./autotuning_metric.json)."""
+    start_profile_step: DSInt = Field(3, ge=0)
     """First profiled step."""
-    end_profile_step: DSInt = 5
+    end_profile_step: DSInt = Field(5, ge=1)
     """Last profiled step."""
     tuner_type: str = "gridsearch"
     """gridsearch, random or model_based."""
-    tuner_early_stopping: DSInt = 5
+    tuner_early_stopping: DSInt = Field(5, ge=1)
     """Stop after this many experiments without improvement."""
-    tuner_num_trials: DSInt = 50
+    tuner_num_trials: DSInt = Field(50, ge=1)
     """Most experiments."""
+    max_train_batch_size: DSInt | None = None
+    """Largest global batch a trial may use."""
+    min_train_batch_size: DSInt = 1
+    """Smallest global batch a trial may use."""
+    min_train_micro_batch_size_per_gpu: DSInt = Field(1, ge=1)
+    """Smallest micro batch tried."""
+    max_train_micro_batch_size_per_gpu: DSInt = Field(1024, ge=1)
+    """Largest micro batch tried."""
+    num_tuning_micro_batch_sizes: DSInt = Field(3, ge=1)
+    """Micro batch sizes tried per ZeRO configuration."""
+    mp_size: DSInt = 1
+    """Model-parallel degree."""
+    arg_mappings: dict[str, str] | None = None
+    """Config key -> the training script's argument that carries its value (`{"train_micro_batch_size_per_gpu":
+    "--per_device_train_batch_size"}`)."""
 
 
 class CompileConfig(OpenSection):

@@ -223,7 +223,7 @@ def test_implemented_keys_are_not_listed() -> None:
         {"amp": {"enabled": True, "opt_level": "O1"}},
         {"pipeline": {"partition": "uniform"}},
         {"elasticity": {"enabled": False, "min_time": 20}},
-        {"autotuning": {"enabled": True, "metric": "throughput"}},
+        {"autotuning": {"enabled": True, "tuner_type": "model_based", "metric": "flops"}},
         {"compression_training": {"weight_quantization": {}}},
         {"data_efficiency": {"enabled": True}},
         {"tensor_parallel": {"tp_overlap_comm": True}},

@@ -1,0 +1,87 @@
+"""The planner's figures for every candidate, computed inside the profile run where the real model lives.
+
+The tuner writes a request (`{"candidates": {name: config}, "profiled": name, "answer": path, "gpus_per_node":
+n}`); the profile run's engine calls `answer_request` after its first optimizer step, on rank 0. Each candidate's
+config is resolved as the engine would resolve it and estimated on the engine's own module (stage-3 parameters
+keep their global shapes), so the figures are the ones `slipstream plan` prints for that config. On an
+accelerator that counts its own allocations, the profile step's peak beyond the planner's figure for the profiled
+config is taken as activations, per sample of the micro batch; on the CPU the process's RSS says nothing of that
+and activations stay unknown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from torch import nn
+
+from slipstream.autotuning.files import write_json
+from slipstream.planner.estimate import estimate_option, settings_from_config
+from slipstream.planner.shapes import from_module
+from slipstream.planner.types import OWNED_ROLES, Settings
+
+__all__ = ["Figures", "answer_request", "device_is_host", "estimate_config", "read_answer"]
+
+
+def device_is_host() -> bool:
+    """Whether the accelerator is the CPU (the planner's own test): device and host are then one memory."""
+    return Settings().device_is_host
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Figures:
+    """One candidate's bytes per rank (model states from the planner; activations measured or unknown)."""
+
+    device: int
+    """Model states on the device, per rank (activations excluded)."""
+    host: int
+    """Model states on the host, per rank."""
+    activations: int | None
+
+
+def estimate_config(
+    config: dict[str, object], *, module: nn.Module, world_size: int, gpus_per_node: int
+) -> tuple[int, int]:
+    """(device bytes, host bytes) per rank of the planner's model states for `config` on `module`: what
+    `engine.optimizer.owned_bytes()` counts (within 5%, tests/dist/planner), split by where it lives. The
+    planner's bounds on transient gradients and gathered units are left out, so no candidate is ever skipped
+    for a figure the planner only bounds from above."""
+    settings, option, _micro = settings_from_config(config, world_size=world_size)
+    result = estimate_option(
+        from_module(module), option, settings=settings, world=world_size, gpus_per_node=gpus_per_node
+    )
+    device = sum(result.device.get(role, 0) for role in OWNED_ROLES)
+    return device, result.model_states - device
+
+
+def answer_request(
+    request_path: str, *, module: nn.Module, world_size: int, micro_batch: int, peak_memory: int
+) -> None:
+    """Estimate every candidate of the request and write the answer file (see the module's docstring)."""
+    request = json.loads(Path(request_path).read_text())
+    gpus_per_node = int(request.get("gpus_per_node", 1))
+    answer: dict[str, dict[str, int]] = {}
+    for name, config in request["candidates"].items():
+        device, host = estimate_config(config, module=module, world_size=world_size, gpus_per_node=gpus_per_node)
+        answer[name] = {"device": device, "host": host}
+    per_sample = None
+    if not device_is_host() and peak_memory > 0:
+        profiled = answer[request["profiled"]]["device"]
+        per_sample = max(0, peak_memory - profiled) // max(micro_batch, 1)
+    write_json(request["answer"], {"candidates": answer, "activations_per_sample": per_sample})
+
+
+def read_answer(path: Path, micro_batches: dict[str, int]) -> dict[str, Figures]:
+    """The answer file as figures per candidate name (`micro_batches`: each name's micro batch)."""
+    data = json.loads(path.read_text())
+    per_sample = data.get("activations_per_sample")
+    return {
+        name: Figures(
+            device=int(row["device"]),
+            host=int(row["host"]),
+            activations=None if per_sample is None else int(per_sample) * micro_batches[name],
+        )
+        for name, row in data["candidates"].items()
+    }

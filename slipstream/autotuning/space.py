@@ -1,0 +1,125 @@
+"""The search space: one `Candidate` per ZeRO stage x optimizer offload x micro batch (x reduce bucket size when
+`autotuning.fast` is false), the gradient accumulation that keeps `train_batch_size` when the config fixes it,
+and the DeepSpeed config of each candidate (the user's config with the candidate's keys written over it).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+from slipstream.config.plan import AutotuningPlan
+
+__all__ = ["BUCKET_SIZES", "Candidate", "candidate_config", "grid", "micro_batch_sizes", "optimal_config"]
+
+BUCKET_SIZES = (50_000_000, 500_000_000, 1_000_000_000)
+"""Reduce bucket sizes tried when `autotuning.fast` is false (DeepSpeed's tuning space for stages 1-3)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """One configuration to consider: what the tuner writes over the user's config."""
+
+    stage: int
+    offload_optimizer: bool
+    micro_batch: int
+    grad_accum: int
+    reduce_bucket_size: int | None
+    """None: the user's own (the dimension is not searched)."""
+
+    @property
+    def name(self) -> str:
+        bucket = "" if self.reduce_bucket_size is None else f"_rbs{self.reduce_bucket_size:.0e}".replace("+", "")
+        offload = "_offload" if self.offload_optimizer else ""
+        return f"z{self.stage}{offload}_mbs{self.micro_batch}_gas{self.grad_accum}{bucket}"
+
+
+def micro_batch_sizes(plan: AutotuningPlan) -> list[int]:
+    """Powers of two between the smallest and largest micro batch, both ends included."""
+    low, high = plan.min_micro_batch_size, plan.max_micro_batch_size
+    if low > high:
+        raise ValueError(
+            f"autotuning.min_train_micro_batch_size_per_gpu={low} is above max_train_micro_batch_size_per_gpu={high}; "
+            "lower the first or raise the second"
+        )
+    sizes = {low, high}
+    power = 1
+    while power <= high:
+        if power >= low:
+            sizes.add(power)
+        power *= 2
+    return sorted(sizes)
+
+
+def _accumulation(user: dict[str, object], micro: int, world: int, plan: AutotuningPlan) -> int | None:
+    """The gradient accumulation for `micro` on `world` ranks, or None when the batch rules exclude it."""
+    fixed = user.get("train_batch_size")
+    if isinstance(fixed, int) and not isinstance(fixed, bool):
+        return fixed // (micro * world) if fixed % (micro * world) == 0 else None
+    accum = user.get("gradient_accumulation_steps")
+    accum = accum if isinstance(accum, int) and not isinstance(accum, bool) and accum > 0 else 1
+    if plan.max_train_batch_size is not None and micro * accum * world > plan.max_train_batch_size:
+        return None
+    return accum
+
+
+def grid(plan: AutotuningPlan, user: dict[str, object], *, world: int) -> list[Candidate]:
+    """Every candidate of the space for `world` data-parallel ranks (stage 0 has no optimizer offload)."""
+    buckets: tuple[int | None, ...] = (None,) if plan.fast else BUCKET_SIZES
+    found = []
+    for stage in (0, 1, 2, 3):
+        for offload in (False, True) if stage else (False,):
+            for micro in micro_batch_sizes(plan):
+                accum = _accumulation(user, micro, world, plan)
+                if accum is None:
+                    continue
+                for bucket in buckets:
+                    found.append(
+                        Candidate(
+                            stage=stage,
+                            offload_optimizer=offload,
+                            micro_batch=micro,
+                            grad_accum=accum,
+                            reduce_bucket_size=bucket,
+                        )
+                    )
+    return found
+
+
+def candidate_config(user: dict[str, object], candidate: Candidate, *, world: int) -> dict[str, object]:
+    """The user's config (its `autotuning` section dropped) with the candidate's batch and ZeRO keys."""
+    config = copy.deepcopy(user)
+    config.pop("autotuning", None)
+    config["train_micro_batch_size_per_gpu"] = candidate.micro_batch
+    config["gradient_accumulation_steps"] = candidate.grad_accum
+    config["train_batch_size"] = candidate.micro_batch * candidate.grad_accum * world
+    zero = config.get("zero_optimization")
+    zero = dict(zero) if isinstance(zero, dict) else {}
+    zero["stage"] = candidate.stage
+    zero.pop("offload_optimizer", None)
+    if candidate.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if candidate.reduce_bucket_size is not None:
+        zero["reduce_bucket_size"] = candidate.reduce_bucket_size
+    config["zero_optimization"] = zero
+    return config
+
+
+def trial_config(
+    user: dict[str, object], candidate: Candidate, *, world: int, plan: AutotuningPlan, metric_path: str
+) -> dict[str, object]:
+    """A trial's config: the candidate's, profiled (`autotuning.enabled`) into `metric_path`."""
+    config = candidate_config(user, candidate, world=world)
+    config["autotuning"] = {
+        "enabled": True,
+        "metric_path": metric_path,
+        "start_profile_step": plan.start_profile_step,
+        "end_profile_step": plan.end_profile_step,
+    }
+    return config
+
+
+def optimal_config(config: dict[str, object]) -> str:
+    """The JSON text of a chosen config (what ds_config_optimal.json holds)."""
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"

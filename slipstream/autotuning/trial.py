@@ -1,0 +1,91 @@
+"""The engine's side of a trial: time the profiled steps, write the metrics file, end the run.
+
+A run whose config has `autotuning.enabled` (the tuner writes it into every trial's config, as DeepSpeed's
+autotuner does) times its optimizer steps `start_profile_step + 1 .. end_profile_step` (wall clock from the end of
+one step to the end of another, the device synchronised at both ends), writes on rank 0
+
+    {"throughput": samples/s, "latency": s per optimizer step, "steps": n, "train_batch_size": ...,
+     "peak_memory": bytes}
+
+to `autotuning.metric_path` and exits with status 0 on every rank. The tuner's profile run instead sets
+`PROFILE_ENV` to a request file: after the first optimizer step the engine's own model is handed to the planner
+for every candidate of the request (estimates.py) and the run exits.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from torch import nn
+
+from slipstream.accelerator import get_accelerator
+from slipstream.autotuning.files import write_json
+from slipstream.config.plan import EnginePlan
+
+__all__ = ["PROFILE_ENV", "TrialRecorder", "trial_recorder"]
+
+PROFILE_ENV = "SLIPSTREAM_AUTOTUNING_PROFILE"
+"""Set by the tuner on its profile run: the path of the request (candidates' configs, where to write)."""
+
+
+class TrialRecorder:
+    """Times the profiled steps of one run (see the module's docstring); `step_ended` after every optimizer step."""
+
+    def __init__(self, plan: EnginePlan, module: nn.Module, *, rank: int) -> None:
+        self.plan, self.module, self.rank = plan, module, rank
+        self.profile_request = os.environ.get(PROFILE_ENV, "")
+        tuning = plan.autotuning
+        self.start, self.end = tuning.start_profile_step, max(tuning.end_profile_step, tuning.start_profile_step + 1)
+        self.started_at = self._now() if self.start == 0 else None
+        get_accelerator().reset_max_memory_allocated()
+
+    @staticmethod
+    def _now() -> float:
+        get_accelerator().synchronize()
+        return time.perf_counter()
+
+    def step_ended(self, step: int) -> None:
+        """After optimizer step `step` (1-based): start the clock, or write the figures and end the run."""
+        if self.profile_request:
+            self._answer_profile_request()
+            raise SystemExit(0)
+        if step == self.start:
+            self.started_at = self._now()
+        if step < self.end or self.started_at is None:
+            return
+        elapsed = self._now() - self.started_at
+        latency = elapsed / (self.end - self.start)
+        batch = self.plan.batch.train_batch_size
+        if self.rank == 0:
+            write_json(
+                self.plan.autotuning.metric_path,
+                {
+                    "throughput": batch / latency,
+                    "latency": latency,
+                    "steps": self.end - self.start,
+                    "train_batch_size": batch,
+                    "micro_batch": self.plan.batch.micro_batch_size,
+                    "peak_memory": int(get_accelerator().max_memory_allocated()),
+                },
+            )
+        raise SystemExit(0)
+
+    def _answer_profile_request(self) -> None:
+        from slipstream.autotuning.estimates import answer_request
+
+        if self.rank == 0:
+            answer_request(
+                self.profile_request,
+                module=self.module,
+                world_size=self.plan.batch.world_size,
+                micro_batch=self.plan.batch.micro_batch_size,
+                peak_memory=int(get_accelerator().max_memory_allocated()),
+            )
+
+
+def trial_recorder(plan: EnginePlan, module: nn.Module, *, rank: int) -> TrialRecorder | None:
+    """The recorder of a profiled run (`autotuning.enabled`, or the tuner's profile request), else None."""
+    if not plan.autotuning.enabled and not os.environ.get(PROFILE_ENV):
+        return None
+    return TrialRecorder(plan, module, rank=rank)

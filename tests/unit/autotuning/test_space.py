@@ -1,0 +1,94 @@
+"""The search space (autotuning/space.py) and the command line around it (autotuning/command.py, tuner.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from slipstream.autotuning import command
+from slipstream.autotuning.space import BUCKET_SIZES, candidate_config, grid, micro_batch_sizes, trial_config
+from slipstream.autotuning.tuner import _cause, better
+from slipstream.config import resolve
+from slipstream.launcher import runner
+
+BASE = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+
+def _plan(user: dict, world: int = 2, **tuning: object):  # type: ignore[no-untyped-def]
+    return resolve({**user, "autotuning": tuning}, world_size=world).autotuning
+
+
+def test_a_fixed_train_batch_size_is_kept_by_the_accumulation() -> None:
+    user = {**BASE, "train_batch_size": 16}
+    plan = _plan(user, max_train_micro_batch_size_per_gpu=16)
+    assert micro_batch_sizes(plan) == [1, 2, 4, 8, 16]
+    found = grid(plan, user, world=2)
+    assert {(c.micro_batch, c.grad_accum) for c in found} == {(1, 8), (2, 4), (4, 2), (8, 1)}
+    assert {(c.stage, c.offload_optimizer) for c in found} == {(0, False)} | {(s, o) for s in (1, 2, 3) for o in (0, 1)}
+    for candidate in found:
+        config = candidate_config(user, candidate, world=2)
+        assert resolve(config, world_size=2).batch.train_batch_size == 16
+        assert "autotuning" not in config
+
+
+def test_without_a_fixed_batch_the_largest_is_capped() -> None:
+    user = {**BASE, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2}
+    plan = _plan(
+        user,
+        world=1,
+        max_train_batch_size=8,
+        min_train_micro_batch_size_per_gpu=3,
+        max_train_micro_batch_size_per_gpu=6,
+        fast=False,
+    )
+    found = grid(plan, user, world=1)
+    assert {c.micro_batch for c in found} == {3, 4}  # 6 x 2 accumulation > 8
+    assert {c.reduce_bucket_size for c in found} == set(BUCKET_SIZES)
+    config = trial_config(user, found[0], world=1, plan=plan, metric_path="/m.json")
+    assert config["autotuning"] == {
+        "enabled": True,
+        "metric_path": "/m.json",
+        "start_profile_step": 3,
+        "end_profile_step": 5,
+    }
+    with pytest.raises(ValueError, match="min_train_micro_batch_size_per_gpu=9"):
+        micro_batch_sizes(
+            _plan(user, world=1, min_train_micro_batch_size_per_gpu=9, max_train_micro_batch_size_per_gpu=4)
+        )
+
+
+def test_the_script_config_argument_and_the_launcher_flags() -> None:
+    assert command.config_position(["t.py", "--x", "1", "--deepspeed_config=c.json"]) == (
+        ["t.py", "--x", "1", "--deepspeed_config", "c.json"],
+        4,
+    )
+    with pytest.raises(ValueError, match="--deepspeed_config PATH"):
+        command.config_position(["t.py", "--lr", "1"])
+    parser = argparse.ArgumentParser()
+    runner.add_arguments(parser)
+    args = parser.parse_args(["--num_gpus", "2", "--no_local_rank", "--autotuning", "tune", "t.py", "--a"])
+    assert command.launcher_flags(args) == ["--num_gpus", "2", "--no_local_rank"]
+
+
+def test_the_deepspeed_script_reaches_the_tuner(monkeypatch: pytest.MonkeyPatch) -> None:
+    from slipstream.compat import scripts
+
+    seen: list[argparse.Namespace] = []
+    monkeypatch.setattr(command, "run_autotuning", lambda args: seen.append(args) or 0)
+    monkeypatch.setattr(sys, "argv", ["deepspeed", "--autotuning", "run", "--autotuning_memory", "1G", "t.py"])
+    assert scripts.deepspeed() == 0
+    assert (seen[0].autotuning, seen[0].autotuning_memory, seen[0].user_script) == ("run", 1 << 30, "t.py")
+
+
+def test_a_failed_trial_says_why(tmp_path: Path) -> None:
+    log = tmp_path / "log.txt"
+    log.write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n")
+    assert _cause(1, log, 60) == "out of memory"
+    assert _cause(None, log, 60) == "timeout after 60 s"
+    log.write_text("Traceback\nRuntimeError: boom\n")
+    assert _cause(1, log, 60) == "exit status 1: RuntimeError: boom"
+    assert better("latency", {"latency": 1.0}, {"latency": 2.0})
+    assert not better("throughput", {"throughput": 1.0}, {"throughput": 2.0})

@@ -1,0 +1,62 @@
+"""The engine's side of a trial (autotuning/trial.py): a run with `autotuning.enabled` times the profiled steps,
+writes the metrics file and ends; the profile request gets the planner's figures of every candidate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import slipstream
+from slipstream.autotuning.estimates import estimate_config, read_answer
+from slipstream.autotuning.trial import PROFILE_ENV
+from tests.harness.models import TinyMLP
+
+CONFIG = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+
+def _train_until_exit(config: dict, steps: int = 20) -> int:
+    """Optimizer steps taken before the engine ended the run (SystemExit 0)."""
+    model = TinyMLP()
+    engine, *_ = slipstream.initialize(model=model, config=config)
+    with pytest.raises(SystemExit) as ended:
+        for seed in range(steps):
+            inputs, targets = model.make_batch(seed=seed, batch_size=4)
+            engine.backward(TinyMLP.loss(engine(inputs), targets))
+            engine.step()
+    taken = engine.global_steps
+    engine.destroy()
+    assert ended.value.code == 0
+    return taken
+
+
+def test_a_profiled_run_writes_its_metrics_and_ends_after_the_last_profiled_step(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.json"
+    tuning = {"enabled": True, "metric_path": str(path), "start_profile_step": 2, "end_profile_step": 5}
+    assert _train_until_exit({**CONFIG, "autotuning": tuning}) == 5
+    metrics = json.loads(path.read_text())
+    assert metrics["steps"] == 3 and metrics["train_batch_size"] == 4
+    assert metrics["throughput"] == pytest.approx(4 / metrics["latency"])
+
+
+def test_without_the_section_nothing_is_recorded(tmp_path: Path) -> None:
+    model = TinyMLP()
+    engine, *_ = slipstream.initialize(model=model, config=CONFIG)
+    assert not any(type(o).__name__ == "TrialRecorder" for o in engine._step_observers)
+    engine.destroy()
+
+
+def test_the_profile_request_gets_the_planners_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    other = {**CONFIG, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    answer = tmp_path / "answer.json"
+    request = {"candidates": {"plain": CONFIG, "offload": other}, "profiled": "plain", "answer": str(answer)}
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "request.json"))
+    assert _train_until_exit(CONFIG) == 1
+    figures = read_answer(answer, {"plain": 4, "offload": 4})
+    for name, config in request["candidates"].items():
+        device, host = estimate_config(config, module=TinyMLP(), world_size=1, gpus_per_node=1)
+        assert (figures[name].device, figures[name].host) == (device, host)
+    assert figures["offload"].host > 0 and figures["plain"].host == 0
+    assert figures["plain"].activations is None  # the CPU's RSS says nothing of activations

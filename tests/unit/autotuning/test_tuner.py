@@ -1,0 +1,78 @@
+"""The tuner's phases (autotuning/tuner.py) over a stand-in launcher (fake_launch.py): which candidates run, how a
+failed trial is recorded without ending the tuning, early stopping, and the results written."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from slipstream.autotuning.results import write_results
+from slipstream.autotuning.tuner import Job, tune
+from slipstream.config import resolve
+
+FAKE = Path(__file__).with_name("fake_launch.py")
+USER = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+
+def _job(tmp_path: Path, *, budget: int, trials: int, **tuning: object) -> Job:
+    tuning = {
+        "results_dir": str(tmp_path / "results"),
+        "exps_dir": str(tmp_path / "exps"),
+        "max_train_micro_batch_size_per_gpu": 8,
+        **tuning,
+    }
+    plan = resolve({**USER, "autotuning": tuning}, world_size=1).autotuning
+    return Job(
+        launcher=[sys.executable],
+        script=[str(FAKE), "--deepspeed_config", "ds.json"],
+        config_at=2,
+        user_config=USER,
+        plan=plan,
+        world=1,
+        ranks_per_node=1,
+        budget=budget,
+        host_budget=None,
+        max_trials=trials,
+        timeout_s=3.0,
+    )
+
+
+def test_failures_are_recorded_and_the_tuning_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_TRIALS", json.dumps({"0": "fail", "1": "oom", "2": "hang", "3": 5.0}))
+    outcome = tune(_job(tmp_path, budget=4500, trials=7, num_tuning_micro_batch_sizes=1))
+    # 1000 B per sample: micro 8 (8000 B) cannot fit 4500 B even with the margin; micro 4 is the largest kept
+    assert all(r.skipped for r in outcome.ranked if r.candidate.micro_batch == 8)
+    ran = [(t.ranked.candidate.name, t.error or t.metrics["throughput"]) for t in outcome.trials]  # type: ignore[index]
+    assert ran[:4] == [
+        ("z0_mbs4_gas2", "exit status 1: RuntimeError: fake trial failed"),
+        ("z1_mbs4_gas2", "out of memory"),
+        ("z2_mbs4_gas2", "timeout after 3 s"),
+        ("z3_mbs4_gas2", 5.0),
+    ]
+    assert outcome.best is outcome.trials[3]
+    optimal = write_results(outcome, results_dir=str(tmp_path / "results"), metric="throughput")
+    assert optimal is not None and json.loads(optimal.read_text())["zero_optimization"] == {"stage": 3}
+    command = (tmp_path / "results" / "cmd_optimal.txt").read_text().split()
+    assert command == [sys.executable, str(FAKE), "--deepspeed_config", str(optimal.resolve())]
+
+
+def test_early_stopping_and_no_survivor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_TRIALS", json.dumps({"0": 9.0, "1": 1.0, "2": 1.0, "3": 1.0}))
+    outcome = tune(_job(tmp_path, budget=10**9, trials=50, tuner_early_stopping=2, num_tuning_micro_batch_sizes=1))
+    assert [t.ranked.candidate.name for t in outcome.trials] == ["z0_mbs8_gas1", "z1_mbs8_gas1", "z2_mbs8_gas1"]
+    monkeypatch.setenv("FAKE_TRIALS", json.dumps({"0": "fail", "1": "fail", "2": "fail", "3": "fail"}))
+    outcome = tune(_job(tmp_path, budget=10**9, trials=1))
+    assert (
+        outcome.best is None and write_results(outcome, results_dir=str(tmp_path / "r2"), metric="throughput") is None
+    )
+    assert "best: none" in (tmp_path / "r2" / "summary.txt").read_text()
+
+
+def test_earlier_results_are_kept_unless_overwrite(tmp_path: Path) -> None:
+    (tmp_path / "exps").mkdir()
+    (tmp_path / "exps" / "old").write_text("")
+    with pytest.raises(ValueError, match="autotuning.exps_dir=.*overwrite is false"):
+        tune(_job(tmp_path, budget=10**9, trials=1, overwrite=False))
