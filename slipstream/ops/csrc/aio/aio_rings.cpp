@@ -167,13 +167,67 @@ std::unique_ptr<Ring> make_uring(int depth, std::string& why) {
 }
 #endif
 
+#if defined(SLIPSTREAM_AIO_HAVE_LIBAIO) || defined(SLIPSTREAM_AIO_KERNEL_AIO)
 #ifdef SLIPSTREAM_AIO_HAVE_LIBAIO
-class LibaioRing final : public Ring {
+using AioContext = io_context_t;
+#else
+using AioContext = aio_context_t;
+#endif
+
+// What the "libaio" engine does the same way through libaio and through the raw system calls: the control
+// blocks and events of `depth` slots, the queue of prepared blocks, and submission, where a block the kernel
+// refuses is reported by the next reap() and the others still go.
+class AioRing : public Ring {
  public:
-  LibaioRing(int depth, io_context_t ctx)
+  AioRing(int depth, AioContext ctx)
       : depth_(depth), ctx_(ctx), iocbs_(static_cast<size_t>(depth)), events_(static_cast<size_t>(depth)) {}
-  ~LibaioRing() override { io_destroy(ctx_); }
   int depth() const override { return depth_; }
+  void submit() final {
+    size_t at = 0;
+    while (at < queued_.size()) {
+      const long rc = submit_from(at);
+      if (rc == -EINTR || rc == -EAGAIN) continue;
+      if (rc < 0) {  // the first remaining iocb was refused: report it, go on with the others
+        failed_.emplace_back(slot_of(*queued_[at]), rc);
+        ++at;
+        continue;
+      }
+      at += static_cast<size_t>(rc);
+    }
+    queued_.clear();
+  }
+  void reap(std::vector<std::pair<uint32_t, int64_t>>& out) final {
+    if (!failed_.empty()) {
+      out.insert(out.end(), failed_.begin(), failed_.end());
+      failed_.clear();
+      return;
+    }
+    reap_events(out);
+  }
+
+ protected:
+  // Hand queued_[at..] to the kernel: how many blocks it took, or -errno.
+  virtual long submit_from(size_t at) = 0;
+  virtual uint32_t slot_of(const iocb& cb) const = 0;
+  // Wait for at least one completion; append (slot, bytes or -errno) of each.
+  virtual void reap_events(std::vector<std::pair<uint32_t, int64_t>>& out) = 0;
+
+  int depth_;
+  AioContext ctx_;
+  std::vector<iocb> iocbs_;
+  std::vector<io_event> events_;
+  std::vector<iocb*> queued_;
+
+ private:
+  std::vector<std::pair<uint32_t, int64_t>> failed_;
+};
+#endif
+
+#ifdef SLIPSTREAM_AIO_HAVE_LIBAIO
+class LibaioRing final : public AioRing {
+ public:
+  using AioRing::AioRing;
+  ~LibaioRing() override { io_destroy(ctx_); }
   void prepare(uint32_t slot, bool is_read, int fd, char* buf, int64_t len, int64_t offset) override {
     iocb* cb = &iocbs_[slot];
     if (is_read) {
@@ -184,26 +238,15 @@ class LibaioRing final : public Ring {
     cb->data = reinterpret_cast<void*>(static_cast<uintptr_t>(slot));
     queued_.push_back(cb);
   }
-  void submit() override {
-    size_t at = 0;
-    while (at < queued_.size()) {
-      const int rc = io_submit(ctx_, static_cast<long>(queued_.size() - at), queued_.data() + at);
-      if (rc == -EINTR || rc == -EAGAIN) continue;
-      if (rc < 0) {  // the first remaining iocb was refused: report it, go on with the others
-        failed_.emplace_back(static_cast<uint32_t>(reinterpret_cast<uintptr_t>(queued_[at]->data)), rc);
-        ++at;
-        continue;
-      }
-      at += static_cast<size_t>(rc);
-    }
-    queued_.clear();
+
+ private:
+  long submit_from(size_t at) override {
+    return io_submit(ctx_, static_cast<long>(queued_.size() - at), queued_.data() + at);
   }
-  void reap(std::vector<std::pair<uint32_t, int64_t>>& out) override {
-    if (!failed_.empty()) {
-      out.insert(out.end(), failed_.begin(), failed_.end());
-      failed_.clear();
-      return;
-    }
+  uint32_t slot_of(const iocb& cb) const override {
+    return static_cast<uint32_t>(reinterpret_cast<uintptr_t>(cb.data));
+  }
+  void reap_events(std::vector<std::pair<uint32_t, int64_t>>& out) override {
     int n;
     do {
       n = io_getevents(ctx_, 1, depth_, events_.data(), nullptr);
@@ -214,14 +257,6 @@ class LibaioRing final : public Ring {
       out.emplace_back(slot, static_cast<int64_t>(static_cast<long>(ev.res)));
     }
   }
-
- private:
-  int depth_;
-  io_context_t ctx_;
-  std::vector<iocb> iocbs_;
-  std::vector<io_event> events_;
-  std::vector<iocb*> queued_;
-  std::vector<std::pair<uint32_t, int64_t>> failed_;
 };
 
 std::unique_ptr<Ring> make_libaio(int depth, std::string& why) {
@@ -238,12 +273,10 @@ std::unique_ptr<Ring> make_libaio(int depth, std::string& why) {
 // The same kernel interface libaio wraps, called through syscall(2): io_setup, io_submit, io_getevents and
 // io_destroy with the structures of <linux/aio_abi.h>. Errors come back as -1 and errno (libaio returns
 // -errno); they are turned into -errno here so the worker sees the same values.
-class KernelAioRing final : public Ring {
+class KernelAioRing final : public AioRing {
  public:
-  KernelAioRing(int depth, aio_context_t ctx)
-      : depth_(depth), ctx_(ctx), iocbs_(static_cast<size_t>(depth)), events_(static_cast<size_t>(depth)) {}
+  using AioRing::AioRing;
   ~KernelAioRing() override { syscall(__NR_io_destroy, ctx_); }
-  int depth() const override { return depth_; }
   void prepare(uint32_t slot, bool is_read, int fd, char* buf, int64_t len, int64_t offset) override {
     iocb* cb = &iocbs_[slot];
     std::memset(cb, 0, sizeof(*cb));
@@ -255,26 +288,15 @@ class KernelAioRing final : public Ring {
     cb->aio_data = slot;
     queued_.push_back(cb);
   }
-  void submit() override {
-    size_t at = 0;
-    while (at < queued_.size()) {
-      const long rc = syscall(__NR_io_submit, ctx_, static_cast<long>(queued_.size() - at), queued_.data() + at);
-      if (rc < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-      if (rc <= 0) {  // the first remaining iocb was refused: report it, go on with the others
-        failed_.emplace_back(static_cast<uint32_t>(queued_[at]->aio_data), rc < 0 ? -errno : -EIO);
-        ++at;
-        continue;
-      }
-      at += static_cast<size_t>(rc);
-    }
-    queued_.clear();
+
+ private:
+  long submit_from(size_t at) override {
+    const long rc = syscall(__NR_io_submit, ctx_, static_cast<long>(queued_.size() - at), queued_.data() + at);
+    if (rc < 0) return -errno;
+    return rc == 0 ? -EIO : rc;  // taking none is a refusal of the first block
   }
-  void reap(std::vector<std::pair<uint32_t, int64_t>>& out) override {
-    if (!failed_.empty()) {
-      out.insert(out.end(), failed_.begin(), failed_.end());
-      failed_.clear();
-      return;
-    }
+  uint32_t slot_of(const iocb& cb) const override { return static_cast<uint32_t>(cb.aio_data); }
+  void reap_events(std::vector<std::pair<uint32_t, int64_t>>& out) override {
     long n;
     do {
       n = syscall(__NR_io_getevents, ctx_, 1L, static_cast<long>(depth_), events_.data(), nullptr);
@@ -284,14 +306,6 @@ class KernelAioRing final : public Ring {
       out.emplace_back(static_cast<uint32_t>(ev.data), static_cast<int64_t>(ev.res));
     }
   }
-
- private:
-  int depth_;
-  aio_context_t ctx_;
-  std::vector<iocb> iocbs_;
-  std::vector<io_event> events_;
-  std::vector<iocb*> queued_;
-  std::vector<std::pair<uint32_t, int64_t>> failed_;
 };
 
 std::unique_ptr<Ring> make_libaio(int depth, std::string& why) {
