@@ -26,7 +26,7 @@ class InferencePlan:
     """What inference/engine.py builds (field docs: the schema's keys)."""
 
     dtype: str
-    """"fp32" | "fp16" | "bf16" | "int8" (int8 is refused by the engine: weight quantization is not built)."""
+    """"fp32" | "fp16" | "bf16" | "int8" (int8: linear weights quantized to int8, the rest in fp16)."""
     tp_size: int
     checkpoint: str | None
     """A folder: a Slipstream checkpoint (manifest.json, or save_dir with `latest`) or Hugging Face safetensors."""

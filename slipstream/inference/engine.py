@@ -2,7 +2,8 @@
 
 Built in this order from an `InferencePlan` (config/inference_plans.py):
 1. the checkpoint's weights, if one is named, copied in one tensor at a time (weights.py);
-2. the parameters cast to the plan's dtype and moved to the accelerator's device;
+2. the parameters cast to the plan's dtype and moved to the accelerator's device (int8: every linear layer's
+   weight quantized to int8 per output row, the rest in fp16; quantize.py);
 3. with `tensor_parallel.tp_size > 1`, the attention and MLP layers split over the TP group by the training
    AutoTP rules (slipstream/parallel/tensor.py, on DTensor): every rank must pass the same model.
 No kernels are injected: `replace_with_kernel_inject` is accepted and the model's own PyTorch attention runs
@@ -20,6 +21,7 @@ from torch import nn
 from slipstream.accelerator import get_accelerator
 from slipstream.config import notices
 from slipstream.config.inference_plans import InferencePlan
+from slipstream.inference.quantize import COMPUTE_DTYPE, quantize_linears
 from slipstream.inference.weights import load_checkpoint_into
 from slipstream.parallel import TensorParallelModel, apply_tensor_parallel, build_topology, plan_tensor_parallel
 from slipstream.utils.logging import log_rank0
@@ -28,10 +30,10 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _refuse_unbuilt(plan: InferencePlan, device: torch.device) -> None:
-    if plan.dtype == "int8":
+    if plan.dtype == "int8" and plan.tp_size > 1:
         raise ValueError(
-            "init_inference(dtype=int8): int8 weight quantization is not built in Slipstream; use dtype fp16, "
-            "bf16 or fp32"
+            f"init_inference(dtype=int8, tensor_parallel.tp_size={plan.tp_size}): int8 weights are not split over "
+            "ranks yet; use tp_size 1 with int8, or fp16 / bf16 with tensor parallelism"
         )
     if plan.cuda_graph:
         where = "is not built yet" if device.type == "cuda" else f"needs a CUDA device and this run's is {device}"
@@ -52,7 +54,9 @@ class InferenceEngine(nn.Module):
         notices.report_unimplemented(plan.unimplemented, rank=self.rank)
         if plan.checkpoint is not None:
             load_checkpoint_into(model, plan.checkpoint)
-        model.to(device=self.device, dtype=DTYPES[plan.dtype])
+        if plan.dtype == "int8":  # quantized from the weights as given, before the rest is cast to fp16
+            model = quantize_linears(model)
+        model.to(device=self.device, dtype=DTYPES.get(plan.dtype, COMPUTE_DTYPE))
         model.eval()
         self.mp_world_size = plan.tp_size
         self.tp_model: TensorParallelModel | None = self._split(model) if plan.tp_size > 1 else None
