@@ -3,7 +3,8 @@ parameters equal a single-process reference written out below as a plain per-ten
 300 gives several buckets, so each rank steps several pieces that hold parts of several parameters, and the
 37 x 37 weight (a bucket of its own) is cut across the two ranks; at stage 3 every parameter is. A trust ratio
 from a rank's part of a parameter, or Newton-Schulz on a part of a matrix, lands far from the reference.
-One LAMB run saves at 2 ranks after 3 steps; the test loads it at 1 rank and the last 2 steps match as well.
+A LAMB run (stage 2) and a Muon run (stage 3) save at 2 ranks after 3 steps; the test loads each at 1 rank and
+the last 2 steps match as well.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ BATCH = 8
 LAMB = {"type": "Lamb", "params": {"lr": 2e-2, "weight_decay": 0.01, "max_coeff": 10.0, "min_coeff": 0.01}}
 MUON = {"type": "Muon", "params": {"muon_lr": 2e-2, "adam_lr": 1e-2, "weight_decay": 0.01}}
 PLACES = [(0, None), (1, None), (2, None), (3, None), (2, "cpu"), (3, "cpu")]
+SAVES = {("lamb", 2, None), ("muon", 3, None)}
+"""The runs that save at step SAVED_AT (tag: the kind); the test loads each at 1 rank, at ZeRO 1 and 0."""
 CASES = [{"kind": kind, "stage": stage, "offload": offload} for kind in ("lamb", "muon") for stage, offload in PLACES]
 
 
@@ -50,9 +53,9 @@ def train(engine: object, rank: int, world: int, steps: range) -> None:
 def run_case(rank: int, world: int, *, kind: str, stage: int, offload: str | None, save_dir: str) -> dict:
     engine, *_ = slipstream.initialize(model=TinyMLP(), config=config(kind, stage, offload, world=world))
     assert type(engine.basic_optimizer).__name__ == ("FusedLamb" if kind == "lamb" else "MuonWithAuxAdam")
-    if kind == "lamb" and stage == 2 and offload is None:
+    if (kind, stage, offload) in SAVES:
         train(engine, rank, world, range(SAVED_AT))
-        engine.save_checkpoint(save_dir, tag="mid")
+        engine.save_checkpoint(save_dir, tag=kind)
         train(engine, rank, world, range(SAVED_AT, STEPS))
     else:
         train(engine, rank, world, range(STEPS))
@@ -134,10 +137,13 @@ def test_lamb_and_muon_match_a_per_tensor_reference_at_every_stage(tmp_path: Pat
                 torch.testing.assert_close(value, expected[case["kind"]][name], rtol=0, atol=2e-5,
                                            msg=lambda m, c=case, r=rank, n=name: f"{c} rank {r} {n}: {m}")
                 assert float((value - initial[name]).abs().max()) > 1e-3  # it trained
-    # the LAMB checkpoint saved at 2 ranks (stage 2), loaded at 1 rank: the remaining steps match too
-    engine, *_ = slipstream.initialize(model=TinyMLP(), config=config("lamb", 1, None, world=1))
-    engine.load_checkpoint(str(tmp_path / "ckpt"), tag="mid")
-    train(engine, 0, 1, range(SAVED_AT, STEPS))
-    for name, value in engine.module.named_parameters():
-        torch.testing.assert_close(value.detach(), expected["lamb"][name], rtol=0, atol=2e-5)
-    engine.destroy()
+    # the checkpoints saved at 2 ranks (LAMB at stage 2, Muon at stage 3) loaded at 1 rank (stages 1 and 0): the
+    # optimizer state resharded, the remaining steps match too
+    for kind, stage in (("lamb", 1), ("muon", 0)):
+        engine, *_ = slipstream.initialize(model=TinyMLP(), config=config(kind, stage, None, world=1))
+        engine.load_checkpoint(str(tmp_path / "ckpt"), tag=kind)
+        train(engine, 0, 1, range(SAVED_AT, STEPS))
+        for name, value in engine.module.named_parameters():
+            torch.testing.assert_close(value.detach(), expected[kind][name], rtol=0, atol=2e-5,
+                                       msg=lambda m, k=kind, n=name: f"{k} resumed at 1 rank, {n}: {m}")
+        engine.destroy()
