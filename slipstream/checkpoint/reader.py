@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ from slipstream.checkpoint.manifest import (
     read_manifest,
     verify_files,
 )
-from slipstream.checkpoint.safetensors_io import SafetensorsFile
+from slipstream.checkpoint.safetensors_io import ClosesOnExit, SafetensorsFile
 
 
 def direct_target(tensor: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
@@ -58,7 +57,7 @@ def resolve_checkpoint_dir(path: str | os.PathLike[str], tag: str | None = None)
     return ckpt_dir
 
 
-class CheckpointReader:
+class CheckpointReader(ClosesOnExit):
     """Read-only access to one checkpoint directory (a tag directory holding manifest.json).
 
     With `verify=True` (the default) every file's size and sha256 is checked against the manifest first, and a
@@ -184,11 +183,3 @@ class CheckpointReader:
         for handle in self._files.values():
             handle.close()
         self._files.clear()
-
-    def __enter__(self) -> CheckpointReader:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()

@@ -25,6 +25,7 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 import torch
 
@@ -134,6 +135,22 @@ def file_bytes(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata
     """The size of the safetensors file that `SafetensorsWriter(path, entries, metadata)` writes."""
     text, expected = _header(Path("<planned>"), entries, metadata)
     return 8 + len(text) + sum(entry[3] for entry in expected)
+
+
+_Closing = TypeVar("_Closing", bound="ClosesOnExit")
+
+
+class ClosesOnExit:
+    """A context manager whose exit is `close()`, with or without an exception."""
+
+    def close(self) -> object:
+        raise NotImplementedError
+
+    def __enter__(self: _Closing) -> _Closing:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 class SafetensorsWriter:
@@ -291,7 +308,7 @@ def _parse_header(
     return metadata, entries
 
 
-class SafetensorsFile:
+class SafetensorsFile(ClosesOnExit):
     """Random access to one safetensors file: parse the header once, read any tensor or flat range of it."""
 
     def __init__(self, path: str | os.PathLike[str], *, hash_reads: bool = False) -> None:
@@ -421,11 +438,3 @@ class SafetensorsFile:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-    def __enter__(self) -> SafetensorsFile:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
