@@ -130,7 +130,8 @@ class MuonWithAuxAdam(WholeTensorOptimizer):
                     source = gathered.get(part.tensor)
                     if source is None:  # held whole here
                         source = update[part.offset : part.offset + part.numel].view(whole.shapes[part.tensor])
-                    done[part.tensor] = newton_schulz(source, group["ns_steps"]).reshape(-1)
+                    on = whole.comm_device or source.device  # the accelerator, also when offload keeps p on the host
+                    done[part.tensor] = newton_schulz(source.to(on), group["ns_steps"]).reshape(-1).to(p.device)
                 orthogonal = done[part.tensor][part.lo : part.lo + part.numel]
                 target = p[part.offset : part.offset + part.numel]
                 apply_update(target, orthogonal, lr=group["lr"], decay=group["weight_decay"])

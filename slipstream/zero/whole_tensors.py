@@ -198,7 +198,7 @@ def attach_whole_tensors(zero: _ZeroOptimizer, offload_in_files: bool) -> None:
             shapes=shapes,
             group_of=tuple(group_of),
             parts_of={key: tuple(value) for key, value in parts.items()},
-            split=frozenset(i for i in range(len(params)) if not int(whole[i])),
+            split=frozenset(i for i, held_whole in enumerate(whole.tolist()) if not held_whole),
             process_group=zero.process_group,
             comm_device=device,
             sharded=sharded,
