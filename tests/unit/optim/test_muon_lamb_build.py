@@ -96,3 +96,21 @@ def test_the_planner_counts_muon_state_as_the_engine_holds_it() -> None:
     assert held == (36 + 2 * (66 + 66 + 6)) * 4
     assert engine_estimate(plan=engine.plan, model=engine.module, world_size=1).owned["optimizer_state"] == held
     engine.destroy()
+
+
+def test_nvme_offload_and_expert_groups_are_refused_by_name() -> None:
+    from slipstream.zero.whole_tensors import attach_whole_tensors
+
+    class Zero:  # what attach_whole_tensors reads first of a ZeRO optimizer
+        optimizer = FusedLamb([nn.Parameter(torch.ones(2))])
+
+        def __init__(self, other_groups: bool) -> None:
+            self.other = other_groups
+
+        def _other_groups(self) -> bool:
+            return self.other
+
+    with pytest.raises(ValueError, match="FusedLamb.*offload_optimizer.device 'nvme'"):
+        attach_whole_tensors(Zero(False), offload_in_files=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="FusedLamb with param groups reduced over other process groups"):
+        attach_whole_tensors(Zero(True), offload_in_files=False)  # type: ignore[arg-type]
