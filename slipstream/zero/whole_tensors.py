@@ -92,7 +92,8 @@ class WholeTensorMap:
         for piece, tensors in values:
             for part in self.parts(piece):
                 rows.append(part.tensor)
-                columns.append([t[part.offset : part.offset + part.numel].double().square().sum() for t in tensors])
+                segments = [t[part.offset : part.offset + part.numel] for t in tensors]
+                columns.append([torch.linalg.vector_norm(x, dtype=torch.float32).double().square() for x in segments])
         width = len(columns[0]) if columns else 1
         sums = torch.zeros(len(self.shapes), width, dtype=torch.float64, device=self.comm_device)
         if columns:
