@@ -17,6 +17,7 @@
 
 #include <cstdlib>
 #include <mutex>
+#include <tuple>
 #include <unordered_set>
 
 #include "aio_engine.h"
@@ -156,22 +157,26 @@ void translate_failure(std::exception_ptr p) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_exception_translator(&translate_failure);
   m.def("engines", &slipstream_aio::compiled_engines, "I/O engines compiled in, in order of preference");
-  py::class_<AioHandle>(m, "aio_handle")
-      .def(py::init<int64_t, int64_t, bool, bool, int64_t>(), py::arg("block_size") = 1048576,
-           py::arg("queue_depth") = 128, py::arg("single_submit") = false, py::arg("overlap_events") = true,
-           py::arg("intra_op_parallelism") = 1)
-      .def("async_pread", [](AioHandle& h, const at::Tensor& t, const py::object& f, int64_t off) {
-             return h.submit(true, t, f, off, false); },
-           py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
-      .def("async_pwrite", [](AioHandle& h, const at::Tensor& t, const py::object& f, int64_t off) {
-             return h.submit(false, t, f, off, false); },
-           py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
-      .def("sync_pread", [](AioHandle& h, const at::Tensor& t, const py::object& f, int64_t off) {
-             return h.submit(true, t, f, off, true); },
-           py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
-      .def("sync_pwrite", [](AioHandle& h, const at::Tensor& t, const py::object& f, int64_t off) {
-             return h.submit(false, t, f, off, true); },
-           py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+  py::class_<AioHandle> handle(m, "aio_handle");
+  handle.def(py::init<int64_t, int64_t, bool, bool, int64_t>(), py::arg("block_size") = 1048576,
+             py::arg("queue_depth") = 128, py::arg("single_submit") = false, py::arg("overlap_events") = true,
+             py::arg("intra_op_parallelism") = 1);
+  // The four transfers: (name, is_read, wait for completion).
+  const std::tuple<const char*, bool, bool> transfers[] = {
+      {"async_pread", true, false},
+      {"async_pwrite", false, false},
+      {"sync_pread", true, true},
+      {"sync_pwrite", false, true},
+  };
+  for (const auto& [name, is_read, sync] : transfers) {
+    handle.def(
+        name,
+        [is_read = is_read, sync = sync](AioHandle& h, const at::Tensor& t, const py::object& f, int64_t off) {
+          return h.submit(is_read, t, f, off, sync);
+        },
+        py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0);
+  }
+  handle
       .def("wait", &AioHandle::wait)
       .def("new_cpu_locked_tensor", &AioHandle::new_cpu_locked_tensor, py::arg("num_elem"),
            py::arg("example_tensor"))
