@@ -2,12 +2,13 @@
 
 [Note: the pruning rule]
 A candidate is skipped only when it cannot fit: when even its planner figure less the margin is above the
-budget (`needed * (1 - margin) > budget`). The planner predicts model states within a few percent of what the
-engine allocates (tests/dist/planner), so with a margin above that error no candidate that fits is ever
-skipped; one that is predicted above the budget but within the margin is kept and ranked after every candidate
-predicted to fit, and its trial says whether it does. On the CPU device and host memory are one, so a rank
-needs its device and host figures together; elsewhere the device figure (activations added when the profile
-run measured them) meets the device budget and the host figure of every local rank meets the host's memory.
+budget (`needed * (1 - margin) > budget`). `needed` is the planner's model states (estimates.py; what
+`owned_bytes()` counts, predicted within 5% by tests/dist/planner) plus the activations the profile run measured,
+so with a margin above the planner's error no candidate that fits is ever skipped; one predicted above the
+budget but within the margin is kept and ranked after every candidate predicted to fit, and its trial says
+whether it does. On the CPU device and host memory are one, so a rank needs its device and host figures
+together; elsewhere the device figure meets the device budget and the host figure of every local rank meets the
+host's memory.
 
 [Note: the throughput estimate]
 Candidates that fit are ranked by a relative estimate of samples per second, not a prediction of seconds:

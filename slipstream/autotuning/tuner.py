@@ -216,7 +216,7 @@ def tune(job: Job) -> Outcome:
     for item in kept[: min(job.max_trials, job.plan.tuner_num_trials)]:
         result = _trial(job, item, exps)
         trials.append(result)
-        if result.metrics is not None and better(job.plan.metric, result.metrics, best and best.metrics):
+        if result.metrics is not None and better(job.plan.metric, result.metrics, best.metrics if best else None):
             best, since_better = result, 0
         else:
             since_better += 1
