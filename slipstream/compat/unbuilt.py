@@ -8,6 +8,7 @@ feature is used, with a message saying so. compat/alias_table.py declares their 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -38,42 +39,64 @@ def not_built_class(name: str, feature: str, instead: str) -> type:
     return type(name, (), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
 
 
-_AUTOTUNING = ("autotuning (`deepspeed --autotuning tune|run`)", "launch without --autotuning and set the config")
-Autotuner = not_built_class("Autotuner", *_AUTOTUNING)
+@dataclasses.dataclass(frozen=True)
+class _Feature:
+    """A DeepSpeed feature Slipstream lacks, what to do instead, and the names of its classes and functions."""
 
-_DATA = ("DeepSpeed's data efficiency pipeline (curriculum learning, random-LTD)", "remove data_efficiency")
-DeepSpeedDataSampler = not_built_class("DeepSpeedDataSampler", *_DATA)
-CurriculumScheduler = not_built_class("CurriculumScheduler", *_DATA)
-RandomLayerTokenDrop = not_built_class("RandomLayerTokenDrop", *_DATA)
-convert_to_random_ltd = not_built_function("convert_to_random_ltd", *_DATA)
-save_without_random_ltd = not_built_function("save_without_random_ltd", *_DATA)
-remove_random_ltd_state_dict = not_built_function("remove_random_ltd_state_dict", *_DATA)
+    what: str
+    instead: str
+    classes: tuple[str, ...] = ()
+    functions: tuple[str, ...] = ()
 
-_OFFLOAD_STATES = (
-    "offloading ZeRO states between steps (offload_states / reload_states)",
-    "use zero_optimization.offload_optimizer / offload_param",
+
+_FEATURES = (
+    _Feature(
+        "autotuning (`deepspeed --autotuning tune|run`)",
+        "launch without --autotuning and set the config",
+        classes=("Autotuner",),
+    ),
+    _Feature(
+        "DeepSpeed's data efficiency pipeline (curriculum learning, random-LTD)",
+        "remove data_efficiency",
+        classes=("DeepSpeedDataSampler", "CurriculumScheduler", "RandomLayerTokenDrop"),
+        functions=("convert_to_random_ltd", "save_without_random_ltd", "remove_random_ltd_state_dict"),
+    ),
+    _Feature(
+        "offloading ZeRO states between steps (offload_states / reload_states)",
+        "use zero_optimization.offload_optimizer / offload_param",
+        functions=(
+            "offload_optimizer_states",
+            "reload_optimizer_states",
+            "offload_adam_states",
+            "reload_adam_states",
+            "get_state_devices",
+        ),
+    ),
+    _Feature(
+        "DeepSpeed's ZeRO-3 parameter offload object (DeepSpeedZeRoOffload)",
+        "ZeRO-3 gathers through its own units; use deepspeed.zero.GatheredParameters",
+        classes=("DeepSpeedZeRoOffload",),
+    ),
+    _Feature(
+        "DeepSpeed's pipeline p2p module (stage-to-stage send/recv by stage index)",
+        "Slipstream's pipeline engine exchanges activations itself (slipstream/pipe/exchange.py)",
+        functions=("send", "recv", "wait", "send_obj", "recv_obj"),
+    ),
 )
-offload_optimizer_states = not_built_function("offload_optimizer_states", *_OFFLOAD_STATES)
-reload_optimizer_states = not_built_function("reload_optimizer_states", *_OFFLOAD_STATES)
-offload_adam_states = not_built_function("offload_adam_states", *_OFFLOAD_STATES)
-reload_adam_states = not_built_function("reload_adam_states", *_OFFLOAD_STATES)
-get_state_devices = not_built_function("get_state_devices", *_OFFLOAD_STATES)
 
-_OFFLOAD_HOOKS = (
-    "DeepSpeed's ZeRO-3 parameter offload object (DeepSpeedZeRoOffload)",
-    "ZeRO-3 gathers through its own units; use deepspeed.zero.GatheredParameters",
-)
-DeepSpeedZeRoOffload = not_built_class("DeepSpeedZeRoOffload", *_OFFLOAD_HOOKS)
+_PLACEHOLDERS: dict[str, object] = {
+    **{name: not_built_class(name, f.what, f.instead) for f in _FEATURES for name in f.classes},
+    **{name: not_built_function(name, f.what, f.instead) for f in _FEATURES for name in f.functions},
+}
 
-_P2P = (
-    "DeepSpeed's pipeline p2p module (stage-to-stage send/recv by stage index)",
-    "Slipstream's pipeline engine exchanges activations itself (slipstream/pipe/exchange.py)",
-)
-send = not_built_function("send", *_P2P)
-recv = not_built_function("recv", *_P2P)
-wait = not_built_function("wait", *_P2P)
-send_obj = not_built_function("send_obj", *_P2P)
-recv_obj = not_built_function("recv_obj", *_P2P)
+
+def __getattr__(name: str) -> object:
+    """The placeholders of `_FEATURES` are this module's attributes (built once; alias_table.py names them)."""
+    try:
+        return _PLACEHOLDERS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
 
 launch_main = not_built_function(
     "main",
