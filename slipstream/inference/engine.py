@@ -25,6 +25,7 @@ from slipstream.inference.quantize import COMPUTE_DTYPE, quantize_linears
 from slipstream.inference.weights import load_checkpoint_into
 from slipstream.parallel import TensorParallelModel, apply_tensor_parallel, build_topology, plan_tensor_parallel
 from slipstream.utils.logging import log_rank0
+from slipstream.utils.torch_versions import require_torch
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -66,6 +67,7 @@ class InferenceEngine(nn.Module):
 
     def _split(self, model: nn.Module) -> TensorParallelModel:
         """The model split over its TP group (the world is a multiple of tp_size; groups of neighbours)."""
+        require_torch("2.5", f"init_inference(tensor_parallel.tp_size={self.plan.tp_size}) (DTensor's public API)")
         if not dist.is_initialized():
             raise RuntimeError(
                 f"init_inference(tensor_parallel.tp_size={self.plan.tp_size}) needs the process group: launch "

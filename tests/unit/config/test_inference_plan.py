@@ -41,3 +41,12 @@ def test_engine_refuses_cuda_graphs_off_cuda() -> None:
         slipstream.init_inference(torch.nn.Linear(2, 2), enable_cuda_graph=True)
     engine = slipstream.init_inference(torch.nn.Linear(2, 2), dtype="fp32")
     assert engine(torch.ones(1, 2)).shape == (1, 2) and not engine.module.training
+
+
+def test_tensor_parallel_on_old_torch_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    import slipstream
+    from slipstream.utils.torch_versions import TorchTooOld
+
+    monkeypatch.setattr(torch, "__version__", "2.4.1")
+    with pytest.raises(TorchTooOld, match=r"tensor_parallel.tp_size=2.*PyTorch >= 2.5"):
+        slipstream.init_inference(torch.nn.Linear(2, 2), dtype="fp32", tensor_parallel={"tp_size": 2})
