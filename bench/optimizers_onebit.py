@@ -2,8 +2,8 @@
 
     python bench/optimizers_onebit.py [--quick] [--layers 48] [--width 1024] [--steps 4]
 
-Two ranks (gloo, one thread each) train a stack of `--layers` Linear(width, width) layers (48 x 1024: 50.4M
-parameters, fp32, ZeRO stage 0, the default bucket size: one bucket) with each optimizer through the engine.
+Two ranks (gloo, one thread each; bench/_two_ranks.py) train a stack of `--layers` Linear(width, width) + ReLU
+blocks (48 x 1024: 50.4M parameters, fp32, ZeRO stage 0, the default bucket size: one bucket) with each optimizer through the engine.
 Each rank counts the bytes it hands to the collectives in every step (slipstream.comm's counter: the
 all-reduce's buffer, the all-to-all's input, the all-gather's output), split into warm-up steps (full
 precision) and compressed steps. The ratio is Adam's bytes per step over the optimizer's; the target is >= 16x
@@ -15,21 +15,11 @@ need NCCL and cupy, so there is no peer row on CPU. The step time is printed for
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import tempfile
 import time
-from pathlib import Path
-
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
+from _two_ranks import make_mlp, run_two_ranks
 
 ROWS = {
     "Adam": {"type": "Adam", "params": {"lr": 1e-4}},
@@ -39,11 +29,6 @@ ROWS = {
         "params": {"lr": 1e-4, "var_freeze_step": 0, "var_update_scaler": 1, "comm_backend_name": "gloo"},
     },
 }
-
-
-def make_model(layers: int, width: int) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
 
 
 WIRE_SHARE = {"all_reduce": 2.0, "all_to_all": 1.0, "all_gather": 1.0}
@@ -57,7 +42,7 @@ def measure(optimizer: dict, *, layers: int, width: int, steps: int) -> list[tup
     from slipstream.comm import count_collectives
 
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": optimizer, "steps_per_print": 10**6}
-    engine, _, _, _ = slipstream.initialize(model=make_model(layers, width), config=config)
+    engine, _, _, _ = slipstream.initialize(model=make_mlp(layers, width), config=config)
     x = torch.randn(4, width, generator=torch.Generator().manual_seed(dist.get_rank()))
     out = []
     for _ in range(steps):
@@ -72,13 +57,9 @@ def measure(optimizer: dict, *, layers: int, width: int, steps: int) -> list[tup
     return out
 
 
-def rank_main(rank: int, store_path: str, args: argparse.Namespace) -> None:
-    store = dist.FileStore(store_path, 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    results = {name: measure(cfg, layers=args.layers, width=args.width, steps=args.steps) for name, cfg in ROWS.items()}
-    if rank == 0:
-        report(results, layers=args.layers, width=args.width)
-    dist.destroy_process_group()
+def rank_main(args: object) -> dict:
+    assert isinstance(args, argparse.Namespace)
+    return {name: measure(cfg, layers=args.layers, width=args.width, steps=args.steps) for name, cfg in ROWS.items()}
 
 
 def report(results: dict[str, list[tuple[int, float, float]]], *, layers: int, width: int) -> None:
@@ -105,8 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.layers, args.width, args.steps = 4, 256, 3
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(rank_main, args=(os.path.join(tmp, "store"), args), nprocs=2, start_method="spawn")
+    report(run_two_ranks(rank_main, args), layers=args.layers, width=args.width)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from slipstream.optim.onebit.base import OneBitBase, Params, adam_update
+from slipstream.optim.common import closure_loss
+from slipstream.optim.onebit.base import OneBitBase, Params, adam_defaults, adam_update
 
 __all__ = ["OneBitAdam"]
 
@@ -44,17 +45,8 @@ class OneBitAdam(OneBitBase):
     ) -> None:
         if freeze_step < 0:
             raise ValueError(f"OneBitAdam: freeze_step={freeze_step} must be >= 0 (the number of warm-up steps)")
-        defaults = {
-            "lr": lr,
-            "bias_correction": bias_correction,
-            "betas": betas,
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "max_grad_norm": max_grad_norm,
-        }
-        super().__init__(
-            params, defaults, amsgrad=amsgrad, cuda_aware=cuda_aware, comm_backend_name=comm_backend_name
-        )
+        defaults = adam_defaults(lr, bias_correction, betas, eps, weight_decay, max_grad_norm)
+        super().__init__(params, defaults, amsgrad=amsgrad, cuda_aware=cuda_aware, comm_backend_name=comm_backend_name)
         self.freeze_step = freeze_step
 
     def next_step_is_local(self) -> bool:
@@ -62,10 +54,7 @@ class OneBitAdam(OneBitBase):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         compressed = self.next_step_is_local()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]

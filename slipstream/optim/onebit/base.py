@@ -13,10 +13,29 @@ from torch import Tensor
 from slipstream.comm.compressed import OneBitAllReduce
 from slipstream.utils.logging import get_logger
 
-__all__ = ["OneBitBase", "Params", "adam_update"]
+__all__ = ["OneBitBase", "Params", "adam_defaults", "adam_update"]
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]]
 COMM_BACKENDS = ("nccl", "gloo", "mpi")
+
+
+def adam_defaults(
+    lr: float,
+    bias_correction: bool,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    max_grad_norm: float,
+) -> dict[str, Any]:
+    """The param-group defaults of DeepSpeed's 1-bit Adam optimizers."""
+    return {
+        "lr": lr,
+        "bias_correction": bias_correction,
+        "betas": betas,
+        "eps": eps,
+        "weight_decay": weight_decay,
+        "max_grad_norm": max_grad_norm,
+    }
 
 
 def adam_update(p: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, group: dict[str, Any]) -> Tensor:
@@ -66,14 +85,19 @@ class OneBitBase(torch.optim.Optimizer):
     def next_step_is_local(self) -> bool:
         raise NotImplementedError
 
-    def steps_done(self) -> int:
-        """Steps taken so far (the state's 'step', which checkpoints keep)."""
+    def first_state(self) -> dict[str, Any] | None:
+        """The state of the first parameter that has one (the step counters are the same in every parameter's)."""
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
                 if state:
-                    return int(state["step"])
-        return 0
+                    return state
+        return None
+
+    def steps_done(self) -> int:
+        """Steps taken so far (the state's 'step', which checkpoints keep)."""
+        state = self.first_state()
+        return 0 if state is None else int(state["step"])
 
     # ---- the compressed all-reduce ----
     def compressed_mean(self, p: Tensor, values: Tensor) -> None:

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slipstream.optim.onebit.base import OneBitBase, Params, adam_update
+from slipstream.optim.common import closure_loss
+from slipstream.optim.onebit.base import OneBitBase, Params, adam_defaults, adam_update
 
 __all__ = ["ZeroOneAdam"]
 
@@ -60,17 +61,8 @@ class ZeroOneAdam(OneBitBase):
         ):
             if value < 1:
                 raise ValueError(f"ZeroOneAdam: {key}={value} must be >= 1")
-        defaults = {
-            "lr": lr,
-            "bias_correction": bias_correction,
-            "betas": betas,
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "max_grad_norm": max_grad_norm,
-        }
-        super().__init__(
-            params, defaults, amsgrad=amsgrad, cuda_aware=cuda_aware, comm_backend_name=comm_backend_name
-        )
+        defaults = adam_defaults(lr, bias_correction, betas, eps, weight_decay, max_grad_norm)
+        super().__init__(params, defaults, amsgrad=amsgrad, cuda_aware=cuda_aware, comm_backend_name=comm_backend_name)
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
@@ -78,11 +70,7 @@ class ZeroOneAdam(OneBitBase):
 
     def _counters(self) -> dict[str, Any]:
         """The first parameter's state (every parameter keeps the same counters)."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if self.state.get(p):
-                    return self.state[p]
-        return {"step": 0, "var_interval": 1}
+        return self.first_state() or {"step": 0, "var_interval": 1}
 
     def _frozen(self, step: int) -> bool:
         return step > self.var_freeze_step + 1
@@ -94,10 +82,7 @@ class ZeroOneAdam(OneBitBase):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         upcoming = int(self._counters()["step"]) + 1
         if self._frozen(upcoming) and not self._frozen(upcoming - 1):
             self.reset_errors()  # the errors now measure the accumulated update, not the gradient

@@ -5,7 +5,10 @@
   collectives are counted.
 - During warm-up OneBitAdam and ZeroOneAdam equal uncorrected Adam (UncorrectedAdamW below) through
   the engine: same parameters on every rank.
-- After warm-up a short run's loss stays within a bound of Adam's, and the ranks' parameters stay equal.
+- A compressed step gets the rank's own gradient (its norm), and no gradient all-reduce.
+- After warm-up a short run's loss stays within a bound of Adam's, and the ranks' parameters stay equal; bf16 and
+  fp16 train through compressed steps.
+- optimizer.state_dict() carries the error buffers and their world size.
 """
 
 from __future__ import annotations
@@ -110,16 +113,17 @@ def train(rank: int, world: int, optimizer: dict | None, *, steps: int, precisio
     else:
         config["optimizer"] = optimizer
     engine, _, _, _ = slipstream.initialize(model=TinyMLP(), optimizer=client, config=config)
-    losses = []
+    losses, norms = [], []
     for inputs, targets in batches()[:steps]:
         x, y = inputs[4 * rank : 4 * rank + 4], targets[4 * rank : 4 * rank + 4]
         with count_collectives() as counted:
             engine.backward(TinyMLP.loss(engine(x), y))
             engine.step()
         losses.append(engine.last_loss)
+        norms.append(engine.get_global_grad_norm())
     params = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
     engine.destroy()
-    return {"losses": losses, "params": params, "last_step": dict(counted.bytes)}
+    return {"losses": losses, "norms": norms, "params": params, "last_step": dict(counted.bytes)}
 
 
 def onebit(kind: str, **params: object) -> dict:
@@ -134,6 +138,16 @@ def check_warmup(rank: int, world: int) -> None:
         torch.testing.assert_close(mine["params"], reference["params"], rtol=1e-6, atol=1e-7, msg=kind)
         assert mine["losses"] == reference["losses"], kind
         assert mine["last_step"] == reference["last_step"], kind
+
+
+def check_local_gradients(rank: int, world: int) -> None:
+    """A compressed step gets this rank's own gradient: its norm is that of the rank's rows alone."""
+    model = TinyMLP()
+    inputs, targets = batches()[0]
+    TinyMLP.loss(model(inputs[4 * rank : 4 * rank + 4]), targets[4 * rank : 4 * rank + 4]).backward()
+    local = float(torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()])))
+    norms = train(rank, world, onebit("OneBitAdam", freeze_step=0), steps=1)["norms"]
+    assert math.isclose(norms[0], local, rel_tol=1e-5), (norms, local)
 
 
 def check_after_warmup(rank: int, world: int) -> None:
@@ -163,10 +177,12 @@ def check_after_warmup(rank: int, world: int) -> None:
 
 def check_low_precision(rank: int, world: int) -> None:
     """bf16 and fp16 (loss scaling) train through the compressed steps too."""
-    for precision in ({"bf16": {"enabled": True}}, {"fp16": {"enabled": True, "initial_scale_power": 8}}):
-        for kind, params in (("OneBitAdam", {"freeze_step": WARMUP_STEPS}), ("ZeroOneAdam", {"var_freeze_step": 4})):
-            losses = train(rank, world, onebit(kind, **params), steps=STEPS, precision=precision)["losses"]
-            assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.5 * losses[0], (kind, precision, losses)
+    for precision, kind, params in (
+        ({"bf16": {"enabled": True}}, "OneBitAdam", {"freeze_step": WARMUP_STEPS}),
+        ({"fp16": {"enabled": True, "initial_scale_power": 8}}, "ZeroOneAdam", {"var_freeze_step": 4}),
+    ):
+        losses = train(rank, world, onebit(kind, **params), steps=STEPS, precision=precision)["losses"]
+        assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.5 * losses[0], (kind, precision, losses)
 
 
 def compressed_steps(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, *, rank: int, steps: int) -> None:
@@ -221,6 +237,7 @@ def run_all(rank: int, world: int) -> None:
     check_all_reduce(rank, world)
     check_error_buffers_in_state_dict(rank, world)
     check_warmup(rank, world)
+    check_local_gradients(rank, world)
     check_after_warmup(rank, world)
     check_low_precision(rank, world)
 def test_onebit_all_reduce_and_optimizers() -> None:
