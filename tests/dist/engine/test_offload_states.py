@@ -3,7 +3,8 @@
 Offload: the bytes of the storages the engine reaches on its device (tests/harness/device_bytes.py, written
 apart from the offload's own list) fall to at most 5% after `offload_states()` and come back after
 `reload_states()`; no collective is issued; forward is refused while the states are away; a partial offload
-(`include=["optim_states"]`) releases exactly the optimizer states. Training continues bit-equal: an engine
+(`include=[OffloadStateTypeEnum.optim_states]`, DeepSpeed's import path) releases exactly the optimizer states;
+unknown state names and NVMe are refused by name. Training continues bit-equal: an engine
 that went through the round trip after 2 steps has, after 2 more, the same parameters (torch.equal) as one
 trained 4 steps straight.
 iter_full_weights: equals the consolidated state dict (stage 3: ZeroModel.full_state), and at stage 3 with a
@@ -64,9 +65,15 @@ def _check_offload(engine, rank: int) -> None:  # type: ignore[no-untyped-def]
     assert not engine.offloaded_state_types()
     state_bytes = sum(v.numel() * v.element_size() for s in engine.optimizer.optimizer.state.values()
                       for v in s.values() if isinstance(v, torch.Tensor))
-    engine.offload_states(include=["optim_states"])
+    from slipstream.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum  # DeepSpeed's path
+
+    engine.offload_states(include=[OffloadStateTypeEnum.optim_states], device=OffloadDeviceEnum.cpu, non_blocking=True)
     assert before - device_bytes(engine, device=engine.device, skip=SKIP) == state_bytes
-    engine.reload_states()
+    engine.reload_states(non_blocking=True)
+    with pytest.raises(ValueError, match="unknown state type.*lp_weights"):
+        engine.offload_states(include=["lp_weights"])
+    with pytest.raises(ValueError, match="NVMe is not supported"):
+        engine.offload_states(device="nvme")
 
 
 def _check_full_weights(engine, stage: int) -> None:  # type: ignore[no-untyped-def]
