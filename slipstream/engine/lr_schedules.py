@@ -164,6 +164,10 @@ class WarmupLR(_Schedule):
         it = self.last_batch_iteration
         if it < self.warmup_num_steps:
             return _warmup_fraction(it, self.warmup_num_steps, self.warmup_type)
+        return self._after_warmup(it)
+
+    def _after_warmup(self, it: int) -> float:
+        """Gamma at step `it` once warmup is over: WarmupLR stays at the max."""
         return 1.0
 
     def get_lr(self) -> list[float]:
@@ -192,10 +196,7 @@ class WarmupDecayLR(WarmupLR):
     def _check_total(self) -> None:
         _check_total(self.total_num_steps, self.warmup_num_steps)
 
-    def _gamma(self) -> float:
-        it = self.last_batch_iteration
-        if it < self.warmup_num_steps:
-            return _warmup_fraction(it, self.warmup_num_steps, self.warmup_type)
+    def _after_warmup(self, it: int) -> float:
         return max(
             0.0, float(self.total_num_steps - it) / float(max(1.0, self.total_num_steps - self.warmup_num_steps))
         )
