@@ -72,26 +72,21 @@ class UlyssesSPAttentionHF(hf.UlyssesSPAttentionHF):
             )
         parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads, layers = int(text.num_attention_heads), int(text.num_hidden_layers)
-        head_size = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-        group = parallel_state_sp.get_sequence_parallel_group()
+        shape, group = _attention_shape(text), parallel_state_sp.get_sequence_parallel_group()
 
         def wrap(core: Callable[..., Any]) -> hf.UlyssesSPAttentionHF:
-            return cls(
-                core,
-                micro_batch_size,
-                heads,
-                head_size,
-                kv_heads,
-                layers,
-                group,
-                disable_in_eval=disable_in_eval,
-                head_chunks=head_chunks,
-            )
+            return cls(core, micro_batch_size, *shape, group, disable_in_eval=disable_in_eval, head_chunks=head_chunks)
 
         hf.install(core_attn_implementation, wrap)
         return parallel_state_sp
+
+
+def _attention_shape(text: Any) -> tuple[int, int, int, int]:
+    """(attention heads, head size, key/value heads, layers) of a Transformers text config."""
+    heads = int(text.num_attention_heads)
+    head_size = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    return heads, head_size, kv_heads, int(text.num_hidden_layers)
 
 
 def _config_of(model_name_or_path: Any) -> Any:
