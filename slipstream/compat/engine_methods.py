@@ -25,6 +25,7 @@ import torch
 
 from slipstream.compat.engine_attributes import EngineAttributes
 from slipstream.compat.param_access import register_engine
+from slipstream.compile.engine_compile import CompiledEngine
 from slipstream.config.schema.zero import ZeroConfig
 
 _Z = "zero_optimization"
@@ -145,7 +146,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "sparse_allreduce": "sparse gradients are not implemented",
     "sparse_allreduce_bucket": "sparse gradients are not implemented",
     "sparse_allreduce_no_retain": "sparse gradients are not implemented",
-    "compile": "DeepSpeed's engine.compile is not implemented; torch.compile the model before initialize()",
     "compile_autosp": "DeepCompile is not implemented",
     "compile_autotp": "DeepCompile is not implemented",
     "compile_zero_optimization_stage": "DeepCompile is not implemented",
@@ -193,7 +193,7 @@ def _refusal(name: str, why: str) -> Callable[..., Any]:
     return refuse
 
 
-class DeepSpeedEngineMethods(EngineAttributes):
+class DeepSpeedEngineMethods(CompiledEngine, EngineAttributes):
     """See the module doc. Attributes it reads are the engine's."""
 
     config: Any
@@ -278,11 +278,11 @@ class DeepSpeedEngineMethods(EngineAttributes):
         return self.plan.zero.stage >= 3
 
     def _never(self) -> bool:
-        """DeepSpeed's questions about what Slipstream's engine does not do (compiling, DeepCompile, elastic
+        """DeepSpeed's questions about what Slipstream's engine does not do (DeepCompile, elastic
         model parallelism, sanity checks, accumulation managed by a compiler): always False."""
         return False
 
-    is_compiled = is_deepcompile_enabled = is_deepcompile_active = _never
+    is_deepcompile_enabled = is_deepcompile_active = _never
     is_elastic_model_parallel_supported = is_sanity_checks_enabled = managed_gradient_accumulation = _never
 
     def cpuadam_cores_perc(self) -> float:

@@ -23,6 +23,7 @@ __all__ = [
     "AutotuningPlan",
     "BatchPlan",
     "CheckpointPlan",
+    "CompilePlan",
     "CpuTarget",
     "EnginePlan",
     "LoggingPlan",
@@ -376,6 +377,14 @@ class LoggingPlan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CompilePlan:
+    """What `engine.compile()` takes from the `compile` section (slipstream/compile/)."""
+
+    deepcompile: bool
+    """DeepCompile was asked for: not built, so engine.compile() refuses it instead of compiling otherwise."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PipelinePlan:
     """What the pipeline engine takes from the `pipeline` section (slipstream/pipe/engine.py)."""
 
@@ -422,6 +431,7 @@ class EnginePlan:
     dataloader_drop_last: bool
     checkpoint: CheckpointPlan
     pipeline: PipelinePlan
+    compile: CompilePlan
     collective_timeout: float | None
     """Seconds before a collective that some rank never reached raises; None: the environment's default."""
     activation_checkpointing: ActivationCheckpointPlan | None

@@ -38,7 +38,7 @@ from slipstream.config.errors import ConfigError, pydantic_problems
 from slipstream.config.keys import BATCH_KEYS, KeyWalk, unimplemented_keys
 from slipstream.config.optimizer_plans import optimizer_plan, scheduler_plan
 from slipstream.config.optimizers import DEEPSPEED_ONLY
-from slipstream.config.plan import BatchPlan, EnginePlan, ParallelPlan, Stage3Plan
+from slipstream.config.plan import BatchPlan, CompilePlan, EnginePlan, ParallelPlan, Stage3Plan
 from slipstream.config.schema.top import DeepSpeedConfig
 from slipstream.config.schema.zero import OffloadParamConfig
 from slipstream.config.section_plans import (
@@ -119,6 +119,7 @@ def resolve(
         dataloader_drop_last=cfg.dataloader_drop_last,
         checkpoint=checkpoint_plan(cfg),
         pipeline=pipeline_plan(cfg),
+        compile=CompilePlan(deepcompile=cfg.compile.deepcompile),
         autotuning=autotuning_plan(cfg),
         collective_timeout=cfg.collective_timeout,
         parallel=parallel,

@@ -242,7 +242,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         self._loss_totals[1] += 1
         if not scale_wrt_gas:
             self._user_scaled_window = True
-        self.scale(loss).backward(retain_graph=retain_graph)
+        self._backward_pass(self.scale(loss), retain_graph=retain_graph)  # compiled autograd after compile()
         self._timers["backward"] += time.perf_counter() - started
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         return loss.detach() / gas

@@ -200,6 +200,11 @@ def test_profiling_and_activation_checkpointing_know_no_training_machinery() -> 
     assert not bad, f"profiling/ measures any module; activation/ wraps any function: {bad}"
 
 
+def test_compile_wraps_the_model_and_knows_no_engine() -> None:
+    bad = _violations(_imports(), "compile", {"accelerator", "config", "zero"} | LEAF_HELPERS)
+    assert not bad, f"compile/ compiles the model's blocks around ZeRO's hooks; the engine calls it: {bad}"
+
+
 def test_no_module_imports_itself_through_others() -> None:
     cycle = _cycle(_imports())
     assert not cycle, (

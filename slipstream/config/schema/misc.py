@@ -261,16 +261,46 @@ class AutotuningConfig(OpenSection):
 
 
 class CompileConfig(OpenSection):
-    """`compile`: torch.compile and DeepCompile (further keys are kept as given)."""
+    """`compile`: DeepCompile's options (further keys are kept as given). `engine.compile()` itself needs none of
+    them (slipstream/compile/); DeepCompile is not built, so each key stays reported, and `deepcompile: true`
+    makes engine.compile() refuse."""
 
     deepcompile: DSBool = False
-    """Use DeepCompile."""
+    """Use DeepCompile (its graph passes are not built: engine.compile() refuses)."""
+    autoep_non_moe: DSBool = False
+    """Compile the callable parents of AutoEP layers, keeping AutoEP eager (AutoEP is not built)."""
+    passes: list[Literal["z1", "z3", "autosp", "autotp"]] | None = None
+    """DeepCompile's graph passes to compose."""
     free_activation: DSBool = False
     """Free activations early (DeepCompile)."""
+    free_activation_threshold: DSInt = 10 * 1024 * 1024
+    """Bytes from which activations are freed early (DeepCompile)."""
     offload_activation: DSBool = False
-    """Offload activations (DeepCompile)."""
+    """Offload activations saved for backward to host memory (DeepCompile)."""
+    offload_activation_pin_memory: DSBool = True
+    """Pin the host buffers of activation offload (DeepCompile)."""
     offload_opt_states: DSBool = False
-    """Offload optimizer states (DeepCompile)."""
+    """Offload optimizer states during forward and backward (DeepCompile)."""
+    offload_parameters: DSBool = False
+    """Offload parameters (DeepCompile)."""
+    double_buffer: DSBool = True
+    """Double buffering of gathered parameters (DeepCompile)."""
+    symmetric_memory: DSBool = False
+    """Symmetric memory for collectives (DeepCompile)."""
+    debug_log: DSBool = False
+    """Dump DeepCompile's graphs."""
+    sync_before_reduce: DSBool = False
+    """Synchronise before each gradient reduction (DeepCompile)."""
+    sync_after_reduce: DSBool = False
+    """Synchronise after each gradient reduction (DeepCompile)."""
+    sync_before_allgather: DSBool = False
+    """Synchronise before each parameter all-gather (DeepCompile)."""
+    sync_after_allgather: DSBool = False
+    """Synchronise after each parameter all-gather (DeepCompile)."""
+    keep_int_input_tensors: DSBool = True
+    """Keep the values of integer input tensors when profiling (DeepCompile)."""
+    keep_all_input_tensors: DSBool = False
+    """Keep the values of all input tensors when profiling (DeepCompile)."""
 
 
 class TensorParallelConfig(OpenSection):

@@ -30,6 +30,8 @@ DERIVED = {
     "logging.monitor": "the monitor sections",
     "unimplemented": "keys reported as not implemented",
     "resolved": "the resolved config as DeepSpeed clients read it back",
+    "compile": "the compile section (engine.compile() reads it)",
+    "compile.deepcompile": "compile.deepcompile stays reported; engine.compile() refuses DeepCompile by name",
 }
 DERIVED_TREES = {
     "zero.stage3.offload_param.aio": "the same aio section as zero.offload_optimizer.aio",

@@ -1,0 +1,212 @@
+"""Benchmark of `engine.compile()`: step time compiled vs eager at ZeRO 0, 2 and 3, and the first compiled
+step's time (when compiling happens), on 2 ranks (gloo on CPU, one thread each), for Slipstream and for
+DeepSpeed's own `engine.compile()` in the peer environment (.bench-venv), or what fails there.
+
+    python bench/compile.py [--backend inductor] [--steps 8] [--layers 4] [--peer-python .bench-venv/bin/python]
+
+The model is a small Llama-style decoder (RMSNorm, rotary-free causal attention through SDPA, SwiGLU MLP) in
+an `nn.ModuleList`, built from one seed on every rank. Per stage, each framework trains an eager engine and
+a compiled one on the same micro-batches: one warmup step (eager) or the first step (compiled: it compiles),
+then `--steps` steps whose median is reported. Ratios (compiled / eager, lower is better) are printed for each
+framework; nothing is asserted. This file imports slipstream only in Slipstream's rows and deepspeed only in
+DeepSpeed's (run by the peer interpreter), so one file serves both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = Path(__file__).resolve().parent.parent
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+STAGES = (0, 2, 3)
+DIM, HEADS, VOCAB, SEQ, MICRO = 128, 4, 512, 64, 4
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn_norm, self.mlp_norm = RMSNorm(DIM), RMSNorm(DIM)
+        self.qkv, self.out = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+        self.gate, self.up = nn.Linear(DIM, 4 * DIM, bias=False), nn.Linear(DIM, 4 * DIM, bias=False)
+        self.down = nn.Linear(4 * DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.out(y)
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(LlamaBlock() for _ in range(layers))
+        self.norm, self.head = RMSNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x)
+        return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), targets.flatten())
+
+
+def ds_config(stage: int) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage}}
+
+
+def batches(rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    tokens = [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=gen) for _ in range(count)]
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def build(framework: str, stage: int, layers: int) -> Any:
+    if framework == "slipstream":
+        import slipstream as library
+    else:
+        import deepspeed as library  # the peer environment only
+    model = TinyLlama(layers)
+    engine, _, _, _ = library.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage))
+    return engine
+
+
+def timed_steps(engine: Any, data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    times = []
+    for tokens, targets in data:
+        dist.barrier()
+        started = time.perf_counter()
+        engine.backward(engine(tokens, targets))
+        engine.step()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def one_stage(framework: str, stage: int, args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    data = batches(rank, args.steps + 1)
+    eager = build(framework, stage, args.layers)
+    eager_times = timed_steps(eager, data)[1:]
+    eager.destroy()
+    try:
+        torch._dynamo.reset()
+        compiled = build(framework, stage, args.layers)
+        compiled.compile(backend=args.backend)
+        compiled_times = timed_steps(compiled, data)
+        compiled.destroy()
+    except Exception as exc:  # DeepSpeed's failures are a result of this benchmark, reported as such
+        return {"eager_s": statistics.median(eager_times), "error": f"{type(exc).__name__}: {exc}".splitlines()[0],
+                "trace": traceback.format_exc()[-600:]}
+    return {"eager_s": statistics.median(eager_times), "compiled_s": statistics.median(compiled_times[1:]),
+            "first_s": compiled_times[0]}
+
+
+def rank_main(rank: int, framework: str, store_path: str, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    results = {}
+    for stage in STAGES:
+        results[stage] = one_stage(framework, stage, args, rank)
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def run_framework(framework: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Both ranks of one framework, in this interpreter (spawned)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.start_processes(rank_main, args=(framework, os.path.join(tmp, "store"), args, out), nprocs=2,
+                           start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
+def run_peer(args: argparse.Namespace) -> dict[str, Any] | str:
+    python = Path(args.peer_python)
+    if not python.exists():
+        return f"no peer environment ({python}); bench/make_peer_venv.sh creates it"
+    argv = [str(python), __file__, "--framework", "deepspeed", "--json", "--backend", args.backend,
+            "--steps", str(args.steps), "--layers", str(args.layers)]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        return f"DeepSpeed run failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}"
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def print_table(name: str, results: dict[str, Any]) -> None:
+    for stage, row in results.items():
+        eager = row["eager_s"] * 1e3
+        if "error" in row:
+            print(f"{name:<11} ZeRO-{stage}  eager {eager:7.1f} ms   compiled: FAILED {row['error'][:150]}")
+            continue
+        compiled, first = row["compiled_s"] * 1e3, row["first_s"]
+        print(f"{name:<11} ZeRO-{stage}  eager {eager:7.1f} ms  compiled {compiled:7.1f} ms  "
+              f"ratio {compiled / eager:5.2f}x  first compiled step {first:6.1f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--framework", choices=("slipstream", "deepspeed"), default="slipstream")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON line (peer runs)")
+    parser.add_argument("--peer-python", default=str(ROOT / ".bench-venv" / "bin" / "python"))
+    args = parser.parse_args()
+    if args.json:
+        print(json.dumps(run_framework(args.framework, args)))
+        return
+    print(f"engine.compile(backend={args.backend!r}): {args.layers}-block Llama-style model, dim {DIM}, seq {SEQ}, "
+          f"micro-batch {MICRO}, 2 ranks (gloo, 1 thread each); median of {args.steps} steps")
+    ours = run_framework("slipstream", args)
+    print_table("slipstream", ours)
+    peer = run_peer(args)
+    if isinstance(peer, str):
+        print(f"deepspeed   {peer}")
+        return
+    print_table("deepspeed", peer)
+    for stage in ours:
+        mine, theirs = ours[stage], peer.get(stage, {})
+        if "compiled_s" in mine and "compiled_s" in theirs:
+            print(f"ZeRO-{stage}: Slipstream compiled step / DeepSpeed compiled step = "
+                  f"{mine['compiled_s'] / theirs['compiled_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    main()
