@@ -97,8 +97,7 @@ class LossScalePlan:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PrecisionPlan:
-    """Dtypes of parameters, gradient accumulation, master weights and optimizer states; loss_scale for fp16
-    (parameters or autocast); autocast: the forward's torch.autocast (config/precision_plans.py)."""
+    """Dtypes of parameters, gradients, masters and optimizer states; the forward's autocast; loss scaling."""
 
     param_dtype: str
     grad_accum_dtype: str
@@ -106,6 +105,8 @@ class PrecisionPlan:
     optimizer_state_dtype: str
     """The optimizer moments' dtype: fp32 unless `bf16.bf16_optimizer_states` (slipstream/precision/masters.py)."""
     autocast: AutocastPlan | None
+    grad_predivide: float | None
+    """Gradients are divided by this on arrival, before the reduction (None: the reduction group's size)."""
     loss_scale: LossScalePlan | None
     check_grad_overflow: bool
     max_consecutive_skips: int

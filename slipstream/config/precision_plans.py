@@ -10,7 +10,7 @@ import dataclasses
 from slipstream.config.schema.precision import canonical_dtype
 from slipstream.config.schema.top import DeepSpeedConfig
 
-__all__ = ["AutocastPlan", "MasterOptions", "autocast_plan", "master_options"]
+__all__ = ["AutocastPlan", "MasterOptions", "autocast_plan", "master_options", "precision_unhonoured"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,8 +23,9 @@ class AutocastPlan:
 
 
 def autocast_plan(cfg: DeepSpeedConfig, problems: list[str]) -> AutocastPlan | None:
-    """`torch_autocast.enabled` (dtype: its `dtype`; unset, torch.autocast's default for the device) or `amp.enabled` (fp16, as Apex's O1
-    casts to fp16) as an AutocastPlan; either contradicts fp16/bf16 parameters, and they exclude each other."""
+    """`torch_autocast.enabled` (its `dtype`; unset, torch.autocast's default for the device) or `amp.enabled`
+    (fp16, as Apex's O1 casts to fp16) as an AutocastPlan; either contradicts fp16/bf16 parameters, and they
+    exclude each other."""
     torch_section, amp = cfg.torch_autocast, cfg.amp
     chosen: list[tuple[str, AutocastPlan]] = []
     if torch_section.enabled:
@@ -59,7 +60,7 @@ def _autocast_dtype(value: str | None, problems: list[str]) -> str | None:
         return None
     if dtype == "fp32":
         problems.append(
-            f"torch_autocast.dtype={value!r}: autocast needs a lower precision; use \"bfloat16\" or \"float16\""
+            f'torch_autocast.dtype={value!r}: autocast needs a lower precision; use "bfloat16" or "float16"'
         )
         return None
     return dtype
@@ -81,9 +82,7 @@ def master_options(cfg: DeepSpeedConfig, param_dtype: str, problems: list[str]) 
     the moments are bf16 too (fp16 masters always need it)."""
     bf16, fp16 = cfg.bf16, cfg.fp16
     if bf16.bf16_master_weights_and_grads and fp16.fp16_master_weights_and_grads:
-        problems.append(
-            "bf16.bf16_master_weights_and_grads, fp16.fp16_master_weights_and_grads: enable at most one"
-        )
+        problems.append("bf16.bf16_master_weights_and_grads, fp16.fp16_master_weights_and_grads: enable at most one")
     if bf16.bf16_master_weights_and_grads:
         _check_low_masters(cfg, "bf16", need_offload=not bf16.bf16_optimizer_states, problems=problems)
         return MasterOptions("bf16", "bf16", "bf16" if bf16.bf16_optimizer_states else "fp32")
@@ -106,7 +105,7 @@ def _check_low_masters(cfg: DeepSpeedConfig, dtype: str, *, need_offload: bool, 
         fix = " or set bf16.bf16_optimizer_states true" if dtype == "bf16" else ""
         problems.append(
             f"{key}: {why} need CPU optimizer offload (zero_optimization.offload_optimizer.device is "
-            f"{device!r}); set it to \"cpu\"{fix}"
+            f'{device!r}); set it to "cpu"{fix}'
         )
     accum = cfg.data_types.grad_accum_dtype
     if accum is not None and accum != dtype:
@@ -114,3 +113,13 @@ def _check_low_masters(cfg: DeepSpeedConfig, dtype: str, *, need_offload: bool, 
             f"{key}, data_types.grad_accum_dtype={accum!r}: the gradients are the {dtype} masters' gradients; "
             f"remove data_types.grad_accum_dtype or set it to {dtype!r}"
         )
+
+
+def precision_unhonoured(cfg: DeepSpeedConfig) -> list[str]:
+    """Keys set away from their defaults that the chosen stage does not act on: stage 3's gradients arrive in
+    its units, not through the hooks that divide them on arrival, so `prescale_gradients` and
+    `gradient_predivide_factor` are honoured at stages 0-2 only."""
+    if cfg.zero_optimization.stage < 3:
+        return []
+    found = ["prescale_gradients"] if cfg.prescale_gradients else []
+    return found + (["gradient_predivide_factor"] if cfg.gradient_predivide_factor != 1.0 else [])

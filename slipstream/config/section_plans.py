@@ -101,6 +101,7 @@ def precision_plan(cfg: DeepSpeedConfig, problems: list[str]) -> PrecisionPlan:
         master_dtype=masters.master_dtype,
         optimizer_state_dtype=masters.state_dtype,
         autocast=autocast,
+        grad_predivide=None if cfg.prescale_gradients else cfg.gradient_predivide_factor,
         loss_scale=scale,
         check_grad_overflow=scale is not None
         or {"fp16": True, "bf16": bf16.check_grad_overflow, "fp32": False}[param_dtype],

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from slipstream.accelerator import get_accelerator
 from slipstream.config.plan import EnginePlan, LossScalePlan
 from slipstream.engine.dataloader import make_training_dataloader
-from slipstream.accelerator import get_accelerator
 from slipstream.offload.policy import host_available_bytes
 from slipstream.precision import NoAutocast, apply_state_dtype, forward_region
 from slipstream.utils.errors import ArgumentTypeError

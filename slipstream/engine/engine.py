@@ -343,7 +343,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         x micro-batches of the window x the fp16 loss scale."""
         gas = 1 if self._user_scaled_window else self.gradient_accumulation_steps()
         loss_scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-        return self.dp_world_size * gas * loss_scale
+        return self.dp_world_size * gas * loss_scale / (self.optimizer.pre_divided if self.optimizer else 1.0)
 
     def _finish_window(self) -> None:
         """Global mean loss of the batch (one scalar all-reduce); the monitors' events at every optimizer step, as

@@ -64,8 +64,10 @@ def _optimizer_roles(owned: int, *, settings: Settings, offload: bool, aliased: 
     """master, optimizer_state, host_buffers for `owned` master elements (identical at every stage)."""
     param, master = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.master_dtype]
     states = optimizer_states_per_element(settings.optimizer, settings.optimizer_params)
-    state_bytes = DTYPE_BYTES[settings.optimizer_state_dtype] if settings.optimizer_state_dtype else (
-        param if aliased else master
+    state_bytes = (
+        DTYPE_BYTES[settings.optimizer_state_dtype]
+        if settings.optimizer_state_dtype
+        else (param if aliased else master)
     )
     grads_in_place = settings.device_is_host and settings.grad_accum_dtype == settings.master_dtype
     host_buffers = (

@@ -10,7 +10,7 @@ does; without autocast in the config the engine leaves the caller's region alone
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -24,7 +24,7 @@ class NoAutocast:
 
     dtype: torch.dtype | None = None
 
-    def region(self) -> ContextManager[object]:
+    def region(self) -> AbstractContextManager[object]:
         return contextlib.nullcontext()
 
 
@@ -35,7 +35,7 @@ class AutocastRegion(NoAutocast):
         self.dtype = dtype
         self.device_type = device_type
 
-    def region(self) -> ContextManager[object]:
+    def region(self) -> AbstractContextManager[object]:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype, enabled=True)
 
 

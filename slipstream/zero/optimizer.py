@@ -82,6 +82,11 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
         self.rank = dist.get_rank(group)
         self._group_for = group_for
         self.check_overflow = precision.check_grad_overflow
+        # [Note: gradients divided on arrival] prescale_gradients / gradient_predivide_factor: each gradient is
+        # divided by this before it is accumulated and reduced; the engine's step divisor is divided by it (D7)
+        # (stage 3's gradients arrive in its units instead: there it is 1, and the keys are reported)
+        predivide = self.world_size if precision.grad_predivide is None else precision.grad_predivide
+        self.pre_divided = float(predivide) if zero.stage < 3 else 1.0
         master_dtype, grad_dtype = precision.master_dtype, precision.grad_accum_dtype
         bucket_numel = self._layout_bucket_numel(int(zero.reduce_bucket_size), DTYPES[grad_dtype])
         self.offload = offload if offload is not None else OffloadPolicy()
@@ -156,6 +161,8 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
         flat, index = self._param_location[id(param)]
         if param.grad is None:
             return
+        if self.pre_divided != 1.0:  # see [Note: gradients divided on arrival]
+            param.grad.mul_(1.0 / self.pre_divided)
         self._accumulate(flat, index, param.grad)
         param.grad = None
 

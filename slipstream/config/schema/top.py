@@ -73,6 +73,8 @@ class DeepSpeedConfig(DSModel):
         "strict": "",
         "sequence_parallel_size": "parallel.sp_size",
         "communication_data_type": "zero.reduce_dtype",
+        "prescale_gradients": "precision.grad_predivide",
+        "gradient_predivide_factor": "precision.grad_predivide",
     }
     train_batch_size: DSInt | None = Field(None, gt=0)
     """Global batch: micro batch * gradient accumulation steps * data-parallel world size."""
@@ -100,7 +102,7 @@ class DeepSpeedConfig(DSModel):
     gradient_clipping: DSFloat = Field(1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables."""
     prescale_gradients: DSBool = False
-    """Divide gradients by the world size before the all-reduce instead of after."""
+    """Divide gradients by the world size before the all-reduce instead of after (ZeRO stages 0-2)."""
     gradient_predivide_factor: DSFloat = Field(1.0, gt=0.0)
     """Divide gradients by this before the all-reduce and by world_size / factor after."""
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"

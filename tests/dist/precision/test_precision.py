@@ -2,7 +2,8 @@
 `torch_autocast` (bf16 forward, fp32 parameters) at ZeRO 0, 2, 3 and with CPU offload, `bf16` master weights
 with bf16 Adam moments at ZeRO 1-3 and offloaded at ZeRO 3, offloaded with fp32 moments at ZeRO 2, and fp16
 masters (offloaded, with `auto_cast` inputs and a static loss scale), the reference stepping low-precision
-parameters with the same optimizer and rounding. Parameters must be within a bound the dtype implies, and a reference with one step left out must
+parameters with the same optimizer and rounding. Parameters must be within a bound the dtype implies, and a
+reference with one step left out must
 not be (the bound is tight enough to see one step). Also the bytes the planner predicts for bf16 masters and
 states at ZeRO-2, about half those of fp32 masters. One spawn runs every case."""
 
@@ -66,7 +67,8 @@ def train(rank: int, world: int, **case: object) -> dict:
     engine, _, _, _ = slipstream.initialize(model=TinyMLP(), config=config(case))
     for inputs, targets in batches():
         half = BATCH // world
-        engine.backward(TinyMLP.loss(engine(inputs[rank * half:(rank + 1) * half]), targets[rank * half:(rank + 1) * half]))
+        mine = slice(rank * half, (rank + 1) * half)
+        engine.backward(TinyMLP.loss(engine(inputs[mine]), targets[mine]))
         engine.step()
     zero = engine.optimizer
     owned = {**zero.owned_bytes(), "optimizer_state": state_bytes(zero.optimizer)}
@@ -78,13 +80,39 @@ def train(rank: int, world: int, **case: object) -> dict:
     return result
 
 
-def grid(rank: int, world: int) -> list[dict]:
-    return run_subtests(CASES, lambda **case: train(rank, world, **case))
+# prescale_gradients / gradient_predivide_factor: each rank's gradient is 40000 in fp16 accumulation; their sum
+# (80000) overflows fp16 unless divided before the reduction (20000 + 20000 = 40000)
+OVERFLOW = [{"extra": {}, "stage": 1}, {"extra": {"prescale_gradients": True}, "stage": 1},
+            {"extra": {"gradient_predivide_factor": 2.0}, "stage": 2},
+            {"extra": {"prescale_gradients": True}, "stage": 0}]
+SGD_LR = 1e-6  # SGD sees the gradient's size (Adam would not): the step's divisor must account for the division
+
+
+def overflow_step(rank: int, world: int, *, extra: dict, stage: int) -> torch.Tensor:
+    import slipstream
+
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": SGD_LR}},
+              "data_types": {"grad_accum_dtype": "fp16"}, "zero_optimization": {"stage": stage}, **extra}
+    engine, _, _, _ = slipstream.initialize(model=torch.nn.Linear(4, 1, bias=False), config=config)
+    engine.backward(engine(torch.full((1, 4), 40000.0)).sum())
+    engine.step()
+    weight = full_params(engine)["weight"]
+    engine.destroy()
+    dist.barrier()
+    return weight
+
+
+def grid(rank: int, world: int) -> tuple[list[dict], list[torch.Tensor]]:
+    overflow = run_subtests(OVERFLOW, lambda **case: overflow_step(rank, world, **case))
+    return run_subtests(CASES, lambda **case: train(rank, world, **case)), overflow
 
 
 def reference(kind: str, steps: int) -> dict[str, torch.Tensor]:
-    """One process, the batch's two halves (gradients summed, then halved): autocast forward over fp32 parameters and AdamW, or bf16 parameters
-    stepped by FusedAdam (AdamW) with bf16 moments (or the CPU Adam op with fp32 moments), rounded to nearest as stored."""
+    """One process, the batch's two halves (gradients summed, then halved): autocast forward over fp32
+    parameters and AdamW, or low-precision parameters stepped by FusedAdam (AdamW) with moments in their dtype,
+    or offloaded by the CPU Adam op (fp32 or bf16 moments), rounded to nearest as stored."""
     from slipstream.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
     model = TinyMLP().to(DTYPES.get(kind, torch.bfloat16))
@@ -112,7 +140,8 @@ def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def test_precision_options_match_reference_and_planner(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    per_rank = run_distributed(grid, world_size=2, tmp_dir=tmp_path)
+    per_rank, overflow = zip(*run_distributed(grid, world_size=2, tmp_dir=tmp_path))
+    check_divided_on_arrival(overflow[0])
     for case, *results in zip(CASES, *per_rank):
         kind, bound = case["kind"], BOUNDS[case["kind"]]
         full, short = reference(kind, STEPS), reference(kind, STEPS - 1)
@@ -123,6 +152,17 @@ def test_precision_options_match_reference_and_planner(tmp_path) -> None:  # typ
         want_states = "torch.bfloat16" if kind in ("bf16", "bf16_host_states") else "torch.float32"
         assert results[0]["dtypes"] == [want_params] and results[0]["state_dtypes"] == [want_states], (case, results[0])
     check_planner_bytes(per_rank[0])
+
+
+def check_divided_on_arrival(weights: list[torch.Tensor]) -> None:
+    """Without prescaling the fp16 sum overflows (an fp32 model steps on inf: non-finite weights); divided on
+    arrival, the averaged gradient is 40000 and SGD moves every weight by SGD_LR * 40000."""
+    torch.manual_seed(0)
+    start = torch.nn.Linear(4, 1, bias=False).weight.detach()
+    assert not torch.isfinite(weights[0]).all(), weights[0]
+    for case, weight in zip(OVERFLOW[1:], weights[1:]):
+        torch.testing.assert_close(weight, start - SGD_LR * 40000, rtol=0, atol=1e-6,
+                                   msg=lambda m, case=case: f"{case}: {m}")
 
 
 def check_planner_bytes(results: list[dict]) -> None:

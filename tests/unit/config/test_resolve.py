@@ -231,7 +231,7 @@ def test_implemented_keys_are_not_listed() -> None:
         {"checkpoint": {"use_node_local_storage": True}},
         {"compile": {"deepcompile": True}},
         {"nebula": {"enabled": True}},
-        {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+        {"torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["torch.nn.Linear"]}},
     ],
 )
 def test_unimplemented_sections_are_accepted_and_listed(section: dict) -> None:
@@ -253,13 +253,13 @@ def test_resolved_is_plain_json_with_defaults() -> None:
 
 
 def test_fixed_schedule_keys_are_reported_when_set() -> None:
-    """Keys whose behaviour Slipstream fixes (gradient averaging happens once, at the step; the reduction
+    """Keys whose behaviour Slipstream fixes (stage 3 divides gradients only at the step; the reduction
     schedule is the stage's own) warn when set away from DeepSpeed's default instead of being dropped."""
     plan = plan_of(
         {
             "prescale_gradients": True,
             "gradient_predivide_factor": 2.0,
-            "zero_optimization": {"stage": 2, "overlap_comm": True, "allgather_bucket_size": 2e8},
+            "zero_optimization": {"stage": 3, "overlap_comm": True, "allgather_bucket_size": 2e8},
         }
     )
     assert set(plan.unimplemented) == {
