@@ -102,9 +102,10 @@ class FusedLamb(WholeTensorOptimizer):
         ratios = trust_ratios(norms, limits[:, 0], limits[:, 1]).tolist()
         self.lamb_coeffs = ratios
         for group, p, u in stepped:  # phase 3
+            flat_p, flat_u = p.view(-1), u.view(-1)  # a ZeRO piece is flat already; a plain parameter is not
             for part in whole.parts(p):
                 end = part.offset + part.numel
-                apply_update(p[part.offset : end], u[part.offset : end], lr=group["lr"] * ratios[part.tensor])
+                apply_update(flat_p[part.offset : end], flat_u[part.offset : end], lr=group["lr"] * ratios[part.tensor])
         return loss
 
     def _update(self, group: dict[str, Any], p: Tensor) -> Tensor | None:

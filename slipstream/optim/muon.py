@@ -125,15 +125,16 @@ class MuonWithAuxAdam(WholeTensorOptimizer):
         gathered = dict(zip(split, whole.gather(split, ((p, u) for _, p, u in momenta))))
         done: dict[int, Tensor] = {}
         for group, p, update in momenta:
+            flat_p, flat_update = p.view(-1), update.view(-1)  # a ZeRO piece is flat already; a parameter is not
             for part in whole.parts(p):
                 if part.tensor not in done:
                     source = gathered.get(part.tensor)
                     if source is None:  # held whole here
-                        source = update[part.offset : part.offset + part.numel].view(whole.shapes[part.tensor])
+                        source = flat_update[part.offset : part.offset + part.numel].view(whole.shapes[part.tensor])
                     on = whole.comm_device or source.device  # the accelerator, also when offload keeps p on the host
                     done[part.tensor] = newton_schulz(source.to(on), group["ns_steps"]).reshape(-1).to(p.device)
                 orthogonal = done[part.tensor][part.lo : part.lo + part.numel]
-                target = p[part.offset : part.offset + part.numel]
+                target = flat_p[part.offset : part.offset + part.numel]
                 apply_update(target, orthogonal, lr=group["lr"], decay=group["weight_decay"])
 
     def _adam(self, group: dict[str, Any], p: Tensor) -> None:

@@ -6,7 +6,7 @@ hold parts of several parameters, while one parameter may be cut across ranks (a
 An elementwise optimizer does not care. An optimizer whose update needs a parameter whole (LAMB's trust ratio
 ||w|| / ||u||, Muon's Newton-Schulz orthogonalisation of a matrix) asks for this map:
 - `parts(piece)`: the `TensorPart`s in a piece: parameter number `tensor`, `numel` elements at `offset` in the
-  piece, which are elements [lo, lo + numel) of the flattened parameter;
+  flattened piece, which are elements [lo, lo + numel) of the flattened parameter;
 - `sum_squares(values)`: per parameter, the sums of squares of one or more per-piece tensors (the weights and
   the update), over every rank: ONE all-reduce of a (parameters x columns) vector per call;
 - `gather(tensors, values)`: the named parameters' values whole on every rank that holds a part of them (one
@@ -92,8 +92,8 @@ class WholeTensorMap:
         for piece, tensors in values:
             for part in self.parts(piece):
                 rows.append(part.tensor)
-                segments = [t[part.offset : part.offset + part.numel] for t in tensors]
-                columns.append([torch.linalg.vector_norm(x, dtype=torch.float32).double().square() for x in segments])
+                segments = [t.reshape(-1)[part.offset : part.offset + part.numel] for t in tensors]
+                columns.append([_norm(x).double().square() for x in segments])
         width = len(columns[0]) if columns else 1
         sums = torch.zeros(len(self.shapes), width, dtype=torch.float64, device=self.comm_device)
         if columns:
@@ -120,10 +120,15 @@ class WholeTensorMap:
             for part in self.parts(piece):
                 if part.tensor in offsets:
                     start = offsets[part.tensor] + part.lo
-                    buffer[start : start + part.numel].copy_(value[part.offset : part.offset + part.numel])
+                    buffer[start : start + part.numel].copy_(value.reshape(-1)[part.offset : part.offset + part.numel])
         if self.sharded and tensors:
             collectives.all_reduce(buffer, group=self.process_group)
         return [buffer[offsets[n] : offsets[n] + math.prod(self.shapes[n])].view(self.shapes[n]) for n in tensors]
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of `x`, computed in fp32 at least (no wider copy of `x`)."""
+    return torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32))
 
 
 def _tensors(params: object) -> list[torch.Tensor]:

@@ -114,3 +114,19 @@ def test_nvme_offload_and_expert_groups_are_refused_by_name() -> None:
         attach_whole_tensors(Zero(False), offload_in_files=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="FusedLamb with param groups reduced over other process groups"):
         attach_whole_tensors(Zero(True), offload_in_files=False)  # type: ignore[arg-type]
+
+
+def test_plain_matrices_step_whole_without_zero() -> None:
+    """Outside ZeRO each parameter is its own whole tensor, matrices included (no flattening mistakes)."""
+    gen = torch.Generator().manual_seed(1)
+    w, g = torch.randn(5, 3, generator=gen), torch.randn(5, 3, generator=gen)
+    p = nn.Parameter(w.clone())
+    p.grad = g.clone()
+    MuonWithAuxAdam([{"params": [p], "use_muon": True, "lr": 0.1}]).step()
+    torch.testing.assert_close(p.detach(), w - 0.1 * newton_schulz(0.05 * g + 0.95 * (0.05 * g), steps=5))
+    q = nn.Parameter(w.clone())
+    q.grad = g.clone()
+    FusedLamb([q], lr=0.1, weight_decay=0.5).step()
+    u = g / (g.abs() + 1e-8) + 0.5 * w  # first step: m_hat = g, sqrt(v_hat) = |g|
+    ratio = min(max(float(w.norm() / u.norm()), 0.01), 10.0)
+    torch.testing.assert_close(q.detach(), w - 0.1 * ratio * u)
