@@ -1,5 +1,5 @@
-"""Gradient communication: step time with `overlap_comm` off and on at ZeRO 2 and 3, and the bytes one step puts
-on the wire per `communication_data_type` (2 ranks, gloo).
+"""Communication: step time with `overlap_comm` off and on at ZeRO 2 and 3, the bytes one step puts on the wire
+per `communication_data_type`, and stage 3's all-gather bytes with `zero_quantized_weights` (2 ranks, gloo).
 
     python bench/comm.py [--quick] [--layers 8] [--width 1024] [--steps 6] [--rounds 3] [--stages 2,3]
 
@@ -8,7 +8,8 @@ layer's weight, so several gradient buckets (stage 2) or units (stage 3) are red
 is built once in the same pair of rank processes; the rounds alternate between them (`--steps` steps each,
 the median step of the slowest rank counted), so drift in machine load hits all of them alike. Printed: each
 row's step time and its ratio to overlap off at the same stage, then the bytes of gradient reductions one
-step issues per dtype (stage 2) and their ratio to fp32.
+step issues per dtype (stage 2) and their ratio to fp32, then the bytes of stage 3's parameter all-gathers in
+one step, exact and quantized (qwZ).
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ def wire_bytes(args: argparse.Namespace, gen: torch.Generator) -> dict[str, floa
             train(engine, 1, args.width, gen)
         out[dtype] = float(counter.bytes["reduce_scatter"])
         engine.destroy()  # type: ignore[attr-defined]
+    for quantized in (False, True):
+        engine = make_engine(3, args, zero={"zero_quantized_weights": quantized})
+        with count_collectives() as counter:
+            train(engine, 1, args.width, gen)
+        out[f"gather:{quantized}"] = float(counter.bytes["all_gather"])
+        engine.destroy()  # type: ignore[attr-defined]
     return out
 
 
@@ -107,6 +114,10 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace) -> No
     for dtype in DTYPES:
         sent = results["bytes"][dtype]
         print(f"{dtype:<24} {sent / 2**20:>24.2f} {sent / results['bytes']['fp32']:>7.2f}x")
+    exact, quantized = results["bytes"]["gather:False"], results["bytes"]["gather:True"]
+    print(f"{'stage 3 all-gathers':<24} {'MiB/step':>24} {'vs exact':>8}")
+    print(f"{'exact':<24} {exact / 2**20:>24.2f} {1:>7.2f}x")
+    print(f"{'zero_quantized_weights':<24} {quantized / 2**20:>24.2f} {quantized / exact:>7.2f}x")
 
 
 def main() -> None:

@@ -207,6 +207,10 @@ class Stage3Plan:
     """Qualified module names of leaves (zero_optimization.leaf_module.names)."""
     leaf_suffixes: tuple[str, ...]
     """Leaves by the end of their qualified names (zero_optimization.leaf_module.name_suffixes)."""
+    quantized_weights: bool
+    """The module hooks' all-gathers travel as block-wise int8 (zero_optimization.zero_quantized_weights)."""
+    quantized_frozen_weights: bool
+    """The same for units with no trainable parameter (zero_optimization.zero_quantized_nontrainable_weights)."""
     sub_group_numel: int
     """The optimizer steps (and NVMe offload swaps) masters, states and gradients this many elements at a time
     (zero_optimization.sub_group_size); a parameter larger than that is a sub-group of its own (so 0 makes every

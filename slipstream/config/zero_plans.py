@@ -182,6 +182,8 @@ def stage3_plan(zero: ZeroConfig, offload_param: OffloadTarget) -> Stage3Plan:
         leaf_names=tuple(leaf.names),
         leaf_suffixes=tuple(leaf.name_suffixes),
         sub_group_numel=zero.sub_group_size,
+        quantized_weights=zero.zero_quantized_weights,
+        quantized_frozen_weights=zero.zero_quantized_nontrainable_weights,
     )
 
 
@@ -194,10 +196,14 @@ def unhonoured_at_stage(zero: ZeroConfig) -> list[str]:
     """Keys the config sets that the chosen stage does not act on (reported as not implemented): stage 3
     reduce-scatters each unit's gradients in one collective when the unit's backward completes, so
     `reduce_bucket_size` (DeepSpeed's stage-3 gradient bucket) has no effect there; stage 0 all-reduces at
-    the step, never during backward, so `overlap_comm` true has nothing to overlap there."""
+    the step, never during backward, so `overlap_comm` true has nothing to overlap there; only stage 3 gathers
+    parameters, so the quantized-weight keys act there alone."""
     unhonoured = []
     if zero.stage == 3 and "reduce_bucket_size" in zero.model_fields_set:
         unhonoured.append("zero_optimization.reduce_bucket_size")
     if zero.stage == 0 and zero.overlap_comm and "overlap_comm" in zero.model_fields_set:
         unhonoured.append("zero_optimization.overlap_comm")
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):  # parameter gathers: stage 3
+        if zero.stage != 3 and getattr(zero, key):
+            unhonoured.append(f"zero_optimization.{key}")
     return unhonoured

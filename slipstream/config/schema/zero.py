@@ -186,6 +186,8 @@ class ZeroConfig(DSModel):
         "leaf_module": "zero.stage3.leaf_classes",
         "sub_group_size": "zero.stage3.sub_group_numel",
         "overlap_comm": "zero.overlap_comm",
+        "zero_quantized_weights": "zero.stage3.quantized_weights",
+        "zero_quantized_nontrainable_weights": "zero.stage3.quantized_frozen_weights",
     }
     stage: DSInt = Field(0, ge=0, le=3)
     """0 disabled, 1 optimizer state, 2 + gradients, 3 + parameters are partitioned."""
@@ -263,9 +265,9 @@ class ZeroConfig(DSModel):
     zero_hpz_partition_size: DSInt = Field(1, ge=1)
     """ZeRO++ hierarchical partition size."""
     zero_quantized_weights: DSBool = False
-    """ZeRO++ quantized weight communication."""
+    """ZeRO++ qwZ (stage 3): the forward and backward all-gathers of parameters travel as block-wise int8."""
     zero_quantized_nontrainable_weights: DSBool = False
-    """Keep non-trainable weights quantized."""
+    """The same for units whose parameters are all frozen (stage 3); their shards stay in their dtype here."""
     zero_quantized_gradients: DSBool = False
     """ZeRO++ quantized gradient communication."""
     zeropp_loco_param: dict[str, Any] | None = None

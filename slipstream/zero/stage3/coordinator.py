@@ -219,7 +219,7 @@ class Coordinator:
         self._running.append(unit)
         state = self.state[unit.uid]
         for owner in state.borrow:
-            owner.finish_gather()
+            owner.finish_gather(hook=True)
             self.state[owner.uid].holds += 1
             owner.active_modules.add(unit.uid)
         # borrowed units are recorded too: a tied embedding used again by the head is "reused"
@@ -268,7 +268,7 @@ class Coordinator:
                 owner.name,
                 user.name,
             )
-        owner.finish_gather()  # starts the gather too
+        owner.finish_gather(hook=True)  # starts the gather too
         self.state[owner.uid].holds += 1  # released by the user's forward hook, with its other borrowed units
         owner.active_modules.add(user.uid)
         return True
@@ -309,7 +309,7 @@ class Coordinator:
     def pre_backward(self, unit: Unit) -> None:
         self._begin_backward_pass()
         for owner in self.state[unit.uid].borrow:
-            owner.finish_gather()
+            owner.finish_gather(hook=True)
         if self.backward_trace.visit([unit.uid]):
             self._prefetch(self.backward_trace.upcoming())
 
@@ -362,7 +362,7 @@ class Coordinator:
             size = unit.layout.full_numel
             if size > budget or live + size > self.max_live_numel:
                 break
-            unit.start_gather()
+            unit.start_gather(hook=True)
             budget -= size
             live += size
 

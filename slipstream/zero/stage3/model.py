@@ -116,6 +116,8 @@ class ZeroModel(UnitManager):
             pool=self.pool,
             allocate_shard=allocate,
             store=store,
+            quantize_gathers=self.plan.quantized_weights
+            or (self.plan.quantized_frozen_weights and not any(p.requires_grad for _, p in spec.params)),
         )
         for old in old_units:  # re-sharded: free an old unit once none of its parameters is left in it
             if all(p.ds_record.unit is not old for p in old.params if isinstance(p, ShardedParameter)):

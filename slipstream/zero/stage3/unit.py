@@ -35,6 +35,7 @@ from torch import nn
 from slipstream.comm import collectives
 from slipstream.offload.policy import CPUOffload
 from slipstream.utils.torch_shim import storage_use_count
+from slipstream.zero.quantized import QuantizedRows
 from slipstream.zero.stage3.pool import BufferPool
 from slipstream.zero.stage3.sharded_param import ParamRecord, ZeroParamStatus, internal_access, make_sharded
 from slipstream.zero.stage3.units import UnitSpec, shard_layout
@@ -79,7 +80,9 @@ class Unit:
         pool: BufferPool,
         allocate_shard: Callable[[int, torch.dtype, torch.device], torch.Tensor],
         store: ShardStore | None = None,
+        quantize_gathers: bool = False,
     ) -> None:
+        """`quantize_gathers`: the gathers of the module hooks travel as block-wise int8 (zero/quantized.py)."""
         params = [p for _, p in spec.params]
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
@@ -101,7 +104,9 @@ class Unit:
         # torch.empty touches no pages: construction costs the shard, not a second copy of the unit
         self.full = torch.empty(self.layout.full_numel, dtype=self.dtype, device=device)
         self.full_bytes = self.full.untyped_storage().nbytes()
-        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._pending: tuple[Any, torch.Tensor, QuantizedRows | None] | None = None
+        self.quantized = QuantizedRows(self.layout.shard_numel) if quantize_gathers and world_size > 1 else None
+        """How the hooks' gathers travel quantized (ZeRO++ qwZ), or None: always exact."""
         self.exposed = False
         """Gathered for user code (GatheredParameters, generation), which may keep aliases; see `release`."""
         self.records: list[ParamRecord] = []
@@ -148,26 +153,38 @@ class Unit:
                 self.full[offset + self.rank * piece : offset + (self.rank + 1) * piece]
             )
 
-    def start_gather(self) -> None:
-        """Launch the all-gather (asynchronous); `finish_gather` completes it."""
+    def start_gather(self, *, hook: bool = False) -> None:
+        """Launch the all-gather (asynchronous); `finish_gather` completes it. `hook`: for the module hooks
+        (forward, backward, prefetch), which travel quantized when `self.quantized` says so; every other gather
+        (GatheredParameters, persistent refresh, checkpoints) is exact."""
         if self.status is not ZeroParamStatus.NOT_AVAILABLE:
             return
         self.status = ZeroParamStatus.INFLIGHT
         if self.world_size == 1 or not self.params:
             self._pending = None
             return
-        buffer = self.pool.take(self.world_size * (self.layout.shard_numel + 1), self.dtype)
-        own = self._rows(buffer)[self.rank]
+        codec = self.quantized if hook else None
+        if codec is None:
+            buffer = self.pool.take(self.world_size * (self.layout.shard_numel + 1), self.dtype)
+            own = self._rows(buffer)[self.rank]
+        else:
+            buffer = self.pool.take(self.world_size * codec.row_bytes, torch.int8)
+            own = buffer.view(self.world_size, codec.row_bytes)[self.rank]
         self.store.fetch(self.shard)
-        own[:-1].copy_(self.shard, non_blocking=True)
+        if codec is None:
+            own[:-1].copy_(self.shard, non_blocking=True)
+            own[-1] = self.tag
+        else:
+            scratch = self.pool.take(codec.padded, torch.float32)
+            codec.encode(self.shard, own, self.tag, scratch)
+            self.pool.give(scratch)
         self.store.release(self.shard, dirty=False)
-        own[-1] = self.tag
         work = collectives.all_gather(buffer, own, group=self.group, async_op=True)
-        self._pending = (work, buffer)
+        self._pending = (work, buffer, codec)
 
-    def finish_gather(self) -> None:
+    def finish_gather(self, *, hook: bool = False) -> None:
         if self.status is ZeroParamStatus.NOT_AVAILABLE:
-            self.start_gather()
+            self.start_gather(hook=hook)
         if self.status is not ZeroParamStatus.INFLIGHT:
             return
         self._grow_storage()
@@ -177,19 +194,30 @@ class Unit:
                 self.full.copy_(self.shard, non_blocking=True)
                 self.store.release(self.shard, dirty=False)
             else:
-                work, buffer = self._pending
+                work, buffer, codec = self._pending
                 work.wait()
-                rows = self._rows(buffer)
-                self._check_tags(rows[:, -1])
-                for offset, piece, start in zip(
-                    self.layout.full_offsets, self.layout.shard_numels, self.layout.shard_offsets
-                ):
-                    self.full[offset : offset + piece * self.world_size].view(self.world_size, piece).copy_(
-                        rows[:, start : start + piece]
-                    )
-                self.pool.give(buffer)
+                self._unpack(buffer, codec)
         self._pending = None
         self.status = ZeroParamStatus.AVAILABLE
+
+    def _unpack(self, buffer: torch.Tensor, codec: QuantizedRows | None) -> None:
+        """Each parameter's rows of a completed gather into the full buffer (dequantized first with `codec`)."""
+        scratch = None
+        if codec is None:
+            rows = self._rows(buffer)
+            tags, values = rows[:, -1], rows[:, :-1]
+        else:
+            rows = buffer.view(self.world_size, codec.row_bytes)
+            scratch = self.pool.take(self.world_size * codec.padded, torch.float32)
+            tags, values = codec.tags(rows), codec.decode(rows, scratch)
+        self._check_tags(tags)
+        for offset, piece, start in zip(self.layout.full_offsets, self.layout.shard_numels, self.layout.shard_offsets):
+            self.full[offset : offset + piece * self.world_size].view(self.world_size, piece).copy_(
+                values[:, start : start + piece]
+            )
+        self.pool.give(buffer)
+        if scratch is not None:
+            self.pool.give(scratch)
 
     def _check_tags(self, tags: torch.Tensor) -> None:
         if tags.device.type != "cpu":  # checking now would stall the device stream: check at the step
