@@ -13,7 +13,8 @@ of DeepSpeed's engine one of three answers:
 
 It also registers each engine (weakly) for the `safe_get_*` helpers (compat/param_access.py), and passes an
 attribute the engine does not have through to the wrapped model, as DeepSpeed's engine does
-(`engine.generate`, `engine.config_class`, a custom method of the model).
+(`engine.config_class`, a custom method of the model; `engine.generate` is the engine's own, in
+engine/weight_handoff.py).
 """
 
 from __future__ import annotations
