@@ -16,18 +16,14 @@ processes, one after the other.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
+from _two_ranks import make_mlp, run_two_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = {
@@ -37,14 +33,6 @@ ROWS = {
     "bf16_masters": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
 }
 MICRO_BATCH = 16
-
-
-def make_model(layers: int, width: int) -> nn.Module:
-    torch.manual_seed(0)
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*blocks)
 
 
 def model_state_bytes(engine: object) -> int:
@@ -69,7 +57,7 @@ def run_row(row: str, stage: int, args: argparse.Namespace) -> dict[str, float]:
         "zero_optimization": {"stage": stage},
         **ROWS[row],
     }
-    engine, _, _, _ = slipstream.initialize(model=make_model(args.layers, args.width), config=config)
+    engine, _, _, _ = slipstream.initialize(model=make_mlp(args.layers, args.width), config=config)
     gen = torch.Generator().manual_seed(dist.get_rank())
     times = []
     for step in range(args.steps + 2):
@@ -80,23 +68,19 @@ def run_row(row: str, stage: int, args: argparse.Namespace) -> dict[str, float]:
         engine.step()
         if step >= 2:
             times.append(time.perf_counter() - started)
-    result = {"step_s": statistics.median(times), "bytes": float(model_state_bytes(engine)), "loss": float(loss.detach())}
+    result = {
+        "step_s": statistics.median(times),
+        "bytes": float(model_state_bytes(engine)),
+        "loss": float(loss.detach()),
+    }
     engine.destroy()
     dist.barrier()
     return result
 
 
-def rank_main(rank: int, world: int, store_path: str, args: argparse.Namespace, out: str) -> None:
-    os.environ.setdefault("SLIPSTREAM_LOG_LEVEL", "warning")
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        results = {f"{stage}:{row}": run_row(row, stage, args) for stage in args.stages for row in args.rows}
-        if rank == 0:
-            Path(out).write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
+def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Every row at every stage, one after the other, on this rank (bench/_two_ranks.py runs it on both)."""
+    return {f"{stage}:{row}": run_row(row, stage, args) for stage in args.stages for row in args.rows}
 
 
 def report(results: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
@@ -128,12 +112,7 @@ def main() -> None:
     if args.quick:
         args.layers, args.width, args.steps = 2, 128, 2
     sys.path.insert(0, str(ROOT))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.json")
-        mp.start_processes(
-            rank_main, args=(2, os.path.join(tmp, "store"), args, out), nprocs=2, start_method="spawn", join=True
-        )
-        report(json.loads(Path(out).read_text()), args)
+    report(run_two_ranks(measure, args), args)
 
 
 if __name__ == "__main__":

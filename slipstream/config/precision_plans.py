@@ -79,8 +79,15 @@ class MasterOptions:
 def master_options(cfg: DeepSpeedConfig, param_dtype: str, problems: list[str]) -> MasterOptions:
     """fp32 masters by default; bf16 or fp16 masters (and gradients) with the `*_master_weights_and_grads`
     keys, under DeepSpeed's rules: ZeRO 1-3, the matching parameter dtype, and CPU optimizer offload unless
-    the moments are bf16 too (fp16 masters always need it)."""
+    the moments are bf16 too (fp16 masters always need it). `data_types.param_dtype`, when set, must name the
+    parameter dtype the fp16/bf16 sections give (DeepSpeed checks the same)."""
     bf16, fp16 = cfg.bf16, cfg.fp16
+    named = cfg.data_types.param_dtype
+    if named is not None and named != param_dtype:
+        problems.append(
+            f"data_types.param_dtype={named!r}: the parameters are {param_dtype} (the fp16 and bf16 sections "
+            f"decide); enable the matching section or remove data_types.param_dtype"
+        )
     if bf16.bf16_master_weights_and_grads and fp16.fp16_master_weights_and_grads:
         problems.append("bf16.bf16_master_weights_and_grads, fp16.fp16_master_weights_and_grads: enable at most one")
     if bf16.bf16_master_weights_and_grads:

@@ -157,11 +157,12 @@ class DataTypesConfig(DSModel):
 
     IMPLEMENTED = {
         "grad_accum_dtype": "precision.grad_accum_dtype",
+        "param_dtype": "precision.param_dtype",
     }
     grad_accum_dtype: str | None = None
     """Gradient accumulation dtype: "fp32", "fp16" or "bf16" (None: fp32 in Slipstream)."""
     param_dtype: str | None = None
-    """Parameter dtype override."""
+    """The parameter dtype; must match the fp16/bf16 sections (it changes nothing else)."""
     buffer_dtype: str | None = None
     """Buffer dtype override."""
 

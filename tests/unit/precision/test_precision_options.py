@@ -30,6 +30,7 @@ def test_torch_autocast_and_amp_become_an_autocast_plan() -> None:
     modules = plan(torch_autocast={"enabled": True, "lower_precision_safe_modules": ["torch.nn.Linear"]})
     assert modules.unimplemented == ("torch_autocast.lower_precision_safe_modules",)
     assert plan().precision.autocast is None
+    assert plan(bf16={"enabled": True}, data_types={"param_dtype": "bfloat16"}).precision.param_dtype == "bf16"
 
 
 @pytest.mark.parametrize(
@@ -47,6 +48,7 @@ def test_torch_autocast_and_amp_become_an_autocast_plan() -> None:
           "zero_optimization": {"stage": 2}}, "needs bf16.enabled true"),
         ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, "zero_optimization": {"stage": 2}},
          "fp16 masters need CPU optimizer offload"),
+        ({"bf16": {"enabled": True}, "data_types": {"param_dtype": "fp16"}}, "data_types.param_dtype='fp16'"),
     ],
 )
 def test_contradictions_are_refused_by_name(extra: dict, named: str) -> None:
