@@ -1,12 +1,14 @@
-"""LAMB (https://arxiv.org/abs/1904.00962) with DeepSpeed FusedLamb's arguments, defaults and per-tensor trust
-ratio, at every ZeRO stage.
+"""LAMB (https://arxiv.org/abs/1904.00962) as DeepSpeed's FusedLamb kernel computes it, with its arguments and
+defaults, at every ZeRO stage.
 
-For each parameter w with gradient g (Adam moments with optional bias correction):
+For each parameter w with gradient g, at step t:
     m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
-    u = m_hat / (sqrt(v_hat) + eps) + weight_decay w      (eps_inside_sqrt: m_hat / sqrt(v_hat + eps))
+    u = m / (sqrt(v) + eps) + weight_decay w             (eps_inside_sqrt: m / sqrt(v + eps))
     ratio = clamp(||w|| / ||u||, min_coeff, max_coeff)    (1 when either norm is 0)
-    w -= lr ratio u
-The norms are of the whole parameter. Under ZeRO a parameter is cut across ranks and pieces, so a step is:
+    w -= lr * sqrt(1 - beta2^t) / (1 - beta1^t) * ratio * u   (bias_correction; else lr * ratio * u)
+The moments in u are not bias-corrected: the correction is a factor of the step size, outside the trust ratio,
+as in the kernel. The norms are of the whole parameter. Under ZeRO a parameter is cut across ranks and
+pieces, so a step is:
     Phase 1: moments and u for every piece this rank owns (elementwise), u kept in a reused scratch buffer;
     Phase 2: per parameter, the sums of squares of w and of u over its parts here, then ONE all-reduce of the
              (parameters x 2) vector over the data-parallel group ([Note: whole-tensor map]);
@@ -15,6 +17,7 @@ The norms are of the whole parameter. Under ZeRO a parameter is cut across ranks
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -103,9 +106,10 @@ class FusedLamb(WholeTensorOptimizer):
         self.lamb_coeffs = ratios
         for group, p, u in stepped:  # phase 3
             flat_p, flat_u = p.view(-1), u.view(-1)  # a ZeRO piece is flat already; a plain parameter is not
+            step_size = group["lr"] * _bias_correction(group, int(self.state[p]["step"]))
             for part in whole.parts(p):
                 end = part.offset + part.numel
-                apply_update(flat_p[part.offset : end], flat_u[part.offset : end], lr=group["lr"] * ratios[part.tensor])
+                apply_update(flat_p[part.offset : end], flat_u[part.offset : end], lr=step_size * ratios[part.tensor])
         return loss
 
     def _update(self, group: dict[str, Any], p: Tensor) -> Tensor | None:
@@ -115,14 +119,22 @@ class FusedLamb(WholeTensorOptimizer):
         if p.grad.is_sparse:
             raise RuntimeError("Lamb does not support sparse gradients")
         dtype = math_dtype(p)
-        update = self.adam_direction(
+        update = self.adam_direction(  # moments not bias-corrected: see _bias_correction
             p,
             p.grad.to(dtype),
             betas=group["betas"],
             eps=group["eps"],
-            bias_correction=group["bias_correction"],
+            bias_correction=False,
             eps_inside_sqrt=group["eps_inside_sqrt"],
         )
         if group["weight_decay"]:
             update.add_(p.to(dtype), alpha=group["weight_decay"])
         return update
+
+
+def _bias_correction(group: dict[str, Any], step: int) -> float:
+    """The kernel's step-size factor sqrt(1 - beta2^t) / (1 - beta1^t) (1 without bias_correction)."""
+    if not group["bias_correction"]:
+        return 1.0
+    beta1, beta2 = group["betas"]
+    return math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)

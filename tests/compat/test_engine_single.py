@@ -108,11 +108,11 @@ def test_non_elementwise_optimizer_needs_explicit_permission() -> None:
     # Lamb steps ZeRO's pieces through the whole-tensor map (zero/whole_tensors.py): no permission needed, and
     # with several parameters in one bucket it trains as Lamb does on the plain model (trust ratio per tensor)
     config = {"train_batch_size": 4, "gradient_clipping": 0.0,
-              "optimizer": {"type": "Lamb", "params": {"lr": 5e-2, "weight_decay": 0.1}},
+              "optimizer": {"type": "Lamb", "params": {"lr": 2e-1, "weight_decay": 0.1}},
               "zero_optimization": {"stage": 0}}
     model = Elementwise()
     reference = copy.deepcopy(model)
-    optimizer = Lamb(reference.parameters(), lr=5e-2, weight_decay=0.1)
+    optimizer = Lamb(reference.parameters(), lr=2e-1, weight_decay=0.1)
     engine, *_ = slipstream.initialize(model=copy.deepcopy(model), config=config)
     for step in range(5):
         x, y = Elementwise.make_batch(step)

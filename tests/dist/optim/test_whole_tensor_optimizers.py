@@ -77,11 +77,11 @@ def lamb_step(p: torch.Tensor, g: torch.Tensor, state: dict, *, lr: float, wd: f
     state["step"] = state.get("step", 0) + 1
     m = state["m"] = beta1 * state.get("m", torch.zeros_like(p)) + (1 - beta1) * g
     v = state["v"] = beta2 * state.get("v", torch.zeros_like(p)) + (1 - beta2) * g * g
-    m_hat, v_hat = m / (1 - beta1 ** state["step"]), v / (1 - beta2 ** state["step"])
-    u = m_hat / (v_hat.sqrt() + eps) + wd * p
+    u = m / (v.sqrt() + eps) + wd * p  # DeepSpeed's kernel: the bias correction is in the step size
     w_norm, u_norm = float(p.norm()), float(u.norm())
     ratio = min(max(w_norm / u_norm, 0.01), 10.0) if w_norm and u_norm else 1.0
-    p.sub_(lr * ratio * u)
+    step_size = lr * math.sqrt(1 - beta2 ** state["step"]) / (1 - beta1 ** state["step"])
+    p.sub_(step_size * ratio * u)
 
 
 def orthogonalise(u: torch.Tensor) -> torch.Tensor:

@@ -99,32 +99,35 @@ def test_lamb_step_matches_hand_update() -> None:
     p.grad = torch.tensor(g, dtype=torch.float64)
     opt.step()
     w = [1.0, -2.0, 3.0]
-    # step 1: m = 0.1 g, v = 0.001 g^2; bias-corrected m_hat = m / (1 - 0.9), v_hat = v / (1 - 0.999)
-    m_hat = [(1 - 0.9) * gi / (1 - 0.9) for gi in g]
-    v_hat = [(1 - 0.999) * gi * gi / (1 - 0.999) for gi in g]
-    u = [mh / (math.sqrt(vh) + 1e-8) + 0.01 * wi for mh, vh, wi in zip(m_hat, v_hat, w)]
+    # DeepSpeed's kernel: u from the moments as they are (m = 0.1 g, v = 0.001 g^2), the bias correction a factor
+    # sqrt(1 - 0.999) / (1 - 0.9) of the step size, outside the trust ratio
+    u = [0.1 * gi / (math.sqrt(0.001 * gi * gi) + 1e-8) + 0.01 * wi for gi, wi in zip(g, w)]
     w_norm = math.sqrt(sum(x * x for x in w))
     u_norm = math.sqrt(sum(x * x for x in u))
     ratio = min(max(w_norm / u_norm, 0.01), 10.0)
-    expected = [wi - 0.1 * ratio * ui for wi, ui in zip(w, u)]
+    step_size = 0.1 * math.sqrt(1 - 0.999) / (1 - 0.9)
+    expected = [wi - step_size * ratio * ui for wi, ui in zip(w, u)]
     assert p.detach().tolist() == pytest.approx(expected, rel=1e-9)
     assert opt.state[p]["step"] == 1
 
 
 def test_lamb_trust_ratio_clamps_and_eps_inside_sqrt() -> None:
-    p = _one_tensor([300.0, 400.0])  # ||w|| = 500; update ~ (1, 1), ratio 500/sqrt(2) > max_coeff
+    step_size = 0.1 * math.sqrt(1 - 0.999) / (1 - 0.9)
+    p = _one_tensor([300.0, 400.0])  # ||w|| = 500; u ~ (3.2, 3.2), ratio 500 / 4.5 > max_coeff
     opt = Lamb([p], lr=0.1, max_coeff=10.0)
     p.grad = torch.tensor([1.0, 1.0], dtype=torch.float64)
     opt.step()
-    u = 1.0 / (1.0 + 1e-8)
-    assert p.detach().tolist() == pytest.approx([300.0 - 0.1 * 10.0 * u, 400.0 - 0.1 * 10.0 * u], rel=1e-12)
+    u = 0.1 / (math.sqrt(0.001) + 1e-8)
+    expected = [300.0 - step_size * 10.0 * u, 400.0 - step_size * 10.0 * u]
+    assert p.detach().tolist() == pytest.approx(expected, rel=1e-12)
 
-    q = _one_tensor([0.003, 0.004])  # ||w|| = 0.005; ratio 0.005 / sqrt(2) < min_coeff
-    opt = Lamb([q], lr=0.1, eps=0.25, eps_inside_sqrt=True, min_coeff=0.01)
+    q = _one_tensor([0.003, 0.004])  # ||w|| = 0.005; ratio 0.005 / 0.28 < min_coeff
+    opt = Lamb([q], lr=0.1, eps=0.25, eps_inside_sqrt=True, min_coeff=0.05)
     q.grad = torch.tensor([1.0, -1.0], dtype=torch.float64)
     opt.step()
-    u1 = 1.0 / math.sqrt(1.0 + 0.25)  # m_hat / sqrt(v_hat + eps)
-    assert q.detach().tolist() == pytest.approx([0.003 - 0.1 * 0.01 * u1, 0.004 + 0.1 * 0.01 * u1], rel=1e-12)
+    u1 = 0.1 / math.sqrt(0.001 + 0.25)  # m / sqrt(v + eps)
+    expected = [0.003 - step_size * 0.05 * u1, 0.004 + step_size * 0.05 * u1]
+    assert q.detach().tolist() == pytest.approx(expected, rel=1e-12)
 
 
 def test_lamb_zero_weights_use_ratio_one() -> None:

@@ -71,9 +71,10 @@ def test_fused_lamb_alias_and_coefficients() -> None:
     assert is_zero_supported_optimizer(opt)  # ZeRO steps it without zero_allow_untested_optimizer
     p.grad, q.grad = torch.full((4,), 0.5), torch.ones(3)
     opt.step()
-    # ||p|| = 2, ||u|| = 2 (u = 1 per element after bias correction): ratio 1; q's weight norm 0: ratio 1
-    assert opt.get_lamb_coeffs() == pytest.approx([1.0, 1.0], rel=1e-6)
-    torch.testing.assert_close(p.detach(), torch.full((4,), 0.9), rtol=1e-6, atol=1e-6)
+    # u = 0.05 / sqrt(0.00025) = sqrt(10) per element, ||p|| = 2: ratio 2 / (2 sqrt(10)); q's weight norm 0: ratio 1
+    assert opt.get_lamb_coeffs() == pytest.approx([10**-0.5, 1.0], rel=1e-5)
+    step = 0.1 * (0.001**0.5 / 0.1) * 10**-0.5 * 10**0.5  # step size x ratio x u
+    torch.testing.assert_close(p.detach(), torch.full((4,), 1.0 - step), rtol=1e-5, atol=1e-6)
 
 
 class TinyLM(Tiny):
@@ -127,6 +128,6 @@ def test_plain_matrices_step_whole_without_zero() -> None:
     q = nn.Parameter(w.clone())
     q.grad = g.clone()
     FusedLamb([q], lr=0.1, weight_decay=0.5).step()
-    u = g / (g.abs() + 1e-8) + 0.5 * w  # first step: m_hat = g, sqrt(v_hat) = |g|
+    u = 0.1 * g / (0.001**0.5 * g.abs() + 1e-8) + 0.5 * w  # first step: m = 0.1 g, sqrt(v) = sqrt(0.001) |g|
     ratio = min(max(float(w.norm() / u.norm()), 0.01), 10.0)
-    torch.testing.assert_close(q.detach(), w - 0.1 * ratio * u)
+    torch.testing.assert_close(q.detach(), w - 0.1 * (0.001**0.5 / 0.1) * ratio * u)
