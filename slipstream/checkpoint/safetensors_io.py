@@ -24,7 +24,6 @@ import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from types import TracebackType
 from typing import TypeVar
 
 import torch
@@ -141,19 +140,26 @@ _Closing = TypeVar("_Closing", bound="ClosesOnExit")
 
 
 class ClosesOnExit:
-    """A context manager whose exit is `close()`, with or without an exception."""
+    """A context manager whose exit is `close()`, or `_abandon()` when an exception is on its way out."""
 
     def close(self) -> object:
         raise NotImplementedError
 
+    def _abandon(self) -> None:
+        """Release what is held after an error; closing, unless a subclass knows better."""
+        self.close()
+
     def __enter__(self: _Closing) -> _Closing:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._abandon()
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(ClosesOnExit):
     """Streams tensors into one safetensors file whose header is fixed by `entries` at construction.
 
     Call `write(name, tensor)` once per entry, in `entries` order, then `close()`, which checks that every
@@ -229,17 +235,6 @@ class SafetensorsWriter:
             sink.abandon()
             raise
         return self._digest
-
-    def __enter__(self) -> SafetensorsWriter:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self._abandon()
 
     def _abandon(self) -> None:
         """Release the file after an error; the error on its way is the one to report, not a failed write of the

@@ -93,6 +93,21 @@ def test_writer_checks_order_shape_and_completeness(tmp_path: Path) -> None:
         save_file({"c": torch.zeros(2, dtype=torch.complex64)}, tmp_path / "c.safetensors")
 
 
+def test_context_exits_close_or_abandon(tmp_path: Path) -> None:
+    """`with` closes the file on success and abandons it on an error, which then propagates as it was (closing
+    would replace it with 'closed before these entries were written')."""
+    entries = [("a", torch.float32, (2,)), ("b", torch.int64, (3,))]
+    with pytest.raises(RuntimeError, match="interrupted"):
+        with SafetensorsWriter(tmp_path / "w.safetensors", entries) as writer:
+            writer.write("a", torch.zeros(2))
+            raise RuntimeError("interrupted")
+    with SafetensorsWriter(tmp_path / "w.safetensors", entries) as writer:
+        writer.write("a", torch.ones(2))
+        writer.write("b", torch.arange(3))
+    with SafetensorsFile(tmp_path / "w.safetensors") as handle:
+        assert torch.equal(handle.get("b"), torch.arange(3))
+
+
 def _write_raw(path: Path, header: object, data: bytes = b"", header_len: int | None = None) -> Path:
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
