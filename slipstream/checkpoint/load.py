@@ -21,7 +21,7 @@ from slipstream.checkpoint.deepspeed.reader import DeepSpeedCheckpoint
 from slipstream.checkpoint.errors import CheckpointError
 from slipstream.checkpoint.reader import CheckpointReader, direct_target
 from slipstream.checkpoint.source import TensorSource, WrapsOptimizer
-from slipstream.checkpoint.state import EngineParts, collect_slices, restore_rng
+from slipstream.checkpoint.state import EngineParts, collect_slices, restore_optimizer_rank_tensors, restore_rng
 from slipstream.utils.progress import Progress
 
 _PROGRESS_FROM_BYTES = 256 * 2**20  # rank 0 shows load progress for models at least this large
@@ -143,6 +143,8 @@ def load_engine(
                     for name, value in hyper.items():
                         if name in group and name != "params":
                             group[name] = tuple(value) if isinstance(group[name], tuple) else value
+        if optimizer is not None and load_optimizer_states:
+            restore_optimizer_rank_tensors(parts, source, scalars.get("world_size", parts.world_size))
         if optimizer is not None:
             optimizer.publish_loaded()
         elif parts.zero_model is not None:

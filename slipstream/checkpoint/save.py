@@ -59,6 +59,7 @@ from slipstream.checkpoint.state import (
     EngineParts,
     collect_slices,
     flat_state_keys,
+    optimizer_rank_tensors,
     rng_tensors,
     trainable_names,
 )
@@ -146,6 +147,8 @@ def _items(parts: EngineParts, client_tensors: dict[str, torch.Tensor], exclude_
                 )
     for name, tensor in rng_tensors().items():
         items.append((f"rng/{parts.rank}/{name}", tensor, 0, tensor.numel(), (tensor.numel(),), False))
+    for name, tensor in optimizer_rank_tensors(parts).items():  # the 1-bit optimizers' compression errors
+        items.append((f"optimizer_rank/{parts.rank}/{name}", tensor, 0, tensor.numel(), (tensor.numel(),), False))
     if parts.rank == 0:
         for name, buffer in parts.module.named_buffers():
             items.append((f"buffer/{name}", buffer.detach(), 0, buffer.numel(), tuple(buffer.shape), False))

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from slipstream.checkpoint.errors import CheckpointError
-from slipstream.checkpoint.source import WrapsOptimizer
+from slipstream.checkpoint.source import TensorSource, WrapsOptimizer
 from slipstream.zero.slices import OwnedSlice
 
 
@@ -157,6 +157,24 @@ def split_client_state(client_state: Mapping[str, object]) -> tuple[dict[str, An
             except CheckpointError as exc:
                 raise CheckpointError(f"save_checkpoint: {exc}") from None
     return values, tensors
+
+
+def optimizer_rank_tensors(parts: EngineParts) -> dict[str, torch.Tensor]:
+    """Tensors the wrapped optimizer keeps for this rank alone (`rank_tensors()`, the 1-bit optimizers' errors),
+    saved as `optimizer_rank/<rank>/<name>`; {} for other optimizers."""
+    own = getattr(parts.optimizer.optimizer, "rank_tensors", None) if parts.optimizer is not None else None
+    return own() if callable(own) else {}
+
+
+def restore_optimizer_rank_tensors(parts: EngineParts, source: TensorSource, saved_world_size: int) -> None:
+    """Hand the optimizer this rank's saved `optimizer_rank/<rank>/*` tensors (it decides what to keep at another
+    world size), when it takes them."""
+    take = getattr(parts.optimizer.optimizer, "load_rank_tensors", None) if parts.optimizer is not None else None
+    if not callable(take):
+        return
+    prefix = f"optimizer_rank/{parts.rank}/"
+    found = {key[len(prefix) :]: source.read(key) for key in source.keys() if key.startswith(prefix)}
+    take(found, saved_world_size=saved_world_size)
 
 
 def rng_tensors() -> dict[str, torch.Tensor]:

@@ -106,10 +106,7 @@ class OneBitBase(torch.optim.Optimizer):
         if reduce is None:
             reduce = OneBitAllReduce(values.numel(), dtype=values.dtype, device=values.device, group=self.process_group)
             self._all_reduces[p] = reduce
-            loaded = self._loaded_errors.pop(p, None)
-            if loaded is not None:
-                reduce.worker_error.copy_(loaded[0])
-                reduce.server_error.copy_(loaded[1])
+            self._take_loaded(p, reduce)
         reduce(values)
 
     def reset_errors(self) -> None:
@@ -128,33 +125,57 @@ class OneBitBase(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         saved = super().state_dict()
-        saved["onebit_errors"] = {"world_size": self._world(), "buffers": dict(self.error_buffers())}
+        saved["onebit_errors"] = {"world_size": self._world(), "buffers": self.error_buffers()}
         return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The moments and counters; the error buffers when saved at this world size, else zeros (logged)."""
         state_dict = dict(state_dict)
-        errors = state_dict.pop("onebit_errors", None)
+        errors = state_dict.pop("onebit_errors", None) or {"world_size": self._world(), "buffers": {}}
         super().load_state_dict(state_dict)
+        self.load_rank_tensors(errors["buffers"], saved_world_size=errors["world_size"])
+
+    # ---- engine checkpoints: this rank's errors (checkpoint/state.py, optimizer_rank/<rank>/<name>) ----
+    def rank_tensors(self) -> dict[str, Tensor]:
+        return self.error_buffers()
+
+    def load_rank_tensors(self, tensors: dict[str, Tensor], *, saved_world_size: int) -> None:
+        """Take the errors `rank_tensors` gave at the save. They belong to this rank's place in the old world: at
+        another world size (or another layout) they restart from zero, and a line says so."""
         self.reset_errors()
         self._loaded_errors.clear()
-        if errors is None or not errors["buffers"]:
+        if not tensors:
             return
-        if errors["world_size"] != self._world():
+        wanted = self._error_slots()
+        fits = all(key in tensors and tensors[key].numel() == numel for key, numel in wanted.items())
+        if saved_world_size != self._world() or not fits:
             get_logger().info(
-                f"{self.label}: the checkpoint's compression errors were saved at world size {errors['world_size']} "
-                f"and this run has {self._world()}; they start again from zero"
+                f"{self.label}: the checkpoint's compression errors were saved at world size {saved_world_size} "
+                f"and this run has {self._world()} (or another layout); they start again from zero"
             )
             return
-        buffers = errors["buffers"]
         for g, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                if f"{g}.{i}.worker" in buffers:
-                    self._loaded_errors[p] = (buffers[f"{g}.{i}.worker"], buffers[f"{g}.{i}.server"])
-                    if p in self._all_reduces:
-                        self._all_reduces[p].worker_error.copy_(buffers[f"{g}.{i}.worker"])
-                        self._all_reduces[p].server_error.copy_(buffers[f"{g}.{i}.server"])
-                        del self._loaded_errors[p]
+                if f"{g}.{i}.worker" in tensors:
+                    self._loaded_errors[p] = (tensors[f"{g}.{i}.worker"], tensors[f"{g}.{i}.server"])
+        for p, reduce in self._all_reduces.items():
+            self._take_loaded(p, reduce)
+
+    def _error_slots(self) -> dict[str, int]:
+        """Each error buffer's key and size at this world size (what a compressed step would build)."""
+        world = self._world()
+        out: dict[str, int] = {}
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                padded = -(-p.numel() // (8 * world)) * 8 * world
+                out[f"{g}.{i}.worker"], out[f"{g}.{i}.server"] = padded, padded // world
+        return out
+
+    def _take_loaded(self, p: Tensor, reduce: OneBitAllReduce) -> None:
+        loaded = self._loaded_errors.pop(p, None)
+        if loaded is not None:
+            reduce.worker_error.copy_(loaded[0])
+            reduce.server_error.copy_(loaded[1])
 
     def _world(self) -> int:
         return dist.get_world_size(self.process_group) if dist.is_initialized() else 1

@@ -100,7 +100,8 @@ class ZeroOneAdam(OneBitBase):
     def _state_of(self, p: Tensor) -> dict[str, Any]:
         state = self.state[p]
         if not state:
-            state.update(step=0, var_interval=1, var_counter=0, local_step_interval=1, local_step_counter=0, lrs=0.0)
+            state.update(step=0, var_interval=1, var_counter=0, local_step_interval=1, local_step_counter=0)
+            state["lrs"] = torch.zeros((), dtype=torch.float64)  # a float64 tensor: checkpoints restore it exactly
             state["exp_avg"] = torch.zeros_like(p)
             state["exp_avg_sq"] = torch.zeros_like(p)
             state["momentum_accumulator"] = torch.zeros_like(p)
@@ -139,7 +140,7 @@ class ZeroOneAdam(OneBitBase):
             exp_avg.copy_(accumulated).div_(-state["lrs"])
             p.add_(accumulated / denom)
             accumulated.zero_()
-            state["lrs"] = 0.0
+            state["lrs"].zero_()
         state["local_step_counter"] += 1
         if state["local_step_counter"] == self.local_step_scaler:
             state["local_step_counter"] = 0
