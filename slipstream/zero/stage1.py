@@ -43,6 +43,7 @@ class Stage1Optimizer(ReducesAtStep):
         """The most reductions launched during backward still in flight when the step began."""
 
     def micro_step_done(self, *, reduce: bool) -> None:
+        super().micro_step_done(reduce=reduce)
         self._pass_open = False
 
     def _accumulate(self, flat: FlatGroup, index: int, grad: object) -> None:
