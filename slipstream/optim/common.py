@@ -9,6 +9,7 @@ offload_optimizer may step it on the host.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -31,10 +32,12 @@ def grad_of(p: torch.Tensor) -> torch.Tensor:
 
 def apply_update(target: torch.Tensor, update: torch.Tensor, *, lr: float, decay: float = 0.0) -> None:
     """target = target (1 - lr decay) - lr update, computed in the update's dtype."""
-    if target.dtype == update.dtype:
-        target.mul_(1.0 - lr * decay).add_(update, alpha=-lr)
-    else:
-        target.copy_(target.to(update.dtype).mul_(1.0 - lr * decay).add_(update, alpha=-lr))
+    work = target if target.dtype == update.dtype else target.to(update.dtype)
+    if decay:
+        work.mul_(1.0 - lr * decay)
+    work.add_(update, alpha=-lr)
+    if work is not target:
+        target.copy_(work)
 
 
 def closure_loss(closure: Callable[[], float] | None) -> float | None:
@@ -91,13 +94,19 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
         state["step"] += 1
         step, (beta1, beta2) = int(state["step"]), betas
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        exp_avg.lerp_(grad, 1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         bc1 = 1.0 - beta1**step if bias_correction else 1.0
         bc2 = 1.0 - beta2**step if bias_correction else 1.0
-        out = self.scratch(p)
+        out = self.scratch(p)  # the denominator, then the result: as few passes over memory as the math allows
         if eps_inside_sqrt:
-            torch.div(exp_avg_sq, bc2, out=out).add_(eps).sqrt_()
+            torch.add(exp_avg_sq, eps * bc2, out=out).sqrt_()  # sqrt(v / bc2 + eps) = this / sqrt(bc2)
         else:
-            torch.div(exp_avg_sq, bc2, out=out).sqrt_().add_(eps)
-        return out.reciprocal_().mul_(exp_avg).div_(bc1)
+            torch.sqrt(exp_avg_sq, out=out)
+            if bc2 != 1.0:
+                out.mul_(1.0 / math.sqrt(bc2))
+            out.add_(eps)
+        torch.div(exp_avg, out, out=out)
+        if eps_inside_sqrt and bc2 != 1.0:
+            out.mul_(math.sqrt(bc2))
+        return out if bc1 == 1.0 else out.mul_(1.0 / bc1)
