@@ -19,7 +19,13 @@ from tests.harness.models import TinyMLP
 MICRO = 3
 STEPS = 3
 OVERLAP_CASES = [{"stage": s, "overlap": o} for s in (1, 2, 3) for o in (False, True)]
-DTYPE_CASES = [{"stage": s, "dtype": d} for s in (0, 1, 2, 3) for d in ("fp32", "bf16", "fp16")]
+# bf16 at every stage; fp32 and fp16 each at one stage of each reduction path (stages 0-1: StepReducer, 2-3: ring)
+DTYPE_CASES = [{"stage": s, "dtype": "bf16"} for s in (0, 1, 2, 3)] + [
+    {"stage": 0, "dtype": "fp32"},
+    {"stage": 2, "dtype": "fp32"},
+    {"stage": 1, "dtype": "fp16"},
+    {"stage": 3, "dtype": "fp16"},
+]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
