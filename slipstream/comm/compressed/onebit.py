@@ -18,6 +18,7 @@ buffers and both packed buffers are allocated once, at construction, and reused 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from slipstream.comm import collectives
 
-__all__ = ["OneBitAllReduce", "compress_rows", "pack_signs", "unpack_signs"]
+__all__ = ["OneBitAllReduce", "Scratch", "compress_rows", "decompress_rows", "pack_signs", "unpack_signs"]
 
 _SCALE_BYTES = 4  # one float32 scale per packed row
 # [Note: packing signs with one multiply] Eight sign bytes (0 or 1) read as one little-endian int64 v: the
@@ -36,48 +37,89 @@ _SPREAD = 0x0101010101010101
 _BIT_OF_BYTE = 0x0102040810204080
 
 
-def _pack_bits(nonneg: torch.Tensor) -> torch.Tensor:
-    """[r, n] bool (n a multiple of 8) -> [r, n / 8] uint8, the first of each 8 in the high bit."""
-    eights = nonneg.view(torch.uint8).view(torch.int64)  # see [Note: packing signs with one multiply]
-    return eights.mul(_GATHER).bitwise_right_shift_(56).bitwise_and_(0xFF).to(torch.uint8)
+@dataclasses.dataclass(frozen=True, slots=True)
+class Scratch:
+    """Work buffers of one compressed all-reduce, allocated once (a fresh 200 MB temporary per call costs more in
+    page faults than the arithmetic); views of them serve both the worker's rows and the server's one row."""
+
+    values: torch.Tensor
+    """Decompressed values, scale * sign, in the tensor's dtype (padded numel)."""
+    bits: torch.Tensor
+    """Sign bits as bool (padded numel)."""
+    words: torch.Tensor
+    """int64 words, 8 signs each (padded numel / 8)."""
+
+    @staticmethod
+    def allocate(numel: int, dtype: torch.dtype, device: torch.device) -> Scratch:
+        return Scratch(
+            values=torch.empty(numel, dtype=dtype, device=device),
+            bits=torch.empty(numel, dtype=torch.bool, device=device),
+            words=torch.empty(numel // 8, dtype=torch.int64, device=device),
+        )
+
+    def shaped(self, rows: int, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(values, bits, words) viewed as `rows` rows of `numel` elements."""
+        count = rows * numel
+        return (
+            self.values[:count].view(rows, numel),
+            self.bits[:count].view(rows, numel),
+            self.words[: count // 8].view(rows, numel // 8),
+        )
 
 
-def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
-    """[r, m] uint8 -> [r, 8 m] bool (the inverse of `_pack_bits`)."""
-    spread = packed.to(torch.int64).mul_(_SPREAD).bitwise_and_(_BIT_OF_BYTE)
-    return spread.view(torch.uint8).ne(0)
+def _pack_bits(bits: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> None:
+    """[r, n] bool (n a multiple of 8) -> `out` [r, n / 8] uint8, the first of each 8 in the high bit."""
+    torch.mul(bits.view(torch.uint8).view(torch.int64), _GATHER, out=words)  # [Note: packing signs with ...]
+    words.bitwise_right_shift_(56).bitwise_and_(0xFF)
+    out.copy_(words)
+
+
+def _unpack_bits(packed: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> None:
+    """[r, m] uint8 -> `out` [r, 8 m] bool (the inverse of `_pack_bits`)."""
+    words.copy_(packed)
+    words.mul_(_SPREAD).bitwise_and_(_BIT_OF_BYTE)
+    torch.ne(words.view(torch.uint8), 0, out=out)
+
+
+def _signed(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` = scale where `bits`, else -scale, per row: 2 s b - s is exact (and faster than torch.where)."""
+    out.copy_(bits)
+    return out.mul_(scales * 2).sub_(scales)
 
 
 def pack_signs(rows: torch.Tensor) -> torch.Tensor:
     """[r, n] values (n a multiple of 8) -> [r, n / 8] uint8: bit set where the value is >= 0."""
-    return _pack_bits((rows >= 0).contiguous())
+    out = torch.empty(rows.shape[0], rows.shape[1] // 8, dtype=torch.uint8, device=rows.device)
+    _pack_bits((rows >= 0).contiguous(), torch.empty(out.shape, dtype=torch.int64, device=rows.device), out)
+    return out
 
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[r, m] uint8 -> [r, 8 m] of +1 / -1 in `dtype` (the inverse of `pack_signs` on signs)."""
-    return _unpack_bits(packed).to(dtype).mul_(2).sub_(1)
+    bits = torch.empty(packed.shape[0], packed.shape[1] * 8, dtype=torch.bool, device=packed.device)
+    _unpack_bits(packed, torch.empty(packed.shape, dtype=torch.int64, device=packed.device), bits)
+    return bits.to(dtype).mul_(2).sub_(1)
 
 
-def compress_rows(rows: torch.Tensor, error: torch.Tensor, packed: torch.Tensor) -> None:
+def compress_rows(rows: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, scratch: Scratch) -> None:
     """Compress every row of `rows` into `packed` ([r, n / 8 + 4] uint8: signs, then the float32 scale's bytes)
     and write the compression error into `error` (same shape as `rows`). See [Note: 1-bit compression]."""
     num_rows, numel = rows.shape
+    values, bits, words = scratch.shaped(num_rows, numel)
     scales = torch.linalg.vector_norm(rows, dim=1, keepdim=True).div_(math.sqrt(numel))
-    nonneg = rows >= 0
-    torch.sub(rows, _signed(nonneg, scales, rows.dtype), out=error)  # rows - scale * sign
-    packed[:, : numel // 8] = _pack_bits(nonneg)
+    torch.ge(rows, 0, out=bits)
+    torch.sub(rows, _signed(bits, scales, values), out=error)  # rows - scale * sign
+    _pack_bits(bits, words, packed[:, : numel // 8])
     packed[:, numel // 8 :] = scales.to(torch.float32).view(torch.uint8).view(num_rows, _SCALE_BYTES)
 
 
-def decompress_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[r, m + 4] packed rows -> [r, 8 m] values scale * sign, in `dtype`."""
-    scales = packed[:, -_SCALE_BYTES:].contiguous().view(torch.float32).to(dtype)  # [r, 1]
-    return _signed(_unpack_bits(packed[:, :-_SCALE_BYTES]), scales, dtype)
-
-
-def _signed(nonneg: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """scale where `nonneg`, else -scale, per row: 2 s b - s is exact (and faster than torch.where here)."""
-    return nonneg.to(dtype).mul_(scales * 2).sub_(scales)
+def decompress_rows(packed: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """[r, m + 4] packed rows -> [r, 8 m] values scale * sign (a view of `scratch.values`)."""
+    num_rows, numel = packed.shape[0], (packed.shape[1] - _SCALE_BYTES) * 8
+    values, bits, words = scratch.shaped(num_rows, numel)
+    scales = packed[:, -_SCALE_BYTES:].contiguous().view(torch.float32).to(values.dtype)  # [r, 1]
+    _unpack_bits(packed[:, :-_SCALE_BYTES], words, bits)
+    return _signed(bits, scales, values)
 
 
 class OneBitAllReduce:
@@ -104,6 +146,8 @@ class OneBitAllReduce:
         self._received = torch.empty_like(self._sent)
         self._served = torch.empty(1, row_bytes, dtype=torch.uint8, device=device)
         self._gathered = torch.empty_like(self._sent)
+        self._served_values = torch.empty(1, self.chunk_numel, dtype=dtype, device=device)
+        self._scratch = Scratch.allocate(self.padded_numel, dtype, device)
 
     def wire_bytes(self) -> int:
         """Bytes this rank hands to the collectives per call (the all-to-all's input, the all-gather's output)."""
@@ -129,13 +173,15 @@ class OneBitAllReduce:
         self._staging[: self.numel].copy_(flat)
         self._staging[self.numel :].zero_()  # the padding: the last call's values are still there
         self._staging.add_(self.worker_error)
-        compress_rows(rows, work_rows, self._sent)
+        compress_rows(rows, work_rows, self._sent, self._scratch)
         # Phase 2: row j of every rank to rank j
         collectives.all_to_all(self._received, self._sent, group=self.group)
         # Phase 3: average what this rank serves, add the server error, compress again
-        served = decompress_rows(self._received, self._staging.dtype).mean(dim=0, keepdim=True)
+        served = torch.mean(
+            decompress_rows(self._received, self._scratch), dim=0, keepdim=True, out=self._served_values
+        )
         served.add_(self.server_error)
-        compress_rows(served, self.server_error.view(1, -1), self._served)
+        compress_rows(served, self.server_error.view(1, -1), self._served, self._scratch)
         # Phase 4: every server's row to every rank
         collectives.all_gather(self._gathered.view(-1), self._served.view(-1), group=self.group)
-        flat.copy_(decompress_rows(self._gathered, self._staging.dtype).view(-1)[: self.numel])
+        flat.copy_(decompress_rows(self._gathered, self._scratch).view(-1)[: self.numel])
