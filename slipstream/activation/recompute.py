@@ -7,12 +7,13 @@ masks equal those of the first forward, and a run equals one without checkpointi
 Options (`configure()` or the `activation_checkpointing` config section):
 - `partition_activations`: each rank of the model-parallel group keeps 1/N of every checkpointed input
   (inputs are replicated within the group in a tensor-parallel region); the recomputation all-gathers it.
-- `cpu_checkpointing` / `checkpoint_in_cpu`: checkpointed inputs wait in host memory (moved through the
-  accelerator layer) until the recomputation.
-- `synchronize_checkpoint_boundary`: synchronise the device around each checkpointed forward.
-- `profile`: log the time of each checkpointed forward.
-`contiguous_memory_optimization` and `number_checkpoints` (copying partitions into one preallocated buffer)
-are not implemented: setting them is reported.
+- `cpu_checkpointing` / `checkpoint_in_cpu`: activation offload: checkpointed inputs are copied to pinned
+  host buffers on the copy stream, released from the graph, and prefetched back ahead of their
+  recomputation (activation/offload.py).
+- `contiguous_memory_optimization` / `contiguous_checkpointing` with `number_checkpoints` / `num_checkpoints`
+  (or `set_num_layers`): a step's checkpointed inputs are packed into one preallocated buffer per dtype.
+- `synchronize_checkpoint_boundary`: synchronise the device around each checkpointed forward and recomputation.
+- `profile`: log the time of each checkpointed forward and recomputation.
 
 `selective_checkpoint(function, *args)` keeps the outputs of matmul-class ops and recomputes only the cheap
 ones (torchtitan's selective activation checkpointing), trading some memory for less recomputation.
@@ -20,9 +21,10 @@ ones (torchtitan's selective activation checkpointing), trading some memory for 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,10 +33,11 @@ from torch.utils import checkpoint as torch_checkpoint
 
 from slipstream.accelerator import get_accelerator
 from slipstream.activation.mpu import model_parallel_group, model_parallel_rank, set_mpu
+from slipstream.activation.offload import CheckpointStore
 from slipstream.activation.rng import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from slipstream.config.plan import ActivationCheckpointPlan
 from slipstream.config.section_plans import activation_checkpoint_plan
-from slipstream.utils.logging import get_logger, warn_once
+from slipstream.utils.logging import get_logger
 from slipstream.utils.torch_versions import require_torch
 
 __all__ = [
@@ -49,10 +52,12 @@ __all__ = [
     "reset",
     "selective_checkpoint",
     "set_num_layers",
+    "store",
 ]
 
 _settings = activation_checkpoint_plan({})  # the schema's defaults
 _configured = False
+_store = CheckpointStore(to_host=False, contiguous=False, number_checkpoints=None)
 
 
 # ---- configuration ----
@@ -69,29 +74,38 @@ def configure(
     """Set the options (DeepSpeed's signature): the config's `activation_checkpointing` section first, then
     the arguments that are not None. `mpu_` gives the model-parallel group (`get_tensor_model_parallel_group()`
     or `get_model_parallel_group()`)."""
-    global _settings, _configured
     settings = activation_checkpoint_plan({})
     if deepspeed_config is not None:
         settings = _section_of(deepspeed_config)
-    overrides = {
+    overrides: dict[str, Any] = {
         "partition_activations": partition_activations,
         "cpu_checkpointing": checkpoint_in_cpu,
+        "contiguous_memory_optimization": contiguous_checkpointing,
+        "number_checkpoints": num_checkpoints,
         "synchronize": synchronize,
         "profile": profile,
     }
     settings = dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
-    if contiguous_checkpointing or num_checkpoints is not None:
-        _report_unimplemented("contiguous_checkpointing / num_checkpoints")
     if mpu_ is not None:
         set_mpu(mpu_)
-    _settings, _configured = settings, True
+    configure_from_plan(settings)
 
 
 def configure_from_plan(plan: ActivationCheckpointPlan) -> None:
     """The engine's call when the config has an `activation_checkpointing` section (DeepSpeed leaves that
     to the client's `configure(mpu, deepspeed_config=...)`; here the section works either way)."""
-    global _settings, _configured
+    global _settings, _configured, _store
+    _store = CheckpointStore(
+        to_host=plan.cpu_checkpointing,
+        contiguous=plan.contiguous_memory_optimization,
+        number_checkpoints=plan.number_checkpoints,
+    )
     _settings, _configured = plan, True
+
+
+def store() -> CheckpointStore:
+    """Where checkpointed inputs wait under the current settings (its `stats` count offloads and prefetches)."""
+    return _store
 
 
 def _section_of(deepspeed_config: object) -> ActivationCheckpointPlan:
@@ -102,20 +116,13 @@ def _section_of(deepspeed_config: object) -> ActivationCheckpointPlan:
     return activation_checkpoint_plan(raw.get("activation_checkpointing", {}))
 
 
-def _report_unimplemented(what: str) -> None:
-    warn_once(
-        f"activation-checkpointing:{what}",
-        f"slipstream.checkpointing: {what} (a contiguous buffer for partitioned activations) is not "
-        "implemented; checkpoints are kept as separate tensors",
-    )
-
-
 def is_configured() -> bool:
     return _configured
 
 
 def reset() -> None:
-    """DeepSpeed frees its contiguous buffers here; nothing is buffered across calls in Slipstream."""
+    """Free the host and contiguous buffers (they are allocated again by the next checkpointed step)."""
+    _store.release()
 
 
 def partition_activations_in_checkpoint(partition_activation: bool) -> None:
@@ -124,8 +131,8 @@ def partition_activations_in_checkpoint(partition_activation: bool) -> None:
 
 
 def set_num_layers(nlayers: int) -> None:
-    """Used by DeepSpeed's contiguous buffers only (not implemented here): reported when called."""
-    _report_unimplemented("set_num_layers")
+    """Size the contiguous buffer for `nlayers` checkpointed calls per forward (`number_checkpoints`)."""
+    configure_from_plan(dataclasses.replace(_settings, number_checkpoints=nlayers))
 
 
 # ---- checkpointed calls ----
@@ -133,21 +140,40 @@ def checkpoint(function: Callable[..., object], *args: object, **kwargs: object)
     """Run `function(*args, **kwargs)` keeping only its inputs; its activations are recomputed in backward."""
     group = model_parallel_group() if _settings.partition_activations else None
     group_size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-    stash = _Stash(group if group_size > 1 else None, _settings.cpu_checkpointing)
+    stash = _Stash(group if group_size > 1 else None)
     stored = stash.keep(args)
+    forward_done = False
 
     def recompute(*kept: object) -> Any:
-        return function(*stash.restore(kept), **kwargs)
+        with _boundary("recomputation" if forward_done else "forward", function):
+            return function(*stash.restore(kept), **kwargs)
 
+    hooks = _store.hooks() if _store.active else contextlib.nullcontext()
+    with hooks:
+        output = torch_checkpoint.checkpoint(recompute, *stored, use_reentrant=False, preserve_rng_state=True)
+    forward_done = True
+    return output
+
+
+@contextlib.contextmanager
+def _boundary(what: str, function: Callable[..., object]) -> Iterator[None]:
+    """`synchronize` and `profile` around a checkpointed forward or its recomputation."""
     if _settings.synchronize:
         get_accelerator().synchronize()
     started = time.perf_counter()
-    output = torch_checkpoint.checkpoint(recompute, *stored, use_reentrant=False, preserve_rng_state=True)
+    try:
+        yield
+    finally:  # also when torch stops a recomputation early, once it has what the backward needs
+        _after_boundary(what, function, started)
+
+
+def _after_boundary(what: str, function: Callable[..., object], started: float) -> None:
     if _settings.synchronize:
         get_accelerator().synchronize()
     if _settings.profile:
-        get_logger().info("checkpointed forward of %s: %.3f ms", _name(function), (time.perf_counter() - started) * 1e3)
-    return output
+        get_logger().info(
+            "checkpointed %s of %s: %.3f ms", what, _name(function), (time.perf_counter() - started) * 1e3
+        )
 
 
 non_reentrant_checkpoint = checkpoint
@@ -191,11 +217,11 @@ def _name(function: Callable[..., object]) -> str:
 
 # ---- where checkpointed inputs wait ----
 class _Stash:
-    """Moves checkpointed tensor inputs where they wait for the recomputation: a 1/N slice per model-parallel
-    rank (`group`), and/or host memory; `restore` brings them back whole, on the device, in the graph."""
+    """Keeps a 1/N slice of each checkpointed tensor input per model-parallel rank (`group`); `restore`
+    brings it back whole, in the graph. (Host offload is the store's: activation/offload.py.)"""
 
-    def __init__(self, group: object, to_host: bool) -> None:
-        self.group, self.to_host = group, to_host
+    def __init__(self, group: object) -> None:
+        self.group = group
         self.shapes: list[tuple[torch.Size, torch.device] | None] = []
 
     def keep(self, args: tuple[object, ...]) -> tuple[Any, ...]:
@@ -208,8 +234,6 @@ class _Stash:
             self.shapes.append((arg.shape, arg.device))
             if self.group is not None:
                 arg = _Partition.apply(arg, self.group)  # type: ignore[no-untyped-call]
-            if self.to_host:
-                arg = arg.to("cpu", non_blocking=True)
             kept.append(arg)
         return tuple(kept)
 
@@ -217,9 +241,7 @@ class _Stash:
         restored = []
         for arg, shape in zip(kept, self.shapes, strict=True):
             if shape is not None:
-                full_shape, device = shape
-                if self.to_host:
-                    arg = arg.to(device, non_blocking=True)
+                full_shape, _ = shape
                 if self.group is not None:
                     arg = _Gather.apply(arg, self.group, full_shape)  # type: ignore[no-untyped-call]
             restored.append(arg)

@@ -362,6 +362,8 @@ class ActivationCheckpointPlan:
 
     partition_activations: bool
     cpu_checkpointing: bool
+    contiguous_memory_optimization: bool
+    number_checkpoints: int | None
     synchronize: bool
     profile: bool
 

@@ -34,6 +34,8 @@ class ActivationCheckpointingConfig(DSModel):
         "partition_activations",
         "profile",
         "cpu_checkpointing",
+        "contiguous_memory_optimization",
+        "number_checkpoints",
         synchronize_checkpoint_boundary="activation_checkpointing.synchronize",
     )
 

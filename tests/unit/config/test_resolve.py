@@ -167,7 +167,7 @@ def test_unimplemented_lists_what_the_user_set() -> None:
                 },
                 "flops_profiler": {"enabled": True},
                 "wandb": {"enabled": False, "project": "p"},
-                "activation_checkpointing": {"contiguous_memory_optimization": True, "profile": False},
+                "activation_checkpointing": {"contiguous_memory_optimization": True, "number_checkpoints": 2},
                 "hybrid_engine": {"enabled": True, "max_out_tokens": 256},
                 "sparse_attention": {"mode": "fixed"},
                 "memory_breakdown": True,
@@ -181,7 +181,6 @@ def test_unimplemented_lists_what_the_user_set() -> None:
         )
     assert set(plan.unimplemented) == {
         "zero_optimization.round_robin_gradients",
-        "activation_checkpointing.contiguous_memory_optimization",
         "hybrid_engine.max_out_tokens",
         "sparse_attention",
         "memory_breakdown",
