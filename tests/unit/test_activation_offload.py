@@ -148,3 +148,26 @@ def test_the_config_section_honours_the_contiguous_keys() -> None:
     plan = recompute.activation_checkpoint_plan({"contiguous_memory_optimization": True, "number_checkpoints": 3})
     recompute.configure_from_plan(plan)
     assert recompute.store().contiguous and recompute.store().number_checkpoints == 3
+
+
+def test_nested_checkpoints_with_offload_equal_no_offload() -> None:
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+    x = torch.randn(3, 8, requires_grad=True)
+
+    def outer(h: torch.Tensor) -> torch.Tensor:
+        return recompute.checkpoint(lambda g: torch.tanh(b(g)), torch.sin(a(h))) * 2
+
+    def run() -> tuple[float, list[torch.Tensor]]:
+        loss = recompute.checkpoint(outer, x).pow(2).sum()
+        loss.backward()
+        grads = [t.grad.clone() for t in (*a.parameters(), *b.parameters(), x)]
+        for t in (*a.parameters(), *b.parameters(), x):
+            t.grad = None
+        return loss.item(), grads
+
+    expected = run()
+    recompute.configure(None, checkpoint_in_cpu=True)
+    got = run()
+    _assert_same(([got[0]], got[1]), ([expected[0]], expected[1]))
+    assert recompute.store().stats.offloaded >= 2
