@@ -131,7 +131,7 @@ def load_engine(
             prefix = f"optimizer/{piece.name}/"
             for state_key in sorted(k[len(prefix) :] for k in keys if k.startswith(prefix)):
                 if state_key not in state:
-                    state[state_key] = torch.zeros_like(piece.piece, dtype=torch.float32)
+                    state[state_key] = torch.zeros_like(piece.piece, dtype=optimizer.state_dtype)
                 _read_into(source, prefix + state_key, piece.lo, piece.hi, piece.state_view(state, state_key))
             group_scalars = state_scalars[piece.group_index] if piece.group_index < len(state_scalars) else {}
             for scalar_key, value in group_scalars.items():

@@ -87,6 +87,8 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
         # (stage 3's gradients arrive in its units instead: there it is 1, and the keys are reported)
         predivide = self.world_size if precision.grad_predivide is None else precision.grad_predivide
         self.pre_divided = float(predivide) if zero.stage < 3 else 1.0
+        self.state_dtype = DTYPES[precision.optimizer_state_dtype]
+        """The dtype of the optimizer's moments (bf16 with `bf16_optimizer_states`); a loaded state takes it."""
         master_dtype, grad_dtype = precision.master_dtype, precision.grad_accum_dtype
         bucket_numel = self._layout_bucket_numel(int(zero.reduce_bucket_size), DTYPES[grad_dtype])
         self.offload = offload if offload is not None else OffloadPolicy()

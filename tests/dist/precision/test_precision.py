@@ -27,9 +27,11 @@ CPU = {"offload_optimizer": {"device": "cpu"}}
 CASES = [
     *({"name": f"autocast z{s}", "extra": AUTOCAST, "zero": {"stage": s}, "kind": "autocast"} for s in (0, 2, 3)),
     {"name": "autocast z2 offload", "extra": AUTOCAST, "zero": {"stage": 2, **CPU}, "kind": "autocast"},
-    *({"name": f"bf16 states z{s}", "extra": BF16_STATES, "zero": {"stage": s}, "kind": "bf16"} for s in (1, 2, 3)),
+    *({"name": f"bf16 states z{s}", "extra": BF16_STATES, "zero": {"stage": s}, "kind": "bf16", "resume": s == 2}
+      for s in (1, 2, 3)),
     {"name": "bf16 masters z2 offload", "extra": BF16_MASTERS, "zero": {"stage": 2, **CPU}, "kind": "bf16_fp32_states"},
-    {"name": "bf16 states z3 offload", "extra": BF16_STATES, "zero": {"stage": 3, **CPU}, "kind": "bf16_host_states"},
+    {"name": "bf16 states z3 offload", "extra": BF16_STATES, "zero": {"stage": 3, **CPU}, "kind": "bf16_host_states",
+     "resume": True},
     {"name": "fp16 masters z2 offload", "extra": FP16_MASTERS, "zero": {"stage": 2, **CPU}, "kind": "fp16"},
 ]
 # parameter bounds: fp32 parameters may differ by fp32 rounding (the order of the reduction); bf16 parameters
@@ -61,7 +63,24 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
                if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
-def train(rank: int, world: int, **case: object) -> dict:
+def resumed(engine, case: dict, ckpt: str) -> float:  # type: ignore[no-untyped-def]
+    """Save, load into a fresh engine, one more step on both: the largest parameter difference (0: exact, so
+    the moments came back in their dtype)."""
+    import slipstream
+
+    engine.save_checkpoint(ckpt, tag="t")
+    again, _, _, _ = slipstream.initialize(model=TinyMLP(), config=config(case))
+    again.load_checkpoint(ckpt, tag="t")
+    inputs, targets = batches()[0]
+    for each in (engine, again):
+        each.backward(TinyMLP.loss(each(inputs[:BATCH // 2]), targets[:BATCH // 2]))
+        each.step()
+    difference = worst(full_params(engine), full_params(again))
+    again.destroy()
+    return difference
+
+
+def train(rank: int, world: int, ckpt: str, **case: object) -> dict:
     import slipstream
 
     engine, _, _, _ = slipstream.initialize(model=TinyMLP(), config=config(case))
@@ -75,6 +94,8 @@ def train(rank: int, world: int, **case: object) -> dict:
     states = {t.dtype for s in zero.optimizer.state.values() for t in s.values() if t.dim() > 0}
     result = {"params": full_params(engine), "owned": owned, "state_dtypes": sorted(map(str, states)),
               "dtypes": sorted({str(p.dtype) for p in engine.module.parameters()})}
+    if case.get("resume"):
+        result["resumed"] = resumed(engine, case, f"{ckpt}/{case['name'].replace(' ', '_')}")
     engine.destroy()
     dist.barrier()
     return result
@@ -104,9 +125,9 @@ def overflow_step(rank: int, world: int, *, extra: dict, stage: int) -> torch.Te
     return weight
 
 
-def grid(rank: int, world: int) -> tuple[list[dict], list[torch.Tensor]]:
+def grid(rank: int, world: int, ckpt: str) -> tuple[list[dict], list[torch.Tensor]]:
     overflow = run_subtests(OVERFLOW, lambda **case: overflow_step(rank, world, **case))
-    return run_subtests(CASES, lambda **case: train(rank, world, **case)), overflow
+    return run_subtests(CASES, lambda **case: train(rank, world, ckpt, **case)), overflow
 
 
 def reference(kind: str, steps: int) -> dict[str, torch.Tensor]:
@@ -140,7 +161,7 @@ def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def test_precision_options_match_reference_and_planner(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    per_rank, overflow = zip(*run_distributed(grid, world_size=2, tmp_dir=tmp_path))
+    per_rank, overflow = zip(*run_distributed(grid, world_size=2, tmp_dir=tmp_path, ckpt=str(tmp_path / "ckpt")))
     check_divided_on_arrival(overflow[0])
     for case, *results in zip(CASES, *per_rank):
         kind, bound = case["kind"], BOUNDS[case["kind"]]
@@ -150,6 +171,7 @@ def test_precision_options_match_reference_and_planner(tmp_path) -> None:  # typ
             assert worst(result["params"], short) > 2 * bound, (case["name"], "one step left out is within bound")
         want_params = str(DTYPES.get(kind, torch.bfloat16))
         want_states = "torch.bfloat16" if kind in ("bf16", "bf16_host_states") else "torch.float32"
+        assert all(r.get("resumed", 0.0) == 0.0 for r in results), (case["name"], "resumed from a checkpoint")
         assert results[0]["dtypes"] == [want_params] and results[0]["state_dtypes"] == [want_states], (case, results[0])
     check_planner_bytes(per_rank[0])
 
