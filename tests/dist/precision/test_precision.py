@@ -1,5 +1,6 @@
 """Precision options on the engine at world 2 against a single-process run computed the same way:
-`torch_autocast` (bf16 forward, fp32 parameters) at ZeRO 0, 2, 3 and with CPU offload, `bf16` master weights
+`torch_autocast` (bf16 forward, fp32 parameters) at ZeRO 0, 2, 3 and with CPU offload, `amp` (fp16 autocast
+with loss scaling) at ZeRO 2, `bf16` master weights
 with bf16 Adam moments at ZeRO 1-3 and offloaded at ZeRO 3, offloaded with fp32 moments at ZeRO 2, and fp16
 masters (offloaded, with `auto_cast` inputs and a static loss scale), the reference stepping low-precision
 parameters with the same optimizer and rounding. Parameters must be within a bound the dtype implies, and a
@@ -27,6 +28,7 @@ CPU = {"offload_optimizer": {"device": "cpu"}}
 CASES = [
     *({"name": f"autocast z{s}", "extra": AUTOCAST, "zero": {"stage": s}, "kind": "autocast"} for s in (0, 2, 3)),
     {"name": "autocast z2 offload", "extra": AUTOCAST, "zero": {"stage": 2, **CPU}, "kind": "autocast"},
+    {"name": "amp z2", "extra": {"amp": {"enabled": True}}, "zero": {"stage": 2}, "kind": "amp"},
     *({"name": f"bf16 states z{s}", "extra": BF16_STATES, "zero": {"stage": s}, "kind": "bf16", "resume": s == 2}
       for s in (1, 2, 3)),
     {"name": "bf16 masters z2 offload", "extra": BF16_MASTERS, "zero": {"stage": 2, **CPU}, "kind": "bf16_fp32_states"},
@@ -36,9 +38,10 @@ CASES = [
 ]
 # parameter bounds: fp32 parameters may differ by fp32 rounding (the order of the reduction); bf16 parameters
 # (|p| < 1) by one bf16 rounding step, 2**-8. A step of this AdamW moves a parameter by about LR = 1e-2.
-BOUNDS = {"autocast": 1e-6, "bf16": 2.0**-8, "bf16_fp32_states": 2.0**-8, "bf16_host_states": 2.0**-8, "fp16": 2.0**-11}
-DTYPES = {"autocast": torch.float32, "fp16": torch.float16}  # the parameters' dtype; bf16 otherwise
-LOSS_SCALE = {"fp16": 128.0}
+BOUNDS = {"autocast": 1e-6, "amp": 1e-6, "bf16": 2.0**-8, "bf16_fp32_states": 2.0**-8, "bf16_host_states": 2.0**-8, "fp16": 2.0**-11}
+DTYPES = {"autocast": torch.float32, "amp": torch.float32, "fp16": torch.float16}  # parameters; bf16 otherwise
+LOSS_SCALE = {"fp16": 128.0, "amp": 2.0**16}  # amp: fp16 autocast with the dynamic scale, 2**16 at first
+AUTOCAST_DTYPES = {"autocast": torch.bfloat16, "amp": torch.float16}
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -146,7 +149,7 @@ def reference(kind: str, steps: int) -> dict[str, torch.Tensor]:
     scale = LOSS_SCALE.get(kind, 1.0)
     for inputs, targets in batches()[:steps]:
         for x, y in zip(inputs.chunk(2), targets.chunk(2)):  # the ranks' halves, gradients summed in their dtype
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "autocast"):
+            with torch.autocast("cpu", dtype=AUTOCAST_DTYPES.get(kind), enabled=kind in AUTOCAST_DTYPES):
                 out = model(x.to(next(model.parameters()).dtype))
             (TinyMLP.loss(out, y) * scale).backward()
         for p in model.parameters():
