@@ -351,8 +351,11 @@ class ZeroConfig(DSModel):
 
     @model_validator(mode="after")
     def _overlap_comm_default(self) -> ZeroConfig:
-        """overlap_comm left unset reads as DeepSpeed fills it: true at stage 3, false below. Filled without
-        marking it as set, so an unset key is never reported."""
+        """overlap_comm left unset is true at stages 2 and 3, false below. DeepSpeed fills it true only at stage
+        3; at stage 2 overlapping costs no memory here (the staging ring is the same size either way) and moves
+        the same values, so the fast schedule is the default. Stage 1's overlap refuses a second backward
+        before the step, so it stays opt-in, as in DeepSpeed. Filled without marking it as set, so an unset key
+        is never reported."""
         if self.overlap_comm is None:
-            object.__setattr__(self, "overlap_comm", self.stage == 3)
+            object.__setattr__(self, "overlap_comm", self.stage >= 2)
         return self

@@ -33,7 +33,7 @@ def test_zero_defaults_match_deepspeed() -> None:
     assert zero.stage == 0
     assert zero.reduce_bucket_size == 500_000_000
     assert zero.allgather_bucket_size == 500_000_000
-    assert zero.overlap_comm is False  # unset: DeepSpeed fills it with stage == 3
+    assert zero.overlap_comm is False  # unset: filled with stage >= 2 (DeepSpeed: stage == 3)
     assert DeepSpeedConfig.model_validate({"zero_optimization": {"stage": 3}}).zero_optimization.overlap_comm is True
     assert zero.contiguous_gradients is True and zero.reduce_scatter is True
     assert zero.prefetch_bucket_size == 50_000_000
@@ -98,8 +98,8 @@ def test_sub_group_size_reaches_the_plan_as_given_zero_included() -> None:
     assert unset.zero.stage3 is not None and unset.zero.stage3.sub_group_numel == ZeroConfig().sub_group_size
 
 
-@pytest.mark.parametrize("stage, expected", [(0, False), (1, False), (2, False), (3, True)])
-def test_overlap_comm_defaults_true_only_for_stage_3(stage: int, expected: bool) -> None:
+@pytest.mark.parametrize("stage, expected", [(0, False), (1, False), (2, True), (3, True)])
+def test_overlap_comm_defaults_true_from_stage_2(stage: int, expected: bool) -> None:
     plan = resolve({**BASE, "zero_optimization": {"stage": stage}}, world_size=1)
     assert plan.resolved["zero_optimization"]["overlap_comm"] is expected
 
