@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     out.add_argument("--png", default=None, metavar="FILE", help="also draw a stacked bar chart (needs matplotlib)")
+    from slipstream.cli import plan_cluster
+
+    plan_cluster.add_arguments(parser)
 
 
 def _add_model_arguments(model: argparse._ArgumentGroup) -> None:
@@ -116,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
     from slipstream.planner import draw_png, estimate, format_plan, plan_json
 
     config = args.config or args.config_option
+    if args.cluster:
+        from slipstream.cli import plan_cluster
+
+        return plan_cluster.run(args, config)
     if args.largest:
         return _run_largest(args, config)
     if args.params is None and args.model is None and args.hf_config is None and not (args.hidden and args.layers):
