@@ -16,7 +16,7 @@ TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 # Re-pinning the installed torch keeps pip from swapping it for a CUDA build while resolving deepspeed.
 TORCH_PIN="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null | tail -n 1)"
 # safetensors and huggingface_hub: DeepSpeed's zero_to_fp32.py --safe_serialization (bench/checkpoint.py).
-# transformers, accelerate: the Trainer peer of bench/trainer.py.
-DS_BUILD_OPS=0 "$VENV/bin/pip" install ninja py-cpuinfo numpy deepspeed safetensors huggingface_hub transformers accelerate \
+# transformers, accelerate: the Trainer peer of bench/trainer.py. tabulate: DeepSpeed's autotuner (bench/autotune.py).
+DS_BUILD_OPS=0 "$VENV/bin/pip" install ninja py-cpuinfo numpy deepspeed safetensors huggingface_hub transformers accelerate tabulate \
     "torch==${TORCH_PIN}"
 "$VENV/bin/python" -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
