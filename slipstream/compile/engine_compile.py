@@ -21,7 +21,13 @@ from torch import nn
 from slipstream.accelerator import get_accelerator
 from slipstream.compile.autograd import compiled_backward, require_compiled_autograd
 from slipstream.compile.graph_breaks import GraphBreakLedger
-from slipstream.compile.regions import CompiledRegion, choose_regions, compile_region, torch_compiler
+from slipstream.compile.regions import (
+    CompiledRegion,
+    choose_regions,
+    compile_region,
+    fit_cache_to_regions,
+    torch_compiler,
+)
 from slipstream.config.plan import CompilePlan
 from slipstream.utils.logging import log_rank0
 
@@ -107,6 +113,7 @@ class CompiledEngine:
             require_compiled_autograd()
             backward_compiler = compiler
         chosen = choose_regions(self.module, _hooked_modules(self.zero_model))
+        fit_cache_to_regions(len(chosen))
         ledger = GraphBreakLedger([name for name, _ in chosen], rank=self.global_rank)
         regions = [compile_region(name, module, compiler=compiler, ledger=ledger) for name, module in chosen]
         self._compile_state = CompileState(

@@ -4,7 +4,8 @@
 - A region is one of the model's repeated blocks: the children of the first `nn.ModuleList`/`nn.ModuleDict`
   met on each path down from the root (the same walk that makes ZeRO-3's units, so at stage 3 every block is
   a unit). Each block is compiled on its own, so compile time grows with the number of distinct blocks, not
-  with depth: blocks of one class share their code and reuse one another's graph.
+  with depth: blocks of one class share their code and, where dynamo inlines nn modules (torch >= 2.5), one
+  graph. torch 2.4 traces each block object once instead (`fit_cache_to_regions` makes room for all).
 - A model without such a container has one region: the whole model at stages 0-2; at stage 3 the modules
   of its units (the root's own forward calls them, and their hooks must stay eager).
 - The compiled function is the module's `forward`, never `module.__call__`: module hooks (ZeRO-3's
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -103,6 +105,24 @@ def compile_region(
 
     module.forward = forward  # type: ignore[method-assign]
     return CompiledRegion(name=name, module=module, eager_forward=eager)
+
+
+def fit_cache_to_regions(count: int) -> int | None:
+    """Where dynamo does not inline nn modules (torch 2.4; see [Note: compiled regions]) it keeps one graph per
+    block object, all under one code object whose cache holds `cache_size_limit` entries: blocks past it would
+    run eagerly. Raise the limit to `count` plus dynamo's default headroom there; returns the new limit, or None
+    where blocks share their graph and nothing changes."""
+    config = torch._dynamo.config
+    with warnings.catch_warnings():  # torch >= 2.9 warns that the flag is always on now
+        warnings.simplefilter("ignore", FutureWarning)
+        inlined = getattr(config, "inline_inbuilt_nn_modules", True)
+    if inlined:
+        return None
+    limit = max(int(config.cache_size_limit), count + 8)
+    config.cache_size_limit = limit
+    if hasattr(config, "accumulated_cache_size_limit"):
+        config.accumulated_cache_size_limit = max(int(config.accumulated_cache_size_limit), limit)
+    return limit
 
 
 def torch_compiler(backend: str, options: dict[str, Any]) -> Callable[[Callable[..., Any]], Any]:

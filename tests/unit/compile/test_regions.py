@@ -11,7 +11,7 @@ from torch import nn
 
 from slipstream.compile import autograd, engine_compile
 from slipstream.compile.graph_breaks import GraphBreakLedger
-from slipstream.compile.regions import choose_regions, compile_region, torch_compiler
+from slipstream.compile.regions import choose_regions, compile_region, fit_cache_to_regions, torch_compiler
 from slipstream.config.plan import CompilePlan
 from slipstream.config.resolve import resolve
 from tests.harness.models import TinyMLP, TinyTransformer
@@ -116,3 +116,14 @@ def test_the_compile_section_reports_each_deepcompile_key() -> None:
         assert f"compile.{key}" in plan.unimplemented, (key, plan.unimplemented)
     quiet = resolve({**base, "compile": {"double_buffer": True}}, world_size=1)
     assert quiet.compile == CompilePlan(deepcompile=False) and not any("compile" in k for k in quiet.unimplemented)
+
+
+@pytest.mark.filterwarnings("ignore:torch._dynamo.config.inline_inbuilt_nn_modules is deprecated")
+def test_without_module_inlining_the_cache_holds_every_block() -> None:
+    config = torch._dynamo.config
+    limits = {"cache_size_limit": 8, "accumulated_cache_size_limit": config.accumulated_cache_size_limit}
+    with config.patch(**limits, inline_inbuilt_nn_modules=True):
+        assert fit_cache_to_regions(40) is None and config.cache_size_limit == 8  # blocks share one graph
+    with config.patch(**limits, inline_inbuilt_nn_modules=False):  # torch 2.4's default
+        assert fit_cache_to_regions(40) == 48 and config.cache_size_limit == 48
+        assert fit_cache_to_regions(2) == 48  # never lowered
