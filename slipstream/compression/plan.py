@@ -1,0 +1,152 @@
+"""The `compression_training` section read into frozen plans: what init_compression builds from.
+
+The schema keeps the section free-form; this module reads the parts Slipstream builds (weight quantization
+and l1 sparse pruning of nn.Linear modules) with DeepSpeed's defaults, rejects values it cannot act on, and
+names every sub-option it does not build (they are reported, never silently ignored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from slipstream.config.notices import notice
+
+__all__ = ["CompressionPlan", "GroupPlan", "PruningPlan", "QuantizationPlan", "resolve_compression"]
+
+_UNBUILT_METHODS = ("activation_quantization", "row_pruning", "head_pruning", "channel_pruning", "layer_reduction")
+_QUANT_SHARED = {
+    "enabled", "quantizer_kernel", "schedule_offset", "quantize_groups", "quantize_verbose", "quantization_type",
+    "quantize_weight_in_forward", "rounding", "fp16_mixed_quantize",
+}
+_PRUNE_SHARED = {"enabled", "method", "schedule_offset"}
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One entry of `different_groups`: module-name patterns (regular expressions) and their parameters."""
+
+    name: str
+    modules: tuple[str, ...]
+    start_bits: int
+    target_bits: int
+    quantization_period: int
+    dense_ratio: float
+
+
+@dataclass(frozen=True)
+class QuantizationPlan:
+    """`weight_quantization`: fake-quantized weights from `schedule_offset` on, bits stepping per group."""
+
+    schedule_offset: int
+    groups: int
+    symmetric: bool
+    stochastic: bool
+    in_forward: bool
+    different_groups: tuple[GroupPlan, ...]
+
+
+@dataclass(frozen=True)
+class PruningPlan:
+    """`sparse_pruning` with method l1: a magnitude mask keeping `dense_ratio` of each weight."""
+
+    schedule_offset: int
+    different_groups: tuple[GroupPlan, ...]
+
+
+@dataclass(frozen=True)
+class CompressionPlan:
+    """The methods init_compression applies; None where the method is off."""
+
+    quantization: QuantizationPlan | None
+    pruning: PruningPlan | None
+
+
+def _report(key: str, what: str) -> None:
+    notice(f"compression_training.{key}", f"compression_training.{key}: {what}; Slipstream does not build it "
+           "and ignores it (docs/compression.md)", rank=0)
+
+
+def _groups(method: str, section: dict[str, Any], known: set[str]) -> tuple[GroupPlan, ...]:
+    out = []
+    for name, group in (section.get("different_groups") or {}).items():
+        params = dict(group.get("params") or {})
+        for key in sorted(set(params) - known):
+            _report(f"{method}.different_groups.{name}.params.{key}", f"set to {params[key]!r}")
+        modules = group.get("modules") or ["*"]
+        if not isinstance(modules, list):
+            raise ValueError(f"compression_training.{method}.different_groups.{name}.modules is {modules!r}: "
+                             "give a list of module-name patterns, e.g. [\"attention.self\"]")
+        out.append(GroupPlan(
+            name=name, modules=tuple(".*" if m == "*" else str(m) for m in modules),
+            start_bits=int(params.get("start_bits", 8)), target_bits=int(params.get("target_bits", 8)),
+            quantization_period=int(params.get("quantization_period", 1)),
+            dense_ratio=float(params.get("dense_ratio", 0.1)),
+        ))
+    return tuple(out)
+
+
+def _check_bits(group: GroupPlan) -> None:
+    if not 3 <= group.target_bits <= group.start_bits:
+        raise ValueError(
+            f"compression_training.weight_quantization.different_groups.{group.name}: start_bits "
+            f"{group.start_bits}, target_bits {group.target_bits}; need 3 <= target_bits <= start_bits "
+            "(ternary and binary weights, 2 and 1 bits, are not built)")
+    if group.quantization_period < 1:
+        raise ValueError(f"compression_training.weight_quantization.different_groups.{group.name}: "
+                         f"quantization_period {group.quantization_period}; give a period of at least 1 step")
+
+
+def _quantization(section: dict[str, Any]) -> QuantizationPlan | None:
+    shared = dict(section.get("shared_parameters") or {})
+    if not shared.get("enabled", False):
+        return None
+    for key in sorted(set(shared) - _QUANT_SHARED):
+        _report(f"weight_quantization.shared_parameters.{key}", f"set to {shared[key]!r}")
+    if shared.get("quantizer_kernel", False):
+        _report("weight_quantization.shared_parameters.quantizer_kernel", "the fused kernel (the PyTorch "
+                "formula runs instead, same values)")
+    if (shared.get("fp16_mixed_quantize") or {}).get("enabled", False):
+        _report("weight_quantization.shared_parameters.fp16_mixed_quantize", "mixing fp16 and quantized weights")
+    kind, rounding = shared.get("quantization_type", "symmetric"), shared.get("rounding", "nearest")
+    if kind not in ("symmetric", "asymmetric") or rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"compression_training.weight_quantization: quantization_type {kind!r}, rounding "
+                         f"{rounding!r}; use symmetric/asymmetric and nearest/stochastic")
+    groups = _groups("weight_quantization", section, {"start_bits", "target_bits", "quantization_period"})
+    for group in groups:
+        _check_bits(group)
+    return QuantizationPlan(
+        schedule_offset=int(shared.get("schedule_offset", 0)), groups=int(shared.get("quantize_groups", 1)),
+        symmetric=kind == "symmetric", stochastic=rounding == "stochastic",
+        in_forward=bool(shared.get("quantize_weight_in_forward", False)), different_groups=groups)
+
+
+def _pruning(section: dict[str, Any]) -> PruningPlan | None:
+    shared = dict(section.get("shared_parameters") or {})
+    if not shared.get("enabled", False):
+        return None
+    for key in sorted(set(shared) - _PRUNE_SHARED):
+        _report(f"sparse_pruning.shared_parameters.{key}", f"set to {shared[key]!r}")
+    method = shared.get("method", "l1")
+    if method != "l1":
+        _report("sparse_pruning.shared_parameters.method", f"method {method!r} (only l1 is built)")
+        return None
+    groups = _groups("sparse_pruning", section, {"dense_ratio"})
+    for group in groups:
+        if not 0.0 < group.dense_ratio <= 1.0:
+            raise ValueError(f"compression_training.sparse_pruning.different_groups.{group.name}: dense_ratio "
+                             f"{group.dense_ratio}; give the kept fraction in (0, 1]")
+    return PruningPlan(schedule_offset=int(shared.get("schedule_offset", 1000)), different_groups=groups)
+
+
+def resolve_compression(config: dict[str, Any]) -> CompressionPlan:
+    """The plan of a whole DeepSpeed config's `compression_training` section (absent: nothing compressed)."""
+    section = dict(config.get("compression_training") or {})
+    for method in _UNBUILT_METHODS:
+        sub = section.get(method) or {}
+        if sub.get("enabled", False) or (sub.get("shared_parameters") or {}).get("enabled", False):
+            _report(method, "enabled")
+    for method in sorted(set(section) - set(_UNBUILT_METHODS) - {"weight_quantization", "sparse_pruning"}):
+        _report(method, "an unknown compression method")
+    return CompressionPlan(quantization=_quantization(section.get("weight_quantization") or {}),
+                           pruning=_pruning(section.get("sparse_pruning") or {}))
