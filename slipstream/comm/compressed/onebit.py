@@ -31,10 +31,15 @@ __all__ = ["OneBitAllReduce", "Scratch", "compress_rows", "decompress_rows", "pa
 _SCALE_BYTES = 4  # one float32 scale per packed row
 # [Note: packing signs with one multiply] Eight sign bytes (0 or 1) read as one little-endian int64 v: the
 # product v * _GATHER has, in its top byte, byte 0 in bit 7 down to byte 7 in bit 0 (no carries reach it, since
-# every byte is 0 or 1). Unpacking copies the byte into all eight (p * _SPREAD) and keeps bit 7 - k in byte k.
+# every byte is 0 or 1). Unpacking goes through a table instead: see [Note: signs by table].
 _GATHER = 0x8040201008040201 - 2**64  # as a signed int64
-_SPREAD = 0x0101010101010101
-_BIT_OF_BYTE = 0x0102040810204080
+
+
+def _sign_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 8]: the eight signs (+1 / -1, first in the high bit) that each packed byte stands for."""
+    codes = torch.arange(256, dtype=torch.int32, device=device).view(256, 1)
+    shifts = torch.arange(7, -1, -1, dtype=torch.int32, device=device)
+    return torch.bitwise_right_shift(codes, shifts).bitwise_and_(1).to(dtype).mul_(2).sub_(1)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,6 +53,11 @@ class Scratch:
     """Sign bits as bool (padded numel)."""
     words: torch.Tensor
     """int64 words, 8 signs each (padded numel / 8)."""
+    codes: torch.Tensor
+    """The packed bytes as int32 indices into `signs` (padded numel / 8)."""
+    signs: torch.Tensor
+    """[256, 8] +1 / -1 per packed byte (`_sign_table`); `table` is it times one row's scale."""
+    table: torch.Tensor
 
     @staticmethod
     def allocate(numel: int, dtype: torch.dtype, device: torch.device) -> Scratch:
@@ -55,6 +65,9 @@ class Scratch:
             values=torch.empty(numel, dtype=dtype, device=device),
             bits=torch.empty(numel, dtype=torch.bool, device=device),
             words=torch.empty(numel // 8, dtype=torch.int64, device=device),
+            codes=torch.empty(numel // 8, dtype=torch.int32, device=device),
+            signs=_sign_table(dtype, device),
+            table=torch.empty(256, 8, dtype=dtype, device=device),
         )
 
     def shaped(self, rows: int, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,25 +79,29 @@ class Scratch:
             self.words[: count // 8].view(rows, numel // 8),
         )
 
+    def expand(self, packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` [r, 8 m] = scale * sign from `packed` [r, m] sign bytes and `scales` [r, 1]; see [Note: signs
+        by table]."""
+        num_rows, num_bytes = packed.shape
+        codes = self.codes[: num_rows * num_bytes].view(num_rows, num_bytes)
+        codes.copy_(packed)
+        for row in range(num_rows):
+            torch.mul(self.signs, scales[row], out=self.table)
+            torch.index_select(self.table, 0, codes[row], out=out[row].view(num_bytes, 8))
+        return out
+
+
+# [Note: signs by table] A packed byte stands for 8 signs; scale * sign for a whole row is one gather of 8-value
+# rows from a 256-row table (the signs times the row's scale: +scale or -scale, exact), indexed by the bytes. That
+# reads n / 8 bytes and writes n values once, where unpacking to bools and converting them to floats walks the
+# row four times (the bool -> float conversion alone costs more than the gather).
+
 
 def _pack_bits(bits: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> None:
     """[r, n] bool (n a multiple of 8) -> `out` [r, n / 8] uint8, the first of each 8 in the high bit."""
     torch.mul(bits.view(torch.uint8).view(torch.int64), _GATHER, out=words)  # [Note: packing signs with ...]
     words.bitwise_right_shift_(56).bitwise_and_(0xFF)
     out.copy_(words)
-
-
-def _unpack_bits(packed: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> None:
-    """[r, m] uint8 -> `out` [r, 8 m] bool (the inverse of `_pack_bits`)."""
-    words.copy_(packed)
-    words.mul_(_SPREAD).bitwise_and_(_BIT_OF_BYTE)
-    torch.ne(words.view(torch.uint8), 0, out=out)
-
-
-def _signed(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`out` = scale where `bits`, else -scale, per row: 2 s b - s is exact (and faster than torch.where)."""
-    out.copy_(bits)
-    return out.mul_(scales * 2).sub_(scales)
 
 
 def pack_signs(rows: torch.Tensor) -> torch.Tensor:
@@ -96,9 +113,8 @@ def pack_signs(rows: torch.Tensor) -> torch.Tensor:
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[r, m] uint8 -> [r, 8 m] of +1 / -1 in `dtype` (the inverse of `pack_signs` on signs)."""
-    bits = torch.empty(packed.shape[0], packed.shape[1] * 8, dtype=torch.bool, device=packed.device)
-    _unpack_bits(packed, torch.empty(packed.shape, dtype=torch.int64, device=packed.device), bits)
-    return bits.to(dtype).mul_(2).sub_(1)
+    signs = _sign_table(dtype, packed.device)
+    return signs[packed.long()].view(packed.shape[0], packed.shape[1] * 8)
 
 
 def compress_rows(rows: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, scratch: Scratch) -> None:
@@ -108,18 +124,19 @@ def compress_rows(rows: torch.Tensor, error: torch.Tensor, packed: torch.Tensor,
     values, bits, words = scratch.shaped(num_rows, numel)
     scales = torch.linalg.vector_norm(rows, dim=1, keepdim=True).div_(math.sqrt(numel))
     torch.ge(rows, 0, out=bits)
-    torch.sub(rows, _signed(bits, scales, values), out=error)  # rows - scale * sign
     _pack_bits(bits, words, packed[:, : numel // 8])
+    scratch.expand(packed[:, : numel // 8], scales, values)
+    torch.sub(rows, values, out=error)  # rows - scale * sign
     packed[:, numel // 8 :] = scales.to(torch.float32).view(torch.uint8).view(num_rows, _SCALE_BYTES)
 
 
-def decompress_rows(packed: torch.Tensor, scratch: Scratch) -> torch.Tensor:
-    """[r, m + 4] packed rows -> [r, 8 m] values scale * sign (a view of `scratch.values`)."""
+def decompress_rows(packed: torch.Tensor, scratch: Scratch, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[r, m + 4] packed rows -> [r, 8 m] values scale * sign, in `out` (default: a view of `scratch.values`)."""
     num_rows, numel = packed.shape[0], (packed.shape[1] - _SCALE_BYTES) * 8
-    values, bits, words = scratch.shaped(num_rows, numel)
-    scales = packed[:, -_SCALE_BYTES:].contiguous().view(torch.float32).to(values.dtype)  # [r, 1]
-    _unpack_bits(packed[:, :-_SCALE_BYTES], words, bits)
-    return _signed(bits, scales, values)
+    if out is None:
+        out = scratch.shaped(num_rows, numel)[0]
+    scales = packed[:, -_SCALE_BYTES:].contiguous().view(torch.float32).to(out.dtype)  # [r, 1]
+    return scratch.expand(packed[:, :-_SCALE_BYTES], scales, out)
 
 
 class OneBitAllReduce:
@@ -170,9 +187,8 @@ class OneBitAllReduce:
         flat = tensor.view(-1)
         rows, work_rows = self._staging.view(self.world_size, -1), self.worker_error.view(self.world_size, -1)
         # Phase 1: add the worker error, compress every row (the error buffer is the result's output)
-        self._staging[: self.numel].copy_(flat)
-        self._staging[self.numel :].zero_()  # the padding: the last call's values are still there
-        self._staging.add_(self.worker_error)
+        torch.add(flat, self.worker_error[: self.numel], out=self._staging[: self.numel])
+        self._staging[self.numel :].copy_(self.worker_error[self.numel :])  # the padding: zeros + the error
         compress_rows(rows, work_rows, self._sent, self._scratch)
         # Phase 2: row j of every rank to rank j
         collectives.all_to_all(self._received, self._sent, group=self.group)
@@ -184,4 +200,7 @@ class OneBitAllReduce:
         compress_rows(served, self.server_error.view(1, -1), self._served, self._scratch)
         # Phase 4: every server's row to every rank
         collectives.all_gather(self._gathered.view(-1), self._served.view(-1), group=self.group)
-        flat.copy_(decompress_rows(self._gathered, self._scratch).view(-1)[: self.numel])
+        if self.numel == self.padded_numel:  # straight into the tensor, else through the padded scratch
+            decompress_rows(self._gathered, self._scratch, out=flat.view(self.world_size, -1))
+        else:
+            flat.copy_(decompress_rows(self._gathered, self._scratch).view(-1)[: self.numel])

@@ -57,22 +57,24 @@ def check_all_reduce(rank: int, world: int) -> None:
     from slipstream.comm import count_collectives
     from slipstream.comm.compressed import OneBitAllReduce
 
-    numel = 37  # padded to 48 at world 2: 3 bytes of signs and 4 of scale per chunk
-    reduce = OneBitAllReduce(numel, dtype=torch.float32, device=torch.device("cpu"))
-    worker = [torch.zeros(reduce.padded_numel) for _ in range(world)]
-    server = [torch.zeros(reduce.chunk_numel) for _ in range(world)]
-    for call in range(3):
-        values = [torch.randn(numel, generator=torch.Generator().manual_seed(10 * call + r)) for r in range(world)]
-        expected = reference_all_reduce(values, worker, server)
-        mine = values[rank].clone()
-        with count_collectives() as counted:
-            reduce(mine)
-        assert torch.equal(mine, expected), f"call {call}: {mine} != {expected}"
-        assert torch.equal(reduce.worker_error, worker[rank]), f"call {call}: worker error"
-        assert torch.equal(reduce.server_error, server[rank]), f"call {call}: server error"
-        row_bytes = reduce.chunk_numel // 8 + 4
-        assert dict(counted.bytes) == {"all_to_all": world * row_bytes, "all_gather": world * row_bytes}
-        assert reduce.wire_bytes() == 2 * world * row_bytes
+    # 37 is padded to 48 at world 2 (3 bytes of signs and 4 of scale per chunk); 48 needs no padding, and the
+    # result is written straight into the tensor
+    for numel in (37, 48):
+        reduce = OneBitAllReduce(numel, dtype=torch.float32, device=torch.device("cpu"))
+        worker = [torch.zeros(reduce.padded_numel) for _ in range(world)]
+        server = [torch.zeros(reduce.chunk_numel) for _ in range(world)]
+        for call in range(3):
+            values = [torch.randn(numel, generator=torch.Generator().manual_seed(10 * call + r)) for r in range(world)]
+            expected = reference_all_reduce(values, worker, server)
+            mine = values[rank].clone()
+            with count_collectives() as counted:
+                reduce(mine)
+            assert torch.equal(mine, expected), f"{numel} elements, call {call}: {mine} != {expected}"
+            assert torch.equal(reduce.worker_error, worker[rank]), f"{numel} elements, call {call}: worker error"
+            assert torch.equal(reduce.server_error, server[rank]), f"{numel} elements, call {call}: server error"
+            row_bytes = reduce.chunk_numel // 8 + 4
+            assert dict(counted.bytes) == {"all_to_all": world * row_bytes, "all_gather": world * row_bytes}
+            assert reduce.wire_bytes() == 2 * world * row_bytes
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -209,7 +211,10 @@ def check_error_buffers_in_state_dict(rank: int, world: int) -> None:
     original, param = fresh()
     compressed_steps(original, param, rank=rank, steps=4)
     saved = copy.deepcopy(original.state_dict())  # its tensors are the optimizer's own, as torch's are
-    assert saved["onebit_errors"]["world_size"] == world and saved["onebit_errors"]["buffers"]["0.0.worker"].abs().sum() > 0
+    assert (
+        saved["onebit_errors"]["world_size"] == world
+        and saved["onebit_errors"]["buffers"]["0.0.worker"].abs().sum() > 0
+    )
     logged: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
@@ -239,11 +244,11 @@ def check_engine_checkpoint(rank: int, world: int, *, directory: str) -> None:
     errors come back (1-bit Adam exactly: with zeroed errors its next steps differ)."""
     import slipstream
 
-    def engine_for(optimizer: dict):  # noqa: ANN202
+    def engine_for(optimizer: dict):
         config = {"train_micro_batch_size_per_gpu": 4, "optimizer": optimizer}
         return slipstream.initialize(model=TinyMLP(), config=config)[0]
 
-    def steps(engine, first: int, count: int) -> torch.Tensor:  # noqa: ANN001
+    def steps(engine, first: int, count: int) -> torch.Tensor:
         for inputs, targets in batches()[first : first + count]:
             engine.backward(TinyMLP.loss(engine(inputs[4 * rank : 4 * rank + 4]), targets[4 * rank : 4 * rank + 4]))
             engine.step()
@@ -277,5 +282,7 @@ def run_all(rank: int, world: int, directory: str) -> None:
     check_after_warmup(rank, world)
     check_low_precision(rank, world)
     check_engine_checkpoint(rank, world, directory=directory)
+
+
 def test_onebit_all_reduce_and_optimizers(tmp_path: Path) -> None:
     run_distributed(run_all, world_size=2, timeout_s=240, directory=str(tmp_path))

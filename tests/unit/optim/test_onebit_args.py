@@ -7,6 +7,7 @@ import torch
 
 import slipstream
 from slipstream.comm.compressed import pack_signs, unpack_signs
+from slipstream.comm.compressed.onebit import Scratch, compress_rows, decompress_rows
 from slipstream.optim.onebit import OneBitAdam, ZeroOneAdam
 from tests.harness.models import TinyMLP
 
@@ -16,6 +17,25 @@ def test_signs_pack_eight_to_a_byte_first_in_the_high_bit() -> None:
     packed = pack_signs(rows)
     assert packed.dtype == torch.uint8 and packed.tolist() == [[0b10101101], [0b00000001]]  # 0 and -0 count as +
     assert torch.equal(unpack_signs(packed), torch.where(rows >= 0, 1.0, -1.0))
+
+
+def test_every_byte_unpacks_to_its_bits() -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(256, 1)
+    bits = [[(code >> (7 - k)) & 1 for k in range(8)] for code in range(256)]
+    assert torch.equal(unpack_signs(codes), torch.tensor(bits, dtype=torch.float32) * 2 - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compressed_rows_are_scale_times_sign_and_the_error_is_the_rest(dtype: torch.dtype) -> None:
+    rows = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    rows[0, :3] = torch.tensor([0.0, -0.0, -1.0])
+    scratch = Scratch.allocate(rows.numel(), dtype, rows.device)
+    packed, error = torch.empty(3, 64 // 8 + 4, dtype=torch.uint8), torch.empty_like(rows)
+    compress_rows(rows, error, packed, scratch)
+    scales = (torch.linalg.vector_norm(rows, dim=1, keepdim=True) / 8).to(dtype)
+    expected = scales * torch.where(rows >= 0, 1.0, -1.0).to(dtype)
+    assert torch.equal(decompress_rows(packed, scratch), expected)
+    assert torch.equal(error, rows - expected)
 
 
 @pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
@@ -31,8 +51,11 @@ def test_arguments_are_checked_by_name(cls: type) -> None:
 
 @pytest.mark.parametrize("kind", ["OneBitAdam", "ZeroOneAdam"])
 def test_sharded_zero_stages_refuse_them_by_name(kind: str) -> None:
-    config = {"train_batch_size": 4, "optimizer": {"type": kind, "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 1}}
+    config = {
+        "train_batch_size": 4,
+        "optimizer": {"type": kind, "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1},
+    }
     with pytest.raises(ValueError, match=f"{kind} communicates its own gradients.*zero_optimization.stage to 0"):
         slipstream.initialize(model=TinyMLP(), config=config)
 
