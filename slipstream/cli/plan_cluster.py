@@ -13,22 +13,41 @@ import sys
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cluster (--cluster: communication and step time per ZeRO variant)")
     group.add_argument("--cluster", action="store_true", help="model communication and step time instead of memory")
-    group.add_argument("--compare", action="store_true", help="with --cluster: every ZeRO/ZeRO++/MiCS variant side by side")
-    group.add_argument("--intra-bandwidth", "--intra_bandwidth", dest="intra_bandwidth", default=None,
-                       help="what one GPU sends inside its node, e.g. 900GB/s (bytes) or 7200Gb/s (bits)")
-    group.add_argument("--inter-bandwidth", "--inter_bandwidth", dest="inter_bandwidth", default=None,
-                       help="what one node sends to the others (all its NICs), e.g. 400Gb/s or 50GB/s")
-    group.add_argument("--flops", default=None, help="peak FLOP/s of one GPU in the training dtype, e.g. 990e12 or 990T")
+    group.add_argument(
+        "--compare", action="store_true", help="with --cluster: every ZeRO/ZeRO++/MiCS variant side by side"
+    )
+    group.add_argument(
+        "--intra-bandwidth",
+        "--intra_bandwidth",
+        dest="intra_bandwidth",
+        default=None,
+        help="what one GPU sends inside its node, e.g. 900GB/s (bytes) or 7200Gb/s (bits)",
+    )
+    group.add_argument(
+        "--inter-bandwidth",
+        "--inter_bandwidth",
+        dest="inter_bandwidth",
+        default=None,
+        help="what one node sends to the others (all its NICs), e.g. 400Gb/s or 50GB/s",
+    )
+    group.add_argument(
+        "--flops", default=None, help="peak FLOP/s of one GPU in the training dtype, e.g. 990e12 or 990T"
+    )
     group.add_argument("--mfu", type=float, default=0.5, help="share of --flops the compute reaches (default 0.5)")
 
 
 def run(args: argparse.Namespace, config: str | None) -> int:
     from slipstream.config import ConfigError
 
-    missing = [f"--{k.replace('_', '-')}" for k in ("intra_bandwidth", "inter_bandwidth", "flops") if not getattr(args, k)]
+    missing = [
+        f"--{k.replace('_', '-')}" for k in ("intra_bandwidth", "inter_bandwidth", "flops") if not getattr(args, k)
+    ]
     if missing or args.seq is None:
-        print(f"slipstream plan --cluster: error: give {', '.join(missing + ['--seq'] * (args.seq is None))} "
-              "(e.g. --intra-bandwidth 900GB/s --inter-bandwidth 400Gb/s --flops 990e12 --seq 4096)", file=sys.stderr)
+        print(
+            f"slipstream plan --cluster: error: give {', '.join(missing + ['--seq'] * (args.seq is None))} "
+            "(e.g. --intra-bandwidth 900GB/s --inter-bandwidth 400Gb/s --flops 990e12 --seq 4096)",
+            file=sys.stderr,
+        )
         return 2
     try:
         text = _plan_text(args, config)
@@ -44,10 +63,14 @@ def _plan_text(args: argparse.Namespace, config: str | None) -> str:
     from slipstream.planner.comm_model import Variant, compare_variants
     from slipstream.planner.comm_report import cluster_json, format_cluster_plan, model_steps
 
-    cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                      intra_bandwidth=parse_bandwidth(args.intra_bandwidth, name="--intra-bandwidth"),
-                      inter_bandwidth=parse_bandwidth(args.inter_bandwidth, name="--inter-bandwidth"),
-                      flops=parse_flops(args.flops, name="--flops"), mfu=args.mfu)
+    cluster = Cluster(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        intra_bandwidth=parse_bandwidth(args.intra_bandwidth, name="--intra-bandwidth"),
+        inter_bandwidth=parse_bandwidth(args.inter_bandwidth, name="--inter-bandwidth"),
+        flops=parse_flops(args.flops, name="--flops"),
+        mfu=args.mfu,
+    )
     numel = _numel(args)
     bytes_, micro, micro_steps, variant = _from_config(config, cluster.world, args.dtype)
     if args.compare:
@@ -55,8 +78,15 @@ def _plan_text(args: argparse.Namespace, config: str | None) -> str:
     else:
         variants = [variant or Variant(name="zero3", stage=3)]
     tokens = args.seq * (args.micro_batch or micro) * micro_steps
-    models = model_steps(variants, numel=numel, tokens_per_gpu=tokens, micro_steps=micro_steps, cluster=cluster,
-                         param_bytes=bytes_, grad_bytes=bytes_)
+    models = model_steps(
+        variants,
+        numel=numel,
+        tokens_per_gpu=tokens,
+        micro_steps=micro_steps,
+        cluster=cluster,
+        param_bytes=bytes_,
+        grad_bytes=bytes_,
+    )
     if args.json:
         return cluster_json(models, cluster=cluster, numel=numel, tokens_per_gpu=tokens)
     return format_cluster_plan(models, cluster=cluster, numel=numel, tokens_per_gpu=tokens, compare=args.compare)
@@ -87,5 +117,9 @@ def _from_config(config: str | None, world: int, dtype: str):  # type: ignore[no
     raw = load_config(config)
     plan = resolve(raw, world_size=world)
     zero = raw.get("zero_optimization", {}) or {}
-    return (DTYPE_BYTES[plan.precision.param_dtype], plan.batch.micro_batch_size,
-            plan.batch.gradient_accumulation_steps, variant_from_config(zero))
+    return (
+        DTYPE_BYTES[plan.precision.param_dtype],
+        plan.batch.micro_batch_size,
+        plan.batch.gradient_accumulation_steps,
+        variant_from_config(zero),
+    )

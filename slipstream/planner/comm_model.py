@@ -94,7 +94,9 @@ def group_of(size: int, cluster: Cluster, what: str) -> tuple[int, int]:
     )
 
 
-def hierarchical(op: str, buffer: float, group: tuple[int, int], *, inter_buffer: float | None = None) -> tuple[float, float]:
+def hierarchical(
+    op: str, buffer: float, group: tuple[int, int], *, inter_buffer: float | None = None
+) -> tuple[float, float]:
     """(intra, inter) bytes one rank sends for `op` over `buffer` on `group`; `inter_buffer`: the buffer's size in
     the inter-node phase when it travels in another format there (qgZ)."""
     a, b = group
@@ -104,16 +106,25 @@ def hierarchical(op: str, buffer: float, group: tuple[int, int], *, inter_buffer
     return factor * intra, factor * inter
 
 
-def _transfer(what: str, phase: str, op: str, buffer: float, group: tuple[int, int], cluster: Cluster,
-              *, inter_buffer: float | None = None, per_micro: bool = True) -> Transfer:
+def _transfer(
+    what: str,
+    phase: str,
+    op: str,
+    buffer: float,
+    group: tuple[int, int],
+    cluster: Cluster,
+    *,
+    inter_buffer: float | None = None,
+    per_micro: bool = True,
+) -> Transfer:
     intra, inter = hierarchical(op, buffer, group, inter_buffer=inter_buffer)
     seconds = intra / cluster.intra_bandwidth + inter / cluster.inter_per_gpu
-    return Transfer(what=what, phase=phase, op=op, buffer=buffer, intra=intra, inter=inter, seconds=seconds,
-                    per_micro=per_micro)
+    return Transfer(
+        what=what, phase=phase, op=op, buffer=buffer, intra=intra, inter=inter, seconds=seconds, per_micro=per_micro
+    )
 
 
-def transfers(variant: Variant, *, numel: float, param_bytes: int, grad_bytes: int,
-              cluster: Cluster) -> list[Transfer]:
+def transfers(variant: Variant, *, numel: float, param_bytes: int, grad_bytes: int, cluster: Cluster) -> list[Transfer]:
     """The collectives of one optimizer step of `variant` for `numel` parameters."""
     world = (cluster.gpus_per_node, cluster.nodes)
     params, grads = numel * param_bytes, numel * grad_bytes
@@ -132,20 +143,38 @@ def transfers(variant: Variant, *, numel: float, param_bytes: int, grad_bytes: i
         _transfer("parameters", "backward", "all_gather", gathered, backward, cluster),
     ]
     if variant.qgz:
-        out.append(_transfer("gradients", "backward", "reduce_scatter", quantized_bytes(numel, 4), shard, cluster,
-                             inter_buffer=quantized_bytes(numel, 8)))
+        out.append(
+            _transfer(
+                "gradients",
+                "backward",
+                "reduce_scatter",
+                quantized_bytes(numel, 4),
+                shard,
+                cluster,
+                inter_buffer=quantized_bytes(numel, 8),
+            )
+        )
     else:
         out.append(_transfer("gradients", "backward", "reduce_scatter", grads, shard, cluster))
     if variant.mics:
         size = shard[0] * shard[1]
         replicas = (cluster.gpus_per_node // shard[0], cluster.nodes // shard[1])
-        out.append(_transfer("gradient shards", "backward", "all_reduce", grads / size, replicas, cluster,
-                             per_micro=False))
+        out.append(
+            _transfer("gradient shards", "backward", "all_reduce", grads / size, replicas, cluster, per_micro=False)
+        )
     return out
 
 
-def step_model(variant: Variant, *, numel: float, tokens_per_gpu: float, micro_steps: int, cluster: Cluster,
-               param_bytes: int = 2, grad_bytes: int = 2) -> StepModel:
+def step_model(
+    variant: Variant,
+    *,
+    numel: float,
+    tokens_per_gpu: float,
+    micro_steps: int,
+    cluster: Cluster,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+) -> StepModel:
     """Time of one optimizer step of `micro_steps` micro steps of `tokens_per_gpu / micro_steps` tokens each."""
     moves = transfers(variant, numel=numel, param_bytes=param_bytes, grad_bytes=grad_bytes, cluster=cluster)
     compute = 6 * numel * tokens_per_gpu / (cluster.flops * cluster.mfu)
@@ -159,8 +188,16 @@ def step_model(variant: Variant, *, numel: float, tokens_per_gpu: float, micro_s
     comm += sum(t.seconds for t in moves if t.phase == "step")
     step = compute + comm - hidden
     secondary = numel * param_bytes / variant.hpz if variant.hpz > 1 else 0.0
-    return StepModel(variant=variant, transfers=tuple(moves), compute=compute, comm=comm, hidden=hidden,
-                     step=step, mfu=6 * numel * tokens_per_gpu / (step * cluster.flops), extra_memory=secondary)
+    return StepModel(
+        variant=variant,
+        transfers=tuple(moves),
+        compute=compute,
+        comm=comm,
+        hidden=hidden,
+        step=step,
+        mfu=6 * numel * tokens_per_gpu / (step * cluster.flops),
+        extra_memory=secondary,
+    )
 
 
 def variant_from_config(zero: Mapping[str, object], *, name: str = "config") -> Variant:

@@ -24,8 +24,9 @@ def counted_step(rank: int, world: int, *, stage: int, qwz: bool) -> dict:
     model = TinyMLP(hidden=300)
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": qwz}
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": zero}
-    engine, *_ = slipstream.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                       config=config)
+    engine, *_ = slipstream.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=config
+    )
     x, y = TinyMLP(hidden=300).make_batch(seed=rank, batch_size=4)
     phases = {}
     with count_collectives() as phases["forward"]:

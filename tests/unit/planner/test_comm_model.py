@@ -45,8 +45,11 @@ def test_stage2_reduces_gradients_and_gathers_parameters_after_the_step() -> Non
 
 def test_stage3_gathers_twice_and_reduce_scatters() -> None:
     moves = _by(Variant(name="z3", stage=3))
-    assert moves == {("forward", "all_gather"): (2e9, 1.5e9, 2.5e8), ("backward", "all_gather"): (2e9, 1.5e9, 2.5e8),
-                     ("backward", "reduce_scatter"): (2e9, 1.5e9, 2.5e8)}
+    assert moves == {
+        ("forward", "all_gather"): (2e9, 1.5e9, 2.5e8),
+        ("backward", "all_gather"): (2e9, 1.5e9, 2.5e8),
+        ("backward", "reduce_scatter"): (2e9, 1.5e9, 2.5e8),
+    }
 
 
 def test_zero_plus_plus_quantizes_weights_and_gradients_and_keeps_the_backward_gather_in_the_node() -> None:
@@ -89,8 +92,10 @@ def test_gradient_accumulation_repeats_the_micro_step_collectives() -> None:
     one = step_model(Variant(name="z3", stage=3), numel=N, tokens_per_gpu=10, micro_steps=1, cluster=CLUSTER)
     four = step_model(Variant(name="z3", stage=3), numel=N, tokens_per_gpu=40, micro_steps=4, cluster=CLUSTER)
     assert four.comm == pytest.approx(4 * one.comm)
-    z1 = [step_model(Variant(name="z1", stage=1), numel=N, tokens_per_gpu=10 * k, micro_steps=k, cluster=CLUSTER)
-          for k in (1, 4)]
+    z1 = [
+        step_model(Variant(name="z1", stage=1), numel=N, tokens_per_gpu=10 * k, micro_steps=k, cluster=CLUSTER)
+        for k in (1, 4)
+    ]
     assert z1[1].comm == pytest.approx(z1[0].comm)  # stage 1 reduces once per step
 
 
@@ -107,8 +112,13 @@ def test_units_parse_and_bad_ones_say_how_to_write_them() -> None:
 
 
 def test_config_keys_choose_the_variant() -> None:
-    zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
-            "zero_hpz_partition_size": 8, "mics_shard_size": -1}
+    zero = {
+        "stage": 3,
+        "zero_quantized_weights": True,
+        "zero_quantized_gradients": True,
+        "zero_hpz_partition_size": 8,
+        "mics_shard_size": -1,
+    }
     assert variant_from_config(zero) == Variant(name="config", stage=3, qwz=True, qgz=True, hpz=8, mics=0)
     assert variant_from_config({"stage": 3, "mics_shard_size": 4}).mics == 4
 
