@@ -162,7 +162,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "set_custom_curriculum_learning_schedule": "curriculum learning (data_efficiency) is not implemented",
     "set_data_post_process_func": "data efficiency pipelines are not implemented",
     "random_ltd_initialize": "random layer-token drop is not implemented",
-    "get_pld_theta": "progressive layer drop is not implemented",
     "quantize_training": "quantization-aware training is not implemented",
     "active_timers": "DeepSpeed's engine timers are not implemented; see wall_clock_breakdown",
     "print_forward_breakdown": "DeepSpeed's engine timers are not implemented; see wall_clock_breakdown",
@@ -204,6 +203,8 @@ class DeepSpeedEngineMethods(CompiledEngine, EngineAttributes):
     global_rank: int
     world_size: int
     parallel: Any
+    global_steps: int
+    _forward_schedules: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -222,6 +223,11 @@ class DeepSpeedEngineMethods(CompiledEngine, EngineAttributes):
             except AttributeError:
                 pass
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}' (nor has its module)")
+
+    def get_pld_theta(self) -> float | None:
+        """Progressive layer drop's keep probability for the next forward; None when it is off."""
+        layer_drop = self._forward_schedules.layer_drop
+        return None if layer_drop is None else layer_drop.theta_for_step(self.global_steps)
 
     # ---- checks on the config that DeepSpeed computes ----
     def zero_cpu_offload(self) -> bool:

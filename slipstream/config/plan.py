@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from slipstream.config.data_plans import SchedulesPlan
 from slipstream.config.precision_plans import AutocastPlan
 
 if TYPE_CHECKING:
@@ -452,5 +453,6 @@ class EnginePlan:
     parallel: ParallelPlan
     """Tensor and sequence parallelism."""
     autotuning: AutotuningPlan
+    schedules: SchedulesPlan
     resolved: dict[str, Any]
     """The full resolved config as plain JSON data, defaults and "auto" filled in (what rank 0 logs)."""

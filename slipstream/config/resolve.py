@@ -34,6 +34,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from slipstream.config.batch import apply_elasticity, batch_plan, mark_elastic
+from slipstream.config.data_plans import schedules_plan
 from slipstream.config.errors import ConfigError, pydantic_problems
 from slipstream.config.keys import BATCH_KEYS, KeyWalk, unimplemented_keys
 from slipstream.config.optimizer_plans import optimizer_plan, scheduler_plan
@@ -101,7 +102,7 @@ def resolve(
     precision = precision_plan(cfg, problems)
     zero = zero_plan(cfg, aio_plan(cfg.aio), problems, grad_accum_dtype=precision.grad_accum_dtype)
     optimizer, unimplemented = optimizer_plan(cfg, problems), unimplemented_keys(cfg)
-    scheduler = scheduler_plan(cfg, problems)
+    scheduler, schedules = scheduler_plan(cfg, problems), schedules_plan(cfg, problems, unimplemented)
     if problems or batch is None:
         raise ConfigError(problems)
     if optimizer is not None and optimizer.name.lower() in DEEPSPEED_ONLY:
@@ -122,6 +123,7 @@ def resolve(
         pipeline=pipeline_plan(cfg),
         compile=CompilePlan(deepcompile=cfg.compile.deepcompile),
         autotuning=autotuning_plan(cfg),
+        schedules=schedules,
         collective_timeout=cfg.collective_timeout,
         parallel=parallel,
         hybrid_generate=cfg.hybrid_engine.enabled,

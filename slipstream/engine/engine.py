@@ -32,6 +32,7 @@ from slipstream.compat.engine_getters import EngineGetters
 from slipstream.compat.engine_methods import DeepSpeedEngineMethods
 from slipstream.config import notices
 from slipstream.config.plan import EnginePlan
+from slipstream.data.forward_kwargs import ForwardSchedules
 from slipstream.engine import builders
 from slipstream.engine.model_saving import ModelSaving
 from slipstream.engine.monitor import StepFigures, step_events
@@ -167,6 +168,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         self.monitors = make_monitors(plan.logging.monitor) if self.global_rank == 0 else []
         comms = plan.logging.comms_log
         self._step_profiler = step_profiler(plan, self.module, rank=self.global_rank)
+        self._forward_schedules = ForwardSchedules(plan.schedules)  # curriculum_seqlen, pld_theta (data/)
         self._comms_log = None if comms is None else CommsLog(comms, rank=self.global_rank)
         self._step_observers = step_observers(self._step_profiler, plan, self.module, rank=self.global_rank)
         self._progress = (
@@ -221,6 +223,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         dtype = DTYPES[self.plan.precision.param_dtype]
         if dtype != torch.float32:
             inputs, kwargs = builders.cast_floating((inputs, kwargs), dtype)
+        kwargs = self._forward_schedules.add_to(kwargs, training=self.module.training, global_steps=self.global_steps)
         with builders.autocast_region(self.plan).region():  # the config's torch.autocast, if it has one
             if self._step_profiler is None:
                 output = self.module(*inputs, **kwargs)

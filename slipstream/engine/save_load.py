@@ -73,6 +73,7 @@ class SaveLoad:
     _param_names: dict[int, str]
     parallel: Any
     _held_elsewhere: frozenset[str]
+    _forward_schedules: Any
 
     def _resident(self) -> Any:
         """Masters and optimizer states in memory (NVMe offload swaps them out between steps)."""
@@ -140,6 +141,7 @@ class SaveLoad:
             if self.loss_scaler is not None
             else None,
             "client_state": values,
+            "forward_schedules": self._forward_schedules.state_dict(),
             "config": to_json(self.config, "config"),
             "shared_params": shared_parameter_names(self.module),
         }
@@ -250,6 +252,7 @@ class SaveLoad:
             self.lr_scheduler.load_state_dict(state)
         if scalars.get("loss_scaler") and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(scalars["loss_scaler"])
+        self._forward_schedules.load_state_dict(scalars.get("forward_schedules") or {})
 
 
 def _micro_batches(count: int, adjective: str = "") -> str:

@@ -205,6 +205,13 @@ def test_compile_wraps_the_model_and_knows_no_engine() -> None:
     assert not bad, f"compile/ compiles the model's blocks around ZeRO's hooks; the engine calls it: {bad}"
 
 
+def test_data_schedules_sit_on_config_and_only_the_engine_uses_them() -> None:
+    graph = _imports()
+    bad = _violations(graph, "data", {"config"} | LEAF_HELPERS)
+    bad += _outside_users(graph, "data", {"engine", "api", "compat", "<root>"})
+    assert not bad, f"data/ turns its plan into per-step forward arguments; the engine calls it: {bad}"
+
+
 def test_no_module_imports_itself_through_others() -> None:
     cycle = _cycle(_imports())
     assert not cycle, (

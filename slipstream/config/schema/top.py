@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, aliased
+from slipstream.config.schema.data import CurriculumLearningConfig, ProgressiveLayerDropConfig
 from slipstream.config.schema.inference import HybridEngineConfig
 from slipstream.config.schema.misc import (
     ActivationCheckpointingConfig,
@@ -180,7 +181,7 @@ class DeepSpeedConfig(DSModel):
     """Pipeline parallelism."""
     sparse_attention: FreeForm = None
     """Sparse attention (keys as DeepSpeed documents them)."""
-    progressive_layer_drop: EnabledSection = Field(default_factory=EnabledSection)
+    progressive_layer_drop: ProgressiveLayerDropConfig = Field(default_factory=ProgressiveLayerDropConfig)
     """Progressive layer drop."""
     eigenvalue: EnabledSection = Field(default_factory=EnabledSection)
     """Eigenvalue computation."""
@@ -188,7 +189,7 @@ class DeepSpeedConfig(DSModel):
     """Quantization-aware training (MoQ)."""
     compression_training: FreeForm = None
     """Compression library settings."""
-    curriculum_learning: EnabledSection = Field(default_factory=EnabledSection)
+    curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
     """Legacy curriculum learning."""
     data_efficiency: EnabledSection = Field(default_factory=EnabledSection)
     """Data efficiency library (sampling, routing)."""

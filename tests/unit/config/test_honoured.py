@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import sys
 import types
 import typing
 from pathlib import Path
@@ -61,7 +62,7 @@ def _field_type(owner: type, name: str) -> type | None:
     """The class of field `name` of dataclass `owner` (Optional unwrapped; offload targets as NvmeTarget)."""
     if isinstance(owner, type) and issubclass(owner, OffloadTarget):
         owner = NvmeTarget
-    hints = typing.get_type_hints(owner, vars(plan_module))
+    hints = typing.get_type_hints(owner, {**vars(plan_module), **vars(sys.modules[owner.__module__])})
     if name not in hints:
         return None
     hint = hints[name]
