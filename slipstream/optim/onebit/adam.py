@@ -73,5 +73,5 @@ class OneBitAdam(OneBitBase):
                     self.compressed_mean(p, exp_avg)
                 else:
                     exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
-                p.sub_(adam_update(p, exp_avg, exp_avg_sq, group), alpha=group["lr"])
+                p.sub_(adam_update(p, exp_avg, exp_avg_sq, group, self.work_buffer(p)), alpha=group["lr"])
         return loss

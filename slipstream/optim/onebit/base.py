@@ -38,9 +38,10 @@ def adam_defaults(
     }
 
 
-def adam_update(p: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, group: dict[str, Any]) -> Tensor:
-    """DeepSpeed's 1-bit Adam update (no bias correction): m / (sqrt(v) + eps), plus weight_decay * p."""
-    update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
+def adam_update(p: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, group: dict[str, Any], out: Tensor) -> Tensor:
+    """DeepSpeed's 1-bit Adam update (no bias correction): m / (sqrt(v) + eps), plus weight_decay * p, in `out`
+    (shaped like `p`; the optimizer's `work_buffer(p)`)."""
+    update = torch.div(exp_avg, torch.sqrt(exp_avg_sq, out=out).add_(group["eps"]), out=out)
     if group["weight_decay"] > 0.0:
         update.add_(p, alpha=group["weight_decay"])
     return update
@@ -73,6 +74,17 @@ class OneBitBase(torch.optim.Optimizer):
         self._all_reduces: dict[Tensor, OneBitAllReduce] = {}
         self._loaded_errors: dict[Tensor, tuple[Tensor, Tensor]] = {}
         """Errors from load_state_dict, copied into each parameter's all-reduce when it is built."""
+        self._work: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    def work_buffer(self, p: Tensor) -> Tensor:
+        """A scratch tensor shaped like `p`, a view of one buffer per dtype and device that fits the largest
+        parameter (allocated at the first step, reused by every parameter's update)."""
+        key = (p.dtype, p.device)
+        buffer = self._work.get(key)
+        if buffer is None or buffer.numel() < p.numel():
+            largest = max(q.numel() for group in self.param_groups for q in group["params"] if q.dtype == p.dtype)
+            buffer = self._work[key] = torch.empty(largest, dtype=p.dtype, device=p.device)
+        return buffer[: p.numel()].view_as(p)
 
     # ---- the ZeRO-0 optimizer's questions ----
     def takes_over_reduction(self, group: dist.ProcessGroup | None) -> bool:

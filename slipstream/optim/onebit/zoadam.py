@@ -121,7 +121,7 @@ class ZeroOneAdam(OneBitBase):
         else:
             self.compressed_mean(p, grad)
             exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-        p.sub_(adam_update(p, exp_avg, exp_avg_sq, group), alpha=group["lr"])
+        p.sub_(adam_update(p, exp_avg, exp_avg_sq, group, self.work_buffer(p)), alpha=group["lr"])
 
     def _local_step(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         beta1 = group["betas"][0]
@@ -129,16 +129,16 @@ class ZeroOneAdam(OneBitBase):
         assert p.grad is not None
         exp_avg.mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
         state["lrs"] += group["lr"]
-        move = adam_update(p, exp_avg, exp_avg_sq, group).mul_(-group["lr"])
+        move = adam_update(p, exp_avg, exp_avg_sq, group, self.work_buffer(p)).mul_(-group["lr"])
         p.add_(move)
         accumulated.add_(move)
         if state["step"] % state["local_step_interval"] == 0:
-            denom = exp_avg_sq.sqrt().add_(group["eps"])
+            denom = torch.sqrt(exp_avg_sq, out=move).add_(group["eps"])
             p.sub_(accumulated)
             accumulated.mul_(denom)
             self.compressed_mean(p, accumulated)
             exp_avg.copy_(accumulated).div_(-state["lrs"])
-            p.add_(accumulated / denom)
+            p.add_(torch.div(accumulated, denom, out=denom))
             accumulated.zero_()
             state["lrs"].zero_()
         state["local_step_counter"] += 1
