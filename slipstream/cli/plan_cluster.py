@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slipstream.planner.comm_model import Variant
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +108,7 @@ def _numel(args: argparse.Namespace) -> float:
     return float(model_shape(params=None, model=args.model, hf_config=args.hf_config, dims=dims).total)
 
 
-def _from_config(config: str | None, world: int, dtype: str):  # type: ignore[no-untyped-def]
+def _from_config(config: str | None, world: int, dtype: str) -> tuple[int, int, int, Variant | None]:
     """(bytes per element on the wire, micro batch, micro steps, the config's Variant or None). Gradients travel
     in the parameter dtype, as DeepSpeed's default communication_data_type has them."""
     from slipstream.planner.comm_model import variant_from_config
