@@ -27,6 +27,7 @@ _LAZY_SUBMODULES = (
     "parallel",
     "sequence",
     "checkpointing",
+    "compression",
     "pipe",
     "profiling",
     "moe",

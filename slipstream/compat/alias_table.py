@@ -42,6 +42,7 @@ ALIASES: dict[str, str] = {
     "slipstream.monitor.monitor": "slipstream.compat.monitor_master",
     "slipstream.launcher.constants": "slipstream.compat.launcher_constants",
     "slipstream.env_report": "slipstream.report",
+    "slipstream.compression.scheduler": "slipstream.compression.compress",  # compression_scheduler
     "slipstream.inference.config": "slipstream.config.schema.inference",  # DeepSpeedInferenceConfig
 }
 """DeepSpeed-style path -> the module whose source it runs."""

@@ -212,6 +212,13 @@ def test_data_schedules_sit_on_config_and_only_the_engine_uses_them() -> None:
     assert not bad, f"data/ turns its plan into per-step forward arguments; the engine calls it: {bad}"
 
 
+def test_compression_sits_on_config_and_only_user_facing_code_uses_it() -> None:
+    graph = _imports()
+    bad = _violations(graph, "compression", {"config"} | LEAF_HELPERS)
+    bad += _outside_users(graph, "compression", {"api", "compat", "<root>"})
+    assert not bad, f"compression/ rewrites a user's nn.Linear modules from its own config section: {bad}"
+
+
 def test_no_module_imports_itself_through_others() -> None:
     cycle = _cycle(_imports())
     assert not cycle, (

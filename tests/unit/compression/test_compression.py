@@ -145,3 +145,13 @@ def test_unbuilt_keys_are_reported_by_name() -> None:
 def test_bad_bits_name_the_group() -> None:
     with pytest.raises(ValueError, match="wq1.*target_bits 2"):
         init_compression(_Named(), _config(start=8, target=2))
+
+
+def test_deepspeed_paths_reach_the_compression_api() -> None:
+    import importlib
+
+    import slipstream as deepspeed
+
+    assert deepspeed.compression.compress.init_compression is init_compression
+    assert deepspeed.compression.compress.redundancy_clean is redundancy_clean
+    assert importlib.import_module("slipstream.compression.scheduler").compression_scheduler is compression_scheduler
