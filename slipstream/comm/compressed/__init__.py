@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from slipstream.comm.compressed.onebit import OneBitAllReduce, pack_signs, unpack_signs
+from slipstream.comm.compressed.onebit import OneBitAllReduce, Scratch, pack_signs, padded_numel, unpack_signs
 
-__all__ = ["OneBitAllReduce", "pack_signs", "unpack_signs"]
+__all__ = ["OneBitAllReduce", "Scratch", "pack_signs", "padded_numel", "unpack_signs"]

@@ -12,8 +12,9 @@ One call runs in phases:
              server_error = y - its compressed value.
     Phase 4: one all-gather of the servers' packed rows; every rank decompresses the whole tensor.
 Every rank ends with the same values. The errors carry what compression dropped into the next call, so over
-many calls the sum of what was sent follows the sum of the true means. The padded staging buffer, both error
-buffers and both packed buffers are allocated once, at construction, and reused by every call.
+many calls the sum of what was sent follows the sum of the true means. Both error buffers and the packed
+buffers are allocated once, at construction, and reused by every call; the work buffers (Scratch) can be shared
+by every all-reduce of a dtype and device.
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ import torch.distributed as dist
 
 from slipstream.comm import collectives
 
-__all__ = ["OneBitAllReduce", "Scratch", "compress_rows", "decompress_rows", "pack_signs", "unpack_signs"]
+__all__ = [
+    "OneBitAllReduce",
+    "Scratch",
+    "compress_rows",
+    "decompress_rows",
+    "pack_signs",
+    "padded_numel",
+    "unpack_signs",
+]
 
 _SCALE_BYTES = 4  # one float32 scale per packed row
 # [Note: packing signs with one multiply] Eight sign bytes (0 or 1) read as one little-endian int64 v: the
@@ -44,8 +53,12 @@ def _sign_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Scratch:
-    """Work buffers of one compressed all-reduce, allocated once (a fresh 200 MB temporary per call costs more in
-    page faults than the arithmetic); views of them serve both the worker's rows and the server's one row."""
+    """Work buffers of the compressed all-reduces, allocated once (a fresh 200 MB temporary per call costs more in
+    page faults than the arithmetic); views of them serve both the worker's rows and the server's one row, and one
+    Scratch serves every all-reduce of its dtype and device that fits it (their calls never overlap)."""
+
+    staging: torch.Tensor
+    """The padded tensor plus its worker error, the rows the worker compresses (padded numel)."""
 
     values: torch.Tensor
     """Decompressed values, scale * sign, in the tensor's dtype (padded numel)."""
@@ -62,6 +75,7 @@ class Scratch:
     @staticmethod
     def allocate(numel: int, dtype: torch.dtype, device: torch.device) -> Scratch:
         return Scratch(
+            staging=torch.empty(numel, dtype=dtype, device=device),
             values=torch.empty(numel, dtype=dtype, device=device),
             bits=torch.empty(numel, dtype=torch.bool, device=device),
             words=torch.empty(numel // 8, dtype=torch.int64, device=device),
@@ -95,6 +109,12 @@ class Scratch:
 # rows from a 256-row table (the signs times the row's scale: +scale or -scale, exact), indexed by the bytes. That
 # reads n / 8 bytes and writes n values once, where unpacking to bools and converting them to floats walks the
 # row four times (the bool -> float conversion alone costs more than the gather).
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """`numel` rounded up to a multiple of 8 * `world_size`: whole bytes of signs in every rank's chunk."""
+    quantum = 8 * world_size
+    return -(-numel // quantum) * quantum
 
 
 def _pack_bits(bits: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> None:
@@ -144,17 +164,21 @@ class OneBitAllReduce:
     per tensor, holding that tensor's worker and server errors (see [Note: 1-bit compression])."""
 
     def __init__(
-        self, numel: int, *, dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup | None = None
+        self,
+        numel: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        scratch: Scratch | None = None,
     ) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.numel = numel
-        quantum = 8 * self.world_size
-        self.padded_numel = -(-numel // quantum) * quantum
+        self.padded_numel = padded_numel(numel, self.world_size)
         self.chunk_numel = self.padded_numel // self.world_size
         row_bytes = self.chunk_numel // 8 + _SCALE_BYTES
-        self._staging = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         self.worker_error = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         """This rank's compression error of its whole (padded) tensor, carried into the next call."""
         self.server_error = torch.zeros(self.chunk_numel, dtype=dtype, device=device)
@@ -164,7 +188,20 @@ class OneBitAllReduce:
         self._served = torch.empty(1, row_bytes, dtype=torch.uint8, device=device)
         self._gathered = torch.empty_like(self._sent)
         self._served_values = torch.empty(1, self.chunk_numel, dtype=dtype, device=device)
-        self._scratch = Scratch.allocate(self.padded_numel, dtype, device)
+        if scratch is None:
+            scratch = Scratch.allocate(self.padded_numel, dtype, device)
+        elif (
+            scratch.values.dtype != dtype
+            or scratch.values.device != device
+            or scratch.values.numel() < self.padded_numel
+        ):
+            raise ValueError(
+                f"OneBitAllReduce of {numel} elements ({dtype} on {device}, padded to {self.padded_numel}) was "
+                f"given a Scratch of {scratch.values.numel()} {scratch.values.dtype} on {scratch.values.device}; "
+                "allocate it with Scratch.allocate(padded_numel(largest numel, world size), dtype, device)"
+            )
+        self._scratch = scratch
+        self._staging = scratch.staging[: self.padded_numel]
 
     def wire_bytes(self) -> int:
         """Bytes this rank hands to the collectives per call (the all-to-all's input, the all-gather's output)."""

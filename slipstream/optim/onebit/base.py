@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slipstream.comm.compressed import OneBitAllReduce
+from slipstream.comm.compressed import OneBitAllReduce, Scratch, padded_numel
 from slipstream.utils.logging import get_logger
 
 __all__ = ["OneBitBase", "Params", "adam_defaults", "adam_update"]
@@ -75,6 +75,7 @@ class OneBitBase(torch.optim.Optimizer):
         self._loaded_errors: dict[Tensor, tuple[Tensor, Tensor]] = {}
         """Errors from load_state_dict, copied into each parameter's all-reduce when it is built."""
         self._work: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        self._scratches: dict[tuple[torch.dtype, torch.device], Scratch] = {}
 
     def work_buffer(self, p: Tensor) -> Tensor:
         """A scratch tensor shaped like `p`, a view of one buffer per dtype and device that fits the largest
@@ -92,6 +93,7 @@ class OneBitBase(torch.optim.Optimizer):
         if group is not self.process_group:
             self.process_group = group
             self._all_reduces.clear()
+            self._scratches.clear()
         return self.next_step_is_local()
 
     def next_step_is_local(self) -> bool:
@@ -116,10 +118,23 @@ class OneBitBase(torch.optim.Optimizer):
         """Replace `values` (shaped like `p`) by their 1-bit error-compensated mean over the process group."""
         reduce = self._all_reduces.get(p)
         if reduce is None:
-            reduce = OneBitAllReduce(values.numel(), dtype=values.dtype, device=values.device, group=self.process_group)
+            scratch = self._shared_scratch(values)
+            reduce = OneBitAllReduce(
+                values.numel(), dtype=values.dtype, device=values.device, group=self.process_group, scratch=scratch
+            )
             self._all_reduces[p] = reduce
             self._take_loaded(p, reduce)
         reduce(values)
+
+    def _shared_scratch(self, values: Tensor) -> Scratch:
+        """One Scratch per dtype and device, sized for the largest parameter: the all-reduces run one at a time."""
+        key = (values.dtype, values.device)
+        scratch = self._scratches.get(key)
+        if scratch is None:
+            largest = max(q.numel() for group in self.param_groups for q in group["params"])
+            size = padded_numel(max(largest, values.numel()), self._world())
+            scratch = self._scratches[key] = Scratch.allocate(size, values.dtype, values.device)
+        return scratch
 
     def reset_errors(self) -> None:
         for reduce in self._all_reduces.values():
@@ -179,7 +194,7 @@ class OneBitBase(torch.optim.Optimizer):
         out: dict[str, int] = {}
         for g, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                padded = -(-p.numel() // (8 * world)) * 8 * world
+                padded = padded_numel(p.numel(), world)
                 out[f"{g}.{i}.worker"], out[f"{g}.{i}.server"] = padded, padded // world
         return out
 

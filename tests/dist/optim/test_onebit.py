@@ -17,6 +17,7 @@ import copy
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.harness import run_distributed
@@ -55,15 +56,23 @@ def reference_all_reduce(
 
 def check_all_reduce(rank: int, world: int) -> None:
     from slipstream.comm import count_collectives
-    from slipstream.comm.compressed import OneBitAllReduce
+    from slipstream.comm.compressed import OneBitAllReduce, Scratch, padded_numel
 
     # 37 is padded to 48 at world 2 (3 bytes of signs and 4 of scale per chunk); 48 needs no padding, and the
-    # result is written straight into the tensor
+    # result is written straight into the tensor. Both share one Scratch, their calls interleaved.
+    scratch = Scratch.allocate(padded_numel(48, world), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="given a Scratch of 48 torch.float32.*Scratch.allocate"):
+        OneBitAllReduce(49, dtype=torch.float32, device=torch.device("cpu"), scratch=scratch)
+    cases = {}
     for numel in (37, 48):
-        reduce = OneBitAllReduce(numel, dtype=torch.float32, device=torch.device("cpu"))
-        worker = [torch.zeros(reduce.padded_numel) for _ in range(world)]
-        server = [torch.zeros(reduce.chunk_numel) for _ in range(world)]
-        for call in range(3):
+        reduce = OneBitAllReduce(numel, dtype=torch.float32, device=torch.device("cpu"), scratch=scratch)
+        cases[numel] = (
+            reduce,
+            [torch.zeros(reduce.padded_numel) for _ in range(world)],
+            [torch.zeros(reduce.chunk_numel) for _ in range(world)],
+        )
+    for call in range(3):
+        for numel, (reduce, worker, server) in cases.items():
             values = [torch.randn(numel, generator=torch.Generator().manual_seed(10 * call + r)) for r in range(world)]
             expected = reference_all_reduce(values, worker, server)
             mine = values[rank].clone()
