@@ -1,0 +1,15 @@
+"""Block-sparse self-attention in pure PyTorch (DeepSpeed's `deepspeed.ops.sparse_attention`): block layouts
+([heads, blocks, blocks] 0/1 tensors) and `SparseSelfAttention`, which computes only the layout's blocks."""
+
+from __future__ import annotations
+
+from slipstream.ops.sparse_attention.attention import SparseSelfAttention, block_sparse_attention
+from slipstream.ops.sparse_attention.sparsity_config import DenseSparsityConfig, FixedSparsityConfig, SparsityConfig
+
+__all__ = [
+    "DenseSparsityConfig",
+    "FixedSparsityConfig",
+    "SparseSelfAttention",
+    "SparsityConfig",
+    "block_sparse_attention",
+]

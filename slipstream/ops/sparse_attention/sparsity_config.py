@@ -1,0 +1,125 @@
+"""Block layouts of sparse self-attention, as DeepSpeed defines them: `make_layout(seq_len)` returns an int64
+tensor [num_heads, seq_len // block, seq_len // block] whose 1s are the (query block, key block) pairs computed.
+
+Fixed (Sparse Transformers' "fixed" pattern, DeepSpeed's variant): the blocks are cut into local windows of
+num_local_blocks; each block attends to its window (to the blocks up to itself when unidirectional). In every
+full window the num_global_blocks blocks ending (1 + h % num_different_global_patterns) * num_global_blocks
+before the window's end are global: every row attends to them (rows from the global block on when
+unidirectional), and with horizontal_global_attention they attend to every block. A short last window gets
+its global blocks at the same offset, pulled back to fit. Unless different_layout_per_head, every head
+copies head 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DenseSparsityConfig", "FixedSparsityConfig", "SparsityConfig"]
+
+
+class SparsityConfig:
+    """A layout family: heads, block size and whether heads differ."""
+
+    def __init__(self, num_heads: int, block: int = 16, different_layout_per_head: bool = False) -> None:
+        self.num_heads = num_heads
+        self.block = block
+        self.different_layout_per_head = different_layout_per_head
+        self.num_layout_heads = num_heads if different_layout_per_head else 1
+
+    def setup_layout(self, seq_len: int) -> torch.Tensor:
+        """An all-zero layout for `seq_len` tokens."""
+        if seq_len % self.block:
+            raise ValueError(
+                f"sequence length {seq_len} is not a multiple of the block size {self.block}; pad the sequence "
+                "(SparseAttentionUtils.pad_to_block_size in DeepSpeed) or pick another block"
+            )
+        blocks = seq_len // self.block
+        return torch.zeros((self.num_heads, blocks, blocks), dtype=torch.int64)
+
+    def check_and_propagate_first_head_layout(self, layout: torch.Tensor) -> torch.Tensor:
+        """Every head takes head 0's layout unless heads differ."""
+        if not self.different_layout_per_head:
+            layout[1:] = layout[0]
+        return layout
+
+    def make_layout(self, seq_len: int) -> torch.Tensor:
+        raise NotImplementedError(
+            f"{type(self).__name__} defines no layout; use a subclass such as FixedSparsityConfig"
+        )
+
+
+class DenseSparsityConfig(SparsityConfig):
+    """Every block (dense attention, for comparisons)."""
+
+    def make_layout(self, seq_len: int) -> torch.Tensor:
+        layout = self.setup_layout(seq_len)
+        layout[:] = 1
+        return layout
+
+
+class FixedSparsityConfig(SparsityConfig):
+    """Local windows plus global blocks (see the module doc)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        different_layout_per_head: bool = False,
+        num_local_blocks: int = 4,
+        num_global_blocks: int = 1,
+        attention: str = "bidirectional",
+        horizontal_global_attention: bool = False,
+        num_different_global_patterns: int = 1,
+    ) -> None:
+        super().__init__(num_heads, block, different_layout_per_head)
+        if num_local_blocks % num_global_blocks:
+            raise ValueError(
+                f"num_local_blocks ({num_local_blocks}) must be a multiple of num_global_blocks ({num_global_blocks})"
+            )
+        if attention not in ("unidirectional", "bidirectional"):
+            raise NotImplementedError(f"attention={attention!r}: use 'unidirectional' or 'bidirectional'")
+        if horizontal_global_attention and attention != "bidirectional":
+            raise ValueError("horizontal_global_attention needs attention='bidirectional'")
+        if num_different_global_patterns > 1 and not different_layout_per_head:
+            raise ValueError(
+                f"num_different_global_patterns={num_different_global_patterns} needs different_layout_per_head=True "
+                "(one layout for all heads has one global pattern)"
+            )
+        if num_different_global_patterns > num_local_blocks // num_global_blocks:
+            raise ValueError(
+                f"num_different_global_patterns ({num_different_global_patterns}) exceeds num_local_blocks / "
+                f"num_global_blocks = {num_local_blocks // num_global_blocks}; lower it"
+            )
+        self.num_local_blocks = num_local_blocks
+        self.num_global_blocks = num_global_blocks
+        self.attention = attention
+        self.horizontal_global_attention = horizontal_global_attention
+        self.num_different_global_patterns = num_different_global_patterns
+
+    def set_local_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
+        blocks, window = layout.shape[1], self.num_local_blocks
+        for start in range(0, blocks, window):
+            stop = min(start + window, blocks)
+            for row in range(start, stop):
+                layout[h, row, start : row + 1 if self.attention == "unidirectional" else stop] = 1
+        return layout
+
+    def set_global_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
+        blocks, window, width = layout.shape[1], self.num_local_blocks, self.num_global_blocks
+        offset = window - (1 + h % self.num_different_global_patterns) * width
+        full = blocks - blocks % window
+        starts = list(range(offset, full, window))
+        if full < blocks:  # a short last window: its global blocks at the same offset, pulled back to fit
+            starts.append(min(full + offset, blocks - width))
+        for start in starts:
+            layout[h, 0 if self.attention == "bidirectional" else start :, start : start + width] = 1
+            if self.horizontal_global_attention:
+                layout[h, start : start + width, :] = 1
+        return layout
+
+    def make_layout(self, seq_len: int) -> torch.Tensor:
+        layout = self.setup_layout(seq_len)
+        for h in range(self.num_layout_heads):
+            self.set_local_layout(h, layout)
+            self.set_global_layout(h, layout)
+        return self.check_and_propagate_first_head_layout(layout)
