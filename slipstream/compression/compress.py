@@ -14,8 +14,11 @@ __all__ = ["compression_scheduler", "init_compression", "redundancy_clean"]
 
 
 def _matches(model: nn.Module, group: GroupPlan) -> list[str]:
-    names = [name for name, module in model.named_modules()
-             if name and any(re.search(pattern, name) for pattern in group.modules)]
+    names = [
+        name
+        for name, module in model.named_modules()
+        if name and any(re.search(pattern, name) for pattern in group.modules)
+    ]
     return [name for name in names if isinstance(model.get_submodule(name), nn.Linear)]
 
 
@@ -26,24 +29,32 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def _compressed(model: nn.Module, name: str) -> CompressedLinear:
     module = model.get_submodule(name)
-    if not isinstance(module, CompressedLinear):
-        module = CompressedLinear(module)
-        _replace(model, name, module)
-    return module
+    if isinstance(module, CompressedLinear):
+        return module
+    if not isinstance(module, nn.Linear):
+        raise TypeError(
+            f"compression_training: module {name!r} is a {type(module).__name__}; only nn.Linear is compressed"
+        )
+    compressed = CompressedLinear(module)
+    _replace(model, name, compressed)
+    return compressed
 
 
 def _apply(model: nn.Module, plan: CompressionPlan) -> None:
     quant, prune = plan.quantization, plan.pruning
-    for group in quant.different_groups if quant else ():
-        for name in _matches(model, group):
-            _compressed(model, name).enable_quantization(quant, group)
-    for group in prune.different_groups if prune else ():
-        for name in _matches(model, group):
-            _compressed(model, name).enable_pruning(group)
+    if quant is not None:
+        for group in quant.different_groups:
+            for name in _matches(model, group):
+                _compressed(model, name).enable_quantization(quant, group)
+    if prune is not None:
+        for group in prune.different_groups:
+            for name in _matches(model, group):
+                _compressed(model, name).enable_pruning(group)
 
 
-def init_compression(model: nn.Module, deepspeed_config: object, teacher_model: nn.Module | None = None,
-                     mpu: object | None = None) -> nn.Module:
+def init_compression(
+    model: nn.Module, deepspeed_config: object, teacher_model: nn.Module | None = None, mpu: object | None = None
+) -> nn.Module:
     """Replace the nn.Linear modules the config's groups name with CompressedLinear (same parameters).
 
     `deepspeed_config` is a dict or a JSON path. Compression starts when compression_scheduler's steps
@@ -64,7 +75,7 @@ def redundancy_clean(model: nn.Module, deepspeed_config: object, mpu: object | N
     return model
 
 
-class compression_scheduler:  # noqa: N801 - DeepSpeed's class name
+class compression_scheduler:  # DeepSpeed's class name
     """Turns compression on at each method's schedule_offset and steps the weight bits; call step() once
     per optimizer step, as DeepSpeed's engine does."""
 

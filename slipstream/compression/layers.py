@@ -60,8 +60,13 @@ class CompressedLinear(nn.Linear):
         weight = self.weight
         plan, schedule = self.quantization, self.schedule
         if self.quantization_enabled and plan is not None and schedule is not None:
-            weight = fake_quantize(weight, schedule.bits, plan.groups, symmetric=plan.symmetric,
-                                   stochastic=plan.stochastic and self.training)
+            weight = fake_quantize(
+                weight,
+                schedule.bits,
+                plan.groups,
+                symmetric=plan.symmetric,
+                stochastic=plan.stochastic and self.training,
+            )
         if self.pruning_enabled and self.sparse_pruning_mask is not None:
             weight = weight * self.sparse_pruning_mask
         return weight
@@ -71,8 +76,13 @@ class CompressedLinear(nn.Linear):
 
     def cleaned(self) -> nn.Linear:
         """A plain nn.Linear holding the weight forward uses now (redundancy_clean)."""
-        plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                          device=self.weight.device, dtype=self.weight.dtype)
+        plain = nn.Linear(
+            self.in_features,
+            self.out_features,
+            bias=self.bias is not None,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
         with torch.no_grad():
             plain.weight.copy_(self.compressed_weight())
             if self.bias is not None:

@@ -16,8 +16,14 @@ __all__ = ["CompressionPlan", "GroupPlan", "PruningPlan", "QuantizationPlan", "r
 
 _UNBUILT_METHODS = ("activation_quantization", "row_pruning", "head_pruning", "channel_pruning", "layer_reduction")
 _QUANT_SHARED = {
-    "enabled", "quantizer_kernel", "schedule_offset", "quantize_groups", "quantize_verbose", "quantization_type",
-    "quantize_weight_in_forward", "rounding", "fp16_mixed_quantize",
+    "enabled",
+    "quantizer_kernel",
+    "schedule_offset",
+    "quantize_groups",
+    "quantization_type",
+    "quantize_weight_in_forward",
+    "rounding",
+    "fp16_mixed_quantize",
 }
 _PRUNE_SHARED = {"enabled", "method", "schedule_offset"}
 
@@ -63,8 +69,11 @@ class CompressionPlan:
 
 
 def _report(key: str, what: str) -> None:
-    notice(f"compression_training.{key}", f"compression_training.{key}: {what}; Slipstream does not build it "
-           "and ignores it (docs/compression.md)", rank=0)
+    notice(
+        f"compression_training.{key}",
+        f"compression_training.{key}: {what}; Slipstream does not build it and ignores it (docs/compression.md)",
+        rank=0,
+    )
 
 
 def _groups(method: str, section: dict[str, Any], known: set[str]) -> tuple[GroupPlan, ...]:
@@ -75,14 +84,20 @@ def _groups(method: str, section: dict[str, Any], known: set[str]) -> tuple[Grou
             _report(f"{method}.different_groups.{name}.params.{key}", f"set to {params[key]!r}")
         modules = group.get("modules") or ["*"]
         if not isinstance(modules, list):
-            raise ValueError(f"compression_training.{method}.different_groups.{name}.modules is {modules!r}: "
-                             "give a list of module-name patterns, e.g. [\"attention.self\"]")
-        out.append(GroupPlan(
-            name=name, modules=tuple(".*" if m == "*" else str(m) for m in modules),
-            start_bits=int(params.get("start_bits", 8)), target_bits=int(params.get("target_bits", 8)),
-            quantization_period=int(params.get("quantization_period", 1)),
-            dense_ratio=float(params.get("dense_ratio", 0.1)),
-        ))
+            raise ValueError(
+                f"compression_training.{method}.different_groups.{name}.modules is {modules!r}: "
+                'give a list of module-name patterns, e.g. ["attention.self"]'
+            )
+        out.append(
+            GroupPlan(
+                name=name,
+                modules=tuple(".*" if m == "*" else str(m) for m in modules),
+                start_bits=int(params.get("start_bits", 8)),
+                target_bits=int(params.get("target_bits", 8)),
+                quantization_period=int(params.get("quantization_period", 1)),
+                dense_ratio=float(params.get("dense_ratio", 0.1)),
+            )
+        )
     return tuple(out)
 
 
@@ -91,42 +106,59 @@ def _check_bits(group: GroupPlan) -> None:
         raise ValueError(
             f"compression_training.weight_quantization.different_groups.{group.name}: start_bits "
             f"{group.start_bits}, target_bits {group.target_bits}; need 3 <= target_bits <= start_bits "
-            "(ternary and binary weights, 2 and 1 bits, are not built)")
+            "(ternary and binary weights, 2 and 1 bits, are not built)"
+        )
     if group.quantization_period < 1:
-        raise ValueError(f"compression_training.weight_quantization.different_groups.{group.name}: "
-                         f"quantization_period {group.quantization_period}; give a period of at least 1 step")
+        raise ValueError(
+            f"compression_training.weight_quantization.different_groups.{group.name}: "
+            f"quantization_period {group.quantization_period}; give a period of at least 1 step"
+        )
 
 
-def _quantization(section: dict[str, Any]) -> QuantizationPlan | None:
+def _shared(method: str, section: dict[str, Any], known: set[str]) -> dict[str, Any] | None:
+    """`method`'s shared_parameters when enabled (its keys outside `known` reported), else None."""
     shared = dict(section.get("shared_parameters") or {})
     if not shared.get("enabled", False):
         return None
-    for key in sorted(set(shared) - _QUANT_SHARED):
-        _report(f"weight_quantization.shared_parameters.{key}", f"set to {shared[key]!r}")
+    for key in sorted(set(shared) - known):
+        _report(f"{method}.shared_parameters.{key}", f"set to {shared[key]!r}")
+    return shared
+
+
+def _quantization(section: dict[str, Any]) -> QuantizationPlan | None:
+    shared = _shared("weight_quantization", section, _QUANT_SHARED)
+    if shared is None:
+        return None
     if shared.get("quantizer_kernel", False):
-        _report("weight_quantization.shared_parameters.quantizer_kernel", "the fused kernel (the PyTorch "
-                "formula runs instead, same values)")
+        _report(
+            "weight_quantization.shared_parameters.quantizer_kernel",
+            "the fused kernel (the PyTorch formula runs instead, same values)",
+        )
     if (shared.get("fp16_mixed_quantize") or {}).get("enabled", False):
         _report("weight_quantization.shared_parameters.fp16_mixed_quantize", "mixing fp16 and quantized weights")
     kind, rounding = shared.get("quantization_type", "symmetric"), shared.get("rounding", "nearest")
     if kind not in ("symmetric", "asymmetric") or rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"compression_training.weight_quantization: quantization_type {kind!r}, rounding "
-                         f"{rounding!r}; use symmetric/asymmetric and nearest/stochastic")
+        raise ValueError(
+            f"compression_training.weight_quantization: quantization_type {kind!r}, rounding "
+            f"{rounding!r}; use symmetric/asymmetric and nearest/stochastic"
+        )
     groups = _groups("weight_quantization", section, {"start_bits", "target_bits", "quantization_period"})
     for group in groups:
         _check_bits(group)
     return QuantizationPlan(
-        schedule_offset=int(shared.get("schedule_offset", 0)), groups=int(shared.get("quantize_groups", 1)),
-        symmetric=kind == "symmetric", stochastic=rounding == "stochastic",
-        in_forward=bool(shared.get("quantize_weight_in_forward", False)), different_groups=groups)
+        schedule_offset=int(shared.get("schedule_offset", 0)),
+        groups=int(shared.get("quantize_groups", 1)),
+        symmetric=kind == "symmetric",
+        stochastic=rounding == "stochastic",
+        in_forward=bool(shared.get("quantize_weight_in_forward", False)),
+        different_groups=groups,
+    )
 
 
 def _pruning(section: dict[str, Any]) -> PruningPlan | None:
-    shared = dict(section.get("shared_parameters") or {})
-    if not shared.get("enabled", False):
+    shared = _shared("sparse_pruning", section, _PRUNE_SHARED)
+    if shared is None:
         return None
-    for key in sorted(set(shared) - _PRUNE_SHARED):
-        _report(f"sparse_pruning.shared_parameters.{key}", f"set to {shared[key]!r}")
     method = shared.get("method", "l1")
     if method != "l1":
         _report("sparse_pruning.shared_parameters.method", f"method {method!r} (only l1 is built)")
@@ -134,8 +166,10 @@ def _pruning(section: dict[str, Any]) -> PruningPlan | None:
     groups = _groups("sparse_pruning", section, {"dense_ratio"})
     for group in groups:
         if not 0.0 < group.dense_ratio <= 1.0:
-            raise ValueError(f"compression_training.sparse_pruning.different_groups.{group.name}: dense_ratio "
-                             f"{group.dense_ratio}; give the kept fraction in (0, 1]")
+            raise ValueError(
+                f"compression_training.sparse_pruning.different_groups.{group.name}: dense_ratio "
+                f"{group.dense_ratio}; give the kept fraction in (0, 1]"
+            )
     return PruningPlan(schedule_offset=int(shared.get("schedule_offset", 1000)), different_groups=groups)
 
 
@@ -148,5 +182,7 @@ def resolve_compression(config: dict[str, Any]) -> CompressionPlan:
             _report(method, "enabled")
     for method in sorted(set(section) - set(_UNBUILT_METHODS) - {"weight_quantization", "sparse_pruning"}):
         _report(method, "an unknown compression method")
-    return CompressionPlan(quantization=_quantization(section.get("weight_quantization") or {}),
-                           pruning=_pruning(section.get("sparse_pruning") or {}))
+    return CompressionPlan(
+        quantization=_quantization(section.get("weight_quantization") or {}),
+        pruning=_pruning(section.get("sparse_pruning") or {}),
+    )

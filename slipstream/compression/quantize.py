@@ -18,9 +18,11 @@ __all__ = ["fake_quantize", "l1_mask"]
 
 def _quantized(weight: torch.Tensor, bits: int, groups: int, symmetric: bool, stochastic: bool) -> torch.Tensor:
     if weight.numel() % groups:
-        raise ValueError(f"compression_training.weight_quantization.shared_parameters.quantize_groups {groups} "
-                         f"does not divide a weight of {weight.numel()} elements {tuple(weight.shape)}; "
-                         "give a divisor of every quantized weight's size")
+        raise ValueError(
+            f"compression_training.weight_quantization.shared_parameters.quantize_groups {groups} "
+            f"does not divide a weight of {weight.numel()} elements {tuple(weight.shape)}; "
+            "give a divisor of every quantized weight's size"
+        )
     flat = weight.reshape(groups, -1)
     q_range = 2**bits
     noise = torch.rand_like(flat) - 0.5 if stochastic else 0.0
@@ -36,8 +38,9 @@ def _quantized(weight: torch.Tensor, bits: int, groups: int, symmetric: bool, st
     return out.reshape(weight.shape)
 
 
-def fake_quantize(weight: torch.Tensor, bits: int, groups: int, *, symmetric: bool,
-                  stochastic: bool = False) -> torch.Tensor:
+def fake_quantize(
+    weight: torch.Tensor, bits: int, groups: int, *, symmetric: bool, stochastic: bool = False
+) -> torch.Tensor:
     """`weight` rounded to `bits` per group; in backward the gradient passes through unchanged."""
     with torch.no_grad():
         quantized = _quantized(weight.detach(), bits, groups, symmetric, stochastic)

@@ -13,14 +13,34 @@ from torch import nn
 from slipstream.compression import CompressedLinear, compression_scheduler, init_compression, redundancy_clean
 
 
-def _config(*, kind: str = "symmetric", groups: int = 1, start: int = 8, target: int = 8, period: int = 1,
-            offset: int = 0, in_forward: bool = False, prune: float | None = None) -> dict[str, object]:
-    section: dict[str, object] = {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "schedule_offset": offset, "quantize_groups": groups,
-                              "quantization_type": kind, "quantize_weight_in_forward": in_forward},
-        "different_groups": {"wq1": {"params": {"start_bits": start, "target_bits": target,
-                                                "quantization_period": period}, "modules": ["fc"]}},
-    }}
+def _config(
+    *,
+    kind: str = "symmetric",
+    groups: int = 1,
+    start: int = 8,
+    target: int = 8,
+    period: int = 1,
+    offset: int = 0,
+    in_forward: bool = False,
+    prune: float | None = None,
+) -> dict[str, object]:
+    section: dict[str, object] = {
+        "weight_quantization": {
+            "shared_parameters": {
+                "enabled": True,
+                "schedule_offset": offset,
+                "quantize_groups": groups,
+                "quantization_type": kind,
+                "quantize_weight_in_forward": in_forward,
+            },
+            "different_groups": {
+                "wq1": {
+                    "params": {"start_bits": start, "target_bits": target, "quantization_period": period},
+                    "modules": ["fc"],
+                }
+            },
+        }
+    }
     if prune is not None:
         section["sparse_pruning"] = {
             "shared_parameters": {"enabled": True, "method": "l1", "schedule_offset": offset},
@@ -55,8 +75,9 @@ def _expected(weight: torch.Tensor, bits: int, groups: int, symmetric: bool) -> 
     return torch.tensor(out, dtype=weight.dtype).reshape(weight.shape)
 
 
-@pytest.mark.parametrize("kind,groups,bits", [("symmetric", 1, 8), ("symmetric", 3, 4), ("asymmetric", 2, 5),
-                                              ("asymmetric", 1, 3)])
+@pytest.mark.parametrize(
+    "kind,groups,bits", [("symmetric", 1, 8), ("symmetric", 3, 4), ("asymmetric", 2, 5), ("asymmetric", 1, 3)]
+)
 def test_quantized_weight_equals_the_formula(kind: str, groups: int, bits: int) -> None:
     model = init_compression(_Named(), _config(kind=kind, groups=groups, start=bits, target=bits))
     assert isinstance(model.fc1, CompressedLinear) and isinstance(model.fc2, CompressedLinear)
@@ -96,8 +117,9 @@ def test_quantize_weight_in_forward_uses_target_bits_at_once() -> None:
     config = _config(start=8, target=4, period=100, in_forward=True)
     model = init_compression(_Named(), config)
     compression_scheduler(model, config).step()
-    torch.testing.assert_close(model.fc2.compressed_weight(), _expected(model.fc2.weight, 4, 1, True), atol=1e-6,
-                               rtol=0)
+    torch.testing.assert_close(
+        model.fc2.compressed_weight(), _expected(model.fc2.weight, 4, 1, True), atol=1e-6, rtol=0
+    )
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.3, 1.0])
