@@ -3,6 +3,8 @@ attention masked with the layout (values and gradients)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from slipstream.ops.sparse_attention import (
     DenseSparsityConfig,
     FixedSparsityConfig,
     SparseSelfAttention,
+    VariableSparsityConfig,
     block_sparse_attention,
 )
 
@@ -39,6 +42,34 @@ def test_fixed_layouts_by_hand() -> None:
     assert torch.equal(DenseSparsityConfig(num_heads=3, block=4).make_layout(8), torch.ones(3, 2, 2, dtype=torch.int64))
 
 
+def test_variable_layouts_by_hand() -> None:
+    # windows of 1, then 2 repeated: [0], [1, 2], [3, 4], [5]; global block 3 for rows 3 on (unidirectional)
+    uni = VariableSparsityConfig(
+        num_heads=1, block=4, local_window_blocks=[1, 2], global_block_indices=[3], attention="unidirectional"
+    )
+    expected = _rows("100000", "010000", "011000", "000100", "000110", "000101")
+    assert torch.equal(uni.make_layout(24)[0], expected)
+    # windows of 2; global range [1, 3) attended by every row and attending to every column
+    bi = VariableSparsityConfig(
+        num_heads=2,
+        block=4,
+        local_window_blocks=[2],
+        global_block_indices=[1],
+        global_block_end_indices=[3],
+        horizontal_global_attention=True,
+    )
+    assert torch.equal(bi.make_layout(16), _rows("1110", "1111", "1111", "0111").expand(2, 4, 4))
+    with_random = VariableSparsityConfig(
+        num_heads=1, block=4, num_random_blocks=2, local_window_blocks=[1], global_block_indices=[]
+    )
+    random.seed(3)
+    first = with_random.make_layout(32)
+    random.seed(3)
+    assert torch.equal(first, with_random.make_layout(32))
+    sums = first[0].sum(-1)
+    assert bool(((sums >= 2) & (sums <= 3)).all()) and bool(first[0].diagonal().all())
+
+
 def test_config_errors_name_the_setting() -> None:
     with pytest.raises(ValueError, match="multiple of num_global_blocks"):
         FixedSparsityConfig(num_heads=1, num_local_blocks=4, num_global_blocks=3)
@@ -46,6 +77,8 @@ def test_config_errors_name_the_setting() -> None:
         FixedSparsityConfig(num_heads=2, num_local_blocks=4, num_different_global_patterns=2)
     with pytest.raises(ValueError, match="multiple of the block size"):
         DenseSparsityConfig(num_heads=1, block=16).make_layout(40)
+    with pytest.raises(ValueError, match="one end per start"):
+        VariableSparsityConfig(num_heads=1, global_block_indices=[0, 4], global_block_end_indices=[2])
 
 
 def _dense_reference(

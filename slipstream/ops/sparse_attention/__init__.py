@@ -4,12 +4,18 @@
 from __future__ import annotations
 
 from slipstream.ops.sparse_attention.attention import SparseSelfAttention, block_sparse_attention
-from slipstream.ops.sparse_attention.sparsity_config import DenseSparsityConfig, FixedSparsityConfig, SparsityConfig
+from slipstream.ops.sparse_attention.sparsity_config import (
+    DenseSparsityConfig,
+    FixedSparsityConfig,
+    SparsityConfig,
+    VariableSparsityConfig,
+)
 
 __all__ = [
     "DenseSparsityConfig",
     "FixedSparsityConfig",
     "SparseSelfAttention",
     "SparsityConfig",
+    "VariableSparsityConfig",
     "block_sparse_attention",
 ]

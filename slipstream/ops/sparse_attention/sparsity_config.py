@@ -12,9 +12,11 @@ copies head 0.
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-__all__ = ["DenseSparsityConfig", "FixedSparsityConfig", "SparsityConfig"]
+__all__ = ["DenseSparsityConfig", "FixedSparsityConfig", "SparsityConfig", "VariableSparsityConfig"]
 
 
 class SparsityConfig:
@@ -76,10 +78,7 @@ class FixedSparsityConfig(SparsityConfig):
             raise ValueError(
                 f"num_local_blocks ({num_local_blocks}) must be a multiple of num_global_blocks ({num_global_blocks})"
             )
-        if attention not in ("unidirectional", "bidirectional"):
-            raise NotImplementedError(f"attention={attention!r}: use 'unidirectional' or 'bidirectional'")
-        if horizontal_global_attention and attention != "bidirectional":
-            raise ValueError("horizontal_global_attention needs attention='bidirectional'")
+        _check_attention(attention, horizontal_global_attention)
         if num_different_global_patterns > 1 and not different_layout_per_head:
             raise ValueError(
                 f"num_different_global_patterns={num_different_global_patterns} needs different_layout_per_head=True "
@@ -123,3 +122,88 @@ class FixedSparsityConfig(SparsityConfig):
             self.set_local_layout(h, layout)
             self.set_global_layout(h, layout)
         return self.check_and_propagate_first_head_layout(layout)
+
+
+class VariableSparsityConfig(SparsityConfig):
+    """Fixed's generalisation: num_random_blocks random key blocks per row (Python's `random`, as DeepSpeed),
+    local windows of the sizes in local_window_blocks (the last size repeats to the end), and global blocks
+    at global_block_indices (or the ranges [global_block_indices[i], global_block_end_indices[i])) that every
+    row attends to (rows from the block on when unidirectional) and, with horizontal_global_attention, that
+    attend to every block."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        different_layout_per_head: bool = False,
+        num_random_blocks: int = 0,
+        local_window_blocks: list[int] | None = None,
+        global_block_indices: list[int] | None = None,
+        global_block_end_indices: list[int] | None = None,
+        attention: str = "bidirectional",
+        horizontal_global_attention: bool = False,
+    ) -> None:
+        super().__init__(num_heads, block, different_layout_per_head)
+        starts = [0] if global_block_indices is None else list(global_block_indices)
+        if global_block_end_indices is not None:
+            if len(global_block_end_indices) != len(starts):
+                raise ValueError(
+                    f"global_block_end_indices has {len(global_block_end_indices)} entries and global_block_indices "
+                    f"{len(starts)}; give one end per start"
+                )
+            for start, end in zip(starts, global_block_end_indices):
+                if start >= end:
+                    raise ValueError(f"global block range [{start}, {end}) is empty; each end must exceed its start")
+        _check_attention(attention, horizontal_global_attention)
+        self.num_random_blocks = num_random_blocks
+        self.local_window_blocks = [4] if local_window_blocks is None else list(local_window_blocks)
+        self.global_block_indices = starts
+        self.global_block_end_indices = global_block_end_indices
+        self.attention = attention
+        self.horizontal_global_attention = horizontal_global_attention
+
+    def set_random_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
+        blocks = layout.shape[1]
+        if blocks < self.num_random_blocks:
+            raise ValueError(f"num_random_blocks ({self.num_random_blocks}) exceeds the {blocks} blocks of a row")
+        for row in range(blocks):
+            layout[h, row, random.sample(range(blocks), self.num_random_blocks)] = 1
+        return layout
+
+    def set_local_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
+        blocks, start = layout.shape[1], 0
+        sizes = list(self.local_window_blocks)
+        while start < blocks:
+            size = sizes.pop(0) if len(sizes) > 1 else sizes[0]
+            stop = min(start + size, blocks)
+            for row in range(start, stop):
+                layout[h, row, start : row + 1 if self.attention == "unidirectional" else stop] = 1
+            start += size
+        return layout
+
+    def set_global_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
+        blocks = layout.shape[1]
+        ends = self.global_block_end_indices or [start + 1 for start in self.global_block_indices]
+        for start, end in zip(self.global_block_indices, ends):
+            if start >= blocks:
+                continue
+            end = min(end, blocks)
+            if self.horizontal_global_attention:
+                layout[h, start:end, :] = 1
+            layout[h, 0 if self.attention == "bidirectional" else start :, start:end] = 1
+        return layout
+
+    def make_layout(self, seq_len: int) -> torch.Tensor:
+        layout = self.setup_layout(seq_len)
+        for h in range(self.num_layout_heads):
+            self.set_random_layout(h, layout)
+            self.set_local_layout(h, layout)
+            self.set_global_layout(h, layout)
+        return self.check_and_propagate_first_head_layout(layout)
+
+
+def _check_attention(attention: str, horizontal_global_attention: bool) -> None:
+    if attention not in ("unidirectional", "bidirectional"):
+        raise NotImplementedError(f"attention={attention!r}: use 'unidirectional' or 'bidirectional'")
+    if horizontal_global_attention and attention != "bidirectional":
+        raise ValueError("horizontal_global_attention needs attention='bidirectional'")
