@@ -177,3 +177,14 @@ def test_deepspeed_paths_reach_the_compression_api() -> None:
     assert deepspeed.compression.compress.init_compression is init_compression
     assert deepspeed.compression.compress.redundancy_clean is redundancy_clean
     assert importlib.import_module("slipstream.compression.scheduler").compression_scheduler is compression_scheduler
+
+
+def test_step_zero_check_starts_compression_without_counting_a_step() -> None:
+    config = _config(start=6, target=4, period=1, offset=0)
+    model = init_compression(_Named(), config)
+    scheduler = compression_scheduler(model, config)
+    assert not model.fc1.quantization_enabled
+    scheduler.step(step_zero_check=True)  # what DeepSpeed's engine does before its first forward
+    assert (scheduler.training_steps, model.fc1.quantization_enabled, model.fc1.schedule.bits) == (0, True, 6)
+    scheduler.step()
+    assert (scheduler.training_steps, model.fc1.schedule.bits) == (1, 5)
