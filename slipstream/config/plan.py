@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from slipstream.config.data_plans import SchedulesPlan
-from slipstream.config.precision_plans import AutocastPlan
+from slipstream.config.precision_plans import AutocastPlan, Fp8Plan
 
 if TYPE_CHECKING:
     from slipstream.config.schema.zero import OffloadOptimizerConfig, OffloadParamConfig
@@ -106,6 +106,7 @@ class PrecisionPlan:
     optimizer_state_dtype: str
     """The optimizer moments' dtype: fp32 unless `bf16.bf16_optimizer_states` (slipstream/precision/masters.py)."""
     autocast: AutocastPlan | None
+    fp8: Fp8Plan | None
     grad_predivide: float | None
     """Gradients are divided by this on arrival, before the reduction (None: the reduction group's size)."""
     loss_scale: LossScalePlan | None

@@ -10,7 +10,15 @@ import dataclasses
 from slipstream.config.schema.precision import canonical_dtype
 from slipstream.config.schema.top import DeepSpeedConfig
 
-__all__ = ["AutocastPlan", "MasterOptions", "autocast_plan", "master_options", "precision_unhonoured"]
+__all__ = [
+    "AutocastPlan",
+    "Fp8Plan",
+    "MasterOptions",
+    "autocast_plan",
+    "fp8_plan",
+    "master_options",
+    "precision_unhonoured",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,6 +72,31 @@ def _autocast_dtype(value: str | None, problems: list[str]) -> str | None:
         )
         return None
     return dtype
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Fp8Plan:
+    """The `fp8` section (Slipstream's own): which linear layers run their matmuls in float8 and how;
+    slipstream/precision/fp8.py applies it. A field of `PrecisionPlan`."""
+
+    recipe: str
+    """"tensorwise" or "rowwise" scaling."""
+    emulate: bool
+    exclude_modules: tuple[str, ...]
+    """Module names, or prefixes of them, that stay nn.Linear."""
+
+
+def fp8_plan(cfg: DeepSpeedConfig, problems: list[str]) -> Fp8Plan | None:
+    """`fp8.enabled` as an Fp8Plan; the layers keep fp32 or bf16 weights, so fp16 parameters contradict it."""
+    section = cfg.fp8
+    if not section.enabled:
+        return None
+    if cfg.fp16.enabled:
+        problems.append(
+            "fp8.enabled, fp16.enabled: float8 linear layers keep fp32 or bf16 weights; use bf16 or fp32 "
+            "parameters with fp8, or disable fp8"
+        )
+    return Fp8Plan(recipe=section.recipe, emulate=section.emulate, exclude_modules=tuple(section.exclude_modules))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from slipstream.config.plan import (
     PrecisionPlan,
     WandbPlan,
 )
-from slipstream.config.precision_plans import autocast_plan, master_options
+from slipstream.config.precision_plans import autocast_plan, fp8_plan, master_options
 from slipstream.config.schema.misc import ActivationCheckpointingConfig
 from slipstream.config.schema.top import DeepSpeedConfig
 
@@ -101,6 +101,7 @@ def precision_plan(cfg: DeepSpeedConfig, problems: list[str]) -> PrecisionPlan:
         master_dtype=masters.master_dtype,
         optimizer_state_dtype=masters.state_dtype,
         autocast=autocast,
+        fp8=fp8_plan(cfg, problems),
         grad_predivide=None if cfg.prescale_gradients else cfg.gradient_predivide_factor,
         loss_scale=scale,
         check_grad_overflow=scale is not None

@@ -41,6 +41,7 @@ from slipstream.engine.parallel import setup_parallel
 from slipstream.engine.post_training import PostTraining
 from slipstream.engine.save_load import SaveLoad
 from slipstream.monitor.writers import make_monitors
+from slipstream.precision.fp8 import apply_fp8_plan
 from slipstream.utils.logging import log_rank0
 from slipstream.utils.progress import Progress
 from slipstream.utils.throughput import ThroughputTimer
@@ -110,7 +111,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
     def _build_zero(self, model: nn.Module, moe: Any) -> ZeroBuild:
         """The model placed for its ZeRO stage over the data-parallel group (zero/build.py)."""
         zero = build_zero(
-            model,
+            apply_fp8_plan(model, self.plan.precision.fp8),  # Float8Linear layers before ZeRO places them
             zero=self.plan.zero,
             precision=self.plan.precision,
             device=self.device,

@@ -10,7 +10,7 @@ axiswise scaling). The products run through `torch._scaled_mm` on an accelerator
 _scaled_mm does), which is only for checking correctness on a CPU and must be asked for.
 
 `convert_to_float8_training` swaps a model's nn.Linear modules for it, through torchao's float8 training when
-torchao is installed and the hardware has FP8.
+torchao is installed and the hardware has FP8; `apply_fp8_plan` applies the config's `fp8` section.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ import torch
 from torch import nn
 
 from slipstream.accelerator import get_accelerator
+from slipstream.config.precision_plans import Fp8Plan
 
 __all__ = [
     "RECIPES",
     "Float8Linear",
+    "apply_fp8_plan",
     "convert_to_float8_training",
     "fp8_hardware",
     "fp8_scale",
@@ -203,3 +205,16 @@ def _torchao_convert(model: nn.Module, recipe: str, module_filter_fn: ModuleFilt
     return torchao_convert(
         model, config=config, module_filter_fn=lambda module, fqn: _convertible(module, fqn, module_filter_fn)
     )
+
+
+def apply_fp8_plan(model: nn.Module, plan: Fp8Plan | None) -> nn.Module:
+    """The config's `fp8` section applied to `model` (the engine calls it before ZeRO wraps the model): its
+    linear layers converted, except those named in `exclude_modules` (a name or a prefix of one)."""
+    if plan is None:
+        return model
+    excluded = plan.exclude_modules
+
+    def keep_others(_module: nn.Module, fqn: str) -> bool:
+        return not any(fqn == name or fqn.startswith(f"{name}.") for name in excluded)
+
+    return convert_to_float8_training(model, recipe=plan.recipe, module_filter_fn=keep_others, emulate=plan.emulate)

@@ -1,4 +1,5 @@
-"""Precision sections: `fp16`, `bf16` (alias `bfloat16`), `amp`, `torch_autocast`, `data_types`.
+"""Precision sections: `fp16`, `bf16` (alias `bfloat16`), `amp`, `torch_autocast`, `data_types`, and
+Slipstream's own `fp8`.
 
 Defaults are DeepSpeed 0.19's (`runtime/precision_config.py`). The loss-scale rules (finite >= 0; window and
 minimum scale > 0 when dynamic) are checked here; fp16-with-bf16 is a cross-section rule in resolve.py.
@@ -17,6 +18,7 @@ __all__ = [
     "BF16Config",
     "DataTypesConfig",
     "FP16Config",
+    "Fp8Config",
     "TorchAutocastConfig",
     "canonical_dtype",
 ]
@@ -170,3 +172,33 @@ class DataTypesConfig(DSModel):
     @classmethod
     def _known_dtype(cls, value: str | None) -> str | None:
         return canonical_dtype(value)
+
+
+FP8_RECIPES = ("tensorwise", "rowwise")
+
+
+class Fp8Config(DSModel):
+    """`fp8`: FP8 training of linear layers, Slipstream's own section (DeepSpeed has none): the model's
+    nn.Linear modules become slipstream.fp8.Float8Linear before ZeRO wraps the model."""
+
+    IMPLEMENTED = {
+        "enabled": "precision.fp8",
+        "recipe": "precision.fp8.recipe",
+        "emulate": "precision.fp8.emulate",
+        "exclude_modules": "precision.fp8.exclude_modules",
+    }
+    enabled: DSBool = False
+    """Run the linear layers' matmuls in float8."""
+    recipe: str = "tensorwise"
+    """Scaling: "tensorwise" (one scale per tensor) or "rowwise" (one per row of each product)."""
+    emulate: DSBool = False
+    """Emulate the float8 matmuls in fp32 (any device; for correctness checks, not speed)."""
+    exclude_modules: list[str] = Field(default_factory=list)
+    """Names (or name prefixes) of linear modules to keep in high precision, e.g. "lm_head"."""
+
+    @field_validator("recipe")
+    @classmethod
+    def _known_recipe(cls, value: str) -> str:
+        if value not in FP8_RECIPES:
+            raise ValueError(f"fp8.recipe={value!r} is not one of {FP8_RECIPES}; use 'tensorwise' or 'rowwise'")
+        return value

@@ -40,6 +40,7 @@ from slipstream.config.schema.precision import (
     AmpConfig,
     BF16Config,
     DataTypesConfig,
+    Fp8Config,
     FP16Config,
     TorchAutocastConfig,
     canonical_dtype,
@@ -151,6 +152,8 @@ class DeepSpeedConfig(DSModel):
     """Apex AMP."""
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     """torch.autocast in forward."""
+    fp8: Fp8Config = Field(default_factory=Fp8Config)
+    """FP8 training of linear layers (Slipstream's own section)."""
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     """Gradient-accumulation and other dtypes."""
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
