@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from slipstream.config.autotuning_plan import AutotuningPlan
 from slipstream.config.data_plans import SchedulesPlan
 from slipstream.config.precision_plans import AutocastPlan, Fp8Plan
 
@@ -399,31 +400,6 @@ class PipelinePlan:
 
     activation_checkpoint_interval: int
     """Layers per activation checkpoint; > 0 overrides the PipelineModule's own interval (as in DeepSpeed)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AutotuningPlan:
-    """The `autotuning` section: the tuner's search (slipstream/autotuning/) and a profiled run's metrics."""
-
-    enabled: bool
-    """The engine writes its step metrics to `metric_path` after `end_profile_step` and exits."""
-    metric_path: str
-    results_dir: str
-    exps_dir: str
-    overwrite: bool
-    metric: str
-    """"throughput" (samples/s, higher wins) or "latency" (s per step, lower wins)."""
-    start_profile_step: int
-    end_profile_step: int
-    fast: bool
-    """True: the reduce bucket size is left as configured (not a dimension of the search)."""
-    max_train_batch_size: int | None
-    min_micro_batch_size: int
-    max_micro_batch_size: int
-    num_tuning_micro_batch_sizes: int
-    tuner_num_trials: int
-    tuner_early_stopping: int
-    arg_mappings: dict[str, str]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
