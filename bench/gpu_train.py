@@ -28,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row before the timed ones")
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for all rows together")
-    parser.add_argument("--row-timeout", type=float, default=100.0, help="seconds per row (compiled rows: 2x)")
+    parser.add_argument(
+        "--row-timeout", type=float, default=100.0, help="seconds per row (compiled and DeepSpeed rows: 2x)"
+    )
     parser.add_argument("--peer-python", default=str(ROOT / ".bench-venv" / "bin" / "python"))
     parser.add_argument("--peer-path", default="", help="PYTHONPATH of the DeepSpeed rows")
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU (gloo): checks the script")
@@ -87,6 +90,15 @@ def run_one(args: argparse.Namespace, framework: str, row: str, timeout: float) 
     python = sys.executable
     if framework == "deepspeed":
         python, env["PYTHONPATH"] = args.peer_python, args.peer_path
+        # Its JIT-built ops (FusedAdam, CPU Adam) in this run's folder, built by the first row that needs them
+        # and reused by the next: a row killed while it compiles leaves a lock there, not in the cache other
+        # DeepSpeed runs share, and rows run one at a time, so any lock found there is stale (torch's build would
+        # wait for it forever).
+        ext = Path(
+            env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(tempfile.gettempdir()) / f"gpu_train_ext_{os.getpid()}"))
+        )
+        for lock in ext.glob("*/lock"):
+            lock.unlink()
         if not Path(python).exists() and "/" in python:
             return {"status": "not installed", "reason": f"no peer interpreter at {python}"}
     if args.dry_run:
@@ -175,7 +187,8 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     for row in args.rows.split(","):
         predicted = planner_prediction(args, row)
         for framework in args.frameworks.split(","):
-            timeout = args.row_timeout * (2 if ROWS[row][2] else 1)
+            # Compiled rows compile, and DeepSpeed's first rows JIT-build their optimizer ops: twice the time.
+            timeout = args.row_timeout * (2 if ROWS[row][2] or framework == "deepspeed" else 1)
             left = deadline - time.monotonic()
             if left < min(timeout, 30.0):
                 result: dict[str, Any] = {"status": "skipped (budget)", "reason": f"{max(left, 0):.0f} s left"}
