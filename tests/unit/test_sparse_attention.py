@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from slipstream.ops.sparse_attention import (
+    BigBirdSparsityConfig,
+    BSLongformerSparsityConfig,
     DenseSparsityConfig,
     FixedSparsityConfig,
     SparseSelfAttention,
@@ -68,6 +70,36 @@ def test_variable_layouts_by_hand() -> None:
     assert torch.equal(first, with_random.make_layout(32))
     sums = first[0].sum(-1)
     assert bool(((sums >= 2) & (sums <= 3)).all()) and bool(first[0].diagonal().all())
+
+
+def test_window_layouts_by_hand() -> None:
+    # 5 blocks, a window of 3 centred on each row, block 0 global both ways
+    bi = _rows("11111", "11100", "11110", "10111", "10011")
+    uni = _rows("10000", "11000", "11100", "10110", "10011")
+    assert torch.equal(BSLongformerSparsityConfig(num_heads=1, block=4).make_layout(20)[0], bi)
+    longformer_uni = BSLongformerSparsityConfig(num_heads=1, block=4, attention="unidirectional")
+    assert torch.equal(longformer_uni.make_layout(20)[0], uni)
+    ranges = BSLongformerSparsityConfig(num_heads=1, block=4, global_block_indices=[1], global_block_end_indices=[3])
+    assert torch.equal(ranges.make_layout(20)[0], _rows("11100", "11111", "11111", "01111", "01111"))
+    no_random = BigBirdSparsityConfig(num_heads=2, block=4, num_random_blocks=0)
+    assert torch.equal(no_random.make_layout(20), bi.expand(2, 5, 5))
+    bird_uni = BigBirdSparsityConfig(num_heads=1, block=4, num_random_blocks=0, attention="unidirectional")
+    assert torch.equal(bird_uni.make_layout(20)[0], uni)
+    with_random = BigBirdSparsityConfig(num_heads=1, block=4, num_random_blocks=1, attention="unidirectional")
+    random.seed(5)
+    layout = with_random.make_layout(32)[0]
+    random.seed(5)
+    assert torch.equal(layout, with_random.make_layout(32)[0]) and torch.equal(layout, torch.tril(layout))
+    random.seed(5)  # the same draws by hand: one block among 0..row for each row, then the window and block 0
+    expected = torch.zeros(8, 8, dtype=torch.int64)
+    for row in range(8):
+        expected[row, random.sample(range(row + 1), 1)] = 1
+        expected[row, max(0, row - 1) : row + 2] = 1
+    expected[:, 0] = 1
+    expected[0, :] = 1
+    assert torch.equal(layout, torch.tril(expected))
+    with pytest.raises(ValueError, match="use at most 1"):
+        BigBirdSparsityConfig(num_heads=1, block=4, num_random_blocks=2, attention="unidirectional").make_layout(32)
 
 
 def test_config_errors_name_the_setting() -> None:

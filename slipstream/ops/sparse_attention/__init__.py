@@ -10,8 +10,11 @@ from slipstream.ops.sparse_attention.sparsity_config import (
     SparsityConfig,
     VariableSparsityConfig,
 )
+from slipstream.ops.sparse_attention.sparsity_window import BigBirdSparsityConfig, BSLongformerSparsityConfig
 
 __all__ = [
+    "BSLongformerSparsityConfig",
+    "BigBirdSparsityConfig",
     "DenseSparsityConfig",
     "FixedSparsityConfig",
     "SparseSelfAttention",

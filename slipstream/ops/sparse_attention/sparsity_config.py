@@ -78,7 +78,7 @@ class FixedSparsityConfig(SparsityConfig):
             raise ValueError(
                 f"num_local_blocks ({num_local_blocks}) must be a multiple of num_global_blocks ({num_global_blocks})"
             )
-        _check_attention(attention, horizontal_global_attention)
+        check_attention(attention, horizontal_global_attention)
         if num_different_global_patterns > 1 and not different_layout_per_head:
             raise ValueError(
                 f"num_different_global_patterns={num_different_global_patterns} needs different_layout_per_head=True "
@@ -144,17 +144,8 @@ class VariableSparsityConfig(SparsityConfig):
         horizontal_global_attention: bool = False,
     ) -> None:
         super().__init__(num_heads, block, different_layout_per_head)
-        starts = [0] if global_block_indices is None else list(global_block_indices)
-        if global_block_end_indices is not None:
-            if len(global_block_end_indices) != len(starts):
-                raise ValueError(
-                    f"global_block_end_indices has {len(global_block_end_indices)} entries and global_block_indices "
-                    f"{len(starts)}; give one end per start"
-                )
-            for start, end in zip(starts, global_block_end_indices):
-                if start >= end:
-                    raise ValueError(f"global block range [{start}, {end}) is empty; each end must exceed its start")
-        _check_attention(attention, horizontal_global_attention)
+        starts = check_global_ranges(global_block_indices, global_block_end_indices)
+        check_attention(attention, horizontal_global_attention)
         self.num_random_blocks = num_random_blocks
         self.local_window_blocks = [4] if local_window_blocks is None else list(local_window_blocks)
         self.global_block_indices = starts
@@ -182,12 +173,8 @@ class VariableSparsityConfig(SparsityConfig):
         return layout
 
     def set_global_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
-        blocks = layout.shape[1]
-        ends = self.global_block_end_indices or [start + 1 for start in self.global_block_indices]
-        for start, end in zip(self.global_block_indices, ends):
-            if start >= blocks:
-                continue
-            end = min(end, blocks)
+        ranges = global_ranges(self.global_block_indices, self.global_block_end_indices, layout.shape[1])
+        for start, end in ranges:
             if self.horizontal_global_attention:
                 layout[h, start:end, :] = 1
             layout[h, 0 if self.attention == "bidirectional" else start :, start:end] = 1
@@ -202,7 +189,28 @@ class VariableSparsityConfig(SparsityConfig):
         return self.check_and_propagate_first_head_layout(layout)
 
 
-def _check_attention(attention: str, horizontal_global_attention: bool) -> None:
+def check_global_ranges(starts: list[int] | None, ends: list[int] | None) -> list[int]:
+    """The global blocks' start indices ([0] by default), checked against their end indices when given."""
+    starts = [0] if starts is None else list(starts)
+    if ends is not None:
+        if len(ends) != len(starts):
+            raise ValueError(
+                f"global_block_end_indices has {len(ends)} entries and global_block_indices {len(starts)}; give one "
+                "end per start"
+            )
+        for start, end in zip(starts, ends):
+            if start >= end:
+                raise ValueError(f"global block range [{start}, {end}) is empty; each end must exceed its start")
+    return starts
+
+
+def global_ranges(starts: list[int], ends: list[int] | None, blocks: int) -> list[tuple[int, int]]:
+    """[start, end) of each global range that begins inside `blocks` blocks (single blocks without ends)."""
+    stops = ends if ends is not None else [start + 1 for start in starts]
+    return [(start, min(end, blocks)) for start, end in zip(starts, stops) if start < blocks]
+
+
+def check_attention(attention: str, horizontal_global_attention: bool) -> None:
     if attention not in ("unidirectional", "bidirectional"):
         raise NotImplementedError(f"attention={attention!r}: use 'unidirectional' or 'bidirectional'")
     if horizontal_global_attention and attention != "bidirectional":
