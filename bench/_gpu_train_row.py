@@ -151,13 +151,17 @@ def _build(spec: dict[str, Any], row: str, ds: Any, accel: Any) -> tuple[Any, in
         model = Llama(spec, ds.checkpointing.checkpoint if checkpointing else None).to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     config = ds_config(row, spec)
-    if ds.__name__ == "deepspeed" and not spec["dry_run"] and shutil.which("nvcc") is None:
+    offloads_optimizer = "offload_optimizer" in config["zero_optimization"]
+    if ds.__name__ == "deepspeed" and not spec["dry_run"] and not offloads_optimizer and shutil.which("nvcc") is None:
         config["optimizer"]["params"]["torch_adam"] = True  # its FusedAdam is built by nvcc at first use
     engine, _, _, _ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
     if compiled:
         if not callable(getattr(engine, "compile", None)):
             raise NotAvailable(f"{ds.__name__} {ds.__version__} has no engine.compile()")
-        engine.compile(backend="eager" if spec["dry_run"] else None)  # inductor on a CPU: minutes of C++
+        if spec["dry_run"]:
+            engine.compile(backend="eager")  # inductor on a CPU: minutes of C++
+        else:
+            engine.compile()
     return engine, params
 
 
