@@ -23,6 +23,7 @@ from torch import nn
 
 from slipstream.accelerator import get_accelerator
 from slipstream.config.precision_plans import Fp8Plan
+from slipstream.config.schema.precision import FP8_RECIPES
 
 __all__ = [
     "RECIPES",
@@ -34,7 +35,7 @@ __all__ = [
     "quantize_fp8",
 ]
 
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = FP8_RECIPES
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 _EPS = 1e-12
