@@ -46,6 +46,7 @@ install() {  # Slipstream's requirements into /tmp/site, DeepSpeed and its own i
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ds-site \
       --find-links "$WHEELS/peer" deepspeed $PEER_REQS || return 1
     PEER_PATH=/tmp/ds-site
+    export PATH="$PATH:/tmp/ds-site/bin"  # the ninja its JIT builds call (a machine's own ninja comes first)
   fi
 }
 
