@@ -32,6 +32,7 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "init_inference",
     ),
     "slipstream.inference": ("init_inference", "InferenceEngine", "DeepSpeedInferenceConfig"),
+    "slipstream.fp8": ("Float8Linear", "convert_to_float8_training", "fp8_hardware"),
     "slipstream.zero": (
         "Init",
         "GatheredParameters",
