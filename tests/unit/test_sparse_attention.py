@@ -153,3 +153,21 @@ def test_an_empty_layout_row_gives_zeros_and_float32_matches() -> None:
     torch.testing.assert_close(out[:, :, :4], first, atol=2e-5, rtol=0)
     with pytest.raises(NotImplementedError, match="attn_mask"):
         SparseSelfAttention(DenseSparsityConfig(num_heads=1, block=4), max_seq_length=8)(q, k, v, attn_mask=q)
+
+
+def test_memory_follows_the_non_zero_blocks() -> None:
+    """Every tensor kept for backward holds at most non-zero blocks x block x max(block, head_dim) elements (the
+    scores, the gathered keys and values), far below heads x seq x seq for a sliding-window layout."""
+    config = BSLongformerSparsityConfig(num_heads=2, block=4, num_sliding_window_blocks=3)
+    layout = config.make_layout(256)  # 64 blocks: rows of 3-4 blocks, plus the global row and column
+    q, k, v = (torch.randn(1, 2, 256, 8, requires_grad=True) for _ in range(3))
+    sizes: list[int] = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        sizes.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        block_sparse_attention(q, k, v, layout, 4, 0.5).sum().backward()
+    non_zero = int(layout.sum())
+    assert max(sizes) <= non_zero * 4 * 8 < 2 * 256 * 256 // 4  # under a quarter of the dense scores

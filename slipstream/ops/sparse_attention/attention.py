@@ -1,7 +1,8 @@
 """Block-sparse attention computed block by block: for each (head, query block) only the key blocks its layout
-row names are gathered, so the scores take batch x heads x seq x (widest layout row x block) elements instead of
-seq x seq. Within a computed block every entry counts (as in DeepSpeed's block-sparse softmax); the result
-equals dense attention whose mask is the layout expanded to tokens. Pure PyTorch, autograd through the gathers.
+row names are gathered (rows grouped by their number of blocks, so nothing is padded), so the scores take
+batch x non-zero blocks x block x block elements instead of batch x heads x seq x seq. Within a computed block
+every entry counts (as in DeepSpeed's block-sparse softmax); the result equals dense attention whose mask is the
+layout expanded to tokens. Pure PyTorch, autograd through the gathers.
 """
 
 from __future__ import annotations
@@ -14,14 +15,19 @@ from slipstream.ops.sparse_attention.sparsity_config import SparsityConfig
 __all__ = ["SparseSelfAttention", "block_sparse_attention"]
 
 
-def _row_columns(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(key-block indices per (head, query block), padded to the widest row; which of them are real)."""
-    active = layout.to(torch.bool)
+def _row_groups(layout: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The layout's (head, query block) rows grouped by how many key blocks they have: for each count, the
+    rows' flat indices (head * blocks + block) and their key-block indices [rows, count]. Empty rows are left out."""
+    active = layout.to(torch.bool).flatten(0, 1)
     counts = active.sum(-1)
-    width = max(int(counts.max()), 1)
-    order = torch.argsort(active.to(torch.int8), dim=-1, descending=True, stable=True)[..., :width]
-    valid = torch.arange(width, device=layout.device) < counts.unsqueeze(-1)
-    return order, valid
+    groups = []
+    for count in torch.unique(counts).tolist():
+        if count == 0:
+            continue
+        rows = torch.nonzero(counts == count).flatten()
+        columns = torch.nonzero(active[rows])[:, 1].reshape(len(rows), count)
+        groups.append((rows, columns))
+    return groups
 
 
 def block_sparse_attention(
@@ -31,17 +37,15 @@ def block_sparse_attention(
     [heads, seq // block, seq // block]. A query block whose layout row is empty gets zeros."""
     batch, heads, seq, dim = query.shape
     blocks = seq // block
-    columns, valid = _row_columns(layout.to(query.device))
-    width = columns.shape[-1]
-    head_index = torch.arange(heads, device=query.device)[:, None, None]
-    keys = key.reshape(batch, heads, blocks, block, dim)[:, head_index, columns]  # [b, h, n, width, block, d]
-    values = value.reshape(batch, heads, blocks, block, dim)[:, head_index, columns]
-    queries = query.reshape(batch, heads, blocks, block, dim)
-    scores = torch.einsum("bhnqd,bhnrkd->bhnqrk", queries, keys) * scale
-    scores = scores.masked_fill(~valid[None, :, :, None, :, None], float("-inf"))
-    probs = torch.softmax(scores.reshape(batch, heads, blocks, block, width * block), dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0).reshape(scores.shape)  # empty rows: softmax of -inf only
-    out = torch.einsum("bhnqrk,bhnrkd->bhnqd", probs, values)
+    queries = query.reshape(batch, heads * blocks, block, dim)
+    keys = key.reshape(batch, heads, blocks, block, dim)
+    values = value.reshape(batch, heads, blocks, block, dim)
+    out = query.new_zeros(batch, heads * blocks, block, dim)
+    for rows, columns in _row_groups(layout.to(query.device)):
+        row_heads = (rows // blocks)[:, None]
+        scores = torch.einsum("bpqd,bpckd->bpqck", queries[:, rows], keys[:, row_heads, columns]) * scale
+        probs = torch.softmax(scores.flatten(-2), dim=-1).reshape(scores.shape)
+        out = out.index_copy(1, rows, torch.einsum("bpqck,bpckd->bpqd", probs, values[:, row_heads, columns]))
     return out.reshape(batch, heads, seq, dim)
 
 
