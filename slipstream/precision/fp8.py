@@ -94,7 +94,7 @@ class _Float8LinearFunction(torch.autograd.Function):
     """y = x W^T in float8; the backward's two products in float8 with the gradient in e5m2."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, weight: torch.Tensor, rowwise: bool, emulate: bool
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
@@ -102,7 +102,7 @@ class _Float8LinearFunction(torch.autograd.Function):
         return _fp8_matmul(x, E4M3, weight, E4M3, rowwise, emulate).to(x.dtype)
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors  # type: ignore[attr-defined]
@@ -147,7 +147,9 @@ class Float8Linear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         flat = input.reshape(-1, self.in_features)
-        out = _Float8LinearFunction.apply(flat, self.weight, self.recipe == "rowwise", self.emulate)
+        rowwise = self.recipe == "rowwise"
+        matmul = _Float8LinearFunction.apply
+        out: torch.Tensor = matmul(flat, self.weight, rowwise, self.emulate)  # type: ignore[no-untyped-call]
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*input.shape[:-1], self.out_features)
@@ -203,9 +205,10 @@ def _torchao_convert(model: nn.Module, recipe: str, module_filter_fn: ModuleFilt
     from torchao.float8 import convert_to_float8_training as torchao_convert
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    return torchao_convert(
+    converted: nn.Module = torchao_convert(
         model, config=config, module_filter_fn=lambda module, fqn: _convertible(module, fqn, module_filter_fn)
     )
+    return converted
 
 
 def apply_fp8_plan(model: nn.Module, plan: Fp8Plan | None) -> nn.Module:
