@@ -13,6 +13,7 @@ copies head 0.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -45,6 +46,15 @@ class SparsityConfig:
         return layout
 
     def make_layout(self, seq_len: int) -> torch.Tensor:
+        """The layout: each of `layout_steps()` in turn for every head that has its own layout, then copies."""
+        layout = self.setup_layout(seq_len)
+        for h in range(self.num_layout_heads):
+            for step in self.layout_steps():
+                layout = step(h, layout)
+        return self.check_and_propagate_first_head_layout(layout)
+
+    def layout_steps(self) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], ...]:
+        """The per-head steps that set the layout's blocks, in order."""
         raise NotImplementedError(
             f"{type(self).__name__} defines no layout; use a subclass such as FixedSparsityConfig"
         )
@@ -116,12 +126,8 @@ class FixedSparsityConfig(SparsityConfig):
                 layout[h, start : start + width, :] = 1
         return layout
 
-    def make_layout(self, seq_len: int) -> torch.Tensor:
-        layout = self.setup_layout(seq_len)
-        for h in range(self.num_layout_heads):
-            self.set_local_layout(h, layout)
-            self.set_global_layout(h, layout)
-        return self.check_and_propagate_first_head_layout(layout)
+    def layout_steps(self) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], ...]:
+        return (self.set_local_layout, self.set_global_layout)
 
 
 class VariableSparsityConfig(SparsityConfig):
@@ -180,13 +186,8 @@ class VariableSparsityConfig(SparsityConfig):
             layout[h, 0 if self.attention == "bidirectional" else start :, start:end] = 1
         return layout
 
-    def make_layout(self, seq_len: int) -> torch.Tensor:
-        layout = self.setup_layout(seq_len)
-        for h in range(self.num_layout_heads):
-            self.set_random_layout(h, layout)
-            self.set_local_layout(h, layout)
-            self.set_global_layout(h, layout)
-        return self.check_and_propagate_first_head_layout(layout)
+    def layout_steps(self) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], ...]:
+        return (self.set_random_layout, self.set_local_layout, self.set_global_layout)
 
 
 def check_global_ranges(starts: list[int] | None, ends: list[int] | None) -> list[int]:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -79,13 +80,8 @@ class BigBirdSparsityConfig(SparsityConfig):
         layout[h, :, :width] = 1
         return torch.tril(layout) if self.attention == "unidirectional" else layout
 
-    def make_layout(self, seq_len: int) -> torch.Tensor:
-        layout = self.setup_layout(seq_len)
-        for h in range(self.num_layout_heads):
-            self.set_random_layout(h, layout)
-            self.set_sliding_window_layout(h, layout)
-            layout = self.set_global_layout_itc(h, layout)
-        return self.check_and_propagate_first_head_layout(layout)
+    def layout_steps(self) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], ...]:
+        return (self.set_random_layout, self.set_sliding_window_layout, self.set_global_layout_itc)
 
 
 class BSLongformerSparsityConfig(SparsityConfig):
@@ -118,9 +114,5 @@ class BSLongformerSparsityConfig(SparsityConfig):
             layout[h, :, start:end] = 1
         return torch.tril(layout) if self.attention == "unidirectional" else layout
 
-    def make_layout(self, seq_len: int) -> torch.Tensor:
-        layout = self.setup_layout(seq_len)
-        for h in range(self.num_layout_heads):
-            self.set_sliding_window_layout(h, layout)
-            layout = self.set_global_layout(h, layout)
-        return self.check_and_propagate_first_head_layout(layout)
+    def layout_steps(self) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], ...]:
+        return (self.set_sliding_window_layout, self.set_global_layout)
