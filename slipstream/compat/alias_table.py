@@ -183,6 +183,12 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "ZeROOptimizer": "slipstream.zero.optimizer:ZeroOptimizer",
     },
     "slipstream.ops.lamb": {"FusedLamb": "slipstream.optim.lamb:FusedLamb"},
+    "slipstream.ops.sparse_attention.sparse_self_attention": {
+        "SparseSelfAttention": "slipstream.ops.sparse_attention.attention:SparseSelfAttention"
+    },
+    "slipstream.ops.sparse_attention.sparsity_config": {
+        "*": "slipstream.ops.sparse_attention.layouts slipstream.ops.sparse_attention.sparsity_window"
+    },
     "slipstream.monitor": {},  # the package of the monitor alias
     # the 1-bit optimizers (slipstream/optim/onebit/); DeepSpeed's OnebitLamb is not built
     "slipstream.runtime.fp16.onebit": {

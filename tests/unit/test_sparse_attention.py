@@ -171,3 +171,11 @@ def test_memory_follows_the_non_zero_blocks() -> None:
         block_sparse_attention(q, k, v, layout, 4, 0.5).sum().backward()
     non_zero = int(layout.sum())
     assert max(sizes) <= non_zero * 4 * 8 < 2 * 256 * 256 // 4  # under a quarter of the dense scores
+
+
+def test_deepspeed_module_paths_import() -> None:
+    from slipstream.ops.sparse_attention.sparse_self_attention import SparseSelfAttention as FromPath
+    from slipstream.ops.sparse_attention.sparsity_config import BigBirdSparsityConfig as BirdFromPath
+    from slipstream.ops.sparse_attention.sparsity_config import FixedSparsityConfig as FixedFromPath
+
+    assert (FromPath, BirdFromPath, FixedFromPath) == (SparseSelfAttention, BigBirdSparsityConfig, FixedSparsityConfig)

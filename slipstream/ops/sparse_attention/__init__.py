@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from slipstream.ops.sparse_attention.attention import SparseSelfAttention, block_sparse_attention
-from slipstream.ops.sparse_attention.sparsity_config import (
+from slipstream.ops.sparse_attention.layouts import (
     DenseSparsityConfig,
     FixedSparsityConfig,
     SparsityConfig,

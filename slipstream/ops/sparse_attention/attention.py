@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slipstream.ops.sparse_attention.sparsity_config import SparsityConfig
+from slipstream.ops.sparse_attention.layouts import SparsityConfig
 
 __all__ = ["SparseSelfAttention", "block_sparse_attention"]
 

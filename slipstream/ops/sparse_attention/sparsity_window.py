@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from slipstream.ops.sparse_attention.sparsity_config import (
+from slipstream.ops.sparse_attention.layouts import (
     SparsityConfig,
     check_attention,
     check_global_ranges,
