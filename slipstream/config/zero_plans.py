@@ -25,9 +25,9 @@ from slipstream.config.plan import (
     ZeroPlan,
 )
 from slipstream.config.schema.misc import AioConfig
-from slipstream.config.section_plans import _same_named
 from slipstream.config.schema.top import DeepSpeedConfig
 from slipstream.config.schema.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from slipstream.config.section_plans import _same_named
 
 __all__ = [
     "aio_plan",

@@ -161,7 +161,12 @@ def build_muon(params: Sequence[object], options: dict[str, object]) -> MuonWith
     config's `optimizer.params`: each incoming group split into its Muon and its AdamW half; a setting is the
     config's shared value, then `muon_lr` / `adam_lr`, then the group's own."""
     options = dict(options)
-    adam_w_mode = bool(options.pop("adam_w_mode", True))
+    adam_w_mode = options.pop("adam_w_mode", True)
+    if not isinstance(adam_w_mode, bool):
+        raise ValueError(
+            f"optimizer.params.adam_w_mode must be true or false, got {adam_w_mode!r} "
+            "(true: decoupled weight decay in the AdamW half, as AdamW; false: L2 decay, as Adam)"
+        )
     if options.pop("per_head_muon", False):
         raise ValueError(
             "optimizer.params.per_head_muon is not implemented in Slipstream (Newton-Schulz per attention head); "

@@ -173,7 +173,7 @@ def test_unimplemented_lists_what_the_user_set() -> None:
                 "memory_breakdown": True,
                 "dump_state": False,
                 "bf16": {"enabled": True, "immediate_grad_update": True},
-                "data_types": {"param_dtype": "bf16"},
+                "data_types": {"buffer_dtype": "bf16"},
                 "optimizer": {"type": "OneBitLamb"},
                 "csv_monitor": {"enabled": True, "output_path": "/tmp/csv"},
                 "comet": {"enabled": True},
@@ -185,7 +185,7 @@ def test_unimplemented_lists_what_the_user_set() -> None:
         "sparse_attention",
         "memory_breakdown",
         "bf16.immediate_grad_update",
-        "data_types.param_dtype",
+        "data_types.buffer_dtype",
         "optimizer.type=onebitlamb",
     }
     assert plan.logging.monitor.csv_output_path == "/tmp/csv"
