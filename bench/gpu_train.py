@@ -255,8 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     results = run_all(args)
     out = write_outputs(args, results, time.perf_counter() - started)
     print(f"wrote {out / 'gpu_train.json'} and {out / 'gpu_train.md'}")
-    slipstream_ok = [r for r in results if r["framework"] == "slipstream" and r["status"] in ("ok", "not available")]
-    return 0 if slipstream_ok and all(r["status"] != "failed" for r in results if r["framework"] == "slipstream") else 1
+    # The exit status: 1 when no row ran or a Slipstream row failed (DeepSpeed's failures are its rows' news).
+    ran = any(r["status"] == "ok" for r in results)
+    fine = ("ok", "not available", "skipped (budget)")
+    return 0 if ran and all(r["status"] in fine for r in results if r["framework"] == "slipstream") else 1
 
 
 if __name__ == "__main__":
