@@ -24,6 +24,7 @@ __all__ = [
     "LeafModuleConfig",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
+    "OffloadSection",
     "ZenFlowConfig",
     "ZeroConfig",
 ]
@@ -31,20 +32,26 @@ __all__ = [
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
-class OffloadOptimizerConfig(DSModel):
-    """`zero_optimization.offload_optimizer` (stages 1-3)."""
+def _offload_keys(plan: str) -> dict[str, str]:
+    """The `IMPLEMENTED` map of an offload section whose target is the plan field `plan`."""
+    return {"device": plan, "nvme_path": f"{plan}.path", "pin_memory": f"{plan}.pin_memory"}
 
-    IMPLEMENTED = {
-        "device": "zero.offload_optimizer",
-        "nvme_path": "zero.offload_optimizer.path",
-        "pin_memory": "zero.offload_optimizer.pin_memory",
-    }
+
+class OffloadSection(DSModel):
+    """What `offload_optimizer` and `offload_param` share: where the tensors go and the NVMe buffer pool."""
+
     device: OffloadDevice = "none"
-    """Where optimizer state lives: "none", "cpu" or "nvme"."""
+    """Where the offloaded tensors live: "none", "cpu" or "nvme"."""
     nvme_path: str | None = None
     """Directory for NVMe offload."""
     buffer_count: DSInt = Field(4, ge=0)
     """Number of buffers in the offload buffer pool."""
+
+
+class OffloadOptimizerConfig(OffloadSection):
+    """`zero_optimization.offload_optimizer` (stages 1-3): optimizer state."""
+
+    IMPLEMENTED = _offload_keys("zero.offload_optimizer")
     pin_memory: DSBool = True
     """Use page-locked host memory for offloaded state."""
     pipeline_read: DSBool = False
@@ -66,18 +73,11 @@ class OffloadOptimizerConfig(DSModel):
         return bool(self.pipeline_read or self.pipeline_write)
 
 
-class OffloadParamConfig(DSModel):
-    """`zero_optimization.offload_param` (stage 3 only); parsed into Stage3Plan.offload_param."""
+class OffloadParamConfig(OffloadSection):
+    """`zero_optimization.offload_param` (stage 3 only): parameters between uses; parsed into
+    Stage3Plan.offload_param."""
 
-    IMPLEMENTED = {
-        "device": "zero.stage3.offload_param",
-        "nvme_path": "zero.stage3.offload_param.path",
-        "pin_memory": "zero.stage3.offload_param.pin_memory",
-    }
-    device: OffloadDevice = "none"
-    """Where parameters live between uses: "none", "cpu" or "nvme"."""
-    nvme_path: str | None = None
-    """Directory for NVMe offload."""
+    IMPLEMENTED = _offload_keys("zero.stage3.offload_param")
     buffer_count: DSInt = Field(5, ge=0)
     """Number of parameter buffers."""
     buffer_size: DSInt = Field(100_000_000, ge=0)
