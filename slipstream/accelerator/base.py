@@ -80,9 +80,9 @@ class Accelerator(abc.ABC):
     def is_available(self) -> bool:
         """Whether this kind of device can be used in this process."""
 
-    @abc.abstractmethod
     def device_name(self, device_index: int | None = None) -> str:
-        """The device string for `torch.device`: "cpu", "cuda", "cuda:1"."""
+        """The device string for `torch.device`: `_name`, or `_name:index` ("cuda", "cuda:1")."""
+        return self._name if device_index is None else f"{self._name}:{device_index}"
 
     def device(self, device_index: int | None = None) -> torch.device:
         """A `torch.device` for `device_index` (the backend's generic device when None)."""

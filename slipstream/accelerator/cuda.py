@@ -47,9 +47,6 @@ class CudaAccelerator(Accelerator):
     def is_available(self) -> bool:
         return torch.cuda.is_available()
 
-    def device_name(self, device_index: int | None = None) -> str:
-        return self._name if device_index is None else f"{self._name}:{device_index}"
-
     def set_device(self, device_index: int) -> None:
         torch.cuda.set_device(device_index)
 

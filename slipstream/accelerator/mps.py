@@ -39,9 +39,6 @@ class MpsAccelerator(HostMemoryAccelerator):
     def is_available(self) -> bool:
         return torch.backends.mps.is_available()
 
-    def device_name(self, device_index: int | None = None) -> str:
-        return self._name if device_index is None else f"{self._name}:{device_index}"
-
     def set_device(self, device_index: int) -> None:
         if device_index != 0:
             raise ValueError(f"MPS has exactly one device (index 0); set_device got {device_index}")
