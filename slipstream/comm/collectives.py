@@ -221,9 +221,18 @@ def all_reduce(
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None = None, async_op: bool = False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    input_is_scratch: bool = False,
 ) -> TimedWork:
     """Sum `input` (world * output.numel() elements) across ranks; rank r receives chunk r in `output`.
+
+    `input_is_scratch`: the caller neither reads `input` after the call nor writes it before the work completes
+    (a staging buffer it refills), so on the host the all-reduce may sum it in place instead of in a copy; its
+    values are then the sums. Without it `input` is left as it was, as on the device.
 
     On the host this is what gloo itself does for a flat reduce-scatter (a copy of `input`, an all-reduce of
     it, chunk r copied out), issued here so that the all-reduce's completion can be watched: gloo's own
@@ -238,7 +247,7 @@ def reduce_scatter(
             lambda i, o: _reduce_scatter_flat(o, i, op=dist.ReduceOp.SUM, group=group, async_op=True),
             async_op,
         )
-    summed = input.clone()
+    summed = input if input_is_scratch else input.clone()
     chunk = summed.chunk(dist.get_world_size(group))[dist.get_rank(group)]
     return _issue(
         "reduce_scatter",
