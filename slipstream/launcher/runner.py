@@ -217,11 +217,10 @@ def run(args: argparse.Namespace, *, raise_errors: bool = False) -> int:
     from slipstream.launcher.local import run_node
 
     if getattr(args, "autotuning", ""):
-        from slipstream.utils.errors import NotBuiltError
-
-        refusal = NotBuiltError(
-            f"autotuning from python -m slipstream.launcher.runner (--autotuning {args.autotuning})",
-            f"use `slipstream run --autotuning {args.autotuning} ...` (or DeepSpeed's `deepspeed` script)",
+        refusal = ValueError(
+            f"--autotuning {args.autotuning}: the tuner runs trials through this launcher, so it is started from "
+            f"`slipstream run --autotuning {args.autotuning} ...` (or DeepSpeed's `deepspeed` script), not from "
+            "python -m slipstream.launcher.runner"
         )
         if raise_errors:
             raise refusal
