@@ -190,13 +190,15 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "*": "slipstream.ops.sparse_attention.layouts slipstream.ops.sparse_attention.sparsity_window"
     },
     "slipstream.monitor": {},  # the package of the monitor alias
-    # the 1-bit optimizers (slipstream/optim/onebit/); DeepSpeed's OnebitLamb is not built
+    # the 1-bit optimizers (slipstream/optim/onebit/)
     "slipstream.runtime.fp16.onebit": {
         "OnebitAdam": "slipstream.optim.onebit.adam:OneBitAdam",
         "ZeroOneAdam": "slipstream.optim.onebit.zoadam:ZeroOneAdam",
+        "OnebitLamb": "slipstream.optim.onebit.lamb:OneBitLamb",
     },
     "slipstream.runtime.fp16.onebit.adam": {"OnebitAdam": "slipstream.optim.onebit.adam:OneBitAdam"},
     "slipstream.runtime.fp16.onebit.zoadam": {"ZeroOneAdam": "slipstream.optim.onebit.zoadam:ZeroOneAdam"},
+    "slipstream.runtime.fp16.onebit.lamb": {"OnebitLamb": "slipstream.optim.onebit.lamb:OneBitLamb"},
     # DeepSpeed features Slipstream does not have: importable, NotBuiltError when used (compat/unbuilt.py)
     "slipstream.autotuning": {"Autotuner": f"{_NB}:Autotuner"},
     "slipstream.launcher.launch": {"main": f"{_NB}:launch_main"},

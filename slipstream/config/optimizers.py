@@ -146,6 +146,12 @@ _ENTRIES = (
     OptimizerSpec(
         name="zerooneadam", target="slipstream.optim.onebit:ZeroOneAdam", states=_fixed(3), class_names=("ZeroOneAdam",)
     ),
+    OptimizerSpec(
+        name="onebitlamb",
+        target="slipstream.optim.onebit:OneBitLamb",
+        states=_fixed(3),
+        class_names=("OneBitLamb", "OnebitLamb"),
+    ),
     # torch.optim classes by their torch names (DeepSpeed passes unknown names to torch.optim as well).
     OptimizerSpec(name="Adamax", target="torch.optim:Adamax", states=_fixed(2), class_names=("Adamax",)),
     OptimizerSpec(name="NAdam", target="torch.optim:NAdam", states=_fixed(2), class_names=("NAdam",)),
@@ -156,7 +162,7 @@ _ENTRIES = (
 )
 REGISTRY: dict[str, OptimizerSpec] = {spec.name: spec for spec in _ENTRIES}
 
-DEEPSPEED_ONLY = ("onebitlamb", "muadam", "muadamw", "musgd")
+DEEPSPEED_ONLY = ("muadam", "muadamw", "musgd")
 """DeepSpeed optimizer names that Slipstream accepts in a config but does not implement (reported when set)."""
 
 

@@ -128,7 +128,7 @@ def test_non_elementwise_optimizer_needs_explicit_permission() -> None:
 
 
 def test_a_refused_optimizer_raises_without_first_saying_it_was_accepted() -> None:
-    for name, refusal in (("OneBitLamb", "'onebitlamb' is not supported"), ("MuSGD", "'musgd' is not supported"),
+    for name, refusal in (("MuAdam", "'muadam' is not supported"), ("MuSGD", "'musgd' is not supported"),
                           ("Adafactor", "Adafactor.*zero_allow_untested_optimizer")):
         config = {"train_batch_size": 4, "optimizer": {"type": name, "params": {"lr": 1e-3}}}
         with warnings.catch_warnings(record=True) as shown:

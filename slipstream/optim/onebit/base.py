@@ -48,7 +48,7 @@ def adam_update(p: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, group: dict[str,
 
 
 class OneBitBase(torch.optim.Optimizer):
-    """The arguments and the compressed all-reduce common to OneBitAdam and ZeroOneAdam."""
+    """The arguments and the compressed all-reduce common to OneBitAdam, ZeroOneAdam and OneBitLamb."""
 
     label = "1-bit optimizer"
 
@@ -74,13 +74,14 @@ class OneBitBase(torch.optim.Optimizer):
         self._all_reduces: dict[Tensor, OneBitAllReduce] = {}
         self._loaded_errors: dict[Tensor, tuple[Tensor, Tensor]] = {}
         """Errors from load_state_dict, copied into each parameter's all-reduce when it is built."""
-        self._work: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        self._work: dict[tuple[torch.dtype, torch.device, int], Tensor] = {}
         self._scratches: dict[tuple[torch.dtype, torch.device], Scratch] = {}
 
-    def work_buffer(self, p: Tensor) -> Tensor:
-        """A scratch tensor shaped like `p`, a view of one buffer per dtype and device that fits the largest
-        parameter (allocated at the first step, reused by every parameter's update)."""
-        key = (p.dtype, p.device)
+    def work_buffer(self, p: Tensor, slot: int = 0) -> Tensor:
+        """A scratch tensor shaped like `p`, a view of one buffer per dtype, device and `slot` (a step that needs
+        two scratch tensors at once asks for slots 0 and 1) that fits the largest parameter (allocated at the
+        first step, reused by every parameter's update)."""
+        key = (p.dtype, p.device, slot)
         buffer = self._work.get(key)
         if buffer is None or buffer.numel() < p.numel():
             largest = max(q.numel() for group in self.param_groups for q in group["params"] if q.dtype == p.dtype)

@@ -37,7 +37,7 @@ def records() -> Iterator[list[logging.LogRecord]]:
         ("gradient_predivide_factor", "as with its default, 1.0"),
         ("zero_optimization.stage3_prefetch_bucket_size", "as with its default, 50000000"),  # an alias
         ("sparse_attention", "as if it were not set"),
-        ("optimizer.type=onebitlamb", "the optimizer passed to initialize() is used instead"),
+        ("optimizer.type=muadam", "the optimizer passed to initialize() is used instead"),
         ("amp.some_extra_key", "the run ignores it"),
     ],
 )

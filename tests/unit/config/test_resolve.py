@@ -174,7 +174,7 @@ def test_unimplemented_lists_what_the_user_set() -> None:
                 "dump_state": False,
                 "bf16": {"enabled": True, "immediate_grad_update": True},
                 "data_types": {"buffer_dtype": "bf16"},
-                "optimizer": {"type": "OneBitLamb"},
+                "optimizer": {"type": "MuAdam"},
                 "csv_monitor": {"enabled": True, "output_path": "/tmp/csv"},
                 "comet": {"enabled": True},
             }
@@ -186,7 +186,7 @@ def test_unimplemented_lists_what_the_user_set() -> None:
         "memory_breakdown",
         "bf16.immediate_grad_update",
         "data_types.buffer_dtype",
-        "optimizer.type=onebitlamb",
+        "optimizer.type=muadam",
     }
     assert plan.logging.monitor.csv_output_path == "/tmp/csv"
     assert plan.logging.flops_profile is not None and plan.logging.monitor.comet is not None

@@ -8,7 +8,7 @@ import torch
 import slipstream
 from slipstream.comm.compressed import pack_signs, unpack_signs
 from slipstream.comm.compressed.onebit import Scratch, compress_rows, decompress_rows
-from slipstream.optim.onebit import OneBitAdam, ZeroOneAdam
+from slipstream.optim.onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 from tests.harness.models import TinyMLP
 
 
@@ -38,7 +38,7 @@ def test_compressed_rows_are_scale_times_sign_and_the_error_is_the_rest(dtype: t
     assert torch.equal(error, rows - expected)
 
 
-@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
+@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam, OneBitLamb])
 def test_arguments_are_checked_by_name(cls: type) -> None:
     params = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="comm_backend_name='ucx'.*nccl, gloo, mpi"):
@@ -49,7 +49,7 @@ def test_arguments_are_checked_by_name(cls: type) -> None:
         cls(params, comm_backend_name=backend, cuda_aware=True)
 
 
-@pytest.mark.parametrize("kind", ["OneBitAdam", "ZeroOneAdam"])
+@pytest.mark.parametrize("kind", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb"])
 def test_sharded_zero_stages_refuse_them_by_name(kind: str) -> None:
     config = {
         "train_batch_size": 4,
@@ -61,7 +61,22 @@ def test_sharded_zero_stages_refuse_them_by_name(kind: str) -> None:
 
 
 def test_deepspeed_import_paths() -> None:
-    from slipstream.runtime.fp16.onebit import OnebitAdam
+    from slipstream.runtime.fp16.onebit import OnebitAdam, OnebitLamb
+    from slipstream.runtime.fp16.onebit.lamb import OnebitLamb as AliasedLamb
     from slipstream.runtime.fp16.onebit.zoadam import ZeroOneAdam as Aliased
 
     assert OnebitAdam is OneBitAdam and Aliased is ZeroOneAdam
+    assert OnebitLamb is OneBitLamb and AliasedLamb is OneBitLamb
+
+
+def test_onebit_lamb_arguments_are_checked_by_name() -> None:
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    for bad, named in (
+        ({"freeze_step": -1}, "freeze_step=-1"),
+        ({"min_coeff": 0.0}, "min_coeff=0.0"),
+        ({"coeff_beta": 1.0}, "coeff_beta=1.0"),
+        ({"factor_min": 5.0}, "factor_min=5.0"),
+        ({"factor_threshold": -0.1}, "factor_threshold=-0.1"),
+    ):
+        with pytest.raises(ValueError, match=f"OneBitLamb: .*{named}"):
+            OneBitLamb(params, **bad)

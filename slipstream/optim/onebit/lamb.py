@@ -1,0 +1,216 @@
+"""1-bit LAMB (https://arxiv.org/abs/2104.06069) with DeepSpeed OnebitLamb's arguments and defaults.
+
+Steps 1..freeze_step are the warm-up: the engine all-reduces the gradients and each tensor takes a LAMB step as
+DeepSpeed's 1-bit LAMB computes it (no bias correction):
+    u = m / (sqrt(v) + eps) + weight_decay * w;  c = clamp(||w|| / ||u||, min_coeff, max_coeff)  (1 if a norm is 0)
+    w -= lr * c * u;  and, when c != 1, frozen_c = coeff_beta * frozen_c + (1 - coeff_beta) * c
+After it the variance v and the coefficient frozen_c stop moving. Each step updates this rank's momentum with its
+own gradient and replaces it by its 1-bit error-compensated mean over the ranks (comm/compressed/). From the mean
+momentum and the last one a gradient is reconstructed, g = (m - beta1 m_last) / (1 - beta1), which feeds a fresh
+variance v_fresh (started from v at the end of the warm-up). The step is
+    factor = max((sqrt(v) + eps) / (sqrt(v_fresh) + eps))        the largest elementwise ratio
+    (with weight decay: factor = factor * r + 1 - r, r = min(1, ||m / (sqrt(v) + eps)|| / ||u||))
+    factor clamped to [factor_min, factor_max], then to last_factor * [1 - factor_threshold, 1 + factor_threshold]
+    w -= lr * frozen_c * factor * u
+ZeRO 0 hands the optimizer flat pieces that hold several parameters; as FusedLamb does, the coefficients are per
+parameter through the whole-tensor map ([Note: whole-tensor map] in zero/whole_tensors.py), and each piece's
+momentum is compressed as one buffer. So, as DeepSpeed does for its one flat buffer, the first compressed step
+records each tensor's 'scaling_coeff' (the mean over the piece's tensors of ||m|| / sqrt(numel), divided by the
+tensor's own), and every compressed step multiplies the momentum by it before the all-reduce and divides after.
+As in OneBitAdam, DeepSpeed's first step only sets up its buffers; here every step updates the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slipstream.optim.common import WholeTensorOptimizer, closure_loss
+from slipstream.optim.lamb import trust_ratios
+from slipstream.optim.onebit.base import OneBitBase, Params, adam_defaults, adam_update
+from slipstream.zero.whole_tensors import TensorPart, WholeTensorMap
+
+__all__ = ["OneBitLamb"]
+
+
+class OneBitLamb(OneBitBase, WholeTensorOptimizer):
+    """1-bit LAMB; `deepspeed` (DeepSpeed's engine argument) is accepted and unused: the engine asks the optimizer
+    instead (`takes_over_reduction`). `bias_correction`, `eps_inside_sqrt` and `max_grad_norm` are accepted as in
+    DeepSpeed, whose 1-bit LAMB does not use them either. `lamb_coeffs` holds the last step's coefficients."""
+
+    label = "OneBitLamb"
+
+    def __init__(
+        self,
+        params: Params,
+        deepspeed: object = None,
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+    ) -> None:
+        _check_arguments(freeze_step, min_coeff, max_coeff, coeff_beta, (factor_min, factor_max, factor_threshold))
+        defaults = adam_defaults(lr, bias_correction, betas, eps, weight_decay, max_grad_norm)
+        defaults.update(max_coeff=max_coeff, min_coeff=min_coeff)
+        super().__init__(params, defaults, amsgrad=amsgrad, cuda_aware=cuda_aware, comm_backend_name=comm_backend_name)
+        self.freeze_step = freeze_step
+        self.coeff_beta = coeff_beta
+        self.factor_max = factor_max
+        self.factor_min = factor_min
+        self.factor_threshold = factor_threshold
+        self.lamb_coeffs: list[float] = []
+
+    def get_lamb_coeffs(self) -> list[float]:
+        return list(self.lamb_coeffs)
+
+    def next_step_is_local(self) -> bool:
+        return self.steps_done() >= self.freeze_step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = closure_loss(closure)
+        compressed = self.next_step_is_local()
+        whole = self.whole_tensors()
+        self.lamb_coeffs = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("OneBitLamb does not support sparse gradients (nor does DeepSpeed's)")
+                parts = whole.parts(p)
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                    # per tensor of the piece, as lists: load_state_dict would cast tensors to the piece's dtype
+                    state["lamb_coeff_freeze"], state["last_factor"] = [0.0] * len(parts), [1.0] * len(parts)
+                state["step"] += 1
+                step = self._compressed_step if compressed else self._warmup_step
+                coeffs = step(p, group, state, whole).tolist()
+                self.lamb_coeffs += coeffs
+                flat_p, flat_u = p.view(-1), self.work_buffer(p).view(-1)
+                for part, coeff in zip(parts, coeffs):
+                    end = part.offset + part.numel
+                    flat_p[part.offset : end].sub_(flat_u[part.offset : end], alpha=group["lr"] * coeff)
+        return loss
+
+    def _warmup_step(self, p: Tensor, group: dict[str, Any], state: dict[str, Any], whole: WholeTensorMap) -> Tensor:
+        """A LAMB step's moments, u in `work_buffer(p)`, and each tensor's coefficient (folded into the frozen
+        ones)."""
+        beta1, beta2 = group["betas"]
+        grad, exp_avg, exp_avg_sq = p.grad, state["exp_avg"], state["exp_avg_sq"]
+        assert grad is not None  # step() skips parameters without one
+        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        update = adam_update(p, exp_avg, exp_avg_sq, group, self.work_buffer(p))
+        coeffs = trust_ratios(self._norms(whole, p, [p, update]), *self._limits(group)).cpu()
+        frozen = torch.tensor(state["lamb_coeff_freeze"], dtype=torch.float64)
+        blended = frozen * self.coeff_beta + coeffs * (1.0 - self.coeff_beta)
+        state["lamb_coeff_freeze"] = torch.where(coeffs != 1.0, blended, frozen).tolist()
+        return coeffs
+
+    def _compressed_step(
+        self, p: Tensor, group: dict[str, Any], state: dict[str, Any], whole: WholeTensorMap
+    ) -> Tensor:
+        """A compressed step: the mean momentum, the fresh variance, u in `work_buffer(p)`, frozen_c * factor."""
+        beta1, beta2 = group["betas"]
+        grad, exp_avg, exp_avg_sq = p.grad, state["exp_avg"], state["exp_avg_sq"]
+        assert grad is not None  # step() skips parameters without one
+        parts = whole.parts(p)
+        if "exp_avg_sq_fresh" not in state:  # the first compressed step: the warm-up's last variance
+            state["exp_avg_sq_fresh"] = exp_avg_sq.clone()
+            state["scaling_coeff"] = _scaling_coeffs(exp_avg, parts).tolist()
+        fresh = state["exp_avg_sq_fresh"]
+        rebuilt = self.work_buffer(p, slot=1).copy_(exp_avg)
+        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        _scale_parts(exp_avg, parts, state["scaling_coeff"])
+        self.compressed_mean(p, exp_avg)
+        _scale_parts(exp_avg, parts, [1.0 / coeff for coeff in state["scaling_coeff"]])
+        rebuilt.mul_(-beta1).add_(exp_avg).div_(1.0 - beta1)  # the gradient the mean momentum implies
+        fresh.mul_(beta2).addcmul_(rebuilt, rebuilt, value=1.0 - beta2)
+        denom = torch.sqrt(exp_avg_sq, out=self.work_buffer(p)).add_(group["eps"])
+        ratio = torch.div(denom, torch.sqrt(fresh, out=rebuilt).add_(group["eps"]), out=rebuilt).view(-1)
+        factor = torch.stack([ratio[part.offset : part.offset + part.numel].max() for part in parts]).double().cpu()
+        update = torch.div(exp_avg, denom, out=denom)
+        if group["weight_decay"] > 0.0:
+            decayed = torch.add(update, p, alpha=group["weight_decay"], out=rebuilt)
+            norms = self._norms(whole, p, [update, decayed]).cpu()
+            share = torch.where(norms[:, 1] > 0, norms[:, 0] / norms[:, 1].clamp_min(1e-300), 1.0).clamp(max=1.0)
+            factor = factor * share + (1.0 - share)
+            update.copy_(decayed)
+        return torch.tensor(state["lamb_coeff_freeze"], dtype=torch.float64) * self._limited(factor, state)
+
+    def _limited(self, factor: Tensor, state: dict[str, Any]) -> Tensor:
+        """Each factor clamped to [factor_min, factor_max], then within factor_threshold of its last one (kept)."""
+        factor = factor.clamp(self.factor_min, self.factor_max)
+        last, threshold = torch.tensor(state["last_factor"], dtype=torch.float64), self.factor_threshold
+        factor = torch.minimum(torch.maximum(factor, last * (1.0 - threshold)), last * (1.0 + threshold))
+        state["last_factor"] = factor.tolist()
+        return factor
+
+    @staticmethod
+    def _norms(whole: WholeTensorMap, p: Tensor, values: list[Tensor]) -> Tensor:
+        """Per tensor in `p` (its parts' order), the norms of `values` (one column each)."""
+        rows = [part.tensor for part in whole.parts(p)]
+        return whole.sum_squares([(p, values)])[rows].sqrt()
+
+    @staticmethod
+    def _limits(group: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        limits = torch.tensor([group["min_coeff"], group["max_coeff"]], dtype=torch.float64)
+        return limits[0], limits[1]
+
+
+def _scaling_coeffs(exp_avg: Tensor, parts: tuple[TensorPart, ...]) -> Tensor:
+    """Per tensor, the mean over the piece's tensors of ||m|| / sqrt(numel), divided by its own (1 where its
+    momentum is 0): the compressed piece then holds tensors of one size."""
+    flat = exp_avg.view(-1)
+    scales = torch.stack(
+        [
+            torch.linalg.vector_norm(flat[part.offset : part.offset + part.numel]).double() / part.numel**0.5
+            for part in parts
+        ]
+    ).cpu()
+    return torch.where(scales > 0, scales.mean() / scales.clamp_min(1e-300), 1.0)
+
+
+def _scale_parts(values: Tensor, parts: tuple[TensorPart, ...], coeffs: list[float]) -> None:
+    flat = values.view(-1)
+    for part, coeff in zip(parts, coeffs):
+        flat[part.offset : part.offset + part.numel].mul_(coeff)
+
+
+def _check_arguments(
+    freeze_step: int, min_coeff: float, max_coeff: float, coeff_beta: float, factors: tuple[float, float, float]
+) -> None:
+    factor_min, factor_max, factor_threshold = factors
+    problems = []
+    if freeze_step < 0:
+        problems.append(f"freeze_step={freeze_step} must be >= 0 (the number of warm-up steps)")
+    if not 0.0 < min_coeff <= max_coeff:
+        problems.append(f"needs 0 < min_coeff <= max_coeff; got min_coeff={min_coeff}, max_coeff={max_coeff}")
+    if not 0.0 <= coeff_beta < 1.0:
+        problems.append(f"coeff_beta={coeff_beta} must be in [0, 1) (the coefficient's running-average weight)")
+    if not 0.0 < factor_min <= factor_max or factor_threshold < 0.0:
+        problems.append(
+            f"needs 0 < factor_min <= factor_max and factor_threshold >= 0; got factor_min={factor_min}, "
+            f"factor_max={factor_max}, factor_threshold={factor_threshold}"
+        )
+    if problems:
+        raise ValueError("OneBitLamb: " + "; ".join(problems))
