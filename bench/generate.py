@@ -48,9 +48,17 @@ ROWS = ("unsharded", "zero3_hybrid", "zero3_naive", "ss_tp2", "ds_tp2", "weights
 def make_llama() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=MLP, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
-                         pad_token_id=0, eos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        intermediate_size=MLP,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
 
@@ -74,9 +82,13 @@ def _timed(call: Callable[[], Any], rounds: int) -> tuple[float, Any]:
 def _zero3_engine(hybrid: bool) -> Any:
     import slipstream
 
-    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-              "hybrid_engine": {"enabled": hybrid}, "steps_per_print": 10**6}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "hybrid_engine": {"enabled": hybrid},
+        "steps_per_print": 10**6,
+    }
     engine, *_ = slipstream.initialize(model=make_llama(), config=config)
     engine.eval()
     return engine
@@ -92,8 +104,9 @@ def _inference_engine(row: str) -> Any:
     else:
         sys.path.insert(0, str(ROOT))
         import slipstream as lib
-    return lib.init_inference(make_llama(), dtype=torch.float32, tensor_parallel={"tp_size": 2},
-                              replace_with_kernel_inject=False)
+    return lib.init_inference(
+        make_llama(), dtype=torch.float32, tensor_parallel={"tp_size": 2}, replace_with_kernel_inject=False
+    )
 
 
 def _generation_row(row: str, new_tokens: int, rounds: int) -> dict[str, Any]:
@@ -130,17 +143,29 @@ def _weights_row(rounds: int) -> dict[str, Any]:
 
     hand_s, hand_bytes = _timed(hand_off, rounds)
     plain_s, plain_bytes = _timed(state_dict_gather, rounds)
-    return {"iter_gb_s": hand_bytes / hand_s / 1e9, "state_dict_gb_s": plain_bytes / plain_s / 1e9,
-            "iter_mb": hand_bytes / 1e6, "state_dict_mb": plain_bytes / 1e6}
+    return {
+        "iter_gb_s": hand_bytes / hand_s / 1e9,
+        "state_dict_gb_s": plain_bytes / plain_s / 1e9,
+        "iter_mb": hand_bytes / 1e6,
+        "state_dict_mb": plain_bytes / 1e6,
+    }
 
 
 def rank_main(rank: int, world: int, store_dir: str, row: str, new_tokens: int, rounds: int) -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29998", SLIPSTREAM_LOG_LEVEL="warning")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29998",
+        SLIPSTREAM_LOG_LEVEL="warning",
+    )
     if world > 1:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "store"), world),
-                                rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(os.path.join(store_dir, "store"), world), rank=rank, world_size=world
+        )
     result = _weights_row(rounds) if row == "weights" else _generation_row(row, new_tokens, rounds)
     Path(store_dir, f"{rank}.json").write_text(json.dumps(result))
     if world > 1:
@@ -151,9 +176,15 @@ def run_row(python: str, row: str, new_tokens: int, rounds: int) -> dict[str, An
     """Rank 0's result of `row`, or why it failed (the last line of the first failing rank's stderr)."""
     world = 1 if row == "unsharded" else 2
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [subprocess.Popen([python, __file__, "--rank", str(r), str(world), tmp, row, str(new_tokens),
-                                   str(rounds)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [python, __file__, "--rank", str(r), str(world), tmp, row, str(new_tokens), str(rounds)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(world)
+        ]
         errors = [p.communicate()[1] for p in procs]
         for proc, err in zip(procs, errors):
             if proc.returncode:
@@ -181,9 +212,11 @@ def _report(results: dict[str, dict[str, Any]]) -> None:
         print(f"  init_inference tp 2, Slipstream / DeepSpeed tokens/s: {ours['tok_s'] / theirs['tok_s']:.2f}x")
     weights = results.get("weights")
     if weights:
-        print(f"  iter_full_weights {weights['iter_gb_s']:.3f} GB/s ({weights['iter_mb']:.1f} MB) vs state_dict "
-              f"gather {weights['state_dict_gb_s']:.3f} GB/s ({weights['state_dict_mb']:.1f} MB): "
-              f"{weights['iter_gb_s'] / weights['state_dict_gb_s']:.2f}x")
+        print(
+            f"  iter_full_weights {weights['iter_gb_s']:.3f} GB/s ({weights['iter_mb']:.1f} MB) vs state_dict "
+            f"gather {weights['state_dict_gb_s']:.3f} GB/s ({weights['state_dict_mb']:.1f} MB): "
+            f"{weights['iter_gb_s'] / weights['state_dict_gb_s']:.2f}x"
+        )
 
 
 def main() -> None:
@@ -195,8 +228,10 @@ def main() -> None:
     parser.add_argument("--peer-python", default=str(ROOT / ".bench-venv/bin/python"))
     args = parser.parse_args()
     rounds, new_tokens = (1, 8) if args.quick else (args.rounds, args.new_tokens)
-    print(f"generate: tiny Llama ({LAYERS} x {WIDTH}), batch {BATCH}, prompt {PROMPT}, {new_tokens} new tokens, "
-          f"greedy, {rounds} rounds; 2 ranks (gloo, 1 thread each) unless unsharded")
+    print(
+        f"generate: tiny Llama ({LAYERS} x {WIDTH}), batch {BATCH}, prompt {PROMPT}, {new_tokens} new tokens, "
+        f"greedy, {rounds} rounds; 2 ranks (gloo, 1 thread each) unless unsharded"
+    )
     results: dict[str, dict[str, Any]] = {}
     for row in args.rows.split(","):
         python = args.peer_python if row == "ds_tp2" else sys.executable
