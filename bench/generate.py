@@ -8,6 +8,8 @@ heads, 4 KV heads, MLP 688; 4.2M parameters, fp32), the same seed in every row. 
 a 16-token prompt, `--new-tokens` new tokens (64), the model's own KV cache. gloo on CPU, one thread per rank;
 every row is a fresh process (two ranks, or one for `unsharded`):
 - `unsharded`: the plain model's `generate` in one process (the reference of the hybrid rows);
+- `unsharded_x2`: the same on each of two ranks at once (what the two ZeRO-3 ranks' compute costs when they
+  share the machine's cores, without any gather);
 - `zero3_hybrid`: a ZeRO-3 engine with `hybrid_engine.enabled`, `engine.eval(); engine.generate(...)`: every
   unit gathered once per call;
 - `zero3_naive`: the same engine without it: the module hooks gather every layer again for every token;
@@ -42,7 +44,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 VOCAB, WIDTH, LAYERS, HEADS, KV_HEADS, MLP, BATCH, PROMPT = 2048, 256, 4, 8, 4, 688, 4, 16
-ROWS = ("unsharded", "zero3_hybrid", "zero3_naive", "ss_tp2", "ds_tp2", "weights")
+ROWS = ("unsharded", "unsharded_x2", "zero3_hybrid", "zero3_naive", "ss_tp2", "ds_tp2", "weights")
 
 
 def make_llama() -> Any:
@@ -110,7 +112,7 @@ def _inference_engine(row: str) -> Any:
 
 
 def _generation_row(row: str, new_tokens: int, rounds: int) -> dict[str, Any]:
-    if row == "unsharded":
+    if row.startswith("unsharded"):
         generator = make_llama()
     elif row.startswith("zero3"):
         generator = _zero3_engine(row == "zero3_hybrid")
@@ -207,6 +209,9 @@ def _report(results: dict[str, dict[str, Any]]) -> None:
         print(f"  hybrid / naive ZeRO-3 tokens/s: {hybrid['tok_s'] / naive['tok_s']:.2f}x (target >= 5x)")
     if hybrid and base:
         print(f"  unsharded / hybrid time: {hybrid['s'] / base['s']:.2f}x (target <= 1.3x)")
+    both = results.get("unsharded_x2")
+    if hybrid and both:
+        print(f"  unsharded on two ranks at once / hybrid time: {hybrid['s'] / both['s']:.2f}x")
     ours, theirs = results.get("ss_tp2"), results.get("ds_tp2")
     if ours and theirs:
         print(f"  init_inference tp 2, Slipstream / DeepSpeed tokens/s: {ours['tok_s'] / theirs['tok_s']:.2f}x")
