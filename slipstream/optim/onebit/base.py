@@ -153,7 +153,7 @@ class OneBitBase(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         saved = super().state_dict()
-        saved["onebit_errors"] = {"world_size": self._world(), "buffers": self.error_buffers()}
+        saved["onebit_errors"] = {"world_size": self._world(), "buffers": self.rank_tensors()}
         return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

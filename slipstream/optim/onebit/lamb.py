@@ -35,6 +35,8 @@ from slipstream.zero.whole_tensors import TensorPart, WholeTensorMap
 
 __all__ = ["OneBitLamb"]
 
+PER_TENSOR = ("lamb_coeff_freeze", "last_factor", "scaling_coeff")
+
 
 class OneBitLamb(OneBitBase, WholeTensorOptimizer):
     """1-bit LAMB; `deepspeed` (DeepSpeed's engine argument) is accepted and unused: the engine asks the optimizer
@@ -75,6 +77,8 @@ class OneBitLamb(OneBitBase, WholeTensorOptimizer):
         self.factor_min = factor_min
         self.factor_threshold = factor_threshold
         self.lamb_coeffs: list[float] = []
+        self._per_tensor: dict[Tensor, dict[str, Tensor]] = {}
+        """Per piece, one float64 value per tensor in it (PER_TENSOR); checkpointed with the error buffers."""
 
     def get_lamb_coeffs(self) -> list[float]:
         return list(self.lamb_coeffs)
@@ -99,8 +103,9 @@ class OneBitLamb(OneBitBase, WholeTensorOptimizer):
                 if not state:
                     state["step"] = 0
                     state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-                    # per tensor of the piece, as lists: load_state_dict would cast tensors to the piece's dtype
-                    state["lamb_coeff_freeze"], state["last_factor"] = [0.0] * len(parts), [1.0] * len(parts)
+                if p not in self._per_tensor:
+                    zeros = torch.zeros(len(parts), dtype=torch.float64)
+                    self._per_tensor[p] = {"lamb_coeff_freeze": zeros, "last_factor": torch.ones_like(zeros)}
                 state["step"] += 1
                 step = self._compressed_step if compressed else self._warmup_step
                 coeffs = step(p, group, state, whole).tolist()
@@ -121,9 +126,10 @@ class OneBitLamb(OneBitBase, WholeTensorOptimizer):
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         update = adam_update(p, exp_avg, exp_avg_sq, group, self.work_buffer(p))
         coeffs = trust_ratios(self._norms(whole, p, [p, update]), *self._limits(group)).cpu()
-        frozen = torch.tensor(state["lamb_coeff_freeze"], dtype=torch.float64)
+        per = self._per_tensor[p]
+        frozen = per["lamb_coeff_freeze"]
         blended = frozen * self.coeff_beta + coeffs * (1.0 - self.coeff_beta)
-        state["lamb_coeff_freeze"] = torch.where(coeffs != 1.0, blended, frozen).tolist()
+        per["lamb_coeff_freeze"] = torch.where(coeffs != 1.0, blended, frozen)
         return coeffs
 
     def _compressed_step(
@@ -133,16 +139,17 @@ class OneBitLamb(OneBitBase, WholeTensorOptimizer):
         beta1, beta2 = group["betas"]
         grad, exp_avg, exp_avg_sq = p.grad, state["exp_avg"], state["exp_avg_sq"]
         assert grad is not None  # step() skips parameters without one
-        parts = whole.parts(p)
+        parts, per = whole.parts(p), self._per_tensor[p]
         if "exp_avg_sq_fresh" not in state:  # the first compressed step: the warm-up's last variance
             state["exp_avg_sq_fresh"] = exp_avg_sq.clone()
-            state["scaling_coeff"] = _scaling_coeffs(exp_avg, parts).tolist()
+        if "scaling_coeff" not in per:
+            per["scaling_coeff"] = _scaling_coeffs(exp_avg, parts)
         fresh = state["exp_avg_sq_fresh"]
         rebuilt = self.work_buffer(p, slot=1).copy_(exp_avg)
         exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-        _scale_parts(exp_avg, parts, state["scaling_coeff"])
+        _scale_parts(exp_avg, parts, per["scaling_coeff"])
         self.compressed_mean(p, exp_avg)
-        _scale_parts(exp_avg, parts, [1.0 / coeff for coeff in state["scaling_coeff"]])
+        _scale_parts(exp_avg, parts, per["scaling_coeff"].reciprocal())
         rebuilt.mul_(-beta1).add_(exp_avg).div_(1.0 - beta1)  # the gradient the mean momentum implies
         fresh.mul_(beta2).addcmul_(rebuilt, rebuilt, value=1.0 - beta2)
         denom = torch.sqrt(exp_avg_sq, out=self.work_buffer(p)).add_(group["eps"])
@@ -155,15 +162,36 @@ class OneBitLamb(OneBitBase, WholeTensorOptimizer):
             share = torch.where(norms[:, 1] > 0, norms[:, 0] / norms[:, 1].clamp_min(1e-300), 1.0).clamp(max=1.0)
             factor = factor * share + (1.0 - share)
             update.copy_(decayed)
-        return torch.tensor(state["lamb_coeff_freeze"], dtype=torch.float64) * self._limited(factor, state)
+        return per["lamb_coeff_freeze"] * self._limited(factor, per)
 
-    def _limited(self, factor: Tensor, state: dict[str, Any]) -> Tensor:
+    def _limited(self, factor: Tensor, per: dict[str, Tensor]) -> Tensor:
         """Each factor clamped to [factor_min, factor_max], then within factor_threshold of its last one (kept)."""
         factor = factor.clamp(self.factor_min, self.factor_max)
-        last, threshold = torch.tensor(state["last_factor"], dtype=torch.float64), self.factor_threshold
+        last, threshold = per["last_factor"], self.factor_threshold
         factor = torch.minimum(torch.maximum(factor, last * (1.0 - threshold)), last * (1.0 + threshold))
-        state["last_factor"] = factor.tolist()
+        per["last_factor"] = factor
         return factor
+
+    # ---- checkpoints: the per-tensor values travel with the error buffers (not in `state`, whose tensors
+    # load_state_dict casts to the piece's dtype and whose values engine checkpoints keep per element or scalar)
+    def rank_tensors(self) -> dict[str, Tensor]:
+        out = super().rank_tensors()
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                for name, values in self._per_tensor.get(p, {}).items():
+                    out[f"{g}.{i}.{name}"] = values
+        return out
+
+    def load_rank_tensors(self, tensors: dict[str, Tensor], *, saved_world_size: int) -> None:
+        """The frozen ratios, last factors and scaling coefficients (at any world size), then the errors."""
+        self._per_tensor.clear()
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                found = {n: tensors[f"{g}.{i}.{n}"] for n in PER_TENSOR if f"{g}.{i}.{n}" in tensors}
+                if found:
+                    self._per_tensor[p] = {n: v.detach().to("cpu", torch.float64, copy=True) for n, v in found.items()}
+        errors = {key: value for key, value in tensors.items() if key.rsplit(".", 1)[-1] not in PER_TENSOR}
+        super().load_rank_tensors(errors, saved_world_size=saved_world_size)
 
     @staticmethod
     def _norms(whole: WholeTensorMap, p: Tensor, values: list[Tensor]) -> Tensor:
@@ -190,9 +218,9 @@ def _scaling_coeffs(exp_avg: Tensor, parts: tuple[TensorPart, ...]) -> Tensor:
     return torch.where(scales > 0, scales.mean() / scales.clamp_min(1e-300), 1.0)
 
 
-def _scale_parts(values: Tensor, parts: tuple[TensorPart, ...], coeffs: list[float]) -> None:
+def _scale_parts(values: Tensor, parts: tuple[TensorPart, ...], coeffs: Tensor) -> None:
     flat = values.view(-1)
-    for part, coeff in zip(parts, coeffs):
+    for part, coeff in zip(parts, coeffs.tolist()):
         flat[part.offset : part.offset + part.numel].mul_(coeff)
 
 

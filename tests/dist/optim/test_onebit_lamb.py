@@ -5,17 +5,27 @@
   frozen coefficient times the clamped factor), in cases where the factor's [factor_min, factor_max] clamp and its
   factor_threshold limit each bind. The state dict (error buffers included) resumes a compressed step exactly.
 - Through the engine at ZeRO 0: after warm-up the loss follows LAMB's within a bound, the ranks' parameters stay
-  equal, and a compressed step hands the collectives exactly the 1-bit bytes (no gradient all-reduce).
+  equal, and a compressed step hands the collectives exactly the 1-bit bytes (no gradient all-reduce); a
+  checkpoint taken in the compressed phase resumes exactly.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import torch
 
-from tests.dist.optim.test_onebit import LR, STEPS, WARMUP_STEPS, onebit, reference_all_reduce, train
+from tests.dist.optim.test_onebit import (
+    LR,
+    STEPS,
+    WARMUP_STEPS,
+    check_engine_checkpoint,
+    onebit,
+    reference_all_reduce,
+    train,
+)
 from tests.harness import run_distributed
 from tests.harness.models import TinyMLP
 
@@ -157,7 +167,8 @@ def check_resume(
 ) -> None:
     """A copy built from the state dict (moments, frozen coefficients, factors, errors) steps as the original."""
     saved = copy.deepcopy(optimizer.state_dict())
-    assert sorted(saved["onebit_errors"]["buffers"]) == ["0.0.server", "0.0.worker"]
+    names = ("lamb_coeff_freeze", "last_factor", "scaling_coeff", "server", "worker")
+    assert sorted(saved["onebit_errors"]["buffers"]) == [f"0.0.{name}" for name in names]
     loaded, copied = build(args)
     with torch.no_grad():
         copied.copy_(piece)
@@ -186,10 +197,12 @@ def check_engine(rank: int, world: int) -> None:
     assert mine["last_step"].get("all_to_all") == rows and mine["last_step"].get("all_gather") == rows, mine
 
 
-def run_all(rank: int, world: int) -> None:
+def run_all(rank: int, world: int, directory: str) -> None:
     check_against_reference(rank, world)
     check_engine(rank, world)
+    # an engine checkpoint in the compressed phase (moments, frozen ratios and factors, errors) resumes exactly
+    check_engine_checkpoint(rank, world, directory=directory, runs={"OneBitLamb": onebit("OneBitLamb", freeze_step=2)})
 
 
-def test_onebit_lamb() -> None:
-    run_distributed(run_all, world_size=2, timeout_s=180)
+def test_onebit_lamb(tmp_path: Path) -> None:
+    run_distributed(run_all, world_size=2, timeout_s=180, directory=str(tmp_path))
