@@ -1,4 +1,4 @@
-"""Bytes on the wire per optimizer step: Adam's fp32 gradient all-reduce against 1-bit Adam and 0/1 Adam.
+"""Bytes on the wire per optimizer step: Adam's fp32 gradient all-reduce against 1-bit Adam, 0/1 Adam and 1-bit LAMB.
 
     python bench/optimizers_onebit.py [--quick] [--layers 48] [--width 1024] [--steps 4]
 
@@ -28,6 +28,7 @@ ROWS = {
         "type": "ZeroOneAdam",
         "params": {"lr": 1e-4, "var_freeze_step": 0, "var_update_scaler": 1, "comm_backend_name": "gloo"},
     },
+    "OneBitLamb": {"type": "OneBitLamb", "params": {"lr": 1e-4, "freeze_step": 1, "comm_backend_name": "gloo"}},
 }
 
 
@@ -69,7 +70,7 @@ def report(results: dict[str, list[tuple[int, float, float]]], *, layers: int, w
           "handed to collectives) and sent (on the wire: ring all-reduce)")
     print(f"{'optimizer':<12} {'step':>4} {'kind':<11} {'counted':>13} {'Adam/this':>10} {'sent':>13} "
           f"{'Adam/this':>10} {'seconds':>8}")
-    warmups = {"Adam": 10**9, "OneBitAdam": 1, "ZeroOneAdam": 1}
+    warmups = {"Adam": 10**9, "OneBitAdam": 1, "ZeroOneAdam": 1, "OneBitLamb": 1}
     for name, steps in results.items():
         for number, (counted, sent, seconds) in enumerate(steps, start=1):
             kind = "full" if number <= warmups[name] else "compressed"
