@@ -125,7 +125,8 @@ class OneBitLamb(OneBitBase, WholeTensorOptimizer):
         exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         update = adam_update(p, exp_avg, exp_avg_sq, group, self.work_buffer(p))
-        coeffs = trust_ratios(self._norms(whole, p, [p, update]), *self._limits(group)).cpu()
+        norms = self._norms(whole, p, [p, update])
+        coeffs = trust_ratios(norms, *self._limits(group, norms.device)).cpu()
         per = self._per_tensor[p]
         frozen = per["lamb_coeff_freeze"]
         blended = frozen * self.coeff_beta + coeffs * (1.0 - self.coeff_beta)
@@ -200,8 +201,8 @@ class OneBitLamb(OneBitBase, WholeTensorOptimizer):
         return whole.sum_squares([(p, values)])[rows].sqrt()
 
     @staticmethod
-    def _limits(group: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        limits = torch.tensor([group["min_coeff"], group["max_coeff"]], dtype=torch.float64)
+    def _limits(group: dict[str, Any], device: torch.device) -> tuple[Tensor, Tensor]:
+        limits = torch.tensor([group["min_coeff"], group["max_coeff"]], dtype=torch.float64, device=device)
         return limits[0], limits[1]
 
 
