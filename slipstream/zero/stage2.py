@@ -97,7 +97,9 @@ class Stage2Optimizer(ZeroOptimizer):
             slot, staging, receive = self._ring.take(n * world, n)
             for rank in range(world):
                 self._pack(flat, bucket, grads, staging[rank * n : (rank + 1) * n], rank * piece + lo)
-            work = collectives.reduce_scatter(receive, staging, group=flat.process_group, async_op=True)
+            work = collectives.reduce_scatter(
+                receive, staging, group=flat.process_group, async_op=True, input_is_scratch=True
+            )
             self._ring.launched(slot, work, receive, owned[lo : lo + n].add_)
         self._next += 1
 

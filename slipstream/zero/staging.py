@@ -136,7 +136,7 @@ class StepReducer:
             return
         slot, staging, receive = self.ring.take(bucket.numel(), piece.numel())
         staging.copy_(bucket)
-        work = collectives.reduce_scatter(receive, staging, group=group, async_op=True)
+        work = collectives.reduce_scatter(receive, staging, group=group, async_op=True, input_is_scratch=True)
         self.ring.launched(slot, work, receive, piece.copy_)
 
     def all_reduce(self, bucket: torch.Tensor, *, group: dist.ProcessGroup | None) -> None:

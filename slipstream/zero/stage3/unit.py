@@ -324,7 +324,7 @@ class Unit:
         if self.world_size == 1:
             receive.copy_(rows[0])
             return None
-        return collectives.reduce_scatter(receive, staging, group=self.group, async_op=True)
+        return collectives.reduce_scatter(receive, staging, group=self.group, async_op=True, input_is_scratch=True)
 
 
 def host_or_device_allocator(pin: bool) -> Callable[[int, torch.dtype, torch.device], torch.Tensor]:
