@@ -96,8 +96,8 @@ class CheckpointStore:
 
     # ---- forward: save ----
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Slot:
-        if isinstance(tensor, nn.Parameter):
-            return tensor  # alive anyway: moving it would only cost copies
+        if isinstance(tensor, nn.Parameter) or tensor.numel() == 0:
+            return tensor  # alive anyway, or nothing to move (torch 2.4's checkpoint saves an empty marker)
         if self._live == 0:
             self._slots.clear()
             self._used = dict.fromkeys(self._used, 0)
