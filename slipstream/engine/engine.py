@@ -170,6 +170,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         comms = plan.logging.comms_log
         self._step_profiler = step_profiler(plan, self.module, rank=self.global_rank)
         self._forward_schedules = ForwardSchedules(plan.schedules)  # curriculum_seqlen, pld_theta (data/)
+        self._autocast = builders.autocast_region(plan)  # the config's torch.autocast, if it has one
         self._comms_log = None if comms is None else CommsLog(comms, rank=self.global_rank)
         self._step_observers = step_observers(self._step_profiler, plan, self.module, rank=self.global_rank)
         self._progress = (
@@ -225,7 +226,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         if dtype != torch.float32:
             inputs, kwargs = builders.cast_floating((inputs, kwargs), dtype)
         kwargs = self._forward_schedules.add_to(kwargs, training=self.module.training, global_steps=self.global_steps)
-        with builders.autocast_region(self.plan).region():  # the config's torch.autocast, if it has one
+        with self._autocast.region():
             if self._step_profiler is None:
                 output = self.module(*inputs, **kwargs)
             else:
