@@ -88,15 +88,16 @@ def initialize(
     _join_process_group(raw, args, distributed_port=distributed_port, dist_init_required=dist_init_required)
     pipeline = _is_pipeline(model)
     plan = _resolve_plan(raw, model, pipeline=pipeline, strict=strict)
-    engine = _engine_class(pipeline=pipeline)(
-        model,
-        plan,
+    from slipstream.engine.builders import ClientObjects
+
+    client = ClientObjects(
         optimizer=optimizer,
         model_parameters=model_parameters,
         lr_scheduler=lr_scheduler,
         training_data=training_data,
         collate_fn=collate_fn,
     )
+    engine = _engine_class(pipeline=pipeline)(model, plan, client)
     return engine, engine._optimizer_to_return(), engine.training_dataloader, engine.lr_scheduler
 
 

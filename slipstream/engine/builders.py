@@ -5,6 +5,7 @@ Each function takes the piece of the plan it needs; the engine calls them once, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -22,6 +23,18 @@ from slipstream.precision import NoAutocast, apply_state_dtype, forward_region
 from slipstream.utils.errors import ArgumentTypeError
 from slipstream.utils.logging import get_logger, log_rank0, warn_once
 from slipstream.zero.optimizer import ZeroOptimizer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ClientObjects:
+    """What the client handed `initialize()` besides the model and the config (each None when not given): the
+    engine builds the optimizer, scheduler and data loader from them and the plan."""
+
+    optimizer: object = None
+    model_parameters: object = None
+    lr_scheduler: object = None
+    training_data: object = None
+    collate_fn: object = None
 
 
 def warn_if_materialised(model: nn.Module) -> None:

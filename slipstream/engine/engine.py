@@ -52,24 +52,14 @@ from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepSpeedEngineMethods, nn.Module):
     """DeepSpeed's `DeepSpeedEngine`, for ZeRO stages 0-3. Build it with `slipstream.initialize`."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        plan: EnginePlan,
-        *,
-        optimizer: object = None,
-        model_parameters: object = None,
-        lr_scheduler: object = None,
-        training_data: object = None,
-        collate_fn: object = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, plan: EnginePlan, client: builders.ClientObjects) -> None:
         """Built in named steps, in this order; the pipeline engine (pipe/engine.py) overrides some of them."""
         super().__init__()
         self._setup_basics(plan)
         moe = self._setup_parallel(model)
         zero = self._build_zero(model, moe)
-        self._build_optimizer(zero, optimizer, model_parameters, moe)
-        self._build_schedule_and_data(lr_scheduler, training_data, collate_fn)
+        self._build_optimizer(zero, client.optimizer, client.model_parameters, moe)
+        self._build_schedule_and_data(client.lr_scheduler, client.training_data, client.collate_fn)
         self._setup_observers()
         self._reset_counters()
         self._log_plan()

@@ -28,6 +28,7 @@ from torch import nn
 
 from slipstream.comm import collectives
 from slipstream.config.plan import EnginePlan
+from slipstream.engine.builders import ClientObjects
 from slipstream.engine.dataloader import RepeatingLoader
 from slipstream.engine.engine import SlipstreamEngine
 from slipstream.engine.parallel import ParallelSetup
@@ -65,27 +66,9 @@ class PipelineEngine(SlipstreamEngine):
 
     module: PipelineModule
 
-    def __init__(
-        self,
-        module: PipelineModule,
-        plan: EnginePlan,
-        *,
-        optimizer: object = None,
-        model_parameters: object = None,
-        lr_scheduler: object = None,
-        training_data: object = None,
-        collate_fn: object = None,
-    ) -> None:
+    def __init__(self, module: PipelineModule, plan: EnginePlan, client: ClientObjects) -> None:
         _check_supported(plan)
-        super().__init__(
-            module,
-            plan,
-            optimizer=optimizer,
-            model_parameters=model_parameters,
-            lr_scheduler=lr_scheduler,
-            training_data=training_data,
-            collate_fn=collate_fn,
-        )
+        super().__init__(module, plan, client)
         self.micro_batches = self.gradient_accumulation_steps()
         self.data_iterator: Iterator[Any] | None = None
         self.batch_fn: Callable[[Any], Any] | None = None
