@@ -12,6 +12,7 @@ copies head 0.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 
@@ -20,14 +21,22 @@ import torch
 __all__ = ["DenseSparsityConfig", "FixedSparsityConfig", "SparsityConfig", "VariableSparsityConfig"]
 
 
+# [Note: layout configs are dataclasses] Each layout's DeepSpeed constructor arguments, in DeepSpeed's order
+# (the base class's three first), are its fields; __post_init__ checks them and normalises the list arguments.
+# eq=False keeps identity comparison and hashing, as a plain class has.
+
+
+@dataclasses.dataclass(eq=False)
 class SparsityConfig:
     """A layout family: heads, block size and whether heads differ."""
 
-    def __init__(self, num_heads: int, block: int = 16, different_layout_per_head: bool = False) -> None:
-        self.num_heads = num_heads
-        self.block = block
-        self.different_layout_per_head = different_layout_per_head
-        self.num_layout_heads = num_heads if different_layout_per_head else 1
+    num_heads: int
+    block: int = 16
+    different_layout_per_head: bool = False
+    num_layout_heads: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_layout_heads = self.num_heads if self.different_layout_per_head else 1
 
     def setup_layout(self, seq_len: int) -> torch.Tensor:
         """An all-zero layout for `seq_len` tokens."""
@@ -69,27 +78,26 @@ class DenseSparsityConfig(SparsityConfig):
         return layout
 
 
+@dataclasses.dataclass(eq=False)
 class FixedSparsityConfig(SparsityConfig):
     """Local windows plus global blocks (see the module doc)."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        block: int = 16,
-        different_layout_per_head: bool = False,
-        num_local_blocks: int = 4,
-        num_global_blocks: int = 1,
-        attention: str = "bidirectional",
-        horizontal_global_attention: bool = False,
-        num_different_global_patterns: int = 1,
-    ) -> None:
-        super().__init__(num_heads, block, different_layout_per_head)
+    num_local_blocks: int = 4
+    num_global_blocks: int = 1
+    attention: str = "bidirectional"
+    horizontal_global_attention: bool = False
+    num_different_global_patterns: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        num_local_blocks, num_global_blocks = self.num_local_blocks, self.num_global_blocks
+        num_different_global_patterns = self.num_different_global_patterns
         if num_local_blocks % num_global_blocks:
             raise ValueError(
                 f"num_local_blocks ({num_local_blocks}) must be a multiple of num_global_blocks ({num_global_blocks})"
             )
-        check_attention(attention, horizontal_global_attention)
-        if num_different_global_patterns > 1 and not different_layout_per_head:
+        check_attention(self.attention, self.horizontal_global_attention)
+        if num_different_global_patterns > 1 and not self.different_layout_per_head:
             raise ValueError(
                 f"num_different_global_patterns={num_different_global_patterns} needs different_layout_per_head=True "
                 "(one layout for all heads has one global pattern)"
@@ -99,11 +107,6 @@ class FixedSparsityConfig(SparsityConfig):
                 f"num_different_global_patterns ({num_different_global_patterns}) exceeds num_local_blocks / "
                 f"num_global_blocks = {num_local_blocks // num_global_blocks}; lower it"
             )
-        self.num_local_blocks = num_local_blocks
-        self.num_global_blocks = num_global_blocks
-        self.attention = attention
-        self.horizontal_global_attention = horizontal_global_attention
-        self.num_different_global_patterns = num_different_global_patterns
 
     def set_local_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
         blocks, window = layout.shape[1], self.num_local_blocks
@@ -130,6 +133,7 @@ class FixedSparsityConfig(SparsityConfig):
         return (self.set_local_layout, self.set_global_layout)
 
 
+@dataclasses.dataclass(eq=False)
 class VariableSparsityConfig(SparsityConfig):
     """Fixed's generalisation: num_random_blocks random key blocks per row (Python's `random`, as DeepSpeed),
     local windows of the sizes in local_window_blocks (the last size repeats to the end), and global blocks
@@ -137,27 +141,18 @@ class VariableSparsityConfig(SparsityConfig):
     row attends to (rows from the block on when unidirectional) and, with horizontal_global_attention, that
     attend to every block."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        block: int = 16,
-        different_layout_per_head: bool = False,
-        num_random_blocks: int = 0,
-        local_window_blocks: list[int] | None = None,
-        global_block_indices: list[int] | None = None,
-        global_block_end_indices: list[int] | None = None,
-        attention: str = "bidirectional",
-        horizontal_global_attention: bool = False,
-    ) -> None:
-        super().__init__(num_heads, block, different_layout_per_head)
-        starts = check_global_ranges(global_block_indices, global_block_end_indices)
-        check_attention(attention, horizontal_global_attention)
-        self.num_random_blocks = num_random_blocks
-        self.local_window_blocks = [4] if local_window_blocks is None else list(local_window_blocks)
-        self.global_block_indices = starts
-        self.global_block_end_indices = global_block_end_indices
-        self.attention = attention
-        self.horizontal_global_attention = horizontal_global_attention
+    num_random_blocks: int = 0
+    local_window_blocks: list[int] | None = None
+    global_block_indices: list[int] | None = None
+    global_block_end_indices: list[int] | None = None
+    attention: str = "bidirectional"
+    horizontal_global_attention: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.global_block_indices = check_global_ranges(self.global_block_indices, self.global_block_end_indices)
+        check_attention(self.attention, self.horizontal_global_attention)
+        self.local_window_blocks = [4] if self.local_window_blocks is None else list(self.local_window_blocks)
 
     def set_random_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
         blocks = layout.shape[1]
@@ -169,6 +164,7 @@ class VariableSparsityConfig(SparsityConfig):
 
     def set_local_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
         blocks, start = layout.shape[1], 0
+        assert self.local_window_blocks is not None, "set by __post_init__"
         sizes = list(self.local_window_blocks)
         while start < blocks:
             size = sizes.pop(0) if len(sizes) > 1 else sizes[0]
@@ -205,8 +201,10 @@ def check_global_ranges(starts: list[int] | None, ends: list[int] | None) -> lis
     return starts
 
 
-def global_ranges(starts: list[int], ends: list[int] | None, blocks: int) -> list[tuple[int, int]]:
-    """[start, end) of each global range that begins inside `blocks` blocks (single blocks without ends)."""
+def global_ranges(starts: list[int] | None, ends: list[int] | None, blocks: int) -> list[tuple[int, int]]:
+    """[start, end) of each global range that begins inside `blocks` blocks (single blocks without ends).
+    `starts` is a config's checked start list (`check_global_ranges` made it a list in __post_init__)."""
+    assert starts is not None, "global_block_indices is set by __post_init__"
     stops = ends if ends is not None else [start + 1 for start in starts]
     return [(start, min(end, blocks)) for start, end in zip(starts, stops) if start < blocks]
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 
@@ -34,25 +35,18 @@ def _sliding_window(layout: torch.Tensor, h: int, width: int) -> None:
         layout[h, row, max(0, row - half) : min(row + half + 1, blocks)] = 1
 
 
+@dataclasses.dataclass(eq=False)  # See [Note: layout configs are dataclasses] in layouts.py
 class BigBirdSparsityConfig(SparsityConfig):
     """Random, sliding-window and leading global blocks (see the module doc)."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        block: int = 16,
-        different_layout_per_head: bool = False,
-        num_random_blocks: int = 1,
-        num_sliding_window_blocks: int = 3,
-        num_global_blocks: int = 1,
-        attention: str = "bidirectional",
-    ) -> None:
-        super().__init__(num_heads, block, different_layout_per_head)
-        check_attention(attention, False)
-        self.num_random_blocks = num_random_blocks
-        self.num_sliding_window_blocks = num_sliding_window_blocks
-        self.num_global_blocks = num_global_blocks
-        self.attention = attention
+    num_random_blocks: int = 1
+    num_sliding_window_blocks: int = 3
+    num_global_blocks: int = 1
+    attention: str = "bidirectional"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_attention(self.attention, False)
 
     def set_random_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
         blocks = layout.shape[1]
@@ -84,25 +78,19 @@ class BigBirdSparsityConfig(SparsityConfig):
         return (self.set_random_layout, self.set_sliding_window_layout, self.set_global_layout_itc)
 
 
+@dataclasses.dataclass(eq=False)
 class BSLongformerSparsityConfig(SparsityConfig):
     """Sliding-window and global blocks (see the module doc)."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        block: int = 16,
-        different_layout_per_head: bool = False,
-        num_sliding_window_blocks: int = 3,
-        global_block_indices: list[int] | None = None,
-        global_block_end_indices: list[int] | None = None,
-        attention: str = "bidirectional",
-    ) -> None:
-        super().__init__(num_heads, block, different_layout_per_head)
-        check_attention(attention, False)
-        self.num_sliding_window_blocks = num_sliding_window_blocks
-        self.global_block_indices = check_global_ranges(global_block_indices, global_block_end_indices)
-        self.global_block_end_indices = global_block_end_indices
-        self.attention = attention
+    num_sliding_window_blocks: int = 3
+    global_block_indices: list[int] | None = None
+    global_block_end_indices: list[int] | None = None
+    attention: str = "bidirectional"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_attention(self.attention, False)
+        self.global_block_indices = check_global_ranges(self.global_block_indices, self.global_block_end_indices)
 
     def set_sliding_window_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
         _sliding_window(layout, h, self.num_sliding_window_blocks)
