@@ -10,7 +10,18 @@ slice of the parameter, `ceil(numel / world)` elements), `ds_persist`, `ds_proce
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+
+def _record_field(field: str, cast: Callable[[Any], Any] | None = None) -> property:
+    """A read-only property: the parameter's `ds_record.<field>`, passed through `cast` when given."""
+
+    def read(self: DeepSpeedParamAttrs) -> Any:
+        value = getattr(self.ds_record, field)
+        return value if cast is None else cast(value)
+
+    return property(read, doc=f"`ds_record.{field}` (read-only)")
 
 
 class DeepSpeedParamAttrs:
@@ -18,25 +29,11 @@ class DeepSpeedParamAttrs:
 
     ds_record: Any
 
-    @property
-    def ds_id(self) -> int:
-        return int(self.ds_record.ds_id)
-
-    @property
-    def ds_shape(self) -> Any:
-        return self.ds_record.shape
-
-    @property
-    def ds_numel(self) -> int:
-        return int(self.ds_record.numel)
-
-    @property
-    def ds_status(self) -> Any:
-        return self.ds_record.status
-
-    @property
-    def ds_persist(self) -> bool:
-        return bool(self.ds_record.persistent)
+    ds_id = _record_field("ds_id", int)
+    ds_shape = _record_field("shape")
+    ds_numel = _record_field("numel", int)
+    ds_status = _record_field("status")
+    ds_persist = _record_field("persistent", bool)
 
     @property
     def ds_tensor(self) -> Any:
