@@ -92,15 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the `latest` file)")
     parser.add_argument("--exclude_frozen_parameters", action="store_true", help="skip requires_grad=False params")
-    args = parser.parse_args(argv)
-    convert_zero_checkpoint_to_fp32_state_dict(
-        args.checkpoint_dir,
-        args.output_dir,
-        max_shard_size=args.max_shard_size,
-        safe_serialization=args.safe_serialization,
-        tag=args.tag,
-        exclude_frozen_parameters=args.exclude_frozen_parameters,
-    )
+    # Every option's dest is the parameter of the same name, so the parsed namespace is the call's arguments.
+    convert_zero_checkpoint_to_fp32_state_dict(**vars(parser.parse_args(argv)))
     return 0
 
 
