@@ -35,6 +35,7 @@ ALIASES: dict[str, str] = {
     # ALST for Hugging Face models (slipstream/sequence/hf.py, data.py, tiled.py) and the mpu it returns
     "slipstream.runtime.sequence_parallel.ulysses_sp": "slipstream.compat.ulysses_sp",
     "slipstream.runtime.sequence_parallel.parallel_state_sp": "slipstream.compat.parallel_state_sp",
+    "slipstream.sequence.fpdt_layer": "slipstream.sequence.fpdt",  # FPDT / Ulysses-Offload
     # names Megatron-DeepSpeed, Lightning and TRL import (compat/*.py beside each)
     "slipstream.runtime.constants": "slipstream.compat.runtime_constants",
     "slipstream.runtime.zero.linear": "slipstream.compat.zero_linear",

@@ -117,6 +117,7 @@ CLIENT_PATHS: dict[str, tuple[str, ...]] = {
     "deepspeed.moe.mappings": ("gather_tokens", "drop_tokens"),
     "deepspeed.moe.experts": ("Experts",),
     "deepspeed.sequence.layer": ("DistributedAttention",),
+    "deepspeed.sequence.fpdt_layer": ("FPDT_Attention", "FPDT_InputConstruct", "FPDT_FFN", "FPDT_LogitsLoss"),
     "deepspeed.ops.adam": ("DeepSpeedCPUAdam", "FusedAdam"),
     "deepspeed.ops.adagrad": ("DeepSpeedCPUAdagrad",),
     "deepspeed.ops.lion": ("DeepSpeedCPULion",),
