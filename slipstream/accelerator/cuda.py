@@ -59,9 +59,6 @@ class CudaAccelerator(Accelerator):
     def synchronize(self, device_index: int | None = None) -> None:
         torch.cuda.synchronize(device_index)
 
-    def is_synchronized_device(self) -> bool:
-        return False
-
     def manual_seed(self, seed: int) -> None:
         torch.cuda.manual_seed(seed)
 

@@ -52,14 +52,10 @@ class MpsAccelerator(HostMemoryAccelerator):
     def synchronize(self, device_index: int | None = None) -> None:
         torch.mps.synchronize()
 
-    def is_synchronized_device(self) -> bool:
-        return False
-
     def manual_seed(self, seed: int) -> None:
         torch.mps.manual_seed(seed)
 
-    def manual_seed_all(self, seed: int) -> None:
-        torch.mps.manual_seed(seed)
+    manual_seed_all = manual_seed  # one MPS device: seeding all devices is seeding it
 
     def initial_seed(self) -> int:
         return int(self.default_generator(0).initial_seed())
