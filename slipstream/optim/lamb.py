@@ -17,16 +17,18 @@ pieces, so a step is:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from slipstream.optim.arguments import AdamFamily, bind, takes
 from slipstream.optim.common import WholeTensorOptimizer, apply_update, closure_loss, math_dtype
 
-__all__ = ["FusedLamb", "trust_ratios"]
+__all__ = ["FusedLamb", "LambArguments", "trust_ratios"]
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]]
 
@@ -38,48 +40,39 @@ def trust_ratios(norms: Tensor, min_coeff: Tensor, max_coeff: Tensor) -> Tensor:
     return torch.where((w_norm != 0) & (u_norm != 0), ratio, torch.ones_like(ratio))
 
 
-class FusedLamb(WholeTensorOptimizer):
-    """LAMB with DeepSpeed FusedLamb's arguments; the trust ratio uses each parameter's whole-tensor norms."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LambArguments(AdamFamily):
+    ORDER: ClassVar[tuple[str, ...]] = (
+        "lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_grad_norm", "max_coeff",
+        "min_coeff", "amsgrad",
+    )  # fmt: skip
+    GROUP_KEYS: ClassVar[tuple[str, ...]] = (
+        "lr", "bias_correction", "betas", "eps", "weight_decay", "eps_inside_sqrt", "max_coeff", "min_coeff"
+    )  # fmt: skip
+    max_coeff: float = 10.0
+    """The trust ratio's upper clamp."""
+    min_coeff: float = 0.01
+    """The trust ratio's lower clamp."""
 
-    def __init__(
-        self,
-        params: Params,
-        lr: float = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        eps_inside_sqrt: bool = False,
-        weight_decay: float = 0.0,
-        max_grad_norm: float = 0.0,
-        max_coeff: float = 10.0,
-        min_coeff: float = 0.01,
-        amsgrad: bool = False,
-    ) -> None:
-        if amsgrad:
-            raise ValueError(
-                "Lamb does not support amsgrad=True (DeepSpeed's FusedLamb does not either); "
-                "remove optimizer.params.amsgrad"
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if self.max_grad_norm:
+            out.append(
+                f"max_grad_norm={self.max_grad_norm} is not supported; use the top-level 'gradient_clipping' "
+                "config key instead"
             )
-        if max_grad_norm:
-            raise ValueError(
-                f"Lamb max_grad_norm={max_grad_norm} is not supported; use the top-level "
-                "'gradient_clipping' config key instead"
-            )
-        if lr < 0 or eps < 0 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"Lamb needs lr >= 0, eps >= 0 and betas in [0, 1); got lr={lr}, eps={eps}, betas={betas}")
-        if not 0.0 < min_coeff <= max_coeff:
-            raise ValueError(f"Lamb needs 0 < min_coeff <= max_coeff; got min_coeff={min_coeff}, max_coeff={max_coeff}")
-        defaults = {
-            "lr": lr,
-            "bias_correction": bias_correction,
-            "betas": betas,
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "eps_inside_sqrt": eps_inside_sqrt,
-            "max_coeff": max_coeff,
-            "min_coeff": min_coeff,
-        }
-        super().__init__(params, defaults)
+        if not 0.0 < self.min_coeff <= self.max_coeff:
+            out.append(f"needs 0 < min_coeff <= max_coeff; got min_coeff={self.min_coeff}, max_coeff={self.max_coeff}")
+        return out
+
+
+class FusedLamb(WholeTensorOptimizer):
+    """LAMB with DeepSpeed FusedLamb's arguments (LambArguments); the trust ratio uses each parameter's
+    whole-tensor norms."""
+
+    @takes(LambArguments)
+    def __init__(self, params: Params, *args: object, **kwargs: object) -> None:
+        super().__init__(params, bind(LambArguments, args, kwargs).group_defaults())
         self.lamb_coeffs: list[float] = []
         """Each parameter's trust ratio in the last step, by parameter number (DeepSpeed's `get_lamb_coeffs`)."""
 

@@ -10,47 +10,43 @@ step updates them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
+from slipstream.optim.arguments import bind, takes
 from slipstream.optim.common import closure_loss
-from slipstream.optim.onebit.base import OneBitBase, Params, adam_defaults, adam_update
+from slipstream.optim.onebit.base import OneBitArguments, OneBitBase, Params, adam_update
 
 __all__ = ["OneBitAdam"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OneBitAdamArguments(OneBitArguments):
+    ORDER: ClassVar[tuple[str, ...]] = (
+        "lr", "freeze_step", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay",
+        "max_grad_norm", "amsgrad", "cuda_aware", "comm_backend_name",
+    )  # fmt: skip
+    freeze_step: int = 100000
+    """Warm-up steps: full-precision Adam with all-reduced gradients, before the variance freezes."""
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if self.freeze_step < 0:
+            out.append(f"freeze_step={self.freeze_step} must be >= 0 (the number of warm-up steps)")
+        return out
 
 
 class OneBitAdam(OneBitBase):
     """1-bit Adam; `deepspeed` (DeepSpeed's engine argument) is accepted and unused: the engine asks the optimizer
     instead (`takes_over_reduction`). `bias_correction`, `eps_inside_sqrt` and `max_grad_norm` are accepted as in
-    DeepSpeed, whose 1-bit Adam does not use them either."""
+    DeepSpeed, whose 1-bit Adam does not use them either. The other arguments: OneBitAdamArguments."""
 
-    label = "OneBitAdam"
-
-    def __init__(
-        self,
-        params: Params,
-        deepspeed: object = None,
-        lr: float = 1e-3,
-        freeze_step: int = 100000,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        eps_inside_sqrt: bool = False,
-        weight_decay: float = 0.0,
-        max_grad_norm: float = 0.0,
-        amsgrad: bool = False,
-        cuda_aware: bool = False,
-        comm_backend_name: str = "nccl",
-    ) -> None:
-        if freeze_step < 0:
-            raise ValueError(f"OneBitAdam: freeze_step={freeze_step} must be >= 0 (the number of warm-up steps)")
-        defaults = adam_defaults(lr, bias_correction, betas, eps, weight_decay, max_grad_norm)
-        super().__init__(params, defaults, amsgrad=amsgrad, cuda_aware=cuda_aware, comm_backend_name=comm_backend_name)
-        self.freeze_step = freeze_step
-
-    def next_step_is_local(self) -> bool:
-        return self.steps_done() >= self.freeze_step
+    @takes(OneBitAdamArguments)
+    def __init__(self, params: Params, deepspeed: object = None, *args: object, **kwargs: object) -> None:
+        super().__init__(params, bind(OneBitAdamArguments, args, kwargs))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -61,11 +57,7 @@ class OneBitAdam(OneBitBase):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state = self.adam_state(p)
                 state["step"] += 1
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 exp_avg.mul_(beta1).add_(p.grad, alpha=1.0 - beta1)

@@ -3,39 +3,43 @@ names, one `OneBitAllReduce` (and so one pair of error buffers) per parameter, a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from slipstream.comm.compressed import OneBitAllReduce, Scratch, padded_numel
+from slipstream.optim.arguments import AdamFamily
 from slipstream.utils.logging import get_logger
 
-__all__ = ["OneBitBase", "Params", "adam_defaults", "adam_update"]
+__all__ = ["OneBitArguments", "OneBitBase", "Params", "adam_update"]
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]]
 COMM_BACKENDS = ("nccl", "gloo", "mpi")
 
 
-def adam_defaults(
-    lr: float,
-    bias_correction: bool,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    max_grad_norm: float,
-) -> dict[str, Any]:
-    """The param-group defaults of DeepSpeed's 1-bit Adam optimizers."""
-    return {
-        "lr": lr,
-        "bias_correction": bias_correction,
-        "betas": betas,
-        "eps": eps,
-        "weight_decay": weight_decay,
-        "max_grad_norm": max_grad_norm,
-    }
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OneBitArguments(AdamFamily):
+    """The arguments every 1-bit optimizer takes: the Adam family's and DeepSpeed's communication ones."""
+
+    GROUP_KEYS: ClassVar[tuple[str, ...]] = (
+        "lr", "bias_correction", "betas", "eps", "weight_decay", "max_grad_norm"
+    )  # fmt: skip
+    cuda_aware: bool = False
+    """Accepted as DeepSpeed's; the collectives run on whatever the process group's backend reaches."""
+    comm_backend_name: str = "nccl"
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if self.comm_backend_name not in COMM_BACKENDS:
+            out.append(
+                f"comm_backend_name={self.comm_backend_name!r} is not supported; use one of "
+                f"{', '.join(COMM_BACKENDS)} (every one runs over torch.distributed's process group here)"
+            )
+        return out
 
 
 def adam_update(p: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, group: dict[str, Any], out: Tensor) -> Tensor:
@@ -50,26 +54,17 @@ def adam_update(p: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, group: dict[str,
 class OneBitBase(torch.optim.Optimizer):
     """The arguments and the compressed all-reduce common to OneBitAdam, ZeroOneAdam and OneBitLamb."""
 
-    label = "1-bit optimizer"
+    cuda_aware: bool
+    comm_backend_name: str
+    freeze_step: int
+    """1-bit Adam's and LAMB's warm-up steps (their arguments set these attributes; see `own()`)."""
 
-    def __init__(
-        self, params: Params, defaults: dict[str, Any], *, amsgrad: bool, cuda_aware: bool, comm_backend_name: str
-    ) -> None:
-        if amsgrad:
-            raise ValueError(f"{self.label} does not support amsgrad=True (nor does DeepSpeed); remove the key")
-        if comm_backend_name not in COMM_BACKENDS:
-            raise ValueError(
-                f"{self.label}: comm_backend_name={comm_backend_name!r} is not supported; use one of "
-                f"{', '.join(COMM_BACKENDS)} (every one runs over torch.distributed's process group here)"
-            )
-        lr, eps, betas = defaults["lr"], defaults["eps"], defaults["betas"]
-        if lr < 0 or eps < 0 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(
-                f"{self.label} needs lr >= 0, eps >= 0 and betas in [0, 1); got lr={lr}, eps={eps}, betas={betas}"
-            )
-        super().__init__(params, defaults)
-        self.cuda_aware = cuda_aware
-        self.comm_backend_name = comm_backend_name
+    def __init__(self, params: Params, arguments: OneBitArguments, **group_defaults: object) -> None:
+        """`arguments` checked themselves (arguments.py); `group_defaults` join the param-group defaults."""
+        super().__init__(params, {**arguments.group_defaults(), **group_defaults})
+        self.label: str = arguments.label()
+        for name, value in arguments.own().items():  # freeze_step, comm_backend_name, ...: attributes, as DeepSpeed's
+            setattr(self, name, value)
         self.process_group: dist.ProcessGroup | None = None
         self._all_reduces: dict[Tensor, OneBitAllReduce] = {}
         self._loaded_errors: dict[Tensor, tuple[Tensor, Tensor]] = {}
@@ -98,7 +93,16 @@ class OneBitBase(torch.optim.Optimizer):
         return self.next_step_is_local()
 
     def next_step_is_local(self) -> bool:
-        raise NotImplementedError
+        """After the warm-up of `freeze_step` steps (1-bit Adam and LAMB; 0/1 Adam has its own schedule)."""
+        return self.steps_done() >= self.freeze_step
+
+    def adam_state(self, p: Tensor) -> dict[str, Any]:
+        """`p`'s state, started at its first step: the step count and both moments."""
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+        return state
 
     def first_state(self) -> dict[str, Any] | None:
         """The state of the first parameter that has one (the step counters are the same in every parameter's)."""

@@ -22,15 +22,17 @@ As in OneBitAdam, DeepSpeed's first step only sets up its buffers; here every st
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from slipstream.optim.arguments import bind, takes
 from slipstream.optim.common import WholeTensorOptimizer, closure_loss
 from slipstream.optim.lamb import trust_ratios
-from slipstream.optim.onebit.base import OneBitBase, Params, adam_defaults, adam_update
+from slipstream.optim.onebit.base import OneBitArguments, OneBitBase, Params, adam_update
 from slipstream.zero.whole_tensors import TensorPart, WholeTensorMap
 
 __all__ = ["OneBitLamb"]
@@ -38,53 +40,63 @@ __all__ = ["OneBitLamb"]
 PER_TENSOR = ("lamb_coeff_freeze", "last_factor", "scaling_coeff")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OneBitLambArguments(OneBitArguments):
+    ORDER: ClassVar[tuple[str, ...]] = (
+        "lr", "freeze_step", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay",
+        "max_grad_norm", "max_coeff", "min_coeff", "amsgrad", "cuda_aware", "comm_backend_name", "coeff_beta",
+        "factor_max", "factor_min", "factor_threshold",
+    )  # fmt: skip
+    GROUP_KEYS: ClassVar[tuple[str, ...]] = (*OneBitArguments.GROUP_KEYS, "max_coeff", "min_coeff")
+    freeze_step: int = 100000
+    """Warm-up steps: full-precision LAMB with all-reduced gradients, before the variance freezes."""
+    max_coeff: float = 10.0
+    min_coeff: float = 0.01
+    """The warm-up trust ratio's clamp: [min_coeff, max_coeff]."""
+    coeff_beta: float = 0.9
+    """The weight of the running average of the warm-up's trust ratios (the frozen ratio)."""
+    factor_max: float = 4.0
+    factor_min: float = 0.5
+    """The compressed steps' variance factor's clamp: [factor_min, factor_max]."""
+    factor_threshold: float = 0.1
+    """How far (a fraction) the factor may move from the last step's."""
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if self.freeze_step < 0:
+            out.append(f"freeze_step={self.freeze_step} must be >= 0 (the number of warm-up steps)")
+        if not 0.0 < self.min_coeff <= self.max_coeff:
+            out.append(f"needs 0 < min_coeff <= max_coeff; got min_coeff={self.min_coeff}, max_coeff={self.max_coeff}")
+        if not 0.0 <= self.coeff_beta < 1.0:
+            out.append(f"coeff_beta={self.coeff_beta} must be in [0, 1) (the coefficient's running-average weight)")
+        if not 0.0 < self.factor_min <= self.factor_max or self.factor_threshold < 0.0:
+            out.append(
+                f"needs 0 < factor_min <= factor_max and factor_threshold >= 0; got factor_min={self.factor_min}, "
+                f"factor_max={self.factor_max}, factor_threshold={self.factor_threshold}"
+            )
+        return out
+
+
 class OneBitLamb(OneBitBase, WholeTensorOptimizer):
     """1-bit LAMB; `deepspeed` (DeepSpeed's engine argument) is accepted and unused: the engine asks the optimizer
     instead (`takes_over_reduction`). `bias_correction`, `eps_inside_sqrt` and `max_grad_norm` are accepted as in
-    DeepSpeed, whose 1-bit LAMB does not use them either. `lamb_coeffs` holds the last step's coefficients."""
+    DeepSpeed, whose 1-bit LAMB does not use them either. `lamb_coeffs` holds the last step's coefficients. The
+    other arguments: OneBitLambArguments."""
 
-    label = "OneBitLamb"
+    coeff_beta: float
+    factor_max: float
+    factor_min: float
+    factor_threshold: float
 
-    def __init__(
-        self,
-        params: Params,
-        deepspeed: object = None,
-        lr: float = 1e-3,
-        freeze_step: int = 100000,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        eps_inside_sqrt: bool = False,
-        weight_decay: float = 0.0,
-        max_grad_norm: float = 0.0,
-        max_coeff: float = 10.0,
-        min_coeff: float = 0.01,
-        amsgrad: bool = False,
-        cuda_aware: bool = False,
-        comm_backend_name: str = "nccl",
-        coeff_beta: float = 0.9,
-        factor_max: float = 4.0,
-        factor_min: float = 0.5,
-        factor_threshold: float = 0.1,
-    ) -> None:
-        _check_arguments(freeze_step, min_coeff, max_coeff, coeff_beta, (factor_min, factor_max, factor_threshold))
-        defaults = adam_defaults(lr, bias_correction, betas, eps, weight_decay, max_grad_norm)
-        defaults.update(max_coeff=max_coeff, min_coeff=min_coeff)
-        super().__init__(params, defaults, amsgrad=amsgrad, cuda_aware=cuda_aware, comm_backend_name=comm_backend_name)
-        self.freeze_step = freeze_step
-        self.coeff_beta = coeff_beta
-        self.factor_max = factor_max
-        self.factor_min = factor_min
-        self.factor_threshold = factor_threshold
+    @takes(OneBitLambArguments)
+    def __init__(self, params: Params, deepspeed: object = None, *args: object, **kwargs: object) -> None:
+        super().__init__(params, bind(OneBitLambArguments, args, kwargs))
         self.lamb_coeffs: list[float] = []
         self._per_tensor: dict[Tensor, dict[str, Tensor]] = {}
         """Per piece, one float64 value per tensor in it (PER_TENSOR); checkpointed with the error buffers."""
 
     def get_lamb_coeffs(self) -> list[float]:
         return list(self.lamb_coeffs)
-
-    def next_step_is_local(self) -> bool:
-        return self.steps_done() >= self.freeze_step
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -99,10 +111,7 @@ class OneBitLamb(OneBitBase, WholeTensorOptimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("OneBitLamb does not support sparse gradients (nor does DeepSpeed's)")
                 parts = whole.parts(p)
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                state = self.adam_state(p)
                 if p not in self._per_tensor:
                     zeros = torch.zeros(len(parts), dtype=torch.float64)
                     self._per_tensor[p] = {"lamb_coeff_freeze": zeros, "last_factor": torch.ones_like(zeros)}
@@ -223,23 +232,3 @@ def _scale_parts(values: Tensor, parts: tuple[TensorPart, ...], coeffs: Tensor) 
     flat = values.view(-1)
     for part, coeff in zip(parts, coeffs.tolist()):
         flat[part.offset : part.offset + part.numel].mul_(coeff)
-
-
-def _check_arguments(
-    freeze_step: int, min_coeff: float, max_coeff: float, coeff_beta: float, factors: tuple[float, float, float]
-) -> None:
-    factor_min, factor_max, factor_threshold = factors
-    problems = []
-    if freeze_step < 0:
-        problems.append(f"freeze_step={freeze_step} must be >= 0 (the number of warm-up steps)")
-    if not 0.0 < min_coeff <= max_coeff:
-        problems.append(f"needs 0 < min_coeff <= max_coeff; got min_coeff={min_coeff}, max_coeff={max_coeff}")
-    if not 0.0 <= coeff_beta < 1.0:
-        problems.append(f"coeff_beta={coeff_beta} must be in [0, 1) (the coefficient's running-average weight)")
-    if not 0.0 < factor_min <= factor_max or factor_threshold < 0.0:
-        problems.append(
-            f"needs 0 < factor_min <= factor_max and factor_threshold >= 0; got factor_min={factor_min}, "
-            f"factor_max={factor_max}, factor_threshold={factor_threshold}"
-        )
-    if problems:
-        raise ValueError("OneBitLamb: " + "; ".join(problems))

@@ -17,56 +17,56 @@ The counters are per-parameter state scalars, so checkpoints keep them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from slipstream.optim.arguments import bind, takes
 from slipstream.optim.common import closure_loss
-from slipstream.optim.onebit.base import OneBitBase, Params, adam_defaults, adam_update
+from slipstream.optim.onebit.base import OneBitArguments, OneBitBase, Params, adam_update
 
 __all__ = ["ZeroOneAdam"]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ZeroOneAdamArguments(OneBitArguments):
+    ORDER: ClassVar[tuple[str, ...]] = (
+        "lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_grad_norm",
+        "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "amsgrad",
+        "cuda_aware", "comm_backend_name",
+    )  # fmt: skip
+    var_freeze_step: int = 100000
+    """The last step of the variance phase (see the module's docstring)."""
+    var_update_scaler: int = 16
+    """Variance updates between doublings of the interval between them."""
+    local_step_scaler: int = 32678
+    """Frozen-phase steps between doublings of the interval between synchronisations."""
+    local_step_clipper: int = 16
+    """The largest interval between synchronisations."""
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        for key in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
+            if getattr(self, key) < 1:
+                out.append(f"{key}={getattr(self, key)} must be >= 1")
+        return out
+
+
 class ZeroOneAdam(OneBitBase):
     """0/1 Adam; `deepspeed`, `bias_correction`, `eps_inside_sqrt` and `max_grad_norm` are accepted and unused,
-    as in DeepSpeed (see OneBitAdam)."""
+    as in DeepSpeed (see OneBitAdam). The other arguments: ZeroOneAdamArguments."""
 
-    label = "ZeroOneAdam"
+    var_freeze_step: int
+    var_update_scaler: int
+    local_step_scaler: int
+    local_step_clipper: int
 
-    def __init__(
-        self,
-        params: Params,
-        deepspeed: object = None,
-        lr: float = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        eps_inside_sqrt: bool = False,
-        weight_decay: float = 0.0,
-        max_grad_norm: float = 0.0,
-        var_freeze_step: int = 100000,
-        var_update_scaler: int = 16,
-        local_step_scaler: int = 32678,
-        local_step_clipper: int = 16,
-        amsgrad: bool = False,
-        cuda_aware: bool = False,
-        comm_backend_name: str = "nccl",
-    ) -> None:
-        for key, value in (
-            ("var_update_scaler", var_update_scaler),
-            ("local_step_scaler", local_step_scaler),
-            ("local_step_clipper", local_step_clipper),
-        ):
-            if value < 1:
-                raise ValueError(f"ZeroOneAdam: {key}={value} must be >= 1")
-        defaults = adam_defaults(lr, bias_correction, betas, eps, weight_decay, max_grad_norm)
-        super().__init__(params, defaults, amsgrad=amsgrad, cuda_aware=cuda_aware, comm_backend_name=comm_backend_name)
-        self.var_freeze_step = var_freeze_step
-        self.var_update_scaler = var_update_scaler
-        self.local_step_scaler = local_step_scaler
-        self.local_step_clipper = local_step_clipper
+    @takes(ZeroOneAdamArguments)
+    def __init__(self, params: Params, deepspeed: object = None, *args: object, **kwargs: object) -> None:
+        super().__init__(params, bind(ZeroOneAdamArguments, args, kwargs))
 
     def _counters(self) -> dict[str, Any]:
         """The first parameter's state (every parameter keeps the same counters)."""
@@ -98,12 +98,10 @@ class ZeroOneAdam(OneBitBase):
         return loss
 
     def _state_of(self, p: Tensor) -> dict[str, Any]:
-        state = self.state[p]
-        if not state:
-            state.update(step=0, var_interval=1, var_counter=0, local_step_interval=1, local_step_counter=0)
+        state = self.adam_state(p)
+        if "var_interval" not in state:
+            state.update(var_interval=1, var_counter=0, local_step_interval=1, local_step_counter=0)
             state["lrs"] = torch.zeros((), dtype=torch.float64)  # a float64 tensor: checkpoints restore it exactly
-            state["exp_avg"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = torch.zeros_like(p)
             state["momentum_accumulator"] = torch.zeros_like(p)
         return state
 

@@ -60,6 +60,32 @@ def test_sharded_zero_stages_refuse_them_by_name(kind: str) -> None:
         slipstream.initialize(model=TinyMLP(), config=config)
 
 
+def test_positional_arguments_follow_deepspeed_order() -> None:
+    """[Note: declared arguments]: positional values bind in DeepSpeed's order; unknown or doubled names fail."""
+    import inspect
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    adam = OneBitAdam(params, None, 0.5, 7)
+    assert (adam.defaults["lr"], adam.freeze_step) == (0.5, 7)
+    lamb = OneBitLamb(params, None, 0.5, 3, True, (0.8, 0.9), 1e-6, False, 0.1, 0.0, 5.0)
+    assert (lamb.freeze_step, lamb.defaults["betas"], lamb.defaults["weight_decay"], lamb.defaults["max_coeff"]) == (
+        3,
+        (0.8, 0.9),
+        0.1,
+        5.0,
+    )
+    assert list(inspect.signature(ZeroOneAdam.__init__).parameters)[10:14] == [
+        "var_freeze_step",
+        "var_update_scaler",
+        "local_step_scaler",
+        "local_step_clipper",
+    ]
+    with pytest.raises(TypeError, match=r"unknown arguments \['lrr'\]"):
+        OneBitAdam(params, lrr=0.1)
+    with pytest.raises(TypeError, match=r"doubled arguments \['lr'\]"):
+        OneBitAdam(params, None, 0.1, lr=0.2)
+
+
 def test_deepspeed_import_paths() -> None:
     from slipstream.runtime.fp16.onebit import OnebitAdam, OnebitLamb
     from slipstream.runtime.fp16.onebit.lamb import OnebitLamb as AliasedLamb
