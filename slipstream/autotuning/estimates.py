@@ -6,7 +6,11 @@ config is resolved as the engine would resolve it and estimated on the engine's 
 keep their global shapes), so the figures are the ones `slipstream plan` prints for that config. On an
 accelerator that counts its own allocations, the profile step's peak beyond the planner's figure for the profiled
 config is taken as activations, per sample of the micro batch; on the CPU the process's RSS says nothing of that
-and activations stay unknown.
+and activations stay unknown. The profiled config has activation checkpointing off (tuner.py), so that figure is
+the full one; a candidate with checkpointing on counts the share the planner's activation model keeps with it
+(planner/activations.py: each layer's input plus one layer's activations, `1/layers + 1/17` of the full figure
+for a transformer whose layers and width the planner finds in the module). Where the planner finds no layers,
+checkpointed activations stay unknown (never counted against the budget, so never the reason for a skip).
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from pathlib import Path
 from torch import nn
 
 from slipstream.autotuning.files import write_json
+from slipstream.autotuning.space import Candidate
+from slipstream.planner.activations import transformer_activations
 from slipstream.planner.estimate import estimate_option, settings_from_config
 from slipstream.planner.shapes import from_module
 from slipstream.planner.types import OWNED_ROLES, Settings
 
-__all__ = ["Figures", "answer_request", "device_is_host", "estimate_config", "read_answer"]
+__all__ = ["Figures", "answer_request", "checkpointed_share", "device_is_host", "estimate_config", "read_answer"]
 
 
 def device_is_host() -> bool:
@@ -56,6 +62,19 @@ def estimate_config(
     return device, result.model_states - device
 
 
+def checkpointed_share(module: nn.Module) -> float | None:
+    """The planner's activations with checkpointing over those without, for `module` (None: no layers found)."""
+    dims = from_module(module).dims
+    if not dims.hidden or not dims.layers:
+        return None
+    shape = {"seq": 1, "micro_batch": 1, "hidden": dims.hidden, "layers": dims.layers, "heads": dims.heads or 1}
+    full, kept = (
+        transformer_activations(**shape, vocab=None, dtype_bytes=2, fused_attention=True, checkpointing=on)
+        for on in (False, True)
+    )
+    return kept / full
+
+
 def answer_request(
     request_path: str, *, module: nn.Module, world_size: int, micro_batch: int, peak_memory: int
 ) -> None:
@@ -70,18 +89,30 @@ def answer_request(
     if not device_is_host() and peak_memory > 0:
         profiled = answer[request["profiled"]]["device"]
         per_sample = max(0, peak_memory - profiled) // max(micro_batch, 1)
-    write_json(request["answer"], {"candidates": answer, "activations_per_sample": per_sample})
+    write_json(
+        request["answer"],
+        {"candidates": answer, "activations_per_sample": per_sample, "checkpointed_share": checkpointed_share(module)},
+    )
 
 
-def read_answer(path: Path, micro_batches: dict[str, int]) -> dict[str, Figures]:
-    """The answer file as figures per candidate name (`micro_batches`: each name's micro batch)."""
+def _activations(candidate: Candidate, per_sample: int | None, share: float | None) -> int | None:
+    if per_sample is None:
+        return None
+    if not candidate.activation_checkpointing:
+        return per_sample * candidate.micro_batch
+    return None if share is None else int(per_sample * candidate.micro_batch * share)
+
+
+def read_answer(path: Path, candidates: list[Candidate]) -> dict[str, Figures]:
+    """The answer file as figures per candidate name."""
     data = json.loads(path.read_text())
-    per_sample = data.get("activations_per_sample")
+    per_sample, share = data.get("activations_per_sample"), data.get("checkpointed_share")
+    rows = data["candidates"]
     return {
-        name: Figures(
-            device=int(row["device"]),
-            host=int(row["host"]),
-            activations=None if per_sample is None else int(per_sample) * micro_batches[name],
+        c.name: Figures(
+            device=int(rows[c.name]["device"]),
+            host=int(rows[c.name]["host"]),
+            activations=_activations(c, per_sample, share),
         )
-        for name, row in data["candidates"].items()
+        for c in candidates
     }

@@ -13,8 +13,10 @@ host's memory.
 [Note: the throughput estimate]
 Candidates that fit are ranked by a relative estimate of samples per second, not a prediction of seconds:
 a larger micro batch amortises the per-step overhead (`micro / (micro + OVERHEAD_SAMPLES)`), a higher ZeRO
-stage costs more communication and offload moves the optimizer step to the host (`STAGE_COST`,
-`OFFLOAD_COST`). The trials measure; the estimate only decides which few run.
+stage costs more communication, offload moves the optimizer step to the host and activation checkpointing
+recomputes the forward (`STAGE_COST`, `OFFLOAD_COST`, `RECOMPUTE_COST`: a backward is about two forwards, so one
+more forward adds a third). The trials measure; the estimate only decides which few run (and `model_based`
+corrects it as they do, order.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ DEFAULT_MARGIN = 0.10
 OVERHEAD_SAMPLES = 2.0
 STAGE_COST = {0: 1.0, 1: 1.05, 2: 1.1, 3: 1.3}
 OFFLOAD_COST = 1.6
+RECOMPUTE_COST = 4 / 3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,6 +60,7 @@ def needed_bytes(figures: Figures, *, device_is_host: bool) -> int:
 def estimated_throughput(candidate: Candidate) -> float:
     micro = candidate.micro_batch
     cost = STAGE_COST[candidate.stage] * (OFFLOAD_COST if candidate.offload_optimizer else 1.0)
+    cost *= RECOMPUTE_COST if candidate.activation_checkpointing else 1.0
     return micro / (micro + OVERHEAD_SAMPLES) / cost
 
 
@@ -84,7 +88,7 @@ def rank(
     device_is_host: bool,
 ) -> list[Ranked]:
     """Every candidate with its verdict: the kept ones first, best estimate first (those predicted within the
-    budget before those kept only by the margin), then the skipped. Per stage, offload and bucket size only the
+    budget before those kept only by the margin), then the skipped. Per stage, offload, bucket size and checkpointing only the
     `num_micro_batches` largest micro batches that are kept stay kept."""
     judged = []
     for candidate in candidates:
@@ -110,12 +114,12 @@ def rank(
 
 
 def _keep_largest_micro_batches(judged: list[Ranked], count: int) -> list[Ranked]:
-    """Mark all but the `count` largest kept micro batches of each stage / offload / bucket family as skipped."""
-    seen: dict[tuple[int, bool, int | None], int] = {}
+    """Mark all but the `count` largest kept micro batches of each stage / offload / bucket / checkpointing family as skipped."""
+    seen: dict[tuple[int, bool, int | None, bool | None], int] = {}
     out = []
     for item in sorted(judged, key=lambda r: -r.candidate.micro_batch):
         c = item.candidate
-        family = (c.stage, c.offload_optimizer, c.reduce_bucket_size)
+        family = (c.stage, c.offload_optimizer, c.reduce_bucket_size, c.activation_checkpointing)
         if not item.skipped:
             seen[family] = seen.get(family, 0) + 1
             if seen[family] > count:

@@ -1,6 +1,15 @@
 """The search space: one `Candidate` per ZeRO stage x optimizer offload x micro batch (x reduce bucket size when
-`autotuning.fast` is false), the gradient accumulation that keeps `train_batch_size` when the config fixes it,
-and the DeepSpeed config of each candidate (the user's config with the candidate's keys written over it).
+`autotuning.fast` is false; x activation checkpointing on/off when the config has an `activation_checkpointing`
+section), the gradient accumulation that keeps `train_batch_size` when the config fixes it, and the DeepSpeed
+config of each candidate (the user's config with the candidate's keys written over it).
+
+[Note: how a job sees activation checkpointing]
+DeepSpeed has no on/off key: a model checkpoints by calling `deepspeed.checkpointing.checkpoint`, and the
+`activation_checkpointing` section only configures that call. The tuner searches the dimension only for a config
+that has the section: "on" keeps it, "off" drops it from the candidate's config. The script sees the choice in
+the config it is given (the section is there or not; in Slipstream also as `engine.plan.activation_checkpointing`
+not being None) and wraps its blocks in `checkpoint` only when it is on. The engine has no model-level switch for
+Hugging Face models (`gradient_checkpointing_enable`), so such a script turns it on itself from the same test.
 """
 
 from __future__ import annotations
@@ -27,12 +36,16 @@ class Candidate:
     grad_accum: int
     reduce_bucket_size: int | None
     """None: the user's own (the dimension is not searched)."""
+    activation_checkpointing: bool | None = None
+    """True: the user's `activation_checkpointing` section is kept; False: it is dropped; None: not searched
+    (the config has no such section)."""
 
     @property
     def name(self) -> str:
         bucket = "" if self.reduce_bucket_size is None else f"_rbs{self.reduce_bucket_size:.0e}".replace("+", "")
         offload = "_offload" if self.offload_optimizer else ""
-        return f"z{self.stage}{offload}_mbs{self.micro_batch}_gas{self.grad_accum}{bucket}"
+        checkpointing = {None: "", True: "_ac", False: "_noac"}[self.activation_checkpointing]
+        return f"z{self.stage}{offload}_mbs{self.micro_batch}_gas{self.grad_accum}{bucket}{checkpointing}"
 
 
 def micro_batch_sizes(plan: AutotuningPlan) -> list[int]:
@@ -67,6 +80,7 @@ def _accumulation(user: dict[str, object], micro: int, world: int, plan: Autotun
 def grid(plan: AutotuningPlan, user: dict[str, object], *, world: int) -> list[Candidate]:
     """Every candidate of the space for `world` data-parallel ranks (stage 0 has no optimizer offload)."""
     buckets: tuple[int | None, ...] = (None,) if plan.fast else BUCKET_SIZES
+    checkpointing: tuple[bool | None, ...] = (False, True) if "activation_checkpointing" in user else (None,)
     found = []
     for stage in (0, 1, 2, 3):
         for offload in (False, True) if stage else (False,):
@@ -74,16 +88,18 @@ def grid(plan: AutotuningPlan, user: dict[str, object], *, world: int) -> list[C
                 accum = _accumulation(user, micro, world, plan)
                 if accum is None:
                     continue
-                for bucket in buckets:
-                    found.append(
-                        Candidate(
-                            stage=stage,
-                            offload_optimizer=offload,
-                            micro_batch=micro,
-                            grad_accum=accum,
-                            reduce_bucket_size=bucket,
-                        )
+                found += [
+                    Candidate(
+                        stage=stage,
+                        offload_optimizer=offload,
+                        micro_batch=micro,
+                        grad_accum=accum,
+                        reduce_bucket_size=bucket,
+                        activation_checkpointing=recompute,
                     )
+                    for bucket in buckets
+                    for recompute in checkpointing
+                ]
     return found
 
 
@@ -103,6 +119,8 @@ def candidate_config(user: dict[str, object], candidate: Candidate, *, world: in
     if candidate.reduce_bucket_size is not None:
         zero["reduce_bucket_size"] = candidate.reduce_bucket_size
     config["zero_optimization"] = zero
+    if candidate.activation_checkpointing is False:
+        config.pop("activation_checkpointing", None)
     return config
 
 

@@ -20,13 +20,10 @@ import time
 from torch import nn
 
 from slipstream.accelerator import get_accelerator
-from slipstream.autotuning.files import write_json
+from slipstream.autotuning.files import PROFILE_ENV, write_json
 from slipstream.config.plan import EnginePlan
 
 __all__ = ["PROFILE_ENV", "TrialRecorder", "trial_recorder"]
-
-PROFILE_ENV = "SLIPSTREAM_AUTOTUNING_PROFILE"
-"""Set by the tuner on its profile run: the path of the request (candidates' configs, where to write)."""
 
 
 class TrialRecorder:

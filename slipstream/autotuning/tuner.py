@@ -5,35 +5,31 @@ Phases (`tune`):
      pointing at a request; its engine estimates every candidate on the real model (estimates.py).
   2. Prune and rank (select.py): candidates that cannot fit the memory budget are skipped with the reason, the
      rest are ordered by the throughput estimate.
-  3. Trials: the best few run as launched jobs, each with its own config (`autotuning.enabled`: the engine
-     times steps start_profile_step+1 .. end_profile_step, writes the metrics file and ends the run). A trial
-     that fails (out of memory, an error, a timeout) is recorded with its cause and the next one runs.
-     `tuner_early_stopping` trials in a row without a better metric end the phase.
-Every launch is `python -m slipstream.launcher.runner` with the user's launcher flags: the tuner never imports
-training code.
+  3. Trials: the kept candidates run in the order of `tuner_type` (order.py), each with its own config
+     (`autotuning.enabled`: the engine times steps start_profile_step+1 .. end_profile_step, writes the metrics
+     file and ends the run). A trial that fails (out of memory, an error, a timeout) is recorded with its cause
+     and the next one runs. `tuner_early_stopping` trials in a row without a better metric end the phase.
+On one node the profile run and the trials run in one session (launches.py: the same ranks and process group,
+the script run again per trial); a failed run ends its session and the next run starts another. Every launch is
+`python -m slipstream.launcher.runner` with the user's launcher flags: the tuner never imports training code.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 from slipstream.autotuning.estimates import device_is_host, read_answer
 from slipstream.autotuning.files import write_json
+from slipstream.autotuning.launches import Launches, Relaunch, Session, cause
+from slipstream.autotuning.order import make_order
 from slipstream.autotuning.select import DEFAULT_MARGIN, Ranked, rank
 from slipstream.autotuning.space import Candidate, candidate_config, grid, trial_config
-from slipstream.autotuning.trial import PROFILE_ENV
 from slipstream.config.plan import AutotuningPlan
 
-__all__ = ["Job", "Outcome", "TrialResult", "launch_argv", "tune"]
-
-OOM_MARKERS = ("out of memory", "OutOfMemoryError", "Cannot allocate memory", "MemoryError")
+__all__ = ["Job", "Outcome", "TrialResult", "better", "launch_argv", "launches_for", "run_trial", "script_argv", "tune"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,6 +50,10 @@ class Job:
     max_trials: int
     timeout_s: float
     margin: float = DEFAULT_MARGIN
+    seed: int = 0
+    """The seed of `tuner_type: random`."""
+    session: bool = True
+    """Run the trials in one session where the world allows it (launches.py); False: one launch per run."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,9 +75,9 @@ class Outcome:
     """The launch of the best config (cmd_optimal.txt)."""
 
 
-def launch_argv(job: Job, config_path: Path, config: dict[str, object]) -> list[str]:
-    """The launcher argv of one run: the script's config argument replaced, and each `arg_mappings` argument
-    set to its config value."""
+def script_argv(job: Job, config_path: Path, config: dict[str, object]) -> list[str]:
+    """The script's argv of one run: the config argument replaced, and each `arg_mappings` argument set to its
+    config value."""
     script = list(job.script)
     script[job.config_at] = str(config_path)
     for key, flag in job.plan.arg_mappings.items():
@@ -86,40 +86,20 @@ def launch_argv(job: Job, config_path: Path, config: dict[str, object]) -> list[
             script[script.index(flag, 1) + 1] = value
         else:
             script += [flag, value]
-    return [*job.launcher, *script]
+    return script
 
 
-def _launch(argv: list[str], *, log: Path, env: dict[str, str], timeout_s: float) -> tuple[int | None, float]:
-    """Run one launch with its output in `log`; (exit status or None on timeout, seconds). A launch past its
-    time is stopped with its whole process group."""
-    started = time.perf_counter()
-    with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            code: int | None = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-            code = None
-    return code, time.perf_counter() - started
+def launch_argv(job: Job, config_path: Path, config: dict[str, object]) -> list[str]:
+    """The launcher argv of one run on its own (cmd_optimal.txt)."""
+    return [*job.launcher, *script_argv(job, config_path, config)]
 
 
-def _cause(code: int | None, log: Path, timeout_s: float) -> str:
-    """Why a launch gave no metrics, from its exit status and its output."""
-    if code is None:
-        return f"timeout after {timeout_s:.0f} s"
-    text = log.read_text(errors="replace")
-    if any(marker in text for marker in OOM_MARKERS):
-        return "out of memory"
-    errors = [line.strip() for line in text.splitlines() if "Error" in line or "error:" in line]
-    detail = errors[-1][:200] if errors else f"see {log}"
-    if code == 0:
-        return f"ended without metrics (did the script run past end_profile_step?); {detail}"
-    return f"exit status {code}: {detail}"
+def launches_for(job: Job, exps: Path) -> Launches:
+    """A session on one node unless the launcher flags run a module or a program; else one launch per run."""
+    wraps = not {"--module", "--no_python"} & set(job.launcher)
+    if job.session and wraps and job.world == job.ranks_per_node:
+        return Session(job.launcher, root=exps / "sessions", world=job.world, timeout_s=job.timeout_s)
+    return Relaunch(job.launcher, timeout_s=job.timeout_s)
 
 
 def _prepare_dirs(plan: AutotuningPlan) -> tuple[Path, Path]:
@@ -136,33 +116,34 @@ def _prepare_dirs(plan: AutotuningPlan) -> tuple[Path, Path]:
     return exps, results
 
 
-def _profile(job: Job, candidates: list[Candidate], exps: Path) -> list[Ranked]:
-    """Phase 1 and 2: the profile run's estimates, then the verdicts."""
+def _profile(job: Job, candidates: list[Candidate], exps: Path, launches: Launches) -> list[Ranked]:
+    """Phase 1 and 2: the profile run's estimates, then the verdicts. The profiled candidate is the one likely to
+    need least (smallest micro batch, highest stage, offload) with activation checkpointing off, so the activations
+    it measures are the full ones (estimates.py)."""
     folder = exps / "profile"
     folder.mkdir(parents=True, exist_ok=True)
-    smallest = min(candidates, key=lambda c: (c.micro_batch, -c.stage, not c.offload_optimizer))
+    smallest = min(
+        candidates,
+        key=lambda c: (c.micro_batch, -c.stage, not c.offload_optimizer, c.activation_checkpointing is True),
+    )
     configs = {c.name: candidate_config(job.user_config, c, world=job.world) for c in candidates}
     answer = folder / "estimates.json"
     request = {
         "candidates": configs,
         "profiled": smallest.name,
-        "answer": str(answer),
+        "answer": str(answer.resolve()),
         "gpus_per_node": job.ranks_per_node,
     }
     write_json(folder / "request.json", request)
     write_json(folder / "ds_config.json", configs[smallest.name])
-    env = {**os.environ, PROFILE_ENV: str((folder / "request.json").resolve())}
-    log = folder / "log.txt"
-    argv = launch_argv(job, folder / "ds_config.json", configs[smallest.name])
-    code, _ = _launch(argv, log=log, env=env, timeout_s=job.timeout_s)
+    script = script_argv(job, (folder / "ds_config.json").resolve(), configs[smallest.name])
+    ran = launches.run(script, profile=str((folder / "request.json").resolve()), folder=folder)
     if not answer.exists():
-        raise RuntimeError(
-            f"autotuning: the profile run ({' '.join(argv)}) wrote no estimates: {_cause(code, log, job.timeout_s)}"
-        )
-    figures = read_answer(answer, {c.name: c.micro_batch for c in candidates})
+        why = cause(ran, timeout_s=job.timeout_s, where=folder / "log.txt")
+        raise RuntimeError(f"autotuning: the profile run ({' '.join(script)}) wrote no estimates: {why}")
     return rank(
         candidates,
-        figures,
+        read_answer(answer, candidates),
         budget=job.budget,
         host_budget=job.host_budget,
         ranks_per_node=job.ranks_per_node,
@@ -172,22 +153,21 @@ def _profile(job: Job, candidates: list[Candidate], exps: Path) -> list[Ranked]:
     )
 
 
-def _trial(job: Job, ranked: Ranked, exps: Path) -> TrialResult:
-    folder = exps / ranked.candidate.name
+def run_trial(job: Job, ranked: Ranked, folder: Path, launches: Launches) -> TrialResult:
+    """One trial of `ranked` with its files in `folder`: its metrics, or why it gave none."""
     folder.mkdir(parents=True, exist_ok=True)
     metrics_path = (folder / "metrics.json").resolve()
+    metrics_path.unlink(missing_ok=True)
     config = trial_config(
         job.user_config, ranked.candidate, world=job.world, plan=job.plan, metric_path=str(metrics_path)
     )
     write_json(folder / "ds_config.json", config)
-    log = folder / "log.txt"
-    env = {k: v for k, v in os.environ.items() if k != PROFILE_ENV}
-    code, seconds = _launch(
-        launch_argv(job, folder / "ds_config.json", config), log=log, env=env, timeout_s=job.timeout_s
-    )
-    if code == 0 and metrics_path.exists():
-        return TrialResult(ranked=ranked, metrics=json.loads(metrics_path.read_text()), error="", seconds=seconds)
-    return TrialResult(ranked=ranked, metrics=None, error=_cause(code, log, job.timeout_s), seconds=seconds)
+    ran = launches.run(script_argv(job, (folder / "ds_config.json").resolve(), config), profile="", folder=folder)
+    if ran.code == 0 and metrics_path.exists():
+        metrics = json.loads(metrics_path.read_text())
+        return TrialResult(ranked=ranked, metrics=metrics, error="", seconds=ran.seconds)
+    error = cause(ran, timeout_s=job.timeout_s, where=folder / "log.txt")
+    return TrialResult(ranked=ranked, metrics=None, error=error, seconds=ran.seconds)
 
 
 def better(metric: str, new: dict[str, float], old: dict[str, float] | None) -> bool:
@@ -197,10 +177,35 @@ def better(metric: str, new: dict[str, float], old: dict[str, float] | None) -> 
     return new[metric] < old[metric] if metric == "latency" else new[metric] > old[metric]
 
 
+def _trials(
+    job: Job, kept: list[Ranked], exps: Path, launches: Launches
+) -> tuple[list[TrialResult], TrialResult | None]:
+    """Phase 3: the trials in the order of `tuner_type`, up to the trial limit and early stopping."""
+    order = make_order(job.plan.tuner_type, kept, seed=job.seed)
+    trials: list[TrialResult] = []
+    best: TrialResult | None = None
+    since_better = 0
+    while len(trials) < min(job.max_trials, job.plan.tuner_num_trials):
+        item = order.next()
+        if item is None:
+            break
+        result = run_trial(job, item, exps / item.candidate.name, launches)
+        trials.append(result)
+        order.observe(item, None if result.metrics is None else float(result.metrics["throughput"]))
+        if result.metrics is not None and better(job.plan.metric, result.metrics, best.metrics if best else None):
+            best, since_better = result, 0
+        else:
+            since_better += 1
+            if since_better >= job.plan.tuner_early_stopping:
+                break
+    return trials, best
+
+
 def tune(job: Job) -> Outcome:
     """Run the three phases (see the module's docstring) and return what they found."""
     if job.plan.metric not in ("throughput", "latency"):
         raise ValueError(f"autotuning.metric={job.plan.metric!r} is not implemented; use throughput or latency")
+    make_order(job.plan.tuner_type, [], seed=job.seed)  # an unknown tuner_type fails before any launch
     exps, _results = _prepare_dirs(job.plan)
     candidates = grid(job.plan, job.user_config, world=job.world)
     if not candidates:
@@ -208,20 +213,12 @@ def tune(job: Job) -> Outcome:
             "autotuning: no micro batch size between min_train_micro_batch_size_per_gpu and "
             "max_train_micro_batch_size_per_gpu divides train_batch_size over the ranks; widen the range"
         )
-    ranked = _profile(job, candidates, exps)
-    kept = [r for r in ranked if not r.skipped]
-    trials: list[TrialResult] = []
-    best: TrialResult | None = None
-    since_better = 0
-    for item in kept[: min(job.max_trials, job.plan.tuner_num_trials)]:
-        result = _trial(job, item, exps)
-        trials.append(result)
-        if result.metrics is not None and better(job.plan.metric, result.metrics, best.metrics if best else None):
-            best, since_better = result, 0
-        else:
-            since_better += 1
-            if since_better >= job.plan.tuner_early_stopping:
-                break
+    launches = launches_for(job, exps)
+    try:
+        ranked = _profile(job, candidates, exps, launches)
+        trials, best = _trials(job, [r for r in ranked if not r.skipped], exps, launches)
+    finally:
+        launches.close()
     if best is None:
         return Outcome(ranked=ranked, trials=trials, best=None, best_config=None, command=None)
     config = candidate_config(job.user_config, best.ranked.candidate, world=job.world)

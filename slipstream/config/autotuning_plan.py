@@ -30,4 +30,6 @@ class AutotuningPlan:
     num_tuning_micro_batch_sizes: int
     tuner_num_trials: int
     tuner_early_stopping: int
+    tuner_type: str
+    """"gridsearch", "random" or "model_based" (slipstream/autotuning/order.py)."""
     arg_mappings: dict[str, str]

@@ -217,6 +217,7 @@ class AutotuningConfig(OpenSection):
         "num_tuning_micro_batch_sizes": "autotuning.num_tuning_micro_batch_sizes",
         "tuner_early_stopping": "autotuning.tuner_early_stopping",
         "tuner_num_trials": "autotuning.tuner_num_trials",
+        "tuner_type": "autotuning.tuner_type",
         "arg_mappings": "autotuning.arg_mappings",
     }
 
@@ -239,8 +240,8 @@ class AutotuningConfig(OpenSection):
     """First profiled step."""
     end_profile_step: DSInt = Field(5, ge=1)
     """Last profiled step."""
-    tuner_type: str = "gridsearch"
-    """gridsearch, random or model_based."""
+    tuner_type: Literal["gridsearch", "random", "model_based"] = "gridsearch"
+    """The order of the trials: the ranking's, a seeded random one, or one a model refitted after each trial picks."""
     tuner_early_stopping: DSInt = Field(5, ge=1)
     """Stop after this many experiments without improvement."""
     tuner_num_trials: DSInt = Field(50, ge=1)

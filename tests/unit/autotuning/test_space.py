@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from slipstream.autotuning import command
+from slipstream.autotuning.launches import Ran, cause
 from slipstream.autotuning.space import BUCKET_SIZES, candidate_config, grid, micro_batch_sizes, trial_config
-from slipstream.autotuning.tuner import _cause, better
+from slipstream.autotuning.tuner import better
 from slipstream.config import resolve
 from slipstream.launcher import runner
 
@@ -84,11 +85,10 @@ def test_the_deepspeed_script_reaches_the_tuner(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_a_failed_trial_says_why(tmp_path: Path) -> None:
-    log = tmp_path / "log.txt"
-    log.write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n")
-    assert _cause(1, log, 60) == "out of memory"
-    assert _cause(None, log, 60) == "timeout after 60 s"
-    log.write_text("Traceback\nRuntimeError: boom\n")
-    assert _cause(1, log, 60) == "exit status 1: RuntimeError: boom"
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n"
+    assert cause(Ran(code=1, seconds=1.0, output=oom), timeout_s=60, where=tmp_path) == "out of memory"
+    assert cause(Ran(code=None, seconds=60.0, output=oom), timeout_s=60, where=tmp_path) == "timeout after 60 s"
+    failed = Ran(code=1, seconds=1.0, output="Traceback\nRuntimeError: boom\n")
+    assert cause(failed, timeout_s=60, where=tmp_path) == "exit status 1: RuntimeError: boom"
     assert better("latency", {"latency": 1.0}, {"latency": 2.0})
     assert not better("throughput", {"throughput": 1.0}, {"throughput": 2.0})

@@ -47,6 +47,13 @@ def test_without_the_section_nothing_is_recorded(tmp_path: Path) -> None:
     engine.destroy()
 
 
+class _Named:
+    """What read_answer asks of a candidate: its name, micro batch and checkpointing."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.micro_batch, self.activation_checkpointing = name, 4, None
+
+
 def test_the_profile_request_gets_the_planners_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     other = {**CONFIG, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     answer = tmp_path / "answer.json"
@@ -54,7 +61,7 @@ def test_the_profile_request_gets_the_planners_figures(tmp_path: Path, monkeypat
     (tmp_path / "request.json").write_text(json.dumps(request))
     monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "request.json"))
     assert _train_until_exit(CONFIG) == 1
-    figures = read_answer(answer, {"plain": 4, "offload": 4})
+    figures = read_answer(answer, [_Named("plain"), _Named("offload")])  # type: ignore[list-item]
     for name, config in request["candidates"].items():
         device, host = estimate_config(config, module=TinyMLP(), world_size=1, gpus_per_node=1)
         assert (figures[name].device, figures[name].host) == (device, host)

@@ -14,10 +14,11 @@ from slipstream.autotuning.tuner import Job, tune
 from slipstream.config import resolve
 
 FAKE = Path(__file__).with_name("fake_launch.py")
+RUNNER = Path(__file__).with_name("fake_runner.py")
 USER = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
 
-def _job(tmp_path: Path, *, budget: int, trials: int, **tuning: object) -> Job:
+def _job(tmp_path: Path, *, budget: int, trials: int, session: bool = True, **tuning: object) -> Job:
     tuning = {
         "results_dir": str(tmp_path / "results"),
         "exps_dir": str(tmp_path / "exps"),
@@ -26,7 +27,7 @@ def _job(tmp_path: Path, *, budget: int, trials: int, **tuning: object) -> Job:
     }
     plan = resolve({**USER, "autotuning": tuning}, world_size=1).autotuning
     return Job(
-        launcher=[sys.executable],
+        launcher=[sys.executable, str(RUNNER)],
         script=[str(FAKE), "--deepspeed_config", "ds.json"],
         config_at=2,
         user_config=USER,
@@ -37,6 +38,7 @@ def _job(tmp_path: Path, *, budget: int, trials: int, **tuning: object) -> Job:
         host_budget=None,
         max_trials=trials,
         timeout_s=3.0,
+        session=session,
     )
 
 
@@ -56,12 +58,20 @@ def test_failures_are_recorded_and_the_tuning_goes_on(tmp_path: Path, monkeypatc
     optimal = write_results(outcome, results_dir=str(tmp_path / "results"), metric="throughput")
     assert optimal is not None and json.loads(optimal.read_text())["zero_optimization"] == {"stage": 3}
     command = (tmp_path / "results" / "cmd_optimal.txt").read_text().split()
-    assert command == [sys.executable, str(FAKE), "--deepspeed_config", str(optimal.resolve())]
+    assert command == [sys.executable, str(RUNNER), str(FAKE), "--deepspeed_config", str(optimal.resolve())]
+    # a session runs the profile and the trials until one fails; each failure starts the next session: the
+    # profile + z0 (fail), z1 (oom), z2 (hang), z3 + z1_offload (oom), z2_offload (hang), z3_offload
+    sessions = sorted(p.name for p in (tmp_path / "exps" / "sessions").iterdir())
+    assert sessions == [f"session{n}" for n in range(1, 7)]
+    fourth = tmp_path / "exps" / "sessions" / "session4"
+    assert sorted(p.name for p in fourth.iterdir() if p.suffix != ".txt") == ["000.json", "000.rank0.done", "001.json"]
 
 
 def test_early_stopping_and_no_survivor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_TRIALS", json.dumps({"0": 9.0, "1": 1.0, "2": 1.0, "3": 1.0}))
-    outcome = tune(_job(tmp_path, budget=10**9, trials=50, tuner_early_stopping=2, num_tuning_micro_batch_sizes=1))
+    job = _job(tmp_path, budget=10**9, trials=50, session=False, tuner_early_stopping=2, num_tuning_micro_batch_sizes=1)
+    outcome = tune(job)
+    assert not (tmp_path / "exps" / "sessions").exists()  # one launch per run
     assert [t.ranked.candidate.name for t in outcome.trials] == ["z0_mbs8_gas1", "z1_mbs8_gas1", "z2_mbs8_gas1"]
     monkeypatch.setenv("FAKE_TRIALS", json.dumps({"0": "fail", "1": "fail", "2": "fail", "3": "fail"}))
     outcome = tune(_job(tmp_path, budget=10**9, trials=1))
