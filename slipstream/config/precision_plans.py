@@ -17,7 +17,6 @@ __all__ = [
     "autocast_plan",
     "fp8_plan",
     "master_options",
-    "precision_unhonoured",
 ]
 
 
@@ -154,12 +153,3 @@ def _check_low_masters(cfg: DeepSpeedConfig, dtype: str, *, need_offload: bool, 
             f"remove data_types.grad_accum_dtype or set it to {dtype!r}"
         )
 
-
-def precision_unhonoured(cfg: DeepSpeedConfig) -> list[str]:
-    """Keys set away from their defaults that the chosen stage does not act on: stage 3's gradients arrive in
-    its units, not through the hooks that divide them on arrival, so `prescale_gradients` and
-    `gradient_predivide_factor` are honoured at stages 0-2 only."""
-    if cfg.zero_optimization.stage < 3:
-        return []
-    found = ["prescale_gradients"] if cfg.prescale_gradients else []
-    return found + (["gradient_predivide_factor"] if cfg.gradient_predivide_factor != 1.0 else [])

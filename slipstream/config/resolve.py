@@ -40,7 +40,6 @@ from slipstream.config.keys import BATCH_KEYS, KeyWalk, unimplemented_keys
 from slipstream.config.optimizer_plans import optimizer_plan, scheduler_plan
 from slipstream.config.optimizers import DEEPSPEED_ONLY
 from slipstream.config.plan import BatchPlan, CompilePlan, EnginePlan, ParallelPlan, Stage3Plan
-from slipstream.config.precision_plans import precision_unhonoured
 from slipstream.config.schema.top import DeepSpeedConfig
 from slipstream.config.schema.zero import OffloadParamConfig
 from slipstream.config.section_plans import (
@@ -107,7 +106,7 @@ def resolve(
         raise ConfigError(problems)
     if optimizer is not None and optimizer.name.lower() in DEEPSPEED_ONLY:
         unimplemented.append(f"optimizer.type={optimizer.name}")
-    unimplemented += unhonoured_at_stage(cfg.zero_optimization) + precision_unhonoured(cfg)
+    unimplemented += unhonoured_at_stage(cfg.zero_optimization)
     if cfg.autotuning.metric == "flops":  # the tuner ranks by throughput or latency only
         unimplemented.append("autotuning.metric=flops")
     return EnginePlan(

@@ -83,10 +83,11 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
         self._group_for = group_for
         self.check_overflow = precision.check_grad_overflow
         # [Note: gradients divided on arrival] prescale_gradients / gradient_predivide_factor: each gradient is
-        # divided by this before it is accumulated and reduced; the engine's step divisor is divided by it (D7)
-        # (stage 3's gradients arrive in its units instead: there it is 1, and the keys are reported)
+        # divided by this before it is reduced (stages 0-2: on arrival, before it is accumulated; stage 3: in its
+        # unit's staging rows, in the communication dtype, just before the reduce-scatter); the engine's step
+        # divisor is divided by it (D7), so the step divides by world / factor after the reduction
         predivide = self.world_size if precision.grad_predivide is None else precision.grad_predivide
-        self.pre_divided = float(predivide) if zero.stage < 3 else 1.0
+        self.pre_divided = float(predivide)
         self.state_dtype = DTYPES[precision.optimizer_state_dtype]
         """The dtype of the optimizer's moments (bf16 with `bf16_optimizer_states`); a loaded state takes it."""
         master_dtype, grad_dtype = precision.master_dtype, precision.grad_accum_dtype

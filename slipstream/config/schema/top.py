@@ -104,7 +104,7 @@ class DeepSpeedConfig(DSModel):
     gradient_clipping: DSFloat = Field(1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables."""
     prescale_gradients: DSBool = False
-    """Divide gradients by the world size before the all-reduce instead of after (ZeRO stages 0-2)."""
+    """Divide gradients by the world size before the all-reduce (or reduce-scatter) instead of after."""
     gradient_predivide_factor: DSFloat = Field(1.0, gt=0.0)
     """Divide gradients by this before the all-reduce and by world_size / factor after."""
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"

@@ -294,11 +294,15 @@ class Unit:
         staging: torch.Tensor,
         receive: torch.Tensor,
         shard_offsets: list[int],
+        *,
+        scale: float = 1.0,
     ) -> Any:
         """Pack `grads` (by parameter index) into the staging rows and launch the reduce-scatter into `receive`.
 
         `trainable` lists the parameter indices that take part, `shard_offsets` their offsets in `receive`.
-        Returns the collective handle (None on one rank, where `receive` is filled directly).
+        `scale` multiplies the packed rows, in the communication dtype, before the reduction (prescale_gradients
+        and gradient_predivide_factor). Returns the collective handle (None on one rank, where `receive` is
+        filled directly).
         """
         width = receive.numel()
         rows = staging.view(self.world_size, width)
@@ -321,6 +325,8 @@ class Unit:
                     whole += 1
                 if whole < self.world_size:
                     columns[whole:].zero_()  # the padding of the last rows
+            if scale != 1.0:
+                staging.mul_(scale)
         if self.world_size == 1:
             receive.copy_(rows[0])
             return None

@@ -252,8 +252,8 @@ def test_resolved_is_plain_json_with_defaults() -> None:
 
 
 def test_fixed_schedule_keys_are_reported_when_set() -> None:
-    """Keys whose behaviour Slipstream fixes (stage 3 divides gradients only at the step; the reduction
-    schedule is the stage's own) warn when set away from DeepSpeed's default instead of being dropped."""
+    """Keys whose behaviour Slipstream fixes (the reduction schedule is the stage's own) warn when set away from
+    DeepSpeed's default instead of being dropped; gradient predivision is honoured at every stage."""
     plan = plan_of(
         {
             "prescale_gradients": True,
@@ -261,11 +261,7 @@ def test_fixed_schedule_keys_are_reported_when_set() -> None:
             "zero_optimization": {"stage": 3, "overlap_comm": True, "allgather_bucket_size": 2e8},
         }
     )
-    assert set(plan.unimplemented) == {
-        "prescale_gradients",
-        "gradient_predivide_factor",
-        "zero_optimization.allgather_bucket_size",
-    }
+    assert set(plan.unimplemented) == {"zero_optimization.allgather_bucket_size"}
     assert plan_of({"prescale_gradients": False, "gradient_predivide_factor": 1.0}).unimplemented == ()
 
 
