@@ -19,6 +19,7 @@ from torch import nn
 from slipstream.comm import collectives
 from slipstream.config.plan import Stage3Plan
 from slipstream.offload.choose import policy_for
+from slipstream.precision.fp8 import float8_gather_slots
 from slipstream.utils.host_memory import cap_mmap_threshold
 from slipstream.zero.slices import OwnedSlice
 from slipstream.zero.stage3.coordinator import Coordinator
@@ -63,6 +64,7 @@ class ZeroModel(UnitManager):
         if previous is not None:
             previous.detach_hooks()
         self.units: list[Unit] = []
+        self._fp8_weights = float8_gather_slots(module)  # their hook gathers travel in float8 (fp8_gather.py)
         for uid, spec in enumerate(specs):
             unit = self._build_unit(
                 uid, spec, unit_groups=unit_groups, shard_device=shard_device, allocate=allocate, store=store
@@ -118,6 +120,9 @@ class ZeroModel(UnitManager):
             store=store,
             quantize_gathers=self.plan.quantized_weights
             or (self.plan.quantized_frozen_weights and not any(p.requires_grad for _, p in spec.params)),
+            fp8_slots={
+                i: self._fp8_weights[id(p)] for i, (_, p) in enumerate(spec.params) if id(p) in self._fp8_weights
+            },
         )
         for old in old_units:  # re-sharded: free an old unit once none of its parameters is left in it
             if all(p.ds_record.unit is not old for p in old.params if isinstance(p, ShardedParameter)):

@@ -34,8 +34,10 @@ from torch import nn
 
 from slipstream.comm import collectives
 from slipstream.offload.policy import CPUOffload
+from slipstream.precision.fp8 import Float8WeightSlot
 from slipstream.utils.torch_shim import storage_use_count
 from slipstream.zero.quantized import QuantizedRows
+from slipstream.zero.stage3.fp8_gather import Float8Rows
 from slipstream.zero.stage3.pool import BufferPool
 from slipstream.zero.stage3.sharded_param import ParamRecord, ZeroParamStatus, internal_access, make_sharded
 from slipstream.zero.stage3.units import UnitSpec, shard_layout
@@ -81,8 +83,11 @@ class Unit:
         allocate_shard: Callable[[int, torch.dtype, torch.device], torch.Tensor],
         store: ShardStore | None = None,
         quantize_gathers: bool = False,
+        fp8_slots: dict[int, Float8WeightSlot] | None = None,
     ) -> None:
-        """`quantize_gathers`: the gathers of the module hooks travel as block-wise int8 (zero/quantized.py)."""
+        """`quantize_gathers`: the gathers of the module hooks travel as block-wise int8 (zero/quantized.py);
+        else `fp8_slots` (parameter index -> slot of a float8 layer's weight): those weights travel in float8
+        (fp8_gather.py)."""
         params = [p for _, p in spec.params]
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
@@ -104,9 +109,15 @@ class Unit:
         # torch.empty touches no pages: construction costs the shard, not a second copy of the unit
         self.full = torch.empty(self.layout.full_numel, dtype=self.dtype, device=device)
         self.full_bytes = self.full.untyped_storage().nbytes()
-        self._pending: tuple[Any, torch.Tensor, QuantizedRows | None] | None = None
+        self._pending: tuple[Any, torch.Tensor, QuantizedRows | Float8Rows | None] | None = None
         self.quantized = QuantizedRows(self.layout.shard_numel) if quantize_gathers and world_size > 1 else None
         """How the hooks' gathers travel quantized (ZeRO++ qwZ), or None: always exact."""
+        self.float8 = (
+            Float8Rows(self.layout, self.dtype, fp8_slots, shapes=[p.shape for p in params], group=group, device=device)
+            if fp8_slots and world_size > 1 and self.quantized is None
+            else None
+        )
+        """How the hooks' gathers carry float8 layers' weights (see [Note: float8 gather rows]), or None."""
         self.exposed = False
         """Gathered for user code (GatheredParameters, generation), which may keep aliases; see `release`."""
         self.records: list[ParamRecord] = []
@@ -160,10 +171,12 @@ class Unit:
         if self.status is not ZeroParamStatus.NOT_AVAILABLE:
             return
         self.status = ZeroParamStatus.INFLIGHT
+        if self.float8 is not None:
+            self.float8.drop()  # a float8 weight is valid only for the gather that filled it
         if self.world_size == 1 or not self.params:
             self._pending = None
             return
-        codec = self.quantized if hook else None
+        codec = (self.quantized or self.float8) if hook else None
         if codec is None:
             buffer = self.pool.take(self.world_size * (self.layout.shard_numel + 1), self.dtype)
             own = self._rows(buffer)[self.rank]
@@ -200,9 +213,15 @@ class Unit:
         self._pending = None
         self.status = ZeroParamStatus.AVAILABLE
 
-    def _unpack(self, buffer: torch.Tensor, codec: QuantizedRows | None) -> None:
+    def _unpack(self, buffer: torch.Tensor, codec: QuantizedRows | Float8Rows | None) -> None:
         """Each parameter's rows of a completed gather into the full buffer (dequantized first with `codec`)."""
         scratch = None
+        if isinstance(codec, Float8Rows):
+            rows = buffer.view(self.world_size, codec.row_bytes)
+            self._check_tags(codec.tags(rows))
+            codec.decode(rows, self.full)
+            self.pool.give(buffer)
+            return
         if codec is None:
             rows = self._rows(buffer)
             tags, values = rows[:, -1], rows[:, :-1]
@@ -263,6 +282,8 @@ class Unit:
         self.full = fresh
 
     def _free_storage(self) -> None:
+        if self.float8 is not None:
+            self.float8.drop()
         self.full.untyped_storage().resize_(0)
         self.status = ZeroParamStatus.NOT_AVAILABLE
 
