@@ -67,17 +67,18 @@ def logits_loss_case(rank: int, world: int) -> dict:
     x = torch.randn(14, 2, 16, generator=gen, dtype=torch.float64)
     head = torch.randn(10, 16, generator=gen, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 10, (2, 14), generator=gen)
+    upstream = torch.rand(14, 2, generator=gen)  # a different weight per gathered row
+    order = fpdt_token_order(14, 4, world)
     full = x.clone().requires_grad_()
     logits = (full @ head.t()).float()  # as the LM head computes them
     expected = F.cross_entropy(logits.flatten(0, 1), labels.t().flatten(), reduction="none").view(14, 2)
-    expected.sum().backward()
+    (expected[order] * upstream).sum().backward()
     reference_head_grad, head.grad = head.grad.clone(), None
-    order = fpdt_token_order(14, 4, world)
     rows = order[rank * 7 : (rank + 1) * 7]
     local = x[rows].clone().requires_grad_()
     losses = FPDT_LogitsLoss.apply(local, labels[:, rows], head, rank, world, None, 3)
     torch.testing.assert_close(losses, expected[order])  # gathered in rank order
-    losses.sum().backward()
+    (losses * upstream).sum().backward()
     torch.testing.assert_close(local.grad, full.grad[rows])
     torch.testing.assert_close(_sum_over_ranks(head.grad), reference_head_grad)
     return {}
