@@ -106,8 +106,12 @@ class PrecisionPlan:
     master_dtype: str
     optimizer_state_dtype: str
     """The optimizer moments' dtype: fp32 unless `bf16.bf16_optimizer_states` (slipstream/precision/masters.py)."""
+    master_rounding: str
+    """How new values are stored in bf16 masters: "nearest", or "stochastic" (`bf16.stochastic_rounding`)."""
     autocast: AutocastPlan | None
     fp8: Fp8Plan | None
+    buffer_dtype: str | None
+    """The floating-point buffers' dtype (`data_types.buffer_dtype`; None: as placed); precision/buffers.py."""
     grad_predivide: float | None
     """Gradients are divided by this on arrival, before the reduction (None: the reduction group's size)."""
     loss_scale: LossScalePlan | None

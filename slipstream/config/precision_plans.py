@@ -106,6 +106,8 @@ class MasterOptions:
     grad_dtype: str | None
     """The gradients' dtype when the masters set it (they are the masters' gradients), else None."""
     state_dtype: str
+    rounding: str
+    """"nearest", or "stochastic" with `bf16.stochastic_rounding`."""
 
 
 def master_options(cfg: DeepSpeedConfig, param_dtype: str, problems: list[str]) -> MasterOptions:
@@ -122,13 +124,33 @@ def master_options(cfg: DeepSpeedConfig, param_dtype: str, problems: list[str]) 
         )
     if bf16.bf16_master_weights_and_grads and fp16.fp16_master_weights_and_grads:
         problems.append("bf16.bf16_master_weights_and_grads, fp16.fp16_master_weights_and_grads: enable at most one")
+    rounding = _master_rounding(cfg, problems)
     if bf16.bf16_master_weights_and_grads:
         _check_low_masters(cfg, "bf16", need_offload=not bf16.bf16_optimizer_states, problems=problems)
-        return MasterOptions("bf16", "bf16", "bf16" if bf16.bf16_optimizer_states else "fp32")
+        return MasterOptions("bf16", "bf16", "bf16" if bf16.bf16_optimizer_states else "fp32", rounding)
     if fp16.fp16_master_weights_and_grads:
         _check_low_masters(cfg, "fp16", need_offload=True, problems=problems)
-        return MasterOptions("fp16", "fp16", "fp32")
-    return MasterOptions("fp32", None, "fp32")
+        return MasterOptions("fp16", "fp16", "fp32", rounding)
+    return MasterOptions("fp32", None, "fp32", rounding)
+
+
+def _master_rounding(cfg: DeepSpeedConfig, problems: list[str]) -> str:
+    """`bf16.stochastic_rounding` (Slipstream's own): the optimizer on the accelerator steps bf16 masters."""
+    if not cfg.bf16.stochastic_rounding:
+        return "nearest"
+    if not cfg.bf16.bf16_master_weights_and_grads:
+        problems.append(
+            "bf16.stochastic_rounding: it rounds the update stored in bf16 master weights; set "
+            "bf16.bf16_master_weights_and_grads true (with fp32 masters nothing is rounded to bf16)"
+        )
+    zero = cfg.zero_optimization
+    if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none":
+        problems.append(
+            f"bf16.stochastic_rounding: the offloaded optimizer (offload_optimizer.device "
+            f"{zero.offload_optimizer.device!r}) is the CPU Adam op, which rounds to nearest in its own pass; "
+            "remove the offload or set bf16.stochastic_rounding false"
+        )
+    return "stochastic"
 
 
 def _check_low_masters(cfg: DeepSpeedConfig, dtype: str, *, need_offload: bool, problems: list[str]) -> None:

@@ -100,8 +100,10 @@ def precision_plan(cfg: DeepSpeedConfig, problems: list[str]) -> PrecisionPlan:
         grad_accum_dtype=masters.grad_dtype or accum or "fp32",
         master_dtype=masters.master_dtype,
         optimizer_state_dtype=masters.state_dtype,
+        master_rounding=masters.rounding,
         autocast=autocast,
         fp8=fp8_plan(cfg, problems),
+        buffer_dtype=cfg.data_types.buffer_dtype,
         grad_predivide=None if cfg.prescale_gradients else cfg.gradient_predivide_factor,
         loss_scale=scale,
         check_grad_overflow=scale is not None

@@ -41,6 +41,7 @@ from slipstream.engine.parallel import setup_parallel
 from slipstream.engine.post_training import PostTraining
 from slipstream.engine.save_load import SaveLoad
 from slipstream.monitor.writers import make_monitors
+from slipstream.precision.buffers import cast_buffers
 from slipstream.precision.fp8 import apply_fp8_plan
 from slipstream.utils.logging import log_rank0
 from slipstream.utils.progress import Progress
@@ -116,7 +117,9 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         return zero
 
     def _adopt_module(self, zero: ZeroBuild) -> None:
-        """Take the placed module (and its stage-3 units) and name its parameters."""
+        """Take the placed module (and its stage-3 units), its buffers in data_types.buffer_dtype, and name its
+        parameters."""
+        cast_buffers(zero.module, self.plan.precision.buffer_dtype)
         self.module, self.zero_model = zero.module, zero.zero_model
         self._param_names = {id(p): n for n, p in self.module.named_parameters()}
         self._held_elsewhere: frozenset[str] = frozenset()

@@ -28,6 +28,7 @@ from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
 from slipstream.config.plan import PrecisionPlan, ZeroPlan
 from slipstream.offload.policy import OffloadPolicy
+from slipstream.precision.masters import master_rounding
 from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import build_layout
 from slipstream.zero.slices import OwnedSlice
@@ -105,6 +106,7 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
         """Whether the backward now running is the last before the optimizer step (set by the engine: the
         accumulation boundary, outside no_sync); stage 1 with overlap_comm then reduces buckets as they fill."""
         self._hooks: list[Any] = []
+        self.master_rounding = master_rounding(precision)  # the new masters' rounding (precision/masters.py)
         self.groups: list[Any] = self._build_groups(
             bucket_numel=bucket_numel, master_dtype=DTYPES[master_dtype], grad_dtype=DTYPES[grad_dtype]
         )

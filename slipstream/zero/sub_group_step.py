@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from slipstream.precision.masters import NearestRounding
+
 
 class SubGroupStepping:
     """Mixed into ZeroOptimizer, which sets `optimizer`, `groups` and the low-precision targets."""
@@ -22,6 +24,8 @@ class SubGroupStepping:
     _low_precision_out: list[torch.Tensor]
     """Host buffers the CPU Adam op writes the new low-precision values into (empty: none), fixed for life."""
     _low_precision_by_group: list[list[torch.Tensor]]
+    master_rounding: NearestRounding
+    """How the step stores the new values of low-precision masters (precision/masters.py)."""
 
     @property
     def sub_groups(self) -> list[tuple[int, int, int]]:
@@ -74,7 +78,7 @@ class SubGroupStepping:
             host_kernel: Any = self.optimizer  # writes the low-precision copy in the same pass
             host_kernel.step(low_precision_out=low_precision)
         else:
-            self.optimizer.step()
+            self.master_rounding.step(self.optimizer)
 
     def _low_precision_targets(self) -> list[torch.Tensor]:
         """Host buffers for the CPU Adam op to write the new low-precision values into, in the same pass."""

@@ -110,17 +110,23 @@ class BF16Config(DSModel):
         "check_grad_overflow": "precision.check_grad_overflow",
         "bf16_master_weights_and_grads": "precision.master_dtype",
         "bf16_optimizer_states": "precision.optimizer_state_dtype",
+        "immediate_grad_update": "precision.grad_accum_dtype",
+        "stochastic_rounding": "precision.master_rounding",
     }
     enabled: DSBool = False
     """Train with bfloat16 parameters."""
     immediate_grad_update: DSBool = False
-    """Apply gradients to fp32 accumulators as they are produced."""
+    """Add each gradient into the accumulation storage as it is produced and free the bf16 gradient (what
+    Slipstream does at every stage, with or without the key)."""
     check_grad_overflow: DSBool = True
     """Skip the step when a gradient is not finite."""
     bf16_master_weights_and_grads: DSBool = False
     """Keep master weights and gradients in bf16 (ZeRO 1-3)."""
     bf16_optimizer_states: DSBool = False
     """Keep optimizer states in bf16; requires bf16_master_weights_and_grads."""
+    stochastic_rounding: DSBool = False
+    """Slipstream's own: store the optimizer's new bf16 master values rounded stochastically (unbiased) instead
+    of to nearest; needs bf16_master_weights_and_grads and an Adam/AdamW optimizer on the accelerator."""
 
     @model_validator(mode="after")
     def _states_need_master(self) -> BF16Config:
@@ -160,13 +166,14 @@ class DataTypesConfig(DSModel):
     IMPLEMENTED = {
         "grad_accum_dtype": "precision.grad_accum_dtype",
         "param_dtype": "precision.param_dtype",
+        "buffer_dtype": "precision.buffer_dtype",
     }
     grad_accum_dtype: str | None = None
     """Gradient accumulation dtype: "fp32", "fp16" or "bf16" (None: fp32 in Slipstream)."""
     param_dtype: str | None = None
     """The parameter dtype; must match the fp16/bf16 sections (it changes nothing else)."""
     buffer_dtype: str | None = None
-    """Buffer dtype override."""
+    """Cast every floating-point buffer (running statistics, rotary caches) to this dtype after placement."""
 
     @field_validator("grad_accum_dtype", "param_dtype", "buffer_dtype")
     @classmethod

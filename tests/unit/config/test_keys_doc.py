@@ -16,4 +16,4 @@ def test_the_key_table_is_current() -> None:
 def test_the_table_tells_honoured_from_reported() -> None:
     text = render()
     assert "| `zero_optimization.stage` | `0` | honoured: `zero.stage` |" in text
-    assert "| `bf16.immediate_grad_update` | `false` | reported |" in text
+    assert "| `torch_autocast.lower_precision_safe_modules` | `null` | reported |" in text

@@ -184,8 +184,6 @@ def test_unimplemented_lists_what_the_user_set() -> None:
         "hybrid_engine.max_out_tokens",
         "sparse_attention",
         "memory_breakdown",
-        "bf16.immediate_grad_update",
-        "data_types.buffer_dtype",
         "optimizer.type=muadam",
     }
     assert plan.logging.monitor.csv_output_path == "/tmp/csv"
