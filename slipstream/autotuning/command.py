@@ -17,6 +17,7 @@ from slipstream.accelerator import get_accelerator
 from slipstream.accelerator.cpu import host_total_memory
 from slipstream.autotuning.estimates import device_is_host
 from slipstream.autotuning.results import write_results
+from slipstream.autotuning.space import tunable_config
 from slipstream.autotuning.tuner import Job, tune
 from slipstream.config import load_config, resolve
 from slipstream.launcher import runner
@@ -66,7 +67,7 @@ def job_from_args(args: argparse.Namespace) -> Job:
     script, config_at = config_position([args.user_script, *args.user_args])
     user_config = load_config(script[config_at])
     world, per_node = launch.world_size, max(len(slots) for slots in launch.world.values())
-    plan = resolve(dict(user_config), world_size=world).autotuning
+    plan = resolve(tunable_config(dict(user_config)), world_size=world).autotuning
     on_host = device_is_host()
     total = args.autotuning_memory or int(get_accelerator().total_memory())
     return Job(

@@ -20,7 +20,16 @@ import json
 
 from slipstream.config.plan import AutotuningPlan
 
-__all__ = ["BUCKET_SIZES", "Candidate", "candidate_config", "grid", "micro_batch_sizes", "optimal_config"]
+__all__ = [
+    "BUCKET_SIZES",
+    "Candidate",
+    "candidate_config",
+    "grid",
+    "micro_batch_sizes",
+    "optimal_config",
+    "tunable_config",
+    "zero_stages",
+]
 
 BUCKET_SIZES = (50_000_000, 500_000_000, 1_000_000_000)
 """Reduce bucket sizes tried when `autotuning.fast` is false (DeepSpeed's tuning space for stages 1-3)."""
@@ -77,12 +86,28 @@ def _accumulation(user: dict[str, object], micro: int, world: int, plan: Autotun
     return accum
 
 
+def zero_stages(user: dict[str, object]) -> tuple[int, ...]:
+    """The ZeRO stages to search, as DeepSpeed's tuner reads `zero_optimization.stage`: a stage searches that
+    stage only, a list those stages, "all" (or no stage: here DeepSpeed would search stage 0 only) all four."""
+    zero = user.get("zero_optimization")
+    stage = zero.get("stage", "all") if isinstance(zero, dict) else "all"
+    stages = stage if isinstance(stage, list) else [stage]
+    if "all" in stages:
+        return (0, 1, 2, 3)
+    if not stages or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= 3 for s in stages):
+        raise ValueError(
+            f'zero_optimization.stage={stage!r}: the tuner searches a stage 0-3, a list of them or "all"; '
+            "write one of those"
+        )
+    return tuple(sorted(set(stages)))
+
+
 def grid(plan: AutotuningPlan, user: dict[str, object], *, world: int) -> list[Candidate]:
     """Every candidate of the space for `world` data-parallel ranks (stage 0 has no optimizer offload)."""
     buckets: tuple[int | None, ...] = (None,) if plan.fast else BUCKET_SIZES
     checkpointing: tuple[bool | None, ...] = (False, True) if "activation_checkpointing" in user else (None,)
     found = []
-    for stage in (0, 1, 2, 3):
+    for stage in zero_stages(user):
         for offload in (False, True) if stage else (False,):
             for micro in micro_batch_sizes(plan):
                 accum = _accumulation(user, micro, world, plan)
@@ -101,6 +126,14 @@ def grid(plan: AutotuningPlan, user: dict[str, object], *, world: int) -> list[C
                     for recompute in checkpointing
                 ]
     return found
+
+
+def tunable_config(user: dict[str, object]) -> dict[str, object]:
+    """The user's config without a searched stage ("all" or a list), so that it resolves as a config."""
+    zero = user.get("zero_optimization")
+    if not isinstance(zero, dict) or isinstance(zero.get("stage", 0), int):
+        return user
+    return {**user, "zero_optimization": {k: v for k, v in zero.items() if k != "stage"}}
 
 
 def candidate_config(user: dict[str, object], candidate: Candidate, *, world: int) -> dict[str, object]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -92,3 +93,50 @@ def test_a_failed_trial_says_why(tmp_path: Path) -> None:
     assert cause(failed, timeout_s=60, where=tmp_path) == "exit status 1: RuntimeError: boom"
     assert better("latency", {"latency": 1.0}, {"latency": 2.0})
     assert not better("throughput", {"throughput": 1.0}, {"throughput": 2.0})
+
+
+def test_activation_checkpointing_is_searched_when_the_config_configures_it(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from slipstream.autotuning.estimates import checkpointed_share, read_answer
+    from slipstream.autotuning.select import estimated_throughput
+
+    user = {**BASE, "train_batch_size": 8, "activation_checkpointing": {"partition_activations": False}}
+    plan = _plan(user, world=1, min_train_micro_batch_size_per_gpu=4, max_train_micro_batch_size_per_gpu=4)
+    found = [c for c in grid(plan, user, world=1) if c.stage == 0]
+    assert [c.name for c in found] == ["z0_mbs4_gas2_noac", "z0_mbs4_gas2_ac"]
+    off, on = found
+    # the job sees the choice as the section being there or not
+    assert resolve(candidate_config(user, on, world=1), world_size=1).activation_checkpointing is not None
+    assert resolve(candidate_config(user, off, world=1), world_size=1).activation_checkpointing is None
+    assert estimated_throughput(on) < estimated_throughput(off)  # the recomputed forward
+    assert {c.activation_checkpointing for c in grid(plan, BASE, world=1)} == {None}  # no section: not searched
+    # the planner's share of activations kept with checkpointing, for a model whose layers it can read
+    model = nn.Linear(2, 2)
+    assert checkpointed_share(model) is None
+    model.config = SimpleNamespace(hidden_size=64, num_hidden_layers=8, num_attention_heads=4)  # type: ignore[assignment]
+    assert checkpointed_share(model) == pytest.approx(1 / 8 + 1 / 17)
+    answer = tmp_path / "answer.json"
+    rows = {c.name: {"device": 1000, "host": 0} for c in found}
+    answer.write_text(json.dumps({"candidates": rows, "activations_per_sample": 100, "checkpointed_share": 0.25}))
+    figures = read_answer(answer, found)
+    assert (figures[off.name].activations, figures[on.name].activations) == (400, 100)
+    answer.write_text(json.dumps({"candidates": rows, "activations_per_sample": 100, "checkpointed_share": None}))
+    assert read_answer(answer, found)[on.name].activations is None  # unknown: never the reason for a skip
+
+
+def test_the_searched_zero_stages_follow_the_config() -> None:
+    from slipstream.autotuning.space import tunable_config, zero_stages
+
+    assert zero_stages(BASE) == (0, 1, 2, 3)
+    assert zero_stages({"zero_optimization": {"stage": 2}}) == (2,)
+    assert zero_stages({"zero_optimization": {"stage": [3, 1]}}) == (1, 3)
+    assert zero_stages({"zero_optimization": {"stage": "all"}}) == (0, 1, 2, 3)
+    with pytest.raises(ValueError, match="zero_optimization.stage=5"):
+        zero_stages({"zero_optimization": {"stage": 5}})
+    user = {**BASE, "train_batch_size": 4, "zero_optimization": {"stage": [0, 1], "overlap_comm": False}}
+    assert resolve(tunable_config(user), world_size=1).zero.stage == 0
+    plan = _plan(tunable_config(user), world=1, max_train_micro_batch_size_per_gpu=4)
+    assert {(c.stage, c.offload_optimizer) for c in grid(plan, user, world=1)} == {(0, False), (1, False), (1, True)}

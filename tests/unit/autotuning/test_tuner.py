@@ -44,9 +44,12 @@ def _job(tmp_path: Path, *, budget: int, trials: int, session: bool = True, **tu
 
 def test_failures_are_recorded_and_the_tuning_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_TRIALS", json.dumps({"0": "fail", "1": "oom", "2": "hang", "3": 5.0}))
-    outcome = tune(_job(tmp_path, budget=4500, trials=7, num_tuning_micro_batch_sizes=1))
+    outcome = tune(_job(tmp_path, budget=4500, trials=9, num_tuning_micro_batch_sizes=1))
     # 1000 B per sample: micro 8 (8000 B) cannot fit 4500 B even with the margin; micro 4 is the largest kept
     assert all(r.skipped for r in outcome.ranked if r.candidate.micro_batch == 8)
+    # nothing the planner calls unable to fit (by more than the margin) is launched
+    launched = {p.name for p in (tmp_path / "exps").iterdir()}
+    assert not launched & {r.candidate.name for r in outcome.ranked if r.skipped}
     ran = [(t.ranked.candidate.name, t.error or t.metrics["throughput"]) for t in outcome.trials]  # type: ignore[index]
     assert ran[:4] == [
         ("z0_mbs4_gas2", "exit status 1: RuntimeError: fake trial failed"),
