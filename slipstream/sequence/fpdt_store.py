@@ -15,7 +15,8 @@ query-gradient accumulators. A chunk is `put` once finished and `get` when a lat
   before the work that reads it back.
 
 On a CPU-only machine "host" and "device" are the same memory: the copies still happen and are counted.
-`stats.device_bytes` counts the device-resident tensors the store holds or hands out (storage by storage,
+`stats` is activation offload's record (activation/offload.py): chunks offloaded, fetched, host buffers
+allocated; `stats.device_bytes` counts the device-resident tensors the store holds or hands out (storage by storage,
 until freed): the memory that saved chunks cost the device.
 """
 
@@ -27,9 +28,9 @@ import weakref
 import torch
 
 from slipstream.accelerator import get_accelerator
-from slipstream.activation.live_bytes import LiveBytes
+from slipstream.activation.offload import StoreStats
 
-__all__ = ["ChunkSession", "ChunkStore", "DeviceChunks", "HostChunks", "StoreStats"]
+__all__ = ["ChunkSession", "ChunkStore", "DeviceChunks", "HostChunks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,22 +39,6 @@ class _Held:
     """The saved chunk itself (device) or its host copy."""
     device: torch.device
     """Where the chunk is used."""
-
-
-@dataclasses.dataclass
-class StoreStats:
-    """What a chunk store did (cumulative) and the device bytes of saved chunks it saw alive."""
-
-    offloaded: int = 0
-    """Chunks copied to host memory."""
-    fetched: int = 0
-    """Chunks copied back to the device."""
-    offloaded_bytes: int = 0
-    """Bytes copied to host memory."""
-    host_allocations: int = 0
-    """Host buffers allocated; stays flat once the steps repeat."""
-    device_bytes: LiveBytes = dataclasses.field(default_factory=LiveBytes)
-    """Device-resident saved chunks: those kept on the device, and the copies brought back."""
 
 
 class ChunkSession:
@@ -127,14 +112,13 @@ class HostChunks(ChunkStore):
         host = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
         host.copy_(tensor.detach(), non_blocking=True)
         self.stats.offloaded += 1
-        self.stats.offloaded_bytes += nbytes
         return _Held(host, tensor.device)
 
     def bring_back(self, held: _Held, key: tuple[str, int]) -> torch.Tensor:
         restored = torch.empty(held.tensor.shape, dtype=held.tensor.dtype, device=held.device)
         restored.copy_(held.tensor, non_blocking=True)
         self.stats.device_bytes.track(restored)
-        self.stats.fetched += 1
+        self.stats.fetched_on_demand += 1  # brought back when the pair that needs it runs
         return restored
 
     def release(self, session: ChunkSession) -> None:
