@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from tests.harness import run_distributed
 from tests.harness.models import TinyMLP
+from tests.harness.reference import reference_run
 from tests.harness.subtests import run_subtests
 
 WORLD = 2
@@ -38,7 +39,6 @@ ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
 
 def overflow_step(rank: int, **extra: object) -> torch.Tensor:
     import slipstream
-    from slipstream.zero import GatheredParameters
 
     torch.manual_seed(0)
     config = {
@@ -52,11 +52,18 @@ def overflow_step(rank: int, **extra: object) -> torch.Tensor:
     engine, _, _, _ = slipstream.initialize(model=torch.nn.Linear(4, 1, bias=False), config=config)
     engine.backward(engine(torch.full((1, 4), 40000.0)).sum())
     engine.step()
+    return finish(engine)["weight"]
+
+
+def finish(engine) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """The engine's full parameters (fp32 copies) once it is destroyed on every rank."""
+    from slipstream.zero import GatheredParameters
+
     with GatheredParameters(list(engine.module.parameters())):
-        weight = engine.module.weight.detach().clone()
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     dist.barrier()
-    return weight
+    return params
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -79,18 +86,12 @@ def engine_for(dtype: str, optimizer: dict[str, object], **extra: object):  # ty
 
 
 def train(engine, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    from slipstream.zero import GatheredParameters
-
-    half = BATCH // WORLD
-    for inputs, targets in batches():
-        mine = slice(rank * half, (rank + 1) * half)
-        engine.backward(TinyMLP.loss(engine(inputs[mine]), targets[mine]))
+    """STEPS steps on this rank's rows of each batch (rank r: the r-th of WORLD equal parts)."""
+    for batch in batches():
+        inputs, targets = (part.chunk(WORLD)[rank] for part in batch)
+        engine.backward(TinyMLP.loss(engine(inputs), targets))
         engine.step()
-    with GatheredParameters(list(engine.module.parameters())):
-        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    engine.destroy()
-    dist.barrier()
-    return params
+    return finish(engine)
 
 
 def predivided_training(rank: int) -> dict[str, torch.Tensor]:
@@ -155,32 +156,20 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
 
 
 def sgd_reference(steps: int) -> dict[str, torch.Tensor]:
-    model = TinyMLP(**MODEL)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    for inputs, targets in batches()[:steps]:
-        for x, y in zip(inputs.chunk(WORLD), targets.chunk(WORLD)):
-            TinyMLP.loss(model(x), y).backward()
-        for p in model.parameters():
-            p.grad /= WORLD
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().float() for n, p in model.named_parameters()}
+    """One process, each batch's WORLD parts backwarded in turn, their gradients' mean stepped by SGD."""
+    split = (WORLD, BATCH // WORLD, 1)
+    return reference_run(lambda: TinyMLP(**MODEL), batches(), lr=0.5, steps=steps, optimizer="sgd", split=split).params
 
 
 def fp8_reference(steps: int) -> dict[str, torch.Tensor]:
+    """The same with the emulated tensorwise float8 layers and AdamW."""
     from slipstream.fp8 import convert_to_float8_training
-    from slipstream.ops.adam import FusedAdam
 
-    model = convert_to_float8_training(TinyMLP(**MODEL), recipe="tensorwise", emulate=True)
-    opt = FusedAdam(model.parameters(), lr=LR, weight_decay=0.01, adam_w_mode=True)
-    for inputs, targets in batches()[:steps]:
-        for x, y in zip(inputs.chunk(WORLD), targets.chunk(WORLD)):
-            TinyMLP.loss(model(x), y).backward()
-        for p in model.parameters():
-            p.grad /= WORLD
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().float() for n, p in model.named_parameters()}
+    def model() -> torch.nn.Module:
+        return convert_to_float8_training(TinyMLP(**MODEL), recipe="tensorwise", emulate=True)
+
+    run = reference_run(model, batches(), lr=LR, steps=steps, weight_decay=0.01, split=(WORLD, BATCH // WORLD, 1))
+    return run.params
 
 
 def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
