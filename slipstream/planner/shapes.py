@@ -194,14 +194,17 @@ def _decoder(
     layers: int,
     intermediate: int,
     vocab: int,
-    kv_hidden: int,
-    tied: bool,
-    bias: bool,
-    norm_bias: bool,
-    positions: int,
+    kv_hidden: int | None = None,
+    tied: bool = False,
+    bias: bool = True,
+    norm_bias: bool = True,
+    positions: int = 0,
     gated: bool = False,
 ) -> Any:
-    """A decoder-only transformer on the meta device with Hugging Face's module tree (model.layers.N, lm_head)."""
+    """A decoder-only transformer on the meta device with Hugging Face's module tree (model.layers.N, lm_head).
+    The defaults make the plain GPT-style block: full-width key/value (kv_hidden = hidden), untied embeddings,
+    biases everywhere, no learned positions, an ungated MLP."""
+    kv_width = hidden if kv_hidden is None else kv_hidden
     import torch
     from torch import nn
 
@@ -216,8 +219,8 @@ def _decoder(
             super().__init__()
             self.input_layernorm, self.post_attention_layernorm = Norm(), Norm()
             self.q_proj = nn.Linear(hidden, hidden, bias=bias)
-            self.k_proj = nn.Linear(hidden, kv_hidden, bias=bias)
-            self.v_proj = nn.Linear(hidden, kv_hidden, bias=bias)
+            self.k_proj = nn.Linear(hidden, kv_width, bias=bias)
+            self.v_proj = nn.Linear(hidden, kv_width, bias=bias)
             self.o_proj = nn.Linear(hidden, hidden, bias=bias)
             self.gate_proj = nn.Linear(hidden, intermediate, bias=False) if gated else None
             self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
@@ -266,17 +269,7 @@ def synthetic(
         # per layer: 4h^2 + 2hI weights, 4h + I biases, 4h norm parameters; plus 2 vocab h and a final norm
         per_layer = (total - 2 * vocab * hidden - 2 * hidden) / layers
         intermediate = max(1, round((per_layer - 4 * hidden * hidden - 8 * hidden) / (2 * hidden + 1)))
-    module = _decoder(
-        hidden=hidden,
-        layers=layers,
-        intermediate=intermediate,
-        vocab=vocab,
-        kv_hidden=hidden,
-        tied=False,
-        bias=True,
-        norm_bias=True,
-        positions=0,
-    )
+    module = _decoder(hidden=hidden, layers=layers, intermediate=intermediate, vocab=vocab)
     dims = Dims(hidden=hidden, layers=layers, heads=heads or max(1, hidden // 128), vocab=vocab or None)
     return from_module(module, source=f"synthetic decoder ({layers} x {hidden}, MLP {intermediate})", dims=dims)
 
