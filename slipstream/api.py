@@ -90,13 +90,7 @@ def initialize(
     plan = _resolve_plan(raw, model, pipeline=pipeline, strict=strict)
     from slipstream.engine.builders import ClientObjects
 
-    client = ClientObjects(
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler,
-        training_data=training_data,
-        collate_fn=collate_fn,
-    )
+    client = ClientObjects(optimizer, model_parameters, lr_scheduler, training_data, collate_fn)
     engine = _engine_class(pipeline=pipeline)(model, plan, client)
     return engine, engine._optimizer_to_return(), engine.training_dataloader, engine.lr_scheduler
 

@@ -25,10 +25,10 @@ from slipstream.utils.logging import get_logger, log_rank0, warn_once
 from slipstream.zero.optimizer import ZeroOptimizer
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class ClientObjects:
-    """What the client handed `initialize()` besides the model and the config (each None when not given): the
-    engine builds the optimizer, scheduler and data loader from them and the plan."""
+    """What the client handed `initialize()` besides the model and the config (each None when not given), in
+    the order the fields are listed: the engine builds the optimizer, scheduler and data loader from them."""
 
     optimizer: object = None
     model_parameters: object = None
