@@ -87,7 +87,7 @@ def fpdt_attention(
         scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1]),
         acc=torch.promote_types(query.dtype, torch.float32),
     )
-    out: torch.Tensor = _ChunkedAttention.apply(query, key, value, call, store or DeviceChunks())
+    out: torch.Tensor = _ChunkedAttention.apply(query, key, value, call, DeviceChunks() if store is None else store)
     return out
 
 
