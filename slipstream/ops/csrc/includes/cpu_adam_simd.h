@@ -47,80 +47,70 @@ inline void prefetch(const void* p) {
 #endif
 }
 
+#if defined(SLIPSTREAM_SIMD_AVX512) || defined(SLIPSTREAM_SIMD_AVX2)
+// The members the x86 levels share, written once: they differ only in the intrinsics' prefix P (_mm512,
+// _mm256) and register width BITS (512, 256), the integer register I of W lanes (__m512i, __m256i), and the
+// register H that holds W halves (__m256i, __m128i) with its unaligned load and store and its streaming store.
+// Each Vec defines T, W, to_fp16 and to_bf16 (from bf16_rounded) itself. Streaming stores need p aligned to
+// kNtAlign bytes and are followed by nt_fence().
+#define SLIPSTREAM_X86_VEC_MEMBERS(P, BITS, I, H, LOADU_H, STOREU_H, STREAM_H)                    \
+  static inline T load(const float* p) { return P##_loadu_ps(p); }                                \
+  static inline T load_bf16(const uint16_t* p) {                                                  \
+    I widened = P##_cvtepu16_epi32(LOADU_H(reinterpret_cast<const H*>(p)));                       \
+    return P##_castsi##BITS##_ps(P##_slli_epi32(widened, 16));                                    \
+  }                                                                                               \
+  /* The upper 16 bits of each lane hold x rounded to the nearest bf16, ties to even (NaN not handled). */ \
+  static inline I bf16_rounded(T x) {                                                             \
+    I b = P##_castps_si##BITS(x);                                                                 \
+    I lsb = P##_and_si##BITS(P##_srli_epi32(b, 16), P##_set1_epi32(1));                           \
+    return P##_srli_epi32(P##_add_epi32(b, P##_add_epi32(lsb, P##_set1_epi32(0x7FFF))), 16);      \
+  }                                                                                               \
+  static inline void store(float* p, T x) { P##_storeu_ps(p, x); }                                \
+  static inline void store_bf16(uint16_t* p, T x) { STOREU_H(reinterpret_cast<H*>(p), to_bf16(x)); } \
+  static inline void store_fp16(uint16_t* p, T x) { STOREU_H(reinterpret_cast<H*>(p), to_fp16(x)); } \
+  static constexpr uintptr_t kNtAlign = sizeof(H);                                                 \
+  static inline void stream_bf16(uint16_t* p, T x) { STREAM_H(reinterpret_cast<H*>(p), to_bf16(x)); } \
+  static inline void stream_fp16(uint16_t* p, T x) { STREAM_H(reinterpret_cast<H*>(p), to_fp16(x)); } \
+  static inline void nt_fence() { _mm_sfence(); }                                                 \
+  static inline T set1(float x) { return P##_set1_ps(x); }                                        \
+  static inline T add(T a, T b) { return P##_add_ps(a, b); }                                      \
+  static inline T sub(T a, T b) { return P##_sub_ps(a, b); }                                      \
+  static inline T mul(T a, T b) { return P##_mul_ps(a, b); }                                      \
+  static inline T fma(T a, T b, T c) { return P##_fmadd_ps(a, b, c); } /* a*b+c */                \
+  static inline T sqrt(T a) { return P##_sqrt_ps(a); }                                            \
+  static inline T div(T a, T b) { return P##_div_ps(a, b); }
+#endif
+
 #if defined(SLIPSTREAM_SIMD_AVX512)
 constexpr const char* kLevel = "avx512";
 struct Vec {
   using T = __m512;
   static constexpr int W = 16;
-  static inline T load(const float* p) { return _mm512_loadu_ps(p); }
-  static inline void store(float* p, T x) { _mm512_storeu_ps(p, x); }
-  static inline T load_bf16(const uint16_t* p) {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  static inline void store_bf16(uint16_t* p, T x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
-  }
-  static inline void store_fp16(uint16_t* p, T x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_fp16(x));
-  }
-  // Non-temporal (streaming) stores; p must be aligned to kNtAlign bytes. Followed by nt_fence().
-  static constexpr uintptr_t kNtAlign = 32;
-  static inline void stream_bf16(uint16_t* p, T x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
-  static inline void stream_fp16(uint16_t* p, T x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_fp16(x)); }
-  static inline void nt_fence() { _mm_sfence(); }
+  SLIPSTREAM_X86_VEC_MEMBERS(_mm512, 512, __m512i, __m256i, _mm256_loadu_si256, _mm256_storeu_si256,
+                             _mm256_stream_si256)
   static inline __m256i to_fp16(T x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static inline __m256i to_bf16(T x) {
-    __m512i b = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    __m512i r = bf16_rounded(x);
     __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
     return _mm512_cvtepi32_epi16(r);
   }
-  static inline T set1(float x) { return _mm512_set1_ps(x); }
-  static inline T add(T a, T b) { return _mm512_add_ps(a, b); }
-  static inline T sub(T a, T b) { return _mm512_sub_ps(a, b); }
-  static inline T mul(T a, T b) { return _mm512_mul_ps(a, b); }
-  static inline T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }  // a*b+c
-  static inline T sqrt(T a) { return _mm512_sqrt_ps(a); }
-  static inline T div(T a, T b) { return _mm512_div_ps(a, b); }
 };
 #elif defined(SLIPSTREAM_SIMD_AVX2)
 constexpr const char* kLevel = "avx2";
 struct Vec {
   using T = __m256;
   static constexpr int W = 8;
-  static inline T load(const float* p) { return _mm256_loadu_ps(p); }
-  static inline void store(float* p, T x) { _mm256_storeu_ps(p, x); }
-  static inline T load_bf16(const uint16_t* p) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  static inline void store_bf16(uint16_t* p, T x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
-  static inline void store_fp16(uint16_t* p, T x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_fp16(x)); }
-  static constexpr uintptr_t kNtAlign = 16;
-  static inline void stream_bf16(uint16_t* p, T x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
-  static inline void stream_fp16(uint16_t* p, T x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_fp16(x)); }
-  static inline void nt_fence() { _mm_sfence(); }
+  SLIPSTREAM_X86_VEC_MEMBERS(_mm256, 256, __m256i, __m128i, _mm_loadu_si128, _mm_storeu_si128, _mm_stream_si128)
   static inline __m128i to_fp16(T x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); }
   static inline __m128i to_bf16(T x) {
-    __m256i b = _mm256_castps_si256(x);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    __m256i r = bf16_rounded(x);
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
     // packus works per 128-bit lane: [r0..r3 r0..r3 | r4..r7 r4..r7]; gather quadwords 0 and 2.
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
     return _mm256_castsi256_si128(packed);
   }
-  static inline T set1(float x) { return _mm256_set1_ps(x); }
-  static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
-  static inline T sub(T a, T b) { return _mm256_sub_ps(a, b); }
-  static inline T mul(T a, T b) { return _mm256_mul_ps(a, b); }
-  static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static inline T sqrt(T a) { return _mm256_sqrt_ps(a); }
-  static inline T div(T a, T b) { return _mm256_div_ps(a, b); }
 };
 #elif defined(SLIPSTREAM_SIMD_NEON)
 constexpr const char* kLevel = "neon";
