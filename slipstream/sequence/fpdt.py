@@ -100,8 +100,9 @@ class FPDT_Attention(nn.Module):
     `num_key_value_heads` heads of `kv_channels`), `second_weight`/`second_bias` project the output.
     `chunk_size` counts the tokens of one attention chunk over the group; the finished chunks wait in host
     memory when `enable_offloading` and the forward's `cpu_offloading` are both true (buffers reused across
-    steps). Returns `(output, second_bias)` with `return_bias`, else `(output + second_bias, None)`.
-    Not built: attention masks other than causal, rotary embeddings inside the layer, attention dropout."""
+    steps). `rotary_pos_emb` is DeepSpeed's (cos, sin) pair over the whole sequence, in sequence order.
+    Returns `(output, second_bias)` with `return_bias`, else `(output + second_bias, None)`.
+    Not built: attention masks other than causal, attention dropout."""
 
     def __init__(
         self,
@@ -145,14 +146,13 @@ class FPDT_Attention(nn.Module):
         layernorm_output: torch.Tensor,
         attention_mask: torch.Tensor | None,
         inference_params: object = None,
-        rotary_pos_emb: object = None,
+        rotary_pos_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
         cpu_offloading: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         del inference_params  # DeepSpeed ignores it too
-        if attention_mask is not None or rotary_pos_emb is not None:
+        if attention_mask is not None:
             raise NotImplementedError(
-                "FPDT_Attention: attention_mask and rotary_pos_emb must be None (the attention is causal; apply "
-                "rotary embeddings with fpdt_attention on your own q and k instead)"
+                "FPDT_Attention: attention_mask must be None (the attention is causal, as in DeepSpeed)"
             )
         seq, batch = layernorm_output.shape[:2]
         qkv = F.linear(layernorm_output, self.qkv_linear_weight, self.qkv_linear_bias).transpose(0, 1)
@@ -160,12 +160,41 @@ class FPDT_Attention(nn.Module):
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
         q = q.unflatten(-1, (self.heads, self.head_dim))
         k, v = (t.unflatten(-1, (self.kv_heads, self.head_dim)) for t in (k, v))
+        if rotary_pos_emb is not None:
+            cos, sin = self._local_rotary(rotary_pos_emb, seq)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         store: ChunkStore = self.host_store if self.enable_offloading and cpu_offloading else DeviceChunks()
         out = fpdt_attention(q, k, v, chunk_size=self.chunk_size, group=self.spg, store=store)
         out = torch.matmul(out.transpose(0, 1).reshape(seq, batch, q_width), self.qkv_dense_weight.t())
         if self.return_bias:
             return out, self.qkv_dense_bias
         return (out if self.qkv_dense_bias is None else out + self.qkv_dense_bias), None
+
+    def _local_rotary(self, freqs: tuple[torch.Tensor, torch.Tensor], seq: int) -> tuple[torch.Tensor, ...]:
+        """DeepSpeed's (cos, sin), [global seq, 1, 1, rotary dim] in sequence order, at this rank's tokens, as
+        [1, local seq, 1, rotary dim]: rotating q and k before the all-to-all equals rotating each chunk after."""
+        world = dist.get_world_size(self.spg) if dist.is_initialized() else 1
+        rank = dist.get_rank(self.spg) if world > 1 else 0
+        positions = fpdt_token_order(seq * world, self.chunk_size, world)[rank * seq : (rank + 1) * seq]
+        out = []
+        for name, table in zip(("cos", "sin"), freqs):
+            if table.shape[0] != seq * world or table[0].numel() != table.shape[-1]:
+                raise ValueError(
+                    f"FPDT_Attention: rotary_pos_emb {name} has shape {tuple(table.shape)}; expected "
+                    f"[{seq * world}, 1, 1, rotary dim] (one row per position of the whole sequence)"
+                )
+            out.append(table.reshape(table.shape[0], -1)[positions.to(table.device)].unsqueeze(0).unsqueeze(2))
+        return tuple(out)
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on the first `cos.shape[-1]` features of [batch, seq, heads, dim] `t` (halves rotated:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)); the other features pass."""
+    width = cos.shape[-1]
+    rotated, passed = t[..., :width], t[..., width:]
+    first, second = rotated.chunk(2, dim=-1)
+    turned = torch.cat((-second, first), dim=-1)
+    return torch.cat((rotated * cos + turned * sin, passed), dim=-1)
 
 
 def _gelu_mlp(weights: tuple[torch.Tensor, ...], rows: torch.Tensor) -> torch.Tensor:

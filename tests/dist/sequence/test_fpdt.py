@@ -1,8 +1,8 @@
 """FPDT at 2 ranks (Ulysses across the ranks, chunked attention on each) against single-process attention, in one
-spawn: sequence lengths the chunk size does not divide, grouped KV heads, host offload on and off. Outputs and
-input gradients equal the reference rows each rank holds (FPDT_InputConstruct's layout), the weights' gradients
-summed over the ranks equal the reference's; FPDT_LogitsLoss gathers the same per-token losses. Also the
-all-to-alls one layer issues per step."""
+spawn: sequence lengths the chunk size does not divide, grouped KV heads, host offload on and off, rotary
+embeddings given over the whole sequence. Outputs and input gradients equal the reference rows each rank holds
+(FPDT_InputConstruct's layout), the weights' gradients summed over the ranks equal the reference's;
+FPDT_LogitsLoss gathers the same per-token losses. Also the all-to-alls one layer issues per step."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.harness import run_distributed, run_subtests
 CASES = [
     {"seq": 14, "chunk": 4, "kv_heads": 2, "offload": True},
     {"seq": 14, "chunk": 4, "kv_heads": 2, "offload": False},
-    {"seq": 16, "chunk": 6, "kv_heads": 4, "offload": True},
+    {"seq": 16, "chunk": 6, "kv_heads": 4, "offload": True, "rotary": True},
 ]
 
 
@@ -27,10 +27,12 @@ def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def attention_case(rank: int, world: int, *, seq: int, chunk: int, kv_heads: int, offload: bool) -> dict:
+def attention_case(
+    rank: int, world: int, *, seq: int, chunk: int, kv_heads: int, offload: bool, rotary: bool = False
+) -> dict:
     from slipstream.comm import count_collectives
     from slipstream.sequence.fpdt import FPDT_Attention, fpdt_token_order
-    from tests.unit.sequence.test_fpdt import _config, attention_reference, attention_weights
+    from tests.unit.sequence.test_fpdt import _config, attention_reference, attention_weights, rotary_tables
 
     config = _config(kv_heads=kv_heads)
     weights = attention_weights(config, seed=seq)
@@ -38,7 +40,8 @@ def attention_case(rank: int, world: int, *, seq: int, chunk: int, kv_heads: int
     x = torch.randn(seq, 2, 16, generator=gen, dtype=torch.float64)
     upstream = torch.randn(seq, 2, 16, generator=gen, dtype=torch.float64)
     full = x.clone().requires_grad_()
-    expected = attention_reference(full, weights, config)
+    tables = rotary_tables(seq) if rotary else None  # over the whole sequence, in order (DeepSpeed's)
+    expected = attention_reference(full, weights, config, tables)
     (expected * upstream).sum().backward()
     reference_grads = [t.grad.clone() for t in weights]
     for t in weights:
@@ -48,7 +51,7 @@ def attention_case(rank: int, world: int, *, seq: int, chunk: int, kv_heads: int
     local = x[rows].clone().requires_grad_()
     layer = FPDT_Attention(config, *weights, None, return_bias=False, chunk_size=chunk)
     with count_collectives() as counter:
-        out, _ = layer(local, None, cpu_offloading=offload)
+        out, _ = layer(local, None, None, tables, cpu_offloading=offload)
         (out * upstream[rows]).sum().backward()
     torch.testing.assert_close(out, expected[rows], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(local.grad, full.grad[rows], rtol=1e-10, atol=1e-10)

@@ -100,13 +100,35 @@ def _config(heads: int = 4, kv_heads: int = 2) -> types.SimpleNamespace:
     )
 
 
-def attention_reference(x: torch.Tensor, weights: list[torch.Tensor], config: types.SimpleNamespace) -> torch.Tensor:
+def rotary_tables(seq: int, width: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSpeed's rotary_pos_emb: (cos, sin), [seq, 1, 1, width], the frequencies repeated over both halves."""
+    freqs = torch.outer(torch.arange(seq, dtype=torch.float64), 1.0 / 10000 ** (torch.arange(0, width, 2) / width))
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+    return angles.cos(), angles.sin()
+
+
+def _rotated(t: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """[batch, seq, heads, dim]: pairs (i, i + half) of the first `width` features turned by position's angle."""
+    half = rotary[0].shape[-1] // 2
+    cos, sin = (r[:, 0, 0, :half][None, :, None, :] for r in rotary)
+    x1, x2 = t[..., :half], t[..., half : 2 * half]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, t[..., 2 * half :]), dim=-1)
+
+
+def attention_reference(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    config: types.SimpleNamespace,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Plain attention of FPDT_Attention's weights on [seq, batch, hidden] `x`, bias added."""
     w1, b1, w2, b2 = weights
     q_width, kv_width = config.num_attention_heads * 4, config.num_key_value_heads * 4
     q, k, v = F.linear(x, w1, b1).transpose(0, 1).split([q_width, kv_width, kv_width], dim=-1)
     q = q.unflatten(-1, (config.num_attention_heads, 4))
     k, v = (t.unflatten(-1, (config.num_key_value_heads, 4)) for t in (k, v))
+    if rotary is not None:
+        q, k = _rotated(q, rotary), _rotated(k, rotary)
     out = causal_reference(q, k, v).flatten(2).transpose(0, 1)
     return F.linear(out, w2, b2)
 
@@ -118,20 +140,21 @@ def attention_weights(config: types.SimpleNamespace, seed: int = 0) -> list[torc
     return [(torch.randn(s, generator=gen, dtype=torch.float64) * 0.3).requires_grad_() for s in shapes]
 
 
-@pytest.mark.parametrize("return_bias", [True, False])
-def test_fpdt_attention_module_equals_plain_attention(return_bias: bool) -> None:
+@pytest.mark.parametrize(("return_bias", "rotary"), [(True, False), (False, True)])
+def test_fpdt_attention_module_equals_plain_attention(return_bias: bool, rotary: bool) -> None:
     config = _config()
     weights = attention_weights(config)
     x = torch.randn(11, 2, 16, dtype=torch.float64, requires_grad=True)
+    tables = rotary_tables(11) if rotary else None
     layer = FPDT_Attention(config, *weights, None, return_bias=return_bias, chunk_size=4)
-    out, bias = layer(x, None)
+    out, bias = layer(x, None, None, tables)
     out = out + bias if return_bias else out
     assert (bias is weights[3]) == return_bias
     (out * out).sum().backward()
     got = [t.grad.clone() for t in (x, *weights)]
     for t in (x, *weights):
         t.grad = None
-    expected = attention_reference(x, weights, config)
+    expected = attention_reference(x, weights, config, tables)
     (expected * expected).sum().backward()
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     for g, t in zip(got, (x, *weights)):
@@ -144,8 +167,11 @@ def test_fpdt_attention_module_refusals() -> None:
     with pytest.raises(NotImplementedError, match="attention_dropout=0.1"):
         FPDT_Attention(types.SimpleNamespace(**{**vars(_config()), "attention_dropout": 0.1}), *weights, None)
     layer = FPDT_Attention(_config(), *weights, None, chunk_size=4)
-    with pytest.raises(NotImplementedError, match="rotary_pos_emb must be None"):
-        layer(torch.zeros(4, 1, 16, dtype=torch.float64), None, None, (torch.zeros(1), torch.zeros(1)))
+    x = torch.zeros(4, 1, 16, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="attention_mask must be None"):
+        layer(x, torch.ones(4, 4))
+    with pytest.raises(ValueError, match="rotary_pos_emb cos has shape \\(5, 1, 1, 2\\); expected \\[4, 1"):
+        layer(x, None, None, rotary_tables(5))
     with pytest.raises(ValueError, match="only the \\[seq, batch, hidden\\] layout"):
         FPDT_Attention(_config(), *weights, None, gather_idx=1)
 
