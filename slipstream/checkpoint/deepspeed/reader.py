@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -141,33 +141,30 @@ def read_deepspeed_checkpoint(path: str | Path, tag: str | None = None) -> DeepS
             )
         reader = _read_stage3 if stage == 3 else _read_stage12
         result = reader(first, optim, world_size)
-    module, master, opt_state, step, groups = result
     if stage3 and first.get("frozen_param_shapes"):
         others = [safe_load(tag_dir / _ZERO3_MODEL.format(rank=r)) for r in range(1, world_size)]
-        _merge_zero3_frozen(first, others, module)
-    _apply_shared_params(first.get("shared_params") or {}, module, master)
+        _merge_zero3_frozen(first, others, result.module)
+    _apply_shared_params(first.get("shared_params") or {}, result.module, result.master)
     return DeepSpeedCheckpoint(
         tag=tag_dir.name,
         zero_stage=stage,
         world_size=world_size,
         dtype=_model_dtype(first),
-        module=module,
-        master=master,
-        optimizer_state=opt_state,
-        optimizer_step=step,
-        param_groups=groups,
         scalars=_scalars(first, optim[0] if optim else None),
         client_state={k: v for k, v in first.items() if k not in _DS_MODEL_KEYS},
+        **result._asdict(),
     )
 
 
-_Parts = tuple[
-    dict[str, torch.Tensor],
-    dict[str, torch.Tensor],
-    dict[str, dict[str, torch.Tensor]],
-    "int | None",
-    list[dict[str, Any]],
-]
+class _Parts(NamedTuple):
+    """What a stage's reader returns: the checkpoint's tensor fields, under the names DeepSpeedCheckpoint gives
+    them."""
+
+    module: dict[str, torch.Tensor]
+    master: dict[str, torch.Tensor]
+    optimizer_state: dict[str, dict[str, torch.Tensor]]
+    optimizer_step: int | None
+    param_groups: list[dict[str, Any]]
 
 
 def _require_files(tag_dir: Path, names: list[str]) -> None:
@@ -239,7 +236,7 @@ def _read_stage0(first: Mapping[str, Any]) -> _Parts:
     names = _param_names(first)
     opt = first.get("optimizer")
     if opt is None:
-        return module, {n: module[n].float() for n in names}, {}, None, []
+        return _Parts(module, {n: module[n].float() for n in names}, {}, None, [])
     if "fp32_groups_flat" in opt:
         raise CheckpointError(
             "stage-0 fp16 checkpoints (DeepSpeed FP16_Optimizer, 'fp32_groups_flat') cannot be "
@@ -261,7 +258,7 @@ def _read_stage0(first: Mapping[str, Any]) -> _Parts:
         state = base["state"].get(index, {})
         opt_state[name] = {k: v.float() for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
         step = step if step is not None else _step_of(state)
-    return module, master, opt_state, step, _strip_params(base["param_groups"])
+    return _Parts(module, master, opt_state, step, _strip_params(base["param_groups"]))
 
 
 def _group_state(base: Any, group: int) -> dict[str, Any]:
@@ -302,7 +299,7 @@ def _read_stage12(first: Mapping[str, Any], optim: list[dict[str, Any]], world_s
     else:
         step = _step_of(_group_state(base, 0))
         groups = _strip_params(base["param_groups"])
-    return module, master, opt_state, None if step is None else int(step), groups
+    return _Parts(module, master, opt_state, None if step is None else int(step), groups)
 
 
 def _check_room(name: str, needed: int, available: int, group: int) -> None:
@@ -342,7 +339,7 @@ def _read_stage3(first: Mapping[str, Any], optim: list[dict[str, Any]], world_si
         placeholder = module.get(name)
         module[name] = tensor.to(placeholder.dtype if isinstance(placeholder, torch.Tensor) else tensor.dtype)
     base = optim[0]["optimizer_state_dict"]
-    return module, master, opt_state, _step_of(states[0][0]), _strip_params(base["param_groups"])
+    return _Parts(module, master, opt_state, _step_of(states[0][0]), _strip_params(base["param_groups"]))
 
 
 def _merge_zero3_frozen(
