@@ -14,6 +14,7 @@
 - *gather buffer*: the rank-major receive buffer of the all-gather (pooled, reused across units).
 The modules: `units.py` (which modules are units, pure), `sharded_param.py` (the parameter type that
 keeps global shape and refuses data access while sharded), `unit.py` (one unit's buffers and its two
-collectives), `coordinator.py` (hooks: when to gather, prefetch, free and reduce), `model.py` (turns a
-module into units), `optimizer.py` (the step on the shards).
+collectives), `fp8_gather.py` (float8 layers' weights gathered in float8), `coordinator.py` (hooks: when to
+gather, prefetch, free and reduce), `model.py` (turns a module into units), `optimizer.py` (the step on the
+shards).
 """
