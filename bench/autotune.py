@@ -1,13 +1,15 @@
 """Benchmark of the autotuner: the planner-guided tuner against an exhaustive sweep of the same space, and
 DeepSpeed's autotuner on the same script and config.
 
-    python bench/autotune.py [--quick] [--num-gpus 1] [--peer-python .bench-venv/bin/python] [--no-deepspeed]
+    python bench/autotune.py [--quick] [--num-gpus 2] [--peer-python .bench-venv/bin/python] [--no-deepspeed]
 
-The script is bench/_autotune_job.py (a 4 x 512 MLP, fp32 AdamW). The space: ZeRO 0-3, optimizer offload
-(none/CPU), micro batch 16 and 32 (--quick: 32 only); trials time steps 4..13.
+The script is bench/_autotune_job.py (the example GPT, 4 layers x 256, seq 64, fp32 AdamW), at 2 ranks. The
+space: ZeRO 0-3, optimizer offload (none/CPU), micro batch 4, 8 and 16 (--quick: 8 and 16); trials time steps
+4..8. The memory cap (`--autotuning_memory`) is set from the planner's figures of every candidate so that about
+half of the space cannot fit; both runs get it.
     tuner        `slipstream run --autotuning tune` as shipped (profile run, pruning, at most 3 trials)
-    exhaustive   the same command with every candidate run (num_tuning_micro_batch_sizes, tuner_early_stopping
-                 and --autotuning_trials raised past the space's size)
+    exhaustive   the same command with every candidate under the cap run (num_tuning_micro_batch_sizes,
+                 tuner_early_stopping and --autotuning_trials raised past the space's size)
 Printed: trials, wall time, and the chosen-throughput ratio: the exhaustive sweep's measured throughput of the
 candidate the tuner chose over the best throughput the sweep measured (both from the sweep's own trials, so the
 ratio is not two runs' noise). DeepSpeed's row runs `deepspeed --autotuning tune` in the peer environment and
@@ -28,14 +30,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "bench" / "_autotune_job.py"
+MARGIN = 0.10  # the tuner's default (autotuning/select.py)
 
 
 def _config(quick: bool, exhaustive: bool) -> dict[str, object]:
     tuning: dict[str, object] = {
         "start_profile_step": 3,
-        "end_profile_step": 13,
-        "min_train_micro_batch_size_per_gpu": 32 if quick else 16,
-        "max_train_micro_batch_size_per_gpu": 32,
+        "end_profile_step": 8,
+        "min_train_micro_batch_size_per_gpu": 8 if quick else 4,
+        "max_train_micro_batch_size_per_gpu": 16,
     }
     if exhaustive:
         tuning.update(num_tuning_micro_batch_sizes=100, tuner_early_stopping=100, tuner_num_trials=100)
@@ -102,9 +105,37 @@ def _tune(
     return _run(argv, folder, timeout_s)
 
 
-def _slipstream(folder: Path, *, quick: bool, exhaustive: bool, num_gpus: int) -> tuple[float, dict, str]:
+def memory_cap(*, quick: bool, num_gpus: int) -> tuple[int, int, int]:
+    """(a budget per rank under which about half of the space cannot fit, candidates excluded, candidates): the
+    planner's figures of every candidate on the bench model (model states; on the CPU activations are not
+    counted), the budget just under one of them (less the tuner's margin) that excludes the nearest to half."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _autotune_job import bench_model
+
+    from slipstream.autotuning.estimates import estimate_config
+    from slipstream.autotuning.space import candidate_config, grid
+    from slipstream.config import resolve
+
+    config = _config(quick, exhaustive=False)
+    plan = resolve(config, world_size=num_gpus).autotuning
+    model = bench_model()
+    needed = sorted(
+        sum(
+            estimate_config(
+                candidate_config(config, c, world=num_gpus), module=model, world_size=num_gpus, gpus_per_node=num_gpus
+            )
+        )
+        for c in grid(plan, config, world=num_gpus)
+    )
+    caps = [int(value * (1 - MARGIN)) - 1 for value in set(needed)]  # each excludes that figure and above
+    excluded = {cap: sum(n * (1 - MARGIN) > cap for n in needed) for cap in caps}
+    cap = min(caps, key=lambda c: abs(excluded[c] - len(needed) / 2))
+    return cap, excluded[cap], len(needed)
+
+
+def _slipstream(folder: Path, *, quick: bool, exhaustive: bool, num_gpus: int, cap: int) -> tuple[float, dict, str]:
     launcher = [sys.executable, "-m", "slipstream.cli.main", "run"]
-    extra = ("--autotuning_trials", "100") if exhaustive else ()
+    extra = ("--autotuning_memory", str(cap)) + (("--autotuning_trials", "100") if exhaustive else ())
     code, wall, output = _tune(
         folder, launcher, config=_config(quick, exhaustive), num_gpus=num_gpus, launcher_extra=extra
     )
@@ -147,19 +178,21 @@ def _deepspeed(folder: Path, *, peer: Path, quick: bool, num_gpus: int, timeout_
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--num-gpus", type=int, default=1)
+    parser.add_argument("--num-gpus", type=int, default=2)
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".bench-venv" / "bin" / "python")
     parser.add_argument("--no-deepspeed", action="store_true")
     parser.add_argument(
         "--deepspeed-timeout", type=float, default=300.0, help="seconds before DeepSpeed's tuner is stopped"
     )
     args = parser.parse_args()
+    cap, excluded, total = memory_cap(quick=args.quick, num_gpus=args.num_gpus)
+    print(f"memory cap per rank: {cap / 2**20:.1f} MiB; {excluded} of the {total} candidates cannot fit under it")
     with tempfile.TemporaryDirectory(prefix="bench-autotune-") as tmp:
         tuner_wall, tuner_trials, chosen = _slipstream(
-            Path(tmp) / "tuner", quick=args.quick, exhaustive=False, num_gpus=args.num_gpus
+            Path(tmp) / "tuner", quick=args.quick, exhaustive=False, num_gpus=args.num_gpus, cap=cap
         )
         sweep_wall, sweep_trials, best = _slipstream(
-            Path(tmp) / "sweep", quick=args.quick, exhaustive=True, num_gpus=args.num_gpus
+            Path(tmp) / "sweep", quick=args.quick, exhaustive=True, num_gpus=args.num_gpus, cap=cap
         )
         measured = {k: v for k, v in sweep_trials.items() if v is not None}
         print(f"{'':<12} {'trials':>6} {'wall s':>8}  chosen")

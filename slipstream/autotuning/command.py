@@ -76,10 +76,10 @@ def job_from_args(args: argparse.Namespace) -> Job:
         config_at=config_at,
         user_config=dict(user_config),
         plan=plan,
-        world=world,
-        ranks_per_node=per_node,
         budget=total if args.autotuning_memory or not on_host else total // per_node,
         host_budget=None if on_host else host_total_memory(),
+        world=world,
+        ranks_per_node=per_node,
         max_trials=args.autotuning_trials,
         timeout_s=args.autotuning_timeout,
     )

@@ -1,6 +1,7 @@
 """What `tune` leaves in `autotuning.results_dir`, in DeepSpeed's layout: `ds_config_optimal.json`,
 `cmd_optimal.txt`, `summary.txt` (every candidate: its planner figure, the verdict, the trial's metric or its
-failure), and `trials.png` when matplotlib is installed (it is not a dependency: without it no plot)."""
+failure), and `trials.png` when matplotlib is installed (it is not a dependency: without it no plot): each trial's
+metric against the planner's memory per rank, the chosen config marked."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import shlex
 from pathlib import Path
 
 from slipstream.autotuning.space import optimal_config
-from slipstream.autotuning.tuner import Outcome, TrialResult
+from slipstream.autotuning.tuner import Outcome
 
 __all__ = ["summary", "write_results"]
 
@@ -50,7 +51,8 @@ def summary(outcome: Outcome, *, metric: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(trials: list[TrialResult], *, metric: str, path: Path) -> None:
+def _plot(outcome: Outcome, *, metric: str, path: Path) -> None:
+    """The trials' metric against the planner's memory per rank, each point named, the chosen one marked."""
     if importlib.util.find_spec("matplotlib") is None:
         return
     import matplotlib
@@ -58,11 +60,15 @@ def _plot(trials: list[TrialResult], *, metric: str, path: Path) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
-    ran = [t for t in trials if t.metrics]
-    figure, axes = pyplot.subplots(figsize=(max(4.0, 1.2 * len(ran)), 3.5))
-    axes.bar([t.ranked.candidate.name for t in ran], [t.metrics[metric] for t in ran if t.metrics])
+    ran = [t for t in outcome.trials if t.metrics]
+    figure, axes = pyplot.subplots(figsize=(6.0, 4.0))
+    for trial in ran:
+        x, y = trial.ranked.needed / MIB, trial.metrics[metric] if trial.metrics else 0.0
+        chosen = trial is outcome.best
+        axes.scatter([x], [y], marker="*" if chosen else "o", s=160 if chosen else 30, color="C3" if chosen else "C0")
+        axes.annotate(trial.ranked.candidate.name + (" (chosen)" if chosen else ""), (x, y), fontsize=7)
+    axes.set_xlabel("planned memory per rank (MiB)")
     axes.set_ylabel(metric)
-    axes.tick_params(axis="x", labelrotation=30)
     figure.tight_layout()
     figure.savefig(path)
     pyplot.close(figure)
@@ -75,7 +81,7 @@ def write_results(outcome: Outcome, *, results_dir: str, metric: str) -> Path | 
     text = summary(outcome, metric=metric)
     (folder / "summary.txt").write_text(text)
     print(text, flush=True)
-    _plot(outcome.trials, metric=metric, path=folder / "trials.png")
+    _plot(outcome, metric=metric, path=folder / "trials.png")
     if outcome.best_config is None or outcome.command is None:
         return None
     path = folder / "ds_config_optimal.json"

@@ -43,7 +43,7 @@ class Candidate:
     offload_optimizer: bool
     micro_batch: int
     grad_accum: int
-    reduce_bucket_size: int | None
+    reduce_bucket_size: int | None = None
     """None: the user's own (the dimension is not searched)."""
     activation_checkpointing: bool | None = None
     """True: the user's `activation_checkpointing` section is kept; False: it is dropped; None: not searched
@@ -113,15 +113,9 @@ def grid(plan: AutotuningPlan, user: dict[str, object], *, world: int) -> list[C
                 accum = _accumulation(user, micro, world, plan)
                 if accum is None:
                     continue
+                base = Candidate(stage=stage, offload_optimizer=offload, micro_batch=micro, grad_accum=accum)
                 found += [
-                    Candidate(
-                        stage=stage,
-                        offload_optimizer=offload,
-                        micro_batch=micro,
-                        grad_accum=accum,
-                        reduce_bucket_size=bucket,
-                        activation_checkpointing=recompute,
-                    )
+                    dataclasses.replace(base, reduce_bucket_size=bucket, activation_checkpointing=recompute)
                     for bucket in buckets
                     for recompute in checkpointing
                 ]

@@ -15,9 +15,9 @@ import pytest
 from slipstream.autotuning.launches import Session
 from slipstream.autotuning.select import Ranked
 from slipstream.autotuning.space import Candidate
-from slipstream.autotuning.tuner import Job, run_trial
-from slipstream.config import resolve
+from slipstream.autotuning.tuner import run_trial
 from tests.launcher.test_local_launch import clean_env, free_port, slipstream_run
+from tests.unit.autotuning.jobs import make_job
 
 JOB = Path(__file__).with_name("autotune_job.py")
 CONFIG = {
@@ -112,27 +112,16 @@ def remeasure(folder: Path, names: list[str]) -> dict[str, float]:
     """Each `z0_mbs<M>_gas1` of `names` run again as a trial of steps 3..12, all in one two-rank session."""
     folder.mkdir()
     tuning = {**SPACE["autotuning"], "start_profile_step": 2, "end_profile_step": 12}  # type: ignore[dict-item]
-    job = Job(
-        launcher=[
-            sys.executable,
-            "-m",
-            "slipstream.launcher.runner",
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(free_port()),
-        ],
-        script=[str(JOB), "--deepspeed_config", "ds.json"],
-        config_at=2,
-        user_config=SPACE,
-        plan=resolve({**SPACE, "autotuning": tuning}, world_size=2).autotuning,
-        world=2,
-        ranks_per_node=2,
-        budget=0,
-        host_budget=None,
-        max_trials=len(names),
-        timeout_s=120,
-    )
+    launcher = [
+        sys.executable,
+        "-m",
+        "slipstream.launcher.runner",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    job = make_job(launcher, str(JOB), SPACE, tuning, world=2, budget=0, trials=len(names), timeout_s=120)
     session = Session(job.launcher, root=folder / "sessions", world=2, timeout_s=job.timeout_s)
     measured = {}
     saved = dict(os.environ)

@@ -3,6 +3,7 @@ failed trial is recorded without ending the tuning, early stopping, and the resu
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 from slipstream.autotuning.results import write_results
 from slipstream.autotuning.tuner import Job, tune
-from slipstream.config import resolve
+from tests.unit.autotuning.jobs import make_job
 
 FAKE = Path(__file__).with_name("fake_launch.py")
 RUNNER = Path(__file__).with_name("fake_runner.py")
@@ -25,20 +26,9 @@ def _job(tmp_path: Path, *, budget: int, trials: int, session: bool = True, **tu
         "max_train_micro_batch_size_per_gpu": 8,
         **tuning,
     }
-    plan = resolve({**USER, "autotuning": tuning}, world_size=1).autotuning
-    return Job(
-        launcher=[sys.executable, str(RUNNER)],
-        script=[str(FAKE), "--deepspeed_config", "ds.json"],
-        config_at=2,
-        user_config=USER,
-        plan=plan,
-        world=1,
-        ranks_per_node=1,
-        budget=budget,
-        host_budget=None,
-        max_trials=trials,
-        timeout_s=3.0,
-        session=session,
+    launcher = [sys.executable, str(RUNNER)]
+    return make_job(
+        launcher, str(FAKE), USER, tuning, world=1, budget=budget, trials=trials, timeout_s=3.0, session=session
     )
 
 
@@ -60,6 +50,8 @@ def test_failures_are_recorded_and_the_tuning_goes_on(tmp_path: Path, monkeypatc
     assert outcome.best is outcome.trials[3]
     optimal = write_results(outcome, results_dir=str(tmp_path / "results"), metric="throughput")
     assert optimal is not None and json.loads(optimal.read_text())["zero_optimization"] == {"stage": 3}
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot is optional (not a dependency)
+        assert (tmp_path / "results" / "trials.png").stat().st_size > 0
     command = (tmp_path / "results" / "cmd_optimal.txt").read_text().split()
     assert command == [sys.executable, str(RUNNER), str(FAKE), "--deepspeed_config", str(optimal.resolve())]
     # a session runs the profile and the trials until one fails; each failure starts the next session: the
