@@ -177,6 +177,10 @@ class _ChunkedAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         session = store.session()
         out = query.new_empty(query.shape)
+        # without a backward to come only k and v are kept (later query chunks read them); q, the output and
+        # the log-sum-exp serve the backward alone. The context, and with it the session, dies with the call
+        # then, giving the host buffers back (fpdt_store.py)
+        backward_due = any(ctx.needs_input_grad[:3])
         for i, (start, end) in enumerate(call.bounds):
             q = _stack_groups(_to_heads(query[:, start:end], call), call.groups)
             k, v = (_to_heads(t[:, start:end], call) for t in (key, value))
@@ -186,10 +190,11 @@ class _ChunkedAttention(torch.autograd.Function):
             running.fold(_scores(q, k, call, True), v)
             attended, lse = running.result()
             attended = attended.to(query.dtype)
-            for kind, t in (("q", q), ("k", k), ("v", v), ("o", attended), ("lse", lse)):
+            saved = {"q": q, "k": k, "v": v, "o": attended, "lse": lse} if backward_due else {"k": k, "v": v}
+            for kind, t in saved.items():
                 session.put(kind, i, t)
             out[:, start:end] = _to_rows(_unstack_groups(attended, call.groups), call)
-            del q, k, v, attended, lse, running
+            del q, k, v, attended, lse, running, saved
         ctx.call, ctx.session = call, session
         ctx.shapes = (query.shape, key.shape)
         return out

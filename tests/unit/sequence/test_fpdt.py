@@ -71,6 +71,17 @@ def test_offload_equals_device_chunks_and_reuses_host_buffers() -> None:
     assert store.stats.fetched_on_demand > 0
 
 
+def test_without_grad_only_keys_and_values_are_kept_and_released_at_once() -> None:
+    q, k, v, _ = _inputs(13, 2, seed=4)
+    store = HostChunks()
+    with torch.no_grad():
+        out = fpdt_attention(q, k, v, chunk_size=4, store=store)
+        assert store.stats.offloaded == 4 * 2  # k and v of 4 chunks
+        fpdt_attention(q, k, v, chunk_size=4, store=store)  # the first call's buffers are free again
+    assert store.stats.host_allocations == 4 * 2
+    torch.testing.assert_close(out, causal_reference(q, k, v), rtol=1e-5, atol=1e-5)
+
+
 def _peak_saved(seq: int, chunk: int, store_type: type) -> int:
     store = store_type()
     _run(_inputs(seq, 4), chunk_size=chunk, store=store)
