@@ -3,6 +3,8 @@
 Inside the pytest process that runs DeepSpeed's tests it:
 - `--suite-ids FILE`: runs only the listed test ids (the Slipstream side runs only what DeepSpeed passed);
 - `--suite-skip-ids FILE`: leaves out ids already reported (the runner resumes a run after a hung test);
+- `--suite-select FILE`: runs only the tests under the listed paths or node-id prefixes (a folder row that names
+  classes of a module which belongs to another row);
 - `--suite-max-params N`: keeps at most N parametrizations of each test function (collection order), so the
   run stays affordable on a 2-core machine (some DeepSpeed tests have 100+ parametrizations);
 - `--suite-report FILE`: appends one JSON line per finished test: {"id", "outcome", "seconds", "message"}, and
@@ -33,6 +35,7 @@ def pytest_addoption(parser):
     group = parser.getgroup("slipstream-suite")
     group.addoption("--suite-ids", default=None, help="file of test ids to run (one per line)")
     group.addoption("--suite-skip-ids", default=None, help="file of test ids to leave out (already reported)")
+    group.addoption("--suite-select", default=None, help="file of paths / node-id prefixes whose tests run")
     group.addoption("--suite-preload", default="", help="comma-separated modules the forkserver imports once")
     group.addoption("--suite-max-params", type=int, default=0, help="parametrizations kept per test (0: all)")
     group.addoption("--suite-report", default=None, help="JSON-lines file the outcomes are appended to")
@@ -49,10 +52,19 @@ def _family(item) -> str:
     return item.nodeid.split("[", 1)[0]
 
 
+def _under(nodeid: str, prefixes: set[str]) -> bool:
+    """Whether a test id is one of `prefixes` or lies under one (a folder, a module, a class, a function)."""
+    return any(nodeid == p or nodeid.startswith((p + "/", p + "::", p + "[")) for p in prefixes)
+
+
 def pytest_collection_modifyitems(session, config, items):
     ids_file = config.getoption("suite_ids")
     max_params = config.getoption("suite_max_params")
     kept = list(items)
+    select_file = config.getoption("suite_select")
+    if select_file:
+        prefixes = {p.rstrip("/") for p in _read_ids(select_file)}
+        kept = [item for item in kept if _under(item.nodeid, prefixes)]
     if ids_file:
         wanted = _read_ids(ids_file)
         kept = [item for item in kept if item.nodeid in wanted]
@@ -145,16 +157,17 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_collectreport(report):
-    """A module that fails to import yields no tests: record why, under the module's path."""
-    if report.failed and report.nodeid:
+    """A module that fails to import, or skips itself at import, yields no tests: record why, under the
+    module's path (a skipped module reads as one skipped test)."""
+    if (report.failed or report.skipped) and report.nodeid:
         path = _report_path_from_config()
         if path:
-            line = {
-                "id": report.nodeid,
-                "outcome": "collect-error",
-                "seconds": 0,
-                "message": _short(report.longreprtext),
-            }
+            if report.failed:
+                outcome, message = "collect-error", _short(report.longreprtext)
+            else:
+                longrepr = report.longrepr
+                outcome, message = "skipped", str(longrepr[2] if isinstance(longrepr, tuple) else longrepr)
+            line = {"id": report.nodeid, "outcome": outcome, "seconds": 0, "message": message}
             with open(path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(line) + "\n")
 

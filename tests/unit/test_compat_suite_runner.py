@@ -10,11 +10,18 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "compat" / "deepspeed_suite" / "run.py"
-_spec = importlib.util.spec_from_file_location("deepspeed_suite_run", _PATH)
-assert _spec is not None and _spec.loader is not None
-run = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(run)
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, _ROOT / path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+run = _load("compat/deepspeed_suite/run.py", "deepspeed_suite_run")
 
 
 def test_folder_of_matches_directories_and_files_by_prefix():
@@ -25,6 +32,44 @@ def test_folder_of_matches_directories_and_files_by_prefix():
     assert run.folder_of("unit/runtime/test_lr_schedulers.py::TestOneCycle::test_lr[1]") == "lr_schedules"
     assert run.folder_of("unit/runtime/zeroish/test_a.py::t") is None  # a directory prefix needs its slash
     assert run.folder_of("unit/runtime/test_ds_config_dict.py_other::t") is None
+
+
+def test_folder_of_takes_a_node_id_path_before_its_files_folder():
+    # the LAMB row names classes and a method of files that belong to other rows
+    assert run.folder_of("unit/runtime/half_precision/test_fp16.py::TestLambFP16::test__basic") == "lamb"
+    assert (
+        run.folder_of("unit/runtime/half_precision/test_fp16.py::TestFP16OptimizerForMoE::test_lamb_gradnorm[True]")
+        == "lamb"
+    )
+    assert run.folder_of("unit/runtime/half_precision/test_fp16.py::TestFP16OptimizerForMoE::test_fused_gradnorm") == (
+        "runtime/half_precision"
+    )
+    assert run.folder_of("unit/runtime/half_precision/test_fp16.py::TestLambFP16Other::t") == "runtime/half_precision"
+    assert run.folder_of("unit/runtime/half_precision/onebit/test_onebit.py::TestOneBitAdamBasic::test") == (
+        "runtime/half_precision/onebit"
+    )
+    assert run.folder_of("unit/elasticity/test_elastic.py::TestElasticConfigChanged::test") == "lamb"
+    assert run.folder_of("unit/elasticity/test_elastic.py::test_basic_10k") is None
+
+
+def test_node_id_paths_give_pytest_their_modules_and_select_the_tests():
+    paths = [
+        "unit/ops/muon",
+        "unit/runtime/half_precision/test_fp16.py::TestLambFP16",
+        "unit/runtime/half_precision/test_fp16.py::TestLambFP32GradClip",
+    ]
+    targets, select = run.pytest_targets(paths)
+    assert targets == ["unit/ops/muon", "unit/runtime/half_precision/test_fp16.py"]
+    assert select == paths
+    assert run.pytest_targets(["unit/ops/muon", "unit/utils"]) == (["unit/ops/muon", "unit/utils"], [])
+    plugin = _load("compat/deepspeed_suite/suite_plugin.py", "deepspeed_suite_plugin")
+    prefixes = {p.rstrip("/") for p in select}
+    assert plugin._under("unit/ops/muon/test_muon.py::TestX::test[a]", prefixes)
+    assert plugin._under("unit/runtime/half_precision/test_fp16.py::TestLambFP16::test__basic", prefixes)
+    assert not plugin._under("unit/runtime/half_precision/test_fp16.py::TestLambFP16Other::test", prefixes)
+    assert not plugin._under("unit/runtime/half_precision/test_fp16.py::TestAdamFP32EmptyGrad::test", prefixes)
+    assert plugin._under("unit/a.py::test_f[1]", {"unit/a.py::test_f"})
+    assert not plugin._under("unit/a.py::test_fg", {"unit/a.py::test_f"})
 
 
 def test_read_jsonl_keeps_tests_and_collection_errors_apart():
@@ -104,7 +149,7 @@ def test_recorded_messages_and_defaults_name_no_machine_directory():
         "unit/a.py::t": "failed: E: no file '<workdir>/tests/x.pt'  in <tmp>/y",
         "unit/b.py::t": "error: ImportError (<slipstream_src>/slipstream/zero/init.py)",
     }
-    assert Path(run.DEFAULT_REPO) == _PATH.parents[2].parent / "DeepSpeed"
-    for results in sorted(_PATH.parent.glob("results*.json")):
+    assert Path(run.DEFAULT_REPO) == _ROOT.parent / "DeepSpeed"
+    for results in sorted((_ROOT / "compat" / "deepspeed_suite").glob("results*.json")):
         found = re.findall(r"(?<![\w.>])/(?:tmp|home|work|root)/[^\s'\"]*", results.read_text())
         assert not found, f"{results.name} names a machine's directories: {found[:3]}"
