@@ -76,3 +76,16 @@ def test_rocm_build_needs_rocm_home(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 def test_arch_list_reaches_nvcc(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     assert "-gencode=arch=compute_90,code=sm_90" in FakeGpuOp().nvcc_args()
+
+
+def test_rocm_version_queries_read_torchs_hip_version(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # DeepSpeed's 1-bit tests call OpBuilder.installed_rocm_version() at import to skip ROCm 5 and later
+    from slipstream.ops.op_builder.builder import OpBuilder
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert OpBuilder.installed_rocm_version() == (0, 0)
+    assert not OpBuilder.is_rocm_pytorch()
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133-dd7f95766")
+    monkeypatch.setenv("ROCM_HOME", str(tmp_path))
+    assert OpBuilder.installed_rocm_version() == (6, 2)
+    assert OpBuilder.is_rocm_pytorch()

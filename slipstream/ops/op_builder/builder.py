@@ -109,6 +109,17 @@ class OpBuilder:
             )
         return Compatibility(True)
 
+    # ---- DeepSpeed's static queries (its tests read them at import to skip ROCm-only cases) ----
+    @staticmethod
+    def is_rocm_pytorch() -> bool:
+        """Whether this torch is a ROCm (HIP) build and a ROCm toolkit is installed."""
+        return toolchain.torch_rocm_version() != (0, 0) and toolchain.rocm_home() is not None
+
+    @staticmethod
+    def installed_rocm_version() -> tuple[int, int]:
+        """(major, minor) of the ROCm this torch was built for; (0, 0) on a CUDA or CPU build."""
+        return toolchain.torch_rocm_version()
+
     # ---- paths ----
     def absolute_name(self) -> str:
         """Import path of the module when it was built ahead of time."""

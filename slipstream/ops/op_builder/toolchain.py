@@ -114,6 +114,14 @@ def rocm_home() -> str | None:
     return "/opt/rocm" if Path("/opt/rocm").is_dir() else None
 
 
+def torch_rocm_version() -> tuple[int, int]:
+    """(major, minor) of the ROCm (HIP) this torch was built for; (0, 0) for a CUDA or CPU build."""
+    import torch
+
+    match = re.match(r"(\d+)\.(\d+)", getattr(torch.version, "hip", None) or "")
+    return (int(match[1]), int(match[2])) if match else (0, 0)
+
+
 @functools.cache
 def nvcc_version(home: str | None) -> str | None:
     """'major.minor' of the nvcc under `home`, or None."""
