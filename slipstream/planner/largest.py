@@ -10,12 +10,31 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from slipstream.planner.estimate import estimate
 from slipstream.planner.types import Option, OptionEstimate, Plan
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 _MAX_LAYERS = 1 << 20
+
+
+class ShapeAndMachine(TypedDict, total=False):
+    """The keyword arguments `largest` takes as `estimate` does and hands to it unchanged (their defaults are
+    `estimate`'s): the rest of the decoder's shape and the machine."""
+
+    heads: int | None
+    vocab: int | None
+    seq: int | None
+    micro_batch: int | None
+    gpus_per_node: int
+    nodes: int
+    dtype: str
+    ds_config: object
+    options: Sequence[Option] | None
+    fused_attention: bool
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,23 +79,15 @@ def _exceeds(
 def largest(
     *,
     hidden: int,
-    heads: int | None = None,
-    vocab: int | None = None,
-    seq: int | None = None,
-    micro_batch: int | None = None,
-    gpus_per_node: int = 1,
-    nodes: int = 1,
-    dtype: str = "bf16",
-    ds_config: object = None,
-    options: Sequence[Option] | None = None,
     device_memory: int | None = None,
     host_memory: int | None = None,
     nvme_free: int | None = None,
-    fused_attention: bool = False,
     checkpointing: bool = False,
+    **shape_and_machine: Unpack[ShapeAndMachine],
 ) -> list[Largest]:
     """For each option (the standard rows, with the config's own first when `ds_config` is given), the largest
-    decoder of this width that fits. At least one of the three resources must be given."""
+    decoder of this width that fits. At least one of the three resources must be given; the other keywords are
+    `estimate`'s (`ShapeAndMachine`)."""
     if device_memory is None and host_memory is None and nvme_free is None:
         raise ValueError("give the machine: --device-memory, --host-memory and/or --nvme-free")
 
@@ -84,20 +95,7 @@ def largest(
 
     def at(layers: int) -> Plan:
         if layers not in cache:
-            cache[layers] = estimate(
-                hidden=hidden,
-                layers=layers,
-                heads=heads,
-                vocab=vocab,
-                seq=seq,
-                micro_batch=micro_batch,
-                gpus_per_node=gpus_per_node,
-                nodes=nodes,
-                dtype=dtype,
-                ds_config=ds_config,
-                options=options,
-                fused_attention=fused_attention,
-            )
+            cache[layers] = estimate(hidden=hidden, layers=layers, **shape_and_machine)
         return cache[layers]
 
     first = at(1)
