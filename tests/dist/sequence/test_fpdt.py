@@ -2,7 +2,9 @@
 spawn: sequence lengths the chunk size does not divide, grouped KV heads, host offload on and off, rotary
 embeddings given over the whole sequence. Outputs and input gradients equal the reference rows each rank holds
 (FPDT_InputConstruct's layout), the weights' gradients summed over the ranks equal the reference's;
-FPDT_LogitsLoss gathers the same per-token losses. Also the all-to-alls one layer issues per step."""
+FPDT_LogitsLoss gathers the same per-token losses; a one-layer model built from FPDT_InputConstruct,
+FPDT_Attention, FPDT_FFN and FPDT_LogitsLoss has the plain model's masked loss and gradients. Also the
+all-to-alls one layer issues per step."""
 
 from __future__ import annotations
 
@@ -87,8 +89,67 @@ def logits_loss_case(rank: int, world: int) -> dict:
     return {}
 
 
+def _block_loss(
+    params: dict[str, torch.Tensor], tokens: torch.Tensor, labels: torch.Tensor, fpdt_mask: torch.Tensor, fpdt: dict
+) -> torch.Tensor:
+    """Embedding, attention + residual, GeLU MLP + residual, LM head: the masked mean token loss, plain (`fpdt`
+    empty) or with the FPDT classes on this rank's tokens (`fpdt`: rank, world)."""
+    import torch.nn.functional as F
+
+    from slipstream.sequence.fpdt import FPDT_FFN, FPDT_Attention, FPDT_LogitsLoss
+    from tests.unit.sequence.test_fpdt import _config, attention_reference, rotary_tables
+
+    config, attention = _config(), [params[n] for n in ("qkv", "qkv_bias", "dense", "dense_bias")]
+    mlp = [params[n] for n in ("w1", "b1", "w2", "b2")]
+    h = params["embed"][tokens].transpose(0, 1)
+    if not fpdt:
+        h = h + attention_reference(h, attention, config, rotary_tables(h.shape[0]))
+        h = h + F.linear(F.gelu(F.linear(h, *mlp[:2]), approximate="tanh"), *mlp[2:])
+        logits = (h @ params["head"].t()).float()
+        losses = F.cross_entropy(logits.flatten(0, 1), labels.t().flatten(), reduction="none").view(h.shape[:2])
+        return (losses * fpdt_mask.t()).sum() / fpdt_mask.sum()
+    layer = FPDT_Attention(config, *attention, None, return_bias=False, chunk_size=4)
+    h = h + layer(h, None, None, rotary_tables(h.shape[0] * fpdt["world"]))[0]
+    out, bias = FPDT_FFN.apply(h, *mlp, False, 3)
+    h = h + out + bias
+    losses = FPDT_LogitsLoss.apply(h, labels, params["head"], fpdt["rank"], fpdt["world"], None, 2)
+    return (losses * fpdt_mask.t()).sum() / fpdt_mask.sum()
+
+
+def block_case(rank: int, world: int) -> dict:
+    """A training step of a one-layer model: the same loss and, summed over the ranks, the same gradients."""
+    import types
+
+    from slipstream.sequence.fpdt import FPDT_InputConstruct
+
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"embed": (10, 16), "qkv": (32, 16), "qkv_bias": (32,), "dense": (16, 16), "dense_bias": (16,)}
+    shapes.update({"w1": (24, 16), "b1": (24,), "w2": (16, 24), "b2": (16,), "head": (10, 16)})
+    params = {n: (torch.randn(s, generator=gen, dtype=torch.float64) * 0.3).requires_grad_() for n, s in shapes.items()}
+    tokens, labels = (torch.randint(0, 10, (2, 14), generator=gen) for _ in range(2))
+    loss_mask = (torch.rand(2, 14, generator=gen) < 0.7).double()
+    expected = _block_loss(params, tokens, labels, loss_mask, {})
+    expected.backward()
+    reference = {n: p.grad.clone() for n, p in params.items()}
+    for p in params.values():
+        p.grad = None
+    args = types.SimpleNamespace(ds_sequence_parallel_fpdt_chunk_size=4)
+    local, local_labels, mask, _, _ = FPDT_InputConstruct(
+        tokens, labels, loss_mask, None, None, args, world, rank
+    ).generate()
+    loss = _block_loss(params, local, local_labels, mask, {"rank": rank, "world": world})
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)  # fp32 logits on both sides
+    for name, p in params.items():
+        torch.testing.assert_close(_sum_over_ranks(p.grad), reference[name], rtol=1e-6, atol=1e-6, msg=name)
+    return {}
+
+
 def grid(rank: int, world: int) -> list[dict]:
-    return run_subtests(CASES, lambda **case: attention_case(rank, world, **case)) + [logits_loss_case(rank, world)]
+    return run_subtests(CASES, lambda **case: attention_case(rank, world, **case)) + [
+        logits_loss_case(rank, world),
+        block_case(rank, world),
+    ]
 
 
 def test_fpdt_at_two_ranks_equals_single_process_attention() -> None:
