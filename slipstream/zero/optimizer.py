@@ -342,6 +342,11 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
+    @property
+    def state(self) -> dict:
+        """The wrapped optimizer's state, keyed by the master tensors it steps (DeepSpeed's wrappers forward it)."""
+        return self.optimizer.state
+
     def first_nonfinite_param(self, names: dict[int, str]) -> str | None:
         """Name of the first parameter whose owned gradient slice is not finite (before it is zeroed)."""
         for flat, index, grad in self._owned_grad_slices():
