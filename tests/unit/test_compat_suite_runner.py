@@ -153,3 +153,21 @@ def test_recorded_messages_and_defaults_name_no_machine_directory():
     for results in sorted((_ROOT / "compat" / "deepspeed_suite").glob("results*.json")):
         found = re.findall(r"(?<![\w.>])/(?:tmp|home|work|root)/[^\s'\"]*", results.read_text())
         assert not found, f"{results.name} names a machine's directories: {found[:3]}"
+
+
+def test_beyond_keeps_the_tests_outside_the_denominator_apart():
+    onebit = "unit/runtime/half_precision/onebit/test_onebit.py"
+    muon = "unit/ops/muon/test_muon_partial_training.py::T::test_a"
+    tests = {
+        muon: {"outcome": "passed", "message": "", "seconds": 1.0},
+        f"{onebit}::TestOneBitAdamBasic::test[fp32]": {"outcome": "passed", "message": "", "seconds": 1.0},
+    }
+    earlier = {"slipstream_beyond": {"unit/utils/test_x.py::t": "passed", f"{onebit}::Gone::test": "failed: x"}}
+    out = run.beyond_results(
+        earlier, tests, {"unit/ops/muon/test_muon.py": "E"}, [muon], ["ops/muon", "runtime/half_precision/onebit"], {}
+    )
+    assert out == {
+        "unit/utils/test_x.py::t": "passed",  # another folder's earlier outcome is kept
+        f"{onebit}::TestOneBitAdamBasic::test[fp32]": "passed",
+        "unit/ops/muon/test_muon.py": "error: collection: E",
+    }
