@@ -59,14 +59,24 @@ class StepModel:
     """Seconds of compute per optimizer step (all micro steps)."""
     comm: float
     hidden: float
-    step: float
-    mfu: float
+    ideal: float
+    """Seconds the step's flops take at the cluster's peak rate (what `mfu` compares the step with)."""
     extra_memory: float
     """Bytes per rank beyond the stage's own (hpZ's secondary copy)."""
 
     @property
     def exposed(self) -> float:
         return self.comm - self.hidden
+
+    @property
+    def step(self) -> float:
+        """Seconds per optimizer step: the compute and the communication it does not hide."""
+        return self.compute + self.exposed
+
+    @property
+    def mfu(self) -> float:
+        """Model flops utilisation of the whole step, exposed communication included."""
+        return self.ideal / self.step
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -186,7 +196,6 @@ def step_model(
             spent = sum(t.seconds for t in moves if t.phase == phase and (t.per_micro or last))
             comm, hidden = comm + spent, hidden + min(spent, budget)
     comm += sum(t.seconds for t in moves if t.phase == "step")
-    step = compute + comm - hidden
     secondary = numel * param_bytes / variant.hpz if variant.hpz > 1 else 0.0
     return StepModel(
         variant=variant,
@@ -194,8 +203,7 @@ def step_model(
         compute=compute,
         comm=comm,
         hidden=hidden,
-        step=step,
-        mfu=6 * numel * tokens_per_gpu / (step * cluster.flops),
+        ideal=6 * numel * tokens_per_gpu / cluster.flops,
         extra_memory=secondary,
     )
 
