@@ -18,7 +18,6 @@ import functools
 import mmap
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -102,16 +101,6 @@ def _open_error_detail(err: int, is_read: bool) -> str:
     return "open for read" if is_read else "open for write"
 
 
-def _setting_getter(name: str) -> Callable[[aio_handle], Any]:
-    """DeepSpeed's `aio_handle.get_<name>()`: the setting the handle was built with."""
-
-    def get(self: aio_handle) -> Any:
-        return getattr(self, f"_{name}")
-
-    get.__name__ = get.__qualname__ = f"get_{name}"
-    return get
-
-
 class aio_handle:  # DeepSpeed's name, so both modules have the same face
     """Asynchronous tensor reads and writes to files; see the module docstring."""
 
@@ -192,11 +181,20 @@ class aio_handle:  # DeepSpeed's name, so both modules have the same face
         tensor.set_()  # type: ignore[call-overload]  # empty now; the memory goes with its last view
         return True
 
-    get_block_size = _setting_getter("block_size")
-    get_queue_depth = _setting_getter("queue_depth")
-    get_single_submit = _setting_getter("single_submit")
-    get_overlap_events = _setting_getter("overlap_events")
-    get_intra_op_parallelism = _setting_getter("intra_op_parallelism")
+    def get_block_size(self) -> int:
+        return self._block_size
+
+    def get_queue_depth(self) -> int:
+        return self._queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self._single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self._overlap_events
+
+    def get_intra_op_parallelism(self) -> int:
+        return self._intra_op_parallelism
 
     def get_alignment(self) -> int:
         return ALIGNMENT
