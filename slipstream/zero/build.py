@@ -167,11 +167,13 @@ def elementwise_class_names() -> tuple[str, ...]:
 def check_optimizer_kind(optimizer: torch.optim.Optimizer, zero: ZeroPlan) -> None:
     """Refuse optimizers whose math flat shards would change, and host-less optimizers under offload."""
     name = type(optimizer).__name__
-    if zero.stage > 0 and callable(getattr(optimizer, "takes_over_reduction", None)):
+    stages = getattr(type(optimizer), "zero_stages", (0,))
+    if zero.stage not in stages and callable(getattr(optimizer, "takes_over_reduction", None)):
+        why = "stages 2-3 shard the gradients themselves" if zero.stage > 1 else getattr(optimizer, "zero_refusal", "")
         raise ValueError(
             f"optimizer {name} communicates its own gradients (1-bit compression), which ZeRO stage {zero.stage} "
-            "cannot hand it (DeepSpeed refuses it with ZeRO as well); set zero_optimization.stage to 0, or use "
-            "Adam/AdamW with ZeRO"
+            f"cannot hand it ({why}; DeepSpeed refuses it with any ZeRO stage); set zero_optimization.stage to "
+            f"{' or '.join(map(str, stages))}, or use Adam/AdamW with ZeRO"
         )
     host_kernel = getattr(type(optimizer), "writes_low_precision_copy", False)
     host_kernel = host_kernel or getattr(type(optimizer), "runs_on_host", False)  # ours: slipstream/optim

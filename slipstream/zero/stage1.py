@@ -13,13 +13,29 @@ rank, so ranks issue the same collectives in the same order whatever their contr
 the rest (buckets with parameters that got no gradient) and waits for all of them. A launched bucket's
 storage is being reduced in place, so a gradient for it before the step (a second backward of the last
 micro-batch) is an error naming the parameter, as DeepSpeed's stage 1 with overlap_comm refuses it too.
+
+[Note: 1-bit gradients at stage 1]
+An optimizer that takes over the reduction ([Note: optimizers that communicate themselves], stage0.py) and
+has `attach_gradient_buckets` (1-bit Adam) runs here too. At build it is told each bucket's name and size. On a
+step where `takes_over_reduction` says True, no bucket is reduce-scattered (nor launched during backward): each
+bucket's local gradient goes through the optimizer's `compressed_mean(name, bucket)` (its error buffers, one pair
+per bucket, are the optimizer's and travel in its checkpoints), and the owned pieces are multiplied by the world
+size, so they hold what the reduce-scatter would have left: the sum over the ranks of the gradients as
+accumulated. Each rank's optimizer then steps its shard. When the overflow check is on, the ranks first agree on whether any local
+gradient is non-finite (one all-reduce of a count); if one is, nothing is compressed (the errors stay clean) and
+the step is reported as an overflow on every rank.
 """
 
 from __future__ import annotations
 
 import collections
 
+import torch
+
+from slipstream.comm import collectives
 from slipstream.zero.flat_group import FlatGroup
+from slipstream.zero.layout import Bucket
+from slipstream.zero.stage0 import reduces_itself
 from slipstream.zero.staging import ReducesAtStep
 
 
@@ -41,6 +57,18 @@ class Stage1Optimizer(ReducesAtStep):
         """This pass reduces buckets as they fill ([Note: stage-1 overlapped reduction])."""
         self.peak_in_flight = 0
         """The most reductions launched during backward still in flight when the step began."""
+        self._one_bit = callable(getattr(self.optimizer, "attach_gradient_buckets", None))
+        self._dropped = False
+        """This step's local gradients were not finite anywhere: it is an overflow ([Note: 1-bit gradients ...])."""
+        if self._one_bit:
+            if self._other_groups():
+                raise ValueError(
+                    f"{type(self.optimizer).__name__} at ZeRO stage 1 compresses gradients over one process group, "
+                    "but some param groups are reduced over others (MoE experts); use ZeRO stage 0"
+                )
+            self.optimizer.attach_gradient_buckets(  # type: ignore[attr-defined]
+                {name: bucket.padded_numel for name, _, bucket in self._named_buckets()}
+            )
 
     def micro_step_done(self, *, reduce: bool) -> None:
         super().micro_step_done(reduce=reduce)
@@ -59,7 +87,7 @@ class Stage1Optimizer(ReducesAtStep):
         super()._accumulate(flat, index, grad)  # type: ignore[arg-type]
         if not self._pass_open:
             self._pass_open = True
-            self._early = self.zero.overlap_comm and self.at_boundary()
+            self._early = self.zero.overlap_comm and self.at_boundary() and not self._compresses()
             self._arrived.clear()
         if not self._early or position is None:
             return
@@ -84,8 +112,45 @@ class Stage1Optimizer(ReducesAtStep):
         self._arrived.clear()
         super().zero_grad()
 
+    def _named_buckets(self) -> list[tuple[str, FlatGroup, Bucket]]:
+        return [
+            (f"zero1.{g}.{b}", flat, bucket)
+            for g, flat in enumerate(self.groups)
+            if flat.world_size > 1
+            for b, bucket in enumerate(flat.layout.buckets)
+        ]
+
+    def _compresses(self) -> bool:
+        return self._one_bit and reduces_itself(self.optimizer, self.process_group)
+
+    def _compress_for_step(self) -> None:
+        """See [Note: 1-bit gradients at stage 1]."""
+        if self.check_overflow and self.world_size > 1:
+            bad = torch.stack([(~torch.isfinite(flat.grad_storage)).sum() for flat in self.groups]).sum().double()
+            collectives.all_reduce(bad, group=self.process_group)
+            self._dropped = bool(bad > 0)
+            if self._dropped:
+                return
+        for name, flat, bucket in self._named_buckets():
+            self.optimizer.compressed_mean(name, flat.bucket_grads(bucket))  # type: ignore[attr-defined]
+        for flat in self.groups:
+            for grad in flat.owned_grads if flat.world_size > 1 else ():
+                grad.mul_(flat.world_size)
+
+    def _grad_stats(self, grad_divisor: float) -> torch.Tensor:
+        stats = super()._grad_stats(grad_divisor)
+        if self._dropped:
+            stats[1] += 1
+            self._dropped = False
+        return stats
+
     def _reduce_for_step(self) -> None:
         self.peak_in_flight = max(self.peak_in_flight, self.step_reducer.in_flight)
+        if self._compresses():
+            self._compress_for_step()
+            self._next, self._early, self._pass_open = 0, False, False
+            self._arrived.clear()
+            return
         while self._next < len(self._order):
             self._launch(*self._order[self._next])
         self.step_reducer.finish_all()

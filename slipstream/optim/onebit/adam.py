@@ -4,6 +4,9 @@ Steps 1..freeze_step are the warm-up: the engine all-reduces the gradients and t
 1-bit Adam computes it (m / (sqrt(v) + eps) without bias correction, plus weight_decay * p). After it the variance
 is frozen and each step communicates the momentum instead of the gradient: this rank's momentum is updated with
 its own gradient, then replaced by its 1-bit error-compensated mean over the ranks (comm/compressed/).
+At ZeRO stage 1 the optimizer state is sharded, so no rank holds a whole momentum to compress: after the warm-up
+the ZeRO optimizer compresses each bucket's gradient instead (the same all-reduce, one pair of error buffers per
+bucket; [Note: 1-bit gradients at stage 1] in zero/stage1.py) and each rank's momentum takes the mean gradient.
 DeepSpeed's first step only initialises its communication buffers and leaves the parameters alone; here every
 step updates them.
 """
@@ -44,6 +47,8 @@ class OneBitAdam(OneBitBase):
     instead (`takes_over_reduction`). `bias_correction`, `eps_inside_sqrt` and `max_grad_norm` are accepted as in
     DeepSpeed, whose 1-bit Adam does not use them either. The other arguments: OneBitAdamArguments."""
 
+    zero_stages = (0, 1)
+
     @takes(OneBitAdamArguments)
     def __init__(self, params: Params, deepspeed: object = None, *args: object, **kwargs: object) -> None:
         super().__init__(params, bind(OneBitAdamArguments, args, kwargs))
@@ -61,9 +66,9 @@ class OneBitAdam(OneBitBase):
                 state["step"] += 1
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 exp_avg.mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
-                if compressed:
+                if compressed and not self.compresses_gradients():
                     self.compressed_mean(p, exp_avg)
-                else:
+                elif not compressed:
                     exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
                 p.sub_(adam_update(p, exp_avg, exp_avg_sq, group, self.work_buffer(p)), alpha=group["lr"])
         return loss

@@ -54,6 +54,9 @@ def adam_update(p: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, group: dict[str,
 class OneBitBase(torch.optim.Optimizer):
     """The arguments and the compressed all-reduce common to OneBitAdam, ZeroOneAdam and OneBitLamb."""
 
+    zero_stages: ClassVar[tuple[int, ...]] = (0,)
+    """The ZeRO stages it runs at; zero/build.py refuses the others, giving `zero_refusal` as the reason."""
+    zero_refusal: ClassVar[str] = "it compresses state that a sharded stage holds only a shard of"
     cuda_aware: bool
     comm_backend_name: str
     freeze_step: int
@@ -66,9 +69,12 @@ class OneBitBase(torch.optim.Optimizer):
         for name, value in arguments.own().items():  # freeze_step, comm_backend_name, ...: attributes, as DeepSpeed's
             setattr(self, name, value)
         self.process_group: dist.ProcessGroup | None = None
-        self._all_reduces: dict[Tensor, OneBitAllReduce] = {}
-        self._loaded_errors: dict[Tensor, tuple[Tensor, Tensor]] = {}
-        """Errors from load_state_dict, copied into each parameter's all-reduce when it is built."""
+        self._all_reduces: dict[str, OneBitAllReduce] = {}
+        """By name: '<group>.<index>' for a parameter, the ZeRO optimizer's name for a gradient bucket."""
+        self._loaded_errors: dict[str, tuple[Tensor, Tensor]] = {}
+        """Errors from load_state_dict, copied into each all-reduce when it is built."""
+        self._gradient_buckets: dict[str, int] = {}
+        """ZeRO stage 1: the gradient buckets it compresses, name -> numel (`attach_gradient_buckets`)."""
         self._work: dict[tuple[torch.dtype, torch.device, int], Tensor] = {}
         self._scratches: dict[tuple[torch.dtype, torch.device], Scratch] = {}
 
@@ -91,6 +97,19 @@ class OneBitBase(torch.optim.Optimizer):
             self._all_reduces.clear()
             self._scratches.clear()
         return self.next_step_is_local()
+
+    def attach_gradient_buckets(self, buckets: dict[str, int]) -> None:
+        """ZeRO stage 1 ([Note: 1-bit gradients at stage 1] in zero/stage1.py): after the warm-up the ZeRO
+        optimizer hands each of `buckets` (name -> numel), this rank's gradients, to `compressed_mean`, and this
+        optimizer steps its shard with the mean. Only optimizers whose `zero_stages` hold 1 do this."""
+        if 1 not in self.zero_stages:
+            raise ValueError(f"{self.label} does not run at ZeRO stage 1: {self.zero_refusal}")
+        self._gradient_buckets = dict(buckets)
+        self._all_reduces.clear()
+
+    def compresses_gradients(self) -> bool:
+        """The ZeRO optimizer compresses the gradients (stage 1): the steps after the warm-up use them as given."""
+        return bool(self._gradient_buckets)
 
     def next_step_is_local(self) -> bool:
         """After the warm-up of `freeze_step` steps (1-bit Adam and LAMB; 0/1 Adam has its own schedule)."""
@@ -119,24 +138,41 @@ class OneBitBase(torch.optim.Optimizer):
         return 0 if state is None else int(state["step"])
 
     # ---- the compressed all-reduce ----
-    def compressed_mean(self, p: Tensor, values: Tensor) -> None:
-        """Replace `values` (shaped like `p`) by their 1-bit error-compensated mean over the process group."""
-        reduce = self._all_reduces.get(p)
+    def compressed_mean(self, key: Tensor | str, values: Tensor) -> None:
+        """Replace `values` by their 1-bit error-compensated mean over the process group; `key` is the parameter
+        they belong to (shaped like it) or a gradient bucket's name."""
+        name = key if isinstance(key, str) else self._name_of(key)
+        reduce = self._all_reduces.get(name)
         if reduce is None:
             scratch = self._shared_scratch(values)
             reduce = OneBitAllReduce(
                 values.numel(), dtype=values.dtype, device=values.device, group=self.process_group, scratch=scratch
             )
-            self._all_reduces[p] = reduce
-            self._take_loaded(p, reduce)
+            self._all_reduces[name] = reduce
+            self._take_loaded(name, reduce)
         reduce(values)
+
+    def _name_of(self, p: Tensor) -> str:
+        for g, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    return f"{g}.{i}"
+        raise ValueError(f"{self.label}.compressed_mean: the tensor of shape {tuple(p.shape)} is not a parameter here")
+
+    def _slots(self) -> dict[str, int]:
+        """What a compressed step compresses: name -> numel (the gradient buckets, or else every parameter)."""
+        if self._gradient_buckets:
+            return self._gradient_buckets
+        return {
+            f"{g}.{i}": p.numel() for g, group in enumerate(self.param_groups) for i, p in enumerate(group["params"])
+        }
 
     def _shared_scratch(self, values: Tensor) -> Scratch:
         """One Scratch per dtype and device, sized for the largest parameter: the all-reduces run one at a time."""
         key = (values.dtype, values.device)
         scratch = self._scratches.get(key)
         if scratch is None:
-            largest = max(q.numel() for group in self.param_groups for q in group["params"])
+            largest = max(self._slots().values())
             size = padded_numel(max(largest, values.numel()), self._world())
             scratch = self._scratches[key] = Scratch.allocate(size, values.dtype, values.device)
         return scratch
@@ -146,13 +182,10 @@ class OneBitBase(torch.optim.Optimizer):
             reduce.reset_errors()
 
     def error_buffers(self) -> dict[str, Tensor]:
-        """Each parameter's worker and server errors, keyed '<group>.<index>.worker' / '.server'."""
+        """Each all-reduce's worker and server errors, keyed '<name>.worker' / '.server' (see `_all_reduces`)."""
         out: dict[str, Tensor] = {}
-        for g, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                reduce = self._all_reduces.get(p)
-                if reduce is not None:
-                    out[f"{g}.{i}.worker"], out[f"{g}.{i}.server"] = reduce.worker_error, reduce.server_error
+        for name, reduce in self._all_reduces.items():
+            out[f"{name}.worker"], out[f"{name}.server"] = reduce.worker_error, reduce.server_error
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -186,25 +219,23 @@ class OneBitBase(torch.optim.Optimizer):
                 f"and this run has {self._world()} (or another layout); they start again from zero"
             )
             return
-        for g, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                if f"{g}.{i}.worker" in tensors:
-                    self._loaded_errors[p] = (tensors[f"{g}.{i}.worker"], tensors[f"{g}.{i}.server"])
-        for p, reduce in self._all_reduces.items():
-            self._take_loaded(p, reduce)
+        for name in self._slots():
+            if f"{name}.worker" in tensors:
+                self._loaded_errors[name] = (tensors[f"{name}.worker"], tensors[f"{name}.server"])
+        for name, reduce in self._all_reduces.items():
+            self._take_loaded(name, reduce)
 
     def _error_slots(self) -> dict[str, int]:
         """Each error buffer's key and size at this world size (what a compressed step would build)."""
         world = self._world()
         out: dict[str, int] = {}
-        for g, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                padded = padded_numel(p.numel(), world)
-                out[f"{g}.{i}.worker"], out[f"{g}.{i}.server"] = padded, padded // world
+        for name, numel in self._slots().items():
+            padded = padded_numel(numel, world)
+            out[f"{name}.worker"], out[f"{name}.server"] = padded, padded // world
         return out
 
-    def _take_loaded(self, p: Tensor, reduce: OneBitAllReduce) -> None:
-        loaded = self._loaded_errors.pop(p, None)
+    def _take_loaded(self, name: str, reduce: OneBitAllReduce) -> None:
+        loaded = self._loaded_errors.pop(name, None)
         if loaded is not None:
             reduce.worker_error.copy_(loaded[0])
             reduce.server_error.copy_(loaded[1])

@@ -88,6 +88,11 @@ class OneBitLamb(OneBitBase, WholeTensorOptimizer):
     factor_min: float
     factor_threshold: float
 
+    zero_refusal = (
+        "it scales each tensor's whole momentum before compressing it and rebuilds the gradient from the whole "
+        "compressed momentum, and a sharded stage holds only a shard of the momentum"
+    )
+
     @takes(OneBitLambArguments)
     def __init__(self, params: Params, deepspeed: object = None, *args: object, **kwargs: object) -> None:
         super().__init__(params, bind(OneBitLambArguments, args, kwargs))

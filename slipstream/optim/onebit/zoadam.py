@@ -64,6 +64,11 @@ class ZeroOneAdam(OneBitBase):
     local_step_scaler: int
     local_step_clipper: int
 
+    zero_refusal = (
+        "its variance-phase and local steps compress this rank's whole gradient, momentum and accumulated update "
+        "on steps where the ranks do not all-reduce, and a sharded stage holds only a shard of that state"
+    )
+
     @takes(ZeroOneAdamArguments)
     def __init__(self, params: Params, deepspeed: object = None, *args: object, **kwargs: object) -> None:
         super().__init__(params, bind(ZeroOneAdamArguments, args, kwargs))

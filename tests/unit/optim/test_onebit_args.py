@@ -49,15 +49,39 @@ def test_arguments_are_checked_by_name(cls: type) -> None:
         cls(params, comm_backend_name=backend, cuda_aware=True)
 
 
-@pytest.mark.parametrize("kind", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb"])
-def test_sharded_zero_stages_refuse_them_by_name(kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "stage", "why", "fix"),
+    [
+        ("OneBitAdam", 2, "stages 2-3 shard the gradients themselves", "0 or 1"),
+        ("OneBitAdam", 3, "stages 2-3 shard the gradients themselves", "0 or 1"),
+        ("ZeroOneAdam", 1, "local steps compress this rank's whole gradient", "0"),
+        ("ZeroOneAdam", 2, "stages 2-3 shard", "0"),
+        ("OneBitLamb", 1, "scales each tensor's whole momentum", "0"),
+        ("OneBitLamb", 3, "stages 2-3 shard", "0"),
+    ],
+)
+def test_sharded_zero_stages_refuse_them_by_name(kind: str, stage: int, why: str, fix: str) -> None:
+    """1-bit Adam runs at ZeRO 0 and 1 ([Note: 1-bit gradients at stage 1]); the rest is refused, naming the
+    stage, the reason and the stages that work."""
     config = {
         "train_batch_size": 4,
         "optimizer": {"type": kind, "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage},
+    }
+    expected = f"{kind} communicates its own gradients.*ZeRO stage {stage}.*{why}.*zero_optimization.stage to {fix},"
+    with pytest.raises(ValueError, match=expected):
+        slipstream.initialize(model=TinyMLP(), config=config)
+
+
+def test_onebit_adam_is_built_at_zero_stage_1() -> None:
+    config = {
+        "train_batch_size": 4,
+        "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 1}},
         "zero_optimization": {"stage": 1},
     }
-    with pytest.raises(ValueError, match=f"{kind} communicates its own gradients.*zero_optimization.stage to 0"):
-        slipstream.initialize(model=TinyMLP(), config=config)
+    engine = slipstream.initialize(model=TinyMLP(), config=config)[0]
+    assert isinstance(engine.basic_optimizer, OneBitAdam) and engine.basic_optimizer.compresses_gradients() is False
+    engine.destroy()  # one rank: no bucket is reduced, so none is compressed
 
 
 def test_positional_arguments_follow_deepspeed_order() -> None:
