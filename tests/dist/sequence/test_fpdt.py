@@ -3,14 +3,16 @@ spawn: sequence lengths the chunk size does not divide, grouped KV heads, host o
 embeddings given over the whole sequence. Outputs and input gradients equal the reference rows each rank holds
 (FPDT_InputConstruct's layout), the weights' gradients summed over the ranks equal the reference's;
 FPDT_LogitsLoss gathers the same per-token losses; a one-layer model built from FPDT_InputConstruct,
-FPDT_Attention, FPDT_FFN and FPDT_LogitsLoss has the plain model's masked loss and gradients. Also the
-all-to-alls one layer issues per step."""
+FPDT_Attention, FPDT_FFN and FPDT_LogitsLoss has the plain model's masked loss and gradients; inside the engine
+at ZeRO 0 and 3 the layer gives the plain model's gradients. Also the all-to-alls one layer issues per step."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+from torch import nn
 
 from tests.harness import run_distributed, run_subtests
 
@@ -145,10 +147,83 @@ def block_case(rank: int, world: int) -> dict:
     return {}
 
 
+SEQ, WIDTH, VOCAB = 11, 16, 10
+
+
+class ZeroModel(nn.Module):
+    """Attention (FPDT's, or plain causal attention of the same weights) + residual, then an LM head and loss."""
+
+    def __init__(self, group: Any = None, *, fpdt: bool) -> None:
+        from slipstream.sequence.fpdt import FPDT_Attention
+        from tests.unit.sequence.test_fpdt import _config
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = _config()
+        self.qkv, self.dense = nn.Linear(WIDTH, 32), nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.attn = None
+        if fpdt:
+            weights = (self.qkv.weight, self.qkv.bias, self.dense.weight, self.dense.bias)
+            self.attn = FPDT_Attention(self.config, *weights, group, return_bias=False, chunk_size=4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from tests.unit.sequence.test_fpdt import attention_reference
+
+        h = x.transpose(0, 1)  # [seq, batch, hidden]
+        if self.attn is None:
+            weights = [self.qkv.weight, self.qkv.bias, self.dense.weight, self.dense.bias]
+            h = h + attention_reference(h, weights, self.config)
+        else:
+            h = h + self.attn(h, None)[0]
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.t().flatten())
+
+
+def _zero_data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(9)
+    return torch.randn(2, SEQ, WIDTH, generator=gen), torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+
+
+def zero_case(rank: int, world: int) -> dict:
+    """FPDT_Attention (host offload on) inside the engine at ZeRO 0 and 3 (the ranks data-parallel with the same
+    batch, a sequence-parallel group of one rank each): the loss and the averaged gradients the step will use
+    equal the plain model's. The layer holds its weights as the shared parameters of two `nn.Linear` modules, as
+    Megatron-style callers pass them, so at ZeRO-3 they are gathered for its forward and again for its backward."""
+    import torch.distributed as dist
+
+    import slipstream
+    from slipstream.compat.param_access import safe_get_full_grad
+
+    own = [dist.new_group([r]) for r in range(world)][rank]
+    x, y = _zero_data()
+    plain = ZeroModel(fpdt=False)
+    expected_loss = plain(x, y)
+    expected_loss.backward()
+    for stage in (0, 3):
+        model = ZeroModel(own, fpdt=True)
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_clipping": 0.0,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        engine, *_ = slipstream.initialize(model=model, model_parameters=model.parameters(), config=config)
+        loss = engine(x, y)
+        engine.backward(loss)
+        assert model.attn is not None and model.attn.host_store.stats.offloaded > 0
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
+        for name, p in engine.module.named_parameters():
+            want = plain.get_parameter(name).grad
+            torch.testing.assert_close(safe_get_full_grad(p), want, rtol=1e-5, atol=1e-6, msg=f"stage {stage} {name}")
+        engine.destroy()
+    return {}
+
+
 def grid(rank: int, world: int) -> list[dict]:
     return run_subtests(CASES, lambda **case: attention_case(rank, world, **case)) + [
         logits_loss_case(rank, world),
         block_case(rank, world),
+        zero_case(rank, world),
     ]
 
 
