@@ -71,7 +71,7 @@ def _trials(folder: Path) -> dict[str, float | None]:
     """Each trial's throughput (None: it failed) from the experiment folders."""
     found: dict[str, float | None] = {}
     for trial in sorted((folder / "autotuning_exps").iterdir()):
-        if trial.name != "profile":
+        if trial.name not in ("profile", "sessions"):
             metrics = trial / "metrics.json"
             found[trial.name] = json.loads(metrics.read_text())["throughput"] if metrics.exists() else None
     return found
@@ -202,6 +202,7 @@ def main() -> None:
         print(f"chosen throughput ratio (sweep's figure for the tuner's choice / sweep's best): {ratio:.2f}")
         print(f"wall time ratio tuner / exhaustive: {tuner_wall / sweep_wall:.2f}")
         print("sweep trials (samples/s): " + ", ".join(f"{k} {v:.0f}" for k, v in measured.items()))
+        print("tuner trials (samples/s): " + ", ".join(f"{k} {v or 0:.0f}" for k, v in tuner_trials.items()))
         if not args.no_deepspeed and args.peer_python.exists():
             print(
                 _deepspeed(
