@@ -34,9 +34,17 @@ class _AttentionConfig(Protocol):
     kv_channels: int
 
 
+class _InputArgs(Protocol):
+    """The Megatron argument FPDT_InputConstruct reads."""
+
+    ds_sequence_parallel_fpdt_chunk_size: int
+
+
 def fpdt_token_order(seq_len: int, chunk_size: int, sp_size: int) -> torch.Tensor:
     """The global positions of the group's tokens in rank order (rank 0's local sequence, then rank 1's, ...):
     rank r holds the r-th 1/sp_size of every chunk of `chunk_size` tokens ([Note: FPDT chunks])."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"FPDT: the chunk size must be a positive int, got {chunk_size!r}")
     if seq_len % sp_size or chunk_size % sp_size:
         raise ValueError(
             f"FPDT: the sequence length {seq_len} and chunk size {chunk_size} must both be multiples of the "
@@ -65,7 +73,7 @@ class FPDT_InputConstruct(nn.Module):
         loss_mask: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
-        args: Any,
+        args: _InputArgs,
         sp_size: int,
         sp_rank: int,
     ) -> None:
@@ -75,8 +83,10 @@ class FPDT_InputConstruct(nn.Module):
         self.sp_size, self.sp_rank = sp_size, sp_rank
         self.global_seq_len, self.batch_size = tokens.shape[1], tokens.shape[0]
         self.local_seq_len = self.global_seq_len // sp_size
-        self.chunk_size = args.ds_sequence_parallel_fpdt_chunk_size
-        self.order = fpdt_token_order(self.global_seq_len, self.chunk_size, sp_size).to(tokens.device)
+        chunk = args.ds_sequence_parallel_fpdt_chunk_size
+        self.order = fpdt_token_order(self.global_seq_len, chunk, sp_size).to(tokens.device)
+        self.chunk_size = chunk // sp_size  # as DeepSpeed's attribute: a rank's piece of one chunk
+        self.num_chunk_per_gpu, self.device = math.ceil(self.global_seq_len / chunk), tokens.device
 
     def generate(self) -> tuple[torch.Tensor | None, ...]:
         local = self.order[self.sp_rank * self.local_seq_len : (self.sp_rank + 1) * self.local_seq_len]

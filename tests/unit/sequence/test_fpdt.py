@@ -230,10 +230,14 @@ def test_input_construct_lays_chunks_over_ranks() -> None:
     tokens = torch.arange(28).view(2, 14)
     args = types.SimpleNamespace(ds_sequence_parallel_fpdt_chunk_size=4)
     mask = torch.ones(2, 14)
-    got = FPDT_InputConstruct(tokens, tokens + 100, mask, None, tokens % 14, args, 2, 1).generate()
+    construct = FPDT_InputConstruct(tokens, tokens + 100, mask, None, tokens % 14, args, 2, 1)
+    assert (construct.chunk_size, construct.num_chunk_per_gpu, construct.local_seq_len) == (2, 4, 7)
+    got = construct.generate()
     local, labels, loss_mask, attention_mask, positions = got
     assert local[0].tolist() == [2, 3, 6, 7, 10, 11, 13]
     assert torch.equal(labels, local + 100) and torch.equal(positions, local % 14)
     assert loss_mask.shape == (2, 14) and attention_mask is None
     with pytest.raises(ValueError, match="multiples of the sequence-parallel size 2"):
         FPDT_InputConstruct(tokens[:, :13], None, None, None, None, args, 2, 0)
+    with pytest.raises(ValueError, match="chunk size must be a positive int, got 0"):
+        fpdt_token_order(14, 0, 2)
