@@ -40,23 +40,15 @@ def _model(mode: str) -> nn.Module:
 
 
 def engine_grads(rank: int, world: int) -> dict[str, Any]:
-    import slipstream
     from slipstream.compat.param_access import safe_get_full_grad
+    from tests.harness.engine_step import zero_sgd_step
 
     out: dict[str, Any] = {}
     x, y = _data()
     for stage in (2, 3):
         for mode in MODES:
             model = _model(mode)
-            config = {
-                "train_micro_batch_size_per_gpu": 2,
-                "gradient_clipping": 0.0,
-                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-            }
-            engine, *_ = slipstream.initialize(model=model, model_parameters=model.parameters(), config=config)
-            loss = engine(x, y)
-            engine.backward(loss)
+            engine, loss = zero_sgd_step(model, x, y, stage=stage)
             grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
             out[f"{stage}/{mode}"] = (loss.item(), grads)
             engine.destroy()

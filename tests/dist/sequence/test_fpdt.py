@@ -191,8 +191,8 @@ def zero_case(rank: int, world: int) -> dict:
     Megatron-style callers pass them, so at ZeRO-3 they are gathered for its forward and again for its backward."""
     import torch.distributed as dist
 
-    import slipstream
     from slipstream.compat.param_access import safe_get_full_grad
+    from tests.harness.engine_step import zero_sgd_step
 
     own = [dist.new_group([r]) for r in range(world)][rank]
     x, y = _zero_data()
@@ -201,15 +201,7 @@ def zero_case(rank: int, world: int) -> dict:
     expected_loss.backward()
     for stage in (0, 3):
         model = ZeroModel(own, fpdt=True)
-        config = {
-            "train_micro_batch_size_per_gpu": 2,
-            "gradient_clipping": 0.0,
-            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        }
-        engine, *_ = slipstream.initialize(model=model, model_parameters=model.parameters(), config=config)
-        loss = engine(x, y)
-        engine.backward(loss)
+        engine, loss = zero_sgd_step(model, x, y, stage=stage)
         assert model.attn is not None and model.attn.host_store.stats.offloaded > 0
         torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
         for name, p in engine.module.named_parameters():
