@@ -76,6 +76,14 @@ def _release() -> None:
         get_accelerator().empty_cache()
 
 
+def _leave() -> None:
+    """End the rank at once: the trials' engines and process group need no orderly teardown, and the
+    interpreter's (torch's modules, the process group's threads) takes seconds the tuner would wait for."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main() -> None:
     folder = Path(os.environ[SESSION_ENV])
     rank = int(os.environ.get("RANK", "0"))
@@ -84,7 +92,7 @@ def main() -> None:
     while True:
         order = _next_order(folder, index)
         if order.get("stop"):
-            return
+            _leave()
         script, *args = (str(item) for item in order["argv"])  # type: ignore[attr-defined]
         _run_script([script, *local_rank, *args], profile=str(order.get("profile", "")))
         _release()
