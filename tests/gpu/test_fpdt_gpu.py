@@ -23,7 +23,7 @@ def _inputs(seq: int, dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(1, seq, 8, 64, generator=gen).to(device=device, dtype=dtype) for _ in range(4)]
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
 def test_offloaded_chunks_equal_sdpa_on_cuda(dtype: torch.dtype, tol: float) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     *qkv, upstream = _inputs(1000, dtype)
