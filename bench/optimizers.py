@@ -1,18 +1,26 @@
 """Step time of LAMB against AdamW and of Muon against AdamW at ZeRO-2 on 2 ranks (gloo), and optimizer-state
 bytes as the planner predicts them against what the engine holds.
 
-    .venv/bin/python bench/optimizers.py [--width 512] [--layers 6] [--steps 20] [--stage 2]
+    .venv/bin/python bench/optimizers.py [--width 512] [--layers 6] [--steps 20] [--stage 2] [--offload]
+    .venv/bin/python bench/optimizers.py --memory [--offload]
 
 Each rank builds one engine per optimizer on the same stack of wide layers, then the engines take turns in
 chunks of a few steps (so drift in machine load hits all of them alike); a step's time is the slowest rank's.
 Prints each optimizer's median step time, the ratios LAMB / AdamW and Muon / AdamW, and per optimizer the
 planner's optimizer-state bytes per rank, the engine's (`owned_bytes()` after a step) and their ratio.
+`--offload` puts the optimizer on the host (offload_optimizer.device cpu). `--memory` instead runs each optimizer
+in a fresh pair of processes and prints the growth of the peak RSS over the RSS before the engine was built,
+slipstream already imported (the larger of the two ranks; on CPU that is where the engine's states and
+temporaries live). DeepSpeed's FusedLamb is
+a CUDA op: on this CPU machine constructing it raises "This op had not been implemented on CPU backend", so there
+is no peer row; DeepSpeed's Muon needs ZeRO on a GPU, likewise.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -43,8 +51,16 @@ def wide_stack(width: int, layers: int) -> nn.Module:
 def build(name: str, args: argparse.Namespace, world: int) -> object:
     import slipstream
 
-    config = {"train_batch_size": 8 * world, "train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
-              "optimizer": OPTIMIZERS[name], "zero_optimization": {"stage": args.stage}}
+    zero: dict = {"stage": args.stage}
+    if args.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    config = {
+        "train_batch_size": 8 * world,
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_clipping": 1.0,
+        "optimizer": OPTIMIZERS[name],
+        "zero_optimization": zero,
+    }
     engine, *_ = slipstream.initialize(model=wide_stack(args.width, args.layers), config=config)
     return engine
 
@@ -70,7 +86,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, store_path: str, 
     engines = {name: build(name, args, world) for name in OPTIMIZERS}
     batch = torch.randn(8, args.width, generator=torch.Generator().manual_seed(rank))
     times: dict[str, list[float]] = {name: [] for name in OPTIMIZERS}
-    for name, engine in engines.items():  # warm up: states allocated, first-touch page faults paid
+    for engine in engines.values():  # warm up: states allocated, first-touch page faults paid
         step(engine, batch)
     for _ in range(max(1, args.steps // CHUNK)):
         for name, engine in engines.items():
@@ -88,21 +104,63 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, store_path: str, 
     dist.destroy_process_group()
 
 
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def memory_main(rank: int, world: int, args: argparse.Namespace, name: str, store_path: str, out: str) -> None:
+    """One optimizer in a fresh pair: (peak RSS - RSS before the engine) after `args.steps` steps, MiB."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    import slipstream  # noqa: F401  (its import is not the engine's memory)
+
+    model_bytes = sum(p.numel() * 4 for p in wide_stack(args.width, args.layers).parameters())
+    before = _rss_mib()
+    engine = build(name, args, world)
+    batch = torch.randn(8, args.width, generator=torch.Generator().manual_seed(rank))
+    for _ in range(args.steps):
+        step(engine, batch)
+    grown = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before])
+    dist.all_reduce(grown, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        torch.save({"grown": float(grown), "model_mib": model_bytes / 2**20}, out)
+    dist.destroy_process_group()
+
+
+def report_memory(args: argparse.Namespace, world: int) -> None:
+    where = "offload_optimizer cpu" if args.offload else "on the device"
+    print(f"ZeRO-{args.stage} ({where}), {world} ranks, {args.layers} x Linear({args.width}): peak RSS growth, MiB")
+    for name in OPTIMIZERS:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.pt")
+            mp.spawn(memory_main, args=(world, args, name, os.path.join(tmp, "store"), out), nprocs=world)
+            result = torch.load(out)
+        print(f"  {name:6s} {result['grown']:8.1f}  (fp32 model: {result['model_mib']:.1f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--offload", action="store_true", help="offload_optimizer.device cpu")
+    parser.add_argument("--memory", action="store_true", help="peak RSS per optimizer, fresh processes each")
     args = parser.parse_args()
     world = 2
+    if args.memory:
+        report_memory(args, world)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pt")
         mp.spawn(rank_main, args=(world, args, os.path.join(tmp, "store"), out), nprocs=world)
         result = torch.load(out)
     median = {name: statistics.median(values) for name, values in result["times"].items()}
     params = sum(p.numel() for p in wide_stack(args.width, args.layers).parameters())
-    print(f"ZeRO-{args.stage}, {world} ranks (gloo), {args.layers} x Linear({args.width}), {params:,} params")
+    offload = " with offload_optimizer cpu" if args.offload else ""
+    print(f"ZeRO-{args.stage}{offload}, {world} ranks (gloo), {args.layers} x Linear({args.width}), {params:,} params")
     for name, seconds in median.items():
         print(f"  {name:6s} step {seconds * 1e3:8.2f} ms (median of {len(result['times'][name])})")
     print(f"  ratio lamb / adamw  {median['lamb'] / median['adamw']:.2f}x")
