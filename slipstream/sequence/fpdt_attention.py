@@ -15,7 +15,9 @@ a local chunk (sequence scattered, heads gathered: layer.py's swap) yields that 
   and saved with its row sums D = rowsum(dO * O); then for each key chunk j, for each query chunk i >= j, the
   probabilities are recomputed from the saved log-sum-exp, dV_j and dK_j accumulate and dQ_i accumulates in
   the store. dQ_j is complete once key chunk j is done (no later key chunk reaches it) and dK_j, dV_j at the
-  end of their loop: each is swapped back to the local layout as soon as it is complete.
+  end of their loop: each is swapped back to the local layout as soon as it is complete, and chunk j's saved
+  tensors are released then (later key chunks only meet later query chunks). The outputs are released once
+  their row sums are taken.
 
 Peak memory: one pair's scores ([heads/P, chunk, chunk]) and O(chunk) of q, k, v, outputs and gradients on the
 device, instead of the whole sequence's q, k, v and outputs (and never [sequence, sequence] scores); the price
@@ -208,12 +210,15 @@ class _ChunkedAttention(torch.autograd.Function):
             d_out = _stack_groups(_to_heads(grad[:, start:end], call), call.groups)
             session.put("delta", i, (d_out.to(call.acc) * session.get("o", i).to(call.acc)).sum(-1))
             session.put("do", i, d_out)
+            session.drop(i, "o")
         grads = [grad.new_empty(shape) for shape in (q_shape, kv_shape, kv_shape)]
         for j, (start, end) in enumerate(call.bounds):
             d_k, d_v = _key_chunk_backward(session, call, j)
             d_q = _unstack_groups(session.get("dq", j), call.groups)
             for into, chunk_grad in zip(grads, (d_q, d_k, d_v)):
                 into[:, start:end] = _to_rows(chunk_grad.to(grad.dtype), call)
+            del d_q, d_k, d_v
+            session.drop(j, "q", "k", "v", "do", "lse", "delta", "dq")  # later key chunks never meet query chunk j
         session.close()
         return (*grads, None, None)
 

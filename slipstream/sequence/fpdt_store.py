@@ -57,6 +57,11 @@ class ChunkSession:
             raise RuntimeError(f"FPDT chunk store: no saved {kind!r} for chunk {index} (backward run twice?)")
         return self.store.bring_back(held, (kind, index))
 
+    def drop(self, index: int, *kinds: str) -> None:
+        """Release the saved `kinds` of chunk `index` early (no later step needs them)."""
+        for kind in kinds:
+            self._held.pop((kind, index), None)
+
     def close(self) -> None:
         """Release every saved chunk (host buffers go back to the pool)."""
         self._held.clear()
