@@ -13,7 +13,8 @@ host's memory.
 [Note: the throughput estimate]
 Candidates that fit are ranked by a relative estimate of samples per second, not a prediction of seconds:
 a larger micro batch amortises the per-step overhead (`micro / (micro + OVERHEAD_SAMPLES)`), a higher ZeRO
-stage costs more communication, offload moves the optimizer step to the host and activation checkpointing
+stage costs more communication, optimizer offload moves the optimizer step to the host, parameter offload fetches every parameter from it
+(`PARAM_OFFLOAD_COST`) and activation checkpointing
 recomputes the forward (`STAGE_COST`, `OFFLOAD_COST`, `RECOMPUTE_COST`: a backward is about two forwards, so one
 more forward adds a third). The trials measure; the estimate only decides which few run (and `model_based`
 corrects it as they do, order.py).
@@ -34,6 +35,7 @@ OVERHEAD_SAMPLES = 2.0
 STAGE_COST = {0: 1.0, 1: 1.05, 2: 1.1, 3: 1.3}
 OFFLOAD_COST = 1.6
 RECOMPUTE_COST = 4 / 3
+PARAM_OFFLOAD_COST = 2.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,6 +63,7 @@ def estimated_throughput(candidate: Candidate) -> float:
     micro = candidate.micro_batch
     cost = STAGE_COST[candidate.stage] * (OFFLOAD_COST if candidate.offload_optimizer else 1.0)
     cost *= RECOMPUTE_COST if candidate.activation_checkpointing else 1.0
+    cost *= PARAM_OFFLOAD_COST if candidate.offload_param else 1.0
     return micro / (micro + OVERHEAD_SAMPLES) / cost
 
 
@@ -115,11 +118,11 @@ def rank(
 
 def _keep_largest_micro_batches(judged: list[Ranked], count: int) -> list[Ranked]:
     """Mark all but the `count` largest kept micro batches of each stage / offload / bucket / checkpointing family as skipped."""
-    seen: dict[tuple[int, bool, int | None, bool | None], int] = {}
+    seen: dict[tuple[int, bool, bool, int | None, bool | None], int] = {}
     out = []
     for item in sorted(judged, key=lambda r: -r.candidate.micro_batch):
         c = item.candidate
-        family = (c.stage, c.offload_optimizer, c.reduce_bucket_size, c.activation_checkpointing)
+        family = (c.stage, c.offload_optimizer, c.offload_param, c.reduce_bucket_size, c.activation_checkpointing)
         if not item.skipped:
             seen[family] = seen.get(family, 0) + 1
             if seen[family] > count:

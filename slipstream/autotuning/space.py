@@ -1,4 +1,5 @@
-"""The search space: one `Candidate` per ZeRO stage x optimizer offload x micro batch (x reduce bucket size when
+"""The search space: one `Candidate` per ZeRO stage x offload (none, the optimizer, at stage 3 also the optimizer
+and the parameters, to the CPU) x micro batch (x reduce bucket size when
 `autotuning.fast` is false; x activation checkpointing on/off when the config has an `activation_checkpointing`
 section), the gradient accumulation that keeps `train_batch_size` when the config fixes it, and the DeepSpeed
 config of each candidate (the user's config with the candidate's keys written over it).
@@ -31,6 +32,9 @@ __all__ = [
     "zero_stages",
 ]
 
+OFFLOADS = {0: ((False, False),), 1: ((False, False), (True, False)), 2: ((False, False), (True, False))}
+OFFLOADS[3] = (*OFFLOADS[2], (True, True))
+"""Per stage, the (optimizer, parameter) offloads to the CPU searched."""
 BUCKET_SIZES = (50_000_000, 500_000_000, 1_000_000_000)
 """Reduce bucket sizes tried when `autotuning.fast` is false (DeepSpeed's tuning space for stages 1-3)."""
 
@@ -45,6 +49,8 @@ class Candidate:
     grad_accum: int
     reduce_bucket_size: int | None = None
     """None: the user's own (the dimension is not searched)."""
+    offload_param: bool = False
+    """Stage 3 with the optimizer offloaded: the parameters offloaded to the CPU too (ZeRO-Infinity's CPU case)."""
     activation_checkpointing: bool | None = None
     """True: the user's `activation_checkpointing` section is kept; False: it is dropped; None: not searched
     (the config has no such section)."""
@@ -52,7 +58,7 @@ class Candidate:
     @property
     def name(self) -> str:
         bucket = "" if self.reduce_bucket_size is None else f"_rbs{self.reduce_bucket_size:.0e}".replace("+", "")
-        offload = "_offload" if self.offload_optimizer else ""
+        offload = ("_offload" if self.offload_optimizer else "") + ("_params" if self.offload_param else "")
         checkpointing = {None: "", True: "_ac", False: "_noac"}[self.activation_checkpointing]
         return f"z{self.stage}{offload}_mbs{self.micro_batch}_gas{self.grad_accum}{bucket}{checkpointing}"
 
@@ -108,12 +114,14 @@ def grid(plan: AutotuningPlan, user: dict[str, object], *, world: int) -> list[C
     checkpointing: tuple[bool | None, ...] = (False, True) if "activation_checkpointing" in user else (None,)
     found = []
     for stage in zero_stages(user):
-        for offload in (False, True) if stage else (False,):
+        for offload, params in OFFLOADS[stage]:
             for micro in micro_batch_sizes(plan):
                 accum = _accumulation(user, micro, world, plan)
                 if accum is None:
                     continue
-                base = Candidate(stage=stage, offload_optimizer=offload, micro_batch=micro, grad_accum=accum)
+                base = Candidate(
+                    stage=stage, offload_optimizer=offload, offload_param=params, micro_batch=micro, grad_accum=accum
+                )
                 found += [
                     dataclasses.replace(base, reduce_bucket_size=bucket, activation_checkpointing=recompute)
                     for bucket in buckets
@@ -141,8 +149,11 @@ def candidate_config(user: dict[str, object], candidate: Candidate, *, world: in
     zero = dict(zero) if isinstance(zero, dict) else {}
     zero["stage"] = candidate.stage
     zero.pop("offload_optimizer", None)
+    zero.pop("offload_param", None)
     if candidate.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
+    if candidate.offload_param:
+        zero["offload_param"] = {"device": "cpu"}
     if candidate.reduce_bucket_size is not None:
         zero["reduce_bucket_size"] = candidate.reduce_bucket_size
     config["zero_optimization"] = zero

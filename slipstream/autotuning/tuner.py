@@ -124,7 +124,13 @@ def _profile(job: Job, candidates: list[Candidate], exps: Path, launches: Launch
     folder.mkdir(parents=True, exist_ok=True)
     smallest = min(
         candidates,
-        key=lambda c: (c.micro_batch, -c.stage, not c.offload_optimizer, c.activation_checkpointing is True),
+        key=lambda c: (
+            c.micro_batch,
+            -c.stage,
+            not c.offload_optimizer,
+            not c.offload_param,
+            c.activation_checkpointing is True,
+        ),
     )
     configs = {c.name: candidate_config(job.user_config, c, world=job.world) for c in candidates}
     answer = folder / "estimates.json"

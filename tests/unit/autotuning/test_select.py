@@ -49,7 +49,7 @@ def _real_and_figures(candidate: Candidate) -> tuple[int, Figures]:
 @pytest.fixture(scope="module")
 def measured() -> list[tuple[Candidate, int, Figures]]:
     candidates = [c for c in grid(_plan(), USER, world=1) if c.micro_batch == 2]
-    assert {(c.stage, c.offload_optimizer) for c in candidates} == {
+    assert {(c.stage, c.offload_optimizer) for c in candidates if not c.offload_param} == {
         (0, False),
         (1, False),
         (1, True),
@@ -58,6 +58,7 @@ def measured() -> list[tuple[Candidate, int, Figures]]:
         (3, False),
         (3, True),
     }
+    assert [c.name for c in candidates if c.offload_param] == ["z3_offload_params_mbs2_gas2"]
     return [(c, *_real_and_figures(c)) for c in candidates]
 
 
@@ -77,7 +78,12 @@ def _verdict(candidate: Candidate, figures: Figures, budget: int) -> str:
 def test_pruning_never_skips_a_candidate_that_fits(measured: list[tuple[Candidate, int, Figures]]) -> None:
     for candidate, real, figures in measured:
         predicted = needed_bytes(figures, device_is_host=True)
-        assert abs(predicted - real) <= DEFAULT_MARGIN * real, (candidate.name, predicted, real)
+        if candidate.offload_param:
+            # on the CPU the engine owns the parameters twice with offload_param (its "params" shard and the
+            # offloaded copy) where the planner counts the offloaded copy only: an under-count, never a wrong skip
+            assert predicted <= real * (1 + DEFAULT_MARGIN), (candidate.name, predicted, real)
+        else:
+            assert abs(predicted - real) <= DEFAULT_MARGIN * real, (candidate.name, predicted, real)
         assert _verdict(candidate, figures, budget=real) == "", f"{candidate.name} fits in {real} B but was skipped"
 
 

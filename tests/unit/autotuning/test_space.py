@@ -140,3 +140,25 @@ def test_the_searched_zero_stages_follow_the_config() -> None:
     assert resolve(tunable_config(user), world_size=1).zero.stage == 0
     plan = _plan(tunable_config(user), world=1, max_train_micro_batch_size_per_gpu=4)
     assert {(c.stage, c.offload_optimizer) for c in grid(plan, user, world=1)} == {(0, False), (1, False), (1, True)}
+
+
+def test_stage_3_also_offloads_the_parameters() -> None:
+    from torch import nn
+
+    from slipstream.autotuning.estimates import estimate_config
+
+    user = {**BASE, "train_batch_size": 4, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    plan = _plan(user, world=1, min_train_micro_batch_size_per_gpu=4, max_train_micro_batch_size_per_gpu=4)
+    found = {c.name: c for c in grid(plan, user, world=1)}
+    assert sorted(found) == ["z3_mbs4_gas1", "z3_offload_mbs4_gas1", "z3_offload_params_mbs4_gas1"]
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    figures = {}
+    for name, candidate in found.items():
+        config = candidate_config(user, candidate, world=1)
+        stage3 = resolve(config, world_size=1).zero.stage3
+        assert stage3 is not None and type(stage3.offload_param).__name__ == (
+            "CpuTarget" if candidate.offload_param else "NoOffloadTarget"
+        )
+        figures[name] = estimate_config(config, module=model, world_size=1, gpus_per_node=1)
+    # the parameters leave the device for the host
+    assert figures["z3_offload_params_mbs4_gas1"][0] < figures["z3_offload_mbs4_gas1"][0]
