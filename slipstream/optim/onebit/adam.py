@@ -18,9 +18,10 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+from torch import Tensor
 
 from slipstream.optim.arguments import bind, takes
-from slipstream.optim.common import closure_loss
+from slipstream.optim.common import WholeTensorOptimizer, closure_loss
 from slipstream.optim.onebit.base import OneBitArguments, OneBitBase, Params, adam_update
 
 __all__ = ["OneBitAdam"]
@@ -42,16 +43,18 @@ class OneBitAdamArguments(OneBitArguments):
         return out
 
 
-class OneBitAdam(OneBitBase):
+class OneBitAdam(OneBitBase, WholeTensorOptimizer):
     """1-bit Adam; `deepspeed` (DeepSpeed's engine argument) is accepted and unused: the engine asks the optimizer
     instead (`takes_over_reduction`). `bias_correction`, `eps_inside_sqrt` and `max_grad_norm` are accepted as in
     DeepSpeed, whose 1-bit Adam does not use them either. The other arguments: OneBitAdamArguments."""
 
     zero_stages = (0, 1)
+    runs_on_host = False  # the whole-tensor map only finds a piece's padding; offload is not built for it
 
     @takes(OneBitAdamArguments)
     def __init__(self, params: Params, deepspeed: object = None, *args: object, **kwargs: object) -> None:
         super().__init__(params, bind(OneBitAdamArguments, args, kwargs))
+        self._gaps: dict[Tensor, Tensor] = {}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -68,7 +71,20 @@ class OneBitAdam(OneBitBase):
                 exp_avg.mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
                 if compressed and not self.compresses_gradients():
                     self.compressed_mean(p, exp_avg)
+                    self._zero_padding(p, exp_avg)
                 elif not compressed:
                     exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
                 p.sub_(adam_update(p, exp_avg, exp_avg_sq, group, self.work_buffer(p)), alpha=group["lr"])
         return loss
+
+    def _zero_padding(self, p: Tensor, values: Tensor) -> None:
+        """Zero `values` where `p` (a ZeRO-0 piece) holds no parameter: the compressed mean writes scale * sign
+        there too, and a checkpoint keeps only the parameters' elements, so a resume would start those at 0."""
+        gaps = self._gaps.get(p)
+        if gaps is None:
+            covered = torch.zeros(p.numel(), dtype=torch.bool, device=p.device)
+            for part in self.whole_tensors().parts(p):
+                covered[part.offset : part.offset + part.numel] = True
+            gaps = self._gaps[p] = torch.nonzero(~covered).view(-1)
+        if gaps.numel():
+            values.view(-1).index_fill_(0, gaps, 0.0)

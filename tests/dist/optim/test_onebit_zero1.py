@@ -28,9 +28,7 @@ BETAS, EPS, DECAY = (0.9, 0.999), 1e-8, 0.01
 
 
 def engine_for(stage: int, *, freeze_step: int = FREEZE, precision: dict | None = None) -> object:
-    """TinyMLP with 1-bit Adam at `stage`; stage 1 with one bucket per parameter, stage 0 with one bucket (its
-    2114 elements need no padding at 2 ranks: the compressed momentum of a padded piece is non-zero in the padding,
-    which checkpoints do not keep)."""
+    """TinyMLP with 1-bit Adam at `stage`, one bucket per parameter (most of them padded at 2 ranks)."""
     import slipstream
 
     config = {
@@ -39,7 +37,7 @@ def engine_for(stage: int, *, freeze_step: int = FREEZE, precision: dict | None 
             "type": "OneBitAdam",
             "params": {"lr": LR, "weight_decay": DECAY, "freeze_step": freeze_step, "comm_backend_name": "gloo"},
         },
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 1 if stage else 10**6},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 1},  # one bucket per parameter
         "gradient_clipping": 0.0,
         **(precision or {}),
     }
