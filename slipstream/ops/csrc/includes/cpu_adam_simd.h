@@ -51,9 +51,11 @@ inline void prefetch(const void* p) {
 // The members the x86 levels share, written once: they differ only in the intrinsics' prefix P (_mm512,
 // _mm256) and register width BITS (512, 256), the integer register I of W lanes (__m512i, __m256i), and the
 // register H that holds W halves (__m256i, __m128i) with its unaligned load and store and its streaming store.
-// Each Vec defines T, W, to_fp16 and to_bf16 (from bf16_rounded) itself. Streaming stores need p aligned to
-// kNtAlign bytes and are followed by nt_fence().
+// The fp32 register T and its width W follow from BITS. Each Vec defines to_fp16 and to_bf16 (from
+// bf16_rounded) itself. Streaming stores need p aligned to kNtAlign bytes and are followed by nt_fence().
 #define SLIPSTREAM_X86_VEC_MEMBERS(P, BITS, I, H, LOADU_H, STOREU_H, STREAM_H)                    \
+  using T = __m##BITS;                                                                            \
+  static constexpr int W = BITS / 32;                                                             \
   static inline T load(const float* p) { return P##_loadu_ps(p); }                                \
   static inline T load_bf16(const uint16_t* p) {                                                  \
     I widened = P##_cvtepu16_epi32(LOADU_H(reinterpret_cast<const H*>(p)));                       \
@@ -84,8 +86,6 @@ inline void prefetch(const void* p) {
 #if defined(SLIPSTREAM_SIMD_AVX512)
 constexpr const char* kLevel = "avx512";
 struct Vec {
-  using T = __m512;
-  static constexpr int W = 16;
   SLIPSTREAM_X86_VEC_MEMBERS(_mm512, 512, __m512i, __m256i, _mm256_loadu_si256, _mm256_storeu_si256,
                              _mm256_stream_si256)
   static inline __m256i to_fp16(T x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -99,8 +99,6 @@ struct Vec {
 #elif defined(SLIPSTREAM_SIMD_AVX2)
 constexpr const char* kLevel = "avx2";
 struct Vec {
-  using T = __m256;
-  static constexpr int W = 8;
   SLIPSTREAM_X86_VEC_MEMBERS(_mm256, 256, __m256i, __m128i, _mm_loadu_si128, _mm_storeu_si128, _mm_stream_si128)
   static inline __m128i to_fp16(T x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); }
   static inline __m128i to_bf16(T x) {
