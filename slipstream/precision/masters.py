@@ -95,14 +95,16 @@ class StochasticRounding(NearestRounding):
 
     def _step_piece(self, optimizer: torch.optim.Optimizer, group: dict, piece: torch.Tensor) -> None:
         data, grad = piece.data, piece.grad
+        assert grad is not None  # only pieces with a gradient are stepped
         if not optimizer.state[piece]:  # create the moments (zeros, in the piece's dtype) without an update
             piece.grad = torch.zeros_like(grad)
-            self._run(optimizer, {**group, "lr": 0.0, "weight_decay": 0.0}, piece, restore_step=True)
+            self._run(optimizer, {**group, "lr": 0.0, "weight_decay": 0.0}, piece)
+            optimizer.state[piece]["step"].zero_()  # torch's Adam counts steps in a tensor
             piece.grad = grad
         state = optimizer.state[piece]
         moments = {k: t for k, t in state.items() if isinstance(t, torch.Tensor) and t.numel() == piece.numel()}
-        step = state.get("step")
-        before = step.clone() if isinstance(step, torch.Tensor) else step
+        step: torch.Tensor = state["step"]
+        before = step.clone()
         scratch = self._rows(piece.device)
         try:
             for start in range(0, data.numel(), self.chunk_numel):
@@ -116,11 +118,8 @@ class StochasticRounding(NearestRounding):
                 piece.data = rows[0]
                 piece.grad = rows[1]
                 state.update(zip(moments, rows[2:]))
-                if isinstance(step, torch.Tensor):
-                    step.copy_(before)
-                else:
-                    state["step"] = before
-                self._run(optimizer, group, piece, restore_step=False)
+                step.copy_(before)  # every chunk is the same step
+                self._run(optimizer, group, piece)
                 stochastic_round_(data[start:end], rows[0], self._generator)  # type: ignore[arg-type]
                 for row, moment in zip(rows[2:], moments.values()):
                     moment.view(-1)[start:end].copy_(row)
@@ -130,19 +129,11 @@ class StochasticRounding(NearestRounding):
             piece.grad = grad
             state.update(moments)
 
-    def _run(self, optimizer: torch.optim.Optimizer, group: dict, piece: torch.Tensor, *, restore_step: bool) -> None:
-        """One optimizer step of `piece` alone under `group`'s hyperparameters; with `restore_step` the piece's
-        step count is put back."""
+    @staticmethod
+    def _run(optimizer: torch.optim.Optimizer, group: dict, piece: torch.Tensor) -> None:
+        """One optimizer step of `piece` alone under `group`'s hyperparameters."""
         optimizer.param_groups = [{**group, "params": [piece]}]
-        step = optimizer.state[piece].get("step")
-        before = step.clone() if isinstance(step, torch.Tensor) else step
         optimizer.step()
-        if restore_step:
-            after = optimizer.state[piece]["step"]
-            if isinstance(after, torch.Tensor):
-                after.fill_(0 if before is None else before)
-            else:
-                optimizer.state[piece]["step"] = 0 if before is None else before
 
     def _rows(self, device: torch.device) -> list[torch.Tensor]:
         if self._scratch is None or self._scratch.device != device:

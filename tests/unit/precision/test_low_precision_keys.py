@@ -193,3 +193,35 @@ def test_stochastic_rounding_steps_chunks_like_one_fp32_adamw_step() -> None:
             assert float(mine["step"]) == step + 1
             assert torch.equal(mine["exp_avg"], state["exp_avg"].bfloat16()) and mine["exp_avg"].dtype == torch.bfloat16
             assert torch.equal(mine["exp_avg_sq"], state["exp_avg_sq"].bfloat16())
+
+
+def _held_bytes(bf16: dict) -> tuple[int, int]:
+    """Model-state bytes a ZeRO-2 engine holds after one step (the optimizer's tensors: parameters, masters,
+    gradients, Adam moments; counted, not RSS) and what the planner predicts for the same config."""
+    from slipstream.planner.estimate import settings_from_plan
+    from slipstream.planner.zero_bytes import stage012_bytes
+
+    config = _config(bf16=bf16, zero_optimization={"stage": 2})
+    model = nn.Sequential(nn.Linear(96, 96), nn.Tanh(), nn.Linear(96, 40))
+    numels = [p.numel() for p in model.parameters()]
+    engine, *_ = slipstream.initialize(model=model, config=config)
+    engine.backward(engine(torch.randn(4, 96)).float().sum())
+    engine.step()
+    zero = engine.optimizer
+    states = sum(t.numel() * t.element_size() for s in zero.optimizer.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor) and t.dim() > 0)
+    roles = ("params", "master", "grads")
+    held = sum(zero.owned_bytes()[r] for r in roles) + states
+    settings, _ = settings_from_plan(resolve(config, world_size=1))
+    owned = stage012_bytes(numels, 0, stage=2, world=1, settings=settings, offload=False).owned
+    return held, sum(owned[r] for r in (*roles, "optimizer_state"))
+
+
+def test_bf16_masters_and_states_hold_what_the_planner_predicts_at_zero_2() -> None:
+    """bf16 params + fp32 masters + fp32 grads + fp32 Adam moments: 18 bytes a parameter on one rank; bf16
+    masters (the parameters themselves), bf16 grads and bf16 moments: 8 (0.44x; 0.5x at two ranks, where the
+    masters, grads and moments are halved and the parameters are not)."""
+    low, low_predicted = _held_bytes(BF16_STATES)
+    fp32, fp32_predicted = _held_bytes({"enabled": True})
+    assert abs(low - low_predicted) <= 0.05 * low_predicted and abs(fp32 - fp32_predicted) <= 0.05 * fp32_predicted
+    assert 0.4 <= low / fp32 <= 0.5, (low, fp32)
