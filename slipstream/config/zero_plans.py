@@ -168,22 +168,28 @@ def _param_offload_problems(param_off: OffloadTarget, optimizer_off: OffloadTarg
     return problems
 
 
+_STAGE3_FROM_ZERO = {
+    "prefetch_numel": "prefetch_bucket_size",
+    "persistence_threshold": "param_persistence_threshold",
+    "max_live_numel": "max_live_parameters",
+    "reuse_distance": "max_reuse_distance",
+    "gather_16bit_on_save": "gather_16bit_weights_on_model_save",
+    "sub_group_numel": "sub_group_size",
+    "quantized_weights": "zero_quantized_weights",
+    "quantized_frozen_weights": "zero_quantized_nontrainable_weights",
+}
+"""Stage3Plan field -> the ZeroConfig field it is copied from (DeepSpeed's key, without the stage3_ prefix)."""
+
+
 def stage3_plan(zero: ZeroConfig, offload_param: OffloadTarget) -> Stage3Plan:
-    """DeepSpeed's stage3_* names become the components' names here, and nowhere else."""
+    """DeepSpeed's stage3_* names become the components' names here (`_STAGE3_FROM_ZERO`), and nowhere else."""
     leaf = zero.leaf_module
     return Stage3Plan(
-        prefetch_numel=zero.prefetch_bucket_size,
-        persistence_threshold=zero.param_persistence_threshold,
-        max_live_numel=zero.max_live_parameters,
-        reuse_distance=zero.max_reuse_distance,
-        gather_16bit_on_save=zero.gather_16bit_weights_on_model_save,
         offload_param=offload_param,
         leaf_classes=tuple(leaf.classes),
         leaf_names=tuple(leaf.names),
         leaf_suffixes=tuple(leaf.name_suffixes),
-        sub_group_numel=zero.sub_group_size,
-        quantized_weights=zero.zero_quantized_weights,
-        quantized_frozen_weights=zero.zero_quantized_nontrainable_weights,
+        **{field: getattr(zero, key) for field, key in _STAGE3_FROM_ZERO.items()},
     )
 
 
