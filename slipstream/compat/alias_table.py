@@ -200,6 +200,9 @@ COMPOSITES: dict[str, dict[str, str]] = {
     "slipstream.runtime.fp16.onebit.adam": {"OnebitAdam": "slipstream.optim.onebit.adam:OneBitAdam"},
     "slipstream.runtime.fp16.onebit.zoadam": {"ZeroOneAdam": "slipstream.optim.onebit.zoadam:ZeroOneAdam"},
     "slipstream.runtime.fp16.onebit.lamb": {"OnebitLamb": "slipstream.optim.onebit.lamb:OneBitLamb"},
+    # Muon: DeepSpeed's package is empty, the class is in muon_optimizer
+    "slipstream.runtime.zero.muon": {},
+    "slipstream.runtime.zero.muon.muon_optimizer": {"MuonWithAuxAdam": "slipstream.optim.muon:MuonWithAuxAdam"},
     # DeepSpeed features Slipstream does not have: importable, NotBuiltError when used (compat/unbuilt.py)
     "slipstream.autotuning": {"Autotuner": f"{_NB}:Autotuner"},
     "slipstream.launcher.launch": {"main": f"{_NB}:launch_main"},
