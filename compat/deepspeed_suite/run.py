@@ -175,7 +175,8 @@ def format_table(rows: list[tuple[str, int, int, int, float]]) -> str:
         "-" * 79,
     ]
     for label, ds, ss, excluded, percent in rows:
-        lines.append(f"{label:<28} {ds:>16} {ss:>17} {excluded:>8} {percent:>5.1f}%")
+        share = f"{percent:>5.1f}%" if ds > excluded else "     -"  # "-": DeepSpeed passes none of it here
+        lines.append(f"{label:<28} {ds:>16} {ss:>17} {excluded:>8} {share}")
     return "\n".join(lines)
 
 

@@ -114,6 +114,8 @@ def test_table_counts_per_folder_against_deepspeed_passes_less_exclusions():
     assert rows["total"] == (4, 1, 1, pytest.approx(100 / 3))
     text = run.format_table(run.table_rows(deepspeed, slipstream, {}))
     assert "utils" in text and "33.3%" in text
+    muon_row = [line for line in text.splitlines() if line.startswith("ops/muon ")]
+    assert muon_row[0].split()[1:] == ["0", "0", "0", "-"]  # a row DeepSpeed passes none of has no share
 
 
 def test_summary_round_trips_to_outcomes():
