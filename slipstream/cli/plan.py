@@ -28,9 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     out.add_argument("--png", default=None, metavar="FILE", help="also draw a stacked bar chart (needs matplotlib)")
-    from slipstream.cli import plan_cluster
+    from slipstream.cli import plan_cluster, plan_sequence
 
     plan_cluster.add_arguments(parser)
+    plan_sequence.add_arguments(parser)
 
 
 def _add_model_arguments(model: argparse._ArgumentGroup) -> None:
@@ -125,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
         return plan_cluster.run(args, config)
     if args.largest:
         return _run_largest(args, config)
+    if args.sequence:
+        from slipstream.cli import plan_sequence
+
+        return plan_sequence.run(args, config)
     if args.params is None and args.model is None and args.hf_config is None and not (args.hidden and args.layers):
         print(
             "slipstream plan: error: give the model: --params N, --model module:factory or --hf-config "
