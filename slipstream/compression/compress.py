@@ -6,37 +6,39 @@ import re
 
 from torch import nn
 
-from slipstream.compression.layers import CompressedLinear
+from slipstream.compression.clean import bake_and_shrink, replace_module
+from slipstream.compression.layers import CompressedConv2d, CompressedLinear
 from slipstream.compression.plan import CompressionPlan, GroupPlan, resolve_compression
 from slipstream.config.load import load_config
 
 __all__ = ["compression_scheduler", "init_compression", "redundancy_clean"]
 
+Compressed = CompressedLinear | CompressedConv2d
 
-def _matches(model: nn.Module, group: GroupPlan) -> list[str]:
+
+def _matches(model: nn.Module, group: GroupPlan, kind: type[nn.Module] = nn.Linear) -> list[str]:
     names = [
         name
         for name, module in model.named_modules()
         if name and any(re.search(pattern, name) for pattern in group.modules)
     ]
-    return [name for name in names if isinstance(model.get_submodule(name), nn.Linear)]
+    return [name for name in names if isinstance(model.get_submodule(name), kind)]
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, new)
-
-
-def _compressed(model: nn.Module, name: str) -> CompressedLinear:
+def _compressed(model: nn.Module, name: str) -> Compressed:
     module = model.get_submodule(name)
-    if isinstance(module, CompressedLinear):
+    if isinstance(module, (CompressedLinear, CompressedConv2d)):
         return module
-    if not isinstance(module, nn.Linear):
+    if isinstance(module, nn.Conv2d):
+        compressed: Compressed = CompressedConv2d(module)
+    elif isinstance(module, nn.Linear):
+        compressed = CompressedLinear(module)
+    else:
         raise TypeError(
-            f"compression_training: module {name!r} is a {type(module).__name__}; only nn.Linear is compressed"
+            f"compression_training: module {name!r} is a {type(module).__name__}; only nn.Linear (and nn.Conv2d "
+            "for channel pruning) is compressed"
         )
-    compressed = CompressedLinear(module)
-    _replace(model, name, compressed)
+    replace_module(model, name, compressed)
     return compressed
 
 
@@ -45,47 +47,57 @@ def _apply(model: nn.Module, plan: CompressionPlan) -> None:
     if quant is not None:
         for group in quant.different_groups:
             for name in _matches(model, group):
-                _compressed(model, name).enable_quantization(quant, group)
+                layer = _compressed(model, name)
+                assert isinstance(layer, CompressedLinear)
+                layer.enable_quantization(quant, group)
     if prune is not None:
         for group in prune.different_groups:
             for name in _matches(model, group):
-                _compressed(model, name).enable_pruning(group)
+                layer = _compressed(model, name)
+                assert isinstance(layer, CompressedLinear)
+                layer.enable_pruning(group)
+    for structured in plan.structured:
+        kind = nn.Conv2d if structured.name == "channel_pruning" else nn.Linear
+        for group in structured.different_groups:
+            for name in _matches(model, group, kind):
+                _compressed(model, name).enable_structured(structured, group, name)
+
+
+def _target(model: nn.Module) -> nn.Module:
+    """The user's model (inside an engine or a wrapper that keeps it as `.module`)."""
+    return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
 
 
 def init_compression(
     model: nn.Module, deepspeed_config: object, teacher_model: nn.Module | None = None, mpu: object | None = None
 ) -> nn.Module:
-    """Replace the nn.Linear modules the config's groups name with CompressedLinear (same parameters).
+    """Replace the layers the config's groups name with CompressedLinear / CompressedConv2d (same parameters).
 
     `deepspeed_config` is a dict or a JSON path. Compression starts when compression_scheduler's steps
     reach each method's schedule_offset. `teacher_model` (layer reduction) and `mpu` are not used.
     """
-    plan = resolve_compression(load_config(deepspeed_config))
-    target = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
-    _apply(target, plan)
+    _apply(_target(model), resolve_compression(load_config(deepspeed_config)))
     return model
 
 
 def redundancy_clean(model: nn.Module, deepspeed_config: object, mpu: object | None = None) -> nn.Module:
-    """Bake each CompressedLinear's current weight (quantized, masked) into a plain nn.Linear, in place."""
-    target = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
-    for name, module in list(target.named_modules()):
-        if isinstance(module, CompressedLinear):
-            _replace(target, name, module.cleaned())
+    """Bake each compressed layer's current weight (quantized, masked) into a plain layer, in place, and remove
+    the rows, heads and channels pruned in groups that name their `related_modules`."""
+    bake_and_shrink(_target(model), resolve_compression(load_config(deepspeed_config)).structured)
     return model
 
 
 class compression_scheduler:  # DeepSpeed's class name
-    """Turns compression on at each method's schedule_offset and steps the weight bits; call step() once
-    per optimizer step, as DeepSpeed's engine does."""
+    """Turns compression on at each method's schedule_offset and steps the weight bits; the engine calls step()
+    after each optimizer step it applied (and step(step_zero_check=True) before its first forward)."""
 
     def __init__(self, model: nn.Module, compression_config: object) -> None:
         self.model = model
         self.plan = resolve_compression(load_config(compression_config))
         self.training_steps = 0
 
-    def _layers(self) -> list[CompressedLinear]:
-        return [m for m in self.model.modules() if isinstance(m, CompressedLinear)]
+    def _layers(self) -> list[Compressed]:
+        return [m for m in self.model.modules() if isinstance(m, (CompressedLinear, CompressedConv2d))]
 
     def step(self, step_zero_check: bool = False) -> None:
         """Count a training step (not when `step_zero_check`), then enable and schedule compression."""
@@ -93,6 +105,12 @@ class compression_scheduler:  # DeepSpeed's class name
             self.training_steps += 1
         quant, prune = self.plan.quantization, self.plan.pruning
         for layer in self._layers():
+            for structured in self.plan.structured:
+                mask = getattr(layer, structured.name, None)
+                if mask is not None:
+                    mask.enabled = self.training_steps >= structured.schedule_offset
+            if not isinstance(layer, CompressedLinear):
+                continue
             if quant is not None and layer.schedule is not None and self.training_steps >= quant.schedule_offset:
                 layer.quantization_enabled = True
                 if not step_zero_check:

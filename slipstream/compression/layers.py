@@ -1,4 +1,4 @@
-"""CompressedLinear: an nn.Linear whose forward uses its weight fake-quantized and/or masked."""
+"""CompressedLinear and CompressedConv2d: layers whose forward uses their weight fake-quantized and/or masked."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slipstream.compression.plan import GroupPlan, QuantizationPlan
+from slipstream.compression.masks import StructuredMask, unit_norms
+from slipstream.compression.plan import GroupPlan, QuantizationPlan, StructuredPlan
 from slipstream.compression.quantize import fake_quantize, l1_mask
 
-__all__ = ["BitSchedule", "CompressedLinear"]
+__all__ = ["BitSchedule", "CompressedConv2d", "CompressedLinear"]
 
 
 @dataclass
@@ -32,8 +33,17 @@ class BitSchedule:
             self.period <<= 1
 
 
+def _enabled(mask: StructuredMask | None) -> torch.Tensor | None:
+    """The unit mask when that pruning is on, else None."""
+    return None if mask is None or not mask.enabled else mask.mask()
+
+
 class CompressedLinear(nn.Linear):
-    """The same parameters as the nn.Linear it replaces; forward quantizes, then masks, the weight."""
+    """The same parameters as the nn.Linear it replaces; forward quantizes, then masks, the weight.
+
+    Masks, each on from its method's schedule_offset: sparse (elements), row (output rows and their bias),
+    head (the columns of each of `num_heads` equal slices of the input: an attention output projection's heads).
+    """
 
     def __init__(self, linear: nn.Linear) -> None:
         nn.Module.__init__(self)
@@ -44,6 +54,9 @@ class CompressedLinear(nn.Linear):
         self.quantization_enabled = False
         self.pruning_enabled = False
         self.register_buffer("sparse_pruning_mask", None)
+        self.row_pruning: StructuredMask | None = None
+        self.head_pruning: StructuredMask | None = None
+        self.num_heads = 0
 
     def enable_quantization(self, plan: QuantizationPlan, group: GroupPlan) -> None:
         """Quantize this layer's weight per `group` once the scheduler reaches the plan's offset."""
@@ -54,6 +67,22 @@ class CompressedLinear(nn.Linear):
     def enable_pruning(self, group: GroupPlan) -> None:
         """Fix the l1 mask now (from the weight as it is), applied once the scheduler reaches the offset."""
         self.sparse_pruning_mask = l1_mask(self.weight, group.dense_ratio)
+
+    def enable_structured(self, plan: StructuredPlan, group: GroupPlan, name: str) -> None:
+        """Row or head pruning of this layer per `group` (l1 masks fixed now from the weight as it is)."""
+        if plan.name == "row_pruning":
+            norms = unit_norms(self.weight)
+            self.row_pruning = StructuredMask(plan.method, group.dense_ratio, norms, (self.out_features, 1))
+            return
+        if self.in_features % plan.num_heads:
+            raise ValueError(
+                f"compression_training.head_pruning: num_heads {plan.num_heads} does not divide the "
+                f"{self.in_features} input features of {name!r}; name the attention output projection and "
+                "give its number of heads"
+            )
+        self.num_heads = plan.num_heads
+        heads = torch.zeros(plan.num_heads, device=self.weight.device)
+        self.head_pruning = StructuredMask(plan.method, group.dense_ratio, heads, (1, plan.num_heads))
 
     def compressed_weight(self) -> torch.Tensor:
         """The weight forward uses at this step."""
@@ -69,13 +98,23 @@ class CompressedLinear(nn.Linear):
             )
         if self.pruning_enabled and self.sparse_pruning_mask is not None:
             weight = weight * self.sparse_pruning_mask
+        rows, heads = _enabled(self.row_pruning), _enabled(self.head_pruning)
+        if rows is not None:
+            weight = weight * rows.view(-1, 1)
+        if heads is not None:
+            weight = (weight.view(self.out_features, self.num_heads, -1) * heads.view(1, -1, 1)).flatten(1)
         return weight
 
+    def compressed_bias(self) -> torch.Tensor | None:
+        """The bias forward uses: zero at pruned rows."""
+        rows = _enabled(self.row_pruning)
+        return self.bias if rows is None or self.bias is None else self.bias * rows
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(input, self.compressed_weight(), self.bias)
+        return nn.functional.linear(input, self.compressed_weight(), self.compressed_bias())
 
     def cleaned(self) -> nn.Linear:
-        """A plain nn.Linear holding the weight forward uses now (redundancy_clean)."""
+        """A plain nn.Linear holding the weight and bias forward uses now (redundancy_clean)."""
         plain = nn.Linear(
             self.in_features,
             self.out_features,
@@ -83,8 +122,59 @@ class CompressedLinear(nn.Linear):
             device=self.weight.device,
             dtype=self.weight.dtype,
         )
-        with torch.no_grad():
-            plain.weight.copy_(self.compressed_weight())
-            if self.bias is not None:
-                plain.bias.copy_(self.bias)
-        return plain
+        return _baked(plain, self.compressed_weight(), self.compressed_bias())
+
+
+def _baked(plain: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    with torch.no_grad():
+        plain.weight.copy_(weight)
+        if bias is not None:
+            plain.bias.copy_(bias)
+    return plain
+
+
+class CompressedConv2d(nn.Conv2d):
+    """The same parameters as the nn.Conv2d it replaces; forward masks whole output channels (and their bias)
+    from channel pruning's schedule_offset on."""
+
+    def __init__(self, conv: nn.Conv2d) -> None:
+        nn.Module.__init__(self)
+        for key, value in vars(conv).items():
+            if not key.startswith("_"):
+                setattr(self, key, value)
+        self._reversed_padding_repeated_twice = conv._reversed_padding_repeated_twice
+        self.weight, self.bias = conv.weight, conv.bias
+        self.channel_pruning: StructuredMask | None = None
+
+    def enable_structured(self, plan: StructuredPlan, group: GroupPlan, name: str) -> None:
+        """Channel pruning of this layer per `group` (an l1 mask fixed now from the weight as it is)."""
+        shape = (self.out_channels, 1, 1, 1)
+        self.channel_pruning = StructuredMask(plan.method, group.dense_ratio, unit_norms(self.weight), shape)
+
+    def compressed_weight(self) -> torch.Tensor:
+        channels = _enabled(self.channel_pruning)
+        return self.weight if channels is None else self.weight * channels.view(-1, 1, 1, 1)
+
+    def compressed_bias(self) -> torch.Tensor | None:
+        channels = _enabled(self.channel_pruning)
+        return self.bias if channels is None or self.bias is None else self.bias * channels
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(input, self.compressed_weight(), self.compressed_bias())
+
+    def cleaned(self) -> nn.Conv2d:
+        """A plain nn.Conv2d holding the weight and bias forward uses now (redundancy_clean)."""
+        plain = nn.Conv2d(
+            self.in_channels,
+            self.out_channels,
+            self.kernel_size,  # type: ignore[arg-type]
+            stride=self.stride,  # type: ignore[arg-type]
+            padding=self.padding,  # type: ignore[arg-type]
+            dilation=self.dilation,  # type: ignore[arg-type]
+            groups=self.groups,
+            bias=self.bias is not None,
+            padding_mode=self.padding_mode,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
+        return _baked(plain, self.compressed_weight(), self.compressed_bias())

@@ -1,8 +1,9 @@
 """The `compression_training` section read into frozen plans: what init_compression builds from.
 
-The schema keeps the section free-form; this module reads the parts Slipstream builds (weight quantization
-and l1 sparse pruning of nn.Linear modules) with DeepSpeed's defaults, rejects values it cannot act on, and
-names every sub-option it does not build (they are reported, never silently ignored).
+The schema keeps each method free-form; this module reads the parts Slipstream builds (weight quantization,
+l1 sparse pruning, row and head pruning of nn.Linear modules, channel pruning of nn.Conv2d modules) with
+DeepSpeed's defaults, rejects values it cannot act on, and names every sub-option it does not build (they are
+reported, never silently ignored).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from typing import Any
 
 from slipstream.config.notices import notice
 
-__all__ = ["CompressionPlan", "GroupPlan", "PruningPlan", "QuantizationPlan", "resolve_compression"]
+__all__ = ["CompressionPlan", "GroupPlan", "PruningPlan", "QuantizationPlan", "StructuredPlan", "resolve_compression"]
 
-_UNBUILT_METHODS = ("activation_quantization", "row_pruning", "head_pruning", "channel_pruning", "layer_reduction")
+_UNBUILT_METHODS = ("activation_quantization", "layer_reduction")
+STRUCTURED = ("row_pruning", "head_pruning", "channel_pruning")
+"""The pruning methods that mask whole units (rows, heads, channels) and that redundancy_clean removes."""
+_STRUCTURED_METHODS = {"row_pruning": ("l1", "topk"), "head_pruning": ("topk",), "channel_pruning": ("l1", "topk")}
 _QUANT_SHARED = {
     "enabled",
     "quantizer_kernel",
@@ -38,6 +42,9 @@ class GroupPlan:
     target_bits: int
     quantization_period: int
     dense_ratio: float
+    related_modules: tuple[tuple[str, ...], ...] | None
+    """Per entry of `modules`, the patterns of the layers that read its output (redundancy_clean shrinks their
+    inputs with it); None when the group gives none."""
 
 
 @dataclass(frozen=True)
@@ -61,11 +68,25 @@ class PruningPlan:
 
 
 @dataclass(frozen=True)
+class StructuredPlan:
+    """`row_pruning`, `head_pruning` or `channel_pruning`: whole units masked from `schedule_offset` on."""
+
+    name: str
+    method: str
+    """"l1": a fixed mask of the units with the largest L1 norms; "topk": a mask of learned scores."""
+    schedule_offset: int
+    num_heads: int
+    """head_pruning: the attention heads of the output projection's input (0 for the other methods)."""
+    different_groups: tuple[GroupPlan, ...]
+
+
+@dataclass(frozen=True)
 class CompressionPlan:
-    """The methods init_compression applies; None where the method is off."""
+    """The methods init_compression applies; None (or absent from `structured`) where the method is off."""
 
     quantization: QuantizationPlan | None
     pruning: PruningPlan | None
+    structured: tuple[StructuredPlan, ...]
 
 
 def _report(key: str, what: str) -> None:
@@ -88,6 +109,7 @@ def _groups(method: str, section: dict[str, Any], known: set[str]) -> tuple[Grou
                 f"compression_training.{method}.different_groups.{name}.modules is {modules!r}: "
                 'give a list of module-name patterns, e.g. ["attention.self"]'
             )
+        related = _related(method, name, group.get("related_modules"), len(modules))
         out.append(
             GroupPlan(
                 name=name,
@@ -96,9 +118,25 @@ def _groups(method: str, section: dict[str, Any], known: set[str]) -> tuple[Grou
                 target_bits=int(params.get("target_bits", 8)),
                 quantization_period=int(params.get("quantization_period", 1)),
                 dense_ratio=float(params.get("dense_ratio", 0.1)),
+                related_modules=related,
             )
         )
     return tuple(out)
+
+
+def _related(method: str, name: str, related: object, count: int) -> tuple[tuple[str, ...], ...] | None:
+    """`related_modules`: one list of patterns per entry of `modules` (DeepSpeed's layout), or None."""
+    if related is None:
+        return None
+    if method not in STRUCTURED:
+        _report(f"{method}.different_groups.{name}.related_modules", "only row, head and channel pruning use it")
+        return None
+    if not isinstance(related, list) or len(related) != count or not all(isinstance(r, list) for r in related):
+        raise ValueError(
+            f"compression_training.{method}.different_groups.{name}.related_modules is {related!r}: give one "
+            f'list of module-name patterns per entry of modules ({count}), e.g. [["fc2"]]'
+        )
+    return tuple(tuple(".*" if m == "*" else str(m) for m in entry) for entry in related)
 
 
 def _check_bits(group: GroupPlan) -> None:
@@ -165,12 +203,45 @@ def _pruning(section: dict[str, Any]) -> PruningPlan | None:
         return None
     groups = _groups("sparse_pruning", section, {"dense_ratio"})
     for group in groups:
-        if not 0.0 < group.dense_ratio <= 1.0:
-            raise ValueError(
-                f"compression_training.sparse_pruning.different_groups.{group.name}: dense_ratio "
-                f"{group.dense_ratio}; give the kept fraction in (0, 1]"
-            )
+        _check_ratio("sparse_pruning", group)
     return PruningPlan(schedule_offset=int(shared.get("schedule_offset", 1000)), different_groups=groups)
+
+
+def _structured(method: str, section: dict[str, Any]) -> StructuredPlan | None:
+    shared = _shared(method, section, {"enabled", "method", "schedule_offset", "num_heads"})
+    if shared is None:
+        return None
+    kind, allowed = shared.get("method", _default_method(method)), _STRUCTURED_METHODS[method]
+    heads = int(shared.get("num_heads", 0)) if method == "head_pruning" else 0
+    if kind not in allowed or (method == "head_pruning" and heads < 1):
+        raise ValueError(
+            f"compression_training.{method}.shared_parameters: method {kind!r}, num_heads "
+            f"{shared.get('num_heads')!r}; use method {' or '.join(allowed)}"
+            + (" and give num_heads, the heads of the output projection's input" if method == "head_pruning" else "")
+        )
+    groups = _groups(method, section, {"dense_ratio"})
+    for group in groups:
+        _check_ratio(method, group)
+    return StructuredPlan(
+        name=method,
+        method=kind,
+        schedule_offset=int(shared.get("schedule_offset", 1000)),
+        num_heads=heads,
+        different_groups=groups,
+    )
+
+
+def _default_method(method: str) -> str:
+    """DeepSpeed's default method: topk for head pruning (its only one), l1 otherwise."""
+    return _STRUCTURED_METHODS[method][0]
+
+
+def _check_ratio(method: str, group: GroupPlan) -> None:
+    if not 0.0 < group.dense_ratio <= 1.0:
+        raise ValueError(
+            f"compression_training.{method}.different_groups.{group.name}: dense_ratio "
+            f"{group.dense_ratio}; give the kept fraction in (0, 1]"
+        )
 
 
 def resolve_compression(config: dict[str, Any]) -> CompressionPlan:
@@ -180,9 +251,11 @@ def resolve_compression(config: dict[str, Any]) -> CompressionPlan:
         sub = section.get(method) or {}
         if sub.get("enabled", False) or (sub.get("shared_parameters") or {}).get("enabled", False):
             _report(method, "enabled")
-    for method in sorted(set(section) - set(_UNBUILT_METHODS) - {"weight_quantization", "sparse_pruning"}):
+    for method in sorted(set(section) - set(_UNBUILT_METHODS) - {"weight_quantization", "sparse_pruning", *STRUCTURED}):
         _report(method, "an unknown compression method")
+    structured = (_structured(method, section.get(method) or {}) for method in STRUCTURED)
     return CompressionPlan(
         quantization=_quantization(section.get("weight_quantization") or {}),
         pruning=_pruning(section.get("sparse_pruning") or {}),
+        structured=tuple(plan for plan in structured if plan is not None),
     )

@@ -9,9 +9,9 @@ Stochastic rounding adds uniform noise in [-0.5, 0.5) before rounding. The gradi
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from slipstream.compression.masks import keep_largest
 
 __all__ = ["fake_quantize", "l1_mask"]
 
@@ -49,8 +49,4 @@ def fake_quantize(
 
 def l1_mask(weight: torch.Tensor, dense_ratio: float) -> torch.Tensor:
     """1 at the ceil(dense_ratio * numel) largest |weight| entries, 0 elsewhere (ties: sort order)."""
-    keep = math.ceil(dense_ratio * weight.numel())
-    order = weight.detach().abs().flatten().argsort(descending=True)
-    mask = torch.zeros(weight.numel(), dtype=weight.dtype, device=weight.device)
-    mask[order[:keep]] = 1.0
-    return mask.reshape(weight.shape)
+    return keep_largest(weight.detach().abs(), dense_ratio)
