@@ -1,38 +1,41 @@
-"""Precision options side by side: step time and model-state bytes at ZeRO 2 and 3 (2 ranks, gloo).
+"""Precision options side by side: step time and held bytes at ZeRO 2 and 3 (2 ranks, gloo), against DeepSpeed.
 
     python bench/precision.py [--quick] [--layers 8] [--width 1024] [--steps 6] [--stages 2,3]
-                              [--rows fp32,bf16,autocast,bf16_masters]
+                              [--rows fp32,bf16,autocast,bf16_masters] [--peer-python .bench-venv/bin/python]
+                              [--loss-steps 300]
 
 Rows: `fp32` (fp32 parameters and masters), `bf16` (bf16 parameters, fp32 masters), `autocast`
 (`torch_autocast` bf16: fp32 parameters, bf16 compute), `bf16_masters` (`bf16_master_weights_and_grads` +
 `bf16_optimizer_states`: no fp32 copy, bf16 Adam moments). The model is a stack of Linear(width, width) + ReLU
-layers trained with AdamW. Model-state bytes are what the engine holds per rank (parameters or their shard,
-masters, gradients, optimizer state: `engine.optimizer.owned_bytes()` plus the optimizer's state tensors);
-step time is the median over `--steps` steps after two warm-up steps. Printed per stage: each row's figures and
-its ratios to the fp32 row of the same stage (same run, same machine load). All rows run in one pair of rank
-processes, one after the other.
+layers trained with AdamW (bench/_precision_rows.py). Per row: the median step time over `--steps` steps after
+two warm-up steps; `states MiB`, the model-state bytes Slipstream's engine holds per rank (parameters or their
+shard, masters, gradients, optimizer state: `engine.optimizer.owned_bytes()` plus the optimizer's state
+tensors); `live MiB`, the bytes of every tensor alive on rank 0 after the last step less those before the
+engine was built, counted the same way for DeepSpeed. With `.bench-venv` present (`--peer-python`), DeepSpeed
+0.19.8 runs the same configs (bench/_precision_peer.py) in another pair of ranks; the ratios are to the fp32
+row of the same library and stage, and `vs DS` is Slipstream's step time over DeepSpeed's for the same row.
+
+`--loss-steps N` (slow: two single-process runs of examples/gpt/train.py at ZeRO-2) trains the example GPT for
+N steps in fp32 and with bf16 masters + bf16 optimizer states, and prints both final losses and their ratio
+(the target: within 2%).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
+import os
+import re
+import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from _two_ranks import make_mlp, run_two_ranks
+from _precision_rows import ROWS, time_row
+from _two_ranks import run_two_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
-ROWS = {
-    "fp32": {},
-    "bf16": {"bf16": {"enabled": True}},
-    "autocast": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
-    "bf16_masters": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
-}
-MICRO_BATCH = 16
 
 
 def model_state_bytes(engine: object) -> int:
@@ -47,52 +50,90 @@ def model_state_bytes(engine: object) -> int:
     return sum(owned.get(k, 0) for k in ("params", "master", "grads", "offloaded_params")) + states
 
 
-def run_row(row: str, stage: int, args: argparse.Namespace) -> dict[str, float]:
-    import slipstream
-
-    config = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": stage},
-        **ROWS[row],
-    }
-    engine, _, _, _ = slipstream.initialize(model=make_mlp(args.layers, args.width), config=config)
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    times = []
-    for step in range(args.steps + 2):
-        x = torch.randn(MICRO_BATCH, args.width, generator=gen)
-        started = time.perf_counter()
-        loss = engine(x).float().pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        if step >= 2:
-            times.append(time.perf_counter() - started)
-    result = {
-        "step_s": statistics.median(times),
-        "bytes": float(model_state_bytes(engine)),
-        "loss": float(loss.detach()),
-    }
-    engine.destroy()
-    dist.barrier()
-    return result
-
-
 def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Every row at every stage, one after the other, on this rank (bench/_two_ranks.py runs it on both)."""
-    return {f"{stage}:{row}": run_row(row, stage, args) for stage in args.stages for row in args.rows}
+    import slipstream
 
+    states: dict[str, float] = {}
 
-def report(results: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
-    print(f"precision: {args.layers} x Linear({args.width}, {args.width}), micro batch {MICRO_BATCH}, 2 ranks, gloo")
-    print(f"{'stage':>5} {'row':<14} {'step ms':>9} {'states MiB':>11} {'time/fp32':>10} {'bytes/fp32':>11}")
+    def initialize(**kwargs: object) -> tuple:
+        kwargs.pop("model_parameters")
+        engine, *rest = slipstream.initialize(**kwargs)  # type: ignore[arg-type]
+        states["bytes"] = float(model_state_bytes(engine))
+        return (engine, *rest)
+
+    results = {}
     for stage in args.stages:
-        base = results[f"{stage}:fp32"] if "fp32" in args.rows else None
         for row in args.rows:
-            r = results[f"{stage}:{row}"]
-            t = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
-            b = f"{r['bytes'] / base['bytes']:.2f}x" if base else "-"
-            print(f"{stage:>5} {row:<14} {r['step_s'] * 1e3:>9.1f} {r['bytes'] / 2**20:>11.2f} {t:>10} {b:>11}")
+            result = time_row(initialize, row, stage, layers=args.layers, width=args.width, steps=args.steps)
+            results[f"{stage}:{row}"] = {**result, "bytes": states["bytes"]}
+    return results
+
+
+def measure_peer(args: argparse.Namespace) -> dict[str, dict]:
+    """DeepSpeed's rows from the peer environment; {} when it is absent."""
+    if not Path(args.peer_python).exists():
+        print(f"(no DeepSpeed rows: {args.peer_python} not found)")
+        return {}
+    spec = {k: getattr(args, k) for k in ("layers", "width", "steps", "stages", "rows")}
+    done = subprocess.run(
+        [str(args.peer_python), str(ROOT / "bench" / "_precision_peer.py"), json.dumps(spec)],
+        capture_output=True, text=True, cwd=ROOT, timeout=3600,
+        env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "PYTHONPATH": ""},
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        print(f"(DeepSpeed rows failed: {done.stderr.strip().splitlines()[-1:] or done.returncode})")
+        return {}
+    return json.loads(lines[-1])
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.2f}"
+
+
+def report(ours: dict, peer: dict, args: argparse.Namespace) -> None:
+    print(f"precision: {args.layers} x Linear({args.width}, {args.width}), micro batch 16, 2 ranks, gloo")
+    print(f"{'stage':>5} {'library':<10} {'row':<13} {'step ms':>8} {'states MiB':>10} {'live MiB':>9} "
+          f"{'time/fp32':>9} {'live/fp32':>9} {'vs DS':>6}")
+    for stage in args.stages:
+        for name, results in (("slipstream", ours), ("deepspeed", peer)):
+            base = results.get(f"{stage}:fp32", {})
+            for row in args.rows:
+                r = results.get(f"{stage}:{row}")
+                if r is None:
+                    continue
+                if "error" in r:
+                    print(f"{stage:>5} {name:<10} {row:<13} refused: {r['error']}")
+                    continue
+                t = f"{r['step_s'] / base['step_s']:.2f}x" if "step_s" in base else "-"
+                b = f"{r['live'] / base['live']:.2f}x" if "live" in base else "-"
+                ds = peer.get(f"{stage}:{row}", {})
+                vs = f"{r['step_s'] / ds['step_s']:.2f}x" if name == "slipstream" and "step_s" in ds else ""
+                print(f"{stage:>5} {name:<10} {row:<13} {r['step_s'] * 1e3:>8.1f} {_mib(r.get('bytes')):>10} "
+                      f"{_mib(r['live']):>9} {t:>9} {b:>9} {vs:>6}")
+
+
+def final_loss(row: str, steps: int, workdir: Path) -> float:
+    """The final loss of `steps` steps of examples/gpt/train.py (one process, ZeRO-2) with `row`'s precision."""
+    config = json.loads((ROOT / "examples" / "gpt" / "ds_config_zero2.json").read_text())
+    config["scheduler"]["params"]["total_num_steps"] = steps
+    config.update(ROWS[row])
+    path = workdir / f"{row}.json"
+    path.write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "gpt" / "train.py"), "--deepspeed_config", str(path),
+         "--steps", str(steps), "--out_dir", str(workdir / row), "--sample_chars", "1"],
+        capture_output=True, text=True, cwd=ROOT, check=True,
+    )
+    return float(re.search(r"final loss ([0-9.]+)", done.stdout).group(1))  # type: ignore[union-attr]
+
+
+def loss_comparison(steps: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        fp32, low = (final_loss(row, steps, Path(tmp)) for row in ("fp32", "bf16_masters"))
+    print(f"examples/gpt, {steps} steps at ZeRO-2: final loss fp32 {fp32:.4f}, bf16 masters + states {low:.4f} "
+          f"({(low - fp32) / fp32:+.2%}; target within 2%)")
 
 
 def main() -> None:
@@ -103,6 +144,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--peer-python", type=Path, default=ROOT / ".bench-venv" / "bin" / "python")
+    parser.add_argument("--loss-steps", type=int, default=0, help="also compare final losses of examples/gpt")
     args = parser.parse_args()
     args.stages = [int(s) for s in args.stages.split(",")]
     args.rows = [r for r in args.rows.split(",") if r]
@@ -112,7 +155,10 @@ def main() -> None:
     if args.quick:
         args.layers, args.width, args.steps = 2, 128, 2
     sys.path.insert(0, str(ROOT))
-    report(run_two_ranks(measure, args), args)
+    ours = run_two_ranks(measure, args)
+    report(ours, measure_peer(args), args)
+    if args.loss_steps:
+        loss_comparison(args.loss_steps)
 
 
 if __name__ == "__main__":

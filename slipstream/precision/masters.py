@@ -75,7 +75,7 @@ class StochasticRounding(NearestRounding):
     chunks of `chunk_numel` elements through reused scratch rows, and the new values are rounded
     stochastically when stored, so an update smaller than half a bf16 step moves the masters in expectation
     instead of being lost; the moments are stored rounded to nearest, as without the option. Every rank draws
-    from one generator seeded alike, so replicated masters (stage 0) stay identical."""
+    from one generator seeded alike (each rank rounds its own shard)."""
 
     def __init__(self, *, seed: int = 0, chunk_numel: int = CHUNK_NUMEL) -> None:
         self.seed = seed
@@ -102,7 +102,7 @@ class StochasticRounding(NearestRounding):
             optimizer.state[piece]["step"].zero_()  # torch's Adam counts steps in a tensor
             piece.grad = grad
         state = optimizer.state[piece]
-        moments = {k: t for k, t in state.items() if isinstance(t, torch.Tensor) and t.numel() == piece.numel()}
+        moments = {k: t for k, t in state.items() if isinstance(t, torch.Tensor) and t.dim() > 0}  # not "step"
         step: torch.Tensor = state["step"]
         before = step.clone()
         scratch = self._rows(piece.device)

@@ -119,7 +119,7 @@ def _train_small_updates(rounding: bool, stage: int) -> tuple[torch.Tensor, torc
     return start, engine.module.weight.detach().float()
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_stochastic_rounding_keeps_updates_below_half_a_bf16_step(stage: int) -> None:
     start, nearest = _train_small_updates(False, stage)
     assert torch.equal(nearest, start)  # every update rounded away
