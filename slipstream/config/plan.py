@@ -435,5 +435,7 @@ class EnginePlan:
     """Tensor and sequence parallelism."""
     autotuning: AutotuningPlan
     schedules: SchedulesPlan
+    compression_training: dict[str, Any] | None
+    """The `compression_training` methods as given (compression/plan.py reads them; engine/compression_steps.py)."""
     resolved: dict[str, Any]
     """The full resolved config as plain JSON data, defaults and "auto" filled in (what rank 0 logs)."""

@@ -123,6 +123,7 @@ def resolve(
         compile=CompilePlan(deepcompile=cfg.compile.deepcompile),
         autotuning=autotuning_plan(cfg),
         schedules=schedules,
+        compression_training=None if cfg.compression_training is None else cfg.compression_training.methods(),
         collective_timeout=cfg.collective_timeout,
         parallel=parallel,
         hybrid_generate=cfg.hybrid_engine.enabled,

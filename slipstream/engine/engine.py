@@ -33,7 +33,7 @@ from slipstream.compat.engine_methods import DeepSpeedEngineMethods
 from slipstream.config import notices
 from slipstream.config.plan import EnginePlan
 from slipstream.data.forward_kwargs import ForwardSchedules
-from slipstream.engine import builders
+from slipstream.engine import builders, compression_steps
 from slipstream.engine.model_saving import ModelSaving
 from slipstream.engine.monitor import StepFigures, step_events
 from slipstream.engine.observe import CommsLog, step_observers, step_profiler
@@ -163,6 +163,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         comms = plan.logging.comms_log
         self._step_profiler = step_profiler(plan, self.module, rank=self.global_rank)
         self._forward_schedules = ForwardSchedules(plan.schedules)  # curriculum_seqlen, pld_theta (data/)
+        self.compression_scheduler = compression_steps.scheduler_for(plan, self.module)  # DeepSpeed's attribute
         self._autocast = builders.autocast_region(plan)  # the config's torch.autocast, if it has one
         self._comms_log = None if comms is None else CommsLog(comms, rank=self.global_rank)
         self._step_observers = step_observers(self._step_profiler, plan, self.module, rank=self.global_rank)
@@ -219,6 +220,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         if dtype != torch.float32:
             inputs, kwargs = builders.cast_floating((inputs, kwargs), dtype)
         kwargs = self._forward_schedules.add_to(kwargs, training=self.module.training, global_steps=self.global_steps)
+        compression_steps.before_forward(self.compression_scheduler, self.global_steps)
         with self._autocast.region():
             if self._step_profiler is None:
                 output = self.module(*inputs, **kwargs)
@@ -328,6 +330,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         limit = self.plan.precision.max_consecutive_skips
         if limit and self._consecutive_skips >= limit:
             raise RuntimeError(builders.skipped_steps_message(self._consecutive_skips, self.optimizer))
+        compression_steps.after_optimizer_step(self.compression_scheduler, applied=not result.overflow)
         if not result.overflow and self.lr_scheduler is not None:
             self.lr_scheduler.step(**lr_kwargs)
         self.global_steps += 1

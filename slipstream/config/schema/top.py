@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, aliased
+from slipstream.config.schema.compression import CompressionTrainingConfig
 from slipstream.config.schema.data import CurriculumLearningConfig, ProgressiveLayerDropConfig
 from slipstream.config.schema.inference import HybridEngineConfig
 from slipstream.config.schema.misc import (
@@ -190,8 +191,8 @@ class DeepSpeedConfig(DSModel):
     """Eigenvalue computation."""
     quantize_training: EnabledSection = Field(default_factory=EnabledSection)
     """Quantization-aware training (MoQ)."""
-    compression_training: FreeForm = None
-    """Compression library settings."""
+    compression_training: CompressionTrainingConfig | None = None
+    """Compression library settings (init_compression, the engine's compression scheduler)."""
     curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
     """Legacy curriculum learning."""
     data_efficiency: EnabledSection = Field(default_factory=EnabledSection)
