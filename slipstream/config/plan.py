@@ -407,6 +407,15 @@ class PipelinePlan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class HybridPlan:
+    """`hybrid_engine` (engine/weight_handoff.py): `generate` (enabled: LoRA fused for generate, the ZeRO-3 model
+    gathered once per call) and `pin_parameters` (False: at ZeRO-3 the hooks gather per layer, LoRA unfused)."""
+
+    generate: bool
+    pin_parameters: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EnginePlan:
     """Everything the engine needs, resolved from one DeepSpeed config."""
 
@@ -429,8 +438,8 @@ class EnginePlan:
     unimplemented: tuple[str, ...]
     """Dotted keys the user set that Slipstream accepts but does not implement yet (the engine warns once
     each)."""
-    hybrid_generate: bool
-    """`hybrid_engine.enabled`: `engine.generate()` gathers the ZeRO-3 model once per call (engine/weight_handoff.py)."""
+    hybrid: HybridPlan
+    """The `hybrid_engine` section (engine/weight_handoff.py)."""
     parallel: ParallelPlan
     """Tensor and sequence parallelism."""
     autotuning: AutotuningPlan

@@ -1,17 +1,21 @@
 """The engine's weight hand-off, mixed into the engine: `iter_full_weights()` (whole parameters a bucket at a
 time, zero/full_weights.py) and `generate()` (the hybrid engine's: at ZeRO-3 with `hybrid_engine.enabled` the
-whole model is gathered once per call, generated from with the model's own KV cache, and released after)."""
+whole model is gathered once per call, LoRA layers fused into it, generated from with the model's own KV cache,
+unfused and released after) with `fuse_lora_weight()` / `unfuse_lora_weight()` (inference/lora.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from slipstream.config.plan import EnginePlan
+from slipstream.inference.lora import fuse_lora, lora_layers, unfuse_lora
 from slipstream.zero.full_weights import DEFAULT_BUCKET_BYTES, iter_full_weights
-from slipstream.zero.gathered import unwrap_model_for_generation
+from slipstream.zero.gathered import GatheredParameters, unwrap_model_for_generation
+from slipstream.zero.stage3.sharded_param import internal_access
 from slipstream.zero.stage3.model import ZeroModel
 
 
@@ -29,15 +33,41 @@ class WeightHandOff:
         return iter_full_weights(self.module, self.zero_model, bucket_bytes=bucket_bytes)
 
     def generate(self, *inputs: object, **kwargs: object) -> object:
-        """The model's `generate`. With `hybrid_engine.enabled` at ZeRO-3 the units are gathered once for the whole
-        call (not per layer and token by the module hooks) and released when it returns; without it, or below
-        stage 3, the model's `generate` runs as it is."""
+        """The model's `generate`. With `hybrid_engine.enabled` the LoRA layers are fused for the call and unfused
+        after; at ZeRO-3 the units are also gathered once for the whole call (not per layer and token by the
+        module hooks) and released when it returns, unless `pin_parameters` is false (then the hooks gather
+        layer by layer and LoRA stays unfused). Without the hybrid engine the model's `generate` runs as it is."""
         generate = getattr(self.module, "generate", None)
         if not callable(generate):
             raise AttributeError(
                 f"engine.generate(): {type(self.module).__name__} has no generate(); call the engine for its forward"
             )
-        if not self.plan.hybrid_generate or self.zero_model is None:
+        if not self.plan.hybrid.generate or (self.zero_model is not None and not self.plan.hybrid.pin_parameters):
             return generate(*inputs, **kwargs)
-        with unwrap_model_for_generation(self.module):
-            return generate(*inputs, **kwargs)
+        gathered = unwrap_model_for_generation(self.module) if self.zero_model else contextlib.nullcontext()
+        layers = lora_layers(self.module)
+        with gathered:  # at ZeRO-3 the fuse works on the gathered copies, released (shards untouched) after
+            with internal_access():
+                fuse_lora(layers)
+            try:
+                return generate(*inputs, **kwargs)
+            finally:
+                with internal_access():
+                    unfuse_lora(layers)
+
+    def fuse_lora_weight(self) -> None:
+        """DeepSpeed's hybrid engine `fuse_lora_weight()`: every LoRA layer's `scaling * B @ A` added into its base
+        weight, its LoRA path off (inference/lora.py). At ZeRO-3 on the gathered weights, written back to the
+        shards (collective: every rank calls it)."""
+        self._lora_in_place(fuse_lora)
+
+    def unfuse_lora_weight(self) -> None:
+        """DeepSpeed's hybrid engine `unfuse_lora_weight()`: the LoRA deltas subtracted again (fp32 rounding)."""
+        self._lora_in_place(unfuse_lora)
+
+    def _lora_in_place(self, change: Callable[[list[nn.Module]], None]) -> None:
+        layers = lora_layers(self.module)
+        params = [p for layer in layers for p in layer.parameters()]
+        held = GatheredParameters(params, modifier_rank=0) if self.zero_model else contextlib.nullcontext()
+        with held, internal_access():
+            change(layers)

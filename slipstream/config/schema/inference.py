@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, field_validator
 
 from slipstream.config.schema.base import DSBool, DSInt, DSModel, aliased, plan_fields
 from slipstream.config.schema.precision import canonical_dtype
@@ -114,18 +114,30 @@ class HybridEngineConfig(DSModel):
     """`hybrid_engine` of the training config (RLHF): `engine.generate()` at ZeRO-3 gathers the model once per call
     and generates with the model's own generate (its KV cache), then releases it; training goes on unchanged."""
 
-    IMPLEMENTED = {"enabled": "hybrid_generate"}
+    IMPLEMENTED = {"enabled": "hybrid.generate", "pin_parameters": "hybrid.pin_parameters"}
     enabled: DSBool = False
     """Gather the whole model once per `engine.generate()` call (ZeRO-3)."""
     max_out_tokens: DSInt = Field(512, gt=0)
     """Workspace size of DeepSpeed's inference kernels."""
     inference_tp_size: DSInt = 1
-    """Tensor parallelism for generation only."""
+    """Tensor parallelism for generation only: 1 (more is refused, see the validator)."""
     release_inference_cache: DSBool = False
     """Free the kernels' workspace after each generate."""
     pin_parameters: DSBool = True
-    """Keep the gathered parameters in pinned memory."""
+    """Gather every layer once for the whole generate call (False: layer by layer, as the hooks do)."""
     tp_gather_partition_size: DSInt = 8
     """Layers gathered together with inference_tp_size > 1."""
     enable_cuda_graph: DSBool = False
     """Capture generation in CUDA graphs."""
+
+    @field_validator("inference_tp_size")
+    @classmethod
+    def _one_tp_group(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(
+                f"hybrid_engine.inference_tp_size={value}: generation split over tensor-parallel groups needs the "
+                "gathered layers re-split by AutoTP for every generate call, which Slipstream does not build; set "
+                "it to 1 (each rank gathers the whole model once per generate) or use init_inference's "
+                "tensor_parallel.tp_size for a separate inference model"
+            )
+        return value
