@@ -7,6 +7,7 @@ import re
 from torch import nn
 
 from slipstream.compression.clean import bake_and_shrink, replace_module
+from slipstream.compression.layer_reduction import initialize_student
 from slipstream.compression.layers import CompressedConv2d, CompressedLinear
 from slipstream.compression.plan import CompressionPlan, GroupPlan, resolve_compression
 from slipstream.config.load import load_config
@@ -74,9 +75,13 @@ def init_compression(
     """Replace the layers the config's groups name with CompressedLinear / CompressedConv2d (same parameters).
 
     `deepspeed_config` is a dict or a JSON path. Compression starts when compression_scheduler's steps
-    reach each method's schedule_offset. `teacher_model` (layer reduction) and `mpu` are not used.
+    reach each method's schedule_offset. With layer_reduction the student `model` first takes the chosen layers
+    of `teacher_model`. `mpu` is not used.
     """
-    _apply(_target(model), resolve_compression(load_config(deepspeed_config)))
+    plan = resolve_compression(load_config(deepspeed_config))
+    if plan.layer_reduction is not None:
+        initialize_student(_target(model), teacher_model, plan.layer_reduction)
+    _apply(_target(model), plan)
     return model
 
 

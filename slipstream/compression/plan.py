@@ -13,9 +13,18 @@ from typing import Any
 
 from slipstream.config.notices import notice
 
-__all__ = ["CompressionPlan", "GroupPlan", "PruningPlan", "QuantizationPlan", "StructuredPlan", "resolve_compression"]
+__all__ = [
+    "CompressionPlan",
+    "GroupPlan",
+    "LayerReductionPlan",
+    "PruningPlan",
+    "QuantizationPlan",
+    "StructuredPlan",
+    "resolve_compression",
+]
 
-_UNBUILT_METHODS = ("activation_quantization", "layer_reduction")
+_UNBUILT_METHODS = ("activation_quantization",)
+_REDUCTION_KEYS = {"enabled", "keep_number_layer", "module_name_prefix", "teacher_layer", "other_module_name"}
 STRUCTURED = ("row_pruning", "head_pruning", "channel_pruning")
 """The pruning methods that mask whole units (rows, heads, channels) and that redundancy_clean removes."""
 _STRUCTURED_METHODS = {"row_pruning": ("l1", "topk"), "head_pruning": ("topk",), "channel_pruning": ("l1", "topk")}
@@ -81,12 +90,24 @@ class StructuredPlan:
 
 
 @dataclass(frozen=True)
+class LayerReductionPlan:
+    """`layer_reduction`: the student's layers `<prefix>.0 .. <prefix>.k-1` start as the teacher's `teacher_layer`
+    (k = keep_number_layer of them); the modules named in `other_module_name` start as the teacher's too."""
+
+    keep_number_layer: int
+    module_name_prefix: str
+    teacher_layer: tuple[int, ...]
+    other_module_name: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class CompressionPlan:
     """The methods init_compression applies; None (or absent from `structured`) where the method is off."""
 
     quantization: QuantizationPlan | None
     pruning: PruningPlan | None
     structured: tuple[StructuredPlan, ...]
+    layer_reduction: LayerReductionPlan | None
 
 
 def _report(key: str, what: str) -> None:
@@ -244,6 +265,27 @@ def _check_ratio(method: str, group: GroupPlan) -> None:
         )
 
 
+def _layer_reduction(section: dict[str, Any]) -> LayerReductionPlan | None:
+    if not section.get("enabled", False):
+        return None
+    for key in sorted(set(section) - _REDUCTION_KEYS):
+        _report(f"layer_reduction.{key}", f"set to {section[key]!r}")
+    teacher, keep = section.get("teacher_layer"), section.get("keep_number_layer")
+    prefix, others = section.get("module_name_prefix"), section.get("other_module_name") or []
+    if not isinstance(teacher, list) or keep != len(teacher) or not isinstance(prefix, str) or not prefix:
+        raise ValueError(
+            f"compression_training.layer_reduction: keep_number_layer {keep!r}, teacher_layer {teacher!r}, "
+            f"module_name_prefix {prefix!r}; give the student's layer count, that many teacher layer indices "
+            'and the layers\' common prefix, e.g. 2, [1, 3], "encoder.layer"'
+        )
+    return LayerReductionPlan(
+        keep_number_layer=int(keep),
+        module_name_prefix=prefix,
+        teacher_layer=tuple(int(i) for i in teacher),
+        other_module_name=tuple(str(name) for name in others),
+    )
+
+
 def resolve_compression(config: dict[str, Any]) -> CompressionPlan:
     """The plan of a whole DeepSpeed config's `compression_training` section (absent: nothing compressed)."""
     section = dict(config.get("compression_training") or {})
@@ -251,11 +293,13 @@ def resolve_compression(config: dict[str, Any]) -> CompressionPlan:
         sub = section.get(method) or {}
         if sub.get("enabled", False) or (sub.get("shared_parameters") or {}).get("enabled", False):
             _report(method, "enabled")
-    for method in sorted(set(section) - set(_UNBUILT_METHODS) - {"weight_quantization", "sparse_pruning", *STRUCTURED}):
+    built = {"weight_quantization", "sparse_pruning", "layer_reduction", *STRUCTURED}
+    for method in sorted(set(section) - set(_UNBUILT_METHODS) - built):
         _report(method, "an unknown compression method")
     structured = (_structured(method, section.get(method) or {}) for method in STRUCTURED)
     return CompressionPlan(
         quantization=_quantization(section.get("weight_quantization") or {}),
         pruning=_pruning(section.get("sparse_pruning") or {}),
         structured=tuple(plan for plan in structured if plan is not None),
+        layer_reduction=_layer_reduction(section.get("layer_reduction") or {}),
     )

@@ -23,6 +23,7 @@ class CompressionTrainingConfig(OpenSection):
         "row_pruning": _PLAN,
         "head_pruning": _PLAN,
         "channel_pruning": _PLAN,
+        "layer_reduction": _PLAN,
     }
 
     weight_quantization: Method = None
@@ -38,7 +39,7 @@ class CompressionTrainingConfig(OpenSection):
     channel_pruning: Method = None
     """Output channels of Conv2d layers masked, then removed by redundancy_clean."""
     layer_reduction: Method = None
-    """A student with fewer layers initialised from a teacher's (not built)."""
+    """A student with fewer layers initialised from a teacher's chosen layers (init_compression's teacher_model)."""
 
     def methods(self) -> dict[str, Any]:
         """The methods the user set, as JSON data (what slipstream/compression/plan.py reads)."""

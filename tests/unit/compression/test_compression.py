@@ -159,8 +159,8 @@ def test_redundancy_clean_gives_plain_linears_with_the_same_output() -> None:
 
 def test_unbuilt_keys_are_reported_by_name() -> None:
     config = _config()
-    config["compression_training"]["layer_reduction"] = {"enabled": True, "keep_number_layer": 1}
-    with pytest.warns(UserWarning, match="compression_training.layer_reduction"):
+    config["compression_training"]["activation_quantization"] = {"shared_parameters": {"enabled": True}}
+    with pytest.warns(UserWarning, match="compression_training.activation_quantization"):
         init_compression(_Named(), config)
 
 
