@@ -60,15 +60,10 @@ def run(args: argparse.Namespace, config: str | None) -> int:
     try:
         dims = Dims(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab)
         shape = model_shape(params=args.params, model=args.model, hf_config=args.hf_config, dims=dims)
-        plan = estimate(
-            model=shape.module,
-            **{f.name: getattr(shape.dims, f.name) for f in dataclasses.fields(Dims)},
-            gpus_per_node=args.gpus_per_node,
-            nodes=args.nodes,
-            dtype=args.dtype,
-            ds_config=config,
-            options=None if config else [Option(stage=3 if args.gpus_per_node * args.nodes > 1 else 0)],
-        )
+        machine = {f.name: getattr(shape.dims, f.name) for f in dataclasses.fields(Dims)}
+        machine.update(gpus_per_node=args.gpus_per_node, nodes=args.nodes, dtype=args.dtype)
+        single = [Option(stage=3 if args.gpus_per_node * args.nodes > 1 else 0)]  # without a config
+        plan = estimate(model=shape.module, ds_config=config, options=None if config else single, **machine)
         states = plan.estimates[0]
         fixed = sum(states.device.values())
         budget = _budget(args)
