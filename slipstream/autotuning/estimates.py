@@ -11,6 +11,8 @@ the full one; a candidate with checkpointing on counts the share the planner's a
 (planner/activations.py: each layer's input plus one layer's activations, `1/layers + 1/17` of the full figure
 for a transformer whose layers and width the planner finds in the module). Where the planner finds no layers,
 checkpointed activations stay unknown (never counted against the budget, so never the reason for a skip).
+The answer also carries the model's profile (profile.py: FLOPs per sample, forward seconds per block, the step's
+seconds), from which the ranking estimates each candidate's throughput (throughput.py).
 """
 
 from __future__ import annotations
@@ -22,13 +24,22 @@ from pathlib import Path
 from torch import nn
 
 from slipstream.autotuning.files import write_json
+from slipstream.autotuning.profile import ModelProfile
 from slipstream.autotuning.space import Candidate
 from slipstream.planner.activations import transformer_activations
 from slipstream.planner.estimate import estimate_option, settings_from_config
 from slipstream.planner.shapes import from_module
 from slipstream.planner.types import OWNED_ROLES, Settings
 
-__all__ = ["Figures", "answer_request", "checkpointed_share", "device_is_host", "estimate_config", "read_answer"]
+__all__ = [
+    "Figures",
+    "answer_request",
+    "checkpointed_share",
+    "device_is_host",
+    "estimate_config",
+    "read_answer",
+    "read_profile",
+]
 
 
 def device_is_host() -> bool:
@@ -53,13 +64,13 @@ def estimate_config(
     """(device bytes, host bytes) per rank of the planner's model states for `config` on `module`: what
     `engine.optimizer.owned_bytes()` counts (within 5%, tests/dist/planner), split by where it lives. The
     planner's bounds on transient gradients and gathered units are left out, so no candidate is ever skipped
-    for a figure the planner only bounds from above."""
+    for a figure the planner only bounds from above; what an NVMe offload keeps in files is in neither."""
     settings, option, _micro = settings_from_config(config, world_size=world_size)
     result = estimate_option(
         from_module(module), option, settings=settings, world=world_size, gpus_per_node=gpus_per_node
     )
     device = sum(result.device.get(role, 0) for role in OWNED_ROLES)
-    return device, result.model_states - device
+    return device, result.model_states - device - result.nvme_per_rank  # NVMe's bytes are in files, not memory
 
 
 def checkpointed_share(module: nn.Module) -> float | None:
@@ -76,7 +87,13 @@ def checkpointed_share(module: nn.Module) -> float | None:
 
 
 def answer_request(
-    request_path: str, *, module: nn.Module, world_size: int, micro_batch: int, peak_memory: int
+    request_path: str,
+    *,
+    module: nn.Module,
+    world_size: int,
+    micro_batch: int,
+    peak_memory: int,
+    profile: ModelProfile | None = None,
 ) -> None:
     """Estimate every candidate of the request and write the answer file (see the module's docstring)."""
     request = json.loads(Path(request_path).read_text())
@@ -89,9 +106,15 @@ def answer_request(
     if not device_is_host() and peak_memory > 0:
         profiled = answer[request["profiled"]]["device"]
         per_sample = max(0, peak_memory - profiled) // max(micro_batch, 1)
+    shape = from_module(module)
     write_json(
         request["answer"],
-        {"candidates": answer, "activations_per_sample": per_sample, "checkpointed_share": checkpointed_share(module)},
+        {
+            "candidates": answer,
+            "activations_per_sample": per_sample,
+            "checkpointed_share": checkpointed_share(module),
+            "profile": None if profile is None else dataclasses.asdict(dataclasses.replace(profile, numel=shape.total)),
+        },
     )
 
 
@@ -116,3 +139,9 @@ def read_answer(path: Path, candidates: list[Candidate]) -> dict[str, Figures]:
         )
         for c in candidates
     }
+
+
+def read_profile(path: Path) -> ModelProfile | None:
+    """The model's profile in the answer file (None: the profile run took none)."""
+    found = json.loads(path.read_text()).get("profile")
+    return None if not isinstance(found, dict) else ModelProfile(**found)

@@ -11,7 +11,8 @@ together; elsewhere the device figure meets the device budget and the host figur
 host's memory.
 
 [Note: the throughput estimate]
-Candidates that fit are ranked by a relative estimate of samples per second, not a prediction of seconds:
+Candidates that fit are ranked by samples per second estimated from the model's profile (throughput.py, [Note:
+the profiled estimate]); where the profile run took no profile, by the fixed cost model here: a relative estimate of samples per second, not a prediction of seconds:
 a larger micro batch amortises the per-step overhead (`micro / (micro + OVERHEAD_SAMPLES)`), a higher ZeRO
 stage costs more communication, optimizer offload moves the optimizer step to the host, parameter offload fetches every parameter from it
 (`PARAM_OFFLOAD_COST`) and activation checkpointing
@@ -23,6 +24,7 @@ corrects it as they do, order.py).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from slipstream.autotuning.estimates import Figures
 from slipstream.autotuning.space import Candidate
@@ -60,6 +62,7 @@ def needed_bytes(figures: Figures, *, device_is_host: bool) -> int:
 
 
 def estimated_throughput(candidate: Candidate) -> float:
+    """The fixed cost model's relative throughput (see [Note: the throughput estimate])."""
     micro = candidate.micro_batch
     cost = STAGE_COST[candidate.stage] * (OFFLOAD_COST if candidate.offload_optimizer else 1.0)
     cost *= RECOMPUTE_COST if candidate.activation_checkpointing else 1.0
@@ -89,6 +92,7 @@ def rank(
     num_micro_batches: int,
     margin: float = DEFAULT_MARGIN,
     device_is_host: bool,
+    estimate: Callable[[Candidate], float] = estimated_throughput,
 ) -> list[Ranked]:
     """Every candidate with its verdict: the kept ones first, best estimate first (those predicted within the
     budget before those kept only by the margin), then the skipped. Per stage, offload, bucket size and checkpointing only the
@@ -107,7 +111,7 @@ def rank(
             Ranked(
                 candidate=candidate,
                 needed=needed,
-                estimate=estimated_throughput(candidate),
+                estimate=estimate(candidate),
                 skipped=skipped,
                 within_budget=within,
             )
@@ -118,11 +122,10 @@ def rank(
 
 def _keep_largest_micro_batches(judged: list[Ranked], count: int) -> list[Ranked]:
     """Mark all but the `count` largest kept micro batches of each stage / offload / bucket / checkpointing family as skipped."""
-    seen: dict[tuple[int, bool, bool, int | None, bool | None], int] = {}
+    seen: dict[Candidate, int] = {}
     out = []
     for item in sorted(judged, key=lambda r: -r.candidate.micro_batch):
-        c = item.candidate
-        family = (c.stage, c.offload_optimizer, c.offload_param, c.reduce_bucket_size, c.activation_checkpointing)
+        family = dataclasses.replace(item.candidate, micro_batch=0, grad_accum=0)  # every other dimension
         if not item.skipped:
             seen[family] = seen.get(family, 0) + 1
             if seen[family] > count:

@@ -1,8 +1,12 @@
-"""The search space: one `Candidate` per ZeRO stage x offload (none, the optimizer, at stage 3 also the optimizer
-and the parameters, to the CPU) x micro batch (x reduce bucket size when
-`autotuning.fast` is false; x activation checkpointing on/off when the config has an `activation_checkpointing`
-section), the gradient accumulation that keeps `train_batch_size` when the config fixes it, and the DeepSpeed
-config of each candidate (the user's config with the candidate's keys written over it).
+"""The search space: one `Candidate` per ZeRO stage x offload x micro batch (x reduce bucket size, and at stage 3
+prefetch bucket size and sub-group size, when `autotuning.fast` is false; x activation checkpointing on/off when
+the config has an `activation_checkpointing` section), the gradient accumulation that keeps `train_batch_size`
+when the config fixes it, and the DeepSpeed config of each candidate (the user's config with the candidate's keys
+written over it). The batch arithmetic counts data-parallel ranks: the world over `autotuning.mp_size`.
+
+Offloads: none, the optimizer to the CPU (stages 1-3); at stage 3 also the parameters alone, and the optimizer
+with the parameters, to the CPU; and when the user's config names an `nvme_path` (in `offload_optimizer` or
+`offload_param`), at stage 3 the optimizer, and the optimizer with the parameters, to NVMe at that path.
 
 [Note: how a job sees activation checkpointing]
 DeepSpeed has no on/off key: a model checkpoints by calling `deepspeed.checkpointing.checkpoint`, and the
@@ -23,6 +27,10 @@ from slipstream.config.plan import AutotuningPlan
 
 __all__ = [
     "BUCKET_SIZES",
+    "PREFETCH_SIZES",
+    "SUB_GROUP_SIZES",
+    "data_parallel",
+    "nvme_path",
     "Candidate",
     "candidate_config",
     "grid",
@@ -33,10 +41,16 @@ __all__ = [
 ]
 
 OFFLOADS = {0: ((False, False),), 1: ((False, False), (True, False)), 2: ((False, False), (True, False))}
-OFFLOADS[3] = (*OFFLOADS[2], (True, True))
+OFFLOADS[3] = (*OFFLOADS[2], (False, True), (True, True))
 """Per stage, the (optimizer, parameter) offloads to the CPU searched."""
+NVME_OFFLOADS = ((True, False), (True, True))
+"""The (optimizer, parameter) offloads to NVMe searched at stage 3 when the config names an nvme_path."""
 BUCKET_SIZES = (50_000_000, 500_000_000, 1_000_000_000)
 """Reduce bucket sizes tried when `autotuning.fast` is false (DeepSpeed's tuning space for stages 1-3)."""
+PREFETCH_SIZES = (50_000_000, 500_000_000)
+"""`stage3_prefetch_bucket_size` values tried at stage 3 when `autotuning.fast` is false."""
+SUB_GROUP_SIZES = (100_000_000, 1_000_000_000)
+"""`sub_group_size` values tried at stage 3 when `autotuning.fast` is false."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,13 +68,21 @@ class Candidate:
     activation_checkpointing: bool | None = None
     """True: the user's `activation_checkpointing` section is kept; False: it is dropped; None: not searched
     (the config has no such section)."""
+    offload_device: str = "cpu"
+    """Where the offloads that are on go: "cpu" or "nvme" (the user's nvme_path)."""
+    prefetch_bucket_size: int | None = None
+    """`stage3_prefetch_bucket_size` (None: the user's own)."""
+    sub_group_size: int | None = None
+    """`sub_group_size` (None: the user's own)."""
 
     @property
     def name(self) -> str:
-        bucket = "" if self.reduce_bucket_size is None else f"_rbs{self.reduce_bucket_size:.0e}".replace("+", "")
+        sizes = (("_rbs", self.reduce_bucket_size), ("_pf", self.prefetch_bucket_size), ("_sg", self.sub_group_size))
+        tail = "".join("" if v is None else f"{key}{v:.0e}".replace("+", "") for key, v in sizes)
         offload = ("_offload" if self.offload_optimizer else "") + ("_params" if self.offload_param else "")
+        offload += "_nvme" if offload and self.offload_device == "nvme" else ""
         checkpointing = {None: "", True: "_ac", False: "_noac"}[self.activation_checkpointing]
-        return f"z{self.stage}{offload}_mbs{self.micro_batch}_gas{self.grad_accum}{bucket}{checkpointing}"
+        return f"z{self.stage}{offload}_mbs{self.micro_batch}_gas{self.grad_accum}{tail}{checkpointing}"
 
 
 def micro_batch_sizes(plan: AutotuningPlan) -> list[int]:
@@ -92,6 +114,32 @@ def _accumulation(user: dict[str, object], micro: int, world: int, plan: Autotun
     return accum
 
 
+def _batch_allowed(micro: int, accum: int | None, world: int, plan: AutotuningPlan) -> bool:
+    """Whether a (micro batch, accumulation) pair exists and its global batch is at least `min_train_batch_size`."""
+    return accum is not None and micro * accum * world >= plan.min_train_batch_size
+
+
+def data_parallel(world: int, plan: AutotuningPlan) -> int:
+    """The data-parallel ranks of `world` ranks: the world over `autotuning.mp_size`."""
+    if world % plan.mp_size:
+        raise ValueError(
+            f"autotuning.mp_size={plan.mp_size} does not divide the {world} ranks of the launch; "
+            "set it to the model-parallel size the script uses (a divisor of the world)"
+        )
+    return world // plan.mp_size
+
+
+def nvme_path(user: dict[str, object]) -> str | None:
+    """The `nvme_path` the user's config names (offload_optimizer's first, then offload_param's), or None."""
+    zero = user.get("zero_optimization")
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key) if isinstance(zero, dict) else None
+        path = section.get("nvme_path") if isinstance(section, dict) else None
+        if isinstance(path, str) and path:
+            return path
+    return None
+
+
 def zero_stages(user: dict[str, object]) -> tuple[int, ...]:
     """The ZeRO stages to search, as DeepSpeed's tuner reads `zero_optimization.stage`: a stage searches that
     stage only, a list those stages, "all" (or no stage: here DeepSpeed would search stage 0 only) all four."""
@@ -108,23 +156,48 @@ def zero_stages(user: dict[str, object]) -> tuple[int, ...]:
     return tuple(sorted(set(stages)))
 
 
+def _offloads(stage: int, user: dict[str, object]) -> list[tuple[bool, bool, str]]:
+    """The (optimizer, parameters, device) offloads searched at `stage`."""
+    found = [(opt, par, "cpu") for opt, par in OFFLOADS[stage]]
+    if stage == 3 and nvme_path(user) is not None:
+        found += [(opt, par, "nvme") for opt, par in NVME_OFFLOADS]
+    return found
+
+
+def _sizes(plan: AutotuningPlan, stage: int) -> list[dict[str, int | None]]:
+    """The bucket and sub-group sizes searched at `stage` (only the user's own when `fast`)."""
+    if plan.fast:
+        return [{}]
+    stage3 = stage == 3
+    return [
+        {"reduce_bucket_size": bucket, "prefetch_bucket_size": prefetch, "sub_group_size": group}
+        for bucket in BUCKET_SIZES
+        for prefetch in (PREFETCH_SIZES if stage3 else (None,))
+        for group in (SUB_GROUP_SIZES if stage3 else (None,))
+    ]
+
+
 def grid(plan: AutotuningPlan, user: dict[str, object], *, world: int) -> list[Candidate]:
     """Every candidate of the space for `world` data-parallel ranks (stage 0 has no optimizer offload)."""
-    buckets: tuple[int | None, ...] = (None,) if plan.fast else BUCKET_SIZES
     checkpointing: tuple[bool | None, ...] = (False, True) if "activation_checkpointing" in user else (None,)
     found = []
     for stage in zero_stages(user):
-        for offload, params in OFFLOADS[stage]:
+        for offload, params, device in _offloads(stage, user):
             for micro in micro_batch_sizes(plan):
                 accum = _accumulation(user, micro, world, plan)
-                if accum is None:
+                if accum is None or not _batch_allowed(micro, accum, world, plan):
                     continue
                 base = Candidate(
-                    stage=stage, offload_optimizer=offload, offload_param=params, micro_batch=micro, grad_accum=accum
+                    stage=stage,
+                    offload_optimizer=offload,
+                    offload_param=params,
+                    offload_device=device,
+                    micro_batch=micro,
+                    grad_accum=accum,
                 )
                 found += [
-                    dataclasses.replace(base, reduce_bucket_size=bucket, activation_checkpointing=recompute)
-                    for bucket in buckets
+                    dataclasses.replace(base, activation_checkpointing=recompute, **sizes)  # type: ignore[arg-type]
+                    for sizes in _sizes(plan, stage)
                     for recompute in checkpointing
                 ]
     return found
@@ -148,14 +221,21 @@ def candidate_config(user: dict[str, object], candidate: Candidate, *, world: in
     zero = config.get("zero_optimization")
     zero = dict(zero) if isinstance(zero, dict) else {}
     zero["stage"] = candidate.stage
+    path = nvme_path(user)
     zero.pop("offload_optimizer", None)
     zero.pop("offload_param", None)
+    target = {"device": "nvme", "nvme_path": path} if candidate.offload_device == "nvme" else {"device": "cpu"}
     if candidate.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu"}
+        zero["offload_optimizer"] = dict(target)
     if candidate.offload_param:
-        zero["offload_param"] = {"device": "cpu"}
-    if candidate.reduce_bucket_size is not None:
-        zero["reduce_bucket_size"] = candidate.reduce_bucket_size
+        zero["offload_param"] = dict(target)
+    for key, value in (
+        ("reduce_bucket_size", candidate.reduce_bucket_size),
+        ("stage3_prefetch_bucket_size", candidate.prefetch_bucket_size),
+        ("sub_group_size", candidate.sub_group_size),
+    ):
+        if value is not None:
+            zero[key] = value
     config["zero_optimization"] = zero
     if candidate.activation_checkpointing is False:
         config.pop("activation_checkpointing", None)

@@ -8,8 +8,9 @@ one step to the end of another, the device synchronised at both ends), writes on
      "peak_memory": bytes}
 
 to `autotuning.metric_path` and exits with status 0 on every rank. The tuner's profile run instead sets
-`PROFILE_ENV` to a request file: after the first optimizer step the engine's own model is handed to the planner
-for every candidate of the request (estimates.py) and the run exits.
+`PROFILE_ENV` to a request file: it counts the FLOPs of the first optimizer step and times the second per block
+(profile.py), then the engine's own model is handed to the planner for every candidate of the request
+(estimates.py), the profile written beside the figures, and the run exits.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from slipstream.accelerator import get_accelerator
 from slipstream.autotuning.files import PROFILE_ENV, write_json
+from slipstream.autotuning.profile import ProfileTimer
 from slipstream.config.plan import EnginePlan
 
 __all__ = ["PROFILE_ENV", "TrialRecorder", "trial_recorder"]
@@ -35,6 +37,12 @@ class TrialRecorder:
         tuning = plan.autotuning
         self.start, self.end = tuning.start_profile_step, max(tuning.end_profile_step, tuning.start_profile_step + 1)
         self.started_at = self._now() if self.start == 0 else None
+        batch = plan.batch
+        self.timer = (
+            ProfileTimer(module, micro_batch=batch.micro_batch_size, grad_accum=batch.gradient_accumulation_steps)
+            if self.profile_request
+            else None
+        )
         get_accelerator().reset_max_memory_allocated()
 
     @staticmethod
@@ -44,9 +52,11 @@ class TrialRecorder:
 
     def step_ended(self, step: int) -> None:
         """After optimizer step `step` (1-based): start the clock, or write the figures and end the run."""
-        if self.profile_request:
-            self._answer_profile_request()
-            raise SystemExit(0)
+        if self.timer is not None:
+            if self.timer.step_ended(step):
+                self._answer_profile_request()
+                raise SystemExit(0)
+            return
         if step == self.start:
             self.started_at = self._now()
         if step < self.end or self.started_at is None:
@@ -78,6 +88,7 @@ class TrialRecorder:
                 world_size=self.plan.batch.world_size,
                 micro_batch=self.plan.batch.micro_batch_size,
                 peak_memory=int(get_accelerator().max_memory_allocated()),
+                profile=None if self.timer is None else self.timer.result,
             )
 
 

@@ -21,12 +21,14 @@ import json
 import shutil
 from pathlib import Path
 
-from slipstream.autotuning.estimates import device_is_host, read_answer
+from slipstream.autotuning.estimates import device_is_host, read_answer, read_profile
 from slipstream.autotuning.files import write_json
 from slipstream.autotuning.launches import Launches, Relaunch, Session, cause
 from slipstream.autotuning.order import make_order
-from slipstream.autotuning.select import DEFAULT_MARGIN, Ranked, rank
-from slipstream.autotuning.space import Candidate, candidate_config, grid, trial_config
+from slipstream.autotuning.profile import ModelProfile
+from slipstream.autotuning.select import DEFAULT_MARGIN, Ranked, estimated_throughput, rank
+from slipstream.autotuning.space import Candidate, candidate_config, data_parallel, grid, trial_config
+from slipstream.autotuning.throughput import ProfiledEstimate, default_links
 from slipstream.config.plan import AutotuningPlan
 
 __all__ = ["Job", "Outcome", "TrialResult", "better", "launch_argv", "launches_for", "run_trial", "script_argv", "tune"]
@@ -54,6 +56,11 @@ class Job:
     """The seed of `tuner_type: random`."""
     session: bool = True
     """Run the trials in one session where the world allows it (launches.py); False: one launch per run."""
+
+    @property
+    def data_parallel(self) -> int:
+        """The data-parallel ranks: the world over `autotuning.mp_size`."""
+        return data_parallel(self.world, self.plan)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,10 +123,12 @@ def _prepare_dirs(plan: AutotuningPlan) -> tuple[Path, Path]:
     return exps, results
 
 
-def _profile(job: Job, candidates: list[Candidate], exps: Path, launches: Launches) -> list[Ranked]:
-    """Phase 1 and 2: the profile run's estimates, then the verdicts. The profiled candidate is the one likely to
-    need least (smallest micro batch, highest stage, offload) with activation checkpointing off, so the activations
-    it measures are the full ones (estimates.py)."""
+def _profile(
+    job: Job, candidates: list[Candidate], exps: Path, launches: Launches
+) -> tuple[list[Ranked], ModelProfile | None]:
+    """Phase 1 and 2: the profile run's estimates and profile, then the verdicts. The profiled candidate is the
+    one likely to need least (smallest micro batch, highest stage, offload) with activation checkpointing off, so
+    the activations it measures are the full ones (estimates.py)."""
     folder = exps / "profile"
     folder.mkdir(parents=True, exist_ok=True)
     smallest = min(
@@ -132,7 +141,7 @@ def _profile(job: Job, candidates: list[Candidate], exps: Path, launches: Launch
             c.activation_checkpointing is True,
         ),
     )
-    configs = {c.name: candidate_config(job.user_config, c, world=job.world) for c in candidates}
+    configs = {c.name: candidate_config(job.user_config, c, world=job.data_parallel) for c in candidates}
     answer = folder / "estimates.json"
     request = {
         "candidates": configs,
@@ -147,7 +156,8 @@ def _profile(job: Job, candidates: list[Candidate], exps: Path, launches: Launch
     if not answer.exists():
         why = cause(ran, timeout_s=job.timeout_s, where=folder / "log.txt")
         raise RuntimeError(f"autotuning: the profile run ({' '.join(script)}) wrote no estimates: {why}")
-    return rank(
+    profile = read_profile(answer)
+    ranked = rank(
         candidates,
         read_answer(answer, candidates),
         budget=job.budget,
@@ -156,21 +166,43 @@ def _profile(job: Job, candidates: list[Candidate], exps: Path, launches: Launch
         num_micro_batches=job.plan.num_tuning_micro_batch_sizes,
         margin=job.margin,
         device_is_host=device_is_host(),
+        estimate=estimated_throughput if profile is None else _estimator(job, profile, smallest),
+    )
+    return ranked, profile
+
+
+def _estimator(job: Job, profile: ModelProfile, profiled: Candidate) -> ProfiledEstimate:
+    return ProfiledEstimate(
+        profile=profile,
+        profiled=profiled,
+        world=job.data_parallel,
+        ranks_per_node=job.ranks_per_node,
+        links=default_links(device_is_host()),
     )
 
 
-def run_trial(job: Job, ranked: Ranked, folder: Path, launches: Launches) -> TrialResult:
+def with_flops(job: Job, metrics: dict[str, float], profile: ModelProfile | None) -> dict[str, float]:
+    """`metrics` with `flops`: the model's FLOPs per second per rank (the profile's FLOPs per sample of one
+    rank's model times the samples per second of one data-parallel replica); unchanged without a count."""
+    if profile is None or profile.flops_per_sample is None:
+        return metrics
+    return {**metrics, "flops": float(metrics["throughput"]) * profile.flops_per_sample / job.data_parallel}
+
+
+def run_trial(
+    job: Job, ranked: Ranked, folder: Path, launches: Launches, profile: ModelProfile | None = None
+) -> TrialResult:
     """One trial of `ranked` with its files in `folder`: its metrics, or why it gave none."""
     folder.mkdir(parents=True, exist_ok=True)
     metrics_path = (folder / "metrics.json").resolve()
     metrics_path.unlink(missing_ok=True)
     config = trial_config(
-        job.user_config, ranked.candidate, world=job.world, plan=job.plan, metric_path=str(metrics_path)
+        job.user_config, ranked.candidate, world=job.data_parallel, plan=job.plan, metric_path=str(metrics_path)
     )
     write_json(folder / "ds_config.json", config)
     ran = launches.run(script_argv(job, (folder / "ds_config.json").resolve(), config), profile="", folder=folder)
     if ran.code == 0 and metrics_path.exists():
-        metrics = json.loads(metrics_path.read_text())
+        metrics = with_flops(job, json.loads(metrics_path.read_text()), profile)
         return TrialResult(ranked=ranked, metrics=metrics, error="", seconds=ran.seconds)
     error = cause(ran, timeout_s=job.timeout_s, where=folder / "log.txt")
     return TrialResult(ranked=ranked, metrics=None, error=error, seconds=ran.seconds)
@@ -184,7 +216,7 @@ def better(metric: str, new: dict[str, float], old: dict[str, float] | None) -> 
 
 
 def _trials(
-    job: Job, kept: list[Ranked], exps: Path, launches: Launches
+    job: Job, kept: list[Ranked], exps: Path, launches: Launches, profile: ModelProfile | None
 ) -> tuple[list[TrialResult], TrialResult | None]:
     """Phase 3: the trials in the order of `tuner_type`, up to the trial limit and early stopping."""
     order = make_order(job.plan.tuner_type, kept, seed=job.seed)
@@ -195,7 +227,7 @@ def _trials(
         item = order.next()
         if item is None:
             break
-        result = run_trial(job, item, exps / item.candidate.name, launches)
+        result = run_trial(job, item, exps / item.candidate.name, launches, profile)
         trials.append(result)
         order.observe(item, None if result.metrics is None else float(result.metrics["throughput"]))
         if result.metrics is not None and better(job.plan.metric, result.metrics, best.metrics if best else None):
@@ -209,11 +241,11 @@ def _trials(
 
 def tune(job: Job) -> Outcome:
     """Run the three phases (see the module's docstring) and return what they found."""
-    if job.plan.metric not in ("throughput", "latency"):
-        raise ValueError(f"autotuning.metric={job.plan.metric!r} is not implemented; use throughput or latency")
+    if job.plan.metric not in ("throughput", "latency", "flops"):
+        raise ValueError(f"autotuning.metric={job.plan.metric!r} is not one of throughput, latency, flops")
     make_order(job.plan.tuner_type, [], seed=job.seed)  # an unknown tuner_type fails before any launch
     exps, _results = _prepare_dirs(job.plan)
-    candidates = grid(job.plan, job.user_config, world=job.world)
+    candidates = grid(job.plan, job.user_config, world=job.data_parallel)
     if not candidates:
         raise ValueError(
             "autotuning: no micro batch size between min_train_micro_batch_size_per_gpu and "
@@ -221,12 +253,17 @@ def tune(job: Job) -> Outcome:
         )
     launches = launches_for(job, exps)
     try:
-        ranked = _profile(job, candidates, exps, launches)
-        trials, best = _trials(job, [r for r in ranked if not r.skipped], exps, launches)
+        ranked, profile = _profile(job, candidates, exps, launches)
+        if job.plan.metric == "flops" and (profile is None or profile.flops_per_sample is None):
+            raise ValueError(
+                "autotuning.metric=flops: the profile run counted no FLOPs (no matmul-class op in the model's "
+                "step); use metric throughput"
+            )
+        trials, best = _trials(job, [r for r in ranked if not r.skipped], exps, launches, profile)
     finally:
         launches.close()
     if best is None:
         return Outcome(ranked=ranked, trials=trials, best=None, best_config=None, command=None)
-    config = candidate_config(job.user_config, best.ranked.candidate, world=job.world)
+    config = candidate_config(job.user_config, best.ranked.candidate, world=job.data_parallel)
     command = launch_argv(job, Path(job.plan.results_dir).resolve() / "ds_config_optimal.json", config)
     return Outcome(ranked=ranked, trials=trials, best=best, best_config=config, command=command)

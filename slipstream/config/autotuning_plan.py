@@ -25,6 +25,8 @@ class AutotuningPlan:
     fast: bool
     """True: the reduce bucket size is left as configured (not a dimension of the search)."""
     max_train_batch_size: int | None
+    min_train_batch_size: int
+    """Smallest global batch (micro x accumulation x data-parallel ranks) a candidate may have."""
     min_micro_batch_size: int
     max_micro_batch_size: int
     num_tuning_micro_batch_sizes: int
@@ -33,3 +35,6 @@ class AutotuningPlan:
     tuner_type: str
     """"gridsearch", "random" or "model_based" (slipstream/autotuning/order.py)."""
     arg_mappings: dict[str, str]
+    mp_size: int
+    """Model-parallel ranks per data-parallel replica: the tuner's batch arithmetic and the planner's figures use
+    `world / mp_size` data-parallel ranks."""

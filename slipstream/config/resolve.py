@@ -107,8 +107,6 @@ def resolve(
     if optimizer is not None and optimizer.name.lower() in DEEPSPEED_ONLY:
         unimplemented.append(f"optimizer.type={optimizer.name}")
     unimplemented += unhonoured_at_stage(cfg.zero_optimization)
-    if cfg.autotuning.metric == "flops":  # the tuner ranks by throughput or latency only
-        unimplemented.append("autotuning.metric=flops")
     return EnginePlan(
         batch=batch,
         precision=precision,

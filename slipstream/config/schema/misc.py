@@ -219,6 +219,8 @@ class AutotuningConfig(OpenSection):
         "tuner_num_trials": "autotuning.tuner_num_trials",
         "tuner_type": "autotuning.tuner_type",
         "arg_mappings": "autotuning.arg_mappings",
+        "min_train_batch_size": "autotuning.min_train_batch_size",
+        "mp_size": "autotuning.mp_size",
     }
 
     enabled: DSBool = False
@@ -233,7 +235,7 @@ class AutotuningConfig(OpenSection):
     overwrite: DSBool = True
     """Overwrite earlier results."""
     metric: Literal["throughput", "latency", "flops"] = "throughput"
-    """What the best trial maximises (throughput) or minimises (latency)."""
+    """What the best trial maximises (throughput, flops) or minimises (latency)."""
     metric_path: str | None = None
     """Metrics file of a profiled run (default ./autotuning_metric.json)."""
     start_profile_step: DSInt = Field(3, ge=0)
@@ -248,7 +250,7 @@ class AutotuningConfig(OpenSection):
     """Most experiments."""
     max_train_batch_size: DSInt | None = None
     """Largest global batch a trial may use."""
-    min_train_batch_size: DSInt = 1
+    min_train_batch_size: DSInt = Field(1, ge=1)
     """Smallest global batch a trial may use."""
     min_train_micro_batch_size_per_gpu: DSInt = Field(1, ge=1)
     """Smallest micro batch tried."""
@@ -256,8 +258,8 @@ class AutotuningConfig(OpenSection):
     """Largest micro batch tried."""
     num_tuning_micro_batch_sizes: DSInt = Field(3, ge=1)
     """Micro batch sizes tried per ZeRO configuration."""
-    mp_size: DSInt = 1
-    """Model-parallel degree."""
+    mp_size: DSInt = Field(1, ge=1)
+    """Model-parallel degree (the data-parallel ranks are the world over it)."""
     arg_mappings: dict[str, str] | None = None
     """Config key -> the training script's argument that carries its value (`{"train_micro_batch_size_per_gpu":
     "--per_device_train_batch_size"}`)."""

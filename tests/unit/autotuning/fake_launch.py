@@ -1,6 +1,7 @@
 """A stand-in for `python -m slipstream.launcher.runner script.py --deepspeed_config PATH` in the tuner's tests: no
 torch, no ranks. The profile request is answered with `device = 1000 x micro batch` bytes per candidate; a trial
-of ZeRO stage S behaves as FAKE_TRIALS (JSON: stage -> "fail" | "oom" | "hang" | a throughput) says."""
+of ZeRO stage S behaves as FAKE_TRIALS (JSON: stage -> "fail" | "oom" | "hang" | a throughput) says; FAKE_PROFILE
+(JSON) is the model's profile in the answer."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ def main() -> None:
             name: {"device": 1000 * c["train_micro_batch_size_per_gpu"], "host": 0}
             for name, c in request["candidates"].items()
         }
-        Path(request["answer"]).write_text(json.dumps({"candidates": answer, "activations_per_sample": None}))
+        profile = json.loads(os.environ.get("FAKE_PROFILE", "null"))
+        written = {"candidates": answer, "activations_per_sample": None, "profile": profile}
+        Path(request["answer"]).write_text(json.dumps(written))
         return
     behaviour = json.loads(os.environ["FAKE_TRIALS"])[str(config["zero_optimization"]["stage"])]
     if behaviour == "fail":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -11,7 +12,17 @@ import pytest
 
 from slipstream.autotuning import command
 from slipstream.autotuning.launches import Ran, cause
-from slipstream.autotuning.space import BUCKET_SIZES, candidate_config, grid, micro_batch_sizes, trial_config
+from slipstream.autotuning.space import (
+    BUCKET_SIZES,
+    PREFETCH_SIZES,
+    SUB_GROUP_SIZES,
+    candidate_config,
+    data_parallel,
+    grid,
+    micro_batch_sizes,
+    trial_config,
+    tunable_config,
+)
 from slipstream.autotuning.tuner import better
 from slipstream.config import resolve
 from slipstream.launcher import runner
@@ -150,7 +161,12 @@ def test_stage_3_also_offloads_the_parameters() -> None:
     user = {**BASE, "train_batch_size": 4, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
     plan = _plan(user, world=1, min_train_micro_batch_size_per_gpu=4, max_train_micro_batch_size_per_gpu=4)
     found = {c.name: c for c in grid(plan, user, world=1)}
-    assert sorted(found) == ["z3_mbs4_gas1", "z3_offload_mbs4_gas1", "z3_offload_params_mbs4_gas1"]
+    assert sorted(found) == [
+        "z3_mbs4_gas1",
+        "z3_offload_mbs4_gas1",
+        "z3_offload_params_mbs4_gas1",
+        "z3_params_mbs4_gas1",
+    ]
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     figures = {}
     for name, candidate in found.items():
@@ -162,3 +178,62 @@ def test_stage_3_also_offloads_the_parameters() -> None:
         figures[name] = estimate_config(config, module=model, world_size=1, gpus_per_node=1)
     # the parameters leave the device for the host
     assert figures["z3_offload_params_mbs4_gas1"][0] < figures["z3_offload_mbs4_gas1"][0]
+    # the parameters alone offloaded: a config of its own, and the planner's device figure drops below stage 3's
+    assert "offload_optimizer" not in candidate_config(user, found["z3_params_mbs4_gas1"], world=1)["zero_optimization"]
+    assert figures["z3_params_mbs4_gas1"][0] < figures["z3_mbs4_gas1"][0]
+
+
+def test_mp_size_divides_the_world_into_data_parallel_ranks_and_min_train_batch_size_drops_small_batches() -> None:
+    user = {**BASE, "zero_optimization": {"stage": 0}, "train_micro_batch_size_per_gpu": 1}
+    plan = _plan(user, world=4, mp_size=2, max_train_micro_batch_size_per_gpu=8, min_train_batch_size=8)
+    assert data_parallel(4, plan) == 2
+    found = grid(plan, user, world=data_parallel(4, plan))
+    assert [c.micro_batch for c in found] == [4, 8]  # micro 1 and 2 on 2 data-parallel ranks stay under 8
+    config = candidate_config(user, found[0], world=2)
+    assert config["train_batch_size"] == 8  # 4 x 1 x the 2 data-parallel ranks, not the 4 ranks
+    with pytest.raises(ValueError, match="autotuning.mp_size=3 does not divide the 4 ranks"):
+        data_parallel(4, _plan(user, world=4, mp_size=3))
+
+
+def test_nvme_offload_is_searched_at_stage_3_only_when_the_config_names_a_path() -> None:
+    from torch import nn
+
+    from slipstream.autotuning.estimates import estimate_config
+
+    zero = {"stage": 3, "sub_group_size": 1000, "offload_optimizer": {"device": "cpu", "nvme_path": "/local_nvme"}}
+    user = {**BASE, "train_batch_size": 4, "zero_optimization": zero}
+    plan = _plan(user, world=1, min_train_micro_batch_size_per_gpu=4, max_train_micro_batch_size_per_gpu=4)
+    found = {c.name: c for c in grid(plan, user, world=1)}
+    assert {n for n in found if "_nvme" in n} == {"z3_offload_nvme_mbs4_gas1", "z3_offload_params_nvme_mbs4_gas1"}
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    host = {}
+    for name in ("z3_offload_mbs4_gas1", "z3_offload_nvme_mbs4_gas1", "z3_offload_params_nvme_mbs4_gas1"):
+        config = candidate_config(user, found[name], world=1)
+        stage3 = resolve(config, world_size=1).zero.stage3
+        assert stage3 is not None
+        if "nvme" in name:
+            assert config["zero_optimization"]["offload_optimizer"] == {"device": "nvme", "nvme_path": "/local_nvme"}
+        host[name] = estimate_config(config, module=model, world_size=1, gpus_per_node=1)[1]
+    # the planner moves the optimizer's masters and states from the host to NVMe
+    assert host["z3_offload_nvme_mbs4_gas1"] < host["z3_offload_mbs4_gas1"]
+    without = {**user, "zero_optimization": {"stage": 3}}
+    assert not [c for c in grid(plan, without, world=1) if c.offload_device == "nvme"]
+
+
+def test_without_fast_stage_3_also_searches_the_prefetch_bucket_and_the_sub_group_size() -> None:
+    user = {**BASE, "train_batch_size": 4, "zero_optimization": {"stage": [2, 3]}}
+    plan = _plan(tunable_config(user), world=1, fast=False, min_train_micro_batch_size_per_gpu=4)
+    plan = dataclasses.replace(plan, max_micro_batch_size=4)
+    found = grid(plan, user, world=1)
+    stage2 = [c for c in found if c.stage == 2]
+    assert {(c.prefetch_bucket_size, c.sub_group_size) for c in stage2} == {(None, None)}
+    plain3 = [c for c in found if c.stage == 3 and not c.offload_optimizer and not c.offload_param]
+    assert {(c.reduce_bucket_size, c.prefetch_bucket_size, c.sub_group_size) for c in plain3} == {
+        (r, p, s) for r in BUCKET_SIZES for p in PREFETCH_SIZES for s in SUB_GROUP_SIZES
+    }
+    config = candidate_config(user, plain3[0], world=1)
+    stage3 = resolve(config, world_size=1).zero.stage3
+    assert stage3 is not None and stage3.prefetch_numel == plain3[0].prefetch_bucket_size
+    assert config["zero_optimization"]["sub_group_size"] == plain3[0].sub_group_size
+    fast = grid(_plan(tunable_config(user), world=1, max_train_micro_batch_size_per_gpu=4), user, world=1)
+    assert {(c.prefetch_bucket_size, c.sub_group_size) for c in fast} == {(None, None)}

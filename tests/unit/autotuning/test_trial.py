@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import slipstream
-from slipstream.autotuning.estimates import estimate_config, read_answer
+from slipstream.autotuning.estimates import estimate_config, read_answer, read_profile
 from slipstream.autotuning.trial import PROFILE_ENV
 from tests.harness.models import TinyMLP
 
@@ -60,10 +60,27 @@ def test_the_profile_request_gets_the_planners_figures(tmp_path: Path, monkeypat
     request = {"candidates": {"plain": CONFIG, "offload": other}, "profiled": "plain", "answer": str(answer)}
     (tmp_path / "request.json").write_text(json.dumps(request))
     monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "request.json"))
-    assert _train_until_exit(CONFIG) == 1
+    assert _train_until_exit(CONFIG) == 2  # step 1 counted, step 2 timed
     figures = read_answer(answer, [_Named("plain"), _Named("offload")])  # type: ignore[list-item]
     for name, config in request["candidates"].items():
         device, host = estimate_config(config, module=TinyMLP(), world_size=1, gpus_per_node=1)
         assert (figures[name].device, figures[name].host) == (device, host)
     assert figures["offload"].host > 0 and figures["plain"].host == 0
     assert figures["plain"].activations is None  # the CPU's RSS says nothing of activations
+    _check_profile(answer)
+
+
+def _check_profile(answer: Path) -> None:
+    """The profile: the flops profiler's FLOPs per sample of TinyMLP's step, and the forward timed per layer."""
+    profile = read_profile(answer)
+    assert profile is not None
+    sizes = [(layer.in_features, layer.out_features) for layer in TinyMLP().layers]
+    forward = sum(2 * a * b for a, b in sizes)
+    # the backward: each weight's gradient (a forward's FLOPs) and the inputs' gradients past the first layer
+    backward = forward + sum(2 * a * b for a, b in sizes[1:])
+    assert profile.flops_per_sample == forward + backward
+    assert set(profile.block_forward_s) == {"layers.0", "layers.1", "layers.2", "(rest)"}
+    assert all(seconds >= 0 for seconds in profile.block_forward_s.values())
+    assert profile.block_forward_s["layers.0"] > 0 and profile.step_s > profile.forward_s
+    assert (profile.micro_batch, profile.grad_accum) == (4, 1)
+    assert profile.numel == sum(p.numel() for p in TinyMLP().parameters()) and profile.param_bytes == 4

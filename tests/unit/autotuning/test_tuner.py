@@ -81,3 +81,35 @@ def test_earlier_results_are_kept_unless_overwrite(tmp_path: Path) -> None:
     (tmp_path / "exps" / "old").write_text("")
     with pytest.raises(ValueError, match="autotuning.exps_dir=.*overwrite is false"):
         tune(_job(tmp_path, budget=10**9, trials=1, overwrite=False))
+
+
+def test_the_profile_ranks_the_candidates_and_gives_the_flops_metric(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slipstream.autotuning.profile import ModelProfile
+    from slipstream.autotuning.throughput import CPU_LINKS, ProfiledEstimate
+
+    profile = {
+        "micro_batch": 1,
+        "grad_accum": 8,
+        "block_forward_s": {"layers.0": 0.002, "(rest)": 0.001},
+        "step_s": 0.5,
+        "flops_per_sample": 1000.0,
+        "numel": 1000,
+        "param_bytes": 4,
+    }
+    monkeypatch.setenv("FAKE_PROFILE", json.dumps(profile))
+    monkeypatch.setenv("FAKE_TRIALS", json.dumps({"0": 4.0, "1": 5.0, "2": 3.0, "3": 2.0}))
+    outcome = tune(_job(tmp_path, budget=10**9, trials=9, metric="flops", num_tuning_micro_batch_sizes=1))
+    assert outcome.best is not None and outcome.best.ranked.candidate.stage == 1
+    assert outcome.best.metrics == {"throughput": 5.0, "latency": 0.2, "flops": 5.0 * 1000.0}  # one rank
+    # the estimates are the profile's samples per second (throughput.py), not the fixed model's relative figure
+    profiled = json.loads((tmp_path / "exps" / "profile" / "request.json").read_text())["profiled"]
+    by_name = {r.candidate.name: r.candidate for r in outcome.ranked}
+    estimate = ProfiledEstimate(
+        profile=ModelProfile(**profile), profiled=by_name[profiled], world=1, ranks_per_node=1, links=CPU_LINKS
+    )
+    assert [r.estimate for r in outcome.ranked] == [estimate(r.candidate) for r in outcome.ranked]
+    monkeypatch.setenv("FAKE_PROFILE", json.dumps({**profile, "flops_per_sample": None}))
+    with pytest.raises(ValueError, match="metric=flops: the profile run counted no FLOPs"):
+        tune(_job(tmp_path / "again", budget=10**9, trials=9, metric="flops"))
