@@ -220,7 +220,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         if dtype != torch.float32:
             inputs, kwargs = builders.cast_floating((inputs, kwargs), dtype)
         kwargs = self._forward_schedules.add_to(kwargs, training=self.module.training, global_steps=self.global_steps)
-        compression_steps.before_forward(self.compression_scheduler, self.global_steps)
+        compression_steps.before_forward(self.compression_scheduler, self.global_steps, self.skipped_steps)
         with self._autocast.region():
             if self._step_profiler is None:
                 output = self.module(*inputs, **kwargs)

@@ -69,3 +69,50 @@ def test_engine_turns_row_pruning_on_at_the_offset(
 def test_without_init_compression_the_engine_has_no_scheduler() -> None:
     engine, *_ = slipstream.initialize(model=nn.Linear(4, 2), config=_config(0, fp16=False))
     assert engine.compression_scheduler is None
+
+
+def _two_method_config(offset: int) -> dict[str, object]:
+    config = _config(offset, fp16=False)
+    config["compression_training"]["weight_quantization"] = {  # type: ignore[index]
+        "shared_parameters": {"enabled": True, "schedule_offset": 0},
+        "different_groups": {
+            "wq": {"params": {"start_bits": 8, "target_bits": 5, "quantization_period": 1}, "modules": ["fc2"]}
+        },
+    }
+    return config
+
+
+def _engine(seed: int, config: dict[str, object]) -> slipstream.DeepSpeedEngine:
+    torch.manual_seed(seed)
+    model = nn.Sequential()
+    model.add_module("fc1", nn.Linear(4, 6))
+    model.add_module("act", nn.ReLU())
+    model.add_module("fc2", nn.Linear(6, 2))
+    engine, *_ = slipstream.initialize(model=init_compression(model, config), config=config)
+    return engine
+
+
+def _train(engine: slipstream.DeepSpeedEngine, steps: int, seen: list[tuple[bool, int]]) -> None:
+    for _ in range(steps):
+        module = engine.module
+        loss = engine(torch.randn(2, 4) + 3.0).pow(2).mean()
+        seen.append((module.fc1.row_pruning.enabled, module.fc2.schedule.bits))
+        engine.backward(loss)
+        engine.step()
+
+
+def test_a_resumed_run_continues_the_schedules_where_the_checkpoint_left_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = _two_method_config(offset=3)
+    straight: list[tuple[bool, int]] = []
+    _train(_engine(0, config), 5, straight)
+    # row pruning on after 3 applied steps; 8 bits, one less after 1, 2 and 4 steps (the period doubles)
+    assert straight == [(False, 8), (False, 7), (False, 6), (True, 6), (True, 5)]
+    first: list[tuple[bool, int]] = []
+    engine = _engine(0, config)
+    _train(engine, 2, first)
+    engine.save_checkpoint(str(tmp_path))
+    resumed = _engine(1, config)  # another initialisation: the l1 mask comes from the checkpoint
+    resumed.load_checkpoint(str(tmp_path))
+    assert torch.equal(resumed.module.fc1.row_pruning.fixed, engine.module.fc1.row_pruning.fixed)
+    _train(resumed, 3, first)
+    assert first == straight
