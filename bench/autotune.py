@@ -4,7 +4,8 @@ DeepSpeed's autotuner on the same script and config.
     python bench/autotune.py [--quick] [--num-gpus 2] [--peer-python .bench-venv/bin/python] [--no-deepspeed]
 
 The script is bench/_autotune_job.py (the example GPT, 4 layers x 256, seq 64, fp32 AdamW), at 2 ranks. The
-space: ZeRO 0-3, optimizer offload (none/CPU), micro batch 4, 8 and 16 (--quick: 8 and 16); trials time steps
+space: ZeRO 0-3, optimizer offload (none/CPU), at stage 3 also the parameters offloaded (alone and with the
+optimizer), micro batch 4, 8 and 16 (--quick: 8 and 16); trials time steps
 4..8. The memory cap (`--autotuning_memory`) is set from the planner's figures of every candidate so that about
 half of the space cannot fit; both runs get it.
     tuner        `slipstream run --autotuning tune` as shipped (profile run, pruning, at most 3 trials)
@@ -145,6 +146,7 @@ def _slipstream(folder: Path, *, quick: bool, exhaustive: bool, num_gpus: int, c
     zero = best["zero_optimization"]
     chosen = (
         f"z{zero['stage']}{'_offload' if 'offload_optimizer' in zero else ''}"
+        f"{'_params' if 'offload_param' in zero else ''}"
         f"_mbs{best['train_micro_batch_size_per_gpu']}_gas{best['gradient_accumulation_steps']}"
     )
     return wall, _trials(folder), chosen

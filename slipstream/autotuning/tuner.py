@@ -1,10 +1,11 @@
 """The tuner: a profile run, the planner's verdict on every candidate, then a few short trials.
 
 Phases (`tune`):
-  1. Profile: the training script runs one optimizer step under the smallest candidate, with `PROFILE_ENV`
-     pointing at a request; its engine estimates every candidate on the real model (estimates.py).
+  1. Profile: the training script runs two optimizer steps under the smallest candidate, with `PROFILE_ENV`
+     pointing at a request; its engine counts and times the model (profile.py) and estimates every candidate on
+     the real model (estimates.py).
   2. Prune and rank (select.py): candidates that cannot fit the memory budget are skipped with the reason, the
-     rest are ordered by the throughput estimate.
+     rest are ordered by the throughput estimate from the profile (throughput.py).
   3. Trials: the kept candidates run in the order of `tuner_type` (order.py), each with its own config
      (`autotuning.enabled`: the engine times steps start_profile_step+1 .. end_profile_step, writes the metrics
      file and ends the run). A trial that fails (out of memory, an error, a timeout) is recorded with its cause
