@@ -41,6 +41,8 @@ PUBLIC_API: dict[str, tuple[str, ...]] = {
         "ZeroParamStatus",
         "ShardedParameterError",
         "set_z3_leaf_modules",
+        "broadcast_full_weights",
+        "receive_full_weights",
     ),
     "slipstream.accelerator": ("get_accelerator", "set_accelerator", "is_current_accelerator_supported"),
     "slipstream.comm": (

@@ -1,7 +1,8 @@
 """ZeRO: partition math, flat buffers, stages 0-3, loss scaling; DeepSpeed's `deepspeed.zero` surface.
 
 `slipstream.zero.Init`, `GatheredParameters`, `ZeroParamStatus`, `set_z3_leaf_modules`,
-`unwrap_model_for_generation` and `register_external_parameter` load on first access (importing this
+`unwrap_model_for_generation`, `register_external_parameter` and the weight hand-off to a generator process
+(`broadcast_full_weights`, `receive_full_weights`) load on first access (importing this
 package stays cheap).
 """
 
@@ -18,6 +19,8 @@ _EXPORTS = {
     "ZeroParamStatus": "slipstream.zero.stage3.sharded_param",
     "ShardedParameterError": "slipstream.zero.stage3.sharded_param",
     "set_z3_leaf_modules": "slipstream.zero.stage3.leaves",
+    "broadcast_full_weights": "slipstream.zero.weight_broadcast",
+    "receive_full_weights": "slipstream.zero.weight_broadcast",
 }
 
 __all__ = list(_EXPORTS)
