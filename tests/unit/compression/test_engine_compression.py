@@ -49,6 +49,8 @@ def _pruned_rows_seen(offset: int, *, fp16: bool, overflow_at: int | None, steps
         engine.backward(loss)
         engine.step()
         assert engine.was_step_applied() is (step != overflow_at)
+        applied = step - (overflow_at is not None and step >= overflow_at)
+        assert engine.compression_scheduler.training_steps == applied  # stepped right after the optimizer
     return seen
 
 
