@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -74,6 +75,17 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
             found = self._scratch[id(p)] = torch.empty_like(p, dtype=math_dtype(p))
         return found
 
+    def advance_moments(self, p: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
+        """`p`'s state with its step count advanced by one: `step`, `exp_avg`, `exp_avg_sq` (zeros in `dtype`, made
+        on first use)."""
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
+        state["step"] += 1
+        return state
+
     def adam_direction(
         self,
         p: torch.Tensor,
@@ -86,12 +98,7 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
     ) -> torch.Tensor:
         """Adam's moments of `p` (state `step`, `exp_avg`, `exp_avg_sq`, made on first use) updated with `grad`,
         and m_hat / (sqrt(v_hat) + eps) (`eps_inside_sqrt`: m_hat / sqrt(v_hat + eps)) in `p`'s scratch buffer."""
-        state = self.state[p]
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, dtype=grad.dtype)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=grad.dtype)
-        state["step"] += 1
+        state = self.advance_moments(p, grad.dtype)
         step, (beta1, beta2) = int(state["step"]), betas
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.lerp_(grad, 1.0 - beta1)

@@ -9,10 +9,13 @@ For each parameter w with gradient g, at step t:
 The moments in u are not bias-corrected: the correction is a factor of the step size, outside the trust ratio,
 as in the kernel. The norms are of the whole parameter. Under ZeRO a parameter is cut across ranks and
 pieces, so a step is:
-    Phase 1: moments and u for every piece this rank owns (elementwise), u kept in a reused scratch buffer;
-    Phase 2: per parameter, the sums of squares of w and of u over its parts here, then ONE all-reduce of the
-             (parameters x 2) vector over the data-parallel group ([Note: whole-tensor map]);
-    Phase 3: each parameter's ratio applied to its parts.
+    Phase 1: per param group, one `cpu_lamb.lamb_moments` call: moments and u for every piece this rank owns,
+             u kept in a reused scratch buffer, with the sums of squares of w and of u over each part of a
+             parameter in the same sweep ([Note: cpu_lamb passes] in ops/csrc/lamb/cpu_lamb.cpp);
+    Phase 2: the parts' sums added per parameter, then ONE all-reduce of the (parameters x 2) vector over the
+             data-parallel group ([Note: whole-tensor map]);
+    Phase 3: per param group, one `cpu_lamb.lamb_apply` call: each part moved by its step size times its
+             parameter's ratio.
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from slipstream.ops.fallback import cpu_lamb as fallback_lamb
 from slipstream.optim.arguments import AdamFamily, bind, takes
-from slipstream.optim.common import WholeTensorOptimizer, apply_update, closure_loss, math_dtype
+from slipstream.optim.common import WholeTensorOptimizer, closure_loss, math_dtype
+from slipstream.zero.whole_tensors import WholeTensorMap
 
 __all__ = ["FusedLamb", "LambArguments", "trust_ratios"]
 
@@ -66,15 +72,33 @@ class LambArguments(AdamFamily):
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """One param group's pieces stepped in one op call: their updates (scratch buffers), the parts of them that
+    belong to parameters (`segments`: int64 rows (piece number, start, end); `rows`: each one's parameter), this
+    rank's sums of w^2 and u^2 per segment, and the op (native or fallback) that computed them."""
+
+    group: dict[str, Any]
+    pieces: list[Tensor]
+    updates: list[Tensor]
+    segments: Tensor
+    rows: list[int]
+    sums: Tensor
+    op: ModuleType
+
+
 class FusedLamb(WholeTensorOptimizer):
     """LAMB with DeepSpeed FusedLamb's arguments (LambArguments); the trust ratio uses each parameter's
-    whole-tensor norms."""
+    whole-tensor norms. The passes over memory are the `cpu_lamb` op's ([Note: cpu_lamb passes]); fp32 CPU
+    tensors go to its native build when there is one, the rest to its PyTorch fallback."""
 
     @takes(LambArguments)
     def __init__(self, params: Params, *args: object, **kwargs: object) -> None:
         super().__init__(params, bind(LambArguments, args, kwargs).group_defaults())
         self.lamb_coeffs: list[float] = []
         """Each parameter's trust ratio in the last step, by parameter number (DeepSpeed's `get_lamb_coeffs`)."""
+        self._op: ModuleType | None = None
+        """The loaded `cpu_lamb` op (native or fallback), on first use; tests may pin one."""
 
     def get_lamb_coeffs(self) -> list[float]:
         return list(self.lamb_coeffs)
@@ -83,13 +107,11 @@ class FusedLamb(WholeTensorOptimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure_loss(closure)
         whole = self.whole_tensors()
-        stepped: list[tuple[dict[str, Any], Tensor, Tensor]] = []
-        for group in self.param_groups:  # phase 1
-            for p in group["params"]:
-                update = self._update(group, p)
-                if update is not None:
-                    stepped.append((group, p, update))
-        norms = whole.sum_squares((p, [p, u]) for _, p, u in stepped).sqrt()  # phase 2
+        found = (self._moments(group, whole) for group in self.param_groups)  # phase 1
+        batches = [b for b in found if b is not None]
+        rows = [row for b in batches for row in b.rows]
+        local = torch.cat([b.sums for b in batches]) if batches else torch.zeros(0, 2, dtype=torch.float64)
+        norms = whole.total_sums(rows, local).sqrt()  # phase 2: ONE all-reduce
         limits = torch.tensor(
             [[self.param_groups[g]["min_coeff"], self.param_groups[g]["max_coeff"]] for g in whole.group_of],
             dtype=torch.float64,
@@ -97,32 +119,54 @@ class FusedLamb(WholeTensorOptimizer):
         ).reshape(-1, 2)
         ratios = trust_ratios(norms, limits[:, 0], limits[:, 1]).tolist()
         self.lamb_coeffs = ratios
-        for group, p, u in stepped:  # phase 3
-            flat_p, flat_u = p.view(-1), u.view(-1)  # a ZeRO piece is flat already; a plain parameter is not
-            step_size = group["lr"] * _bias_correction(group, int(self.state[p]["step"]))
-            for part in whole.parts(p):
-                end = part.offset + part.numel
-                apply_update(flat_p[part.offset : end], flat_u[part.offset : end], lr=step_size * ratios[part.tensor])
+        for b in batches:  # phase 3
+            steps = [b.group["lr"] * _bias_correction(b.group, int(self.state[p]["step"])) for p in b.pieces]
+            pieces = b.segments[:, 0].tolist()
+            scales = [steps[piece] * ratios[row] for piece, row in zip(pieces, b.rows, strict=True)]
+            b.op.lamb_apply(b.pieces, b.updates, b.segments, torch.tensor(scales, dtype=torch.float64))
         return loss
 
-    def _update(self, group: dict[str, Any], p: Tensor) -> Tensor | None:
-        """Phase 1 for one tensor: its moments, and u (weight decay included) in its scratch buffer."""
-        if p.grad is None:
+    def _moments(self, group: dict[str, Any], whole: WholeTensorMap) -> _Batch | None:
+        """Phase 1 for one param group: moments, updates u (weight decay included) and their parts' sums."""
+        pieces = [p for p in group["params"] if p.grad is not None]
+        if not pieces:
             return None
-        if p.grad.is_sparse:
+        if any(p.grad.is_sparse for p in pieces):
             raise RuntimeError("Lamb does not support sparse gradients")
-        dtype = math_dtype(p)
-        update = self.adam_direction(  # moments not bias-corrected: see _bias_correction
-            p,
-            p.grad.to(dtype),
-            betas=group["betas"],
-            eps=group["eps"],
-            bias_correction=False,
-            eps_inside_sqrt=group["eps_inside_sqrt"],
+        states = [self.advance_moments(p, math_dtype(p)) for p in pieces]
+        segments, rows = [], []
+        for number, p in enumerate(pieces):
+            for part in whole.parts(p):
+                segments.append((number, part.offset, part.offset + part.numel))
+                rows.append(part.tensor)
+        updates = [self.scratch(p) for p in pieces]
+        grads = [p.grad for p in pieces]
+        op = self._op_for([*pieces, *grads])
+        table = torch.tensor(segments, dtype=torch.int64).reshape(-1, 3)
+        beta1, beta2 = group["betas"]
+        sums = op.lamb_moments(
+            pieces,
+            grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            updates,
+            table,
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            group["eps_inside_sqrt"],
         )
-        if group["weight_decay"]:
-            update.add_(p.to(dtype), alpha=group["weight_decay"])
-        return update
+        return _Batch(group, pieces, updates, table, rows, sums, op)
+
+    def _op_for(self, tensors: list[Tensor]) -> ModuleType:
+        """The native op for contiguous fp32 CPU tensors when it built, else the PyTorch fallback."""
+        if self._op is None:
+            from slipstream.ops.op_builder import CPULambBuilder
+
+            self._op = CPULambBuilder().load()
+        native = all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        return self._op if native else fallback_lamb
 
 
 def _bias_correction(group: dict[str, Any], step: int) -> float:

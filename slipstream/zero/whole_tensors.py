@@ -94,11 +94,15 @@ class WholeTensorMap:
                 rows.append(part.tensor)
                 segments = [t.reshape(-1)[part.offset : part.offset + part.numel] for t in tensors]
                 columns.append([_norm(x).double().square() for x in segments])
-        width = len(columns[0]) if columns else 1
-        sums = torch.zeros(len(self.shapes), width, dtype=torch.float64, device=self.comm_device)
-        if columns:
-            local = torch.stack([torch.stack(c) for c in columns]).to(sums.device)
-            sums.index_add_(0, torch.tensor(rows, device=sums.device), local)
+        local = torch.stack([torch.stack(c) for c in columns]) if columns else torch.zeros(0, 1, dtype=torch.float64)
+        return self.total_sums(rows, local)
+
+    def total_sums(self, rows: Sequence[int], local: torch.Tensor) -> torch.Tensor:
+        """(parameters x columns) float64: row k of `local` (this rank's sums over one part) added into parameter
+        `rows[k]`, summed over the ranks (one all-reduce)."""
+        sums = torch.zeros(len(self.shapes), local.shape[1], dtype=torch.float64, device=self.comm_device)
+        if len(rows):
+            sums.index_add_(0, torch.tensor(rows, device=sums.device), local.to(sums.device, torch.float64))
         if self.sharded:
             collectives.all_reduce(sums, group=self.process_group)
         return sums

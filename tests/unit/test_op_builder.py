@@ -82,10 +82,11 @@ def test_forced_fallback_loads_without_warning(monkeypatch: pytest.MonkeyPatch, 
 
 
 def test_registry_and_unknown_name() -> None:
-    assert set(ALL_OPS) == {"cpu_adam", "async_io"}
+    assert set(ALL_OPS) == {"cpu_adam", "cpu_lamb", "async_io"}
     assert get_builder("cpu_adam").BUILD_VAR == "DS_BUILD_CPU_ADAM"
+    assert get_builder("cpu_lamb").BUILD_VAR == "DS_BUILD_CPU_LAMB"
     assert get_builder("async_io").BUILD_VAR == "DS_BUILD_AIO"
-    with pytest.raises(ValueError, match="unknown op 'cpu_adamw'; known ops: async_io, cpu_adam"):
+    with pytest.raises(ValueError, match="unknown op 'cpu_adamw'; known ops: async_io, cpu_adam, cpu_lamb"):
         get_builder("cpu_adamw")
 
 

@@ -18,7 +18,7 @@ def test_json_report_has_every_op_and_the_versions(capsys: pytest.CaptureFixture
     import torch
 
     rows = {row["name"]: row for row in data["ops"]}
-    assert set(rows) == {"cpu_adam", "async_io"}
+    assert set(rows) == {"cpu_adam", "cpu_lamb", "async_io"}
     assert rows["async_io"]["build_var"] == "DS_BUILD_AIO"
     assert rows["cpu_adam"]["build_var"] == "DS_BUILD_CPU_ADAM"
     assert isinstance(rows["cpu_adam"]["installed"], bool)

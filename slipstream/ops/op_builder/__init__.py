@@ -10,6 +10,7 @@ from slipstream.ops.op_builder.all_ops import ALL_OPS, get_builder
 from slipstream.ops.op_builder.async_io import AsyncIOBuilder
 from slipstream.ops.op_builder.builder import Compatibility, CPUOpBuilder, LoadedOp, OpBuilder, ops_policy
 from slipstream.ops.op_builder.cpu_adam import CPUAdamBuilder
+from slipstream.ops.op_builder.cpu_lamb import CPULambBuilder
 from slipstream.ops.op_builder.cuda_builder import CUDAOpBuilder
 from slipstream.ops.op_builder.deepspeed_names import *  # noqa: F403 (DeepSpeed's other builder names)
 from slipstream.ops.op_builder.deepspeed_names import BUILDERS as _DEEPSPEED_BUILDERS
@@ -19,6 +20,7 @@ __all__ = [
     "ALL_OPS",
     "AsyncIOBuilder",
     "CPUAdamBuilder",
+    "CPULambBuilder",
     "CPUOpBuilder",
     "CUDAOpBuilder",
     "Compatibility",

@@ -5,8 +5,9 @@ from __future__ import annotations
 from slipstream.ops.op_builder.async_io import AsyncIOBuilder
 from slipstream.ops.op_builder.builder import OpBuilder
 from slipstream.ops.op_builder.cpu_adam import CPUAdamBuilder
+from slipstream.ops.op_builder.cpu_lamb import CPULambBuilder
 
-_BUILDER_CLASSES: tuple[type[OpBuilder], ...] = (CPUAdamBuilder, AsyncIOBuilder)
+_BUILDER_CLASSES: tuple[type[OpBuilder], ...] = (CPUAdamBuilder, CPULambBuilder, AsyncIOBuilder)
 
 ALL_OPS: dict[str, OpBuilder] = {cls.NAME: cls() for cls in _BUILDER_CLASSES}
 
