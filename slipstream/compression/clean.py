@@ -47,8 +47,9 @@ def _param(tensor: torch.Tensor) -> nn.Parameter:
 
 def _shrink_outputs(module: nn.Module, method: str, keep: torch.Tensor, heads: int) -> None:
     """Remove the pruned rows / channels of `module`'s output, or the pruned heads of its input (head pruning)."""
-    if method == "head_pruning":
-        assert isinstance(module, nn.Linear)
+    if not isinstance(module, (nn.Linear, nn.Conv2d)):  # baked from a compressed layer: always one of these
+        raise TypeError(f"redundancy_clean: a pruned layer became a {type(module).__name__}")
+    if method == "head_pruning" and isinstance(module, nn.Linear):
         module.weight = _param(module.weight.view(module.out_features, heads, -1)[:, keep].flatten(1))
         module.in_features = module.weight.shape[1]
         return
@@ -76,7 +77,8 @@ def _shrink_reader(module: nn.Module, name: str, method: str, keep: torch.Tensor
         module.in_channels = module.weight.shape[1]
     elif method != "head_pruning" and isinstance(module, nn.BatchNorm2d):
         module.weight, module.bias = _param(module.weight[keep]), _param(module.bias[keep])
-        module.running_mean, module.running_var = module.running_mean[keep], module.running_var[keep]
+        if module.running_mean is not None and module.running_var is not None:
+            module.running_mean, module.running_var = module.running_mean[keep], module.running_var[keep]
         module.num_features = int(keep.sum())
     else:
         raise TypeError(

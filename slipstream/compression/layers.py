@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -125,10 +126,13 @@ class CompressedLinear(nn.Linear):
         return _baked(plain, self.compressed_weight(), self.compressed_bias())
 
 
-def _baked(plain: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+Plain = TypeVar("Plain", nn.Linear, nn.Conv2d)
+
+
+def _baked(plain: Plain, weight: torch.Tensor, bias: torch.Tensor | None) -> Plain:
     with torch.no_grad():
         plain.weight.copy_(weight)
-        if bias is not None:
+        if bias is not None and plain.bias is not None:
             plain.bias.copy_(bias)
     return plain
 

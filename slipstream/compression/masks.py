@@ -66,8 +66,10 @@ class StructuredMask(nn.Module):
         """The current mask, one value per unit (flat)."""
         if self.scores is not None:
             return _TopK.apply(self.scores, self.dense_ratio).reshape(-1)
-        assert self.fixed is not None  # l1 always has its mask
-        return self.fixed
+        fixed = self.fixed
+        if not isinstance(fixed, torch.Tensor):  # l1 registers its mask when built
+            raise RuntimeError(f"{self.method} pruning mask has no fixed mask and no scores")
+        return fixed
 
     def kept(self) -> torch.Tensor:
         """The units kept, as a boolean index (what redundancy_clean slices with)."""
