@@ -203,6 +203,10 @@ COMPOSITES: dict[str, dict[str, str]] = {
     # Muon: DeepSpeed's package is empty, the class is in muon_optimizer
     "slipstream.runtime.zero.muon": {},
     "slipstream.runtime.zero.muon.muon_optimizer": {"MuonWithAuxAdam": "slipstream.optim.muon:MuonWithAuxAdam"},
+    "slipstream.runtime.zero.muon.original_muon": {
+        "muon_update": "slipstream.optim.muon:muon_update",
+        "MuonWithAuxAdam": "slipstream.optim.muon:MuonWithAuxAdam",
+    },
     # DeepSpeed features Slipstream does not have: importable, NotBuiltError when used (compat/unbuilt.py)
     "slipstream.autotuning": {"Autotuner": f"{_NB}:Autotuner"},
     "slipstream.launcher.launch": {"main": f"{_NB}:launch_main"},

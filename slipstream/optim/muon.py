@@ -29,7 +29,7 @@ from slipstream.config.optimizers import is_muon_matrix
 from slipstream.optim.common import WholeTensorOptimizer, apply_update, closure_loss, grad_of
 from slipstream.zero.whole_tensors import WholeTensorMap
 
-__all__ = ["MuonWithAuxAdam", "build_muon", "newton_schulz", "tag_muon_params"]
+__all__ = ["MuonWithAuxAdam", "build_muon", "muon_update", "newton_schulz", "tag_muon_params"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_METHODS = ("gram", "standard")
@@ -63,6 +63,31 @@ def newton_schulz(update: Tensor, steps: int) -> Tensor:
     if tall:
         x = x.mT
     return x.mul_(math.sqrt(rows / cols) if rows > cols else 1.0).reshape(update.shape)
+
+
+def muon_update(
+    grad: Tensor,
+    momentum: Tensor,
+    beta: float = 0.95,
+    ns_steps: int = 5,
+    nesterov: bool = True,
+    ns_method: str = "gram",
+    is_expert_group: bool = False,
+) -> Tensor:
+    """One Muon update of a whole matrix, with DeepSpeed's `original_muon.muon_update` signature: `momentum`
+    becomes lerp(momentum, grad, 1 - beta) in place; u = lerp(grad, momentum, beta) (Nesterov, written into
+    `grad` as DeepSpeed does) or momentum; returns NS5(u) scaled as `newton_schulz` does, in `grad`'s dtype.
+    An expert group's 3-D gradient is one matrix per expert; a 4-D (convolution) one is viewed as (out, rest)."""
+    if ns_method not in NS_METHODS:
+        raise ValueError(f"muon_update: ns_method={ns_method!r} is not one of {NS_METHODS}")
+    momentum.lerp_(grad, 1.0 - beta)
+    update = grad.lerp_(momentum, beta) if nesterov else momentum
+    if is_expert_group:
+        out = torch.stack([newton_schulz(matrix, ns_steps) for matrix in update])
+    else:
+        out = newton_schulz(update, ns_steps)
+        out = out.reshape(len(update), -1) if update.dim() == 4 else out
+    return out.to(grad.dtype)
 
 
 def tag_muon_params(module: nn.Module) -> None:
