@@ -105,8 +105,11 @@ def scalar_state(optimizer: WrapsOptimizer) -> list[dict[str, Any]]:
 
 
 def hyperparameters(optimizer: WrapsOptimizer) -> list[dict[str, Any]]:
+    """Each param group's values but its parameters and the tensors an optimizer keeps itself among its rank
+    tensors (its `tensor_group_keys`, such as the 1-bit optimizers' `exp_avg_mask`)."""
+    own: tuple[str, ...] = getattr(optimizer.optimizer, "tensor_group_keys", ())
     return [
-        {k: to_json(v, f"param group {k!r}") for k, v in group.items() if k != "params"}
+        {k: to_json(v, f"param group {k!r}") for k, v in group.items() if k != "params" and k not in own}
         for group in optimizer.optimizer.param_groups
     ]
 

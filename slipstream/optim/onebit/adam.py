@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from slipstream.optim.arguments import bind, takes
-from slipstream.optim.common import WholeTensorOptimizer, closure_loss
+from slipstream.optim.common import closure_loss
 from slipstream.optim.onebit.base import OneBitArguments, OneBitBase, Params, adam_update
 
 __all__ = ["OneBitAdam"]
@@ -43,18 +43,22 @@ class OneBitAdamArguments(OneBitArguments):
         return out
 
 
-class OneBitAdam(OneBitBase, WholeTensorOptimizer):
+class OneBitAdam(OneBitBase):
     """1-bit Adam; `deepspeed` (DeepSpeed's engine argument) is accepted and unused: the engine asks the optimizer
     instead (`takes_over_reduction`). `bias_correction`, `eps_inside_sqrt` and `max_grad_norm` are accepted as in
     DeepSpeed, whose 1-bit Adam does not use them either. The other arguments: OneBitAdamArguments."""
 
     zero_stages = (0, 1)
-    runs_on_host = False  # the whole-tensor map only finds a piece's padding; offload is not built for it
 
     @takes(OneBitAdamArguments)
     def __init__(self, params: Params, deepspeed: object = None, *args: object, **kwargs: object) -> None:
         super().__init__(params, bind(OneBitAdamArguments, args, kwargs))
         self._gaps: dict[Tensor, Tensor] = {}
+
+    @property
+    def adam_freeze_key(self) -> bool:
+        """DeepSpeed's flag that the warm-up is over: True once `freeze_step` steps are done (also after a load)."""
+        return self.next_step_is_local()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -70,9 +74,11 @@ class OneBitAdam(OneBitBase, WholeTensorOptimizer):
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 exp_avg.mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
                 if compressed and not self.compresses_gradients():
-                    self.compressed_mean(p, exp_avg)
+                    self.compressed_mean(p, exp_avg)  # masked there ([Note: exp_avg_mask] in base.py)
                     self._zero_padding(p, exp_avg)
-                elif not compressed:
+                elif compressed:  # ZeRO 1: the ZeRO optimizer compressed the gradient
+                    self.apply_exp_avg_mask(p, exp_avg)
+                else:
                     exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
                 p.sub_(adam_update(p, exp_avg, exp_avg_sq, group, self.work_buffer(p)), alpha=group["lr"])
         return loss

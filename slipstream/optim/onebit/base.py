@@ -1,9 +1,24 @@
 """What the 1-bit optimizers share: DeepSpeed's communication arguments, the process group the ZeRO-0 optimizer
-names, one `OneBitAllReduce` (and so one pair of error buffers) per parameter, and the Adam update."""
+names, one `OneBitAllReduce` (and so one pair of error buffers) per parameter, the momentum mask and the Adam
+update.
+
+[Note: exp_avg_mask]
+A param group may hold an `exp_avg_mask`, as in DeepSpeed: a tensor with one entry per element of the group's
+parameters (flattened and concatenated in the group's order; a one-parameter group may give it in the
+parameter's shape). 1-bit compression cannot send an exact zero, so momentum that should stay zero (embedding rows
+a shorter sequence never uses) would collect compression error; every compressed mean of a parameter's values
+(1-bit Adam's and LAMB's momentum, 0/1 Adam's gradient and accumulated update) is multiplied by the mask, as
+DeepSpeed multiplies its compressed buffers. ZeRO hands the optimizer pieces, so the group's mask is cut into one
+per piece through the whole-tensor map (built once per mask tensor; padding keeps 1). Checkpoints keep each
+group's mask among the rank's tensors ('group<g>.exp_avg_mask'), and loading keeps the live group's mask, or its
+absence, as DeepSpeed's load_state_dict does: the mask belongs to the training script's stage (BERT's 128- and
+512-token phases use different ones).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -13,12 +28,14 @@ from torch import Tensor
 
 from slipstream.comm.compressed import OneBitAllReduce, Scratch, padded_numel
 from slipstream.optim.arguments import AdamFamily
+from slipstream.optim.common import WholeTensorOptimizer
 from slipstream.utils.logging import get_logger
 
-__all__ = ["OneBitArguments", "OneBitBase", "Params", "adam_update"]
+__all__ = ["MASK_KEY", "OneBitArguments", "OneBitBase", "Params", "adam_update"]
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]]
 COMM_BACKENDS = ("nccl", "gloo", "mpi")
+MASK_KEY = "exp_avg_mask"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,9 +68,14 @@ def adam_update(p: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, group: dict[str,
     return update
 
 
-class OneBitBase(torch.optim.Optimizer):
-    """The arguments and the compressed all-reduce common to OneBitAdam, ZeroOneAdam and OneBitLamb."""
+class OneBitBase(WholeTensorOptimizer):
+    """The arguments, the compressed all-reduce and the momentum mask common to OneBitAdam, ZeroOneAdam and
+    OneBitLamb."""
 
+    runs_on_host = False  # the whole-tensor map serves the mask and LAMB's norms; offload is not built for them
+    tensor_group_keys: ClassVar[tuple[str, ...]] = (MASK_KEY,)
+    """Param-group entries that are tensors: engine checkpoints keep them among this rank's tensors (`rank_tensors`),
+    not with the JSON hyperparameters."""
     zero_stages: ClassVar[tuple[int, ...]] = (0,)
     """The ZeRO stages it runs at; zero/build.py refuses the others, giving `zero_refusal` as the reason."""
     zero_refusal: ClassVar[str] = "it compresses state that a sharded stage holds only a shard of"
@@ -77,6 +99,8 @@ class OneBitBase(torch.optim.Optimizer):
         """ZeRO stage 1: the gradient buckets it compresses, name -> numel (`attach_gradient_buckets`)."""
         self._work: dict[tuple[torch.dtype, torch.device, int], Tensor] = {}
         self._scratches: dict[tuple[torch.dtype, torch.device], Scratch] = {}
+        self._masks: dict[Tensor, tuple[Tensor, Tensor]] = {}
+        """Per piece: (the group's mask tensor it was cut from, the piece's mask) ([Note: exp_avg_mask])."""
 
     def work_buffer(self, p: Tensor, slot: int = 0) -> Tensor:
         """A scratch tensor shaped like `p`, a view of one buffer per dtype, device and `slot` (a step that needs
@@ -151,6 +175,8 @@ class OneBitBase(torch.optim.Optimizer):
             self._all_reduces[name] = reduce
             self._take_loaded(name, reduce)
         reduce(values)
+        if not isinstance(key, str):
+            self.apply_exp_avg_mask(key, values)
 
     def _name_of(self, p: Tensor) -> str:
         for g, group in enumerate(self.param_groups):
@@ -158,6 +184,42 @@ class OneBitBase(torch.optim.Optimizer):
                 if q is p:
                     return f"{g}.{i}"
         raise ValueError(f"{self.label}.compressed_mean: the tensor of shape {tuple(p.shape)} is not a parameter here")
+
+    # ---- the momentum mask ([Note: exp_avg_mask]) ----
+    def apply_exp_avg_mask(self, p: Tensor, values: Tensor) -> None:
+        """Multiply `values` (shaped like the piece `p`) by its group's `exp_avg_mask`, when the group has one."""
+        group = self.param_groups[int(self._name_of(p).split(".", 1)[0])]
+        mask = group.get(MASK_KEY)
+        if mask is None:
+            return
+        cached = self._masks.get(p)
+        if cached is None or cached[0] is not mask:
+            cached = self._masks[p] = (mask, self._piece_mask(p, mask, group))
+        values.mul_(cached[1].view_as(values))
+
+    def _piece_mask(self, p: Tensor, mask: Tensor, group: dict[str, Any]) -> Tensor:
+        """The part of the group's mask that lines up with `p`'s elements (1 where `p` holds no parameter)."""
+        whole = self.whole_tensors()
+        starts: dict[int, int] = {}
+        totals: dict[int, int] = {}
+        for number, (shape, index) in enumerate(zip(whole.shapes, whole.group_of)):
+            starts[number] = totals.get(index, 0)
+            totals[index] = starts[number] + math.prod(shape)
+        parts = whole.parts(p)
+        index = whole.group_of[parts[0].tensor] if parts else 0
+        if not isinstance(mask, Tensor) or mask.numel() != totals.get(index, 0):
+            shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+            raise ValueError(
+                f"{self.label}: param group {index}'s exp_avg_mask is {shape}, but the group's parameters hold "
+                f"{totals.get(index, 0)} elements; give a tensor with one entry per element of the group's "
+                "parameters, flattened in their order"
+            )
+        flat = mask.detach().reshape(-1).to(device=p.device, dtype=p.dtype)
+        out = torch.ones(p.numel(), dtype=p.dtype, device=p.device)
+        for part in parts:
+            start = starts[part.tensor] + part.lo
+            out[part.offset : part.offset + part.numel] = flat[start : start + part.numel]
+        return out
 
     def _slots(self) -> dict[str, int]:
         """What a compressed step compresses: name -> numel (the gradient buckets, or else every parameter)."""
@@ -197,12 +259,23 @@ class OneBitBase(torch.optim.Optimizer):
         """The moments and counters; the error buffers when saved at this world size, else zeros (logged)."""
         state_dict = dict(state_dict)
         errors = state_dict.pop("onebit_errors", None) or {"world_size": self._world(), "buffers": {}}
+        saved_groups = [dict(g) for g in state_dict.get("param_groups", [])]
+        for group, saved in zip(self.param_groups, saved_groups):  # the live mask, or none ([Note: exp_avg_mask])
+            saved.pop(MASK_KEY, None)
+            if MASK_KEY in group:
+                saved[MASK_KEY] = group[MASK_KEY]
+        state_dict["param_groups"] = saved_groups
         super().load_state_dict(state_dict)
         self.load_rank_tensors(errors["buffers"], saved_world_size=errors["world_size"])
 
     # ---- engine checkpoints: this rank's errors (checkpoint/state.py, optimizer_rank/<rank>/<name>) ----
     def rank_tensors(self) -> dict[str, Tensor]:
-        return self.error_buffers()
+        """The error buffers, and each group's `exp_avg_mask` (kept, never loaded back: [Note: exp_avg_mask])."""
+        out = self.error_buffers()
+        for g, group in enumerate(self.param_groups):
+            if isinstance(group.get(MASK_KEY), Tensor):
+                out[f"group{g}.{MASK_KEY}"] = group[MASK_KEY]
+        return out
 
     def load_rank_tensors(self, tensors: dict[str, Tensor], *, saved_world_size: int) -> None:
         """Take the errors `rank_tensors` gave at the save. They belong to this rank's place in the old world: at

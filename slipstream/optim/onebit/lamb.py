@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from slipstream.optim.arguments import bind, takes
-from slipstream.optim.common import WholeTensorOptimizer, closure_loss
+from slipstream.optim.common import closure_loss
 from slipstream.optim.lamb import trust_ratios
 from slipstream.optim.onebit.base import OneBitArguments, OneBitBase, Params, adam_update
 from slipstream.zero.whole_tensors import TensorPart, WholeTensorMap
@@ -77,7 +77,7 @@ class OneBitLambArguments(OneBitArguments):
         return out
 
 
-class OneBitLamb(OneBitBase, WholeTensorOptimizer):
+class OneBitLamb(OneBitBase):
     """1-bit LAMB; `deepspeed` (DeepSpeed's engine argument) is accepted and unused: the engine asks the optimizer
     instead (`takes_over_reduction`). `bias_correction`, `eps_inside_sqrt` and `max_grad_norm` are accepted as in
     DeepSpeed, whose 1-bit LAMB does not use them either. `lamb_coeffs` holds the last step's coefficients. The
@@ -95,10 +95,15 @@ class OneBitLamb(OneBitBase, WholeTensorOptimizer):
 
     @takes(OneBitLambArguments)
     def __init__(self, params: Params, deepspeed: object = None, *args: object, **kwargs: object) -> None:
-        super().__init__(params, bind(OneBitLambArguments, args, kwargs))
+        super().__init__(without_empty(params), bind(OneBitLambArguments, args, kwargs))
         self.lamb_coeffs: list[float] = []
         self._per_tensor: dict[Tensor, dict[str, Tensor]] = {}
         """Per piece, one float64 value per tensor in it (PER_TENSOR); checkpointed with the error buffers."""
+
+    @property
+    def lamb_freeze_key(self) -> bool:
+        """DeepSpeed's flag that the warm-up is over: True once `freeze_step` steps are done (also after a load)."""
+        return self.next_step_is_local()
 
     def get_lamb_coeffs(self) -> list[float]:
         return list(self.lamb_coeffs)
@@ -198,9 +203,10 @@ class OneBitLamb(OneBitBase, WholeTensorOptimizer):
         return out
 
     def load_rank_tensors(self, tensors: dict[str, Tensor], *, saved_world_size: int) -> None:
-        """The frozen ratios, last factors and scaling coefficients (at any world size), then the errors."""
+        """The frozen ratios, last factors and scaling coefficients (at any world size; none when the loaded step
+        is still in the warm-up, which starts them again, as DeepSpeed's load does), then the errors."""
         self._per_tensor.clear()
-        for g, group in enumerate(self.param_groups):
+        for g, group in enumerate(self.param_groups if self.next_step_is_local() else []):
             for i, p in enumerate(group["params"]):
                 found = {n: tensors[f"{g}.{i}.{n}"] for n in PER_TENSOR if f"{g}.{i}.{n}" in tensors}
                 if found:
@@ -218,6 +224,21 @@ class OneBitLamb(OneBitBase, WholeTensorOptimizer):
     def _limits(group: dict[str, Any], device: torch.device) -> tuple[Tensor, Tensor]:
         limits = torch.tensor([group["min_coeff"], group["max_coeff"]], dtype=torch.float64, device=device)
         return limits[0], limits[1]
+
+
+def without_empty(params: Params) -> Params:
+    """`params` less the parameters with no elements, and less the groups left with none, as DeepSpeed's 1-bit
+    LAMB filters them: a tensor of 0 elements has no norm to scale the momentum by."""
+    listed: list[Any] = list(params)
+    if not listed or not isinstance(listed[0], dict):
+        return [p for p in listed if p.numel() > 0]
+    groups = []
+    for group in listed:
+        given = group["params"]
+        kept = [p for p in ([given] if isinstance(given, Tensor) else given) if p.numel() > 0]
+        if kept:
+            groups.append({**group, "params": kept})
+    return groups
 
 
 def _scaling_coeffs(exp_avg: Tensor, parts: tuple[TensorPart, ...]) -> Tensor:

@@ -6,6 +6,7 @@
   the variance frozen. The engine's parameters equal it after every step, and a compressed step sends no
   reduce-scatter, only the 1-bit all-to-all and all-gather.
 - fp16: a step whose gradient is not finite on one rank is skipped on both, the error buffers stay finite.
+- A param group's exp_avg_mask keeps the masked elements of every rank's momentum shard at zero.
 - Checkpoints: saved in the compressed phase (ZeRO 0 and 1), a 2-rank resume is exact (the bucket errors come
   back); a 1-rank load restarts the errors from zero with a logged line and trains on.
 """
@@ -27,8 +28,11 @@ STEPS = 8
 BETAS, EPS, DECAY = (0.9, 0.999), 1e-8, 0.01
 
 
-def engine_for(stage: int, *, freeze_step: int = FREEZE, precision: dict | None = None) -> object:
-    """TinyMLP with 1-bit Adam at `stage`, one bucket per parameter (most of them padded at 2 ranks)."""
+def engine_for(
+    stage: int, *, freeze_step: int = FREEZE, precision: dict | None = None, mask: torch.Tensor | None = None
+) -> object:
+    """TinyMLP with 1-bit Adam at `stage`, one bucket per parameter (most of them padded at 2 ranks); `mask`: one
+    param group's exp_avg_mask over all its parameters."""
     import slipstream
 
     config = {
@@ -41,7 +45,9 @@ def engine_for(stage: int, *, freeze_step: int = FREEZE, precision: dict | None 
         "gradient_clipping": 0.0,
         **(precision or {}),
     }
-    return slipstream.initialize(model=TinyMLP(), config=config)[0]
+    model = TinyMLP()
+    groups = None if mask is None else [{"params": list(model.parameters()), "exp_avg_mask": mask}]
+    return slipstream.initialize(model=model, model_parameters=groups, config=config)[0]
 
 
 def rows(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +185,29 @@ def load_on_one_rank(rank: int, world: int, *, directory: str) -> dict[int, tupl
     return out
 
 
+def check_mask_on_shards(rank: int, world: int) -> None:
+    """Each rank's shard of the momentum is zero where the group's mask is, after compressed steps."""
+    mask = torch.ones(sum(p.numel() for p in TinyMLP().parameters()))
+    mask[::3] = 0.0
+    engine = engine_for(1, freeze_step=2, mask=mask)
+    train(engine, 0, 4, rank)
+    optimizer = engine.basic_optimizer
+    whole = optimizer.whole_tensors()
+    starts = [sum(math.prod(shape) for shape in whole.shapes[:k]) for k in range(len(whole.shapes))]
+    checked = 0
+    for piece in optimizer.param_groups[0]["params"]:
+        momentum = optimizer.state[piece]["exp_avg"].view(-1)
+        for part in whole.parts(piece):
+            wanted = mask[starts[part.tensor] + part.lo : starts[part.tensor] + part.lo + part.numel]
+            values = momentum[part.offset : part.offset + part.numel]
+            assert values[wanted == 0].eq(0).all() and values[wanted != 0].ne(0).any(), (rank, part)
+            checked += part.numel
+    assert 0 < checked < mask.numel()  # a shard
+    engine.destroy()
+
+
 def run_all(rank: int, world: int, directory: str) -> dict[int, torch.Tensor]:
+    check_mask_on_shards(rank, world)
     check_against_reference(rank, world)
     check_fp16_overflow_on_one_rank(rank, world)
     return check_resume(rank, world, directory=directory)
