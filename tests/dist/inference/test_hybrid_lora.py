@@ -7,11 +7,13 @@ worked on gathered copies) and training goes on bit-equal to a run without the g
 false` leaves the gathers to the hooks (more all-gathers, same tokens). `engine.fuse_lora_weight()` writes the
 fused weights into the shards and `unfuse_lora_weight()` takes them out within fp32 rounding
 (`eps * (|w| + |delta|)` per element). At ZeRO-1 the hybrid generate fuses and unfuses the live weights
-within that bound. `inference_tp_size` above 1 is refused by name.
+within that bound. PEFT's LoraLayer (when peft is installed) is merged for the ZeRO-3 hybrid generate and
+gives the unmerged model's tokens. `inference_tp_size` above 1 is refused by name.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
@@ -141,12 +143,48 @@ def _check_methods(rank: int, ids: torch.Tensor) -> None:
         _within_rounding(_full(engine), before, engine)
 
 
+def _peft_llama() -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    model = _llama(0)
+    torch.manual_seed(5)  # init_lora_weights=False: B is random, not zero, so the delta is not nothing
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(model, config)
+
+
+def _check_peft(ids: torch.Tensor) -> None:
+    """PEFT's LoraLayer at ZeRO-3: merged for the hybrid generate (its lora_A never runs), same tokens as the
+    unmerged model, shards bit-equal after."""
+    import slipstream
+
+    expected = _peft_llama().generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "hybrid_engine": {"enabled": True},
+    }
+    engine, *_ = slipstream.initialize(model=_peft_llama(), config=config)
+    calls = []
+    for name, module in engine.module.named_modules():
+        if name.endswith("lora_A.default"):
+            module.register_forward_hook(lambda *_: calls.append(1))
+    before = _full(engine)
+    engine.eval()
+    tokens = engine.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(tokens, expected) and not calls, (tokens, expected, len(calls))
+    after = _full(engine)
+    assert all(torch.equal(after[n], before[n]) for n in before), "a shard changed across generate"
+
+
 def rank_fn(rank: int, world: int) -> None:
     import slipstream
 
     ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
     _check_zero3(rank, ids)
     _check_methods(rank, ids)
+    if importlib.util.find_spec("peft") is not None:
+        _check_peft(ids)
     with pytest.raises(ValueError, match="inference_tp_size=2"):
         slipstream.initialize(
             model=_lora_llama(0),
