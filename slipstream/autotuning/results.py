@@ -18,13 +18,13 @@ MIB = 2**20
 
 
 def _row(name: str, needed: int, estimate: float, status: str, value: str) -> str:
-    return f"{name:<36} {needed / MIB:>12.1f} {estimate:>9.3f}  {status:<10} {value}"
+    return f"{name:<48} {needed / MIB:>12.1f} {estimate:>9.4g}  {status:<10} {value}"
 
 
 def summary(outcome: Outcome, *, metric: str) -> str:
     """The table of summary.txt: trials first (in the order they ran), then the candidates not run."""
     trials = {t.ranked.candidate.name: t for t in outcome.trials}
-    lines = [f"{'candidate':<36} {'planned MiB':>12} {'estimate':>9}  {'status':<10} {metric}"]
+    lines = [f"{'candidate':<48} {'planned MiB':>12} {'estimate':>9}  {'status':<10} {metric}"]
     for trial in outcome.trials:
         r = trial.ranked
         value = f"{trial.metrics[metric]:.4g}" if trial.metrics else trial.error
