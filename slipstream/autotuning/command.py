@@ -4,7 +4,8 @@ and for `run` the launch of the best config.
 
 Our own flags (cli/run.py): `--autotuning_memory SIZE` (the memory budget per rank; default the accelerator's
 memory, shared by the local ranks when the accelerator is the CPU), `--autotuning_trials N` (most full trials,
-default 3) and `--autotuning_timeout S` (seconds per launch, default 600).
+default 3), `--autotuning_timeout S` (seconds per launch, default 600) and `--autotuning_nvme_path DIR` (search the
+NVMe offloads there, as when the config names an `nvme_path`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from slipstream.accelerator import get_accelerator
 from slipstream.accelerator.cpu import host_total_memory
 from slipstream.autotuning.estimates import device_is_host
 from slipstream.autotuning.results import write_results
-from slipstream.autotuning.space import tunable_config
+from slipstream.autotuning.space import tunable_config, with_nvme_path
 from slipstream.autotuning.tuner import Job, tune
 from slipstream.config import load_config, resolve
 from slipstream.launcher import runner
@@ -65,7 +66,7 @@ def job_from_args(args: argparse.Namespace) -> Job:
     """The job of a `slipstream run --autotuning ...` command line (ValueError names a wrong flag)."""
     launch, _multi = runner.prepare(args)
     script, config_at = config_position([args.user_script, *args.user_args])
-    user_config = load_config(script[config_at])
+    user_config = with_nvme_path(dict(load_config(script[config_at])), getattr(args, "autotuning_nvme_path", None))
     world, per_node = launch.world_size, max(len(slots) for slots in launch.world.values())
     plan = resolve(tunable_config(dict(user_config)), world_size=world).autotuning
     on_host = device_is_host()

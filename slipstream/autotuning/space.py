@@ -6,7 +6,8 @@ written over it). The batch arithmetic counts data-parallel ranks: the world ove
 
 Offloads: none, the optimizer to the CPU (stages 1-3); at stage 3 also the parameters alone, and the optimizer
 with the parameters, to the CPU; and when the user's config names an `nvme_path` (in `offload_optimizer` or
-`offload_param`), at stage 3 the optimizer, and the optimizer with the parameters, to NVMe at that path.
+`offload_param`, or given as `--autotuning_nvme_path`), at stage 3 the optimizer, and the optimizer with the
+parameters, to NVMe at that path.
 
 [Note: how a job sees activation checkpointing]
 DeepSpeed has no on/off key: a model checkpoints by calling `deepspeed.checkpointing.checkpoint`, and the
@@ -31,6 +32,7 @@ __all__ = [
     "SUB_GROUP_SIZES",
     "data_parallel",
     "nvme_path",
+    "with_nvme_path",
     "Candidate",
     "candidate_config",
     "grid",
@@ -154,6 +156,18 @@ def zero_stages(user: dict[str, object]) -> tuple[int, ...]:
             "write one of those"
         )
     return tuple(sorted(set(stages)))
+
+
+def with_nvme_path(user: dict[str, object], path: str | None) -> dict[str, object]:
+    """The user's config with `path` as `offload_optimizer.nvme_path` (`--autotuning_nvme_path`; None: as is):
+    the NVMe offloads are then searched there. The offload's device is left as the config sets it."""
+    if not path:
+        return user
+    zero = user.get("zero_optimization")
+    zero = dict(zero) if isinstance(zero, dict) else {}
+    section = zero.get("offload_optimizer")
+    zero["offload_optimizer"] = {**(section if isinstance(section, dict) else {}), "nvme_path": path}
+    return {**user, "zero_optimization": zero}
 
 
 def _offloads(stage: int, user: dict[str, object]) -> list[tuple[bool, bool, str]]:

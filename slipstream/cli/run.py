@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--autotuning_trials", type=positive_int, default=3, help="autotuning: most full trials (Slipstream's)")
     add("--autotuning_timeout", type=float, default=600.0, help="autotuning: seconds per launch (Slipstream's)")
+    add("--autotuning_nvme_path", default=None, help="autotuning: search NVMe offload in this folder (Slipstream's)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -237,3 +237,22 @@ def test_without_fast_stage_3_also_searches_the_prefetch_bucket_and_the_sub_grou
     assert config["zero_optimization"]["sub_group_size"] == plain3[0].sub_group_size
     fast = grid(_plan(tunable_config(user), world=1, max_train_micro_batch_size_per_gpu=4), user, world=1)
     assert {(c.prefetch_bucket_size, c.sub_group_size) for c in fast} == {(None, None)}
+
+
+def test_the_nvme_path_flag_opens_the_nvme_offloads(tmp_path: Path) -> None:
+    from slipstream.cli import run as cli_run
+
+    (tmp_path / "ds.json").write_text(json.dumps({**BASE, "train_batch_size": 4, "zero_optimization": {"stage": 3}}))
+    parser = argparse.ArgumentParser()
+    cli_run.add_arguments(parser)
+    argv = ["--num_gpus", "1", "--autotuning", "tune", "t.py", "--deepspeed_config", str(tmp_path / "ds.json")]
+    without = command.job_from_args(parser.parse_args(argv))
+    assert not [c for c in grid(without.plan, without.user_config, world=1) if c.offload_device == "nvme"]
+    job = command.job_from_args(parser.parse_args(["--autotuning_nvme_path", "/local_nvme", *argv]))
+    nvme = [c for c in grid(job.plan, job.user_config, world=1) if c.offload_device == "nvme"]
+    assert nvme and all(c.stage == 3 and c.offload_optimizer for c in nvme)
+    config = candidate_config(job.user_config, nvme[0], world=1)
+    assert config["zero_optimization"]["offload_optimizer"] == {"device": "nvme", "nvme_path": "/local_nvme"}
+    # the flag alone offloads nothing: a candidate without offload has no offload section
+    plain = next(c for c in grid(job.plan, job.user_config, world=1) if not c.offload_optimizer)
+    assert "offload_optimizer" not in candidate_config(job.user_config, plain, world=1)["zero_optimization"]
