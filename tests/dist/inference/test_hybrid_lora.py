@@ -8,12 +8,15 @@ false` leaves the gathers to the hooks (more all-gathers, same tokens). `engine.
 fused weights into the shards and `unfuse_lora_weight()` takes them out within fp32 rounding
 (`eps * (|w| + |delta|)` per element). At ZeRO-1 the hybrid generate fuses and unfuses the live weights
 within that bound. PEFT's LoraLayer (when peft is installed) is merged for the ZeRO-3 hybrid generate and
-gives the unmerged model's tokens. `inference_tp_size` above 1 is refused by name.
+gives the unmerged model's tokens. TRL's `unwrap_model_for_generation` (when trl is installed) drives the ZeRO-3
+engine with one all-gather per unit. `inference_tp_size` above 1 is refused by name.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -177,6 +180,27 @@ def _check_peft(ids: torch.Tensor) -> None:
     assert all(torch.equal(after[n], before[n]) for n in before), "a shard changed across generate"
 
 
+def _check_trl(ids: torch.Tensor) -> None:
+    """TRL's own `unwrap_model_for_generation` (through the `deepspeed` shim) on a ZeRO-3 engine: one all-gather
+    per unit for the whole generate, the tokens of the plain model holding the engine's weights."""
+    import types
+
+    from trl.models.utils import unwrap_model_for_generation
+
+    from slipstream.comm import count_collectives
+
+    engine = _engine(3)
+    plain = _lora_llama(0)
+    plain.load_state_dict(_full(engine), strict=False)
+    state = types.SimpleNamespace(deepspeed_plugin=types.SimpleNamespace(zero_stage=3))
+    accelerator = types.SimpleNamespace(state=state, unwrap_model=lambda model: model.module)
+    with count_collectives() as counter, unwrap_model_for_generation(engine, accelerator) as model:
+        tokens = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(tokens, plain.generate(ids, max_new_tokens=5, do_sample=False)), tokens
+    units = [u for u in engine.zero_model.units if u.params]
+    assert counter.calls["all_gather"] == len(units), (counter.calls, len(units))
+
+
 def rank_fn(rank: int, world: int) -> None:
     import slipstream
 
@@ -185,6 +209,9 @@ def rank_fn(rank: int, world: int) -> None:
     _check_methods(rank, ids)
     if importlib.util.find_spec("peft") is not None:
         _check_peft(ids)
+    if importlib.util.find_spec("trl") is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "compat_hf" / "shim"))  # `import deepspeed`
+        _check_trl(ids)
     with pytest.raises(ValueError, match="inference_tp_size=2"):
         slipstream.initialize(
             model=_lora_llama(0),
