@@ -5,7 +5,7 @@
 - `model_based`: DeepSpeed's meaning, a cost model fitted on the trials run so far picks the next candidate.
   Here the model is the ranking's estimate corrected by a fitted factor: after every trial that measured a
   throughput, `log(measured / estimate)` is fitted by ridge least squares on the candidate's features (ZeRO
-  stage, optimizer and parameter offload, activation checkpointing, log2 of the micro batch, and a free
+  stage, optimizer and parameter offload, NVMe, activation checkpointing, log2 of the micro batch, and a free
   intercept), and the next candidate is the untried one with the highest `estimate * exp(fit)`. Before any
   measurement the fit is zero and the order is the ranking's.
 Every order ends when its candidates are all tried; the tuner also stops at its trial limit and early stopping.
@@ -56,6 +56,7 @@ def features(item: Ranked) -> list[float]:
         c.stage / 3,
         float(c.offload_optimizer),
         float(c.offload_param),
+        float(c.offload_device == "nvme"),
         float(bool(c.activation_checkpointing)),
         math.log2(c.micro_batch),
     ]
