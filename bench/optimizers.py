@@ -2,7 +2,9 @@
 bytes as the planner predicts them against what the engine holds.
 
     .venv/bin/python bench/optimizers.py [--width 512] [--layers 6] [--steps 20] [--stage 2] [--offload]
+                                         [--optimizers adamw,lamb,muon]
     .venv/bin/python bench/optimizers.py --memory [--offload]
+    .venv/bin/python bench/optimizers.py --step-only [--steps 200]
 
 Each rank builds one engine per optimizer on the same stack of wide layers, then the engines take turns in
 chunks of a few steps (so drift in machine load hits all of them alike); a step's time is the slowest rank's.
@@ -11,7 +13,9 @@ planner's optimizer-state bytes per rank, the engine's (`owned_bytes()` after a 
 `--offload` puts the optimizer on the host (offload_optimizer.device cpu). `--memory` instead runs each optimizer
 in a fresh pair of processes and prints the growth of the peak RSS over the RSS before the engine was built,
 slipstream already imported (the larger of the two ranks; on CPU that is where the engine's states and
-temporaries live). DeepSpeed's FusedLamb is
+temporaries live). `--step-only` times the optimizer's `step()` alone in one process and one thread, LAMB
+against AdamW on rank 0's ZeRO-2 piece of the model (the kernels and their Python, no collective). DeepSpeed's
+FusedLamb is
 a CUDA op: on this CPU machine constructing it raises "This op had not been implemented on CPU backend", so there
 is no peer row; DeepSpeed's Muon needs ZeRO on a GPU, likewise.
 """
@@ -83,9 +87,9 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, store_path: str, 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
-    engines = {name: build(name, args, world) for name in OPTIMIZERS}
+    engines = {name: build(name, args, world) for name in args.optimizers}
     batch = torch.randn(8, args.width, generator=torch.Generator().manual_seed(rank))
-    times: dict[str, list[float]] = {name: [] for name in OPTIMIZERS}
+    times: dict[str, list[float]] = {name: [] for name in args.optimizers}
     for engine in engines.values():  # warm up: states allocated, first-touch page faults paid
         step(engine, batch)
     for _ in range(max(1, args.steps // CHUNK)):
@@ -132,12 +136,54 @@ def memory_main(rank: int, world: int, args: argparse.Namespace, name: str, stor
 def report_memory(args: argparse.Namespace, world: int) -> None:
     where = "offload_optimizer cpu" if args.offload else "on the device"
     print(f"ZeRO-{args.stage} ({where}), {world} ranks, {args.layers} x Linear({args.width}): peak RSS growth, MiB")
-    for name in OPTIMIZERS:
+    for name in args.optimizers:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.pt")
             mp.spawn(memory_main, args=(world, args, name, os.path.join(tmp, "store"), out), nprocs=world)
             result = torch.load(out)
         print(f"  {name:6s} {result['grown']:8.1f}  (fp32 model: {result['model_mib']:.1f})")
+
+
+def report_step_only(args: argparse.Namespace) -> None:
+    """LAMB's and AdamW's `step()` alone, one process and one thread, on rank 0's ZeRO-2 piece of the model: a flat
+    fp32 tensor holding the first half of the parameters, LAMB with the whole-tensor map of the parts in it (no
+    collective: the norms' all-reduce is left out)."""
+    from slipstream.ops.adam import FusedAdam
+    from slipstream.optim.lamb import FusedLamb
+    from slipstream.zero.whole_tensors import TensorPart, WholeTensorMap
+
+    torch.set_num_threads(1)
+    sizes = [p.numel() for p in wide_stack(args.width, args.layers).parameters()]
+    half, parts = sum(sizes) // 2, []
+    for number, size in enumerate(sizes):
+        offset = sum(part.numel for part in parts)
+        if offset < half:
+            parts.append(TensorPart(tensor=number, offset=offset, numel=min(size, half - offset), lo=0))
+    gen = torch.Generator().manual_seed(0)
+    pieces = [nn.Parameter(torch.randn(half, generator=gen)) for _ in range(2)]
+    for piece in pieces:
+        piece.grad = torch.randn(half, generator=gen) * 1e-3
+    lamb = FusedLamb([pieces[1]], lr=1e-3, weight_decay=0.01)
+    whole = WholeTensorMap(
+        shapes=tuple((s,) for s in sizes), group_of=(0,) * len(sizes), parts_of={id(pieces[1]): tuple(parts)},
+        split=frozenset(),
+    )  # fmt: skip
+    lamb.attach_whole_tensors(whole)
+    optimizers = {"adamw": FusedAdam([pieces[0]], lr=1e-3, weight_decay=0.01), "lamb": lamb}
+    times: dict[str, list[float]] = {name: [] for name in optimizers}
+    for optimizer in optimizers.values():
+        optimizer.step()  # warm up: states allocated, the op loaded
+    for _ in range(max(1, args.steps // CHUNK)):
+        for name, optimizer in optimizers.items():
+            for _ in range(CHUNK):
+                start = time.perf_counter()
+                optimizer.step()
+                times[name].append(time.perf_counter() - start)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    print(f"optimizer step alone, 1 thread, rank 0's ZeRO-2 piece ({half:,} fp32 elements, {len(parts)} parts)")
+    for name, seconds in median.items():
+        print(f"  {name:6s} step {seconds * 1e3:8.3f} ms (median of {len(times[name])})")
+    print(f"  ratio lamb / adamw  {median['lamb'] / median['adamw']:.2f}x")
 
 
 def main() -> None:
@@ -148,8 +194,18 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--offload", action="store_true", help="offload_optimizer.device cpu")
     parser.add_argument("--memory", action="store_true", help="peak RSS per optimizer, fresh processes each")
+    parser.add_argument(
+        "--optimizers", type=lambda text: text.split(","), default=list(OPTIMIZERS), help="e.g. adamw,lamb"
+    )
+    parser.add_argument("--step-only", action="store_true", help="LAMB's and AdamW's step() alone, one process")
     args = parser.parse_args()
+    unknown = sorted(set(args.optimizers) - set(OPTIMIZERS))
+    if unknown:
+        parser.error(f"--optimizers {unknown} unknown; choose from {','.join(OPTIMIZERS)}")
     world = 2
+    if args.step_only:
+        report_step_only(args)
+        return
     if args.memory:
         report_memory(args, world)
         return
@@ -163,8 +219,9 @@ def main() -> None:
     print(f"ZeRO-{args.stage}{offload}, {world} ranks (gloo), {args.layers} x Linear({args.width}), {params:,} params")
     for name, seconds in median.items():
         print(f"  {name:6s} step {seconds * 1e3:8.2f} ms (median of {len(result['times'][name])})")
-    print(f"  ratio lamb / adamw  {median['lamb'] / median['adamw']:.2f}x")
-    print(f"  ratio muon / adamw  {median['muon'] / median['adamw']:.2f}x")
+    for name in ("lamb", "muon"):
+        if name in median and "adamw" in median:
+            print(f"  ratio {name} / adamw  {median[name] / median['adamw']:.2f}x")
     print("  optimizer-state bytes per rank: planner, engine, planner / engine")
     for name, (planned, held) in result["sizes"].items():
         print(f"  {name:6s} {planned:>12,} {held:>12,}  {planned / max(held, 1):.2f}x")
