@@ -86,3 +86,32 @@ def test_native_checks_name_the_argument(native_op: ModuleType) -> None:
         native_op.lamb_moments([t], [t.double()], *args[2:], torch.tensor([[0, 0, 4]]), 0.9, 0.999, 1e-6, 0.0, False)
     with pytest.raises(ValueError, match="one value per segment"):
         native_op.lamb_apply([t], [t.clone()], torch.tensor([[0, 0, 4]]), torch.zeros(2))
+
+
+@pytest.mark.needs_compiler
+def test_native_sums_do_not_depend_on_the_number_of_threads(native_op: ModuleType) -> None:
+    """Above the serial threshold the chunks run on OpenMP threads; each sums into its own slot, added in order."""
+    results = []
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        gen = torch.Generator().manual_seed(5)
+        p, g = torch.randn(150_000, generator=gen), torch.randn(150_000, generator=gen)
+        m, v, u = torch.zeros_like(p), torch.zeros_like(p), torch.empty_like(p)
+        segments = torch.tensor([[0, 0, 99_000], [0, 99_000, 150_000]])
+        sums = native_op.lamb_moments([p], [g], [m], [v], [u], segments, 0.9, 0.999, 1e-6, 0.01, False)
+        native_op.lamb_apply([p], [u], segments, torch.tensor([0.1, 0.2], dtype=torch.float64))
+        results.append((sums, p))
+    torch.set_num_threads(before)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_lamb_sends_fp32_cpu_tensors_to_its_op_and_the_rest_to_the_fallback() -> None:
+    from slipstream.optim.lamb import FusedLamb
+
+    optimizer = FusedLamb([torch.nn.Parameter(torch.ones(3))])
+    pinned = ModuleType("pinned_cpu_lamb")
+    optimizer._op = pinned
+    assert optimizer._op_for([torch.ones(3), torch.ones(3)]) is pinned
+    assert optimizer._op_for([torch.ones(3), torch.ones(3, dtype=torch.bfloat16)]) is fallback_op
+    assert optimizer._op_for([torch.ones(3, 2).t()]) is fallback_op  # not contiguous
