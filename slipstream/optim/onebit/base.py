@@ -29,7 +29,7 @@ from torch import Tensor
 from slipstream.comm.compressed import OneBitAllReduce, Scratch, padded_numel
 from slipstream.optim.arguments import AdamFamily
 from slipstream.optim.common import WholeTensorOptimizer
-from slipstream.utils.logging import get_logger
+from slipstream.utils.logging import get_logger, warn_once
 
 __all__ = ["MASK_KEY", "OneBitArguments", "OneBitBase", "Params", "adam_update"]
 
@@ -101,6 +101,13 @@ class OneBitBase(WholeTensorOptimizer):
         self._scratches: dict[tuple[torch.dtype, torch.device], Scratch] = {}
         self._masks: dict[Tensor, tuple[Tensor, Tensor]] = {}
         """Per piece: (the group's mask tensor it was cut from, the piece's mask) ([Note: exp_avg_mask])."""
+        for index, group in enumerate(self.param_groups):
+            if group.get("non_freeze"):
+                warn_once(
+                    f"onebit-non-freeze:{self.label}",
+                    f"{self.label}: param group {index} sets non_freeze, which Slipstream's 1-bit optimizers do not "
+                    "build: its momentum is compressed after the warm-up like every other group's",
+                )
 
     def work_buffer(self, p: Tensor, slot: int = 0) -> Tensor:
         """A scratch tensor shaped like `p`, a view of one buffer per dtype, device and `slot` (a step that needs

@@ -233,3 +233,10 @@ def test_muon_update_under_deepspeeds_module_path(nesterov: bool) -> None:
     torch.testing.assert_close(experts[1], -experts[0])
     with pytest.raises(ValueError, match="ns_method='exact'"):
         muon_update(grad, momentum, ns_method="exact")
+
+
+def test_non_freeze_is_reported_not_ignored() -> None:
+    """DeepSpeed's per-group `non_freeze` (full-precision all-reduce after the warm-up) is not built: a warning
+    names it (once per process; no other test sets it)."""
+    with pytest.warns(UserWarning, match="param group 1 sets non_freeze"):
+        OneBitAdam([{"params": _params()[:1]}, {"params": _params()[1:], "non_freeze": True}])
