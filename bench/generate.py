@@ -18,6 +18,9 @@ every row is a fresh process (two ranks, or one for `unsharded`):
   peer environment's Python; skipped with its error when it fails;
 - `weights`: at ZeRO-3, GB/s of whole parameters handed out by `iter_full_weights()` against one plain
   gather of the whole model (`GatheredParameters` over every parameter) and a copy of its `state_dict()`.
+- `lora_fused` / `lora_unfused`: a PEFT LoRA (rank 16 on every projection) of the same model in a ZeRO-1 engine
+  on two ranks, `engine.generate` with the hybrid engine (the deltas fused for the call) and without it (every
+  forward computes the LoRA path); compared with each other, not with `unsharded`.
 Times: median over `--rounds` after one warm-up call. All rows must give the same tokens (printed).
 Targets (reported, not asserted): hybrid >= 5x the naive ZeRO-3 tokens/s and within 1.3x of `unsharded`.
 Nothing here imports slipstream at module level: the DeepSpeed row runs this file in `.bench-venv`.
@@ -44,7 +47,18 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 VOCAB, WIDTH, LAYERS, HEADS, KV_HEADS, MLP, BATCH, PROMPT = 2048, 256, 4, 8, 4, 688, 4, 16
-ROWS = ("unsharded", "unsharded_x2", "zero3_hybrid", "zero3_naive", "ss_tp2", "ds_tp2", "weights")
+ROWS = (
+    "unsharded",
+    "unsharded_x2",
+    "zero3_hybrid",
+    "zero3_naive",
+    "ss_tp2",
+    "ds_tp2",
+    "weights",
+    "lora_fused",
+    "lora_unfused",
+)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def make_llama() -> Any:
@@ -96,6 +110,27 @@ def _zero3_engine(hybrid: bool) -> Any:
     return engine
 
 
+def _lora_engine(fused: bool) -> Any:
+    """A PEFT LoRA (rank 16 on every projection) of the Llama in a ZeRO-1 engine: with the hybrid engine its
+    generate runs with the deltas fused into the base weights, without it every forward computes the LoRA path."""
+    from peft import LoraConfig, get_peft_model
+
+    import slipstream
+
+    model = make_llama()
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, init_lora_weights=False)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1},
+        "hybrid_engine": {"enabled": fused},
+        "steps_per_print": 10**6,
+    }
+    engine, *_ = slipstream.initialize(model=get_peft_model(model, lora), config=config)
+    engine.eval()
+    return engine
+
+
 def _inference_engine(row: str) -> Any:
     if row == "ds_tp2":
         import logging
@@ -116,6 +151,8 @@ def _generation_row(row: str, new_tokens: int, rounds: int) -> dict[str, Any]:
         generator = make_llama()
     elif row.startswith("zero3"):
         generator = _zero3_engine(row == "zero3_hybrid")
+    elif row.startswith("lora"):
+        generator = _lora_engine(row == "lora_fused")
     else:
         generator = _inference_engine(row)
     generate = getattr(generator, "generate", None) or generator.module.generate
@@ -123,7 +160,7 @@ def _generation_row(row: str, new_tokens: int, rounds: int) -> dict[str, Any]:
 
     def call() -> torch.Tensor:
         with torch.no_grad():
-            return generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            return generate(input_ids=ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
     seconds, tokens = _timed(call, rounds)
     return {"s": seconds, "tok_s": BATCH * new_tokens / seconds, "tokens": tokens[:, PROMPT:].tolist()}
@@ -199,7 +236,7 @@ def _report(results: dict[str, dict[str, Any]]) -> None:
     base = results.get("unsharded")
     print(f"  {'row':<14}{'s/call':>9}{'tokens/s':>10}{'x unsharded':>13}{'same tokens':>13}")
     for row, got in results.items():
-        if row == "weights":
+        if row == "weights" or row.startswith("lora"):
             continue
         ratio = f"{got['tok_s'] / base['tok_s']:.2f}" if base else "-"
         same = ("yes" if got["tokens"] == base["tokens"] else "NO") if base else "-"
@@ -215,6 +252,13 @@ def _report(results: dict[str, dict[str, Any]]) -> None:
     ours, theirs = results.get("ss_tp2"), results.get("ds_tp2")
     if ours and theirs:
         print(f"  init_inference tp 2, Slipstream / DeepSpeed tokens/s: {ours['tok_s'] / theirs['tok_s']:.2f}x")
+    fused, unfused = results.get("lora_fused"), results.get("lora_unfused")
+    if fused and unfused:
+        same = "same tokens" if fused["tokens"] == unfused["tokens"] else "DIFFERENT tokens"
+        print(
+            f"  LoRA at ZeRO-1, hybrid (fused) {fused['tok_s']:.1f} vs plain (LoRA path per forward) "
+            f"{unfused['tok_s']:.1f} tokens/s: {fused['tok_s'] / unfused['tok_s']:.2f}x, {same}"
+        )
     weights = results.get("weights")
     if weights:
         print(

@@ -13,7 +13,8 @@ Two layer shapes are recognised:
 
 Subtracting the delta gives the weight back up to fp32 rounding, not bit for bit: each element is within
 `eps * (|w| + |delta|)` of its value before (one rounding when adding, one when subtracting; `eps` of the
-weight's dtype). Where the fused weight is a gathered ZeRO-3 copy the shard itself is never touched.
+weight's dtype). Where the fused weight is a gathered ZeRO-3 copy the shard itself is never touched (units kept
+whole under the persistence threshold have no copy: the bound applies to them).
 The functions here work on whole tensors; gathering them at ZeRO-3 is the engine's (engine/weight_handoff.py).
 """
 
