@@ -174,4 +174,3 @@ def _check_low_masters(cfg: DeepSpeedConfig, dtype: str, *, need_offload: bool, 
             f"{key}, data_types.grad_accum_dtype={accum!r}: the gradients are the {dtype} masters' gradients; "
             f"remove data_types.grad_accum_dtype or set it to {dtype!r}"
         )
-

@@ -15,8 +15,8 @@ from slipstream.config.plan import EnginePlan
 from slipstream.inference.lora import fuse_lora, lora_layers, unfuse_lora
 from slipstream.zero.full_weights import DEFAULT_BUCKET_BYTES, iter_full_weights
 from slipstream.zero.gathered import GatheredParameters, unwrap_model_for_generation
-from slipstream.zero.stage3.sharded_param import internal_access
 from slipstream.zero.stage3.model import ZeroModel
+from slipstream.zero.stage3.sharded_param import internal_access
 
 
 class WeightHandOff:
