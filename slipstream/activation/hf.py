@@ -34,5 +34,5 @@ def checkpoint_hf_layers(model: nn.Module, *, offload: bool | None = None) -> in
         recompute.configure(None, checkpoint_in_cpu=offload)
     for layer in layers:
         layer._gradient_checkpointing_func = recompute.checkpoint  # type: ignore[assignment]
-        layer.gradient_checkpointing = True
+        layer.gradient_checkpointing = True  # type: ignore[assignment]  # a plain bool attribute of the layer
     return len(layers)
