@@ -17,20 +17,26 @@ in units of the activation dtype's size (`e`). With `h` hidden, `kv` the key/val
   `min(t, h) x max(6I, 3V)` once (the loss' slice lives in the forward, the MLP's in the backward), and the
   recomputed layer peaks at `23h/2 + H` per token besides;
 - activation offload keeps two checkpointed inputs on the device (the one recomputed and the one prefetched)
-  instead of all `L`.
+  instead of all `L`;
+- FPDT (chunked attention, `slipstream.sequence.fpdt_attention` with `HostChunks`) keeps q, k, v and the
+  log-sum-exp on the host, `h + 2kv + H` per token and layer less than plain; one chunk pair's transients
+  stay below the loss' peak and are not counted;
+- with Ulysses (`u > 1`) each layer saves one more `h` (plain) and a recomputed layer's backward holds the
+  all-to-all buffers, `A = 9h/2` per token more.
 
 | option | bytes per rank |
 |---|---|
-| plain | `e t (L S + 3h + 3V + 1)` |
-| checkpointing | `e t (L h + max(3h + 3V + 1, R))` |
-| checkpointing + offload | `e t (2h + max(3h + 3V + 1, R))` |
-| checkpointing + tiled | `e (t (L h + 23h/2 + H) + min(t, h) max(6I, 3V))` |
-| checkpointing + tiled + offload | `e (t (27h/2 + H) + min(t, h) max(6I, 3V))` |
+| plain | `e t (L (S + [u > 1] h) + 3h + 3V + 1)` |
+| fpdt | `e t (L (S - h - 2kv - H) + 3h + 3V + 1)` |
+| checkpointing | `e t (L h + max(3h + 3V + 1, R + A))` |
+| checkpointing + offload | `e t (2h + max(3h + 3V + 1, R + A))` |
+| checkpointing + tiled | `e (t (L h + 23h/2 + H + A) + min(t, h) max(6I, 3V))` |
+| checkpointing + tiled + offload | `e (t (27h/2 + H + A) + min(t, h) max(6I, 3V))` |
 
 The coefficients were counted on bench/_long_context_model.py's decoder (torch's SDPA, RMSNorm and the
 SiLU-gated MLP, fp32) with `slipstream.profiling.live_tensors`; tests/unit/planner/test_sequence.py keeps
-them within 5% of the counted bytes at two sequence lengths. Ulysses' all-to-all buffers and allocator
-rounding are not counted.
+them within 5% of the counted bytes at two sequence lengths on one rank; the Ulysses terms were counted on
+two gloo ranks (bench/long_context.py's two-rank rows check them). Allocator rounding is not counted.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ __all__ = [
 
 OPTIONS = (
     "plain",
+    "fpdt",
     "checkpointing",
     "checkpointing+offload",
     "checkpointing+tiled",
@@ -112,12 +119,16 @@ def activation_bytes(dims: SeqDims, option: str, *, seq: int, dtype_bytes: int, 
     h = dims.hidden
     saved, recompute, head = _per_token(dims)
     kept = 2 * h if "offload" in option else dims.layers * h  # checkpointed inputs on the device
+    swaps = 9 * h // 2 if ulysses > 1 else 0  # Ulysses' all-to-all buffers in a recomputed layer's backward
     if option == "plain":
-        elements = t * (dims.layers * saved + head)
+        elements = t * (dims.layers * (saved + (h if ulysses > 1 else 0)) + head)
+    elif option == "fpdt":  # q, k, v and the log-sum-exp wait on the host
+        elements = t * (dims.layers * (saved - h - 2 * dims.kv_hidden - dims.heads) + head)
     elif "tiled" in option:
-        elements = t * (kept + 23 * h // 2 + dims.heads) + min(t, h) * max(6 * dims.intermediate, 3 * dims.vocab)
+        tile = min(t, h) * max(6 * dims.intermediate, 3 * dims.vocab)
+        elements = t * (kept + 23 * h // 2 + dims.heads + swaps) + tile
     else:
-        elements = t * (kept + max(head, recompute))
+        elements = t * (kept + max(head, recompute + swaps))
     return elements * dtype_bytes
 
 

@@ -23,6 +23,8 @@ from slipstream.planner.sequence import (
 )
 from slipstream.planner.shapes import from_hf_config, synthetic
 from slipstream.profiling.live_tensors import LiveTensorBytes
+from slipstream.sequence.fpdt_attention import fpdt_attention
+from slipstream.sequence.fpdt_store import HostChunks
 from slipstream.sequence.tiled import TiledFusedLogitsLoss, TiledMLP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
@@ -34,6 +36,13 @@ SEQS = (256, 512)
 
 def _kit(option: str) -> Kit:
     tiled = "tiled" in option
+    if option == "fpdt":  # one store: its host buffers are reused from the first step on, as in the bench
+        store = HostChunks()
+        return Kit(
+            attention=lambda q, k, v: fpdt_attention(
+                *(x.transpose(1, 2) for x in (q, k, v)), chunk_size=64, store=store
+            ).transpose(1, 2)
+        )
     return Kit(
         checkpoint=None if option == "plain" else recompute.checkpoint,
         tiled_mlp=TiledMLP if tiled else None,
@@ -71,6 +80,7 @@ def test_predicted_bytes_track_the_counted_bytes_of_a_step() -> None:
         growth[option] = (counted[1] - counted[0], predicted[1] - predicted[0])
         assert abs(growth[option][0] - growth[option][1]) <= 0.025 * growth[option][0], (option, growth[option])
     for without, with_ in (
+        ("plain", "fpdt"),
         ("checkpointing", "checkpointing+offload"),
         ("checkpointing+tiled", "checkpointing+tiled+offload"),
         ("checkpointing", "checkpointing+tiled"),
@@ -103,12 +113,15 @@ def test_rows_answer_within_the_budget_and_ulysses_divides_the_tokens() -> None:
         assert fixed + at <= budget < fixed + beyond, row
     split = sequence_rows(dims, seq=4096, dtype_bytes=2, ulysses=4)
     whole = sequence_rows(dims, seq=1024, dtype_bytes=2)
-    assert [r.activations for r in split] == [r.activations for r in whole]
-    assert activation_bytes(dims, "plain", seq=4097, dtype_bytes=2, ulysses=4) == activation_bytes(
-        dims, "plain", seq=1025, dtype_bytes=2
+    extra = {r.option: r.activations - w.activations for r, w in zip(split, whole) if r.activations and w.activations}
+    per_token = 1024 * 2  # Ulysses' own bytes: one more h per layer (plain), the all-to-all buffers (9h/2)
+    assert extra["fpdt"] == 0 and extra["plain"] == dims.layers * 512 * per_token
+    assert extra["checkpointing+tiled"] == extra["checkpointing+tiled+offload"] == 9 * 256 * per_token
+    assert activation_bytes(dims, "fpdt", seq=4097, dtype_bytes=2, ulysses=4) == activation_bytes(
+        dims, "fpdt", seq=1025, dtype_bytes=2
     )
     with pytest.raises(ValueError, match="not one of"):
-        activation_bytes(dims, "fpdt", seq=1, dtype_bytes=2)
+        activation_bytes(dims, "ring", seq=1, dtype_bytes=2)
 
 
 def test_dims_come_from_the_model() -> None:
