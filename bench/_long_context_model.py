@@ -99,12 +99,16 @@ def _tiled_loss(head: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     return _loss(head, x, y)
 
 
-def batch(dims: Dims, seq: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of one sequence of `seq` tokens and its next-token targets (the last target wraps)."""
+def batch(
+    dims: Dims, seq: int, rank: int = 0, world: int = 1, order: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of one sequence of `seq` tokens and its next-token targets: the contiguous
+    `rank`-th 1/`world`, or the `rank`-th 1/`world` of the global positions `order` (FPDT's layout)."""
     tokens = torch.randint(0, dims.vocab, (1, seq + 1), generator=torch.Generator().manual_seed(seq))
     local = seq // world
-    part = tokens[:, rank * local : (rank + 1) * local + 1]
-    return part[:, :-1].contiguous(), part[:, 1:].contiguous()
+    positions = torch.arange(seq) if order is None else order
+    mine = positions[rank * local : (rank + 1) * local]
+    return tokens[:, mine].contiguous(), tokens[:, mine + 1].contiguous()
 
 
 def param_bytes(model: nn.Module) -> int:

@@ -1,14 +1,16 @@
 """Long context: the longest sequence a small Llama-style decoder trains at under a fixed memory budget per rank,
 per option, at 1 and 2 ranks (Ulysses), against the planner's prediction; and the step time at one common
-length. Rows: plain, activation checkpointing (`slipstream.checkpointing.checkpoint` per layer), + activation
-offload (`cpu_checkpointing`), + tiled MLP and loss (ALST's `TiledMLP`, `TiledFusedLogitsLoss`), + both.
+length. Rows: plain, FPDT (chunked attention with its saved chunks on the host,
+`slipstream.sequence.fpdt_attention` with `HostChunks`; at 2 ranks each rank holds 1/2 of every chunk),
+activation checkpointing (`slipstream.checkpointing.checkpoint` per layer), + activation offload
+(`cpu_checkpointing`), + tiled MLP and loss (ALST's `TiledMLP`, `TiledFusedLogitsLoss`), + both.
 
     python bench/long_context.py [--quick] [--budget-mib 48] [--steps 2] [--ranks 1,2]
 
 The budget is enforced by counting: a length fits when the parameters plus the peak bytes of the tensors one
 training step creates (activations, the backward's transient tensors and the gradients; counted tensor by
 tensor with slipstream.profiling.live_tensors, tests/unit/planner/test_sequence.py) stay within it, on every
-rank. Activation offload's host buffers are not counted: they hold what a GPU would move off the device (on
+rank. Activation offload's and FPDT's host buffers are not counted: they hold what a GPU would move off the device (on
 this CPU machine they share the one memory, so the offload row's time is the copies without a copy stream).
 The search measures two lengths, extrapolates the crossing (the counted bytes grow linearly with fused
 attention), and checks that the answer fits and 2% more does not; otherwise it bisects.
@@ -22,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -35,12 +38,17 @@ from _two_ranks import run_two_ranks
 from slipstream.activation import recompute
 from slipstream.planner.sequence import OPTIONS, SeqDims, sequence_rows
 from slipstream.profiling.live_tensors import LiveTensorBytes
+from slipstream.sequence.fpdt import fpdt_token_order
+from slipstream.sequence.fpdt_attention import fpdt_attention
+from slipstream.sequence.fpdt_store import HostChunks
 from slipstream.sequence.layer import DistributedAttention
 from slipstream.sequence.tiled import TiledFusedLogitsLoss, TiledMLP
 
 FULL = Dims(hidden=128, layers=4, heads=4, intermediate=344, vocab=2048)
 QUICK = Dims(hidden=64, layers=4, heads=4, intermediate=172, vocab=1024)
 MARGIN = 1.02  # a measured answer: it fits, and this much longer does not
+FPDT_CHUNK = 64  # tokens per FPDT chunk, over the group
+STORES: dict[int, HostChunks] = {}  # the FPDT row's chunk store per world size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +62,8 @@ class Args:
 def kit(option: str, world: int) -> Kit:
     tiled = "tiled" in option
     attention = None
+    if option == "fpdt":
+        return Kit(attention=_fpdt_attention(world))
     if world > 1:
         ulysses = DistributedAttention(None, dist.group.WORLD, scatter_idx=1, gather_idx=2)
         attention = lambda q, k, v: ulysses(q, k, v, is_causal=True)  # noqa: E731
@@ -65,16 +75,34 @@ def kit(option: str, world: int) -> Kit:
     )
 
 
+def _fpdt_attention(world: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """FPDT's chunked attention over the group, its saved chunks on the host (one store, buffers reused)."""
+    store = STORES[world] = HostChunks()
+    group = dist.group.WORLD if world > 1 else None
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        return fpdt_attention(q, k, v, chunk_size=FPDT_CHUNK, group=group, store=store).transpose(1, 2)
+
+    return attention
+
+
+def _batch(option: str, dims: Dims, seq: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tokens and targets (FPDT: each rank holds 1/world of every chunk)."""
+    rank = dist.get_rank() if world > 1 else 0
+    order = fpdt_token_order(seq, FPDT_CHUNK, world) if option == "fpdt" and world > 1 else None
+    return batch(dims, seq, rank, world, order)
+
+
 def _build(option: str, dims: Dims, world: int) -> Model:
     recompute.configure(None, checkpoint_in_cpu="offload" in option)
     torch.manual_seed(0)
     return Model(dims, kit(option, world))
 
 
-def _used(model: Model, dims: Dims, seq: int, world: int) -> int:
+def _used(model: Model, option: str, dims: Dims, seq: int, world: int) -> int:
     """Parameters plus the peak of one step at `seq` tokens (split over the ranks), the most on any rank."""
-    rank = dist.get_rank() if world > 1 else 0
-    tokens, targets = batch(dims, seq, rank, world)
+    tokens, targets = _batch(option, dims, seq, world)
     model(tokens, targets).backward()  # a first step at this length: offload's host buffers exist after it
     used = torch.tensor(param_bytes(model) + step_peak(model, tokens, targets, LiveTensorBytes()))
     if world > 1:
@@ -82,18 +110,18 @@ def _used(model: Model, dims: Dims, seq: int, world: int) -> int:
     return int(used)
 
 
-def longest(model: Model, args: Args, world: int) -> tuple[int, int]:
+def longest(model: Model, option: str, args: Args, world: int) -> tuple[int, int]:
     """(the longest multiple of `world` tokens that fits the budget, lengths tried)."""
     cache: dict[int, bool] = {}
 
     def fits(seq: int) -> bool:
         seq = max(world, seq // world * world)
         if seq not in cache:
-            cache[seq] = _used(model, args.dims, seq, world) <= args.budget
+            cache[seq] = _used(model, option, args.dims, seq, world) <= args.budget
         return cache[seq]
 
     low, high = 256 * world, 512 * world
-    used_low, used_high = _used(model, args.dims, low, world), _used(model, args.dims, high, world)
+    used_low, used_high = (_used(model, option, args.dims, n, world) for n in (low, high))
     slope = (used_high - used_low) / (high - low)
     guess = int(low + (args.budget - used_low) / slope) // world * world
     good, bad = (guess, int(guess * MARGIN)) if fits(guess) else (world, guess)
@@ -109,7 +137,7 @@ def longest(model: Model, args: Args, world: int) -> tuple[int, int]:
 
 def _timed_step(model: Model, option: str, args: Args, world: int) -> float:
     recompute.configure(None, checkpoint_in_cpu="offload" in option)
-    tokens, targets = batch(args.dims, args.common, dist.get_rank() if world > 1 else 0, world)
+    tokens, targets = _batch(option, args.dims, args.common, world)
     started = time.perf_counter()
     model(tokens, targets).backward()
     model.zero_grad(set_to_none=True)
@@ -124,7 +152,7 @@ def rows(args: Args) -> dict:
     results, models = {}, {}
     for option in OPTIONS:
         models[option] = _build(option, args.dims, world)
-        found, tried = longest(models[option], args, world)
+        found, tried = longest(models[option], option, args, world)
         results[option] = {"longest": found, "tried": tried}
     times: dict[str, list[float]] = {option: [] for option in OPTIONS}
     for _ in range(args.steps + 1):
@@ -132,6 +160,7 @@ def rows(args: Args) -> dict:
             times[option].append(_timed_step(model, option, args, world))
     for option in OPTIONS:
         results[option]["step_s"] = statistics.median(times[option][1:])
+    results["fpdt"]["saved_peak"] = STORES[world].stats.device_bytes.peak
     recompute.reset()
     return results
 
@@ -177,6 +206,11 @@ def report(results: dict[int, dict], args: Args) -> None:
         f"{one['checkpointing+offload']['step_s'] / one['checkpointing']['step_s']:.2f}x (<= 1.15x); "
         "planned / measured within 10%"
     )
+    for world, table in results.items():
+        print(
+            f"fpdt at {world} rank(s): the chunk store's device-resident saved chunks peaked at "
+            f"{table['fpdt']['saved_peak'] / 2**10:.1f} KiB (chunks of {FPDT_CHUNK} tokens, the rest on the host)"
+        )
 
 
 def main() -> None:
