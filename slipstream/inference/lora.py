@@ -33,7 +33,7 @@ def _peft_layer_type() -> type | None:
         from peft.tuners.lora import LoraLayer  # optional: present when the user trains with PEFT
     except ImportError:
         return None
-    return LoraLayer
+    return cast(type, LoraLayer)  # untyped without peft's stubs
 
 
 def _is_chat_layer(module: nn.Module) -> bool:

@@ -50,8 +50,13 @@ def lamb_moments(
         return torch.zeros(0, 2, dtype=torch.float64, device=segments.device)
     weights = [params[i].reshape(-1)[lo:hi] for i, lo, hi in rows]
     steps = [updates[i].reshape(-1)[lo:hi] for i, lo, hi in rows]
-    norms = [torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32)) for ts in (weights, steps)]
+    norms = [torch.stack(torch._foreach_norm(ts, 2, dtype=_norm_dtype(ts))) for ts in (weights, steps)]
     return torch.stack(norms, dim=1).double().square()
+
+
+def _norm_dtype(tensors: list[Tensor]) -> torch.dtype:
+    """Norms accumulate in fp32 at least, and in fp64 for fp64 tensors (a norm may not narrow its input)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def lamb_apply(params: list[Tensor], updates: list[Tensor], segments: Tensor, scales: Tensor) -> None:
