@@ -98,6 +98,40 @@ def test_slipstream_checkpoint_round_trip_at_another_stage(tmp_path: Path) -> No
         assert torch.equal(a.master, b.master), a.name
 
 
+def test_muon_momentum_goes_through_the_universal_layout(tmp_path: Path) -> None:
+    """Every optimizer state shaped like its parameter is converted, not only Adam's two moments."""
+    muon = {"optimizer": {"type": "Muon", "params": {"lr": 1e-2}}}
+    engine = _engine(stage=1, **muon)
+    _train(engine, steps=2)
+    engine.save_checkpoint(tmp_path)
+    out = _convert(tmp_path / "global_step2", tmp_path / "global_step2_universal")
+    assert (out / "zero" / "layers.0.weight" / "momentum_buffer.pt").is_file()
+
+    direct = _engine(stage=2, **muon)
+    direct.load_checkpoint(tmp_path)
+    universal = _engine(stage=2, checkpoint={"load_universal": True}, **muon)
+    universal.load_checkpoint(tmp_path)
+    compared = 0
+    for a, b in zip(
+        universal.optimizer.owned_slices(universal._param_names, for_save=False),
+        direct.optimizer.owned_slices(direct._param_names, for_save=False),
+    ):
+        sa = universal.optimizer.optimizer.state[a.piece]
+        sb = direct.optimizer.optimizer.state[b.piece]
+        keys = {k for k, v in sb.items() if isinstance(v, torch.Tensor) and v.numel() == b.piece.numel()}
+        for key in keys:
+            assert torch.equal(a.state_view(sa, key), b.state_view(sb, key)), (a.name, key)
+            compared += key == "momentum_buffer"
+    assert compared > 0
+    _train(universal, steps=1)
+    _train(direct, steps=1)
+    for a, b in zip(
+        universal.optimizer.owned_slices(universal._param_names, for_save=False),
+        direct.optimizer.owned_slices(direct._param_names, for_save=False),
+    ):
+        assert torch.equal(a.master, b.master), a.name
+
+
 def test_broken_universal_checkpoints_are_named(tmp_path: Path) -> None:
     copy = tmp_path / "u"
     shutil.copytree(UNIVERSAL / "stage2_bf16_ws2" / "global_step2_universal", copy)

@@ -7,7 +7,8 @@ reader.py returns, so loading goes through `DeepSpeedSource` at any world size a
     <dir>/zero/<param name>/fp32.pt          the fp32 master: {"param": tensor, "cat_dim": 0, ...}, or a bare
                                              tensor (DeepSpeed's stage-3 conversion writes it flat)
     <dir>/zero/<param name>/exp_avg.pt       the optimizer's moments, same form (absent for frozen parameters)
-    <dir>/zero/<param name>/exp_avg_sq.pt
+    <dir>/zero/<param name>/exp_avg_sq.pt    (every optimizer state shaped like the parameter has its file:
+                                             Muon's momentum_buffer.pt, ...)
     <dir>/zero/<param name>/step.pt          the optimizer step (stage 1-2 conversions)
     <dir>/zero/optimizer_state.pt            {"param_groups": [...], ...}
     <dir>/*model_states.pt                   the source's model-states files: counters, scheduler, buffers,
@@ -55,7 +56,9 @@ LATEST_UNIVERSAL_FILE = "latest_universal"
 FORMAT_VERSION = "0.19.8"
 """The DeepSpeed release whose universal layout this writes: the `ds_version` of files written from a Slipstream
 checkpoint (DeepSpeed's loader refuses a universal checkpoint without one)."""
-_STATES = ("exp_avg", "exp_avg_sq")
+_NOT_STATES = ("fp32", "step")
+"""The files of a parameter's folder that are not optimizer state. Every other state shaped like the parameter
+(Adam's and LAMB's `exp_avg` / `exp_avg_sq`, Muon's `momentum_buffer`, ...) has its own `<key>.pt`."""
 
 
 def is_universal_checkpoint(path: str | Path) -> bool:
@@ -152,10 +155,11 @@ def _read_param_folder(
             f"{fp32}: {value.numel()} elements, but the model-states file records shape {shape} for {folder.name!r}"
         )
     states = {}
-    for key in _STATES:
-        file = folder / f"{key}.pt"
-        if file.is_file():
-            states[key] = _value(safe_load(file), file).float().reshape(shape)
+    for file in sorted(folder.glob("*.pt")):
+        if file.stem not in _NOT_STATES:
+            state = _value(safe_load(file), file).float()
+            if state.numel() == value.numel():  # optimizer state shaped like the parameter
+                states[file.stem] = state.reshape(shape)
     step_file = folder / "step.pt"
     step = _step_of({"step": safe_load(step_file)}) if step_file.is_file() else None
     return value.reshape(shape), states, step
@@ -208,7 +212,7 @@ def write_universal_checkpoint(
         folder.mkdir(exist_ok=True)
         torch.save({"param": value.detach().float().contiguous(), "cat_dim": 0}, folder / "fp32.pt")
         for key, state in checkpoint.optimizer_state.get(name, {}).items():
-            if key in _STATES:
+            if key not in _NOT_STATES and state.numel() == value.numel():
                 torch.save({"param": state.detach().float().contiguous(), "cat_dim": 0}, folder / f"{key}.pt")
         if step is not None and name in checkpoint.optimizer_state:
             torch.save(torch.tensor(float(step)), folder / "step.pt")
