@@ -14,6 +14,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from slipstream.config.autotuning_plan import AutotuningPlan
 from slipstream.config.data_plans import SchedulesPlan
+from slipstream.config.logging_plans import (
+    CometPlan,
+    CommsLogPlan,
+    FlopsProfilePlan,
+    LoggingPlan,
+    MonitorPlan,
+    WandbPlan,
+)
 from slipstream.config.precision_plans import AutocastPlan, Fp8Plan
 
 if TYPE_CHECKING:
@@ -307,63 +315,6 @@ class SchedulerPlan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class WandbPlan:
-    """The `wandb` section, enabled: Weights & Biases run settings."""
-
-    project: str
-    group: str | None
-    team: str | None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CometPlan:
-    """The `comet` section, enabled: Comet experiment settings."""
-
-    project: str | None
-    workspace: str | None
-    api_key: str | None
-    experiment_name: str | None
-    experiment_key: str | None
-    online: bool | None
-    mode: str | None
-    samples_log_interval: int
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MonitorPlan:
-    """Output paths of the enabled monitors; None means that monitor is disabled."""
-
-    csv_output_path: str | None
-    csv_job_name: str
-    tensorboard_output_path: str | None
-    tensorboard_job_name: str
-    wandb: WandbPlan | None
-    comet: CometPlan | None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class FlopsProfilePlan:
-    """The `flops_profiler` section, enabled: profile one step's forward and print it."""
-
-    profile_step: int
-    module_depth: int
-    top_modules: int
-    detailed: bool
-    output_file: str | None
-    recompute_fwd_factor: float
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CommsLogPlan:
-    """The `comms_logger` section, enabled: per-collective counts, bytes and time."""
-
-    verbose: bool
-    prof_all: bool
-    prof_ops: tuple[str, ...]
-    debug: bool
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class ActivationCheckpointPlan:
     """The `activation_checkpointing` section (slipstream.checkpointing)."""
 
@@ -373,21 +324,6 @@ class ActivationCheckpointPlan:
     number_checkpoints: int | None
     synchronize: bool
     profile: bool
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LoggingPlan:
-    """Progress logging and monitors."""
-
-    steps_per_print: int | None
-    wall_clock_breakdown: bool
-    monitor: MonitorPlan
-    flops_profile: FlopsProfilePlan | None
-    comms_log: CommsLogPlan | None
-    throughput_timer: bool
-    """`timers.throughput.enabled`: engine.tput_timer counts and times (False: it stays at zero)."""
-    throughput_synchronized: bool
-    """`timers.throughput.synchronized`: the timer synchronises the device before reading the clock."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
