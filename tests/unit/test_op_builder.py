@@ -86,6 +86,9 @@ def test_registry_and_unknown_name() -> None:
     assert get_builder("cpu_adam").BUILD_VAR == "DS_BUILD_CPU_ADAM"
     assert get_builder("cpu_lamb").BUILD_VAR == "DS_BUILD_CPU_LAMB"
     assert get_builder("async_io").BUILD_VAR == "DS_BUILD_AIO"
+    assert {n: op.FALLBACK for n, op in ALL_OPS.items()} == {n: f"slipstream.ops.fallback.{n}" for n in ALL_OPS}
+    assert get_builder("cpu_lamb").sources() == ["lamb/cpu_lamb.cpp"]
+    assert len(get_builder("async_io").sources()) == 3
     with pytest.raises(ValueError, match="unknown op 'cpu_adamw'; known ops: async_io, cpu_adam, cpu_lamb"):
         get_builder("cpu_adamw")
 

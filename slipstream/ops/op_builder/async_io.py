@@ -101,10 +101,7 @@ def missing_reason() -> str:
 class AsyncIOBuilder(OpBuilder):
     NAME = "async_io"
     BUILD_VAR = "DS_BUILD_AIO"
-    FALLBACK = "slipstream.ops.fallback.async_io"
-
-    def sources(self) -> list[str]:
-        return ["aio/aio_py.cpp", "aio/aio_engine.cpp", "aio/aio_rings.cpp"]
+    SOURCES = ("aio/aio_py.cpp", "aio/aio_engine.cpp", "aio/aio_rings.cpp")
 
     def include_paths(self) -> list[str]:
         return ["aio"]

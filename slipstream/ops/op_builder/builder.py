@@ -64,12 +64,29 @@ def ops_policy() -> str:
 
 
 class OpBuilder:
-    """Base class of every native op. Subclasses are declarative; see `cpu_adam.py`."""
+    """Base class of every native op. Subclasses are declarative; see `cpu_lamb.py`.
+
+    A subclass names its op (`NAME`) and lists its sources (`SOURCES`, or a `sources()` of its own);
+    `BUILD_VAR` and `FALLBACK` follow from `NAME` (`DS_BUILD_<NAME>`, `slipstream.ops.fallback.<name>`)
+    unless the subclass declares them (async_io keeps DeepSpeed's `DS_BUILD_AIO`).
+    """
 
     NAME: ClassVar[str]
     BUILD_VAR: ClassVar[str]
     FALLBACK: ClassVar[str]
     """Import path of the pure-PyTorch module with the same functions as the native one."""
+    SOURCES: ClassVar[tuple[str, ...]] = ()
+    """Source files, relative to `slipstream/ops/csrc` (what `sources()` returns)."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("NAME")
+        if name is None:
+            return
+        if "BUILD_VAR" not in cls.__dict__:
+            cls.BUILD_VAR = f"DS_BUILD_{name.upper()}"
+        if "FALLBACK" not in cls.__dict__:
+            cls.FALLBACK = f"slipstream.ops.fallback.{name}"
 
     @property
     def name(self) -> str:
@@ -78,7 +95,9 @@ class OpBuilder:
     # ---- declaration, overridden by subclasses ----
     def sources(self) -> list[str]:
         """Source files, relative to `slipstream/ops/csrc`."""
-        raise NotImplementedError
+        if not self.SOURCES:
+            raise NotImplementedError(f"op builder {type(self).__name__} declares no SOURCES and no sources()")
+        return list(self.SOURCES)
 
     def include_paths(self) -> list[str]:
         """Include directories, relative to `slipstream/ops/csrc`."""

@@ -9,11 +9,7 @@ from slipstream.ops.op_builder.builder import CPUOpBuilder
 
 class CPUAdamBuilder(CPUOpBuilder):
     NAME = "cpu_adam"
-    BUILD_VAR = "DS_BUILD_CPU_ADAM"
-    FALLBACK = "slipstream.ops.fallback.cpu_adam"
-
-    def sources(self) -> list[str]:
-        return ["adam/cpu_adam.cpp"]
+    SOURCES = ("adam/cpu_adam.cpp",)
 
     def load(self, verbose: bool = False) -> ModuleType:
         """The op module, with DeepSpeed's functional interface added (`create_adam`, id-based `adam_update`,

@@ -8,8 +8,4 @@ from slipstream.ops.op_builder.builder import CPUOpBuilder
 
 class CPULambBuilder(CPUOpBuilder):
     NAME = "cpu_lamb"
-    BUILD_VAR = "DS_BUILD_CPU_LAMB"
-    FALLBACK = "slipstream.ops.fallback.cpu_lamb"
-
-    def sources(self) -> list[str]:
-        return ["lamb/cpu_lamb.cpp"]
+    SOURCES = ("lamb/cpu_lamb.cpp",)
