@@ -14,6 +14,8 @@ with `bf16.stochastic_rounding` (Slipstream's own), stochastically (`StochasticR
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from slipstream.config.plan import PrecisionPlan
@@ -49,7 +51,8 @@ def apply_state_dtype(optimizer: torch.optim.Optimizer, precision: PrecisionPlan
 
 CHUNK_NUMEL = 2**21
 """Elements of a master piece stepped at once under stochastic rounding: five fp32 scratch rows of this size
-(the piece, its gradient and up to three moments; 40 MiB) are allocated once and reused."""
+(the piece, its gradient and up to three moments; 40 MiB) and the rounding's noise and mask rows
+(`RoundingScratch`, 10 MiB) are allocated once and reused."""
 
 
 class NearestRounding:
@@ -60,14 +63,44 @@ class NearestRounding:
         optimizer.step()
 
 
-def stochastic_round_(out: torch.Tensor, values: torch.Tensor, generator: torch.Generator) -> None:
+_EXPONENT = 0x7F800000
+"""The fp32 exponent bits: all set in inf and nan, which pass through the rounding unchanged."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoundingScratch:
+    """The work rows of `stochastic_round_`, allocated once by their owner and reused by every call (fresh ones
+    per chunk cost page faults on every step): `noise` holds the random integers (int32) and `finite` the mask of
+    the finite values."""
+
+    noise: torch.Tensor
+    finite: torch.Tensor
+
+    @staticmethod
+    def allocate(numel: int, device: torch.device) -> RoundingScratch:
+        return RoundingScratch(
+            noise=torch.empty(numel, dtype=torch.int32, device=device),
+            finite=torch.empty(numel, dtype=torch.bool, device=device),
+        )
+
+
+def stochastic_round_(
+    out: torch.Tensor, values: torch.Tensor, generator: torch.Generator, scratch: RoundingScratch | None = None
+) -> None:
     """`out` (bf16) := `values` (fp32) rounded up or down to a neighbouring bf16 value with probabilities that
     make the expected result `values` itself: a uniform random 16-bit integer is added to the fp32 bit pattern
-    and the 16 bits bf16 drops are cleared (sign and magnitude, so negative values round alike)."""
+    and the 16 bits bf16 drops are cleared (sign and magnitude, so negative values round alike). `scratch` (at
+    least `values.numel()` elements; allocated here when not given) holds the noise, and then the result in fp32,
+    so that the call allocates nothing."""
+    numel = values.numel()
+    if scratch is None:
+        scratch = RoundingScratch.allocate(numel, values.device)
     bits = values.view(torch.int32)
-    noise = torch.randint(0, 1 << 16, values.shape, dtype=torch.int32, device=values.device, generator=generator)
-    rounded = (bits + noise).bitwise_and_(-(1 << 16)).view(torch.float32)
-    out.copy_(torch.where(torch.isfinite(values), rounded, values))  # inf and nan pass through unchanged
+    noise, finite = scratch.noise[:numel].view(values.shape), scratch.finite[:numel].view(values.shape)
+    torch.ne(torch.bitwise_and(bits, _EXPONENT, out=noise), _EXPONENT, out=finite)
+    torch.randint(0, 1 << 16, values.shape, generator=generator, out=noise)
+    rounded = noise.add_(bits).bitwise_and_(-(1 << 16)).view(torch.float32)
+    out.copy_(torch.where(finite, rounded, values, out=rounded))  # inf and nan pass through unchanged
 
 
 class StochasticRounding(NearestRounding):
@@ -81,6 +114,7 @@ class StochasticRounding(NearestRounding):
         self.seed = seed
         self.chunk_numel = chunk_numel
         self._scratch: torch.Tensor | None = None
+        self._noise: RoundingScratch | None = None
         self._generator: torch.Generator | None = None
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -120,7 +154,7 @@ class StochasticRounding(NearestRounding):
                 state.update(zip(moments, rows[2:]))
                 step.copy_(before)  # every chunk is the same step
                 self._run(optimizer, group, piece)
-                stochastic_round_(data[start:end], rows[0], self._generator)  # type: ignore[arg-type]
+                stochastic_round_(data[start:end], rows[0], self._generator, self._noise)  # type: ignore[arg-type]
                 for row, moment in zip(rows[2:], moments.values()):
                     moment.view(-1)[start:end].copy_(row)
         finally:
@@ -138,6 +172,7 @@ class StochasticRounding(NearestRounding):
     def _rows(self, device: torch.device) -> list[torch.Tensor]:
         if self._scratch is None or self._scratch.device != device:
             self._scratch = torch.empty(5, self.chunk_numel, dtype=torch.float32, device=device)
+            self._noise = RoundingScratch.allocate(self.chunk_numel, device)
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
         return list(self._scratch)
 
