@@ -300,3 +300,26 @@ class Accelerator(abc.ABC):
                 f"compile backend must be a non-empty string such as {DEFAULT_COMPILE_BACKEND!r}, got {backend!r}"
             )
         self._compile_backend = backend.strip()
+
+
+class DeviceModuleCalls:
+    """The calls a GPU backend forwards unchanged to its torch device module (`torch.<_name>`: torch.cuda,
+    torch.mps); mixed in before `Accelerator` (or a subclass of it) by cuda.py and mps.py."""
+
+    _name: str
+
+    @property
+    def _device_module(self) -> ModuleType:
+        module: ModuleType = getattr(torch, self._name)
+        return module
+
+    @property
+    def Event(self) -> type[EventLike]:
+        event: type[EventLike] = self._device_module.Event
+        return event
+
+    def empty_cache(self) -> None:
+        self._device_module.empty_cache()
+
+    def manual_seed(self, seed: int) -> None:
+        self._device_module.manual_seed(seed)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from slipstream.accelerator.base import Accelerator, EventLike, StreamLike
+from slipstream.accelerator.base import Accelerator, DeviceModuleCalls, StreamLike
 from slipstream.utils.pin_memory_tracker import track_pinned_memory
 
 
@@ -38,7 +38,7 @@ def unavailable_reason() -> str | None:
     )
 
 
-class CudaAccelerator(Accelerator):
+class CudaAccelerator(DeviceModuleCalls, Accelerator):
     """NVIDIA GPUs via CUDA, AMD GPUs via ROCm/HIP; one device per local rank, NCCL (RCCL) collectives."""
 
     _name = "cuda"
@@ -58,9 +58,6 @@ class CudaAccelerator(Accelerator):
 
     def synchronize(self, device_index: int | None = None) -> None:
         torch.cuda.synchronize(device_index)
-
-    def manual_seed(self, seed: int) -> None:
-        torch.cuda.manual_seed(seed)
 
     def manual_seed_all(self, seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
@@ -89,13 +86,6 @@ class CudaAccelerator(Accelerator):
 
     def default_stream(self, device_index: int | None = None) -> StreamLike:
         return torch.cuda.default_stream(device_index)  # type: ignore[return-value]
-
-    @property
-    def Event(self) -> type[EventLike]:
-        return torch.cuda.Event  # type: ignore[return-value]
-
-    def empty_cache(self) -> None:
-        torch.cuda.empty_cache()
 
     def memory_allocated(self, device_index: int | None = None) -> int:
         """Bytes held by tensors in torch's caching allocator on the device."""

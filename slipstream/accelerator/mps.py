@@ -13,7 +13,7 @@ from typing import cast
 
 import torch
 
-from slipstream.accelerator.base import EventLike
+from slipstream.accelerator.base import DeviceModuleCalls
 from slipstream.accelerator.cpu import HostMemoryAccelerator
 
 
@@ -26,7 +26,7 @@ def unavailable_reason() -> str | None:
     return "torch.backends.mps.is_available() is False (MPS needs Apple silicon and macOS 12.3 or newer)"
 
 
-class MpsAccelerator(HostMemoryAccelerator):
+class MpsAccelerator(DeviceModuleCalls, HostMemoryAccelerator):
     """The single Metal GPU of an Apple-silicon Mac."""
 
     _name = "mps"
@@ -52,10 +52,8 @@ class MpsAccelerator(HostMemoryAccelerator):
     def synchronize(self, device_index: int | None = None) -> None:
         torch.mps.synchronize()
 
-    def manual_seed(self, seed: int) -> None:
-        torch.mps.manual_seed(seed)
-
-    manual_seed_all = manual_seed  # one MPS device: seeding all devices is seeding it
+    def manual_seed_all(self, seed: int) -> None:
+        self.manual_seed(seed)  # one MPS device: seeding all devices is seeding it
 
     def initial_seed(self) -> int:
         return int(self.default_generator(0).initial_seed())
@@ -74,13 +72,6 @@ class MpsAccelerator(HostMemoryAccelerator):
                 "use get_rng_state()/set_rng_state() instead"
             )
         return cast(torch.Generator, getter())
-
-    @property
-    def Event(self) -> type[EventLike]:
-        return torch.mps.Event  # type: ignore[return-value]
-
-    def empty_cache(self) -> None:
-        torch.mps.empty_cache()
 
     def memory_allocated(self, device_index: int | None = None) -> int:
         """Bytes held by live MPS tensors (torch.mps.current_allocated_memory)."""

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 import torch
@@ -331,3 +332,20 @@ def test_mps_shares_the_host_memory_behaviour() -> None:
     calls: list[int] = []
     acc.lazy_call(lambda: calls.append(1))
     assert calls == [1]
+
+
+@pytest.mark.parametrize(("cls", "module"), [(CudaAccelerator, torch.cuda), (MpsAccelerator, torch.mps)])
+def test_gpu_backends_forward_to_their_own_device_module(
+    cls: type[Accelerator], module: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Event, empty_cache and manual_seed(_all) reach torch.cuda / torch.mps (recorded, no GPU needed)."""
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(module, "empty_cache", lambda: calls.append(("empty_cache", None)))
+    monkeypatch.setattr(module, "manual_seed", lambda seed: calls.append(("manual_seed", seed)))
+    acc = cls()
+    assert acc.Event is module.Event
+    acc.empty_cache()
+    acc.manual_seed(3)
+    if cls is MpsAccelerator:  # one device: manual_seed_all is manual_seed
+        acc.manual_seed_all(4)
+    assert calls == [("empty_cache", None), ("manual_seed", 3)] + ([("manual_seed", 4)] if cls is MpsAccelerator else [])
