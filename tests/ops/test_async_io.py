@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -19,6 +20,8 @@ import pytest
 import torch
 
 import slipstream.ops.fallback.async_io as fallback_op
+from slipstream.config import AioPlan
+from slipstream.config.zero_plans import default_aio_plan
 from slipstream.ops.aio import AsyncIOError, AsyncIOHandle
 from slipstream.ops.op_builder import AsyncIOBuilder, OpBuildError, OpIncompatibleError
 from slipstream.ops.op_builder import async_io as builder_mod
@@ -274,15 +277,16 @@ def test_error_text_and_pickle() -> None:
 
 def test_wrapper_waits_on_exit_and_takes_paths(tmp_path: Path) -> None:
     src = torch.randn(3000)
-    with AsyncIOHandle(block_size=BLOCK, queue_depth=4, module=fallback_op) as handle:
+    defaults = default_aio_plan()
+    with AsyncIOHandle(dataclasses.replace(defaults, block_size=BLOCK), module=fallback_op) as handle:
         handle.async_pwrite(src, tmp_path / "w.bin")
         assert handle.engine == "python" and handle.alignment == 4096
+        assert handle.get_queue_depth() == defaults.queue_depth  # the schema's default, defined there only
     dst = torch.empty_like(src)
-    plan = type("Plan", (), {"block_size": BLOCK, "queue_depth": 2, "single_submit": False,
-                             "overlap_events": True, "intra_op_parallelism": 1})()
-    from_plan = AsyncIOHandle.from_settings(plan, module=fallback_op)
+    plan = AioPlan(block_size=BLOCK, queue_depth=2, single_submit=True, overlap_events=False, intra_op_parallelism=3)
+    from_plan = AsyncIOHandle(plan, module=fallback_op)
     assert (from_plan.get_block_size(), from_plan.get_queue_depth(), from_plan.get_single_submit(),
-            from_plan.get_overlap_events(), from_plan.get_intra_op_parallelism()) == (BLOCK, 2, False, True, 1)
+            from_plan.get_overlap_events(), from_plan.get_intra_op_parallelism()) == (BLOCK, 2, True, False, 3)
     assert from_plan.sync_pread(dst, tmp_path / "w.bin") == 1
     assert torch.equal(src, dst)
 

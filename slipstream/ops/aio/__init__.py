@@ -1,5 +1,5 @@
 """The `async_io` op's Python face: `AsyncIOBuilder` (DeepSpeed's `AsyncIOBuilder().load().aio_handle(...)`),
-`AsyncIOError`, and `AsyncIOHandle`, a keyword-only wrapper over whichever module loaded.
+`AsyncIOError`, and `AsyncIOHandle`, a wrapper made from the `aio` section's settings over whichever module loaded.
 
 Importing this package compiles nothing; the op is built or loaded on first `AsyncIOBuilder().load()`.
 """

@@ -18,29 +18,13 @@ import time
 import uuid
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from slipstream.ops.aio.handle import AsyncIOHandle
+from slipstream.ops.aio.handle import AioSettings, AsyncIOHandle
 
 SETTING_NAMES = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events")
-
-
-class AioSettings(Protocol):
-    """The `aio` config section's five settings: the resolved plan's `AioPlan` (config/plan.py) is one; this
-    layer only reads them, so it needs no import of the config layer (ops is a leaf)."""
-
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def queue_depth(self) -> int: ...
-    @property
-    def intra_op_parallelism(self) -> int: ...
-    @property
-    def single_submit(self) -> bool: ...
-    @property
-    def overlap_events(self) -> bool: ...
 
 
 def as_section(settings: AioSettings) -> dict[str, int | bool]:
@@ -130,7 +114,7 @@ class IoBench:
 
     def handle(self, settings: AioSettings) -> AsyncIOHandle:
         if settings not in self._handles:
-            self._handles[settings] = AsyncIOHandle.from_settings(settings, module=self.module)
+            self._handles[settings] = AsyncIOHandle(settings, module=self.module)
             self.module = self._handles[settings].module
         return self._handles[settings]
 

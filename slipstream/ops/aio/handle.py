@@ -1,5 +1,6 @@
-"""`AsyncIOHandle`: an `aio_handle` of the loaded async_io module (native or fallback) with keyword-only
-settings, path-like file names, the engine's name, and a `with` block that waits on exit.
+"""`AsyncIOHandle`: an `aio_handle` of the loaded async_io module (native or fallback) made from the `aio`
+section's settings (one `AioSettings` object, e.g. the plan's `AioPlan`: the defaults live in the config schema
+only), with path-like file names, the engine's name, and a `with` block that waits on exit.
 
 Buffers for O_DIRECT: `new_cpu_locked_tensor` gives page-aligned memory; with file offsets that are
 multiples of `alignment` (4096), a transfer goes straight between the buffer and the device. Other
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType, TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -22,28 +23,28 @@ SETTING_NAMES = ("block_size", "queue_depth", "single_submit", "overlap_events",
 """The `aio` section's keys: the handle's settings, in the order the native handle takes them."""
 
 
+class AioSettings(Protocol):
+    """The `aio` config section's five settings: the resolved plan's `AioPlan` (config/plan.py) is one; this
+    layer only reads them, so it needs no import of the config layer (ops is a leaf)."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def intra_op_parallelism(self) -> int: ...
+    @property
+    def single_submit(self) -> bool: ...
+    @property
+    def overlap_events(self) -> bool: ...
+
+
 class AsyncIOHandle:
-    """Asynchronous tensor reads and writes to files; the `aio` config section's five settings."""
+    """Asynchronous tensor reads and writes to files, with the `aio` config section's five settings."""
 
-    def __init__(
-        self,
-        *,
-        block_size: int = 1_048_576,
-        queue_depth: int = 8,
-        single_submit: bool = False,
-        overlap_events: bool = True,
-        intra_op_parallelism: int = 1,
-        module: ModuleType | None = None,
-    ) -> None:
+    def __init__(self, settings: AioSettings, *, module: ModuleType | None = None) -> None:
         self.module = module if module is not None else AsyncIOBuilder().load()
-        self._handle: Any = self.module.aio_handle(
-            block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism
-        )
-
-    @classmethod
-    def from_settings(cls, aio: object, *, module: ModuleType | None = None) -> AsyncIOHandle:
-        """From any object with the `aio` section's attributes (the resolved plan's `AioPlan`)."""
-        return cls(module=module, **{name: getattr(aio, name) for name in SETTING_NAMES})
+        self._handle: Any = self.module.aio_handle(*(getattr(settings, name) for name in SETTING_NAMES))
 
     @property
     def engine(self) -> str:
