@@ -6,9 +6,10 @@ import re
 
 from torch import nn
 
+from slipstream.compression.activation import InputQuantizer
 from slipstream.compression.clean import bake_and_shrink, replace_module
 from slipstream.compression.layer_reduction import initialize_student
-from slipstream.compression.layers import CompressedConv2d, CompressedLinear
+from slipstream.compression.layers import CompressedConv2d, CompressedLinear, enable_activation_quantization
 from slipstream.compression.plan import CompressionPlan, GroupPlan, resolve_compression
 from slipstream.config.load import load_config
 
@@ -17,7 +18,9 @@ __all__ = ["compression_scheduler", "init_compression", "redundancy_clean"]
 Compressed = CompressedLinear | CompressedConv2d
 
 
-def _matches(model: nn.Module, group: GroupPlan, kind: type[nn.Module] = nn.Linear) -> list[str]:
+def _matches(
+    model: nn.Module, group: GroupPlan, kind: type[nn.Module] | tuple[type[nn.Module], ...] = nn.Linear
+) -> list[str]:
     names = [
         name
         for name, module in model.named_modules()
@@ -56,7 +59,11 @@ def _apply(model: nn.Module, plan: CompressionPlan) -> None:
             for name in _matches(model, group):
                 layer = _compressed(model, name)
                 assert isinstance(layer, CompressedLinear)
-                layer.enable_pruning(group)
+                layer.enable_pruning(prune, group)
+    if plan.activation is not None:
+        for group in plan.activation.different_groups:
+            for name in _matches(model, group, (nn.Linear, nn.Conv2d)):
+                enable_activation_quantization(_compressed(model, name), plan.activation, group)
     for structured in plan.structured:
         kind = nn.Conv2d if structured.name == "channel_pruning" else nn.Linear
         for group in structured.different_groups:
@@ -108,8 +115,11 @@ class compression_scheduler:  # DeepSpeed's class name
         """Count a training step (not when `step_zero_check`), then enable and schedule compression."""
         if not step_zero_check:
             self.training_steps += 1
-        quant, prune = self.plan.quantization, self.plan.pruning
+        quant, prune, activation = self.plan.quantization, self.plan.pruning, self.plan.activation
         for layer in self._layers():
+            quantizer = getattr(layer, "input_quantizer", None)
+            if activation is not None and isinstance(quantizer, InputQuantizer):
+                quantizer.enabled = self.training_steps >= activation.schedule_offset
             for structured in self.plan.structured:
                 mask = getattr(layer, structured.name, None)
                 if mask is not None:
@@ -120,5 +130,5 @@ class compression_scheduler:  # DeepSpeed's class name
                 layer.quantization_enabled = True
                 if not step_zero_check:
                     layer.schedule.advance(self.training_steps - quant.schedule_offset)
-            if prune is not None and layer.sparse_pruning_mask is not None:
+            if prune is not None and (layer.sparse_pruning_mask is not None or layer.sparse_pruning is not None):
                 layer.pruning_enabled = self.training_steps >= prune.schedule_offset

@@ -8,11 +8,12 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from slipstream.compression.activation import InputQuantizer, quantize_inputs
 from slipstream.compression.masks import StructuredMask, unit_norms
-from slipstream.compression.plan import GroupPlan, QuantizationPlan, StructuredPlan
+from slipstream.compression.plan import ActivationPlan, GroupPlan, PruningPlan, QuantizationPlan, StructuredPlan
 from slipstream.compression.quantize import fake_quantize, l1_mask
 
-__all__ = ["BitSchedule", "CompressedConv2d", "CompressedLinear"]
+__all__ = ["BitSchedule", "CompressedConv2d", "CompressedLinear", "enable_activation_quantization"]
 
 
 @dataclass
@@ -39,11 +40,26 @@ def _enabled(mask: StructuredMask | None) -> torch.Tensor | None:
     return None if mask is None or not mask.enabled else mask.mask()
 
 
+def enable_activation_quantization(layer: nn.Linear | nn.Conv2d, plan: ActivationPlan, group: GroupPlan) -> None:
+    """Quantize `layer`'s input at the group's bits once the scheduler reaches the plan's offset (ranges per
+    row of a Linear's input, per sample of a Conv2d's)."""
+    per_sample = isinstance(layer, nn.Conv2d)
+    quantize_inputs(layer, InputQuantizer(plan, group.bits, per_sample=per_sample, device=layer.weight.device))
+
+
+def _carry_input_quantizer(layer: nn.Module, plain: nn.Module) -> None:
+    """redundancy_clean: the plain layer keeps `layer`'s activation quantization (its state too)."""
+    quantizer = getattr(layer, "input_quantizer", None)
+    if isinstance(quantizer, InputQuantizer):
+        quantize_inputs(plain, quantizer)
+
+
 class CompressedLinear(nn.Linear):
     """The same parameters as the nn.Linear it replaces; forward quantizes, then masks, the weight.
 
     Masks, each on from its method's schedule_offset: sparse (elements), row (output rows and their bias),
     head (the columns of each of `num_heads` equal slices of the input: an attention output projection's heads).
+    With activation quantization its `input_quantizer` runs on the input first (activation.py).
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -55,6 +71,7 @@ class CompressedLinear(nn.Linear):
         self.quantization_enabled = False
         self.pruning_enabled = False
         self.register_buffer("sparse_pruning_mask", None)
+        self.sparse_pruning: StructuredMask | None = None
         self.row_pruning: StructuredMask | None = None
         self.head_pruning: StructuredMask | None = None
         self.num_heads = 0
@@ -65,9 +82,13 @@ class CompressedLinear(nn.Linear):
         start = group.target_bits if plan.in_forward else group.start_bits
         self.schedule = BitSchedule(start, group.target_bits, group.quantization_period)
 
-    def enable_pruning(self, group: GroupPlan) -> None:
-        """Fix the l1 mask now (from the weight as it is), applied once the scheduler reaches the offset."""
-        self.sparse_pruning_mask = l1_mask(self.weight, group.dense_ratio)
+    def enable_pruning(self, plan: PruningPlan, group: GroupPlan) -> None:
+        """l1: fix the mask now (from the weight as it is); topk: one learned score per element (a parameter,
+        `sparse_pruning.scores`). Applied once the scheduler reaches the offset."""
+        if plan.method == "l1":
+            self.sparse_pruning_mask = l1_mask(self.weight, group.dense_ratio)
+        else:
+            self.sparse_pruning = StructuredMask("topk", group.dense_ratio, self.weight, tuple(self.weight.shape))
 
     def enable_structured(self, plan: StructuredPlan, group: GroupPlan, name: str) -> None:
         """Row or head pruning of this layer per `group` (l1 masks fixed now from the weight as it is)."""
@@ -99,6 +120,8 @@ class CompressedLinear(nn.Linear):
             )
         if self.pruning_enabled and self.sparse_pruning_mask is not None:
             weight = weight * self.sparse_pruning_mask
+        if self.pruning_enabled and self.sparse_pruning is not None:
+            weight = weight * self.sparse_pruning.mask().view_as(weight)
         rows, heads = _enabled(self.row_pruning), _enabled(self.head_pruning)
         if rows is not None:
             weight = weight * rows.view(-1, 1)
@@ -123,6 +146,7 @@ class CompressedLinear(nn.Linear):
             device=self.weight.device,
             dtype=self.weight.dtype,
         )
+        _carry_input_quantizer(self, plain)
         return _baked(plain, self.compressed_weight(), self.compressed_bias())
 
 
@@ -181,4 +205,5 @@ class CompressedConv2d(nn.Conv2d):
             device=self.weight.device,
             dtype=self.weight.dtype,
         )
+        _carry_input_quantizer(self, plain)
         return _baked(plain, self.compressed_weight(), self.compressed_bias())

@@ -1,7 +1,7 @@
 """The `compression_training` section read into frozen plans: what init_compression builds from.
 
-The schema keeps each method free-form; this module reads the parts Slipstream builds (weight quantization,
-l1 sparse pruning, row and head pruning of nn.Linear modules, channel pruning of nn.Conv2d modules) with
+The schema keeps each method free-form; this module reads the parts Slipstream builds (weight and activation
+quantization, l1 and topk sparse pruning, row and head pruning of nn.Linear modules, channel pruning of nn.Conv2d modules) with
 DeepSpeed's defaults, rejects values it cannot act on, and names every sub-option it does not build (they are
 reported, never silently ignored).
 """
@@ -14,6 +14,7 @@ from typing import Any
 from slipstream.config.notices import notice
 
 __all__ = [
+    "ActivationPlan",
     "CompressionPlan",
     "GroupPlan",
     "LayerReductionPlan",
@@ -23,7 +24,6 @@ __all__ = [
     "resolve_compression",
 ]
 
-_UNBUILT_METHODS = ("activation_quantization",)
 _REDUCTION_KEYS = {"enabled", "keep_number_layer", "module_name_prefix", "teacher_layer", "other_module_name"}
 STRUCTURED = ("row_pruning", "head_pruning", "channel_pruning")
 """The pruning methods that mask whole units (rows, heads, channels) and that redundancy_clean removes."""
@@ -39,6 +39,7 @@ _QUANT_SHARED = {
     "fp16_mixed_quantize",
 }
 _PRUNE_SHARED = {"enabled", "method", "schedule_offset"}
+_ACTIVATION_SHARED = {"enabled", "quantization_type", "range_calibration", "schedule_offset"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class GroupPlan:
     target_bits: int
     quantization_period: int
     dense_ratio: float
+    bits: int
+    """activation_quantization: the width of the inputs (4 or 8)."""
     related_modules: tuple[tuple[str, ...], ...] | None
     """Per entry of `modules`, the patterns of the layers that read its output (redundancy_clean shrinks their
     inputs with it); None when the group gives none."""
@@ -69,9 +72,23 @@ class QuantizationPlan:
 
 
 @dataclass(frozen=True)
-class PruningPlan:
-    """`sparse_pruning` with method l1: a magnitude mask keeping `dense_ratio` of each weight."""
+class ActivationPlan:
+    """`activation_quantization`: the inputs of the matched layers fake-quantized at each group's `bits` from
+    `schedule_offset` on."""
 
+    schedule_offset: int
+    symmetric: bool
+    static: bool
+    """range_calibration static: a running min/max kept in the layer; dynamic: each input's own range."""
+    different_groups: tuple[GroupPlan, ...]
+
+
+@dataclass(frozen=True)
+class PruningPlan:
+    """`sparse_pruning`: a mask keeping `dense_ratio` of each weight's elements."""
+
+    method: str
+    """"l1": fixed from |w| when init_compression runs; "topk": learned scores, one per element."""
     schedule_offset: int
     different_groups: tuple[GroupPlan, ...]
 
@@ -105,6 +122,7 @@ class CompressionPlan:
     """The methods init_compression applies; None (or absent from `structured`) where the method is off."""
 
     quantization: QuantizationPlan | None
+    activation: ActivationPlan | None
     pruning: PruningPlan | None
     structured: tuple[StructuredPlan, ...]
     layer_reduction: LayerReductionPlan | None
@@ -139,6 +157,7 @@ def _groups(method: str, section: dict[str, Any], known: set[str]) -> tuple[Grou
                 target_bits=int(params.get("target_bits", 8)),
                 quantization_period=int(params.get("quantization_period", 1)),
                 dense_ratio=float(params.get("dense_ratio", 0.1)),
+                bits=int(params.get("bits", 0)),
                 related_modules=related,
             )
         )
@@ -219,13 +238,38 @@ def _pruning(section: dict[str, Any]) -> PruningPlan | None:
     if shared is None:
         return None
     method = shared.get("method", "l1")
-    if method != "l1":
-        _report("sparse_pruning.shared_parameters.method", f"method {method!r} (only l1 is built)")
+    if method not in ("l1", "topk"):
+        _report("sparse_pruning.shared_parameters.method", f"method {method!r} (l1 and topk are built)")
         return None
     groups = _groups("sparse_pruning", section, {"dense_ratio"})
     for group in groups:
         _check_ratio("sparse_pruning", group)
-    return PruningPlan(schedule_offset=int(shared.get("schedule_offset", 1000)), different_groups=groups)
+    return PruningPlan(method=method, schedule_offset=int(shared.get("schedule_offset", 1000)), different_groups=groups)
+
+
+def _activation(section: dict[str, Any]) -> ActivationPlan | None:
+    shared = _shared("activation_quantization", section, _ACTIVATION_SHARED)
+    if shared is None:
+        return None
+    kind, calibration = shared.get("quantization_type", "symmetric"), shared.get("range_calibration", "dynamic")
+    if kind not in ("symmetric", "asymmetric") or calibration not in ("dynamic", "static"):
+        raise ValueError(
+            f"compression_training.activation_quantization: quantization_type {kind!r}, range_calibration "
+            f"{calibration!r}; use symmetric/asymmetric and dynamic/static"
+        )
+    groups = _groups("activation_quantization", section, {"bits"})
+    for group in groups:
+        if group.bits not in (4, 8):
+            raise ValueError(
+                f"compression_training.activation_quantization.different_groups.{group.name}.params.bits is "
+                f"{group.bits or 'missing'}; give 4 or 8 (the activation widths DeepSpeed builds)"
+            )
+    return ActivationPlan(
+        schedule_offset=int(shared.get("schedule_offset", 1000)),
+        symmetric=kind == "symmetric",
+        static=calibration == "static",
+        different_groups=groups,
+    )
 
 
 def _structured(method: str, section: dict[str, Any]) -> StructuredPlan | None:
@@ -289,16 +333,13 @@ def _layer_reduction(section: dict[str, Any]) -> LayerReductionPlan | None:
 def resolve_compression(config: dict[str, Any]) -> CompressionPlan:
     """The plan of a whole DeepSpeed config's `compression_training` section (absent: nothing compressed)."""
     section = dict(config.get("compression_training") or {})
-    for method in _UNBUILT_METHODS:
-        sub = section.get(method) or {}
-        if sub.get("enabled", False) or (sub.get("shared_parameters") or {}).get("enabled", False):
-            _report(method, "enabled")
-    built = {"weight_quantization", "sparse_pruning", "layer_reduction", *STRUCTURED}
-    for method in sorted(set(section) - set(_UNBUILT_METHODS) - built):
+    built = {"weight_quantization", "activation_quantization", "sparse_pruning", "layer_reduction", *STRUCTURED}
+    for method in sorted(set(section) - built):
         _report(method, "an unknown compression method")
     structured = (_structured(method, section.get(method) or {}) for method in STRUCTURED)
     return CompressionPlan(
         quantization=_quantization(section.get("weight_quantization") or {}),
+        activation=_activation(section.get("activation_quantization") or {}),
         pruning=_pruning(section.get("sparse_pruning") or {}),
         structured=tuple(plan for plan in structured if plan is not None),
         layer_reduction=_layer_reduction(section.get("layer_reduction") or {}),

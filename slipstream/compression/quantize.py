@@ -13,7 +13,27 @@ import torch
 
 from slipstream.compression.masks import keep_largest
 
-__all__ = ["fake_quantize", "l1_mask"]
+__all__ = ["fake_quantize", "l1_mask", "round_to_levels"]
+
+
+def round_to_levels(
+    flat: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+    bits: int,
+    *,
+    symmetric: bool,
+    noise: torch.Tensor | float = 0.0,
+) -> torch.Tensor:
+    """Each row of `flat` rounded to 2**bits levels over the range [low, high] (one value per row, or one for
+    all): the formula in this module's docstring, where max|w| is max(|low|, high)."""
+    q_range = 2**bits
+    if symmetric:
+        scale = 2 * torch.maximum(low.abs(), high) / q_range
+        return (flat / scale + noise).round().clamp(-(q_range // 2), q_range // 2 - 1) * scale
+    scale = (high - low) / q_range
+    zero = (low / scale).round() * scale
+    return ((flat - zero) / scale + noise).round().clamp(0, q_range - 1) * scale + zero
 
 
 def _quantized(weight: torch.Tensor, bits: int, groups: int, symmetric: bool, stochastic: bool) -> torch.Tensor:
@@ -24,18 +44,9 @@ def _quantized(weight: torch.Tensor, bits: int, groups: int, symmetric: bool, st
             "give a divisor of every quantized weight's size"
         )
     flat = weight.reshape(groups, -1)
-    q_range = 2**bits
     noise = torch.rand_like(flat) - 0.5 if stochastic else 0.0
-    if symmetric:
-        scale = 2 * flat.abs().amax(dim=-1, keepdim=True) / q_range
-        levels = (flat / scale + noise).round().clamp(-(q_range // 2), q_range // 2 - 1)
-        out = levels * scale
-    else:
-        low, high = flat.amin(dim=-1, keepdim=True), flat.amax(dim=-1, keepdim=True)
-        scale = (high - low) / q_range
-        zero = (low / scale).round() * scale
-        out = ((flat - zero) / scale + noise).round().clamp(0, q_range - 1) * scale + zero
-    return out.reshape(weight.shape)
+    low, high = flat.amin(dim=-1, keepdim=True), flat.amax(dim=-1, keepdim=True)
+    return round_to_levels(flat, low, high, bits, symmetric=symmetric, noise=noise).reshape(weight.shape)
 
 
 def fake_quantize(

@@ -19,6 +19,7 @@ class CompressionTrainingConfig(OpenSection):
 
     IMPLEMENTED = {
         "weight_quantization": _PLAN,
+        "activation_quantization": _PLAN,
         "sparse_pruning": _PLAN,
         "row_pruning": _PLAN,
         "head_pruning": _PLAN,
@@ -29,9 +30,9 @@ class CompressionTrainingConfig(OpenSection):
     weight_quantization: Method = None
     """Fake-quantized Linear weights, bits stepping down on a schedule."""
     activation_quantization: Method = None
-    """Quantized Linear inputs (not built)."""
+    """Fake-quantized inputs of Linear and Conv2d layers (dynamic or static ranges) from a schedule offset."""
     sparse_pruning: Method = None
-    """Unstructured magnitude masks of Linear weights."""
+    """Unstructured masks of Linear weights: l1 (magnitudes) or topk (learned scores); snip_momentum reported."""
     row_pruning: Method = None
     """Output rows of Linear layers masked, then removed by redundancy_clean."""
     head_pruning: Method = None

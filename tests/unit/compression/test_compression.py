@@ -159,8 +159,10 @@ def test_redundancy_clean_gives_plain_linears_with_the_same_output() -> None:
 
 def test_unbuilt_keys_are_reported_by_name() -> None:
     config = _config()
-    config["compression_training"]["activation_quantization"] = {"shared_parameters": {"enabled": True}}
-    with pytest.warns(UserWarning, match="compression_training.activation_quantization"):
+    config["compression_training"]["sparse_pruning"] = {
+        "shared_parameters": {"enabled": True, "method": "snip_momentum", "block_pattern": "4x1"}
+    }
+    with pytest.warns(UserWarning, match="compression_training.sparse_pruning.shared_parameters.method"):
         init_compression(_Named(), config)
 
 
