@@ -6,7 +6,7 @@ This module owns the `Accelerator` base class and the small structural types (`S
 
 Methods that only depend on the backend's name or on other methods (`name`, `device`,
 `current_device_name`, `supported_dtypes`, `on_accelerator`, `set_visible_devices_envs`,
-`op_builder_dir`, compile backend, `memory_cached`) are implemented here once; everything that talks to
+`op_builder_dir`, compile backend, `memory_cached`, `reset_max_memory_allocated`) are implemented here once; everything that talks to
 a device runtime is abstract.
 
 Deliberate differences from DeepSpeed's `DeepSpeedAccelerator`:
@@ -190,9 +190,10 @@ class Accelerator(abc.ABC):
     def max_memory_allocated(self, device_index: int | None = None) -> int:
         """Peak of `memory_allocated` since start or the last reset."""
 
-    @abc.abstractmethod
     def reset_max_memory_allocated(self, device_index: int | None = None) -> None:
-        """Restart peak tracking from the current value."""
+        """Restart peak tracking from the current value: `reset_peak_memory_stats`, whose peaks include this one
+        (as torch.cuda.reset_max_memory_allocated does)."""
+        self.reset_peak_memory_stats(device_index)
 
     @abc.abstractmethod
     def memory_reserved(self, device_index: int | None = None) -> int:

@@ -340,9 +340,6 @@ class CpuAccelerator(HostMemoryAccelerator):
         """Peak process RSS in bytes since start or the last reset; see [Note: CPU memory numbers]."""
         return self._peak.peak()
 
-    def reset_max_memory_allocated(self, device_index: int | None = None) -> None:
-        self._peak.reset()
-
     def memory_reserved(self, device_index: int | None = None) -> int:
         """Process RSS in bytes (no allocator cache to add)."""
         return host_rss_bytes()

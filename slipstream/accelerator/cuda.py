@@ -94,9 +94,6 @@ class CudaAccelerator(DeviceModuleCalls, Accelerator):
     def max_memory_allocated(self, device_index: int | None = None) -> int:
         return torch.cuda.max_memory_allocated(device_index)
 
-    def reset_max_memory_allocated(self, device_index: int | None = None) -> None:
-        torch.cuda.reset_peak_memory_stats(device_index)
-
     def memory_reserved(self, device_index: int | None = None) -> int:
         return torch.cuda.memory_reserved(device_index)
 

@@ -83,9 +83,6 @@ class MpsAccelerator(DeviceModuleCalls, HostMemoryAccelerator):
         """Largest `memory_allocated` seen by this object's calls since the reset (MPS has no peak)."""
         return max(self._sampled_peak, self.memory_allocated())
 
-    def reset_max_memory_allocated(self, device_index: int | None = None) -> None:
-        self._sampled_peak = 0
-
     def memory_reserved(self, device_index: int | None = None) -> int:
         """Bytes the Metal driver holds for this process (torch.mps.driver_allocated_memory)."""
         return int(torch.mps.driver_allocated_memory())

@@ -349,3 +349,14 @@ def test_gpu_backends_forward_to_their_own_device_module(
     if cls is MpsAccelerator:  # one device: manual_seed_all is manual_seed
         acc.manual_seed_all(4)
     assert calls == [("empty_cache", None), ("manual_seed", 3)] + ([("manual_seed", 4)] if cls is MpsAccelerator else [])
+
+
+@pytest.mark.parametrize("cls", [CpuAccelerator, CudaAccelerator, MpsAccelerator])
+def test_reset_max_memory_allocated_is_reset_peak_memory_stats(
+    cls: type[Accelerator], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every backend's reset_max_memory_allocated resets the peaks as reset_peak_memory_stats does."""
+    calls: list[int | None] = []
+    monkeypatch.setattr(cls, "reset_peak_memory_stats", lambda self, device_index=None: calls.append(device_index))
+    cls().reset_max_memory_allocated(0)
+    assert calls == [0]
