@@ -273,6 +273,9 @@ class ZeroPlan:
     reduce_dtype: str
     """"fp32" | "fp16" | "bf16": the dtype gradients travel in when reduced across ranks, added back into the
     gradient accumulation dtype (communication_data_type; unset: the gradient accumulation dtype)."""
+    sparse_gradients: bool
+    """Stage 0: embedding gradients all-reduced as the rows they touch when that is smaller (sparse_gradients;
+    zero/sparse_rows.py)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

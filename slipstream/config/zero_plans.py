@@ -96,7 +96,20 @@ def zero_plan(cfg: DeepSpeedConfig, aio: AioPlan, problems: list[str], *, grad_a
         zenflow=_zenflow_plan(zero, offload, problems),
         overlap_comm=bool(zero.overlap_comm),
         reduce_dtype=cfg.communication_data_type or grad_accum_dtype,
+        sparse_gradients=_sparse_gradients(cfg.sparse_gradients, zero.stage),
     )
+
+
+def _sparse_gradients(enabled: bool, stage: int) -> bool:
+    """sparse_gradients acts at stage 0; DeepSpeed's ZeRO stages reduce embedding gradients dense, and so do ours."""
+    if enabled and stage > 0:
+        warnings.warn(
+            f"sparse_gradients has no effect at zero_optimization.stage {stage} (embedding gradients are reduced "
+            "dense there, as in DeepSpeed); set the stage to 0 or remove sparse_gradients",
+            ConfigWarning,
+            stacklevel=3,
+        )
+    return enabled and stage == 0
 
 
 def _zenflow_plan(zero: ZeroConfig, offload: OffloadTarget, problems: list[str]) -> ZenFlowPlan | None:

@@ -22,6 +22,7 @@ from slipstream.config.plan import PrecisionPlan, ZeroPlan
 from slipstream.offload.choose import policy_for
 from slipstream.utils.logging import warn_once
 from slipstream.zero.optimizer import DTYPES, GroupFor, ZeroOptimizer
+from slipstream.zero.sparse_rows import SparseRows, embedding_tables
 from slipstream.zero.stage0 import Stage0Optimizer
 from slipstream.zero.stage1 import Stage1Optimizer
 from slipstream.zero.stage2 import Stage2Optimizer
@@ -68,7 +69,7 @@ class ZeroBuild:
             stage = zenflow_stage(stage)
         if self.extend is not None:
             stage = self.extend(stage)
-        return stage(
+        built = stage(
             optimizer,
             zero=self.zero,
             precision=self.precision,
@@ -77,6 +78,9 @@ class ZeroBuild:
             group=self.group,
             **extra,
         )
+        if self.zero.sparse_gradients and isinstance(built, Stage0Optimizer):
+            built.sparse_rows = SparseRows(built.groups, embedding_tables(self.module))
+        return built
 
 
 def build_zero(

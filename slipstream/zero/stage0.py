@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.comm import collectives
+from slipstream.zero.sparse_rows import SparseRows, dense_parts, reduce_sparse_rows
 from slipstream.zero.staging import ReducesAtStep
 
 
@@ -33,6 +34,8 @@ class Stage0Optimizer(ReducesAtStep):
     full_grad_storage = True
     _local_grads = False
     """This step's gradients stay on their rank (see [Note: optimizers that communicate themselves])."""
+    sparse_rows: SparseRows | None = None
+    """sparse_gradients: the embedding tables reduced as rows (zero/sparse_rows.py [Note: sparse rows])."""
 
     def _reduce_for_step(self) -> None:
         self._local_grads = reduces_itself(self.optimizer, self.process_group)
@@ -42,7 +45,9 @@ class Stage0Optimizer(ReducesAtStep):
             if flat.world_size == 1:
                 continue
             for bucket in flat.layout.buckets:
-                self.step_reducer.all_reduce(flat.bucket_grads(bucket), group=flat.process_group)
+                for part in dense_parts(self.sparse_rows, flat, bucket):
+                    self.step_reducer.all_reduce(part, group=flat.process_group)
+                reduce_sparse_rows(self.sparse_rows, flat, bucket, flat.grad_storage.dtype)
         self.step_reducer.finish_all()
 
     def _grad_stats(self, grad_divisor: float) -> torch.Tensor:

@@ -78,6 +78,7 @@ class DeepSpeedConfig(DSModel):
         "communication_data_type": "zero.reduce_dtype",
         "prescale_gradients": "precision.grad_predivide",
         "gradient_predivide_factor": "precision.grad_predivide",
+        "sparse_gradients": "zero.sparse_gradients",
     }
     train_batch_size: DSInt | None = Field(None, gt=0)
     """Global batch: micro batch * gradient accumulation steps * data-parallel world size."""
@@ -116,7 +117,8 @@ class DeepSpeedConfig(DSModel):
     seq_parallel_communication_data_type: str = "fp32"
     """Dtype of sequence-parallel communication."""
     sparse_gradients: DSBool = False
-    """Communicate embedding gradients sparsely."""
+    """ZeRO stage 0: all-reduce nn.Embedding / nn.EmbeddingBag gradients as the rows they touch (indices and
+    rows) when that is smaller than the table."""
     disable_allgather: DSBool = False
     """Disable all-gather of parameters after the step (legacy)."""
     zero_allow_untested_optimizer: DSBool = False

@@ -221,7 +221,7 @@ def test_implemented_keys_are_not_listed() -> None:
         {"pipeline": {"partition": "uniform"}},
         {"elasticity": {"enabled": False, "min_time": 20}},
         {"autotuning": {"enabled": True, "tuner_type": "model_based", "model_info": {"profile": True}}},
-        {"compression_training": {"activation_quantization": {"shared_parameters": {"enabled": True}}}},
+        {"quantize_training": {"enabled": True}},
         {"data_efficiency": {"enabled": True}},
         {"tensor_parallel": {"tp_overlap_comm": True}},
         {"aio": {"use_gds": True}},
