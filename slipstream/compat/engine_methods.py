@@ -159,8 +159,7 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "uses_parallelization_pass_only": "DeepCompile is not implemented",
     "super_offload": "SuperOffload is not implemented; use offload_optimizer",
     "load_moe_state_dict": "MoE checkpoints load through load_checkpoint",
-    "set_custom_curriculum_learning_schedule": "curriculum learning (data_efficiency) is not implemented",
-    "set_data_post_process_func": "data efficiency pipelines are not implemented",
+    "set_custom_curriculum_learning_schedule": "the custom curriculum schedule type is not implemented",
     "random_ltd_initialize": "random layer-token drop is not implemented",
     "quantize_training": "quantization-aware training is not implemented",
     "active_timers": "DeepSpeed's engine timers are not implemented; see wall_clock_breakdown",
@@ -316,9 +315,10 @@ class DeepSpeedEngineMethods(CompiledEngine, EngineAttributes):
     ) -> torch.utils.data.DataLoader:
         """A DataLoader over this data-parallel rank's share of `dataset` (a DistributedSampler over the
         data-parallel replicas: a pipeline's stage or a TP group reads one share), micro-batch sized."""
-        del route
         from torch.utils.data import DataLoader, DistributedSampler
 
+        if self.plan.schedules.sampling is not None and route in (None, "train"):  # the curriculum sampler
+            return self._curriculum_loader(dataset, batch_size, collate_fn)
         if data_sampler is None and not self.is_iterable_style_dataset(dataset):
             getters: Any = self  # the engine's data-parallel getters (engine_getters.py, pipe/engine.py)
             data_sampler = DistributedSampler(
@@ -337,6 +337,27 @@ class DeepSpeedEngineMethods(CompiledEngine, EngineAttributes):
             pin_memory=pin_memory and torch.cuda.is_available(),
             drop_last=bool(_dotted(self.config, "dataloader_drop_last", False)),
         )
+
+    def _curriculum_loader(self, dataset: Any, batch_size: int | None, collate_fn: Any) -> Any:
+        from slipstream.data.sampled_loader import CurriculumDataLoader
+
+        getters: Any = self
+        return CurriculumDataLoader(
+            dataset,
+            self.plan.schedules.sampling,
+            micro_batch_size=batch_size or self.plan.batch.micro_batch_size,
+            rank_and_size=(getters.get_data_parallel_rank(), getters.get_data_parallel_world_size()),
+            gradient_accumulation_steps=self.plan.batch.gradient_accumulation_steps,
+            drop_last=self.plan.dataloader_drop_last,
+            collate_fn=collate_fn,
+        )
+
+    def set_data_post_process_func(self, post_process_func: Any) -> None:
+        """Hand each batch of the curriculum loader, with the sampler's state, to `post_process_func` (DeepSpeed's
+        hook; it changes nothing without the curriculum sampler, as in DeepSpeed)."""
+        loader = getattr(self, "training_dataloader", None)
+        if loader is not None and hasattr(loader, "post_process_func"):
+            loader.post_process_func = post_process_func
 
     # ---- module state and caches ----
     def module_state_dict(

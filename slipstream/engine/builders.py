@@ -189,11 +189,28 @@ def make_loss_scaler(plan: LossScalePlan | None) -> Any:
 def make_dataloader(plan: EnginePlan, data: Any, collate_fn: Any, rank: int, world_size: int) -> Any:
     if data is None:
         return None
+    if plan.schedules.sampling is not None:  # data_efficiency's curriculum sampler (data/sampled_loader.py)
+        return curriculum_loader(plan, data, collate_fn, (rank, world_size))
     return make_training_dataloader(
         data,
         micro_batch_size=plan.batch.micro_batch_size,
         rank=rank,
         world_size=world_size,
+        drop_last=plan.dataloader_drop_last,
+        collate_fn=collate_fn,
+    )
+
+
+def curriculum_loader(plan: EnginePlan, data: Any, collate_fn: Any, rank_and_size: tuple[int, int]) -> Any:
+    from slipstream.data.sampled_loader import CurriculumDataLoader
+
+    assert plan.schedules.sampling is not None
+    return CurriculumDataLoader(
+        data,
+        plan.schedules.sampling,
+        micro_batch_size=plan.batch.micro_batch_size,
+        rank_and_size=rank_and_size,
+        gradient_accumulation_steps=plan.batch.gradient_accumulation_steps,
         drop_last=plan.dataloader_drop_last,
         collate_fn=collate_fn,
     )

@@ -31,6 +31,7 @@ from slipstream.checkpoint.state import (
 )
 from slipstream.comm import collectives
 from slipstream.comm.collectives import CollectiveError
+from slipstream.data.sampled_loader import load_sampler_state, sampler_state
 from slipstream.utils.errors import ArgumentError
 from slipstream.utils.logging import log_rank0, warn_once
 
@@ -142,6 +143,7 @@ class SaveLoad:
             else None,
             "client_state": values,
             "forward_schedules": self._forward_schedules.state_dict(),
+            "data_sampler": sampler_state(getattr(self, "training_dataloader", None)),  # the curriculum sampler
             "config": to_json(self.config, "config"),
             "shared_params": shared_parameter_names(self.module),
         }
@@ -253,6 +255,7 @@ class SaveLoad:
         if scalars.get("loss_scaler") and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(scalars["loss_scaler"])
         self._forward_schedules.load_state_dict(scalars.get("forward_schedules") or {})
+        load_sampler_state(getattr(self, "training_dataloader", None), scalars.get("data_sampler"))
 
 
 def _micro_batches(count: int, adjective: str = "") -> str:

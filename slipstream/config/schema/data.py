@@ -1,15 +1,24 @@
 """Sections that shape what the model sees per step: the legacy `curriculum_learning` section (a sequence
 length handed to the forward, growing on a schedule) and `progressive_layer_drop` (a keep probability handed
 to the forward). Both are `OpenSection`s: DeepSpeed kept every key of them as given; the keys listed here are
-type-checked and honoured, any other key is kept and reported as not implemented."""
+type-checked and honoured, any other key is kept and reported as not implemented. The `data_efficiency` section:
+its curriculum sampler (`data_sampling.curriculum_learning`, slipstream/data/curriculum_sampler.py)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from slipstream.config.schema.base import DSBool, DSFloat, DSInt, OpenSection, plan_fields
+from pydantic import Field
 
-__all__ = ["CurriculumLearningConfig", "CurriculumScheduleConfig", "ProgressiveLayerDropConfig"]
+from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, OpenSection, plan_fields
+
+__all__ = [
+    "CurriculumLearningConfig",
+    "CurriculumMetricConfig",
+    "CurriculumScheduleConfig",
+    "DataEfficiencyConfig",
+    "ProgressiveLayerDropConfig",
+]
 
 
 class CurriculumScheduleConfig(OpenSection):
@@ -74,3 +83,87 @@ class ProgressiveLayerDropConfig(OpenSection):
     """The keep probability the schedule decays towards."""
     gamma: DSFloat = 0.001
     """How fast it decays per step."""
+
+
+class CurriculumMetricConfig(DSModel):
+    """One entry of `data_efficiency.data_sampling.curriculum_learning.curriculum_metrics` (the entries are read
+    by config/data_plans.py, so this table is not walked like a section: every key here is honoured)."""
+
+    IMPLEMENTED = plan_fields(
+        "data_sampling.metrics",
+        "index_to_sample_path",
+        "index_to_metric_path",
+        "difficulty_type",
+        "clustering_type",
+        "min_difficulty",
+        "max_difficulty",
+        "schedule_type",
+        "schedule_config",
+    )
+
+    index_to_sample_path: str | None = None
+    """The metric index's `<metric>_index_to_sample` prefix (.bin/.idx): row i lists the samples of the i-th
+    smallest value (or a `_percentile_merged` one); needed unless clustering_type is single_cluster."""
+    index_to_metric_path: str | None = None
+    """The `<metric>_index_to_metric` prefix: row i holds that value; needed when difficulty_type is value."""
+    difficulty_type: Literal["value", "percentile"] | None = None
+    """value: a sample is eligible while its metric <= the difficulty; percentile: while it is among the
+    difficulty percent smallest."""
+    clustering_type: Literal["schedule_based", "single_cluster"] | None = None
+    """single_cluster: the metric does not restrict the samples (every sample is eligible)."""
+    min_difficulty: DSInt | None = None
+    """The difficulty of the first step."""
+    max_difficulty: DSInt | None = None
+    """The difficulty the schedule ends at (100 for percentile)."""
+    schedule_type: Literal["fixed_linear", "fixed_root", "fixed_discrete", "custom"] | None = None
+    """How the difficulty grows with the step ("custom" is not implemented)."""
+    schedule_config: CurriculumScheduleConfig = CurriculumScheduleConfig()
+    """The schedule's parameters (as the legacy section's)."""
+
+
+class DataCurriculumConfig(OpenSection):
+    """`data_efficiency.data_sampling.curriculum_learning`: difficulty-indexed sampling over metric indexes."""
+
+    IMPLEMENTED = plan_fields(
+        "schedules.sampling", enabled="schedules.sampling", curriculum_metrics="schedules.sampling.metrics"
+    )
+
+    enabled: DSBool = False
+    """Draw each global batch from the samples eligible at the step's difficulties."""
+    data_cluster_path: str | None = None
+    """Where DeepSpeed writes its sample clusters; Slipstream keeps them in memory (and in checkpoints), so
+    this key is reported."""
+    curriculum_metrics: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Metric name -> its index, difficulty type and schedule (keys: CurriculumMetricConfig)."""
+
+
+class DataSamplingConfig(OpenSection):
+    """`data_efficiency.data_sampling`."""
+
+    IMPLEMENTED = plan_fields("schedules.sampling", "num_epochs", "num_workers", enabled="schedules.sampling")
+
+    enabled: DSBool = False
+    """Turn data sampling on (the curriculum sampler needs it)."""
+    num_epochs: DSInt = 1000
+    """The sampler stops after this many epochs' worth of samples."""
+    num_workers: DSInt = 0
+    """DataLoader worker processes of the training loader."""
+    pin_memory: DSBool = False
+    """Reported (DeepSpeed's loader takes deepspeed_io's pin_memory argument instead)."""
+    curriculum_learning: DataCurriculumConfig = DataCurriculumConfig()
+    """Curriculum learning over user metrics."""
+
+
+class DataEfficiencyConfig(OpenSection):
+    """`data_efficiency`: data sampling (the curriculum sampler); data_routing (random-LTD) is reported."""
+
+    IMPLEMENTED = plan_fields("schedules.sampling", "seed", enabled="schedules.sampling")
+
+    enabled: DSBool = False
+    """Turn the data efficiency library on (the curriculum sampler needs it)."""
+    seed: DSInt = 1234
+    """Seed of the sampler's shuffles."""
+    data_sampling: DataSamplingConfig = DataSamplingConfig()
+    """Data sampling."""
+    data_routing: dict[str, Any] | None = None
+    """Random layerwise token dropping (reported)."""

@@ -14,7 +14,7 @@ from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, aliased
 from slipstream.config.schema.compression import CompressionTrainingConfig
-from slipstream.config.schema.data import CurriculumLearningConfig, ProgressiveLayerDropConfig
+from slipstream.config.schema.data import CurriculumLearningConfig, DataEfficiencyConfig, ProgressiveLayerDropConfig
 from slipstream.config.schema.inference import HybridEngineConfig
 from slipstream.config.schema.misc import (
     ActivationCheckpointingConfig,
@@ -197,7 +197,7 @@ class DeepSpeedConfig(DSModel):
     """Compression library settings (init_compression, the engine's compression scheduler)."""
     curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
     """Legacy curriculum learning."""
-    data_efficiency: EnabledSection = Field(default_factory=EnabledSection)
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
     """Data efficiency library (sampling, routing)."""
     hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
     """Hybrid training/inference engine (RLHF)."""
