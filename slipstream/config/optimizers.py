@@ -25,6 +25,7 @@ __all__ = [
     "DEEPSPEED_ONLY",
     "OptimizerSpec",
     "REGISTRY",
+    "compresses",
     "is_muon_matrix",
     "spec_for",
     "spec_for_class",
@@ -89,6 +90,9 @@ class OptimizerSpec:
     """Class names of built instances that count as this optimizer (for client optimizers)."""
     min_torch: tuple[int, int] | None = None
     """Oldest torch (major, minor) that has the class."""
+    compresses: bool = False
+    """After its warm-up it communicates through the 1-bit compressed all-reduce (optim/onebit/), whose error and
+    staging buffers the planner counts (planner/zero_bytes.py `compressed_allreduce_bytes`)."""
 
 
 _ADAM_DEFAULTS = {"weight_decay": 0.0}
@@ -136,21 +140,28 @@ _ENTRIES = (
         class_names=("Adafactor",),
         min_torch=(2, 5),
     ),
-    # the 1-bit optimizers (slipstream/optim/onebit/): ZeRO stage 0 only (zero/build.py refuses the others)
+    # the 1-bit optimizers (slipstream/optim/onebit/): ZeRO stage 0, and 1-bit Adam stage 1 (zero/build.py refuses
+    # the others)
     OptimizerSpec(
         name="onebitadam",
         target="slipstream.optim.onebit:OneBitAdam",
         states=_fixed(2),
         class_names=("OneBitAdam", "OnebitAdam"),
+        compresses=True,
     ),
     OptimizerSpec(
-        name="zerooneadam", target="slipstream.optim.onebit:ZeroOneAdam", states=_fixed(3), class_names=("ZeroOneAdam",)
+        name="zerooneadam",
+        target="slipstream.optim.onebit:ZeroOneAdam",
+        states=_fixed(3),
+        class_names=("ZeroOneAdam",),
+        compresses=True,
     ),
     OptimizerSpec(
         name="onebitlamb",
         target="slipstream.optim.onebit:OneBitLamb",
         states=_fixed(3),
         class_names=("OneBitLamb", "OnebitLamb"),
+        compresses=True,
     ),
     # torch.optim classes by their torch names (DeepSpeed passes unknown names to torch.optim as well).
     OptimizerSpec(name="Adamax", target="torch.optim:Adamax", states=_fixed(2), class_names=("Adamax",)),
@@ -182,5 +193,15 @@ def spec_for_class(class_name: str) -> OptimizerSpec | None:
 
 def states_per_element(name: str, params: Mapping[str, object] = {}) -> float:
     """Full-size state tensors per master element for an optimizer name or class name (2 when unknown)."""
-    spec = spec_for(name) or spec_for_class(name)
+    spec = _lookup(name)
     return 2 if spec is None else spec.states(params)
+
+
+def compresses(name: str) -> bool:
+    """The optimizer (a name or class name) runs the 1-bit compressed all-reduce (`OptimizerSpec.compresses`)."""
+    spec = _lookup(name)
+    return spec is not None and spec.compresses
+
+
+def _lookup(name: str) -> OptimizerSpec | None:
+    return spec_for(name) or spec_for_class(name)

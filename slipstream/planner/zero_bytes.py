@@ -15,6 +15,8 @@ Stages 0-2 mirror `zero/flat_group.py` on the layout of `zero/layout.py` ([Note:
 - comm_buffers (stage 2, `zero/stage2.py`): two staging buffers of world x chunk and two receive buffers of
   chunk elements, in the grad-accumulation dtype, where the layout's buckets and the chunk are bounded by
   `STAGE2_STAGING_BYTES` ([Note: stage-2 staging bound] in zero/layout.py);
+- the compressed all-reduce of the 1-bit optimizers (`compressed_allreduce_bytes`; see [Note: compressed
+  all-reduce bytes]), at stages 0 and 1 without offload, in optimizer_state and comm_buffers;
 Stage 3 mirrors `zero/stage3/`: each parameter contributes ceil(numel / world) elements to its unit's shard
 (`units.shard_layout`); master/grads/host buffers/optimizer state cover the trainable shard elements; the
 reduce-scatter keeps two staging buffers of world x (largest unit's trainable shard) and two receive buffers
@@ -27,10 +29,26 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from slipstream.config.optimizers import states_per_element
+from slipstream.config.optimizers import compresses, states_per_element
 from slipstream.planner.prefetch import PoolFigures, UnitShape, simulate_pool
 from slipstream.planner.types import DTYPE_BYTES, Settings
-from slipstream.zero.layout import build_layout, stage2_bucket_numel, stage2_chunk_numel
+from slipstream.zero.layout import GroupLayout, build_layout, stage2_bucket_numel, stage2_chunk_numel
+
+# [Note: compressed all-reduce bytes]
+# 1-bit Adam, 0/1 Adam and 1-bit LAMB, once compression starts, hold one `OneBitAllReduce` per slot
+# (comm/compressed/onebit.py): at stage 0 a slot is one of the optimizer's pieces (a whole padded bucket), at
+# stage 1 on several ranks a bucket's gradients (1-bit Adam only). A slot of n elements in a dtype of d bytes is
+# padded to p = n rounded up to a multiple of 8 x world, served in chunks of c = p / world, sent as packed rows of
+# r = c / 8 + 4 bytes (the signs, then a float32 scale). Per slot:
+#     optimizer_state: (p + c) x d            the worker and the server error (checkpoints keep them)
+#     comm_buffers:    c x d + (3 world + 1) r  the served chunk's values; the sent, received and gathered rows
+#                                             (world rows each) and the served row
+# plus one shared Scratch, sized for the largest slot's s = p, in comm_buffers:
+#     s x 2 d (staging, values) + s (sign bits) + s (packed int64 words) + s / 2 (int32 codes) + 2 x 2048 x d
+#     (the 256 x 8 sign table and its scaled copy).
+# The dtype is the pieces' (the master dtype) at stage 0, the gradient-accumulation dtype at stage 1.
+_SIGN_TABLE_NUMEL = 256 * 8
+_SCALE_BYTES = 4
 
 
 def optimizer_states_per_element(name: str, params: Sequence[tuple[str, object]] = ()) -> float:
@@ -49,6 +67,33 @@ class ZeroBytes:
     """In the keys of `engine.optimizer.owned_bytes()`."""
     pinned_blocks: tuple[int, ...]
     """Sizes of the host blocks that are pinned (one allocation each), for the pinned-allocator rounding."""
+
+
+def compressed_allreduce_bytes(slots: Sequence[int], *, world: int, dtype_bytes: int) -> dict[str, int]:
+    """The 1-bit compressed all-reduces of slots with these element counts, in the keys of `owned_bytes()`
+    (see [Note: compressed all-reduce bytes])."""
+    if not slots:
+        return {"optimizer_state": 0, "comm_buffers": 0}
+    padded = [-(-numel // (8 * world)) * 8 * world for numel in slots]
+    errors = buffers = 0
+    for numel in padded:
+        chunk = numel // world
+        errors += (numel + chunk) * dtype_bytes
+        buffers += chunk * dtype_bytes + (3 * world + 1) * (chunk // 8 + _SCALE_BYTES)
+    largest = max(padded)
+    scratch = largest * 2 * dtype_bytes + largest * 2 + largest // 2 + 2 * _SIGN_TABLE_NUMEL * dtype_bytes
+    return {"optimizer_state": errors, "comm_buffers": buffers + scratch}
+
+
+def _compression_roles(layout: GroupLayout, *, stage: int, settings: Settings, offload: bool) -> dict[str, int]:
+    """What the 1-bit optimizers' compressed all-reduce adds at stages 0 and 1 (none for other optimizers, and
+    with offload, which they do not run with)."""
+    if not compresses(settings.optimizer) or stage not in (0, 1) or offload:
+        return {}
+    world = layout.world_size
+    dtype = settings.grad_accum_dtype if stage == 1 and world > 1 else settings.master_dtype
+    slots = [b.padded_numel for b in layout.buckets]
+    return compressed_allreduce_bytes(slots, world=world, dtype_bytes=DTYPE_BYTES[dtype])
 
 
 def _next_pow2(n: int) -> int:
@@ -128,6 +173,8 @@ def stage012_bytes(
     if stage == 2:
         chunk = stage2_chunk_numel(layout, grad)
         owned["comm_buffers"] = 2 * chunk * world * grad + 2 * chunk * grad
+    for role, value in _compression_roles(layout, stage=stage, settings=settings, offload=offload).items():
+        owned[role] += value
     # autograd's gradient of the largest parameter; at stage 2 also a bucket's gradients waiting for the rest of it
     waiting = max(b.numel for b in layout.buckets) if stage == 2 else 0
     extra = {"frozen_params": frozen * param, "gathered_params": 0, "transient": max(max(trainable), waiting) * param}

@@ -364,6 +364,8 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     total["optimizer_state"] += value.numel() * value.element_size()
+        for key, value in getattr(self.optimizer, "owned_bytes", dict)().items():  # held outside `state` (1-bit)
+            total[key] += value
         total["comm_buffers"] += self._comm_buffer_bytes()
         return total
 

@@ -84,6 +84,10 @@ class Scratch:
             table=torch.empty(256, 8, dtype=dtype, device=device),
         )
 
+    def nbytes(self) -> int:
+        """Bytes of every buffer here (planner/zero_bytes.py `compressed_allreduce_bytes` predicts them)."""
+        return _nbytes(*(getattr(self, f.name) for f in dataclasses.fields(self)))
+
     def shaped(self, rows: int, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(values, bits, words) viewed as `rows` rows of `numel` elements."""
         count = rows * numel
@@ -109,6 +113,10 @@ class Scratch:
 # rows from a 256-row table (the signs times the row's scale: +scale or -scale, exact), indexed by the bytes. That
 # reads n / 8 bytes and writes n values once, where unpacking to bools and converting them to floats walks the
 # row four times (the bool -> float conversion alone costs more than the gather).
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -206,6 +214,14 @@ class OneBitAllReduce:
     def wire_bytes(self) -> int:
         """Bytes this rank hands to the collectives per call (the all-to-all's input, the all-gather's output)."""
         return 2 * self._sent.numel()
+
+    def error_bytes(self) -> int:
+        """Bytes of the two error buffers (state that checkpoints keep)."""
+        return _nbytes(self.worker_error, self.server_error)
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the packed rows and the served chunk's values (the shared Scratch is counted by its owner)."""
+        return _nbytes(self._sent, self._received, self._served, self._gathered, self._served_values)
 
     def reset_errors(self) -> None:
         self.worker_error.zero_()

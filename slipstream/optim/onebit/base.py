@@ -246,6 +246,16 @@ class OneBitBase(WholeTensorOptimizer):
             scratch = self._scratches[key] = Scratch.allocate(size, values.dtype, values.device)
         return scratch
 
+    def owned_bytes(self) -> dict[str, int]:
+        """Bytes the compressed all-reduces hold beyond `state` (zero/optimizer.py adds them to its roles): the
+        error buffers are optimizer state (checkpoints keep them), the packed rows and the shared Scratch are
+        communication buffers. Nothing before the first compressed step."""
+        reduces = self._all_reduces.values()
+        return {
+            "optimizer_state": sum(r.error_bytes() for r in reduces),
+            "comm_buffers": sum(r.buffer_bytes() for r in reduces) + sum(s.nbytes() for s in self._scratches.values()),
+        }
+
     def reset_errors(self) -> None:
         for reduce in self._all_reduces.values():
             reduce.reset_errors()
