@@ -226,7 +226,10 @@ COMPOSITES: dict[str, dict[str, str]] = {
     "slipstream.runtime.data_pipeline.curriculum_scheduler": {"CurriculumScheduler": f"{_NB}:CurriculumScheduler"},
     "slipstream.runtime.data_pipeline.data_sampling": {},
     "slipstream.runtime.data_pipeline.data_sampling.data_sampler": {
-        "DeepSpeedDataSampler": f"{_NB}:DeepSpeedDataSampler"
+        "DeepSpeedDataSampler": "slipstream.compat.data_sampler:DeepSpeedDataSampler"
+    },
+    "slipstream.runtime.data_pipeline.data_sampling.data_analyzer": {
+        "DataAnalyzer": "slipstream.data.analyzer:MetricAnalyzer"
     },
     "slipstream.runtime.data_pipeline.data_routing": {},
     "slipstream.runtime.data_pipeline.data_routing.basic_layer": {

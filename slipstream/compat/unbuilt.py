@@ -58,7 +58,7 @@ _FEATURES = (
     _Feature(
         "DeepSpeed's data efficiency pipeline (curriculum learning, random-LTD)",
         "remove data_efficiency",
-        classes=("DeepSpeedDataSampler", "CurriculumScheduler", "RandomLayerTokenDrop"),
+        classes=("CurriculumScheduler", "RandomLayerTokenDrop"),
         functions=("convert_to_random_ltd", "save_without_random_ltd", "remove_random_ltd_state_dict"),
     ),
     _Feature(

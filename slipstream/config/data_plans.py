@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from slipstream.config.errors import pydantic_problems
+from slipstream.config.errors import ConfigError, pydantic_problems
 from slipstream.config.keys import unimplemented_keys
 from slipstream.config.schema.data import (
     CurriculumLearningConfig,
@@ -35,6 +35,7 @@ __all__ = [
     "SchedulesPlan",
     "data_sampling_plan",
     "schedule_plan",
+    "sampling_plan_of",
     "schedules_plan",
 ]
 
@@ -201,6 +202,23 @@ def data_sampling_plan(
     return DataSamplingPlan(
         seed=efficiency.seed, num_epochs=sampling.num_epochs, num_workers=sampling.num_workers, metrics=tuple(metrics)
     )
+
+
+def sampling_plan_of(section: dict[str, object]) -> DataSamplingPlan:
+    """The sampler plan of a `data_efficiency` section given alone (DeepSpeed's sampler takes the section
+    dict); ConfigError naming what is missing or wrong."""
+    try:
+        efficiency = DataEfficiencyConfig.model_validate(section)
+    except ValidationError as exc:
+        raise ConfigError(pydantic_problems(exc, ["data_efficiency"])) from None
+    problems: list[str] = []
+    plan = data_sampling_plan(efficiency, problems, [])
+    if plan is None and not problems:
+        problems.append(f"{_CURRICULUM}: the curriculum sampler needs data_efficiency.enabled, {_SAMPLING}.enabled "
+                        "and curriculum_learning.enabled all true")
+    if problems or plan is None:
+        raise ConfigError(problems)
+    return plan
 
 
 def _metric_plan(name: str, entry: dict[str, object], problems: list[str], unimplemented: list[str]) -> MetricPlan | None:

@@ -1,9 +1,11 @@
-"""Metric indexes cross between DeepSpeed's data analyzer and ours (peer environment only: DeepSpeed is never a
-dependency): an index DeepSpeed builds reads here as the metrics computed directly, and one built here reads
-in DeepSpeed's MMapIndexedDataset the same way."""
+"""DeepSpeed's data efficiency and ours side by side (peer environment only: DeepSpeed is never a dependency):
+an index DeepSpeed's analyzer builds reads here as the metrics computed directly, one built here reads the
+same in DeepSpeed's MMapIndexedDataset, and the curriculum sampler draws DeepSpeed's sampler's global batches
+(one metric by value; a value and a percentile metric together)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -12,20 +14,27 @@ from pathlib import Path
 import pytest
 import torch
 
+from slipstream.compat.data_sampler import DeepSpeedDataSampler
 from slipstream.data.analyzer import MetricAnalyzer
-from slipstream.data.indexed_dataset import IndexedDataset
+from slipstream.data.indexed_dataset import IndexedDataset, write_rows
 
 LENGTHS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 300]  # 300: a uint16 value
 VALUES = sorted(set(LENGTHS))
 ROWS = [[i for i, length in enumerate(LENGTHS) if length == value] for value in VALUES]
+NAMES = ("index_to_sample", "index_to_metric", "sample_to_metric", "index_to_sample_percentile_merged")
+EXPECTED = {"index_to_sample": ROWS, "index_to_metric": [[v] for v in VALUES],
+            "sample_to_metric": [[v] for v in LENGTHS], "index_to_sample_percentile_merged": ROWS}
+SAMPLE_ROWS = {1: [1, 3], 2: [6, 16], 3: [0, 9, 15, 17], 4: [2, 19], 5: [4, 8, 10], 6: [7], 7: [13], 8: [11, 18],
+               9: [5, 12, 14]}  # 20 samples by value (tests/unit/data/test_curriculum_sampler.py's index)
 
 
-def _peer(args: list[str], cwd: Path) -> None:
+def _peer(jobs: dict, cwd: Path) -> None:
     peer = os.environ.get("SLIPSTREAM_PEER_PYTHON") or str(Path(__file__).resolve().parents[2] / ".bench-venv/bin/python")
     if not Path(peer).is_file():
         pytest.skip("DeepSpeed peer environment absent (the comparison needs real DeepSpeed)")
+    (cwd / "jobs.json").write_text(json.dumps(jobs))
     script = Path(__file__).parent / "peer" / "data_index_in_deepspeed.py"
-    done = subprocess.run([peer, str(script), *args], capture_output=True, text=True, timeout=600, cwd=cwd)
+    done = subprocess.run([peer, str(script), "jobs.json"], capture_output=True, text=True, timeout=600, cwd=cwd)
     if done.returncode != 0 and "No module named 'deepspeed'" in done.stderr:
         pytest.skip("the peer interpreter has no DeepSpeed")
     assert done.returncode == 0, done.stderr[-4000:]
@@ -39,26 +48,46 @@ class _Tokens(torch.utils.data.Dataset):
         return torch.tensor([LENGTHS[index], index % 3])
 
 
-def test_index_built_by_deepspeed_reads_here_and_ours_reads_there(tmp_path: Path) -> None:
-    (tmp_path / "lengths.json").write_text(json.dumps(LENGTHS))
-    theirs, ours = tmp_path / "theirs", tmp_path / "ours"
+def _sections(folder: Path) -> list[dict]:
+    write_rows(str(folder / "m_index_to_sample"), list(SAMPLE_ROWS.values()), "uint8")
+    write_rows(str(folder / "m_index_to_metric"), [[value] for value in SAMPLE_ROWS], "uint8")
+    write_rows(str(folder / "p_index_to_sample"), [[i] for i in range(20)], "uint8")
+    value = {"index_to_sample_path": str(folder / "m_index_to_sample"),
+             "index_to_metric_path": str(folder / "m_index_to_metric"), "difficulty_type": "value",
+             "clustering_type": "schedule_based", "min_difficulty": 2, "max_difficulty": 9,
+             "schedule_type": "fixed_discrete", "schedule_config": {"difficulty": [2, 4, 9], "max_step": [2, 4]}}
+    percentile = {"index_to_sample_path": str(folder / "p_index_to_sample"), "difficulty_type": "percentile",
+                  "clustering_type": "schedule_based", "min_difficulty": 3, "max_difficulty": 10,
+                  "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 6, "difficulty_step": 1}}
+    one = {"enabled": True, "seed": 1234, "data_sampling": {"enabled": True, "num_epochs": 10, "curriculum_learning": {
+        "enabled": True, "data_cluster_path": str(folder / "clusters"), "curriculum_metrics": {"m": value}}}}
+    two = copy.deepcopy(one)
+    two["data_sampling"]["curriculum_learning"]["curriculum_metrics"]["p"] = percentile
+    return [one, two]
+
+
+def test_indexes_and_draws_match_deepspeed(tmp_path: Path) -> None:
+    ours = tmp_path / "ours"
     analyzer = MetricAnalyzer(_Tokens(), batch_size=3, metric_names=["seqlen"],
                               metric_functions=[lambda batch: batch[:, 0].to(torch.int64)],
                               metric_types=["single_value_per_sample"], metric_dtypes=[torch.int64],
                               save_path=str(ours))
     analyzer.run_map()
     analyzer.run_reduce()
-    names = ("index_to_sample", "index_to_metric", "sample_to_metric", "index_to_sample_percentile_merged")
-    reads: list[str] = []
-    for name in names:
-        reads += [str(ours / "seqlen" / f"seqlen_{name}"), str(tmp_path / f"{name}.json")]
-    _peer(["build", "lengths.json", str(theirs)], tmp_path)
-    _peer(["read", *reads], tmp_path)
-    expected = {"index_to_sample": ROWS, "index_to_metric": [[v] for v in VALUES],
-                "sample_to_metric": [[v] for v in LENGTHS], "index_to_sample_percentile_merged": ROWS}
-    for name in names:
-        mine = IndexedDataset(str(theirs / "seqlen" / f"seqlen_{name}"))  # DeepSpeed's files, read here
-        assert [row.tolist() for row in mine] == expected[name], name
+    sections = _sections(tmp_path)
+    for number, section in enumerate(sections):
+        (tmp_path / f"section{number}.json").write_text(json.dumps(section))
+    _peer({"build": {"lengths": LENGTHS, "save_path": str(tmp_path / "theirs")},
+           "read": [[str(ours / "seqlen" / f"seqlen_{name}"), f"{name}.json"] for name in NAMES],
+           "sample": [[f"section{number}.json", 12, f"draws{number}.json"] for number in range(len(sections))]},
+          tmp_path)
+    for name in NAMES:
+        mine = IndexedDataset(str(tmp_path / "theirs" / "seqlen" / f"seqlen_{name}"))  # DeepSpeed's files, here
+        assert [row.tolist() for row in mine] == EXPECTED[name], name
         there = json.loads((tmp_path / f"{name}.json").read_text())  # our files, read by DeepSpeed
-        assert there["rows"] == expected[name], name
+        assert there["rows"] == EXPECTED[name], name
         assert there["dtype"] == mine.dtype.name, name  # the same narrowest dtypes
+    for number, section in enumerate(sections):
+        sampler = DeepSpeedDataSampler(section, 20, 2, 0, 1, None, 2, 0)
+        draws = [sampler.next_global_batch() for _ in range(12)]
+        assert draws == json.loads((tmp_path / f"draws{number}.json").read_text()), f"section {number}"
