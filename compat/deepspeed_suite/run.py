@@ -68,6 +68,7 @@ FOLDERS: list[tuple[str, list[str]]] = [
     ("ops/adam", ["unit/ops/adam"]),
     ("ops/muon", ["unit/ops/muon"]),
     ("utils", ["unit/utils"]),
+    ("compression", ["unit/compression"]),
 ]
 
 DEFAULT_REPO = str(ROOT.parent / "DeepSpeed")  # a clone of DeepSpeed's git repository next to this one
