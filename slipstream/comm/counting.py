@@ -20,6 +20,8 @@ class CollectiveCounter:
         default_factory=lambda: collections.defaultdict(float)
     )
     """Time from issue to completion, for the collectives that were waited on (all but abandoned ones)."""
+    dtype_bytes: collections.Counter[tuple[str, str]] = dataclasses.field(default_factory=collections.Counter)
+    """Bytes per (collective name, dtype name: 'float32', 'bfloat16', ...)."""
     listener: Callable[[str, int, str], None] | None = None
     """Called with (op, bytes, call site) as each collective is issued (the comms logger's verbose mode)."""
 
@@ -27,12 +29,14 @@ class CollectiveCounter:
         size = tensor.numel() * tensor.element_size()
         self.calls[op] += 1
         self.bytes[op] += size
+        self.dtype_bytes[(op, str(tensor.dtype).removeprefix("torch."))] += size
         if self.listener is not None:
             self.listener(op, size, site)
 
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+        self.dtype_bytes.clear()
         self.seconds.clear()
 
 

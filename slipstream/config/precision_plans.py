@@ -11,6 +11,7 @@ from slipstream.config.schema.precision import canonical_dtype
 from slipstream.config.schema.top import DeepSpeedConfig
 
 __all__ = [
+    "DEFAULT_SAFE_MODULES",
     "AutocastPlan",
     "Fp8Plan",
     "MasterOptions",
@@ -27,6 +28,9 @@ class AutocastPlan:
 
     dtype: str | None
     """"bf16" or "fp16"; None: torch.autocast's default for the device (bf16 on CPU, fp16 on CUDA)."""
+    safe_modules: tuple[str, ...]
+    """Class paths of the modules whose parameters' gradients are reduced in the autocast dtype
+    (`torch_autocast.lower_precision_safe_modules`; slipstream/precision/reduce_dtypes.py); empty for `amp`."""
 
 
 def autocast_plan(cfg: DeepSpeedConfig, problems: list[str]) -> AutocastPlan | None:
@@ -36,9 +40,10 @@ def autocast_plan(cfg: DeepSpeedConfig, problems: list[str]) -> AutocastPlan | N
     torch_section, amp = cfg.torch_autocast, cfg.amp
     chosen: list[tuple[str, AutocastPlan]] = []
     if torch_section.enabled:
-        chosen.append(("torch_autocast", AutocastPlan(dtype=_autocast_dtype(torch_section.dtype, problems))))
+        dtype, safe = _autocast_dtype(torch_section.dtype, problems), torch_section.lower_precision_safe_modules
+        chosen.append(("torch_autocast", AutocastPlan(dtype=dtype, safe_modules=_safe_modules(safe, problems))))
     if amp is not None and amp.enabled:
-        chosen.append(("amp", AutocastPlan(dtype="fp16")))
+        chosen.append(("amp", AutocastPlan(dtype="fp16", safe_modules=())))
     if len(chosen) > 1:
         problems.append(
             "torch_autocast.enabled, amp.enabled: both run the forward under torch.autocast; enable only "
@@ -54,6 +59,29 @@ def autocast_plan(cfg: DeepSpeedConfig, problems: list[str]) -> AutocastPlan | N
             f"them {low[0]}; disable {low[0]} (autocast picks the compute dtype) or {section}"
         )
     return autocast
+
+
+DEFAULT_SAFE_MODULES = (
+    "torch.nn.modules.linear.Linear",
+    "torch.nn.modules.conv.Conv1d",
+    "torch.nn.modules.conv.Conv2d",
+    "torch.nn.modules.conv.Conv3d",
+)
+"""DeepSpeed's default `lower_precision_safe_modules`: Linear and the convolutions."""
+
+
+def _safe_modules(names: list[str] | None, problems: list[str]) -> tuple[str, ...]:
+    """The configured class paths (None: `DEFAULT_SAFE_MODULES`); each must name a class in a module."""
+    if names is None:
+        return DEFAULT_SAFE_MODULES
+    for name in names:
+        parts = name.split(".")
+        if len(parts) < 2 or "" in parts:
+            problems.append(
+                f"torch_autocast.lower_precision_safe_modules: {name!r} is not a class path; name the class with "
+                'its module, e.g. "torch.nn.Linear" or "mypackage.layers.MyLinear"'
+            )
+    return tuple(names)
 
 
 def _autocast_dtype(value: str | None, problems: list[str]) -> str | None:

@@ -42,7 +42,7 @@ from slipstream.engine.post_training import PostTraining
 from slipstream.engine.save_load import SaveLoad
 from slipstream.monitor.writers import make_monitors
 from slipstream.precision.buffers import cast_buffers
-from slipstream.precision.fp8 import apply_fp8_plan
+from slipstream.precision.reduce_dtypes import before_placement
 from slipstream.utils.logging import log_rank0
 from slipstream.utils.progress import Progress
 from slipstream.utils.throughput import ThroughputTimer
@@ -102,7 +102,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
     def _build_zero(self, model: nn.Module, moe: Any) -> ZeroBuild:
         """The model placed for its ZeRO stage over the data-parallel group (zero/build.py)."""
         zero = build_zero(
-            apply_fp8_plan(model, self.plan.precision.fp8),  # Float8Linear layers before ZeRO places them
+            before_placement(model, self.plan.precision, device_type=self.device.type),  # fp8 layers, reduce dtypes
             zero=self.plan.zero,
             precision=self.plan.precision,
             device=self.device,

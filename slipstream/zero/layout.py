@@ -13,6 +13,14 @@ rank r owns piece r of every bucket. So
   world-1 padding elements per bucket).
 Stage 0 uses the same layout with each rank owning whole buckets.
 Everything here is pure arithmetic on shapes: no tensors, no process group.
+
+[Note: buckets by reduce dtype]
+Under `torch_autocast` some parameters' gradients are reduced in the autocast dtype and the rest in the ZeRO
+reduce dtype (precision/reduce_dtypes.py). A bucket then holds parameters of one reduce dtype only, so that it
+is reduced in one collective of one dtype: each dtype fills buckets of its own (as if the parameters of each
+dtype were laid out alone), and the buckets are ordered by the position of their last parameter in the
+reverse registration order, which is when backward completes them. With one reduce dtype this is the layout
+above, bucket for bucket.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ class Bucket:
     shard_offset: int
     """Where this bucket's piece starts inside a rank's shard."""
     param_indices: tuple[int, ...]
+    reduce_dtype: str | None = None
+    """The dtype its gradients are reduced in ("bf16", "fp16"), or None: the ZeRO reduce dtype."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,30 +75,43 @@ class GroupLayout:
         return start, start + bucket.piece_numel
 
 
-def build_layout(numels: Sequence[int], *, world_size: int, bucket_numel: int) -> GroupLayout:
-    """Lay out parameters with these element counts (registration order) for `world_size` ranks."""
+def _bucket_members(
+    numels: Sequence[int], reduce_dtypes: Sequence[str | None], bucket_numel: int
+) -> list[tuple[str | None, list[int]]]:
+    """Parameter indices per bucket, with the bucket's reduce dtype (see [Note: buckets by reduce dtype])."""
+    order = list(reversed(range(len(numels))))
+    closed: list[tuple[str | None, list[int]]] = []
+    filling: dict[str | None, tuple[list[int], int]] = {}
+    for index in order:
+        dtype, n = reduce_dtypes[index], numels[index]
+        current, used = filling.get(dtype, ([], 0))
+        if current and used + n > bucket_numel:
+            closed.append((dtype, current))
+            current, used = [], 0
+        filling[dtype] = ([*current, index], used + n)
+    closed += [(dtype, current) for dtype, (current, _) in filling.items()]
+    position = {index: p for p, index in enumerate(order)}
+    return sorted(closed, key=lambda bucket: position[bucket[1][-1]])
+
+
+def build_layout(
+    numels: Sequence[int],
+    *,
+    world_size: int,
+    bucket_numel: int,
+    reduce_dtypes: Sequence[str | None] | None = None,
+) -> GroupLayout:
+    """Lay out parameters with these element counts (registration order) for `world_size` ranks;
+    `reduce_dtypes` (per parameter, None: the ZeRO reduce dtype) keeps each bucket to one of them."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if bucket_numel < 1:
         raise ValueError(f"bucket size must be >= 1 element, got {bucket_numel}")
-    order = list(reversed(range(len(numels))))
-    groups: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for index in order:
-        n = numels[index]
-        if current and used + n > bucket_numel:
-            groups.append(current)
-            current, used = [], 0
-        current.append(index)
-        used += n
-    if current:
-        groups.append(current)
-
+    groups = _bucket_members(numels, reduce_dtypes or [None] * len(numels), bucket_numel)
     slots: dict[int, ParamSlot] = {}
     buckets: list[Bucket] = []
     flat = shard = 0
-    for bucket_id, members in enumerate(groups):
+    for bucket_id, (reduce_dtype, members) in enumerate(groups):
         numel = sum(numels[i] for i in members)
         padded = max(world_size, math.ceil(numel / world_size) * world_size)
         offset = flat
@@ -104,6 +127,7 @@ def build_layout(numels: Sequence[int], *, world_size: int, bucket_numel: int) -
                 piece_numel=piece,
                 shard_offset=shard,
                 param_indices=tuple(members),
+                reduce_dtype=reduce_dtype,
             )
         )
         flat += padded

@@ -29,6 +29,7 @@ from slipstream.comm import collectives
 from slipstream.config.plan import PrecisionPlan, ZeroPlan
 from slipstream.offload.policy import OffloadPolicy
 from slipstream.precision.masters import master_rounding
+from slipstream.precision.reduce_dtypes import reduce_dtype_of
 from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import build_layout
 from slipstream.zero.slices import OwnedSlice
@@ -131,7 +132,8 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
             over = self._group_for(hyper) if self._group_for is not None else None
             process_group = over.group if over is not None else self.process_group
             world = dist.get_world_size(process_group)
-            layout = build_layout([p.numel() for p in params], world_size=world, bucket_numel=bucket_numel)
+            numels, dtypes = [p.numel() for p in params], [reduce_dtype_of(p) for p in params]  # dtypes: autocast's
+            layout = build_layout(numels, world_size=world, bucket_numel=bucket_numel, reduce_dtypes=dtypes)
             flat = FlatGroup(
                 params,
                 layout=layout,

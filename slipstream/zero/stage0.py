@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from slipstream.comm import collectives
 from slipstream.zero.sparse_rows import SparseRows, dense_parts, reduce_sparse_rows
-from slipstream.zero.staging import ReducesAtStep
+from slipstream.zero.staging import ReducesAtStep, bucket_dtype
 
 
 def reduces_itself(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None) -> bool:
@@ -45,9 +45,10 @@ class Stage0Optimizer(ReducesAtStep):
             if flat.world_size == 1:
                 continue
             for bucket in flat.layout.buckets:
+                dtype = bucket_dtype(self.zero, bucket)
                 for part in dense_parts(self.sparse_rows, flat, bucket):
-                    self.step_reducer.all_reduce(part, group=flat.process_group)
-                reduce_sparse_rows(self.sparse_rows, flat, bucket, flat.grad_storage.dtype)
+                    self.step_reducer.all_reduce(part, group=flat.process_group, dtype=dtype)
+                reduce_sparse_rows(self.sparse_rows, flat, bucket, dtype)
         self.step_reducer.finish_all()
 
     def _grad_stats(self, grad_divisor: float) -> torch.Tensor:

@@ -36,7 +36,7 @@ from slipstream.comm import collectives
 from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import Bucket
 from slipstream.zero.stage0 import reduces_itself
-from slipstream.zero.staging import ReducesAtStep
+from slipstream.zero.staging import ReducesAtStep, bucket_dtype
 
 
 class Stage1Optimizer(ReducesAtStep):
@@ -102,7 +102,10 @@ class Stage1Optimizer(ReducesAtStep):
         start, end = flat.piece_ranges[bucket_id]
         bucket = flat.layout.buckets[bucket_id]
         self.step_reducer.reduce_scatter(
-            flat.grad_storage[start:end], flat.bucket_grads(bucket), group=flat.process_group
+            flat.grad_storage[start:end],
+            flat.bucket_grads(bucket),
+            group=flat.process_group,
+            dtype=bucket_dtype(self.zero, bucket),
         )
         self._next += 1
 

@@ -10,7 +10,8 @@
 - Buckets hold at most `STAGE2_STAGING_BYTES` of gradients whatever `reduce_bucket_size` says, and a
   larger parameter is reduced in chunks of that size ([Note: stage-2 staging bound] in layout.py).
 - Launching packs the bucket's gradients into a staging buffer of the `StagingRing` (zero/staging.py), cast
-  to the reduce dtype (communication_data_type), and starts an asynchronous reduce-scatter into its receive
+  to the bucket's reduce dtype (communication_data_type, or the autocast dtype for torch_autocast's safe
+  modules: [Note: buckets by reduce dtype] in layout.py), and starts an asynchronous reduce-scatter into its receive
   buffer; the freshly produced `param.grad` tensors are dropped as they are packed. Reusing a slot waits for
   the reduce-scatter that used it last and adds its result into this rank's shard of the gradients. With
   overlap_comm off each reduce-scatter is waited for and added at launch ([Note: overlapped gradient
@@ -33,8 +34,8 @@ import torch
 from slipstream.comm import collectives
 from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import Bucket, stage2_bucket_numel, stage2_chunk_numel
-from slipstream.zero.optimizer import ZeroOptimizer
-from slipstream.zero.staging import StagingRing
+from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
+from slipstream.zero.staging import StagingRing, bucket_dtype, largest_by_dtype
 
 
 class Stage2Optimizer(ZeroOptimizer):
@@ -52,8 +53,11 @@ class Stage2Optimizer(ZeroOptimizer):
         self._chunk = {id(flat): stage2_chunk_numel(flat.layout, grad_bytes) for flat in self.groups}
         chunk = max(self._chunk.values(), default=0)
         device = self.groups[0].device if self.groups else None
+        per_dtype = {dtype: min(piece, chunk) for dtype, (_, piece) in largest_by_dtype(self.zero, self.groups).items()}
+        sizes = {dtype: (n * self.world_size, n) for dtype, n in per_dtype.items()}
+        default = sizes.pop(DTYPES[self.zero.reduce_dtype], (0, 0))
         self._ring = StagingRing.for_plan(
-            self.zero, staging_numel=chunk * self.world_size, receive_numel=chunk, device=device
+            self.zero, staging_numel=default[0], receive_numel=default[1], device=device, more=sizes
         )
         self._pending: dict[tuple[int, int], dict[int, torch.Tensor]] = collections.defaultdict(dict)
         self._next = 0
@@ -94,7 +98,7 @@ class Stage2Optimizer(ZeroOptimizer):
             return
         for lo in range(0, piece, chunk):
             n = min(chunk, piece - lo)
-            slot, staging, receive = self._ring.take(n * world, n)
+            slot, staging, receive = self._ring.take(n * world, n, bucket_dtype(self.zero, bucket))
             for rank in range(world):
                 self._pack(flat, bucket, grads, staging[rank * n : (rank + 1) * n], rank * piece + lo)
             work = collectives.reduce_scatter(

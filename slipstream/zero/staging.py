@@ -19,7 +19,7 @@ storage in the same order, so the results are bit-identical; `peak_in_flight` sh
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,23 +27,32 @@ import torch.distributed as dist
 from slipstream.comm import collectives
 from slipstream.comm.collectives import TimedWork
 from slipstream.config.plan import ZeroPlan
+from slipstream.zero.flat_group import FlatGroup
+from slipstream.zero.layout import Bucket
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
 _NUM_SLOTS = 2
 
 
 class StagingRing:
+    """Two slots, each with a staging and a receive buffer per dtype gradients travel in (`sizes`: dtype ->
+    (staging elements, receive elements)); the first dtype is the default. One turn counter serves every dtype:
+    taking a slot completes the reduction that used that slot last, whatever its dtype, so all of that slot's
+    buffers are free ([Note: buckets by reduce dtype] in layout.py: torch_autocast reduces in two dtypes)."""
+
     def __init__(
-        self,
-        *,
-        staging_numel: int,
-        receive_numel: int,
-        dtype: torch.dtype,
-        device: torch.device | None,
-        overlap: bool = True,
+        self, sizes: Mapping[torch.dtype, tuple[int, int]], *, device: torch.device | None, overlap: bool = True
     ) -> None:
-        self.staging = [torch.zeros(staging_numel, dtype=dtype, device=device) for _ in range(_NUM_SLOTS)]
-        self.receive = [torch.zeros(receive_numel, dtype=dtype, device=device) for _ in range(_NUM_SLOTS)]
+        self._buffers = {
+            dtype: [
+                (torch.zeros(staging, dtype=dtype, device=device), torch.zeros(receive, dtype=dtype, device=device))
+                for _ in range(_NUM_SLOTS)
+            ]
+            for dtype, (staging, receive) in sizes.items()
+        }
+        self._default = next(iter(sizes))
+        self.staging = [pair[0] for pairs in self._buffers.values() for pair in pairs]
+        self.receive = [pair[1] for pairs in self._buffers.values() for pair in pairs]
         self.overlap = overlap
         self._in_flight: dict[int, tuple[TimedWork | None, torch.Tensor, Callable[[torch.Tensor], object]]] = {}
         self._turn = 0
@@ -52,28 +61,34 @@ class StagingRing:
 
     @classmethod
     def for_plan(
-        cls, zero: ZeroPlan, *, staging_numel: int, receive_numel: int, device: torch.device | None
+        cls,
+        zero: ZeroPlan,
+        *,
+        staging_numel: int,
+        receive_numel: int,
+        device: torch.device | None,
+        more: Mapping[torch.dtype, tuple[int, int]] | None = None,
     ) -> StagingRing:
         """The ring of the reductions launched during backward (stages 2 and 3): buffers in the dtype gradients
-        travel in (communication_data_type), overlapped as zero_optimization.overlap_comm says."""
-        return cls(
-            staging_numel=staging_numel,
-            receive_numel=receive_numel,
-            dtype=DTYPES[zero.reduce_dtype],
-            device=device,
-            overlap=zero.overlap_comm,
-        )
+        travel in (communication_data_type), and in each dtype of `more` (torch_autocast's safe modules),
+        overlapped as zero_optimization.overlap_comm says."""
+        sizes = {DTYPES[zero.reduce_dtype]: (staging_numel, receive_numel), **(more or {})}
+        return cls(sizes, device=device, overlap=zero.overlap_comm)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.staging[0].dtype
+        return self._default
 
-    def take(self, staging_numel: int, receive_numel: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """The next slot (its previous reduction completed) and its staging and receive views."""
+    def take(
+        self, staging_numel: int, receive_numel: int, dtype: torch.dtype | None = None
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """The next slot (its previous reduction completed) and its staging and receive views in `dtype` (None:
+        the default)."""
         slot = self._turn % _NUM_SLOTS
         self._turn += 1
         self._finish(slot)
-        return slot, self.staging[slot][:staging_numel], self.receive[slot][:receive_numel]
+        staging, receive = self._buffers[self._default if dtype is None else dtype][slot]
+        return slot, staging[:staging_numel], receive[:receive_numel]
 
     def launched(
         self, slot: int, work: TimedWork | None, receive: torch.Tensor, deliver: Callable[[torch.Tensor], object]
@@ -108,46 +123,66 @@ class StagingRing:
         return sum(t.numel() * t.element_size() for t in [*self.staging, *self.receive])
 
 
+def bucket_dtype(zero: ZeroPlan, bucket: Bucket) -> torch.dtype:
+    """The dtype `bucket`'s gradients travel in: its own (torch_autocast's safe modules), else the plan's."""
+    return DTYPES[bucket.reduce_dtype or zero.reduce_dtype]
+
+
+def largest_by_dtype(zero: ZeroPlan, flats: Sequence[FlatGroup]) -> dict[torch.dtype, tuple[int, int]]:
+    """dtype -> (the largest padded bucket, the largest piece) among the buckets of `flats` reduced in it."""
+    sizes: dict[torch.dtype, tuple[int, int]] = {}
+    for flat in flats:
+        for bucket in flat.layout.buckets:
+            dtype = bucket_dtype(zero, bucket)
+            padded, piece = sizes.get(dtype, (0, 0))
+            sizes[dtype] = (max(padded, bucket.padded_numel), max(piece, bucket.piece_numel))
+    return sizes
+
+
 class StepReducer:
     """The reductions of stages 0 and 1, at the step, of whole buckets of the full-size gradient storage: in
-    place when gradients travel in the dtype they are stored in (no extra buffer), else cast into a staging
-    buffer of the reduce dtype, reduced there, and copied back (a `StagingRing` sized by the largest bucket)."""
+    place when a bucket travels in the dtype gradients are stored in (no extra buffer), else cast into a
+    staging buffer of its reduce dtype, reduced there, and copied back (a `StagingRing` with buffers for the
+    largest bucket and piece of each such dtype, `sizes` as `largest_by_dtype` gives them)."""
 
     def __init__(
         self,
         *,
-        reduce_dtype: torch.dtype,
         storage_dtype: torch.dtype,
-        largest_bucket: int,
-        largest_piece: int,
+        sizes: Mapping[torch.dtype, tuple[int, int]],
         device: torch.device | None,
     ) -> None:
         self._works: list[TimedWork] = []
-        self.ring = None
-        if reduce_dtype != storage_dtype:
-            self.ring = StagingRing(
-                staging_numel=largest_bucket, receive_numel=largest_piece, dtype=reduce_dtype, device=device
-            )
+        self.storage_dtype = storage_dtype
+        cast = {dtype: size for dtype, size in sizes.items() if dtype != storage_dtype}
+        self.ring = StagingRing(cast, device=device) if cast else None
 
-    def reduce_scatter(self, piece: torch.Tensor, bucket: torch.Tensor, *, group: dist.ProcessGroup | None) -> None:
-        """Launch: `piece` := this rank's piece of the sum of `bucket` over `group`."""
-        if self.ring is None:
+    def _staged(self, dtype: torch.dtype) -> StagingRing | None:
+        return None if dtype == self.storage_dtype else self.ring
+
+    def reduce_scatter(
+        self, piece: torch.Tensor, bucket: torch.Tensor, *, group: dist.ProcessGroup | None, dtype: torch.dtype
+    ) -> None:
+        """Launch: `piece` := this rank's piece of the sum of `bucket` over `group`, summed in `dtype`."""
+        ring = self._staged(dtype)
+        if ring is None:
             self._works.append(collectives.reduce_scatter(piece, bucket, group=group, async_op=True))
             return
-        slot, staging, receive = self.ring.take(bucket.numel(), piece.numel())
+        slot, staging, receive = ring.take(bucket.numel(), piece.numel(), dtype)
         staging.copy_(bucket)
         work = collectives.reduce_scatter(receive, staging, group=group, async_op=True, input_is_scratch=True)
-        self.ring.launched(slot, work, receive, piece.copy_)
+        ring.launched(slot, work, receive, piece.copy_)
 
-    def all_reduce(self, bucket: torch.Tensor, *, group: dist.ProcessGroup | None) -> None:
-        """Launch: `bucket` := its sum over `group`."""
-        if self.ring is None:
+    def all_reduce(self, bucket: torch.Tensor, *, group: dist.ProcessGroup | None, dtype: torch.dtype) -> None:
+        """Launch: `bucket` := its sum over `group`, summed in `dtype`."""
+        ring = self._staged(dtype)
+        if ring is None:
             self._works.append(collectives.all_reduce(bucket, group=group, async_op=True))
             return
-        slot, staging, _ = self.ring.take(bucket.numel(), 0)
+        slot, staging, _ = ring.take(bucket.numel(), 0, dtype)
         staging.copy_(bucket)
         work = collectives.all_reduce(staging, group=group, async_op=True)
-        self.ring.launched(slot, work, staging, bucket.copy_)
+        ring.launched(slot, work, staging, bucket.copy_)
 
     @property
     def in_flight(self) -> int:
@@ -173,12 +208,9 @@ class ReducesAtStep(ZeroOptimizer):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         reduced = [flat for flat in self.groups if flat.world_size > 1]
-        buckets = [bucket for flat in reduced for bucket in flat.layout.buckets]
         self.step_reducer = StepReducer(
-            reduce_dtype=DTYPES[self.zero.reduce_dtype],
             storage_dtype=reduced[0].grad_storage.dtype if reduced else DTYPES[self.zero.reduce_dtype],
-            largest_bucket=max((bucket.padded_numel for bucket in buckets), default=0),
-            largest_piece=max((bucket.piece_numel for bucket in buckets), default=0),
+            sizes=largest_by_dtype(self.zero, reduced),
             device=reduced[0].device if reduced else None,
         )
 

@@ -150,14 +150,19 @@ class AmpConfig(OpenSection):
 class TorchAutocastConfig(DSModel):
     """`torch_autocast`: run forward under torch.autocast."""
 
-    IMPLEMENTED = {"enabled": "precision.autocast", "dtype": "precision.autocast.dtype"}
+    IMPLEMENTED = {
+        "enabled": "precision.autocast",
+        "dtype": "precision.autocast.dtype",
+        "lower_precision_safe_modules": "precision.autocast.safe_modules",
+    }
 
     enabled: DSBool = False
     """Use torch.autocast in forward."""
     dtype: str | None = None
     """Autocast dtype, e.g. "bfloat16"."""
     lower_precision_safe_modules: list[str] | None = None
-    """Class paths of modules whose parameters are kept in the lower precision."""
+    """Class paths ("torch.nn.Linear") of the modules whose parameters' gradients are reduced in the autocast
+    dtype; the others' in fp32. None: Linear and Conv1d/2d/3d."""
 
 
 class DataTypesConfig(DSModel):

@@ -37,6 +37,7 @@ from slipstream.offload.policy import CPUOffload
 from slipstream.precision.fp8 import Float8WeightSlot
 from slipstream.utils.torch_shim import storage_use_count
 from slipstream.zero.quantized import QuantizedRows
+from slipstream.zero.stage3.dtype_split import dtype_parts, launch_parts
 from slipstream.zero.stage3.fp8_gather import Float8Rows
 from slipstream.zero.stage3.pool import BufferPool
 from slipstream.zero.stage3.sharded_param import ParamRecord, ZeroParamStatus, internal_access, make_sharded
@@ -325,6 +326,9 @@ class Unit:
         and gradient_predivide_factor). Returns the collective handle (None on one rank, where `receive` is
         filled directly).
         """
+        parts = dtype_parts(self, trainable, shard_offsets, staging.dtype)
+        if parts is not None:  # torch_autocast's safe modules: a reduce-scatter per dtype, each back through here
+            return launch_parts(self, parts, grads, staging, receive, scale=scale)
         width = receive.numel()
         rows = staging.view(self.world_size, width)
         with torch.no_grad():  # every column of `rows` belongs to one trainable parameter: each is written once

@@ -19,7 +19,8 @@ from tests.harness.models import TinyMLP
 STEPS = 3
 BATCH = 8
 LR = 1e-2
-AUTOCAST = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+# every gradient reduced in fp32 (no safe modules): tests/dist/precision/test_safe_modules.py checks the default
+AUTOCAST = {"torch_autocast": {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}}
 BF16_STATES = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
 BF16_MASTERS = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}
 # auto_cast: the fp32 inputs reach the fp16 model cast to fp16 (else its first Linear refuses them)

@@ -16,4 +16,4 @@ def test_the_key_table_is_current() -> None:
 def test_the_table_tells_honoured_from_reported() -> None:
     text = render()
     assert "| `zero_optimization.stage` | `0` | honoured: `zero.stage` |" in text
-    assert "| `torch_autocast.lower_precision_safe_modules` | `null` | reported |" in text
+    assert "| `amp.opt_level` | `null` | reported |" in text

@@ -228,7 +228,6 @@ def test_implemented_keys_are_not_listed() -> None:
         {"checkpoint": {"use_node_local_storage": True}},
         {"compile": {"deepcompile": True}},
         {"nebula": {"enabled": True}},
-        {"torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["torch.nn.Linear"]}},
     ],
 )
 def test_unimplemented_sections_are_accepted_and_listed(section: dict) -> None:

@@ -28,7 +28,7 @@ def test_torch_autocast_and_amp_become_an_autocast_plan() -> None:
     assert amp.precision.check_grad_overflow
     assert "amp.opt_level" in amp.unimplemented and "amp" not in amp.unimplemented
     modules = plan(torch_autocast={"enabled": True, "lower_precision_safe_modules": ["torch.nn.Linear"]})
-    assert modules.unimplemented == ("torch_autocast.lower_precision_safe_modules",)
+    assert modules.unimplemented == () and modules.precision.autocast.safe_modules == ("torch.nn.Linear",)
     assert plan().precision.autocast is None
     assert plan(bf16={"enabled": True}, data_types={"param_dtype": "bfloat16"}).precision.param_dtype == "bf16"
 

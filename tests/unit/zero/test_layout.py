@@ -35,3 +35,26 @@ def test_every_element_owned_exactly_once() -> None:
 def test_bad_arguments(world: int, bucket: int) -> None:
     with pytest.raises(ValueError):
         build_layout([4], world_size=world, bucket_numel=bucket)
+
+
+def test_buckets_hold_one_reduce_dtype_in_the_order_backward_completes_them() -> None:
+    """[Note: buckets by reduce dtype]: each dtype fills buckets of its own; buckets ordered by their last member
+    in reverse registration order; one dtype (or None everywhere) is the plain layout."""
+    numels, dtypes = [10, 7, 3, 20, 4, 6], ["bf16", None, "bf16", None, None, "bf16"]
+    layout = build_layout(numels, world_size=2, bucket_numel=12, reduce_dtypes=dtypes)
+    # reverse order 5(b) 4 3 2(b) 1 0(b): bf16 fills [5, 2] then [0]; None fills [4], [3] (20 > 12), [1]
+    assert [(b.param_indices, b.reduce_dtype) for b in layout.buckets] == [
+        ((4,), None),
+        ((3,), None),
+        ((5, 2), "bf16"),
+        ((1,), None),
+        ((0,), "bf16"),
+    ]
+    for bucket in layout.buckets:
+        assert {dtypes[i] for i in bucket.param_indices} == {bucket.reduce_dtype}
+    covered = sorted(i for s in layout.slots for i in range(s.flat_offset, s.flat_offset + s.numel))
+    assert len(covered) == len(set(covered)) == sum(numels)
+    plain = build_layout(numels, world_size=2, bucket_numel=12)
+    assert build_layout(numels, world_size=2, bucket_numel=12, reduce_dtypes=[None] * 6) == plain
+    same = build_layout(numels, world_size=2, bucket_numel=12, reduce_dtypes=["bf16"] * 6)
+    assert [b.param_indices for b in same.buckets] == [b.param_indices for b in plain.buckets]
