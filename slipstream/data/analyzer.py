@@ -103,9 +103,10 @@ class MetricAnalyzer:
     # ---- map ----
     def thread_range(self, thread_id: int) -> tuple[int, int]:
         """The samples [begin, end) of this worker's thread `thread_id`."""
-        workers = np.linspace(0, len(self.dataset), num=self.num_workers + 1, dtype=int)  # type: ignore[arg-type]
+        size = len(self.dataset)  # type: ignore[arg-type]
+        workers = np.linspace(0, size, num=self.num_workers + 1).astype(np.int64)  # cut down, as DeepSpeed's
         begin, end = workers[self.worker_id], workers[self.worker_id + 1]
-        threads = np.linspace(begin, end, num=self.num_threads + 1, dtype=int)
+        threads = np.linspace(begin, end, num=self.num_threads + 1).astype(np.int64)
         return int(threads[thread_id]), int(threads[thread_id + 1])
 
     def run_map(self) -> None:

@@ -130,14 +130,10 @@ class CurriculumSampler:
         """The samples a move from `previous` to `current` adds (None: none), see [Note: clusters]."""
         restricting = [name for name, index in self.metrics.items() if index.restricts]
         if len(restricting) > 1:
-            samples: Samples | None = None
-            for name, index in self.metrics.items():
-                eligible = (
-                    index.eligible(index.start(), current[name])
-                    if index.restricts
-                    else np.arange(self.num_samples, dtype=np.int64)
-                )
-                samples = eligible if samples is None else np.intersect1d(samples, eligible, assume_unique=True)
+            samples = np.arange(self.num_samples, dtype=np.int64)
+            for name in restricting:  # a single-cluster metric's whole range changes no intersection
+                eligible = self.metrics[name].eligible(self.metrics[name].start(), current[name])
+                samples = np.intersect1d(samples, eligible, assume_unique=True)
             for cluster in self.clusters:
                 samples = np.setdiff1d(samples, cluster.samples, assume_unique=True)
             return samples
@@ -147,7 +143,7 @@ class CurriculumSampler:
         return None if self.clusters else np.arange(self.num_samples, dtype=np.int64)
 
     def _shuffle(self, cluster: _Cluster) -> None:
-        cluster.shuffles.append(self.rng.bit_generator.state)
+        cluster.shuffles.append(dict(self.rng.bit_generator.state))
         self.rng.shuffle(cluster.samples)
 
     def _take(self, cluster: _Cluster, count: int) -> list[int]:

@@ -59,7 +59,7 @@ class CurriculumDataLoader(DataLoader):  # type: ignore[type-arg]
     def __len__(self) -> int:
         return len(self.data_sampler) // self.micro_batch_size
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator over DataLoader's iterator
         for batch in super().__iter__():
             post = self.post_process_func
             yield batch if post is None else post(batch, self.data_sampler.state_dict())

@@ -1,9 +1,11 @@
 """The curriculum sampler against a hand-built metric index of 20 samples: which samples each difficulty
 makes eligible (worked out by hand below), value vs percentile difficulty, the split of a global batch over
-two data-parallel ranks, and a checkpoint round trip that continues the same batches."""
+two data-parallel ranks, a checkpoint round trip that continues the same batches, and the effect of
+num_epochs, seed and num_workers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from slipstream.config.data_plans import CurriculumPlan, DataSamplingPlan, MetricPlan
 from slipstream.data.curriculum_sampler import CurriculumSampler
 from slipstream.data.indexed_dataset import write_rows
+from slipstream.data.sampled_loader import CurriculumDataLoader
 
 # sample i has metric METRIC[i]
 METRIC = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
@@ -87,3 +90,15 @@ def test_checkpoint_round_trip_continues_the_same_batches(index: Path) -> None:
     resumed = _sampler(plan, micro=2)
     resumed.load_state_dict(state)
     assert [batch for batch, _ in zip(resumed, range(12))] == after
+
+
+def test_num_epochs_seed_and_num_workers_take_effect(index: Path) -> None:
+    plan = _plan(index, "value", (2, 4, 9), (2, 4))
+    for epochs, batches in ((1, 6), (2, 11)):  # it stops once more than epochs * 20 samples went out (DeepSpeed's)
+        sampler = _sampler(dataclasses.replace(plan, num_epochs=epochs))
+        assert sum(1 for _ in sampler) == batches
+    draws = {seed: _sampler(dataclasses.replace(plan, seed=seed)).next_global_batch() for seed in (1234, 99)}
+    assert draws[1234] != draws[99] and set(draws[1234]) == set(draws[99]) == AT_MOST_2
+    loader = CurriculumDataLoader(list(range(20)), dataclasses.replace(plan, num_workers=2), micro_batch_size=2,
+                                  rank_and_size=(0, 1), gradient_accumulation_steps=1, drop_last=False)
+    assert loader.num_workers == 2 and len(loader) == 20 * 100 // 2
