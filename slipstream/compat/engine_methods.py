@@ -159,7 +159,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "uses_parallelization_pass_only": "DeepCompile is not implemented",
     "super_offload": "SuperOffload is not implemented; use offload_optimizer",
     "load_moe_state_dict": "MoE checkpoints load through load_checkpoint",
-    "set_custom_curriculum_learning_schedule": "the custom curriculum schedule type is not implemented",
     "random_ltd_initialize": "random layer-token drop is not implemented",
     "quantize_training": "quantization-aware training is not implemented",
     "active_timers": "DeepSpeed's engine timers are not implemented; see wall_clock_breakdown",
@@ -351,6 +350,13 @@ class DeepSpeedEngineMethods(CompiledEngine, EngineAttributes):
             drop_last=self.plan.dataloader_drop_last,
             collate_fn=collate_fn,
         )
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: dict[str, Any]) -> None:
+        """Give the curriculum sampler's custom-schedule metrics their functions (step -> difficulty); nothing
+        without the curriculum sampler, as in DeepSpeed."""
+        sampler = getattr(getattr(self, "training_dataloader", None), "data_sampler", None)
+        if sampler is not None and hasattr(sampler, "set_custom_curriculum_learning_schedule"):
+            sampler.set_custom_curriculum_learning_schedule(schedule_func_dict)
 
     def set_data_post_process_func(self, post_process_func: Any) -> None:
         """Hand each batch of the curriculum loader, with the sampler's state, to `post_process_func` (DeepSpeed's

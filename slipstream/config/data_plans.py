@@ -106,6 +106,7 @@ _NEEDS = {
     "fixed_linear": ("total_curriculum_step", "difficulty_step"),
     "fixed_root": ("total_curriculum_step", "difficulty_step", "root_degree"),
     "fixed_discrete": ("difficulty", "max_step"),
+    "custom": (),  # the function engine.set_custom_curriculum_learning_schedule gives (the data sampler's metrics)
 }
 
 
@@ -232,10 +233,6 @@ def _metric_plan(name: str, entry: dict[str, object], problems: list[str], unimp
     if metric.difficulty_type is None or metric.clustering_type is None:
         problems.append(f"{where}: set difficulty_type (value|percentile) and clustering_type (schedule_based|"
                         "single_cluster); DeepSpeed requires both")
-        return None
-    if metric.schedule_type == "custom":
-        problems.append(f"{where}.schedule_type: \"custom\" (set_custom_curriculum_learning_schedule) is not "
-                        "implemented; use fixed_linear, fixed_root or fixed_discrete")
         return None
     sample_path = None if metric.clustering_type == "single_cluster" else metric.index_to_sample_path
     needs = [key for key, wanted in (("index_to_sample_path", metric.clustering_type != "single_cluster"),

@@ -19,7 +19,7 @@ carries for each cluster the difficulties that made it and the generator states 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -76,6 +76,21 @@ class CurriculumSampler:
         self.curriculum_step = 0
         self.current_difficulties: dict[str, int] = {}
         self.clusters: list[_Cluster] = []
+        self.custom_schedules: dict[str, Callable[[int], int]] = {}
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Mapping[str, Callable[[int], int]]) -> None:
+        """The difficulty functions (curriculum step -> difficulty) of the metrics whose schedule_type is custom."""
+        self.custom_schedules.update(
+            (name, function) for name, function in schedule_func_dict.items() if name in self.curriculum_schedulers
+        )
+
+    def _difficulty(self, name: str, scheduler: CurriculumScheduler) -> int:
+        """The metric's difficulty at the current step; it stops moving once it reaches max_difficulty."""
+        if scheduler.plan.schedule_type != "custom":
+            return scheduler.update_difficulty(self.curriculum_step)
+        if scheduler.get_current_difficulty() < scheduler.plan.max_difficulty:
+            scheduler.set_current_difficulty(self.custom_schedules[name](self.curriculum_step))
+        return scheduler.get_current_difficulty()
 
     def __len__(self) -> int:
         return self.total_samples
@@ -93,11 +108,18 @@ class CurriculumSampler:
 
     def next_global_batch(self) -> list[int]:
         """Advance the curriculum one step and draw its global batch (all ranks' samples) into `self.batch`."""
+        unset = [n for n, s in self.curriculum_schedulers.items() if s.plan.schedule_type == "custom"
+                 and n not in self.custom_schedules]
+        if unset:
+            raise RuntimeError(
+                f"curriculum metrics {unset} have schedule_type custom but no function; call "
+                "engine.set_custom_curriculum_learning_schedule({name: step -> difficulty}) before training"
+            )
         self.curriculum_step += 1
         previous: dict[str, int | None] = {}
         moved = False
         for name, scheduler in self.curriculum_schedulers.items():
-            difficulty = scheduler.update_difficulty(self.curriculum_step)
+            difficulty = self._difficulty(name, scheduler)
             moved = moved or self.current_difficulties.get(name) != difficulty
             previous[name] = self.current_difficulties.get(name, self.metrics[name].start())
             self.current_difficulties[name] = difficulty

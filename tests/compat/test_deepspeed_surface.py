@@ -72,6 +72,7 @@ CALLED_WITH_ARGUMENTS = {
     "set_train_micro_batch_size",
     "deepspeed_io",
     "set_data_post_process_func",
+    "set_custom_curriculum_learning_schedule",
     "load_module_state_dict",
     "is_iterable_style_dataset",
     "is_map_style_dataset",

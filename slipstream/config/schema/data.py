@@ -116,7 +116,8 @@ class CurriculumMetricConfig(DSModel):
     max_difficulty: DSInt | None = None
     """The difficulty the schedule ends at (100 for percentile)."""
     schedule_type: Literal["fixed_linear", "fixed_root", "fixed_discrete", "custom"] | None = None
-    """How the difficulty grows with the step ("custom" is not implemented)."""
+    """How the difficulty grows with the step ("custom": the function set_custom_curriculum_learning_schedule
+    gives for the metric)."""
     schedule_config: CurriculumScheduleConfig = CurriculumScheduleConfig()
     """The schedule's parameters (as the legacy section's)."""
 

@@ -52,7 +52,7 @@ def test_a_switch_above_the_curriculum_turns_the_sampler_off_and_says_so(switch:
     ("change", "named"),
     [
         ({"index_to_metric_path": None}, "index_to_metric_path not set"),
-        ({"schedule_type": "custom"}, ".schedule_type: \"custom\""),
+        ({"clustering_type": "by_value"}, "curriculum_metrics.seqlen.clustering_type"),
         ({"bogus": 1}, "curriculum_metrics.seqlen.bogus"),
         ({"difficulty_type": "rank"}, "curriculum_metrics.seqlen.difficulty_type"),
         ({"schedule_config": {"total_curriculum_step": 100}}, "schedule_config.difficulty_step"),
@@ -63,6 +63,14 @@ def test_a_broken_metric_is_refused_by_name(change: dict, named: str) -> None:
     config = _with(("data_efficiency", "data_sampling", "curriculum_learning", "curriculum_metrics"), {"seqlen": metric})
     with pytest.raises(ConfigError, match=named.replace(".", r"\.").replace("\"", "\"")):
         resolve(config, world_size=1)
+
+
+def test_a_custom_schedule_needs_only_its_limits() -> None:
+    metric = {key: value for key, value in METRIC.items() if key != "schedule_config"}
+    config = _with(("data_efficiency", "data_sampling", "curriculum_learning", "curriculum_metrics"),
+                   {"seqlen": {**metric, "schedule_type": "custom"}})
+    sampling = resolve(config, world_size=1).schedules.sampling
+    assert sampling is not None and sampling.metrics[0].schedule.schedule_type == "custom"
 
 
 def test_a_single_cluster_metric_needs_no_index_and_unknown_schedule_keys_are_reported() -> None:

@@ -102,3 +102,15 @@ def test_num_epochs_seed_and_num_workers_take_effect(index: Path) -> None:
     loader = CurriculumDataLoader(list(range(20)), dataclasses.replace(plan, num_workers=2), micro_batch_size=2,
                                   rank_and_size=(0, 1), gradient_accumulation_steps=1, drop_last=False)
     assert loader.num_workers == 2 and len(loader) == 20 * 100 // 2
+
+
+def test_custom_schedule_takes_the_function_given(index: Path) -> None:
+    plan = _plan(index, "value", (2, 9), (1,))
+    custom = dataclasses.replace(plan.metrics[0].schedule, schedule_type="custom", difficulties=(), max_steps=())
+    sampler = _sampler(dataclasses.replace(plan, metrics=(dataclasses.replace(plan.metrics[0], schedule=custom),)))
+    with pytest.raises(RuntimeError, match="set_custom_curriculum_learning_schedule"):
+        sampler.next_global_batch()
+    sampler.set_custom_curriculum_learning_schedule({"m": lambda step: 2 if step <= 3 else 4, "other": len})
+    assert [set(sampler.next_global_batch()) for _ in range(3)] == [AT_MOST_2] * 3  # 3 steps at difficulty 2
+    later = set().union(*(sampler.next_global_batch() for _ in range(6)))
+    assert later <= AT_MOST_4 and later - AT_MOST_2 and sampler.current_difficulties == {"m": 4}

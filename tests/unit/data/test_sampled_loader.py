@@ -71,3 +71,6 @@ def test_engine_loader_follows_the_curriculum_and_resumes(tmp_path: Path) -> Non
     resumed = _engine(tmp_path)
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
     assert _steps(resumed, iter(resumed.training_dataloader), 3) == after
+    schedule = {"m": lambda step: 9}
+    resumed.set_custom_curriculum_learning_schedule(schedule)  # DeepSpeed's hook reaches the sampler
+    assert resumed.training_dataloader.data_sampler.custom_schedules == schedule
