@@ -233,11 +233,14 @@ COMPOSITES: dict[str, dict[str, str]] = {
     },
     "slipstream.runtime.data_pipeline.data_routing": {},
     "slipstream.runtime.data_pipeline.data_routing.basic_layer": {
-        "RandomLayerTokenDrop": f"{_NB}:RandomLayerTokenDrop"
+        "RandomLayerTokenDrop": "slipstream.data.random_ltd_layer:RandomLayerTokenDrop"
     },
     "slipstream.runtime.data_pipeline.data_routing.helper": {
-        name: f"{_NB}:{name}"
+        name: f"slipstream.data.random_ltd_layer:{name}"
         for name in ("convert_to_random_ltd", "save_without_random_ltd", "remove_random_ltd_state_dict")
+    },
+    "slipstream.runtime.data_pipeline.data_routing.scheduler": {
+        "RandomLTDScheduler": "slipstream.data.random_ltd:RandomLTDScheduler"
     },
     "slipstream.runtime.zero.offload_config": {
         "DeepSpeedZeroOffloadParamConfig": f"{_CFG}.zero:OffloadParamConfig",

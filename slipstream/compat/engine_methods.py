@@ -159,7 +159,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "uses_parallelization_pass_only": "DeepCompile is not implemented",
     "super_offload": "SuperOffload is not implemented; use offload_optimizer",
     "load_moe_state_dict": "MoE checkpoints load through load_checkpoint",
-    "random_ltd_initialize": "random layer-token drop is not implemented",
     "quantize_training": "quantization-aware training is not implemented",
     "active_timers": "DeepSpeed's engine timers are not implemented; see wall_clock_breakdown",
     "print_forward_breakdown": "DeepSpeed's engine timers are not implemented; see wall_clock_breakdown",
@@ -221,6 +220,23 @@ class DeepSpeedEngineMethods(CompiledEngine, EngineAttributes):
             except AttributeError:
                 pass
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}' (nor has its module)")
+
+    def random_ltd_initialize(self) -> None:
+        """Make the model's RandomLayerTokenDrop wrappers named by random_ltd_layer_id drop tokens (data/)."""
+        from slipstream.data.random_ltd_layer import attach_random_ltd
+
+        scheduler = self._forward_schedules.random_ltd
+        if scheduler is None:
+            raise RuntimeError(
+                "engine.random_ltd_initialize(): random-LTD is off; enable it in the config "
+                '("data_efficiency": {"data_routing": {"random_ltd": {"enabled": true, ...}}})'
+            )
+        attach_random_ltd(self.module, scheduler.plan, scheduler)
+
+    @property
+    def random_ltd_scheduler(self) -> Any:
+        """DeepSpeed's attribute: the kept-token schedule (data/random_ltd.py), None when random-LTD is off."""
+        return self._forward_schedules.random_ltd
 
     def get_pld_theta(self) -> float | None:
         """Progressive layer drop's keep probability for the next forward; None when it is off."""

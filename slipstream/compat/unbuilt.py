@@ -56,10 +56,9 @@ _FEATURES = (
         classes=("Autotuner",),
     ),
     _Feature(
-        "DeepSpeed's data efficiency pipeline (curriculum learning, random-LTD)",
+        "DeepSpeed's data efficiency pipeline (its CurriculumScheduler class)",
         "remove data_efficiency",
-        classes=("CurriculumScheduler", "RandomLayerTokenDrop"),
-        functions=("convert_to_random_ltd", "save_without_random_ltd", "remove_random_ltd_state_dict"),
+        classes=("CurriculumScheduler",),
     ),
     _Feature(
         "offloading ZeRO states between steps (offload_states / reload_states)",

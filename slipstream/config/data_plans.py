@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from slipstream.config.errors import ConfigError, pydantic_problems
 from slipstream.config.keys import unimplemented_keys
+from slipstream.config.random_ltd_plan import RandomLTDPlan, random_ltd_plan
 from slipstream.config.schema.data import (
     CurriculumLearningConfig,
     CurriculumMetricConfig,
@@ -75,6 +76,8 @@ class SchedulesPlan:
     """Hands `progressive_layer_drop=True, pld_theta=...`."""
     sampling: DataSamplingPlan | None
     """The curriculum sampler of the training loader (data_efficiency.data_sampling); None: the plain loader."""
+    random_ltd: RandomLTDPlan | None
+    """The kept-token count of random-LTD's wrapped layers (data_efficiency.data_routing.random_ltd)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,7 +124,7 @@ def schedules_plan(cfg: DeepSpeedConfig, problems: list[str], unimplemented: lis
             unimplemented.append(f"curriculum_learning.curriculum_type={curriculum.curriculum_type}")
             plan = None
     sampling = data_sampling_plan(cfg.data_efficiency, problems, unimplemented)
-    return SchedulesPlan(curriculum=plan, layer_drop=drop, sampling=sampling)
+    return SchedulesPlan(curriculum=plan, layer_drop=drop, sampling=sampling, random_ltd=random_ltd_plan(cfg, problems))
 
 
 def _curriculum_plan(section: CurriculumLearningConfig, problems: list[str]) -> CurriculumPlan | None:

@@ -162,7 +162,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         self.monitors = make_monitors(plan.logging.monitor) if self.global_rank == 0 else []
         comms = plan.logging.comms_log
         self._step_profiler = step_profiler(plan, self.module, rank=self.global_rank)
-        self._forward_schedules = ForwardSchedules(plan.schedules)  # curriculum_seqlen, pld_theta (data/)
+        self._forward_schedules = ForwardSchedules(plan.schedules, plan.batch.train_batch_size)  # (data/)
         self.compression_scheduler = compression_steps.scheduler_for(plan, self.module)  # DeepSpeed's attribute
         self._autocast = builders.autocast_region(plan)  # the config's torch.autocast, if it has one
         self._comms_log = None if comms is None else CommsLog(comms, rank=self.global_rank)

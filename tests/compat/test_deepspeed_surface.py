@@ -73,6 +73,7 @@ CALLED_WITH_ARGUMENTS = {
     "deepspeed_io",
     "set_data_post_process_func",
     "set_custom_curriculum_learning_schedule",
+    "random_ltd_initialize",
     "load_module_state_dict",
     "is_iterable_style_dataset",
     "is_map_style_dataset",

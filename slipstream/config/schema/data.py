@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, OpenSection, plan_fields
+from slipstream.config.schema.data_routing import DataRoutingConfig
 
 __all__ = [
     "CurriculumLearningConfig",
@@ -156,7 +157,7 @@ class DataSamplingConfig(OpenSection):
 
 
 class DataEfficiencyConfig(OpenSection):
-    """`data_efficiency`: data sampling (the curriculum sampler); data_routing (random-LTD) is reported."""
+    """`data_efficiency`: data sampling (the curriculum sampler) and data routing (random-LTD)."""
 
     IMPLEMENTED = plan_fields("schedules.sampling", "seed", enabled="schedules.sampling")
 
@@ -166,5 +167,5 @@ class DataEfficiencyConfig(OpenSection):
     """Seed of the sampler's shuffles."""
     data_sampling: DataSamplingConfig = DataSamplingConfig()
     """Data sampling."""
-    data_routing: dict[str, Any] | None = None
-    """Random layerwise token dropping (reported)."""
+    data_routing: DataRoutingConfig = Field(default_factory=DataRoutingConfig)
+    """Random layerwise token dropping (schema/data_routing.py)."""
