@@ -49,7 +49,9 @@ class RandomLTDScheduler:
         """The schedule's kept count at `global_steps` (whatever the current count is)."""
         plan = self.plan
         if plan.schedule_type != "fixed_linear":
-            raise ValueError(f"random-LTD: schedule_type {plan.schedule_type!r} is not one of DeepSpeed's (fixed_linear)")
+            raise ValueError(
+                f"random-LTD: schedule_type {plan.schedule_type!r} is not one of DeepSpeed's (fixed_linear)"
+            )
         grown = math.floor(global_steps / plan.require_steps * (plan.max_value - plan.min_value) + plan.min_value)
         return min(grown - grown % plan.seq_per_step, plan.max_value)
 
