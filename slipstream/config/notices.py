@@ -74,6 +74,7 @@ def instead_of(key: str) -> str:
 _INSTEAD = {
     "zero_optimization.reduce_bucket_size": "at ZeRO stage 3 each unit's gradients are reduce-scattered together "
     "when the unit's backward completes, whatever the bucket size (stages 1 and 2 use it)",
+    "eigenvalue.quantize_training": "the block eigenvalues go to the monitors only; no quantization schedule reads them",
 }
 """What a run does instead, for keys whose schema default does not say it (see instead_of)."""
 

@@ -35,6 +35,7 @@ from pydantic import ValidationError
 
 from slipstream.config.batch import apply_elasticity, batch_plan, mark_elastic
 from slipstream.config.data_plans import schedules_plan
+from slipstream.config.eigenvalue_plan import eigenvalue_plan
 from slipstream.config.errors import ConfigError, pydantic_problems
 from slipstream.config.keys import BATCH_KEYS, KeyWalk, unimplemented_keys
 from slipstream.config.optimizer_plans import optimizer_plan, scheduler_plan
@@ -121,6 +122,7 @@ def resolve(
         compile=CompilePlan(deepcompile=cfg.compile.deepcompile),
         autotuning=autotuning_plan(cfg),
         schedules=schedules,
+        eigenvalue=eigenvalue_plan(cfg, unimplemented),  # before unimplemented= below: it may report
         compression_training=None if cfg.compression_training is None else cfg.compression_training.methods(),
         collective_timeout=cfg.collective_timeout,
         parallel=parallel,

@@ -33,7 +33,7 @@ from slipstream.compat.engine_methods import DeepSpeedEngineMethods
 from slipstream.config import notices
 from slipstream.config.plan import EnginePlan
 from slipstream.data.forward_kwargs import ForwardSchedules
-from slipstream.engine import builders, compression_steps
+from slipstream.engine import builders, compression_steps, eigenvalue_steps
 from slipstream.engine.model_saving import ModelSaving
 from slipstream.engine.monitor import StepFigures, step_events
 from slipstream.engine.observe import CommsLog, step_observers, step_profiler
@@ -163,6 +163,7 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         comms = plan.logging.comms_log
         self._step_profiler = step_profiler(plan, self.module, rank=self.global_rank)
         self._forward_schedules = ForwardSchedules(plan.schedules, plan.batch.train_batch_size)  # (data/)
+        self._eigenvalue = eigenvalue_steps.EigenvalueSteps(plan, self.module, self.monitors, rank=self.global_rank)
         self.compression_scheduler = compression_steps.scheduler_for(plan, self.module)  # DeepSpeed's attribute
         self._autocast = builders.autocast_region(plan)  # the config's torch.autocast, if it has one
         self._comms_log = None if comms is None else CommsLog(comms, rank=self.global_rank)
@@ -242,6 +243,8 @@ class SlipstreamEngine(EngineGetters, ModelSaving, SaveLoad, PostTraining, DeepS
         self._loss_totals[1] += 1
         if not scale_wrt_gas:
             self._user_scaled_window = True
+        boundary = self.is_gradient_accumulation_boundary()  # eigenvalue: from the boundary micro-batch's loss
+        self._eigenvalue.before_backward(loss, self.global_steps + 1, self.global_samples, boundary=boundary)
         self._backward_pass(self.scale(loss), retain_graph=retain_graph)  # compiled autograd after compile()
         self._timers["backward"] += time.perf_counter() - started
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1

@@ -15,6 +15,7 @@ from pydantic import BeforeValidator, Field, field_validator, model_validator
 from slipstream.config.schema.base import DSBool, DSFloat, DSInt, DSModel, aliased
 from slipstream.config.schema.compression import CompressionTrainingConfig
 from slipstream.config.schema.data import CurriculumLearningConfig, DataEfficiencyConfig, ProgressiveLayerDropConfig
+from slipstream.config.schema.eigenvalue import EigenvalueConfig
 from slipstream.config.schema.inference import HybridEngineConfig
 from slipstream.config.schema.misc import (
     ActivationCheckpointingConfig,
@@ -189,8 +190,8 @@ class DeepSpeedConfig(DSModel):
     """Sparse attention (keys as DeepSpeed documents them)."""
     progressive_layer_drop: ProgressiveLayerDropConfig = Field(default_factory=ProgressiveLayerDropConfig)
     """Progressive layer drop."""
-    eigenvalue: EnabledSection = Field(default_factory=EnabledSection)
-    """Eigenvalue computation."""
+    eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
+    """Block-Hessian eigenvalues written to the monitors."""
     quantize_training: EnabledSection = Field(default_factory=EnabledSection)
     """Quantization-aware training (MoQ)."""
     compression_training: CompressionTrainingConfig | None = None
