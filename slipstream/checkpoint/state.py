@@ -63,6 +63,8 @@ def global_shape(parts: EngineParts, name: str, shape: tuple[int, ...]) -> tuple
 
 def _local_slices(parts: EngineParts, *, for_save: bool) -> list[OwnedSlice]:
     slices: list[OwnedSlice] = []
+    if for_save and parts.zero_model is not None and parts.zero_model.sharding.replica_index:
+        return slices  # MiCS: the first shard group writes the shards, the others hold the same ones
     if parts.optimizer is not None:
         slices.extend(parts.optimizer.owned_slices(parts.names, for_save=for_save))
     skip = trainable_names(parts)

@@ -173,13 +173,14 @@ def _issue(
     launch: Callable[..., object],
     async_op: bool,
     finish: Callable[[], object] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> TimedWork:
     """Count, number, record and launch one collective on aliases of `tensors` (the backend sees only those;
     `shown` is what the error describes); `finish` runs once it completed. Waits unless `async_op` (the
-    caller then waits)."""
+    caller then waits); `group` is the process group, for the counters."""
     teardown.install(created=False)  # a group created elsewhere still needs its collectives drained at exit
     site, origin = _sites()
-    counting.record(kind, shown, site)
+    counting.record(kind, shown, site, group)
     identity = f"{kind} {shown.numel()} {site}"
     seq = arrivals.record(identity)
     info = OpInfo(
@@ -217,6 +218,7 @@ def all_reduce(
         (tensor,),
         lambda t: dist.all_reduce(t, op=op, group=group, async_op=True),
         async_op,
+        group=group,
     )
 
 
@@ -246,6 +248,7 @@ def reduce_scatter(
             (input, output),
             lambda i, o: _reduce_scatter_flat(o, i, op=dist.ReduceOp.SUM, group=group, async_op=True),
             async_op,
+            group=group,
         )
     summed = input if input_is_scratch else input.clone()
     chunk = summed.chunk(dist.get_world_size(group))[dist.get_rank(group)]
@@ -256,6 +259,7 @@ def reduce_scatter(
         lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True),
         async_op,
         finish=lambda: output.copy_(chunk),
+        group=group,
     )
 
 
@@ -264,7 +268,12 @@ def all_gather(
 ) -> TimedWork:
     """Concatenate every rank's `input` into `output` (may be in place: input is output's chunk r)."""
     return _issue(
-        "all_gather", output, (output, input), lambda o, i: _all_gather_flat(o, i, group=group, async_op=True), async_op
+        "all_gather",
+        output,
+        (output, input),
+        lambda o, i: _all_gather_flat(o, i, group=group, async_op=True),
+        async_op,
+        group=group,
     )
 
 
@@ -279,6 +288,7 @@ def all_to_all(
         (output, input),
         lambda o, i: dist.all_to_all_single(o, i, group=group, async_op=True),
         async_op,
+        group=group,
     )
 
 
@@ -289,7 +299,14 @@ def first_rank(group: dist.ProcessGroup | None) -> int:
 
 def broadcast(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None = None) -> None:
     """Copy `tensor` from global rank `src` to every rank of `group`."""
-    _issue("broadcast", tensor, (tensor,), lambda t: dist.broadcast(t, src=src, group=group, async_op=True), False)
+    _issue(
+        "broadcast",
+        tensor,
+        (tensor,),
+        lambda t: dist.broadcast(t, src=src, group=group, async_op=True),
+        False,
+        group=group,
+    )
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:

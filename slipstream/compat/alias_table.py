@@ -157,6 +157,7 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "estimate_zero3_model_states_mem_needs_all_live": "slipstream.planner:estimate_zero3_model_states_mem_needs_all_live",
         "estimate_zero3_model_states_mem_needs_all_cold": "slipstream.planner:estimate_zero3_model_states_mem_needs_all_cold",
     },
+    "slipstream.runtime.zero.mics": {"MiCS_Init": "slipstream.zero.mics:MicsInit"},  # zero.Init for MiCS
     "slipstream.runtime.zero.stage_1_and_2": {
         "DeepSpeedZeroOptimizer": "slipstream.zero.optimizer:ZeroOptimizer",
         "estimate_zero2_model_states_mem_needs_all_live": "slipstream.planner:estimate_zero2_model_states_mem_needs_all_live",

@@ -232,6 +232,13 @@ class Stage3Plan:
     """The optimizer steps (and NVMe offload swaps) masters, states and gradients this many elements at a time
     (zero_optimization.sub_group_size); a parameter larger than that is a sub-group of its own (so 0 makes every
     parameter one, as in DeepSpeed)."""
+    secondary_shard_size: int
+    """ZeRO++ hpZ: after a forward gather each unit keeps a secondary shard of its values over blocks of this many
+    consecutive ranks, and the gathers until the next step read it there (zero_optimization.zero_hpz_partition_size;
+    1: no secondary shard)."""
+    shard_size: int | None
+    """MiCS: units are sharded over blocks of this many consecutive ranks and replicated across the blocks
+    (zero_optimization.mics_shard_size); None: sharded over the whole data-parallel group."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

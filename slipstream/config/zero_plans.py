@@ -86,6 +86,11 @@ def zero_plan(cfg: DeepSpeedConfig, aio: AioPlan, problems: list[str], *, grad_a
     if zero.stage == 3:
         stage3 = stage3_plan(zero, param_off)
         problems += _param_offload_problems(stage3.offload_param, offload, prefix)
+        if stage3.shard_size is not None and stage3.secondary_shard_size > 1:
+            problems.append(
+                f"{prefix}.zero_hpz_partition_size: {stage3.secondary_shard_size} together with mics_shard_size "
+                f"{stage3.shard_size}; MiCS already keeps the gathers inside its shard groups: set one of them only"
+            )
     return ZeroPlan(
         stage=zero.stage,
         reduce_bucket_size=zero.reduce_bucket_size,
@@ -202,6 +207,8 @@ def stage3_plan(zero: ZeroConfig, offload_param: OffloadTarget) -> Stage3Plan:
         leaf_classes=tuple(leaf.classes),
         leaf_names=tuple(leaf.names),
         leaf_suffixes=tuple(leaf.name_suffixes),
+        secondary_shard_size=zero.zero_hpz_partition_size,
+        shard_size=zero.mics_shard_size if zero.mics_shard_size > 0 else None,
         **{field: getattr(zero, key) for field, key in _STAGE3_FROM_ZERO.items()},
     )
 
@@ -225,4 +232,8 @@ def unhonoured_at_stage(zero: ZeroConfig) -> list[str]:
     for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):  # parameter gathers: stage 3
         if zero.stage != 3 and getattr(zero, key):
             unhonoured.append(f"zero_optimization.{key}")
+    if zero.stage != 3 and zero.zero_hpz_partition_size > 1:  # hpZ and MiCS shard parameters: stage 3 only
+        unhonoured.append("zero_optimization.zero_hpz_partition_size")
+    if zero.stage != 3 and zero.mics_shard_size > 0:
+        unhonoured.append("zero_optimization.mics_shard_size")
     return unhonoured

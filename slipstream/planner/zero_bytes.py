@@ -187,6 +187,14 @@ def stage012_bytes(
     return ZeroBytes(device=device, host=host, owned=owned, pinned_blocks=blocks)
 
 
+def secondary_shard_numel(units: Sequence[UnitShape], shard_numels: Sequence[int], *, world: int, size: int) -> int:
+    """Elements of hpZ's secondary shards on one rank: world * shard / size per unit the hooks gather over the
+    whole group (none when `size` is 1 or the whole group; the persistent unit stays gathered)."""
+    if size <= 1 or size >= world:
+        return 0
+    return sum(world * shard // size for u, shard in zip(units, shard_numels) if u.hooked and not u.persistent)
+
+
 def stage3_bytes(
     units: Sequence[UnitShape],
     *,
@@ -197,8 +205,10 @@ def stage3_bytes(
     nvme_params: bool = False,
 ) -> tuple[ZeroBytes, PoolFigures]:
     """Stage 3 for the units of `prefetch.UnitShape` (in the engine's unit order); `nvme_params`: the shards
-    live in files (offload_param.device nvme)."""
+    live in files (offload_param.device nvme). MiCS shards each unit over `mics_shard_size` ranks; hpZ adds each
+    hooked unit's secondary shard, 1/h of its gathered buffer (zero/stage3/secondary.py), to the device params."""
     param, grad = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.grad_accum_dtype]
+    world = settings.stage3.shard_size or world
     shard_numels = [sum(-(-n // world) for n in u.numels) for u in units]
     trainable_shard = [sum(-(-n // world) for n, t in zip(u.numels, u.trainable) if t) for u in units]
     total_trainable = sum(trainable_shard)
@@ -214,8 +224,9 @@ def stage3_bytes(
     largest = max(trainable_shard, default=0)
     staging = 2 * largest * world * grad + 2 * largest * grad if total_trainable else 0
     shards = sum(shard_numels) * param
+    secondary = secondary_shard_numel(units, shard_numels, world=world, size=settings.stage3.secondary_shard_size)
     owned = {
-        "params": shards,
+        "params": shards + secondary * param,
         "grads": total_trainable * grad,
         "comm_buffers": staging + pool.pool_bytes,
         **_optimizer_roles(total_trainable, settings=settings, offload=offload, aliased=aliased),
@@ -229,7 +240,7 @@ def stage3_bytes(
         if settings.dtype != settings.master_dtype:
             blocks.append(total_trainable * param)
     if offload_param:
-        device["params"] = 0
+        device["params"] = secondary * param  # the secondary shards stay on the device
         host["offloaded_params"] = shards
         if aliased and not offload:  # fp32 without optimizer offload: the masters are the host shards, and so
             # is the state (with optimizer offload it is on the host already)

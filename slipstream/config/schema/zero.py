@@ -188,6 +188,8 @@ class ZeroConfig(DSModel):
         "overlap_comm": "zero.overlap_comm",
         "zero_quantized_weights": "zero.stage3.quantized_weights",
         "zero_quantized_nontrainable_weights": "zero.stage3.quantized_frozen_weights",
+        "zero_hpz_partition_size": "zero.stage3.secondary_shard_size",
+        "mics_shard_size": "zero.stage3.shard_size",
     }
     stage: DSInt = Field(0, ge=0, le=3)
     """0 disabled, 1 optimizer state, 2 + gradients, 3 + parameters are partitioned."""
@@ -263,7 +265,8 @@ class ZeroConfig(DSModel):
     round_robin_gradients: DSBool = False
     """Round-robin gradient copying across ranks (stages 1-2 with offload)."""
     zero_hpz_partition_size: DSInt = Field(1, ge=1)
-    """ZeRO++ hierarchical partition size."""
+    """ZeRO++ hpZ (stage 3): ranks per block (a node) of the secondary shard each unit keeps after its forward
+    gather; the gathers until the next step are all-gathers inside the block. 1: none."""
     zero_quantized_weights: DSBool = False
     """ZeRO++ qwZ (stage 3): the forward and backward all-gathers of parameters travel as block-wise int8."""
     zero_quantized_nontrainable_weights: DSBool = False
@@ -273,7 +276,8 @@ class ZeroConfig(DSModel):
     zeropp_loco_param: dict[str, Any] | None = None
     """ZeRO++ LoCo parameters, e.g. {"err_beta": 0.8, "reset_T": 1024}."""
     mics_shard_size: DSInt = -1
-    """MiCS shard size; -1 disables MiCS."""
+    """MiCS (stage 3): ranks per shard group; parameters, gradients and optimizer states are sharded inside each
+    group of this many consecutive ranks and replicated across groups. -1 (or 0) disables MiCS."""
     mics_hierarchical_params_gather: DSBool = False
     """MiCS hierarchical all-gather."""
     memory_efficient_linear: DSBool = True

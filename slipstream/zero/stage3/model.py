@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from slipstream.comm import collectives
+from slipstream.comm.nodes import two_level_groups
 from slipstream.config.plan import Stage3Plan
 from slipstream.offload.choose import policy_for
 from slipstream.precision.fp8 import float8_gather_slots
@@ -26,7 +27,9 @@ from slipstream.zero.stage3.coordinator import Coordinator
 from slipstream.zero.stage3.leaves import LEAF_PARAM_ATTR, apply_leaf_settings, get_z3_leaf_modules
 from slipstream.zero.stage3.manager import UnitManager
 from slipstream.zero.stage3.pool import BufferPool
+from slipstream.zero.stage3.secondary import SecondaryShard
 from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus, internal_access
+from slipstream.zero.stage3.sharding import shard_groups
 from slipstream.zero.stage3.unit import Unit, host_or_device_allocator
 from slipstream.zero.stage3.units import UnitSpec, plan_units
 
@@ -53,6 +56,7 @@ class ZeroModel(UnitManager):
         self._deferred_tags = []
         _mark_leaves(module, plan)
         specs = plan_units(module, threshold=plan.persistence_threshold)
+        self.sharding = shard_groups(group, _checked_shard_size(plan, specs))  # [Note: MiCS shard groups]
         offload = policy_for(plan.offload_param, rank=self.rank, section="offload_param")
         shard_device = offload.master_device(device)
         self.shards_in_host_memory = offload.host_resident
@@ -73,6 +77,7 @@ class ZeroModel(UnitManager):
         for unit in self.units:
             if unit.persistent:
                 unit.refresh_persistent()
+        self._attach_secondaries(plan.secondary_shard_size)
         self.coordinator = Coordinator(
             self.units,
             self._borrowing(specs),
@@ -106,13 +111,14 @@ class ZeroModel(UnitManager):
             with torch.no_grad():
                 for param in plain:
                     collectives.broadcast(param.data, src=source, group=unit_group)
+        shard_group = self.sharding.shard if spec.group_key is None else unit_group  # MiCS: a block of the group
         unit = Unit(
             uid,
             spec,
             manager=self,
-            rank=dist.get_rank(unit_group),
-            world_size=unit_world,
-            group=unit_group,
+            rank=dist.get_rank(shard_group),
+            world_size=dist.get_world_size(shard_group),
+            group=shard_group,
             device=self.device,
             shard_device=shard_device,
             pool=self.pool,
@@ -153,6 +159,28 @@ class ZeroModel(UnitManager):
             borrow[unit.uid] = needed
         return borrow
 
+    def _attach_secondaries(self, size: int) -> None:
+        """ZeRO++ hpZ: a secondary shard over blocks of `size` ranks for every unit gathered by the hooks over the
+        whole group (see [Note: hpZ secondary shard]); none when one block is the whole group. Float8 weights'
+        gathers stay primary (their float8 copy is valid only for the gather that made it)."""
+        if size <= 1:
+            return
+        layout = two_level_groups(self.group, size, what="zero_optimization.zero_hpz_partition_size")
+        if layout.inner is None or layout.count == 1:
+            return
+        for unit in self.units:
+            if unit.persistent or unit.group is not self.group or unit.float8 is not None or not unit.params:
+                continue
+            unit.secondary = SecondaryShard(
+                full_numel=unit.layout.full_numel, dtype=unit.dtype, device=self.device, block=layout.inner, size=size
+            )
+
+    def shards_changed(self) -> None:
+        """The shards took new values (a step, a checkpoint load): the secondary shards are stale."""
+        for unit in self.units:
+            if unit.secondary is not None:
+                unit.secondary.filled = False
+
     def detach_hooks(self) -> None:
         self.coordinator.detach()
 
@@ -165,8 +193,9 @@ class ZeroModel(UnitManager):
     def owned_bytes(self) -> dict[str, int]:
         shards = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)
+        secondary = sum(u.secondary.nbytes for u in self.units if u.secondary is not None)
         return {
-            "params": shards,
+            "params": shards + secondary,
             "gathered": gathered,
             "comm_buffers": self.pool.allocated_bytes,
             "offloaded_params": shards if self.shards_in_host_memory else 0,
@@ -215,6 +244,7 @@ class ZeroModel(UnitManager):
 
     def refresh_gathered(self) -> None:
         """After shards changed outside a step (a checkpoint load): re-gather the units that are gathered."""
+        self.shards_changed()
         for unit in self.units:
             if unit.status is ZeroParamStatus.AVAILABLE and unit.params:
                 unit.status = ZeroParamStatus.NOT_AVAILABLE
@@ -241,6 +271,25 @@ def _unit_group(
         )
     found: tuple[dist.ProcessGroup | None, int] = unit_groups(spec.group_key)
     return found
+
+
+def _checked_shard_size(plan: Stage3Plan, specs: list[UnitSpec]) -> int | None:
+    """MiCS' shard size, after refusing what it does not combine with: hpZ (MiCS' gathers are inside its blocks
+    already) and units over other process groups (MoE experts)."""
+    if plan.shard_size is None:
+        return None
+    if plan.secondary_shard_size > 1:
+        raise ValueError(
+            f"zero_optimization.mics_shard_size={plan.shard_size} with zero_hpz_partition_size="
+            f"{plan.secondary_shard_size}: MiCS keeps the gathers inside its shard groups already; set one of them only"
+        )
+    grouped = [spec.name for spec in specs if spec.group_key is not None]
+    if grouped:
+        raise ValueError(
+            f"zero_optimization.mics_shard_size={plan.shard_size}: the model has units sharded over expert groups "
+            f"({', '.join(grouped)}), which MiCS does not cut into shard groups; unset mics_shard_size for MoE models"
+        )
+    return plan.shard_size
 
 
 def _mark_leaves(module: nn.Module, plan: Stage3Plan) -> None:

@@ -38,6 +38,8 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, model: ZeroModel, **kwargs: Any) -> None:
         self.model = model
+        if model.sharding.replicas is not None:  # MiCS: the step's group is the shard group ([Note: MiCS ...])
+            kwargs["group"] = model.sharding.shard
         super().__init__(optimizer, **kwargs)
 
     def _build_groups(self, *, bucket_numel: int, master_dtype: torch.dtype, grad_dtype: torch.dtype) -> list[Any]:
@@ -196,6 +198,8 @@ class Stage3Optimizer(ZeroOptimizer):
         )
         grads.clear()  # the full-size gradients are packed: drop them now, not at the end of backward
         deliver = self._swapped_delivery(uid) if self._grad_swap is not None else self._delivery(uid)
+        if self.model.sharding.replicas is not None:
+            deliver = _summed_across(self.model.sharding.replicas, deliver)
         self._ring.launched(slot, work, receive, deliver)
         self._next += 1
 
@@ -310,6 +314,7 @@ class Stage3Optimizer(ZeroOptimizer):
             yield
 
     def _publish_params(self, *, from_low_precision: bool, copied: bool = False) -> None:
+        self.model.shards_changed()
         for group in self.groups:
             if not copied:
                 group.copy_master_to_params(from_low_precision=from_low_precision)
@@ -414,3 +419,14 @@ class Stage3Optimizer(ZeroOptimizer):
     def remove_hooks(self) -> None:
         super().remove_hooks()
         self.model.detach_hooks()
+
+
+def _summed_across(replicas: dist.ProcessGroup, deliver: Any) -> Any:
+    """MiCS: a unit's reduce-scattered gradients, summed inside the shard group, are all-reduced across the shard
+    groups before `deliver` adds them in (see [Note: MiCS shard groups])."""
+
+    def summed(received: torch.Tensor) -> None:
+        collectives.all_reduce(received, group=replicas)
+        deliver(received)
+
+    return summed

@@ -40,6 +40,7 @@ from slipstream.zero.quantized import QuantizedRows
 from slipstream.zero.stage3.dtype_split import dtype_parts, launch_parts
 from slipstream.zero.stage3.fp8_gather import Float8Rows
 from slipstream.zero.stage3.pool import BufferPool
+from slipstream.zero.stage3.secondary import SecondaryShard
 from slipstream.zero.stage3.sharded_param import ParamRecord, ZeroParamStatus, internal_access, make_sharded
 from slipstream.zero.stage3.units import UnitSpec, shard_layout
 
@@ -110,7 +111,9 @@ class Unit:
         # torch.empty touches no pages: construction costs the shard, not a second copy of the unit
         self.full = torch.empty(self.layout.full_numel, dtype=self.dtype, device=device)
         self.full_bytes = self.full.untyped_storage().nbytes()
-        self._pending: tuple[Any, torch.Tensor, QuantizedRows | Float8Rows | None] | None = None
+        self._pending: tuple[Any, torch.Tensor, QuantizedRows | Float8Rows | SecondaryShard | None] | None = None
+        self.secondary: SecondaryShard | None = None
+        """ZeRO++ hpZ: where the hook gathers read once a gather filled it (set by the ZeroModel; secondary.py)."""
         self.quantized = QuantizedRows(self.layout.shard_numel) if quantize_gathers and world_size > 1 else None
         """How the hooks' gathers travel quantized (ZeRO++ qwZ), or None: always exact."""
         self.float8 = (
@@ -177,6 +180,10 @@ class Unit:
         if self.world_size == 1 or not self.params:
             self._pending = None
             return
+        if hook and self.secondary is not None and self.secondary.filled:  # see [Note: hpZ secondary shard]
+            work, buffer = self.secondary.start_gather(self.pool, self.tag)
+            self._pending = (work, buffer, self.secondary)
+            return
         codec = (self.quantized or self.float8) if hook else None
         if codec is None:
             buffer = self.pool.take(self.world_size * (self.layout.shard_numel + 1), self.dtype)
@@ -211,12 +218,18 @@ class Unit:
                 work, buffer, codec = self._pending
                 work.wait()
                 self._unpack(buffer, codec)
+                if self.secondary is not None and codec is not self.secondary:
+                    self.secondary.keep(self.full)
         self._pending = None
         self.status = ZeroParamStatus.AVAILABLE
 
-    def _unpack(self, buffer: torch.Tensor, codec: QuantizedRows | Float8Rows | None) -> None:
+    def _unpack(self, buffer: torch.Tensor, codec: QuantizedRows | Float8Rows | SecondaryShard | None) -> None:
         """Each parameter's rows of a completed gather into the full buffer (dequantized first with `codec`)."""
         scratch = None
+        if isinstance(codec, SecondaryShard):
+            self._check_tags(codec.unpack(buffer, self.full))
+            self.pool.give(buffer)
+            return
         if isinstance(codec, Float8Rows):
             rows = buffer.view(self.world_size, codec.row_bytes)
             self._check_tags(codec.tags(rows))
@@ -303,6 +316,8 @@ class Unit:
 
     def write_full_into_shard(self) -> None:
         """After the full values were changed in place (GatheredParameters): keep this rank's slices."""
+        if self.secondary is not None:
+            self.secondary.filled = False
         with torch.no_grad():
             self.store.fetch(self.shard)
             self._keep_own_slices()
