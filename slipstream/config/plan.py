@@ -228,6 +228,8 @@ class Stage3Plan:
     """The module hooks' all-gathers travel as block-wise int8 (zero_optimization.zero_quantized_weights)."""
     quantized_frozen_weights: bool
     """The same for units with no trainable parameter (zero_optimization.zero_quantized_nontrainable_weights)."""
+    quantized_gradients: bool
+    """Gradient reduce-scatters travel as int4 inside a node, int8 across (zero_optimization.zero_quantized_gradients)."""
     sub_group_numel: int
     """The optimizer steps (and NVMe offload swaps) masters, states and gradients this many elements at a time
     (zero_optimization.sub_group_size); a parameter larger than that is a sub-group of its own (so 0 makes every

@@ -195,6 +195,7 @@ _STAGE3_FROM_ZERO = {
     "sub_group_numel": "sub_group_size",
     "quantized_weights": "zero_quantized_weights",
     "quantized_frozen_weights": "zero_quantized_nontrainable_weights",
+    "quantized_gradients": "zero_quantized_gradients",
 }
 """Stage3Plan field -> the ZeroConfig field it is copied from (DeepSpeed's key, without the stage3_ prefix)."""
 
@@ -223,13 +224,13 @@ def unhonoured_at_stage(zero: ZeroConfig) -> list[str]:
     reduce-scatters each unit's gradients in one collective when the unit's backward completes, so
     `reduce_bucket_size` (DeepSpeed's stage-3 gradient bucket) has no effect there; stage 0 all-reduces at
     the step, never during backward, so `overlap_comm` true has nothing to overlap there; only stage 3 gathers
-    parameters, so the quantized-weight keys act there alone."""
+    parameters, so the quantized-weight keys act there alone, and qgZ replaces stage 3's unit reduce-scatter."""
     unhonoured = []
     if zero.stage == 3 and "reduce_bucket_size" in zero.model_fields_set:
         unhonoured.append("zero_optimization.reduce_bucket_size")
     if zero.stage == 0 and zero.overlap_comm and "overlap_comm" in zero.model_fields_set:
         unhonoured.append("zero_optimization.overlap_comm")
-    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):  # parameter gathers: stage 3
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
         if zero.stage != 3 and getattr(zero, key):
             unhonoured.append(f"zero_optimization.{key}")
     if zero.stage != 3 and zero.zero_hpz_partition_size > 1:  # hpZ and MiCS shard parameters: stage 3 only

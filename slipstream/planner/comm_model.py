@@ -8,8 +8,10 @@ collectives are hierarchical (intra-node ring, then inter-node ring; an all-gath
 which sums to the ring's (n - 1) / n x B for n = a x b. A phase takes intra / intra_bandwidth + inter /
 (node bandwidth / gpus_per_node): every GPU of a node crosses at once, so they share the node's network.
 Latency is left out (large buffers). Quantized traffic is `bits / 8` bytes per element plus one fp32 scale per
-block of 256 (zero/quantized.py). Compute per micro step is 6 x params x tokens / (flops x mfu), a third in
-the forward, two thirds in the backward; a phase's communication hides behind its compute up to that compute.
+block of 256 (zero/quantized.py). qgZ is two all-to-alls (zero/stage3/quantized_reduce.py): an int4 copy of the
+gradients inside each node, then an int8 copy of each rank's 1 / a of its node's sum across nodes. Compute per
+micro step is 6 x params x tokens / (flops x mfu), a third in the forward, two thirds in the backward; a phase's
+communication hides behind its compute up to that compute.
 """
 
 from __future__ import annotations
@@ -104,14 +106,12 @@ def group_of(size: int, cluster: Cluster, what: str) -> tuple[int, int]:
     )
 
 
-def hierarchical(
-    op: str, buffer: float, group: tuple[int, int], *, inter_buffer: float | None = None
-) -> tuple[float, float]:
-    """(intra, inter) bytes one rank sends for `op` over `buffer` on `group`; `inter_buffer`: the buffer's size in
-    the inter-node phase when it travels in another format there (qgZ)."""
+def hierarchical(op: str, buffer: float, group: tuple[int, int]) -> tuple[float, float]:
+    """(intra, inter) bytes one rank sends for `op` over `buffer` on `group` (an all-to-all sends the share of a
+    reduce-scatter: all but its own chunk)."""
     a, b = group
     intra = (a - 1) / a * buffer
-    inter = (b - 1) / b * (buffer if inter_buffer is None else inter_buffer) / a
+    inter = (b - 1) / b * buffer / a
     factor = 2 if op == "all_reduce" else 1
     return factor * intra, factor * inter
 
@@ -124,10 +124,9 @@ def _transfer(
     group: tuple[int, int],
     cluster: Cluster,
     *,
-    inter_buffer: float | None = None,
     per_micro: bool = True,
 ) -> Transfer:
-    intra, inter = hierarchical(op, buffer, group, inter_buffer=inter_buffer)
+    intra, inter = hierarchical(op, buffer, group)
     seconds = intra / cluster.intra_bandwidth + inter / cluster.inter_per_gpu
     return Transfer(
         what=what, phase=phase, op=op, buffer=buffer, intra=intra, inter=inter, seconds=seconds, per_micro=per_micro
@@ -153,17 +152,7 @@ def transfers(variant: Variant, *, numel: float, param_bytes: int, grad_bytes: i
         _transfer("parameters", "backward", "all_gather", gathered, backward, cluster),
     ]
     if variant.qgz:
-        out.append(
-            _transfer(
-                "gradients",
-                "backward",
-                "reduce_scatter",
-                quantized_bytes(numel, 4),
-                shard,
-                cluster,
-                inter_buffer=quantized_bytes(numel, 8),
-            )
-        )
+        out += quantized_gradient_exchanges(numel, shard, cluster)
     else:
         out.append(_transfer("gradients", "backward", "reduce_scatter", grads, shard, cluster))
     if variant.mics:
@@ -172,6 +161,20 @@ def transfers(variant: Variant, *, numel: float, param_bytes: int, grad_bytes: i
         out.append(
             _transfer("gradient shards", "backward", "all_reduce", grads / size, replicas, cluster, per_micro=False)
         )
+    return out
+
+
+def quantized_gradient_exchanges(numel: float, group: tuple[int, int], cluster: Cluster) -> list[Transfer]:
+    """qgZ's two all-to-alls on a group of `a` ranks per node x `b` nodes: an int4 copy of the gradients inside
+    the node (none when a is 1), an int8 copy of 1 / a of them across nodes (none when b is 1)."""
+    a, b = group
+    out = []
+    if a > 1:
+        inside = quantized_bytes(numel, 4)
+        out.append(_transfer("gradients int4", "backward", "all_to_all", inside, (a, 1), cluster))
+    if b > 1:
+        across = quantized_bytes(numel / a, 8)
+        out.append(_transfer("gradients int8", "backward", "all_to_all", across, (1, b), cluster))
     return out
 
 

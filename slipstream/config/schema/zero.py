@@ -190,6 +190,7 @@ class ZeroConfig(DSModel):
         "zero_quantized_nontrainable_weights": "zero.stage3.quantized_frozen_weights",
         "zero_hpz_partition_size": "zero.stage3.secondary_shard_size",
         "mics_shard_size": "zero.stage3.shard_size",
+        "zero_quantized_gradients": "zero.stage3.quantized_gradients",
     }
     stage: DSInt = Field(0, ge=0, le=3)
     """0 disabled, 1 optimizer state, 2 + gradients, 3 + parameters are partitioned."""
@@ -272,7 +273,8 @@ class ZeroConfig(DSModel):
     zero_quantized_nontrainable_weights: DSBool = False
     """The same for units whose parameters are all frozen (stage 3); their shards stay in their dtype here."""
     zero_quantized_gradients: DSBool = False
-    """ZeRO++ quantized gradient communication."""
+    """ZeRO++ qgZ (stage 3): each unit's gradient reduce-scatter travels as block-wise int4 all-to-alls inside a
+    node and int8 across nodes, summed in fp32 in between."""
     zeropp_loco_param: dict[str, Any] | None = None
     """ZeRO++ LoCo parameters, e.g. {"err_beta": 0.8, "reset_T": 1024}."""
     mics_shard_size: DSInt = -1

@@ -27,6 +27,7 @@ from slipstream.zero.stage3.coordinator import Coordinator
 from slipstream.zero.stage3.leaves import LEAF_PARAM_ATTR, apply_leaf_settings, get_z3_leaf_modules
 from slipstream.zero.stage3.manager import UnitManager
 from slipstream.zero.stage3.pool import BufferPool
+from slipstream.zero.stage3.quantized_reduce import QuantizedReduceScatter, node_levels
 from slipstream.zero.stage3.secondary import SecondaryShard
 from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus, internal_access
 from slipstream.zero.stage3.sharding import shard_groups
@@ -130,6 +131,8 @@ class ZeroModel(UnitManager):
                 i: self._fp8_weights[id(p)] for i, (_, p) in enumerate(spec.params) if id(p) in self._fp8_weights
             },
         )
+        if self.plan.quantized_gradients and unit.world_size > 1:  # ZeRO++ qgZ (quantized_reduce.py)
+            unit.quantized_reduce = QuantizedReduceScatter(node_levels(unit.group), self.pool)
         for old in old_units:  # re-sharded: free an old unit once none of its parameters is left in it
             if all(p.ds_record.unit is not old for p in old.params if isinstance(p, ShardedParameter)):
                 old.discard()

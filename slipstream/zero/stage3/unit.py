@@ -40,6 +40,7 @@ from slipstream.zero.quantized import QuantizedRows
 from slipstream.zero.stage3.dtype_split import dtype_parts, launch_parts
 from slipstream.zero.stage3.fp8_gather import Float8Rows
 from slipstream.zero.stage3.pool import BufferPool
+from slipstream.zero.stage3.quantized_reduce import QuantizedReduceScatter
 from slipstream.zero.stage3.secondary import SecondaryShard
 from slipstream.zero.stage3.sharded_param import ParamRecord, ZeroParamStatus, internal_access, make_sharded
 from slipstream.zero.stage3.units import UnitSpec, shard_layout
@@ -69,6 +70,9 @@ class UnitOrderError(RuntimeError):
 
 class Unit:
     """Buffers and collectives of one unit. `manager` is the ZeroModel that owns it."""
+
+    quantized_reduce: QuantizedReduceScatter | None = None
+    """How the gradients travel quantized (ZeRO++ qgZ; set by the ZeroModel), or None: the exact reduce-scatter."""
 
     def __init__(
         self,
@@ -370,6 +374,8 @@ class Unit:
         if self.world_size == 1:
             receive.copy_(rows[0])
             return None
+        if self.quantized_reduce is not None:
+            return self.quantized_reduce.launch(receive, staging)
         return collectives.reduce_scatter(receive, staging, group=self.group, async_op=True, input_is_scratch=True)
 
 

@@ -120,13 +120,13 @@ def test_overlap_comm_true_is_reported_only_at_stage_0(stage: int, reported: boo
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_quantized_weight_keys_act_at_stage_3(stage: int) -> None:
-    zero = {"stage": stage, "zero_quantized_weights": True, "zero_quantized_nontrainable_weights": True}
-    plan = resolve({**BASE, "zero_optimization": zero}, world_size=1)
-    keys = {"zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_nontrainable_weights"}
-    assert keys.isdisjoint(plan.unimplemented) is (stage == 3)
+    names = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+    plan = resolve({**BASE, "zero_optimization": {"stage": stage, **dict.fromkeys(names, True)}}, world_size=1)
+    assert {f"zero_optimization.{name}" for name in names}.isdisjoint(plan.unimplemented) is (stage == 3)
     if stage == 3:
         assert plan.zero.stage3 is not None
         assert plan.zero.stage3.quantized_weights and plan.zero.stage3.quantized_frozen_weights
+        assert plan.zero.stage3.quantized_gradients
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ FLAGS = {
     "stage3_gather_16bit_weights_on_model_save": "gather_16bit_on_save",
     "zero_quantized_weights": "quantized_weights",
     "zero_quantized_nontrainable_weights": "quantized_frozen_weights",
+    "zero_quantized_gradients": "quantized_gradients",
 }
 
 

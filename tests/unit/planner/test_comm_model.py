@@ -57,8 +57,13 @@ def test_zero_plus_plus_quantizes_weights_and_gradients_and_keeps_the_backward_g
     assert quantized_bytes(N, 8) == N + scales and quantized_bytes(N, 4) == N / 2 + scales
     qwz = _by(Variant(name="q", stage=3, qwz=True))
     assert qwz[("forward", "all_gather")] == (N + scales, 0.75 * (N + scales), 0.5 * (N + scales) / 4)
-    qgz = _by(Variant(name="g", stage=3, qgz=True))[("backward", "reduce_scatter")]
-    assert qgz == (N / 2 + scales, 0.75 * (N / 2 + scales), 0.5 * (N + scales) / 4)  # int4 inside, int8 across
+    qgz = [t for t in transfers(Variant(name="g", stage=3, qgz=True), numel=N, param_bytes=2, grad_bytes=2,
+                                cluster=CLUSTER) if t.phase == "backward" and t.what.startswith("gradients")]
+    across = N / 4 + 4 * math.ceil(N / 4 / 256)  # each rank's quarter of its node's sum, int8
+    assert [(t.op, t.buffer, t.intra, t.inter) for t in qgz] == [
+        ("all_to_all", N / 2 + scales, 0.75 * (N / 2 + scales), 0.0),  # int4 inside the node
+        ("all_to_all", across, 0.0, 0.5 * across),  # int8 across nodes
+    ]
     hpz = step_model(Variant(name="h", stage=3, hpz=4), numel=N, tokens_per_gpu=1, micro_steps=1, cluster=CLUSTER)
     backward = [t for t in hpz.transfers if t.op == "all_gather" and t.phase == "backward"][0]
     assert (backward.intra, backward.inter) == (1.5e9, 0.0)

@@ -32,3 +32,22 @@ def test_rows_round_trip_within_half_a_scale() -> None:
         assert bool((error <= _bound(shard, rows_layout.padded) * (1 + 1e-6)).all()), float(error.max())
     assert bool((out[0][BLOCK : 2 * BLOCK] == 0).all()) and bool((out[1] == 0).all())
     assert QuantizedRows(100_000).row_bytes < 100_000 * 4 / 3.9  # about a quarter of an fp32 row
+
+
+def test_int4_rows_pack_two_codes_a_byte_within_half_a_scale() -> None:
+    gen = torch.Generator().manual_seed(1)
+    numel = 2 * BLOCK + 31
+    layout = QuantizedRows(numel, bits=4, tagged=False)
+    assert layout.row_bytes == layout.padded // 2 + 4 * layout.num_blocks  # codes two a byte, one scale a block
+    values = torch.randn(numel, generator=gen)
+    values[:15] = torch.arange(-7.0, 8.0)  # every int4 code once, scale 1 in the first block
+    values[15:BLOCK] = 0.0
+    rows = torch.zeros(1, layout.row_bytes, dtype=torch.int8)
+    layout.encode(values, rows[0], None, torch.empty(layout.padded))
+    out = layout.decode(rows, torch.empty(layout.padded))[0]
+    assert torch.equal(out[:BLOCK], values[:BLOCK])  # the codes -7..7 come back exactly, nibbles in place
+    blocks = torch.zeros(layout.padded)
+    blocks[:numel] = values
+    bound = (blocks.view(-1, BLOCK).abs().amax(dim=1) / 14).repeat_interleave(BLOCK)[:numel]
+    assert bool(((out - values).abs() <= bound * (1 + 1e-6)).all())
+    assert not torch.equal(out, values)
