@@ -112,3 +112,13 @@ def test_the_engine_writes_the_eigenvalues_at_the_configured_steps(tmp_path: Pat
     _, plain = _train({}, steps=5)  # the extra backward passes and draws leave the training as it was
     for mine, theirs in zip(params, plain):
         torch.testing.assert_close(mine, theirs)
+
+
+def test_at_zero_stage_2_the_values_and_the_training_are_the_same() -> None:
+    """ZeRO's gradient hooks fire on accumulation into .grad, which the probe's torch.autograd.grad calls skip."""
+    stage2 = {"zero_optimization": {"stage": 2}}
+    engine, params = _train({"eigenvalue": EIGEN, **stage2}, steps=2)
+    assert engine._eigenvalue.values == pytest.approx([4.0, -2.0], rel=1e-4)
+    _, plain = _train(stage2, steps=2)
+    for mine, theirs in zip(params, plain):
+        torch.testing.assert_close(mine, theirs)
