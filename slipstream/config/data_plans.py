@@ -218,14 +218,18 @@ def sampling_plan_of(section: dict[str, object]) -> DataSamplingPlan:
     problems: list[str] = []
     plan = data_sampling_plan(efficiency, problems, [])
     if plan is None and not problems:
-        problems.append(f"{_CURRICULUM}: the curriculum sampler needs data_efficiency.enabled, {_SAMPLING}.enabled "
-                        "and curriculum_learning.enabled all true")
+        problems.append(
+            f"{_CURRICULUM}: the curriculum sampler needs data_efficiency.enabled, {_SAMPLING}.enabled "
+            "and curriculum_learning.enabled all true"
+        )
     if problems or plan is None:
         raise ConfigError(problems)
     return plan
 
 
-def _metric_plan(name: str, entry: dict[str, object], problems: list[str], unimplemented: list[str]) -> MetricPlan | None:
+def _metric_plan(
+    name: str, entry: dict[str, object], problems: list[str], unimplemented: list[str]
+) -> MetricPlan | None:
     where = f"{_CURRICULUM}.curriculum_metrics.{name}"
     try:
         metric = CurriculumMetricConfig.model_validate(entry)
@@ -234,20 +238,34 @@ def _metric_plan(name: str, entry: dict[str, object], problems: list[str], unimp
         return None
     unimplemented.extend(unimplemented_keys(metric, where))
     if metric.difficulty_type is None or metric.clustering_type is None:
-        problems.append(f"{where}: set difficulty_type (value|percentile) and clustering_type (schedule_based|"
-                        "single_cluster); DeepSpeed requires both")
+        problems.append(
+            f"{where}: set difficulty_type (value|percentile) and clustering_type (schedule_based|"
+            "single_cluster); DeepSpeed requires both"
+        )
         return None
     sample_path = None if metric.clustering_type == "single_cluster" else metric.index_to_sample_path
-    needs = [key for key, wanted in (("index_to_sample_path", metric.clustering_type != "single_cluster"),
-             ("index_to_metric_path", sample_path is not None and metric.difficulty_type == "value"))
-             if wanted and getattr(metric, key) is None]
+    needs = [
+        key
+        for key, wanted in (
+            ("index_to_sample_path", metric.clustering_type != "single_cluster"),
+            ("index_to_metric_path", sample_path is not None and metric.difficulty_type == "value"),
+        )
+        if wanted and getattr(metric, key) is None
+    ]
     if needs:
-        problems.append(f"{where}: {' and '.join(needs)} not set; give the metric index's path prefix (the files "
-                        "the data analyzer writes)")
+        problems.append(
+            f"{where}: {' and '.join(needs)} not set; give the metric index's path prefix (the files "
+            "the data analyzer writes)"
+        )
         return None
     limits = (metric.min_difficulty, metric.max_difficulty, metric.schedule_type)
     schedule = schedule_plan(where, limits, metric.schedule_config, problems)
     if schedule is None:
         return None
-    return MetricPlan(name=name, index_to_sample_path=sample_path, index_to_metric_path=metric.index_to_metric_path,
-                      difficulty_type=metric.difficulty_type, schedule=schedule)
+    return MetricPlan(
+        name=name,
+        index_to_sample_path=sample_path,
+        index_to_metric_path=metric.index_to_metric_path,
+        difficulty_type=metric.difficulty_type,
+        schedule=schedule,
+    )

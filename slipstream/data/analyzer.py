@@ -172,14 +172,24 @@ class MetricAnalyzer:
                 partial.values.finish()
                 partial.flush(0)
             elif partial.total is not None:
-                write_rows(f"{partial.folder}/{partial.name}_metric_value", [partial.total.numpy()],
-                           _numpy_dtype(partial.dtype))
+                write_rows(
+                    f"{partial.folder}/{partial.name}_metric_value",
+                    [partial.total.numpy()],
+                    _numpy_dtype(partial.dtype),
+                )
 
     # ---- reduce ----
     def run_reduce(self) -> None:
         if self.custom_reduce is not None:
-            self.custom_reduce(self.dataset, self.metric_names, self.metric_types, self.save_path,
-                               self.num_workers, self.num_threads, self.num_threads_reduce)
+            self.custom_reduce(
+                self.dataset,
+                self.metric_names,
+                self.metric_types,
+                self.save_path,
+                self.num_workers,
+                self.num_threads,
+                self.num_threads_reduce,
+            )
             return
         for name, kind in zip(self.metric_names, self.metric_types):
             folder = f"{self.save_path}/{name}"

@@ -108,8 +108,11 @@ class CurriculumSampler:
 
     def next_global_batch(self) -> list[int]:
         """Advance the curriculum one step and draw its global batch (all ranks' samples) into `self.batch`."""
-        unset = [n for n, s in self.curriculum_schedulers.items() if s.plan.schedule_type == "custom"
-                 and n not in self.custom_schedules]
+        unset = [
+            n
+            for n, s in self.curriculum_schedulers.items()
+            if s.plan.schedule_type == "custom" and n not in self.custom_schedules
+        ]
         if unset:
             raise RuntimeError(
                 f"curriculum metrics {unset} have schedule_type custom but no function; call "

@@ -61,7 +61,7 @@ class IndexedDatasetWriter:
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
         _code(self.dtype)
-        self._data = open(f"{prefix}.bin", "wb")  # noqa: SIM115 (closed by finish())
+        self._data = open(f"{prefix}.bin", "wb")
         self._sizes: list[int] = []
 
     def add(self, row: npt.ArrayLike) -> None:
