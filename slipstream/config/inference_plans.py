@@ -1,4 +1,5 @@
-"""`InferencePlan`: `init_inference`'s config (a dict, a JSON file, keyword arguments) resolved once.
+"""`InferencePlan`: `init_inference`'s config (a dict, a JSON file, keyword arguments) resolved once; and the
+training config's `hybrid_engine` section as the engine plan's `HybridPlan` (`hybrid_plan`).
 
 DeepSpeed's rules kept here: keyword arguments override the config's keys; the deprecated `mp_size` stands for
 `tensor_parallel.tp_size`; `tensor_parallel.enabled: false` means one rank. The keys Slipstream does not act on
@@ -16,9 +17,10 @@ from pydantic import ValidationError
 
 from slipstream.config.errors import ConfigError, pydantic_problems
 from slipstream.config.keys import unimplemented_keys
-from slipstream.config.schema.inference import DeepSpeedInferenceConfig
+from slipstream.config.plan import HybridPlan
+from slipstream.config.schema.inference import DeepSpeedInferenceConfig, HybridEngineConfig
 
-__all__ = ["InferencePlan", "resolve_inference"]
+__all__ = ["InferencePlan", "hybrid_plan", "resolve_inference"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,4 +85,11 @@ def resolve_inference(config: object = None, **kwargs: object) -> InferencePlan:
         cuda_graph=cfg.enable_cuda_graph,
         kernel_inject=cfg.replace_with_kernel_inject,
         unimplemented=tuple(unimplemented_keys(cfg)),
+    )
+
+
+def hybrid_plan(section: HybridEngineConfig) -> HybridPlan:
+    """The `hybrid_engine` section as the engine's plan (engine/weight_handoff.py)."""
+    return HybridPlan(
+        generate=section.enabled, pin_parameters=section.pin_parameters, max_out_tokens=section.max_out_tokens
     )

@@ -363,6 +363,8 @@ class HybridPlan:
 
     generate: bool
     pin_parameters: bool
+    max_out_tokens: int
+    """The longest prompt plus new tokens a hybrid `generate` takes (inference/limits.py)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

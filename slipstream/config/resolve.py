@@ -37,10 +37,11 @@ from slipstream.config.batch import apply_elasticity, batch_plan, mark_elastic
 from slipstream.config.data_plans import schedules_plan
 from slipstream.config.eigenvalue_plan import eigenvalue_plan
 from slipstream.config.errors import ConfigError, pydantic_problems
+from slipstream.config.inference_plans import hybrid_plan
 from slipstream.config.keys import BATCH_KEYS, KeyWalk, unimplemented_keys
 from slipstream.config.optimizer_plans import optimizer_plan, scheduler_plan
 from slipstream.config.optimizers import DEEPSPEED_ONLY
-from slipstream.config.plan import BatchPlan, CompilePlan, EnginePlan, HybridPlan, ParallelPlan, Stage3Plan
+from slipstream.config.plan import BatchPlan, CompilePlan, EnginePlan, ParallelPlan, Stage3Plan
 from slipstream.config.schema.top import DeepSpeedConfig
 from slipstream.config.schema.zero import OffloadParamConfig
 from slipstream.config.section_plans import (
@@ -126,7 +127,7 @@ def resolve(
         compression_training=None if cfg.compression_training is None else cfg.compression_training.methods(),
         collective_timeout=cfg.collective_timeout,
         parallel=parallel,
-        hybrid=HybridPlan(generate=cfg.hybrid_engine.enabled, pin_parameters=cfg.hybrid_engine.pin_parameters),
+        hybrid=hybrid_plan(cfg.hybrid_engine),
         activation_checkpointing=activation_plan(cfg.activation_checkpointing)
         if "activation_checkpointing" in cfg.model_fields_set
         else None,

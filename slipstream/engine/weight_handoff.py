@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 from slipstream.config.plan import EnginePlan
+from slipstream.inference.limits import check_max_out_tokens
 from slipstream.inference.lora import fuse_lora, lora_layers, unfuse_lora
 from slipstream.zero.full_weights import DEFAULT_BUCKET_BYTES, iter_full_weights
 from slipstream.zero.gathered import GatheredParameters, unwrap_model_for_generation
+from slipstream.zero.stage3.generation import plain_while_held
 from slipstream.zero.stage3.model import ZeroModel
 from slipstream.zero.stage3.sharded_param import internal_access
 
@@ -33,20 +35,26 @@ class WeightHandOff:
         return iter_full_weights(self.module, self.zero_model, bucket_bytes=bucket_bytes)
 
     def generate(self, *inputs: object, **kwargs: object) -> object:
-        """The model's `generate`. With `hybrid_engine.enabled` the LoRA layers are fused for the call and unfused
+        """The model's `generate`. With `hybrid_engine.enabled` a call whose prompt plus new tokens exceeds
+        `max_out_tokens` is refused (inference/limits.py), and the LoRA layers are fused for the call and unfused
         after; at ZeRO-3 the units are also gathered once for the whole call (not per layer and token by the
-        module hooks) and released when it returns, unless `pin_parameters` is false (then the hooks gather
-        layer by layer and LoRA stays unfused). Without the hybrid engine the model's `generate` runs as it is."""
+        module hooks), run as a plain model, and released when it returns, unless `pin_parameters` is false
+        (then the hooks gather layer by layer and LoRA stays unfused). Without the hybrid engine the model's
+        `generate` runs as it is."""
         generate = getattr(self.module, "generate", None)
         if not callable(generate):
             raise AttributeError(
                 f"engine.generate(): {type(self.module).__name__} has no generate(); call the engine for its forward"
             )
-        if not self.plan.hybrid.generate or (self.zero_model is not None and not self.plan.hybrid.pin_parameters):
+        if not self.plan.hybrid.generate:
             return generate(*inputs, **kwargs)
-        gathered = unwrap_model_for_generation(self.module) if self.zero_model else contextlib.nullcontext()
+        check_max_out_tokens(
+            inputs, kwargs, getattr(self.module, "generation_config", None), self.plan.hybrid.max_out_tokens
+        )
+        if self.zero_model is not None and not self.plan.hybrid.pin_parameters:
+            return generate(*inputs, **kwargs)
         layers = lora_layers(self.module)
-        with gathered:  # at ZeRO-3 the fuse works on the gathered copies, released (shards untouched) after
+        with self._held_for_generate():  # at ZeRO-3 the fuse works on the gathered copies, released after
             with internal_access():
                 fuse_lora(layers)
             try:
@@ -54,6 +62,16 @@ class WeightHandOff:
             finally:
                 with internal_access():
                     unfuse_lora(layers)
+
+    @contextlib.contextmanager
+    def _held_for_generate(self) -> Iterator[None]:
+        """At ZeRO-3 every unit gathered once and held, with the hooks paused and the parameters plain for the
+        call (zero/stage3/generation.py); below stage 3 nothing to do."""
+        if self.zero_model is None:
+            yield
+            return
+        with unwrap_model_for_generation(self.module), plain_while_held(self.zero_model):
+            yield
 
     def fuse_lora_weight(self) -> None:
         """DeepSpeed's hybrid engine `fuse_lora_weight()`: every LoRA layer's `scaling * B @ A` added into its base

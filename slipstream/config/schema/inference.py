@@ -114,30 +114,46 @@ class HybridEngineConfig(DSModel):
     """`hybrid_engine` of the training config (RLHF): `engine.generate()` at ZeRO-3 gathers the model once per call
     and generates with the model's own generate (its KV cache), then releases it; training goes on unchanged."""
 
-    IMPLEMENTED = {"enabled": "hybrid.generate", "pin_parameters": "hybrid.pin_parameters"}
+    IMPLEMENTED = {
+        "enabled": "hybrid.generate",
+        "pin_parameters": "hybrid.pin_parameters",
+        "max_out_tokens": "hybrid.max_out_tokens",
+    }
     enabled: DSBool = False
     """Gather the whole model once per `engine.generate()` call (ZeRO-3)."""
     max_out_tokens: DSInt = Field(512, gt=0)
-    """Workspace size of DeepSpeed's inference kernels."""
+    """The most positions (prompt plus new tokens) one `generate` call may use; a longer call is refused."""
     inference_tp_size: DSInt = 1
     """Tensor parallelism for generation only: 1 (more is refused, see the validator)."""
     release_inference_cache: DSBool = False
-    """Free the kernels' workspace after each generate."""
+    """Free DeepSpeed's kernel workspace (its KV cache) after each generate."""
     pin_parameters: DSBool = True
     """Gather every layer once for the whole generate call (False: layer by layer, as the hooks do)."""
     tp_gather_partition_size: DSInt = 8
     """Layers gathered together with inference_tp_size > 1."""
     enable_cuda_graph: DSBool = False
-    """Capture generation in CUDA graphs."""
+    """Capture generation in CUDA graphs: refused when true (see the validator)."""
 
     @field_validator("inference_tp_size")
     @classmethod
     def _one_tp_group(cls, value: int) -> int:
         if value != 1:
             raise ValueError(
-                f"hybrid_engine.inference_tp_size={value}: generation split over tensor-parallel groups needs the "
-                "gathered layers re-split by AutoTP for every generate call, which Slipstream does not build; set "
-                "it to 1 (each rank gathers the whole model once per generate) or use init_inference's "
+                f"hybrid_engine.inference_tp_size={value}: generating with each layer split over groups of {value} "
+                "ranks (the gathered layers cut by the AutoTP rules, the groups' prompts gathered, every token "
+                "computed with TP all-reduces) is not built in Slipstream; set it to 1 (each rank gathers the "
+                "whole model once per generate and generates its own prompts) or use init_inference's "
                 "tensor_parallel.tp_size for a separate inference model"
+            )
+        return value
+
+    @field_validator("enable_cuda_graph")
+    @classmethod
+    def _no_cuda_graph(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "hybrid_engine.enable_cuda_graph=true: capturing the decode step in a CUDA graph is not built in "
+                "Slipstream, and on a device without CUDA graphs (the CPU) it cannot work at all; set it to false "
+                "(generation runs eagerly with the model's own KV cache)"
             )
         return value

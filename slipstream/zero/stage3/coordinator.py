@@ -146,12 +146,18 @@ class Coordinator:
         self.hooks: list[Any] = []
         self._running: list[Unit] = []
         """Units whose forward is running, innermost last (a parameter used there is borrowed by the last)."""
+        self.paused = False
+        """The forward hooks do nothing (every unit is held gathered for a generate: generation.py)."""
 
     # ---- registration ----
     def attach(self, root: torch.nn.Module) -> None:
-        self.hooks.append(root.register_forward_pre_hook(lambda m, a: self.begin_forward(), prepend=True))
         self.hooks.append(
-            root.register_forward_hook(lambda m, a, o: _after_forward(self.end_forward, o), always_call=True)
+            root.register_forward_pre_hook(lambda m, a: None if self.paused else self.begin_forward(), prepend=True)
+        )
+        self.hooks.append(
+            root.register_forward_hook(
+                lambda m, a, o: None if self.paused else _after_forward(self.end_forward, o), always_call=True
+            )
         )
         for unit in self.units:
             if unit.module is None:
@@ -177,6 +183,8 @@ class Coordinator:
 
     def _make_pre(self, unit: Unit) -> Any:
         def hook(module: object, args: object, kwargs: object) -> Any:
+            if self.paused:
+                return None
             self.pre_forward(unit)
             if not torch.is_grad_enabled():
                 return None
@@ -186,7 +194,8 @@ class Coordinator:
 
     def _make_post(self, unit: Unit) -> Any:
         def hook(module: object, args: object, output: object) -> Any:
-            _after_forward(lambda: self.post_forward(unit, output), output)
+            if not self.paused:
+                _after_forward(lambda: self.post_forward(unit, output), output)
             return None
 
         return hook

@@ -9,6 +9,8 @@ parameters; a prompt over max_out_tokens is refused by name.
 Hybrid engine (`hybrid_engine.enabled`, ZeRO-3): `engine.eval(); engine.generate(...)` all-gathers each unit
 once for the whole call (without it the hooks gather per layer and token), gives the tokens of the plain model
 holding the engine's weights, leaves nothing gathered, and training goes on bit-equal to a run without it.
+Inside that generate the parameters are plain and the ZeRO-3 hooks idle (restored after, also when it raised);
+`hybrid_engine.max_out_tokens` refuses prompt plus new tokens beyond it before gathering anything.
 """
 
 from __future__ import annotations
@@ -63,12 +65,12 @@ def _checkpoints(rank: int, folder: Path) -> tuple[str, str]:
     return str(hf_dir), str(ours)
 
 
-def _zero3(hybrid: bool) -> Any:
+def _zero3(hybrid: bool, **settings: object) -> Any:
     import slipstream
 
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-              "hybrid_engine": {"enabled": hybrid}}
+              "hybrid_engine": {"enabled": hybrid, **settings}}
     engine, *_ = slipstream.initialize(model=_llama(0), config=config)
     return engine
 
@@ -109,6 +111,53 @@ def _check_hybrid(rank: int, ids: torch.Tensor) -> None:
         assert torch.equal(value, theirs[name]), f"{name} differs after generate"
 
 
+def _check_generate_runs_plain(engine: Any, ids: torch.Tensor) -> None:
+    """Inside the hybrid generate the parameters are of their plain type and the ZeRO-3 hooks do nothing; after
+    it, also after a generate that raised, they are sharded parameters again and the hooks are back."""
+    from torch import nn
+
+    from slipstream.zero.stage3.sharded_param import ShardedParameter
+
+    coordinator, seen, calls = engine.zero_model.coordinator, [], []
+    pre_forward = coordinator.pre_forward
+    coordinator.pre_forward = lambda unit: (calls.append(unit.uid), pre_forward(unit))
+    layers = engine.module.model.layers
+    watch = layers[0].register_forward_pre_hook(lambda m, a: seen.append(type(m.mlp.up_proj.weight)))
+    engine.eval()
+    engine.generate(ids, max_new_tokens=3, do_sample=False)
+    assert seen and set(seen) == {nn.Parameter} and not calls, (set(seen), calls)
+    weight = layers[0].mlp.up_proj.weight
+    assert isinstance(weight, ShardedParameter) and not coordinator.paused
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("boom")
+
+    failing = layers[1].register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.generate(ids, max_new_tokens=3, do_sample=False)
+    failing.remove()
+    watch.remove()
+    assert isinstance(weight, ShardedParameter) and not coordinator.paused
+    assert engine.zero_model.owned_bytes()["gathered"] == 0
+    engine(ids)  # a forward outside generate: the hooks gather again
+    assert calls, "the ZeRO-3 hooks stayed paused after generate"
+    coordinator.pre_forward = pre_forward
+    engine.train()
+
+
+def _check_max_out_tokens(ids: torch.Tensor) -> None:
+    """hybrid_engine.max_out_tokens bounds prompt plus new tokens: a call beyond it is refused before anything
+    is gathered; one at the bound runs."""
+    from slipstream.comm import count_collectives
+
+    engine = _zero3(True, max_out_tokens=ids.shape[1] + 3)
+    engine.eval()
+    with count_collectives() as counter, pytest.raises(ValueError, match="hybrid_engine.max_out_tokens"):
+        engine.generate(ids, max_new_tokens=4, do_sample=False)
+    assert counter.calls["all_gather"] == 0, counter.calls
+    assert engine.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+
+
 def rank_fn(rank: int, world: int, *, folder: str) -> None:
     import slipstream as deepspeed
 
@@ -129,6 +178,8 @@ def rank_fn(rank: int, world: int, *, folder: str) -> None:
     with pytest.raises(RuntimeError, match="max_out_tokens"):
         engine.generate(ids, max_new_tokens=2)
     _check_hybrid(rank, ids)
+    _check_generate_runs_plain(_zero3(True), ids)
+    _check_max_out_tokens(ids)
 
 
 def test_init_inference_matches_the_model(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -168,7 +168,7 @@ def test_unimplemented_lists_what_the_user_set() -> None:
                 "flops_profiler": {"enabled": True},
                 "wandb": {"enabled": False, "project": "p"},
                 "activation_checkpointing": {"contiguous_memory_optimization": True, "number_checkpoints": 2},
-                "hybrid_engine": {"enabled": True, "max_out_tokens": 256},
+                "hybrid_engine": {"enabled": True, "release_inference_cache": True},
                 "sparse_attention": {"mode": "fixed"},
                 "memory_breakdown": True,
                 "dump_state": False,
@@ -181,7 +181,7 @@ def test_unimplemented_lists_what_the_user_set() -> None:
         )
     assert set(plan.unimplemented) == {
         "zero_optimization.round_robin_gradients",
-        "hybrid_engine.max_out_tokens",
+        "hybrid_engine.release_inference_cache",
         "sparse_attention",
         "memory_breakdown",
         "optimizer.type=muadam",
