@@ -143,7 +143,8 @@ def convert_to_random_ltd(model: nn.Module, convert_type: type[nn.Module]) -> nn
 
 def save_without_random_ltd(model: nn.Module) -> OrderedDict[str, torch.Tensor]:
     """The state dict of `model` (an engine: its module) with the wrapper's name level removed."""
-    inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    wrapped = getattr(model, "module", None)
+    inner = wrapped if isinstance(wrapped, nn.Module) else model
     return remove_random_ltd_state_dict(inner.state_dict())
 
 
