@@ -53,24 +53,31 @@ def live_tensor_bytes() -> int:
 
 
 def time_row(initialize: Initialize, row: str, stage: int, *, layers: int, width: int, steps: int) -> dict:
-    """`steps` timed steps (after two warm-up steps) of one row on this rank: median step time, the bytes of
+    """`steps` timed steps (after two warm-up steps) of one row on this rank: median step time and CPU time of
+    this process (all its threads; less sensitive than the step time to other work on the machine), the bytes of
     live tensors after the last step less those before the engine was built, the last loss."""
     before = live_tensor_bytes()
     model = make_mlp(layers, width)
     engine, *_ = initialize(model=model, model_parameters=list(model.parameters()), config=row_config(row, stage))
     gen = torch.Generator().manual_seed(dist.get_rank())
     low = torch.bfloat16 if "bf16" in ROWS[row] else torch.float32
-    times = []
+    times, cpu = [], []
     for step in range(steps + 2):
         x = torch.randn(MICRO_BATCH, width, generator=gen).to(low)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
         if step >= 2:
             times.append(time.perf_counter() - started)
+            cpu.append(time.process_time() - cpu_started)
     del x
-    result = {"step_s": statistics.median(times), "live": float(live_tensor_bytes() - before), "loss": float(loss)}
+    result = {
+        "step_s": statistics.median(times),
+        "cpu_s": statistics.median(cpu),
+        "live": float(live_tensor_bytes() - before),
+        "loss": float(loss),
+    }
     if hasattr(engine, "destroy"):
         engine.destroy()
     del engine, model, loss

@@ -1,6 +1,6 @@
 """Precision options side by side: step time and held bytes at ZeRO 2 and 3 (2 ranks, gloo), against DeepSpeed.
 
-    python bench/precision.py [--quick] [--layers 8] [--width 1024] [--steps 6] [--stages 2,3]
+    python bench/precision.py [--quick] [--layers 8] [--width 1024] [--steps 6] [--rounds 1] [--stages 2,3]
                               [--rows fp32,bf16,autocast,bf16_masters] [--peer-python .bench-venv/bin/python]
                               [--loss-steps 300] [--loss-only]
 
@@ -8,7 +8,9 @@ Rows: `fp32` (fp32 parameters and masters), `bf16` (bf16 parameters, fp32 master
 (`torch_autocast` bf16: fp32 parameters, bf16 compute), `bf16_masters` (`bf16_master_weights_and_grads` +
 `bf16_optimizer_states`: no fp32 copy, bf16 Adam moments). The model is a stack of Linear(width, width) + ReLU
 layers trained with AdamW (bench/_precision_rows.py). Per row: the median step time over `--steps` steps after
-two warm-up steps; `states MiB`, the model-state bytes Slipstream's engine holds per rank (parameters or their
+two warm-up steps (with `--rounds N`, every row is timed N times, the rounds interleaved, and the median of
+the rounds is shown beside each round's); `cpu ms`, the median CPU time of rank 0's process per step (all its
+threads: less sensitive than the step time to other work on a shared machine); `states MiB`, the model-state bytes Slipstream's engine holds per rank (parameters or their
 shard, masters, gradients, optimizer state: `engine.optimizer.owned_bytes()` plus the optimizer's state
 tensors); `live MiB`, the bytes of every tensor alive on rank 0 after the last step less those before the
 engine was built, counted the same way for DeepSpeed. With `.bench-venv` present (`--peer-python`), DeepSpeed
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,12 +66,19 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         states["bytes"] = float(model_state_bytes(engine))
         return (engine, *rest)
 
-    results = {}
-    for stage in args.stages:
-        for row in args.rows:
-            result = time_row(initialize, row, stage, layers=args.layers, width=args.width, steps=args.steps)
-            results[f"{stage}:{row}"] = {**result, "bytes": states["bytes"]}
-    return results
+    rounds: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):  # interleaved: every row once per round, so slow spells of the machine hit all
+        for stage in args.stages:
+            for row in args.rows:
+                result = time_row(initialize, row, stage, layers=args.layers, width=args.width, steps=args.steps)
+                rounds.setdefault(f"{stage}:{row}", []).append({**result, "bytes": states["bytes"]})
+    return {key: _median_round(each) for key, each in rounds.items()}
+
+
+def _median_round(each: list[dict]) -> dict:
+    """The last round's values, with the step and CPU times the median over the rounds and each round's listed."""
+    times = {key: statistics.median(r[key] for r in each) for key in ("step_s", "cpu_s")}
+    return {**each[-1], **times, "rounds_s": [r["step_s"] for r in each]}
 
 
 def measure_peer(args: argparse.Namespace) -> dict[str, dict]:
@@ -95,8 +105,8 @@ def _mib(value: float | None) -> str:
 
 def report(ours: dict, peer: dict, args: argparse.Namespace) -> None:
     print(f"precision: {args.layers} x Linear({args.width}, {args.width}), micro batch 16, 2 ranks, gloo")
-    print(f"{'stage':>5} {'library':<10} {'row':<13} {'step ms':>8} {'states MiB':>10} {'live MiB':>9} "
-          f"{'time/fp32':>9} {'live/fp32':>9} {'vs DS':>6}")
+    print(f"{'stage':>5} {'library':<10} {'row':<13} {'step ms':>8} {'cpu ms':>7} {'states MiB':>10} {'live MiB':>9} "
+          f"{'time/fp32':>9} {'live/fp32':>9} {'vs DS':>6}  rounds ms")
     for stage in args.stages:
         for name, results in (("slipstream", ours), ("deepspeed", peer)):
             base = results.get(f"{stage}:fp32", {})
@@ -111,8 +121,10 @@ def report(ours: dict, peer: dict, args: argparse.Namespace) -> None:
                 b = f"{r['live'] / base['live']:.2f}x" if "live" in base else "-"
                 ds = peer.get(f"{stage}:{row}", {})
                 vs = f"{r['step_s'] / ds['step_s']:.2f}x" if name == "slipstream" and "step_s" in ds else ""
-                print(f"{stage:>5} {name:<10} {row:<13} {r['step_s'] * 1e3:>8.1f} {_mib(r.get('bytes')):>10} "
-                      f"{_mib(r['live']):>9} {t:>9} {b:>9} {vs:>6}")
+                cpu = f"{r['cpu_s'] * 1e3:.1f}" if "cpu_s" in r else "-"
+                each = " ".join(f"{s * 1e3:.0f}" for s in r.get("rounds_s", []))
+                print(f"{stage:>5} {name:<10} {row:<13} {r['step_s'] * 1e3:>8.1f} {cpu:>7} {_mib(r.get('bytes')):>10} "
+                      f"{_mib(r['live']):>9} {t:>9} {b:>9} {vs:>6}  {each}")
 
 
 LAST_STEPS = 50
@@ -156,6 +168,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=1, help="time every row this many times, interleaved")
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".bench-venv" / "bin" / "python")
