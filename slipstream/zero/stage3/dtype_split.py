@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -26,23 +26,15 @@ from slipstream.zero.stage3.units import ShardLayout
 
 
 class PackingUnit(Protocol):
-    """What the split needs of a unit (zero/stage3/unit.py `Unit`)."""
+    """What the split needs of a unit (zero/stage3/unit.py `Unit`; its `reduce_gradients` packs and launches)."""
 
     params: list[nn.Parameter]
     layout: ShardLayout
     world_size: int
     pool: BufferPool
 
-    def reduce_gradients(
-        self,
-        grads: dict[int, torch.Tensor],
-        trainable: list[int],
-        staging: torch.Tensor,
-        receive: torch.Tensor,
-        shard_offsets: list[int],
-        *,
-        scale: float = 1.0,
-    ) -> Any: ...
+    @property
+    def reduce_gradients(self) -> Callable[..., Any]: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
