@@ -6,6 +6,7 @@ unfused and released after) with `fuse_lora_weight()` / `unfuse_lora_weight()` (
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 
 import torch
@@ -19,6 +20,17 @@ from slipstream.zero.gathered import GatheredParameters, unwrap_model_for_genera
 from slipstream.zero.stage3.generation import plain_while_held
 from slipstream.zero.stage3.model import ZeroModel
 from slipstream.zero.stage3.sharded_param import internal_access
+
+
+def _takes(call: Callable[..., object], name: str) -> bool:
+    """`call` has a parameter `name`. Hugging Face's `generate` takes `synced_gpus`, and when it is not given turns
+    it on under its DeepSpeed ZeRO-3 integration (Trainer, TRL) with more than one rank: then every token ends with
+    an all-reduce, so that ranks whose sequences finished keep running forwards whose hooks gather. With the whole
+    model held for the call nothing is gathered during it, so the hybrid generate passes False."""
+    try:
+        return name in inspect.signature(call).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class WeightHandOff:
@@ -54,6 +66,8 @@ class WeightHandOff:
         if self.zero_model is not None and not self.plan.hybrid.pin_parameters:
             return generate(*inputs, **kwargs)
         layers = lora_layers(self.module)
+        if self.zero_model is not None and "synced_gpus" not in kwargs and _takes(generate, "synced_gpus"):
+            kwargs["synced_gpus"] = False  # nothing left to gather: no rank waits for another (see _takes)
         with self._held_for_generate():  # at ZeRO-3 the fuse works on the gathered copies, released after
             with internal_access():
                 fuse_lora(layers)

@@ -9,7 +9,8 @@ parameters; a prompt over max_out_tokens is refused by name.
 Hybrid engine (`hybrid_engine.enabled`, ZeRO-3): `engine.eval(); engine.generate(...)` all-gathers each unit
 once for the whole call (without it the hooks gather per layer and token), gives the tokens of the plain model
 holding the engine's weights, leaves nothing gathered, and training goes on bit-equal to a run without it.
-Inside that generate the parameters are plain and the ZeRO-3 hooks idle (restored after, also when it raised);
+Inside that generate the parameters are plain and the ZeRO-3 hooks idle (restored after, also when it raised),
+and Hugging Face's per-token rank sync (synced_gpus, on under its ZeRO-3 integration) is off unless asked for;
 `hybrid_engine.max_out_tokens` refuses prompt plus new tokens beyond it before gathering anything.
 """
 
@@ -145,6 +146,24 @@ def _check_generate_runs_plain(engine: Any, ids: torch.Tensor) -> None:
     engine.train()
 
 
+def _check_no_sync_per_token(engine: Any, ids: torch.Tensor) -> None:
+    """Under Hugging Face's DeepSpeed ZeRO-3 integration (Trainer, TRL) generate syncs the ranks with an
+    all-reduce after every token unless told otherwise; the hybrid generate, with nothing to gather, turns it off."""
+    import transformers.generation.utils as hf_generation
+
+    reduces, all_reduce = [], dist.all_reduce
+    engine.eval()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hf_generation, "is_deepspeed_zero3_enabled", lambda: True)
+        patch.setattr(dist, "all_reduce", lambda *a, **k: (reduces.append(1), all_reduce(*a, **k))[1])
+        tokens = engine.generate(ids, max_new_tokens=3, do_sample=False)
+        assert not reduces, f"{len(reduces)} all-reduces in a hybrid generate of 3 tokens"
+        engine.generate(ids, max_new_tokens=3, do_sample=False, synced_gpus=True)  # asked for: kept
+        assert reduces, "synced_gpus=True given to the hybrid generate was overridden"
+    assert tokens.shape[1] == ids.shape[1] + 3
+    engine.train()
+
+
 def _check_max_out_tokens(ids: torch.Tensor) -> None:
     """hybrid_engine.max_out_tokens bounds prompt plus new tokens: a call beyond it is refused before anything
     is gathered; one at the bound runs."""
@@ -178,7 +197,9 @@ def rank_fn(rank: int, world: int, *, folder: str) -> None:
     with pytest.raises(RuntimeError, match="max_out_tokens"):
         engine.generate(ids, max_new_tokens=2)
     _check_hybrid(rank, ids)
-    _check_generate_runs_plain(_zero3(True), ids)
+    engine = _zero3(True)
+    _check_generate_runs_plain(engine, ids)
+    _check_no_sync_per_token(engine, ids)
     _check_max_out_tokens(ids)
 
 
