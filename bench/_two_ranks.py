@@ -38,11 +38,15 @@ def _rank_main(rank: int, world: int, store_path: str, fn: RankFn, args: object,
         dist.destroy_process_group()
 
 
-def run_two_ranks(fn: RankFn, args: object) -> dict:
-    """`fn(args)` on two spawned gloo ranks (a module-level function); rank 0's result."""
+def run_two_ranks(fn: RankFn, args: object, *, world: int = 2) -> dict:
+    """`fn(args)` on `world` (two unless told) spawned gloo ranks (a module-level function); rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         mp.start_processes(
-            _rank_main, args=(2, os.path.join(tmp, "store"), fn, args, out), nprocs=2, start_method="spawn", join=True
+            _rank_main,
+            args=(world, os.path.join(tmp, "store"), fn, args, out),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
         )
         return json.loads(Path(out).read_text())

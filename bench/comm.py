@@ -1,7 +1,9 @@
 """Communication: step time with `overlap_comm` off and on at ZeRO 2 and 3, the bytes one step puts on the wire
-per `communication_data_type`, and stage 3's all-gather bytes with `zero_quantized_weights` (2 ranks, gloo).
+per `communication_data_type`, and stage 3's all-gather bytes with `zero_quantized_weights` (2 ranks, gloo);
+then ZeRO++'s bytes inside and across "nodes" at 4 ranks as 2 x 2 (bench/_zeropp_bytes.py).
 
     python bench/comm.py [--quick] [--layers 8] [--width 1024] [--steps 6] [--rounds 3] [--stages 2,3]
+                         [--zeropp-layers 48] [--zeropp-only]
 
 The model is a stack of Linear(width, width) + ReLU layers trained with AdamW; `reduce_bucket_size` is one
 layer's weight, so several gradient buckets (stage 2) or units (stage 3) are reduced per step. Every engine
@@ -20,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import _zeropp_bytes
 import torch
 import torch.distributed as dist
 from _two_ranks import make_mlp, run_two_ranks
@@ -128,12 +131,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--stages", default="2,3")
+    parser.add_argument("--zeropp-layers", type=int, default=48, help="layers of the ZeRO++ table's model (48: 50M)")
+    parser.add_argument("--zeropp-only", action="store_true", help="only the 4-rank ZeRO++ bytes table")
     args = parser.parse_args()
     args.stages = [int(s) for s in args.stages.split(",")]
     if args.quick:
-        args.layers, args.width, args.steps, args.rounds = 2, 128, 2, 1
+        args.layers, args.width, args.steps, args.rounds, args.zeropp_layers = 2, 128, 2, 1, 2
     sys.path.insert(0, str(ROOT))
-    report(run_two_ranks(measure, args), args)
+    if not args.zeropp_only:
+        report(run_two_ranks(measure, args), args)
+    _zeropp_bytes.report(run_two_ranks(_zeropp_bytes.measure, args, world=4), args)
 
 
 if __name__ == "__main__":
