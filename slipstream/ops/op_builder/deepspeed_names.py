@@ -3,8 +3,9 @@
 
 `FusedAdamBuilder` is compatible: DeepSpeed's fused Adam is `slipstream.ops.adam.FusedAdam`, torch's fused
 (or foreach) Adam kernel on every device, so there is nothing to compile and `load()` returns the Python
-module that has it. `UtilsBuilder().load()` gives `flatten` / `unflatten`. Every other name is a builder that
-says, from `is_compatible()` (False) and `load()` (OpIncompatibleError), why it cannot run here.
+module that has it; so is `SparseAttnBuilder` (block-sparse attention in PyTorch, ops/sparse_attention/).
+`UtilsBuilder().load()` gives `flatten` / `unflatten`. Every other name is a builder that says, from
+`is_compatible()` (False) and `load()` (OpIncompatibleError), why it cannot run here.
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ class UtilsBuilder(DeepSpeedNamedBuilder):
         return SimpleNamespace(flatten=_flatten, unflatten=_unflatten)
 
 
+class SparseAttnBuilder(DeepSpeedNamedBuilder):
+    """Block-sparse attention is pure PyTorch (ops/sparse_attention/): nothing to compile."""
+
+    NAME = "sparse_attn"
+    MODULE = "slipstream.ops.sparse_attention"
+
+
 def _incompatible(name: str, op: str, reason: str) -> type[DeepSpeedNamedBuilder]:
     return type(name, (DeepSpeedNamedBuilder,), {"NAME": op, "REASON": reason, "__doc__": f"{op}: {reason}"})
 
@@ -98,9 +106,6 @@ InferenceCutlassBuilder = _incompatible("InferenceCutlassBuilder", "cutlass_ops"
 RaggedOpsBuilder = _incompatible("RaggedOpsBuilder", "ragged_device_ops", _INFERENCE)
 RaggedUtilsBuilder = _incompatible("RaggedUtilsBuilder", "ragged_ops", _INFERENCE)
 SpatialInferenceBuilder = _incompatible("SpatialInferenceBuilder", "spatial_inference", _INFERENCE)
-SparseAttnBuilder = _incompatible(
-    "SparseAttnBuilder", "sparse_attn", "sparse attention kernels are not part of Slipstream"
-)
 EvoformerAttnBuilder = _incompatible(
     "EvoformerAttnBuilder", "evoformer_attn", "Evoformer attention is not part of Slipstream"
 )
