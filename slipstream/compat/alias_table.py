@@ -223,6 +223,9 @@ COMPOSITES: dict[str, dict[str, str]] = {
             "get_state_devices",
         )
     },
+    "slipstream.runtime.progressive_layer_drop": {
+        "ProgressiveLayerDrop": "slipstream.compat.layer_drop:ProgressiveLayerDrop"
+    },
     "slipstream.runtime.data_pipeline": {},
     "slipstream.runtime.data_pipeline.curriculum_scheduler": {"CurriculumScheduler": f"{_NB}:CurriculumScheduler"},
     "slipstream.runtime.data_pipeline.data_sampling": {},
