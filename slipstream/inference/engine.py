@@ -37,8 +37,11 @@ def _refuse_unbuilt(plan: InferencePlan, device: torch.device) -> None:
             "ranks yet; use tp_size 1 with int8, or fp16 / bf16 with tensor parallelism"
         )
     if plan.cuda_graph:
-        where = "is not built yet" if device.type == "cuda" else f"needs a CUDA device and this run's is {device}"
-        raise ValueError(f"init_inference(enable_cuda_graph=True): CUDA graph capture {where}; leave it False")
+        raise ValueError(
+            "init_inference(enable_cuda_graph=True): capturing the forward in a CUDA graph is not built in "
+            f"Slipstream, and on a device without CUDA graphs (this run's is {device}; the CPU has none) it cannot "
+            "work at all; leave it False (the model runs eagerly, with its own KV cache in generate)"
+        )
 
 
 class InferenceEngine(nn.Module):
