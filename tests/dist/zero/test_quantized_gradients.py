@@ -5,9 +5,10 @@ single-process reference's step (each rank's gradient travels as int4, blocks of
 so its error is at most half a scale, absmax / 14 of the rank's gradient in that unit; the mean over the ranks
 adds at most the mean of those), and not equal to it (it travelled quantized); the next steps' losses stay
 within 2% of the exact run's; the checkpoint it saves is the normal one (an exact engine loads it and holds the
-same parameters). The bytes one backward's reduction sends: all-to-all of int4 pieces instead of an fp32
-reduce-scatter, equal to planner/comm_model.py's prediction up to the padding. Four ranks as 2 nodes x 2: the
-cross-node bytes, against the model and against plain stage 3's (modelled from its counted reduce-scatter).
+same parameters), and with parameter and optimizer offload the step is the same bit for bit. The bytes one
+backward's reduction sends: all-to-all of int4 pieces instead of an fp32 reduce-scatter, equal to
+planner/comm_model.py's prediction up to the padding. Four ranks as 2 nodes x 2: the cross-node bytes, against
+the model and against plain stage 3's (modelled from its counted reduce-scatter).
 """
 
 from __future__ import annotations
@@ -23,12 +24,20 @@ MICRO, LR, HIDDEN, STEPS = 4, 0.05, 300, 4
 BLOCK = 256
 
 
-def _engine(qgz: bool):  # type: ignore[no-untyped-def]
+def _engine(qgz: bool, *, offload: bool = False):  # type: ignore[no-untyped-def]
     import slipstream
 
     model = TinyMLP(hidden=HIDDEN)
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_gradients": qgz}
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "zero_optimization": zero}
+    if offload:
+        zero["offload_param"] = {"device": "cpu"}
+        zero["offload_optimizer"] = {"device": "cpu"}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+    }  # SGD on the host with offload
     engine, *_ = slipstream.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config)
     return engine
 
@@ -63,6 +72,10 @@ def two_ranks(rank: int, world: int, *, folder: str) -> dict:
     exact.load_checkpoint(folder, tag="qgz")
     out["loaded"] = exact.zero_model.full_state(only_rank0=False)
     exact.destroy()
+    offloaded = _engine(True, offload=True)
+    counted_backward(offloaded, rank, 0)
+    out["offloaded"] = offloaded.zero_model.full_state(only_rank0=False)
+    offloaded.destroy()
     return out
 
 
@@ -114,6 +127,8 @@ def test_qgz_trains_within_the_quantization_bound(tmp_path) -> None:  # type: ig
         )
     assert any(not torch.equal(results[0][True]["params"][n], results[0][False]["params"][n]) for n in after)
     torch.testing.assert_close(results[0][True]["losses"], results[0][False]["losses"], rtol=2e-2, atol=0)
+    for name, value in results[0][True]["params"].items():  # offload moves the shards and the step, not the sums
+        assert torch.equal(results[0]["offloaded"][name], value), f"{name}: qgZ with offload left qgZ without"
     for rank in range(2):
         for name, value in results[rank]["saved"].items():
             assert torch.equal(results[rank]["loaded"][name], value), f"rank {rank} {name}: not the saved value"
