@@ -69,6 +69,14 @@ FOLDERS: list[tuple[str, list[str]]] = [
     ("ops/muon", ["unit/ops/muon"]),
     ("utils", ["unit/utils"]),
     ("compression", ["unit/compression"]),
+    # The data-efficiency library: the curriculum sampler and the legacy curriculum scheduler, progressive layer
+    # drop, the engine's data loader, and block-sparse attention.
+    ("data_efficiency", ["unit/runtime/test_data_efficiency.py"]),
+    ("progressive_layer_drop", ["unit/runtime/test_pld.py"]),
+    ("runtime/test_data", ["unit/runtime/test_data.py"]),
+    ("ops/sparse_attention", ["unit/ops/sparse_attention"]),
+    ("eigenvalue", ["unit/runtime/test_engine_eigenvalue.py"]),
+    ("runtime/sparse_tensor", ["unit/runtime/sparse_tensor"]),
 ]
 
 DEFAULT_REPO = str(ROOT.parent / "DeepSpeed")  # a clone of DeepSpeed's git repository next to this one

@@ -52,6 +52,17 @@ def test_folder_of_takes_a_node_id_path_before_its_files_folder():
     assert run.folder_of("unit/elasticity/test_elastic.py::test_basic_10k") is None
 
 
+def test_data_efficiency_rows_take_their_modules_only():
+    # a module row matches its own file: test_data.py is not a prefix of test_data_efficiency.py
+    assert run.folder_of("unit/runtime/test_data.py::TestDataLoaderDropLast::test[1-True]") == "runtime/test_data"
+    assert run.folder_of("unit/runtime/test_data_efficiency.py::TestDataEfficiency::test_curriculum_learning[x]") == (
+        "data_efficiency"
+    )
+    assert run.folder_of("unit/runtime/test_pld.py::test_pld_schedule[0]") == "progressive_layer_drop"
+    assert run.folder_of("unit/ops/sparse_attention/test_sparse_attention.py::test_matmul[x]") == "ops/sparse_attention"
+    assert run.folder_of("unit/runtime/sparse_tensor/test_csr.py::test_csr_addition_self") == "runtime/sparse_tensor"
+
+
 def test_node_id_paths_give_pytest_their_modules_and_select_the_tests():
     paths = [
         "unit/ops/muon",
