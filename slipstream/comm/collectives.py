@@ -299,14 +299,7 @@ def first_rank(group: dist.ProcessGroup | None) -> int:
 
 def broadcast(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None = None) -> None:
     """Copy `tensor` from global rank `src` to every rank of `group`."""
-    _issue(
-        "broadcast",
-        tensor,
-        (tensor,),
-        lambda t: dist.broadcast(t, src=src, group=group, async_op=True),
-        False,
-        group=group,
-    )
+    _issue("broadcast", tensor, (tensor,), lambda t: dist.broadcast(t, src, group, True), False, group=group)
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:

@@ -36,6 +36,7 @@ from torch import nn
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import collectives
 from slipstream.config import notices
+from slipstream.config.plan import Stage3Plan
 from slipstream.zero.gathered import GatheredParameters, register_external_parameter
 from slipstream.zero.stage3.manager import UnitManager
 from slipstream.zero.stage3.pool import BufferPool
@@ -286,6 +287,7 @@ class Init:
 
         cfg = _config_dict(config_dict_or_path if config_dict_or_path is not None else config)
         stage3, param_dtype = resolve_zero_init(cfg, remote_device=remote_device)
+        self._check_plan(stage3)
         if dtype is None:
             dtype = _DTYPES.get(param_dtype)
         self.dtype = dtype
@@ -313,6 +315,10 @@ class Init:
                     if not isinstance(param, ShardedParameter) and param.is_floating_point():
                         param.data = param.data.to(dtype)
             ZeroModel(module, stage3, device=device, group=data_parallel_group)
+
+    def _check_plan(self, stage3: Stage3Plan) -> None:
+        """Refuse a config this kind of Init cannot build for (MicsInit: one without MiCS); zero.Init takes any."""
+        return None
 
     def __enter__(self) -> Init:
         if not self.enabled:
