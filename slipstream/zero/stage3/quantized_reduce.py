@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from slipstream.comm import collectives
 from slipstream.comm.collectives import TimedWork
-from slipstream.comm.nodes import ranks_per_node, two_level_groups
+from slipstream.comm.nodes import LOCAL_WORLD_SIZE_ENV, ranks_per_node, two_level_groups
 from slipstream.zero.quantized import QuantizedRows
 from slipstream.zero.stage3.pool import BufferPool
 
@@ -55,7 +55,8 @@ class Levels:
 def node_levels(group: dist.ProcessGroup | None) -> Levels:
     """Cut `group` (None: the world) at node boundaries. Every member calls this at the same point (the group
     constructors are collective). A group whose members do not come in whole blocks per node is treated as one
-    rank per node (every exchange counts as crossing nodes, at int8)."""
+    rank per node (every exchange counts as crossing nodes, at int8). A group other than the world must lie in one
+    node or have one member per node: cutting it into both would need groups that every rank builds."""
     members = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
     local = ranks_per_node(dist.get_world_size())
     node = dist.get_rank() // local
@@ -65,6 +66,15 @@ def node_levels(group: dist.ProcessGroup | None) -> Levels:
         size = 1
     if size == len(members):
         return Levels(size, 1, group, None)
+    if size == 1:  # one member per node: the group itself is the exchange across nodes
+        return Levels(1, len(members), None, group)
+    if len(members) != dist.get_world_size():  # new_group is collective over the world: every rank would have to
+        raise ValueError(  # build the same sub-groups of every such group, in the same order
+            f"zero_optimization.zero_quantized_gradients: the ranks {members} that a ZeRO-3 unit is sharded over "
+            f"span several nodes ({LOCAL_WORLD_SIZE_ENV}={local}) and are not the whole world (MiCS shard groups, "
+            "MoE expert groups, a data-parallel group beside tensor or pipeline parallelism); qgZ cuts only the "
+            "world at node boundaries: unset zero_quantized_gradients, or keep such groups inside one node"
+        )
     cut = two_level_groups(group, size, what="LOCAL_WORLD_SIZE (ranks per node)")
     return Levels(size, cut.count, cut.inner, cut.outer)
 
