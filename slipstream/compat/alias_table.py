@@ -227,7 +227,9 @@ COMPOSITES: dict[str, dict[str, str]] = {
         "ProgressiveLayerDrop": "slipstream.compat.layer_drop:ProgressiveLayerDrop"
     },
     "slipstream.runtime.data_pipeline": {},
-    "slipstream.runtime.data_pipeline.curriculum_scheduler": {"CurriculumScheduler": f"{_NB}:CurriculumScheduler"},
+    "slipstream.runtime.data_pipeline.curriculum_scheduler": {
+        "CurriculumScheduler": "slipstream.compat.curriculum_scheduler:CurriculumScheduler"
+    },
     "slipstream.runtime.data_pipeline.data_sampling": {},
     "slipstream.runtime.data_pipeline.data_sampling.data_sampler": {
         "DeepSpeedDataSampler": "slipstream.compat.data_sampler:DeepSpeedDataSampler"

@@ -56,11 +56,6 @@ _FEATURES = (
         classes=("Autotuner",),
     ),
     _Feature(
-        "DeepSpeed's data efficiency pipeline (its CurriculumScheduler class)",
-        "remove data_efficiency",
-        classes=("CurriculumScheduler",),
-    ),
-    _Feature(
         "offloading ZeRO states between steps (offload_states / reload_states)",
         "use zero_optimization.offload_optimizer / offload_param",
         functions=(

@@ -162,7 +162,6 @@ NOT_BUILT: frozenset[str] = frozenset(
         "deepspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffload",
         "deepspeed.runtime.pipe.p2p.send",
         "deepspeed.runtime.pipe.p2p.recv",
-        "deepspeed.runtime.data_pipeline.curriculum_scheduler.CurriculumScheduler",
         "deepspeed.launcher.launch.main",
         "deepspeed.autotuning.Autotuner",
     }
