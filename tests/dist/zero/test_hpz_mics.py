@@ -122,12 +122,12 @@ def _ranks(group, world: int) -> tuple[int, ...]:  # type: ignore[no-untyped-def
     return tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
 
 
-def load_case(rank: int, world: int, *, folder: str, model: str) -> dict:
-    """A plain stage-3 engine at this world size loads a checkpoint written with hpZ or MiCS."""
+def load_case(rank: int, world: int, *, folder: str, model: str, zero: dict) -> dict:
+    """A stage-3 engine at this world size (with the options `zero`) loads a checkpoint written with hpZ or MiCS."""
     from slipstream.compat.param_access import safe_get_full_optimizer_state
 
     net: nn.Module = TinyMLP(hidden=40, seed=7) if model == "mlp" else IntegerGrads()
-    engine = _engine(net)
+    engine = _engine(net, **zero)
     engine.load_checkpoint(folder, tag="saved")
     first = next(iter(engine.module.parameters()))
     exp_avg = safe_get_full_optimizer_state(first, "exp_avg")
@@ -159,9 +159,13 @@ def four_ranks(rank: int, world: int, *, root: str) -> list[dict]:
 
 def two_ranks(rank: int, world: int, *, root: str) -> dict:
     trained = run_subtests(TWO, lambda **case: train_case(rank, world, **case))
-    loaded = {
-        name: load_case(rank, world, folder=os.path.join(root, name), model=model)
-        for name, model in (("hpz", "mlp"), ("mics", "int"))
+    loaded = {  # plain stage 3; and MiCS (one rank per shard group) loading the hpZ checkpoint
+        key: load_case(rank, world, folder=os.path.join(root, name), model=model, zero=zero)
+        for key, name, model, zero in (
+            ("hpz", "hpz", "mlp", {}),
+            ("mics", "mics", "int", {}),
+            ("hpz into mics", "hpz", "mlp", {"mics_shard_size": 1}),
+        )
     }
     return {"trained": trained, "loaded": loaded}
 
@@ -209,7 +213,7 @@ def test_hpz_and_mics_match_plain_stage3_and_save_loadable_checkpoints(tmp_path)
         plain, mics = got["trained"]
         _assert_same_run(mics, plain, f"MiCS (1 rank per shard group, model built under MiCS_Init) rank {rank}")
         assert mics["shard_ranks"] == [(rank,)], mics["shard_ranks"]
-        for name, saved in (("hpz", four[0][1]), ("mics", four[0][3])):
+        for name, saved in (("hpz", four[0][1]), ("mics", four[0][3]), ("hpz into mics", four[0][1])):
             loaded = got["loaded"][name]
             for key, value in saved["params"].items():
                 assert torch.equal(loaded["params"][key], value), f"{name} checkpoint at 2 ranks: {key} differs"
