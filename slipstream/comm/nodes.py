@@ -7,7 +7,8 @@ over inner groups and all-reduces across outer ones, qgZ reduces inside a node b
 
 Ranks per node come from `LOCAL_WORLD_SIZE` (set by torchrun and by Slipstream's launcher), so a test can
 simulate 2 "nodes" x 2 on one machine by setting it to 2 in 4 rank processes. Process groups are collective to
-create: every rank builds every inner and outer group of a (group, size) pair in the same order, once.
+create: over the whole world every rank builds every inner and outer group of a (group, size) pair in the
+same order, once; over a sub-group each member builds only its own two, synchronised among their members.
 """
 
 from __future__ import annotations
@@ -72,24 +73,33 @@ def two_level_groups(group: dist.ProcessGroup | None, size: int, *, what: str) -
         )
     key = (id(group if group is not None else dist.group.WORLD), size)
     if key not in _BUILT:
-        _BUILT[key] = _build(members, size)
+        _BUILT[key] = _build(members, size, whole_world=len(members) == dist.get_world_size())
     return _BUILT[key]
 
 
-def _build(members: list[int], size: int) -> TwoLevel:
+def _build(members: list[int], size: int, *, whole_world: bool) -> TwoLevel:
+    """The groups of the cut. Over the whole world every rank creates every group in the same order (new_group
+    is collective over the world); over a sub-group (a data-parallel group beside tensor or sequence
+    parallelism, whose other groups' ranks do not call this) each rank creates only its own block and column,
+    synchronised among their members alone (`use_local_synchronization`)."""
     rank = dist.get_rank()
     count = len(members) // size
     blocks = [tuple(members[b * size : (b + 1) * size]) for b in range(count)]
     columns = [tuple(block[p] for block in blocks) for p in range(size)]
+    own_block = next(block for block in blocks if rank in block)
+    own_column = next(column for column in columns if rank in column)
     inner = outer = None
-    inner_ranks: tuple[int, ...] = (rank,)
-    outer_ranks: tuple[int, ...] = (rank,)
-    for block in blocks:  # every rank creates every group, in the same order (new_group is collective)
-        made = dist.new_group(list(block)) if size > 1 else None
-        if rank in block:
-            inner, inner_ranks = made, block
-    for column in columns:
-        made = dist.new_group(list(column)) if count > 1 else None
-        if rank in column:
-            outer, outer_ranks = made, column
-    return TwoLevel(size, count, inner, outer, inner_ranks, outer_ranks)
+    for block in blocks if whole_world else [own_block]:
+        made = _new_group(block, local=not whole_world) if size > 1 else None
+        if block == own_block:
+            inner = made
+    for column in columns if whole_world else [own_column]:
+        made = _new_group(column, local=not whole_world) if count > 1 else None
+        if column == own_column:
+            outer = made
+    return TwoLevel(size, count, inner, outer, own_block, own_column)
+
+
+def _new_group(ranks: tuple[int, ...], *, local: bool) -> dist.ProcessGroup:
+    made: dist.ProcessGroup = dist.new_group(list(ranks), use_local_synchronization=local)
+    return made

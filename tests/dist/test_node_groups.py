@@ -46,6 +46,26 @@ def test_two_level_groups_split_four_ranks_into_nodes_and_columns(tmp_path) -> N
         assert got["cached"] is True
 
 
+def subgroup_cases(rank: int, world: int) -> dict[str, object]:
+    import torch.distributed as dist
+
+    from slipstream.comm import nodes
+
+    evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])  # every rank creates both (collective)
+    mine = evens if rank % 2 == 0 else odds
+    layout = nodes.two_level_groups(mine, 1, what="size")  # only the members of `mine` call this
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=layout.outer)
+    return {"outer": list(layout.outer_ranks), "inner": list(layout.inner_ranks), "sum": total.item()}
+
+
+def test_a_sub_group_is_cut_by_its_own_members_alone(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = run_distributed(subgroup_cases, world_size=4, tmp_dir=tmp_path, timeout_s=90)
+    for rank, got in enumerate(results):
+        parity = rank % 2
+        assert got == {"outer": [parity, parity + 2], "inner": [rank], "sum": 2.0 * parity + 2}, (rank, got)
+
+
 def test_ranks_per_node_refuses_a_size_that_does_not_divide_the_world(monkeypatch: pytest.MonkeyPatch) -> None:
     from slipstream.comm.nodes import ranks_per_node
 
