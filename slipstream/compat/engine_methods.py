@@ -27,6 +27,7 @@ import torch
 from slipstream.compat.engine_attributes import EngineAttributes
 from slipstream.compat.param_access import register_engine
 from slipstream.compile.engine_compile import CompiledEngine
+from slipstream.config.precision_plans import DEFAULT_SAFE_MODULES
 from slipstream.config.schema.zero import ZeroConfig
 
 _Z = "zero_optimization"
@@ -95,7 +96,10 @@ CONFIG_GETTERS: dict[str, tuple[str, Any]] = {
     "tensor_parallel_config": ("tensor_parallel", {}),
     "torch_autocast_enabled": ("torch_autocast.enabled", False),
     "torch_autocast_dtype": ("torch_autocast.dtype", None),
-    "torch_autocast_lower_precision_safe_modules": ("torch_autocast.lower_precision_safe_modules", None),
+    "torch_autocast_lower_precision_safe_modules": (
+        "torch_autocast.lower_precision_safe_modules",
+        list(DEFAULT_SAFE_MODULES),  # DeepSpeed's getter answers its default list when the key is unset
+    ),
     "use_node_local_storage": ("checkpoint.use_node_local_storage", False),
     "zenflow_config": (f"{_Z}.zenflow", None),
     "zero_allgather_bucket_size": (f"{_Z}.allgather_bucket_size", 500_000_000),

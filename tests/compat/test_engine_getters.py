@@ -4,6 +4,7 @@ answers from the config it was given (Accelerate's get_state_dict asks zero_gath
 from __future__ import annotations
 
 import pytest
+import torch
 
 import slipstream
 from tests.harness.models import TinyMLP
@@ -69,5 +70,19 @@ def test_moe_layers_counted() -> None:
     engine, *_ = slipstream.initialize(model=TinyMoE(), config=_config())
     try:
         assert engine.has_moe_layers is True and engine.num_experts == [EXPERTS]
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize("given", [None, ["torch.nn.modules.linear.Linear"]])
+def test_torch_autocast_lower_precision_safe_modules_answers_the_default_list_when_unset(given: list | None) -> None:
+    autocast: dict = {"enabled": True, "dtype": "bfloat16"}
+    if given is not None:
+        autocast["lower_precision_safe_modules"] = given
+    engine, *_ = slipstream.initialize(model=TinyMLP(), config=_config(torch_autocast=autocast))
+    try:
+        deepspeed_default = [f"{c.__module__}.{c.__name__}" for c in (torch.nn.Linear, torch.nn.Conv1d,
+                                                                      torch.nn.Conv2d, torch.nn.Conv3d)]
+        assert engine.torch_autocast_lower_precision_safe_modules() == (given or deepspeed_default)
     finally:
         engine.destroy()
