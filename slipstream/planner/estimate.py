@@ -180,6 +180,9 @@ def settings_from_plan(plan: Any) -> tuple[Settings, Option]:
         dtype=precision.param_dtype,
         grad_accum_dtype=precision.grad_accum_dtype,
         master_dtype=precision.master_dtype,
+        reduce_dtype=zero.reduce_dtype,
+        autocast=precision.autocast,
+        overlap_comm=zero.overlap_comm,
         optimizer_state_dtype=precision.optimizer_state_dtype,
         reduce_bucket_size=int(zero.reduce_bucket_size),
         stage3=stage3 or Settings().stage3,
@@ -302,7 +305,9 @@ def _model_state_figures(shape: ModelShape, option: Option, *, settings: Setting
     """(the option's model-state bytes, the host bytes one rank holds while building the model)."""
     if option.stage == 3:
         z3 = settings.stage3
-        units = shape.units(z3.persistence_threshold, z3.leaf_classes, z3.leaf_names, z3.leaf_suffixes)
+        units = shape.units(
+            z3.persistence_threshold, z3.leaf_classes, z3.leaf_names, z3.leaf_suffixes, autocast=settings.autocast
+        )
         figures, _pool = stage3_bytes(
             units,
             world=world,
@@ -320,6 +325,7 @@ def _model_state_figures(shape: ModelShape, option: Option, *, settings: Setting
         world=world,
         settings=settings,
         offload=option.offload_optimizer,
+        reduce_dtypes=shape.trainable_reduce_dtypes(settings.autocast),
     )
     return figures, shape.total * 4
 

@@ -44,6 +44,9 @@ class UnitShape:
     """Indices of the other units whose parameters this unit's modules use (weight tying)."""
     hosts: tuple[int, ...] = ()
     """Persistent unit: the hooked units whose modules hold its parameters (its gradients arrive with theirs)."""
+    reduce_dtypes: tuple[str | None, ...] = ()
+    """Per parameter, the dtype its gradients are reduced in under torch_autocast's safe modules (None: the ZeRO
+    reduce dtype); empty when none is."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -7,10 +7,12 @@ engine's own unit rules (`zero/stage3/units.plan_units`). torch is imported only
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +39,7 @@ class ModelShape:
     trainable: tuple[bool, ...]
     dims: Dims
     source: str
-    _units: dict[tuple[int, tuple[str, ...], tuple[str, ...], tuple[str, ...]], list[UnitShape]] = dataclasses.field(
-        default_factory=dict
-    )
+    _units: dict[tuple[object, ...], list[UnitShape]] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -59,17 +59,52 @@ class ModelShape:
         leaf_classes: tuple[str, ...] = (),
         leaf_names: tuple[str, ...] = (),
         leaf_suffixes: tuple[str, ...] = (),
+        autocast: object = None,
     ) -> list[UnitShape]:
-        key = (threshold, leaf_classes, leaf_names, leaf_suffixes)
+        """The stage-3 units; with `autocast` (an `AutocastPlan`) each carries its parameters' reduce dtypes."""
+        key = (threshold, leaf_classes, leaf_names, leaf_suffixes, autocast)
         if key not in self._units:
-            self._units[key] = plan_unit_shapes(
-                self.module,
-                threshold=threshold,
-                leaf_classes=leaf_classes,
-                leaf_names=leaf_names,
-                leaf_suffixes=leaf_suffixes,
-            )
+            with reduce_dtypes_marked(self.module, autocast):
+                self._units[key] = plan_unit_shapes(
+                    self.module,
+                    threshold=threshold,
+                    leaf_classes=leaf_classes,
+                    leaf_names=leaf_names,
+                    leaf_suffixes=leaf_suffixes,
+                )
         return self._units[key]
+
+    def trainable_reduce_dtypes(self, autocast: object) -> list[str | None]:
+        """The reduce dtype of each trainable parameter (registration order) under `autocast` (an `AutocastPlan`
+        or None), as `precision/reduce_dtypes.py` marks it for the engine (None: the ZeRO reduce dtype)."""
+        if autocast is None or self.module is None:
+            return [None] * len(self.trainable_numels)
+        from slipstream.precision.reduce_dtypes import reduce_dtype_of
+
+        with reduce_dtypes_marked(self.module, autocast):
+            return [reduce_dtype_of(p) for p in self.module.parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def reduce_dtypes_marked(module: Any, autocast: object) -> Iterator[None]:
+    """`module`'s parameters marked by the engine's own `mark_reduce_dtypes` for `autocast` (on the accelerator's
+    device type) while inside; the attributes the marking added are removed after, so the caller's model is
+    left as it was (an engine's model, already marked, keeps its marks)."""
+    if autocast is None:
+        yield
+        return
+    from slipstream.accelerator import get_accelerator
+    from slipstream.precision.reduce_dtypes import mark_reduce_dtypes
+
+    params = list(module.parameters())
+    before = [set(vars(p)) for p in params]
+    mark_reduce_dtypes(module, autocast, device_type=get_accelerator().device_name())  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        for param, keys in zip(params, before):
+            for added in set(vars(param)) - keys:
+                delattr(param, added)
 
 
 def from_module(module: Any, *, source: str = "model", dims: Dims | None = None) -> ModelShape:
@@ -133,6 +168,7 @@ def plan_unit_shapes(
     leaf_suffixes: tuple[str, ...] = (),
 ) -> list[UnitShape]:
     """The engine's stage-3 units of `module` (`plan_units`) and, per hooked unit, the units it borrows from."""
+    from slipstream.precision.reduce_dtypes import reduce_dtype_of
     from slipstream.zero.stage3.leaves import leaf_matches
     from slipstream.zero.stage3.units import plan_units
 
@@ -180,9 +216,15 @@ def plan_unit_shapes(
                 is_root=spec.module is module,
                 borrow=tuple(borrow),
                 hosts=hosts,
+                reduce_dtypes=_reduce_dtypes([p for _, p in spec.params], reduce_dtype_of),
             )
         )
     return shapes
+
+
+def _reduce_dtypes(params: list[Any], reduce_dtype_of: Any) -> tuple[str | None, ...]:
+    dtypes = tuple(reduce_dtype_of(p) for p in params)
+    return dtypes if any(dtypes) else ()
 
 
 # ---- synthetic and Hugging Face shapes (meta-device modules) ----

@@ -23,6 +23,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from slipstream.config.plan import CpuTarget, NoOffloadTarget, NvmeTarget, OffloadTarget, Stage3Plan
+from slipstream.config.precision_plans import AutocastPlan
 
 if TYPE_CHECKING:
     from slipstream.offload.policy import OffloadPolicy
@@ -187,6 +188,13 @@ class Settings:
     """Parameter dtype: "fp32", "bf16" or "fp16"."""
     grad_accum_dtype: str = "fp32"
     master_dtype: str = "fp32"
+    reduce_dtype: str | None = None
+    """The ZeRO reduce dtype (communication_data_type); None: the grad-accumulation dtype."""
+    autocast: AutocastPlan | None = None
+    """torch_autocast (the plan's): its safe modules' gradients are reduced in its dtype ([Note: reduction
+    buffers by dtype] in reduce_buffers.py)."""
+    overlap_comm: bool = True
+    """zero_optimization.overlap_comm (two reductions in flight at once, or one)."""
     optimizer_state_dtype: str | None = None
     """The optimizer moments' dtype (the plan's); None: the master dtype's."""
     reduce_bucket_size: int = dataclasses.field(default_factory=_schema_bucket_size)
@@ -201,9 +209,14 @@ class Settings:
     device_is_host: bool = dataclasses.field(default_factory=_accelerator_is_host)
     """The accelerator is the CPU: with offload, fp32 gradients are already host memory and get no host copy."""
 
+    @property
+    def comm_dtype(self) -> str:
+        """The dtype gradients are reduced in outside the safe modules."""
+        return self.reduce_dtype or self.grad_accum_dtype
+
     def __post_init__(self) -> None:
-        for key in ("dtype", "grad_accum_dtype", "master_dtype"):
-            if getattr(self, key) not in DTYPE_BYTES:
+        for key in ("dtype", "grad_accum_dtype", "master_dtype", "reduce_dtype"):
+            if getattr(self, key) not in DTYPE_BYTES and (key != "reduce_dtype" or self.reduce_dtype is not None):
                 raise ValueError(f"Settings.{key} must be one of {sorted(DTYPE_BYTES)}, got {getattr(self, key)!r}")
         if self.reduce_bucket_size < 1:
             raise ValueError(

@@ -31,8 +31,9 @@ from collections.abc import Sequence
 
 from slipstream.config.optimizers import compresses, states_per_element
 from slipstream.planner.prefetch import PoolFigures, UnitShape, simulate_pool
+from slipstream.planner.reduce_buffers import split_pool_bytes, stage2_ring_bytes, step_reducer_bytes
 from slipstream.planner.types import DTYPE_BYTES, Settings
-from slipstream.zero.layout import GroupLayout, build_layout, stage2_bucket_numel, stage2_chunk_numel
+from slipstream.zero.layout import GroupLayout, build_layout, stage2_bucket_numel
 
 # [Note: compressed all-reduce bytes]
 # 1-bit Adam, 0/1 Adam and 1-bit LAMB, once compression starts, hold one `OneBitAllReduce` per slot
@@ -149,10 +150,18 @@ def _place(
 
 
 def stage012_bytes(
-    trainable: Sequence[int], frozen: int, *, stage: int, world: int, settings: Settings, offload: bool
+    trainable: Sequence[int],
+    frozen: int,
+    *,
+    stage: int,
+    world: int,
+    settings: Settings,
+    offload: bool,
+    reduce_dtypes: Sequence[str | None] | None = None,
 ) -> ZeroBytes:
     """Stages 0-2 for one param group whose trainable parameters have these element counts (registration
-    order); `frozen` is the element count of the parameters without gradients."""
+    order); `frozen` is the element count of the parameters without gradients; `reduce_dtypes` (per trainable
+    parameter, None: the ZeRO reduce dtype) as torch_autocast's safe modules mark them."""
     param, grad = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.grad_accum_dtype]
     if not trainable:
         zero = dict.fromkeys(("params", "master", "grads", "optimizer_state", "host_buffers", "comm_buffers"), 0)
@@ -161,7 +170,7 @@ def stage012_bytes(
         )
         return ZeroBytes(device=device, host=host, owned=zero, pinned_blocks=())
     bucket_numel = settings.reduce_bucket_size if stage != 2 else stage2_bucket_numel(settings.reduce_bucket_size, grad)
-    layout = build_layout(list(trainable), world_size=world, bucket_numel=bucket_numel)
+    layout = build_layout(list(trainable), world_size=world, bucket_numel=bucket_numel, reduce_dtypes=reduce_dtypes)
     owned_numel = layout.flat_numel if stage == 0 else layout.shard_numel
     aliased = settings.dtype == settings.master_dtype and not offload
     owned = {
@@ -171,8 +180,11 @@ def stage012_bytes(
         **_optimizer_roles(owned_numel, settings=settings, offload=offload, aliased=aliased),
     }
     if stage == 2:
-        chunk = stage2_chunk_numel(layout, grad)
-        owned["comm_buffers"] = 2 * chunk * world * grad + 2 * chunk * grad
+        owned["comm_buffers"] = stage2_ring_bytes(layout, reduce_dtype=settings.comm_dtype, grad_bytes=grad)
+    else:
+        owned["comm_buffers"] = step_reducer_bytes(
+            layout, reduce_dtype=settings.comm_dtype, storage_dtype=settings.grad_accum_dtype
+        )
     for role, value in _compression_roles(layout, stage=stage, settings=settings, offload=offload).items():
         owned[role] += value
     # autograd's gradient of the largest parameter; at stage 2 also a bucket's gradients waiting for the rest of it
@@ -223,6 +235,7 @@ def stage3_bytes(
     )
     largest = max(trainable_shard, default=0)
     staging = 2 * largest * world * grad + 2 * largest * grad if total_trainable else 0
+    staging += split_pool_bytes(units, world=world, reduce_dtype=settings.comm_dtype, overlap=settings.overlap_comm)
     shards = sum(shard_numels) * param
     secondary = secondary_shard_numel(units, shard_numels, world=world, size=settings.stage3.secondary_shard_size)
     owned = {
