@@ -41,25 +41,19 @@ def shard_groups(group: dist.ProcessGroup | None, shard_size: int | None) -> Sha
     layout = two_level_groups(group, shard_size, what="zero_optimization.mics_shard_size")
     members = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
     block = members.index(dist.get_rank()) // shard_size
-    shard = layout.inner if shard_size > 1 else _singleton(members)
+    shard = layout.inner if shard_size > 1 else _singleton()
     if layout.count == 1:
         return ShardGroups(shard=group, replicas=None, replica_index=0)
     return ShardGroups(shard=shard, replicas=layout.outer, replica_index=block)
 
 
-_SINGLETONS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_SINGLETONS: dict[int, dist.ProcessGroup] = {}
 
 
-def _singleton(members: list[int]) -> dist.ProcessGroup:
-    """A group of this rank alone (MiCS with one rank per block: every rank holds the whole model). Every member
-    creates every one-rank group, in the same order (new_group is collective)."""
-    key = tuple(members)
-    if key not in _SINGLETONS:
-        mine = None
-        for rank in members:
-            made = dist.new_group([rank])
-            if rank == dist.get_rank():
-                mine = made
-        assert mine is not None, "this rank is a member of the group it shards over"
-        _SINGLETONS[key] = mine
-    return _SINGLETONS[key]
+def _singleton() -> dist.ProcessGroup:
+    """A group of this rank alone (MiCS with one rank per block: every rank holds the whole model), created with
+    local synchronisation: no other rank takes part (as comm/nodes.py builds a sub-group's blocks)."""
+    rank = dist.get_rank()
+    if rank not in _SINGLETONS:
+        _SINGLETONS[rank] = dist.new_group([rank], use_local_synchronization=True)
+    return _SINGLETONS[rank]
