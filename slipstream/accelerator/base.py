@@ -117,6 +117,11 @@ class Accelerator(abc.ABC):
         """Whether wall-clock host timers measure device work (true for synchronous devices)."""
         return self.is_synchronized_device()
 
+    def has_streams(self) -> bool:
+        """Whether `Stream()` makes a real queue that work can be put on beside the current one (so a second
+        stream can overlap communication with compute): True for devices with queues."""
+        return not self.is_synchronized_device()
+
     def resolves_data_dependency(self) -> bool:
         """Whether ordering between streams is implicit, so no stream waits are needed."""
         return self.is_synchronized_device()

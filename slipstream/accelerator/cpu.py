@@ -214,6 +214,9 @@ class HostMemoryAccelerator(Accelerator):
     def Stream(self) -> type[HostStream]:
         return HostStream
 
+    def has_streams(self) -> bool:
+        return False
+
     def stream(self, stream: StreamLike | None) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext(stream)
 

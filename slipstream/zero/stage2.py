@@ -101,9 +101,10 @@ class Stage2Optimizer(ZeroOptimizer):
             slot, staging, receive = self._ring.take(n * world, n, bucket_dtype(self.zero, bucket))
             for rank in range(world):
                 self._pack(flat, bucket, grads, staging[rank * n : (rank + 1) * n], rank * piece + lo)
-            work = collectives.reduce_scatter(
-                receive, staging, group=flat.process_group, async_op=True, input_is_scratch=True
-            )
+            with self._ring.launching():
+                work = collectives.reduce_scatter(
+                    receive, staging, group=flat.process_group, async_op=True, input_is_scratch=True
+                )
             self._ring.launched(slot, work, receive, owned[lo : lo + n].add_)
         self._next += 1
 

@@ -11,15 +11,18 @@ two reductions are in flight, and buffers are never re-allocated.
 With `overlap` (zero_optimization.overlap_comm) a launched reduction stays in flight while backward goes on: it
 is waited for only when its slot is taken again (two reductions later) or at `finish_all` (the end of the
 micro-batch or the step). The wait goes through the timed collective (comm/collectives.py), so the deadline is
-measured from the launch and a rank that never arrives is named as for a blocking collective. On a GPU the
-backend runs the collective on its own stream and `wait()` orders the current stream after it. Without
+measured from the launch and a rank that never arrives is named as for a blocking collective. On a device with
+streams the launch is queued on the engine's communication stream (`launching`, [Note: the communication
+stream] in comm_stream.py) and the current stream waits for it before the slot's receive buffer is delivered or
+its staging buffer refilled. Without
 `overlap` each reduction is waited for and delivered at launch. Both deliver the same sums into the same
 storage in the same order, so the results are bit-identical; `peak_in_flight` shows which of the two ran.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from slipstream.comm import collectives
 from slipstream.comm.collectives import TimedWork
 from slipstream.config.plan import ZeroPlan
+from slipstream.zero.comm_stream import CommStream
 from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import Bucket
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
@@ -41,7 +45,12 @@ class StagingRing:
     buffers are free ([Note: buckets by reduce dtype] in layout.py: torch_autocast reduces in two dtypes)."""
 
     def __init__(
-        self, sizes: Mapping[torch.dtype, tuple[int, int]], *, device: torch.device | None, overlap: bool = True
+        self,
+        sizes: Mapping[torch.dtype, tuple[int, int]],
+        *,
+        device: torch.device | None,
+        overlap: bool = True,
+        comm: CommStream | None = None,
     ) -> None:
         self._buffers = {
             dtype: [
@@ -54,6 +63,7 @@ class StagingRing:
         self.staging = [pair[0] for pairs in self._buffers.values() for pair in pairs]
         self.receive = [pair[1] for pairs in self._buffers.values() for pair in pairs]
         self.overlap = overlap
+        self.comm = comm if comm is not None else CommStream(enabled=False)
         self._in_flight: dict[int, tuple[TimedWork | None, torch.Tensor, Callable[[torch.Tensor], object]]] = {}
         self._turn = 0
         self.peak_in_flight = 0
@@ -73,7 +83,8 @@ class StagingRing:
         travel in (communication_data_type), and in each dtype of `more` (torch_autocast's safe modules),
         overlapped as zero_optimization.overlap_comm says."""
         sizes = {DTYPES[zero.reduce_dtype]: (staging_numel, receive_numel), **(more or {})}
-        return cls(sizes, device=device, overlap=zero.overlap_comm)
+        comm = CommStream(enabled=zero.overlap_comm)
+        return cls(sizes, device=device, overlap=zero.overlap_comm, comm=comm)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -89,6 +100,10 @@ class StagingRing:
         self._finish(slot)
         staging, receive = self._buffers[self._default if dtype is None else dtype][slot]
         return slot, staging[:staging_numel], receive[:receive_numel]
+
+    def launching(self, keep: Iterable[torch.Tensor] = ()) -> contextlib.AbstractContextManager[None]:
+        """Around a reduction's launch: on the communication stream where there is one (`CommStream.launching`)."""
+        return self.comm.launching(keep)
 
     def launched(
         self, slot: int, work: TimedWork | None, receive: torch.Tensor, deliver: Callable[[torch.Tensor], object]
@@ -106,6 +121,7 @@ class StagingRing:
         if entry is None:
             return
         work, receive, deliver = entry
+        self.comm.join()
         if work is not None:
             work.wait()
         deliver(receive)

@@ -193,9 +193,10 @@ class Stage3Optimizer(ZeroOptimizer):
     def _launch(self, uid: int, grads: dict[int, torch.Tensor]) -> None:
         width = self._receive_numel[uid]
         slot, staging, receive = self._ring.take(width * self._units[uid].world_size, width)
-        work = self._units[uid].reduce_gradients(  # see [Note: gradients divided on arrival]
-            grads, self._trainable[uid], staging, receive, self._receive_offsets[uid], scale=1.0 / self.pre_divided
-        )
+        with self._ring.launching(keep=grads.values()):  # packed and launched on the communication stream
+            work = self._units[uid].reduce_gradients(  # see [Note: gradients divided on arrival]
+                grads, self._trainable[uid], staging, receive, self._receive_offsets[uid], scale=1.0 / self.pre_divided
+            )
         grads.clear()  # the full-size gradients are packed: drop them now, not at the end of backward
         deliver = self._swapped_delivery(uid) if self._grad_swap is not None else self._delivery(uid)
         if self.model.sharding.replicas is not None:

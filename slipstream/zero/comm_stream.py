@@ -1,0 +1,55 @@
+"""The communication stream of overlapped gradient reductions (zero_optimization.overlap_comm).
+
+[Note: the communication stream]
+On a device with streams (CUDA) an engine with `overlap_comm` makes one stream of its own, once, and launches
+each bucket's reduction on it: the stream first waits for the current one (the gradients packed into the staging
+buffer are ready), the collective is queued under it, and tensors the current stream made and may free at once
+(stage 3's full-size gradients) are recorded on it so the caching allocator does not hand their memory out before
+the collective has read them. Before a result is read the current stream waits for the communication stream
+(`join`); the `StagingRing` (staging.py) does that when a slot is taken again or at the end of backward, before
+the slot is refilled or its receive buffer delivered, so a pooled buffer is never written on one stream while the
+other may still use it. The ring's buffers live as long as the engine, so they need no recording.
+
+On a device without streams (the CPU: gloo's collectives are async work items and `wait()` is the only order)
+`CommStream` holds no stream and every method returns at once: nothing is created, waited for or recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from slipstream.accelerator import Accelerator, get_accelerator
+from slipstream.accelerator.base import StreamLike
+
+
+class CommStream:
+    """One engine's communication stream: `launching()` around a collective's launch, `join()` before its result
+    is read. Without `enabled` or on a device without streams it is a no-op."""
+
+    def __init__(self, *, enabled: bool, accelerator: Accelerator | None = None) -> None:
+        self._accelerator = accelerator if accelerator is not None else get_accelerator()
+        self.stream: StreamLike | None = None
+        if enabled and self._accelerator.has_streams():
+            self.stream = self._accelerator.Stream()
+
+    @contextlib.contextmanager
+    def launching(self, keep: Iterable[torch.Tensor] = ()) -> Iterator[None]:
+        """Queue what runs inside on the communication stream, after the work queued so far on the current one;
+        each tensor of `keep` is recorded on the communication stream (its memory stays until the stream passes)."""
+        stream = self.stream
+        if stream is None:
+            yield
+            return
+        stream.wait_stream(self._accelerator.current_stream())
+        with self._accelerator.stream(stream):
+            yield
+        for tensor in keep:
+            tensor.record_stream(stream)  # type: ignore[arg-type]
+
+    def join(self) -> None:
+        """Make the current stream wait for everything queued on the communication stream so far."""
+        if self.stream is not None:
+            self._accelerator.current_stream().wait_stream(self.stream)

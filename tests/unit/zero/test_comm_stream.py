@@ -1,0 +1,118 @@
+"""The communication stream of overlap_comm (zero/comm_stream.py) and the staging ring's use of it, with an
+accelerator double that has streams and records every stream call: the communication stream waits for the
+current one before each launch, the launch runs under it, the current stream waits for it before a result is
+read, and a slot is never refilled before that wait. On the CPU accelerator it holds no stream at all."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from slipstream.accelerator.cpu import CpuAccelerator
+from slipstream.zero.comm_stream import CommStream
+from slipstream.zero.staging import StagingRing
+
+
+class _Stream:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self._log = name, log
+
+    def wait_stream(self, other: _Stream) -> None:
+        self._log.append(f"{self.name}.wait({other.name})")
+
+
+class _StreamedAccelerator(CpuAccelerator):
+    """The CPU accelerator with streams: `Stream()` makes "comm", `current_stream()` is "main" (or "comm" inside
+    `stream(comm)`); every call is logged."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+        self._main = _Stream("main", log)
+        self._current = self._main
+
+    def has_streams(self) -> bool:
+        return True
+
+    @property
+    def Stream(self) -> type:  # type: ignore[override]
+        return lambda: _Stream("comm", self.log)
+
+    def current_stream(self, device_index: int | None = None) -> _Stream:  # type: ignore[override]
+        return self._current
+
+    @contextlib.contextmanager
+    def stream(self, stream: object) -> Iterator[None]:  # type: ignore[override]
+        assert isinstance(stream, _Stream)
+        self.log.append(f"enter({stream.name})")
+        self._current = stream
+        yield
+        self._current = self._main
+        self.log.append(f"exit({stream.name})")
+
+
+class _Work:
+    def __init__(self, log: list[str], slot: int) -> None:
+        self._log, self._slot = log, slot
+
+    def wait(self) -> None:
+        self._log.append(f"wait-work{self._slot}")
+
+
+class _Kept:
+    def __init__(self, log: list[str]) -> None:
+        self._log = log
+
+    def record_stream(self, stream: _Stream) -> None:
+        self._log.append(f"record({stream.name})")
+
+
+def _run_ring(log: list[str], launches: int) -> None:
+    accelerator = _StreamedAccelerator(log)
+    ring = StagingRing(
+        {torch.float32: (8, 4)}, device=None, overlap=True, comm=CommStream(enabled=True, accelerator=accelerator)
+    )
+    for n in range(launches):
+        slot, staging, receive = ring.take(8, 4)
+        staging.fill_(n)
+        log.append(f"fill{slot}")
+        with ring.launching(keep=[_Kept(log)]):  # type: ignore[list-item]
+            log.append(f"launch{slot}:{accelerator.current_stream().name}")
+        ring.launched(slot, _Work(log, slot), receive, lambda _r, s=slot: log.append(f"read{s}"))
+    ring.finish_all()
+
+
+def test_launch_waits_for_the_current_stream_and_runs_on_the_comm_stream() -> None:
+    log: list[str] = []
+    _run_ring(log, 3)
+    for i, entry in enumerate(log):
+        if entry.startswith("launch"):
+            assert entry.endswith(":comm"), log
+            assert log[i - 2 : i] == ["comm.wait(main)", "enter(comm)"], log
+            assert log[i + 1 : i + 3] == ["exit(comm)", "record(comm)"], log
+
+
+def test_results_are_read_and_slots_refilled_only_after_the_current_stream_waits() -> None:
+    log: list[str] = []
+    _run_ring(log, 5)
+    reads = [i for i, entry in enumerate(log) if entry.startswith("read")]
+    assert len(reads) == 5, log
+    for i in reads:  # the join, then the work's wait, then the read
+        assert log[i - 2 : i] == ["main.wait(comm)", f"wait-work{log[i][4:]}"], log
+    for slot in (0, 1):
+        fills = [i for i, entry in enumerate(log) if entry == f"fill{slot}"]
+        slot_reads = [i for i in reads if log[i] == f"read{slot}"]
+        for refill, previous_read in zip(fills[1:], slot_reads):
+            assert previous_read < refill, log  # the slot's last use was waited for before it is written again
+
+
+def test_no_stream_on_the_cpu_or_without_overlap() -> None:
+    assert CommStream(enabled=True, accelerator=CpuAccelerator()).stream is None
+    log: list[str] = []
+    off = CommStream(enabled=False, accelerator=_StreamedAccelerator(log))
+    with off.launching(keep=[_Kept(log)]):  # type: ignore[list-item]
+        pass
+    off.join()
+    assert off.stream is None and log == []
