@@ -1,15 +1,17 @@
-"""Benchmark of `engine.compile()`: step time compiled vs eager at ZeRO 0, 2 and 3, and the first compiled
-step's time (when compiling happens), on 2 ranks (gloo on CPU, one thread each), for Slipstream and for
-DeepSpeed's own `engine.compile()` in the peer environment (.bench-venv), or what fails there.
+"""Benchmark of `engine.compile()`: step time compiled vs eager at ZeRO 0, 2 and 3, the first compiled step's
+time (when compiling happens) and peak memory, on 2 ranks (gloo on CPU, one thread each), for Slipstream and
+for DeepSpeed's own `engine.compile()` in the peer environment (.bench-venv), or what fails there.
 
-    python bench/compile.py [--backend inductor] [--steps 8] [--layers 4] [--peer-python .bench-venv/bin/python]
+    python bench/compile.py [--backend inductor] [--steps 8] [--layers 4] [--dim 128] [--seq 64]
+                            [--stages 0 2 3] [--peer-python .bench-venv/bin/python]
 
 The model is a small Llama-style decoder (RMSNorm, rotary-free causal attention through SDPA, SwiGLU MLP) in
-an `nn.ModuleList`, built from one seed on every rank. Per stage, each framework trains an eager engine and
-a compiled one on the same micro-batches: one warmup step (eager) or the first step (compiled: it compiles),
-then `--steps` steps whose median is reported. Ratios (compiled / eager, lower is better) are printed for each
-framework; nothing is asserted. This file imports slipstream only in Slipstream's rows and deepspeed only in
-DeepSpeed's (run by the peer interpreter), so one file serves both.
+an `nn.ModuleList`, built from one seed on every rank. Per stage, each framework builds an eager engine and a
+compiled one side by side; after one step each (the compiled one compiles in it) they take turns on the same
+`--steps` micro-batches, so a burst of other work on a shared machine slows both steps of a pair. The ratio
+printed (compiled / eager, lower is better) is the median of the pairs' ratios; nothing is asserted. Peak
+memory is the rank's peak resident set (both engines). This file imports slipstream only in Slipstream's
+rows and deepspeed only in DeepSpeed's (run by the peer interpreter), so one file serves both.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 STAGES = (0, 2, 3)
-DIM, HEADS, VOCAB, SEQ, MICRO = 128, 4, 512, 64, 4
+HEADS, VOCAB, MICRO = 4, 512, 4
 
 
 class RMSNorm(nn.Module):
@@ -48,12 +50,12 @@ class RMSNorm(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int) -> None:
         super().__init__()
-        self.attn_norm, self.mlp_norm = RMSNorm(DIM), RMSNorm(DIM)
-        self.qkv, self.out = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
-        self.gate, self.up = nn.Linear(DIM, 4 * DIM, bias=False), nn.Linear(DIM, 4 * DIM, bias=False)
-        self.down = nn.Linear(4 * DIM, DIM, bias=False)
+        self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
+        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.gate, self.up = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(dim, 4 * dim, bias=False)
+        self.down = nn.Linear(4 * dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -65,12 +67,12 @@ class LlamaBlock(nn.Module):
 
 
 class TinyLlama(nn.Module):
-    def __init__(self, layers: int) -> None:
+    def __init__(self, layers: int, dim: int) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(LlamaBlock() for _ in range(layers))
-        self.norm, self.head = RMSNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList(LlamaBlock(dim) for _ in range(layers))
+        self.norm, self.head = RMSNorm(dim), nn.Linear(dim, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -84,49 +86,79 @@ def ds_config(stage: int) -> dict[str, Any]:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage}}
 
 
-def batches(rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(rank: int, count: int, seq: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(100 + rank)
-    tokens = [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=gen) for _ in range(count)]
+    tokens = [torch.randint(0, VOCAB, (MICRO, seq + 1), generator=gen) for _ in range(count)]
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
-def build(framework: str, stage: int, layers: int) -> Any:
+def build(framework: str, stage: int, args: argparse.Namespace) -> Any:
     if framework == "slipstream":
         import slipstream as library
     else:
         import deepspeed as library  # the peer environment only
-    model = TinyLlama(layers)
+    model = TinyLlama(args.layers, args.dim)
     engine, _, _, _ = library.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage))
     return engine
 
 
-def timed_steps(engine: Any, data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-    times = []
-    for tokens, targets in data:
-        dist.barrier()
-        started = time.perf_counter()
-        engine.backward(engine(tokens, targets))
-        engine.step()
-        times.append(time.perf_counter() - started)
-    return times
+PHASES = ("forward", "backward", "step")
+
+
+def timed_step(engine: Any, tokens: torch.Tensor, targets: torch.Tensor) -> list[float]:
+    """Seconds of the forward, the backward and the optimizer step of one training step."""
+    dist.barrier()
+    marks = [time.perf_counter()]
+    loss = engine(tokens, targets)
+    marks.append(time.perf_counter())
+    engine.backward(loss)
+    marks.append(time.perf_counter())
+    engine.step()
+    marks.append(time.perf_counter())
+    return [after - before for before, after in zip(marks, marks[1:])]
+
+
+def summary(eager: list[list[float]], compiled: list[list[float]]) -> dict[str, Any]:
+    """Medians over the timed steps (the first of each excluded): step, each phase, and the pairs' ratio."""
+    eager, compiled = eager[1:], compiled[1:]
+    phases = {
+        f"{kind}_{phase}_s": statistics.median(times[i] for times in steps)
+        for kind, steps in (("eager", eager), ("compiled", compiled))
+        for i, phase in enumerate(PHASES)
+    }
+    ratios = [sum(c) / sum(e) for c, e in zip(compiled, eager)]
+    return {"eager_s": statistics.median(map(sum, eager)), "compiled_s": statistics.median(map(sum, compiled)),
+            "ratio": statistics.median(ratios), **phases}
 
 
 def one_stage(framework: str, stage: int, args: argparse.Namespace, rank: int) -> dict[str, Any]:
-    data = batches(rank, args.steps + 1)
-    eager = build(framework, stage, args.layers)
-    eager_times = timed_steps(eager, data)[1:]
-    eager.destroy()
+    """The eager and the compiled engine live side by side and take turns, step by step, on the same batches:
+    on a shared machine a burst of other work then slows both of a pair, and the median of the pairs' ratios
+    is the ratio reported."""
+    data = batches(rank, args.steps + 1, args.seq)
+    torch._dynamo.reset()
+    eager = build(framework, stage, args)
+    eager_times = [timed_step(eager, *data[0])]
     try:
-        torch._dynamo.reset()
-        compiled = build(framework, stage, args.layers)
+        compiled = build(framework, stage, args)
         compiled.compile(backend=args.backend)
-        compiled_times = timed_steps(compiled, data)
-        compiled.destroy()
+        compiled_times = [timed_step(compiled, *data[0])]
     except Exception as exc:  # DeepSpeed's failures are a result of this benchmark, reported as such
-        return {"eager_s": statistics.median(eager_times), "error": f"{type(exc).__name__}: {exc}".splitlines()[0],
+        return {"eager_s": sum(eager_times[0]), "error": f"{type(exc).__name__}: {exc}".splitlines()[0],
                 "trace": traceback.format_exc()[-600:]}
-    return {"eager_s": statistics.median(eager_times), "compiled_s": statistics.median(compiled_times[1:]),
-            "first_s": compiled_times[0]}
+    for tokens, targets in data[1:]:
+        eager_times.append(timed_step(eager, tokens, targets))
+        compiled_times.append(timed_step(compiled, tokens, targets))
+    eager.destroy()
+    compiled.destroy()
+    return {**summary(eager_times, compiled_times), "first_s": sum(compiled_times[0]), "peak_rss_mib": peak_rss_mib()}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (both engines, compiled code included), in MiB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def rank_main(rank: int, framework: str, store_path: str, args: argparse.Namespace, out: str) -> None:
@@ -135,7 +167,7 @@ def rank_main(rank: int, framework: str, store_path: str, args: argparse.Namespa
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     results = {}
-    for stage in STAGES:
+    for stage in args.stages:
         results[stage] = one_stage(framework, stage, args, rank)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -158,7 +190,9 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any] | str:
     if not python.exists():
         return f"no peer environment ({python}); bench/make_peer_venv.sh creates it"
     argv = [str(python), __file__, "--framework", "deepspeed", "--json", "--backend", args.backend,
-            "--steps", str(args.steps), "--layers", str(args.layers)]
+            "--steps", str(args.steps), "--layers", str(args.layers),
+            "--dim", str(args.dim), "--seq", str(args.seq),
+            "--stages", *map(str, args.stages)]
     done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=1800)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
@@ -175,7 +209,11 @@ def print_table(name: str, results: dict[str, Any]) -> None:
             continue
         compiled, first = row["compiled_s"] * 1e3, row["first_s"]
         print(f"{name:<11} ZeRO-{stage}  eager {eager:7.1f} ms  compiled {compiled:7.1f} ms  "
-              f"ratio {compiled / eager:5.2f}x  first compiled step {first:6.1f} s")
+              f"ratio {row['ratio']:5.2f}x (median of pairs)  first compiled step {first:6.1f} s  "
+              f"peak RSS {row['peak_rss_mib']:6.0f} MiB")
+        for kind in ("eager", "compiled"):
+            parts = "  ".join(f"{phase} {row[f'{kind}_{phase}_s'] * 1e3:7.1f} ms" for phase in PHASES)
+            print(f"{'':<11} ZeRO-{stage}  {kind:<8} {parts}")
 
 
 def main() -> None:
@@ -183,6 +221,9 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--stages", type=int, nargs="+", default=list(STAGES), help="ZeRO stages to run")
     parser.add_argument("--framework", choices=("slipstream", "deepspeed"), default="slipstream")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON line (peer runs)")
     parser.add_argument("--peer-python", default=str(ROOT / ".bench-venv" / "bin" / "python"))
@@ -190,7 +231,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(run_framework(args.framework, args)))
         return
-    print(f"engine.compile(backend={args.backend!r}): {args.layers}-block Llama-style model, dim {DIM}, seq {SEQ}, "
+    print(f"engine.compile(backend={args.backend!r}): {args.layers}-block Llama-style model, dim {args.dim}, seq {args.seq}, "
           f"micro-batch {MICRO}, 2 ranks (gloo, 1 thread each); median of {args.steps} steps")
     ours = run_framework("slipstream", args)
     print_table("slipstream", ours)

@@ -64,11 +64,18 @@ def _refuse_deepcompile(plan: CompilePlan, schedule: object) -> None:
 
 
 def _refuse_compiled_autograd_at_stage3(zero_model: object) -> None:
+    """Compiled autograd traces every backward hook into its graph. Stage 3's hooks gather and reduce-scatter
+    through process-group calls and queue the end-of-backward reduction with `queue_callback`, which dynamo
+    accepts only under compiled autograd's fullgraph=True (torch 2.13), where the collectives cannot be traced.
+    Kept out of the graph (`torch._dynamo.disable`), the hooks ran, but the compiled backward handed one
+    parameter's gradient hook its gradient twice in one pass (checked on torch 2.13, 2 ranks)."""
     if zero_model is not None:
         raise NotImplementedError(
-            "engine.compile(compiled_autograd_enabled=True) at ZeRO stage 3: stage 3 reduces the last gradients "
-            "in an end-of-backward callback, which compiled autograd cannot trace; pass "
-            "compiled_autograd_enabled=False (the blocks' backward graphs are still compiled) or use stage 0-2"
+            "engine.compile(compiled_autograd_enabled=True) at ZeRO stage 3: compiled autograd would trace stage "
+            "3's backward hooks, which gather and reduce-scatter through the process group and queue the "
+            "end-of-backward reduction (torch's compiled autograd takes queue_callback only with fullgraph=True, "
+            "where those collectives cannot be traced); pass compiled_autograd_enabled=False (each block's "
+            "backward is still compiled) or use stage 0-2"
         )
 
 
