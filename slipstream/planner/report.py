@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from slipstream.planner.types import Plan
+from slipstream.planner.types import Plan, Settings
 
 GIB = 2**30
 _W = 10
@@ -33,6 +33,18 @@ def _fits(value: bool | None) -> str:
     return "?" if value is None else "yes" if value else "no"
 
 
+def _autocast_words(settings: Settings) -> str:
+    """torch_autocast's safe modules, whose gradients are reduced in its dtype (the comm buffers hold both)."""
+    autocast = settings.autocast
+    if autocast is None or not autocast.safe_modules:
+        return ""
+    classes = ", ".join(path.rpartition(".")[2] for path in autocast.safe_modules)
+    return (
+        f", torch_autocast {autocast.dtype or 'device default'}: gradients of {classes} reduced in it, "
+        f"the rest in {settings.comm_dtype}"
+    )
+
+
 def format_plan(plan: Plan) -> str:
     """Two tables (per device, per host) with one row per option; the cheapest fitting option is marked '*'."""
     s = plan.settings
@@ -40,6 +52,7 @@ def format_plan(plan: Plan) -> str:
         f"slipstream plan: {plan.total_params:,} parameters ({plan.trainable_params:,} trainable), "
         f"{plan.world_size} ranks ({plan.nodes} node(s) x {plan.gpus_per_node}), params {s.dtype}, "
         f"master {s.master_dtype}, grad accumulation {s.grad_accum_dtype}, optimizer {s.optimizer}"
+        f"{_autocast_words(s)}"
     )
     lines = [title]
     limits = [

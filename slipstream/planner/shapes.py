@@ -14,9 +14,12 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slipstream.planner.prefetch import UnitShape
+
+if TYPE_CHECKING:
+    from slipstream.config.precision_plans import AutocastPlan
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,7 +62,7 @@ class ModelShape:
         leaf_classes: tuple[str, ...] = (),
         leaf_names: tuple[str, ...] = (),
         leaf_suffixes: tuple[str, ...] = (),
-        autocast: object = None,
+        autocast: AutocastPlan | None = None,
     ) -> list[UnitShape]:
         """The stage-3 units; with `autocast` (an `AutocastPlan`) each carries its parameters' reduce dtypes."""
         key = (threshold, leaf_classes, leaf_names, leaf_suffixes, autocast)
@@ -74,7 +77,7 @@ class ModelShape:
                 )
         return self._units[key]
 
-    def trainable_reduce_dtypes(self, autocast: object) -> list[str | None]:
+    def trainable_reduce_dtypes(self, autocast: AutocastPlan | None) -> list[str | None]:
         """The reduce dtype of each trainable parameter (registration order) under `autocast` (an `AutocastPlan`
         or None), as `precision/reduce_dtypes.py` marks it for the engine (None: the ZeRO reduce dtype)."""
         if autocast is None or self.module is None:
@@ -86,7 +89,7 @@ class ModelShape:
 
 
 @contextlib.contextmanager
-def reduce_dtypes_marked(module: Any, autocast: object) -> Iterator[None]:
+def reduce_dtypes_marked(module: Any, autocast: AutocastPlan | None) -> Iterator[None]:
     """`module`'s parameters marked by the engine's own `mark_reduce_dtypes` for `autocast` (on the accelerator's
     device type) while inside; the attributes the marking added are removed after, so the caller's model is
     left as it was (an engine's model, already marked, keeps its marks)."""
@@ -98,7 +101,7 @@ def reduce_dtypes_marked(module: Any, autocast: object) -> Iterator[None]:
 
     params = list(module.parameters())
     before = [set(vars(p)) for p in params]
-    mark_reduce_dtypes(module, autocast, device_type=get_accelerator().device_name())  # type: ignore[arg-type]
+    mark_reduce_dtypes(module, autocast, device_type=get_accelerator().device_name())
     try:
         yield
     finally:
@@ -168,7 +171,6 @@ def plan_unit_shapes(
     leaf_suffixes: tuple[str, ...] = (),
 ) -> list[UnitShape]:
     """The engine's stage-3 units of `module` (`plan_units`) and, per hooked unit, the units it borrows from."""
-    from slipstream.precision.reduce_dtypes import reduce_dtype_of
     from slipstream.zero.stage3.leaves import leaf_matches
     from slipstream.zero.stage3.units import plan_units
 
@@ -216,13 +218,16 @@ def plan_unit_shapes(
                 is_root=spec.module is module,
                 borrow=tuple(borrow),
                 hosts=hosts,
-                reduce_dtypes=_reduce_dtypes([p for _, p in spec.params], reduce_dtype_of),
+                reduce_dtypes=_reduce_dtypes([p for _, p in spec.params]),
             )
         )
     return shapes
 
 
-def _reduce_dtypes(params: list[Any], reduce_dtype_of: Any) -> tuple[str | None, ...]:
+def _reduce_dtypes(params: list[Any]) -> tuple[str | None, ...]:
+    """The parameters' reduce dtypes as marked (empty when none is marked)."""
+    from slipstream.precision.reduce_dtypes import reduce_dtype_of
+
     dtypes = tuple(reduce_dtype_of(p) for p in params)
     return dtypes if any(dtypes) else ()
 

@@ -327,3 +327,25 @@ def test_deepspeed_estimators_against_deepspeed_formulas(capsys: pytest.CaptureF
     for line, row in zip(printed, [*zero2, *zero3], strict=True):  # the table shows these rows' numbers
         cpu, gpu = re.findall(r"(\d+\.\d\d)GB", line)
         assert (cpu, gpu) == (f"{row.host_total * factor / GIB:.2f}", f"{sum(row.device.values()) / GIB:.2f}")
+
+
+def test_cli_plan_names_torch_autocast_and_counts_its_buffers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`slipstream plan` with a torch_autocast config names the safe modules' reduce dtype, and its comm buffers
+    hold the bf16 staging ring beside the fp32 one ([Note: reduction buffers by dtype])."""
+    from slipstream.cli.main import main
+
+    section = {"stage": 2, "reduce_bucket_size": 300}
+    config: dict = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": section}
+    comm = {}
+    for name, extra in (("plain", {}), ("autocast", {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}})):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({**config, **extra}))
+        args = ["plan", "--model", "tests.harness.models:TinyTransformer", "--gpus-per-node", "2", str(path)]
+        assert main(args) == 0
+        text = capsys.readouterr().out
+        assert ("torch_autocast bf16: gradients of Linear, Conv1d, Conv2d, Conv3d reduced in it" in text) == (
+            name == "autocast"
+        )
+        assert main([*args, "--json"]) == 0
+        comm[name] = json.loads(capsys.readouterr().out)["options"][0]["owned_bytes"]["comm_buffers"]
+    assert comm["autocast"] > comm["plain"]
