@@ -13,12 +13,16 @@ from tests.harness import run_distributed
 ROLES = ("params", "master", "grads", "optimizer_state", "host_buffers", "comm_buffers")
 
 
-def _config(stage: int) -> dict:
+CASES = [(0, True), (1, True), (2, True), (3, True), (3, False)]
+"""(stage, overlap_comm): without overlap a ZeRO-3 unit's split buffers go back to the pool at once."""
+
+
+def _config(stage: int, overlap: bool = True) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 40,
-                                  "stage3_prefetch_bucket_size": 5000}}
+                                  "stage3_prefetch_bucket_size": 5000, "overlap_comm": overlap}}
 
 
 def grid(rank: int, world: int) -> list[dict]:
@@ -27,18 +31,19 @@ def grid(rank: int, world: int) -> list[dict]:
     from tests.harness.models import TinyTransformer
 
     results = []
-    for stage in (0, 1, 2, 3):
+    for stage, overlap in CASES:
         model = TinyTransformer()
-        predicted = estimate(model=model, ds_config=_config(stage), gpus_per_node=world).estimate_for("config")
-        plain = {**_config(stage)}
+        config = _config(stage, overlap)
+        predicted = estimate(model=model, ds_config=config, gpus_per_node=world).estimate_for("config")
+        plain = {**config}
         plain.pop("torch_autocast")
         without = estimate(model=model, ds_config=plain, gpus_per_node=world).estimate_for("config")
-        engine, *_ = slipstream.initialize(model=model, config=_config(stage))
+        engine, *_ = slipstream.initialize(model=model, config=config)
         for seed in range(2):  # stage 3 sizes its pools from the second step on
             inputs, targets = model.make_batch(seed=seed, batch_size=2)
             engine.backward(TinyTransformer.loss(engine(inputs).float(), targets))
             engine.step()
-        results.append({"stage": stage, "owned": dict(engine.optimizer.owned_bytes()),
+        results.append({"case": (stage, overlap), "owned": dict(engine.optimizer.owned_bytes()),
                         "predicted": dict(predicted.owned), "without": without.owned["comm_buffers"]})
         engine.destroy()
     return results
@@ -49,11 +54,11 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return run_distributed(grid, world_size=2, tmp_dir=tmp_path_factory.mktemp("autocast"), timeout_s=240)[0]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_roles_match_owned_bytes(measured: list[dict], stage: int) -> None:
-    case = next(c for c in measured if c["stage"] == stage)
+@pytest.mark.parametrize("stage,overlap", CASES)
+def test_roles_match_owned_bytes(measured: list[dict], stage: int, overlap: bool) -> None:
+    case = next(c for c in measured if tuple(c["case"]) == (stage, overlap))
     owned, predicted = case["owned"], case["predicted"]
-    print(f"ZeRO-{stage}: " + ", ".join(f"{r} {predicted[r]}/{owned[r]}" for r in ROLES))
+    print(f"ZeRO-{stage} overlap_comm {overlap}: " + ", ".join(f"{r} {predicted[r]}/{owned[r]}" for r in ROLES))
     for role in ROLES:
         assert predicted[role] == pytest.approx(owned[role], rel=0.05), (role, predicted[role], owned[role])
     assert owned["comm_buffers"] > 0

@@ -349,3 +349,18 @@ def test_cli_plan_names_torch_autocast_and_counts_its_buffers(tmp_path: Path, ca
         assert main([*args, "--json"]) == 0
         comm[name] = json.loads(capsys.readouterr().out)["options"][0]["owned_bytes"]["comm_buffers"]
     assert comm["autocast"] > comm["plain"]
+
+
+def test_planner_leaves_the_models_reduce_dtypes_as_they_were() -> None:
+    """The planner marks the safe modules' parameters with the engine's rule while it counts, and takes the marks
+    off again: a model planned under torch_autocast and trained without it reduces every gradient in one dtype."""
+    from slipstream.planner import estimate
+    from slipstream.precision.reduce_dtypes import reduce_dtype_of
+    from tests.harness.models import TinyTransformer
+
+    model = TinyTransformer()
+    config = {"train_micro_batch_size_per_gpu": 2, "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
+              "zero_optimization": {"stage": 3}}
+    plan = estimate(model=model, ds_config=config, gpus_per_node=2)
+    assert plan.estimate_for("config").owned["comm_buffers"] > 0
+    assert [reduce_dtype_of(p) for p in model.parameters()] == [None] * len(list(model.parameters()))
