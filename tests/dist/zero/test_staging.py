@@ -49,6 +49,7 @@ def overlap_case(rank: int, world: int, *, stage: int, overlap: bool) -> dict:
     from slipstream.utils import safe_get_full_fp32_param
 
     engine = _engine(stage, zero={"overlap_comm": overlap})
+    calls = _count_ring_calls(engine) if stage > 1 else {}
     for step in range(STEPS):
         x, y = _batch(rank, step)
         engine.backward(TinyMLP.loss(engine(x), y))
@@ -66,7 +67,22 @@ def overlap_case(rank: int, world: int, *, stage: int, overlap: bool) -> dict:
             refused = str(exc)
         engine.optimizer.zero_grad()  # waits for the reductions in flight (every rank launched the same)
     engine.destroy()
-    return {"params": params, "peak_in_flight": peak, "refused": refused}
+    return {"params": params, "peak_in_flight": peak, "refused": refused, "calls": calls}
+
+
+def _count_ring_calls(engine) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Counts of the staging ring's `launching` (the communication stream's context) and `launched` calls: every
+    reduction of stages 2 and 3 must be launched inside the former (zero/comm_stream.py)."""
+    ring, calls = engine.optimizer._ring, {"launching": 0, "launched": 0}
+    for name in calls:
+        method = getattr(ring, name)
+
+        def counted(*args, _method=method, _name=name, **kwargs):  # type: ignore[no-untyped-def]
+            calls[_name] += 1
+            return _method(*args, **kwargs)
+
+        setattr(ring, name, counted)
+    return calls
 
 
 def dtype_case(rank: int, world: int, *, stage: int, dtype: str) -> dict:
@@ -114,6 +130,9 @@ def test_overlap_comm_and_communication_data_type(tmp_path) -> None:  # type: ig
                 assert torch.equal(a, b), f"stage {stage} rank {rank}: overlap_comm changed the parameters"
             assert off["peak_in_flight"] == 0, f"stage {stage}: overlap_comm false left reductions in flight"
             assert on["peak_in_flight"] >= 2, f"stage {stage}: overlap_comm true never had two reductions in flight"
+            if stage > 1:  # every reduction launched under the ring's communication-stream context
+                calls = on["calls"]
+                assert calls["launched"] > 0 and calls["launching"] == calls["launched"], f"stage {stage}: {calls}"
         refused = by_case[str({"stage": 1, "overlap": True})]["refused"]
         assert "second gradient for 'layers.2" in refused and "overlap_comm to false" in refused, refused
         for case, out in zip(DTYPE_CASES, result["dtype"]):
