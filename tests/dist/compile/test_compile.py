@@ -123,9 +123,27 @@ def checkpoint_round_trip(rank: int, *, folder: str) -> float:
     return max((loaded[n] - saved[n]).abs().max().item() for n in saved)
 
 
+def frames_per_batch_size(rank: int, sizes: tuple[int, ...] = (MICRO, 3, 5, MICRO)) -> list[int]:
+    """A compiled stage-3 engine steps on micro-batches of these sizes; dynamo's compiled frames after each."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    engine = make_engine(3)
+    engine.compile(backend="aot_eager")
+    model, frames, before = TinyTransformer(), [], counters["frames"]["total"]
+    for step, size in enumerate(sizes):
+        tokens, targets = model.make_batch(seed=10 * step + rank, batch_size=size)
+        engine.backward(TinyTransformer.loss(engine(tokens), targets))
+        engine.step()
+        frames.append(counters["frames"]["total"] - before)
+    engine.destroy()
+    return frames
+
+
 def run_all(rank: int, world: int, *, folder: str, cases: list[dict]) -> dict:
     results = [compiled_vs_eager(rank, **case) for case in cases]
-    return {"cases": results, "checkpoint": checkpoint_round_trip(rank, folder=folder)}
+    return {"cases": results, "checkpoint": checkpoint_round_trip(rank, folder=folder),
+            "batch_sizes": frames_per_batch_size(rank)}
 
 
 def check(outcome: list[dict], cases: list[dict]) -> None:
@@ -149,6 +167,9 @@ def test_compiled_training_matches_eager_at_every_stage(tmp_path) -> None:  # ty
     check(outcome, CASES)
     for rank, result in enumerate(outcome):
         assert result["checkpoint"] == 0.0, f"rank {rank}: the eager engine loaded other values"
+        # a new batch size compiles once more (dynamo makes the batch dimension dynamic); later sizes reuse it
+        first, *later = result["batch_sizes"]
+        assert later[-1] - first <= first, f"rank {rank}: compiled frames per batch size {result['batch_sizes']}"
 
 
 def inductor_case(rank: int, world: int) -> list[dict]:
