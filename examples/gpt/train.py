@@ -118,20 +118,18 @@ def train(args: argparse.Namespace) -> int:
     tokens = args.steps * engine.train_batch_size() * args.block_size
     say(f"trained {args.steps} steps in {elapsed:.1f} s ({tokens / elapsed:,.0f} tokens/s over all ranks)")
     say(f"first loss {losses[0]:.4f}  final loss {losses[-1]:.4f}")
-    if rank == 0:
-        text = sample(
-            engine.module, dataset, prompt="In the morning, ", num_chars=args.sample_chars, seed=args.seed
-        )
-        say(f"sample: {text!r}")
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        path = args.out_dir / "final_model.pt"
-        torch.save(engine.module.state_dict(), path)
-        say(f"saved final model to {path}")
+    # Every rank samples (the same seeded text) and takes part in the gather: at ZeRO-3 each forward gathers the
+    # layers from all ranks, and the whole weights exist only inside GatheredParameters (a no-op below stage 3).
+    text = sample(engine.module, dataset, prompt="In the morning, ", num_chars=args.sample_chars, seed=args.seed)
+    say(f"sample: {text!r}")
+    path = args.out_dir / "final_model.pt"
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        if rank == 0:
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            torch.save(engine.module.state_dict(), path)
+    say(f"saved final model to {path}")
     if not losses[-1] < args.max_final_ratio * losses[0]:
-        say(
-            f"FAILED: final loss {losses[-1]:.4f} is not below {args.max_final_ratio} x first loss "
-            f"{losses[0]:.4f}"
-        )
+        say(f"FAILED: final loss {losses[-1]:.4f} is not below {args.max_final_ratio} x first loss {losses[0]:.4f}")
         return 1
     say("OK: the loss fell")
     return 0
