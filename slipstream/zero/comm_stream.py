@@ -1,4 +1,5 @@
-"""The communication stream of overlapped gradient reductions (zero_optimization.overlap_comm).
+"""The communication stream of overlapped collectives (zero_optimization.overlap_comm): gradient reductions and
+stage 3's parameter all-gathers.
 
 [Note: the communication stream]
 On a device with streams (CUDA) an engine with `overlap_comm` makes one stream of its own, once, and launches
@@ -9,6 +10,17 @@ the collective has read them. Before a result is read the current stream waits f
 (`join`); the `StagingRing` (staging.py) does that when a slot is taken again or at the end of backward, before
 the slot is refilled or its receive buffer delivered, so a pooled buffer is never written on one stream while the
 other may still use it. The ring's buffers live as long as the engine, so they need no recording.
+
+Stage 3's parameter all-gathers -- a unit's own and the ones its coordinator prefetches -- go on the same stream
+(the ZeroModel's units take the ring's `CommStream`: one stream per engine). `Unit.start_gather` writes this
+rank's row on the current stream and launches the all-gather under `launching()`, whose wait covers that row and
+the last reader of the pooled gather buffer (the previous gather's unpack); `Unit.finish_gather` joins before
+the buffer is read into the parameters, and only then gives the buffer back to the pool, so a pooled buffer is
+never taken again while the communication stream may still write it. Pool buffers live as long as the engine,
+so they need no recording either. (hpZ's gather from the secondary shard copies its row under `launching()` too:
+the secondary shard is written only on the current stream, after a join.) One stream is one queue: a gather
+launched after a reduction starts once that reduction is done, and its join waits for the reductions queued
+before it.
 
 On a device without streams (the CPU: gloo's collectives are async work items and `wait()` is the only order)
 `CommStream` holds no stream and every method returns at once: nothing is created, waited for or recorded.

@@ -22,6 +22,7 @@ from slipstream.config.plan import Stage3Plan
 from slipstream.offload.choose import policy_for
 from slipstream.precision.fp8 import float8_gather_slots
 from slipstream.utils.host_memory import cap_mmap_threshold
+from slipstream.zero.comm_stream import CommStream
 from slipstream.zero.slices import OwnedSlice
 from slipstream.zero.stage3.coordinator import Coordinator
 from slipstream.zero.stage3.leaves import LEAF_PARAM_ATTR, apply_leaf_settings, get_z3_leaf_modules
@@ -177,6 +178,12 @@ class ZeroModel(UnitManager):
             unit.secondary = SecondaryShard(
                 full_numel=unit.layout.full_numel, dtype=unit.dtype, device=self.device, block=layout.inner, size=size
             )
+
+    def use_comm_stream(self, comm: CommStream) -> None:
+        """Launch the units' gathers on the engine's communication stream (the one its gradient reductions use;
+        [Note: the communication stream] in zero/comm_stream.py). A no-op stream changes nothing."""
+        for unit in self.units:
+            unit.comm = comm if comm.stream is not None else None
 
     def shards_changed(self) -> None:
         """The shards took new values (a step, a checkpoint load): the secondary shards are stale."""

@@ -80,6 +80,7 @@ class Stage3Optimizer(ZeroOptimizer):
         self._ring = StagingRing.for_plan(
             self.zero, staging_numel=largest * self.world_size, receive_numel=largest, device=self.model.device
         )
+        self.model.use_comm_stream(self._ring.comm)  # one stream per engine: the gathers share the ring's
         self._ready: dict[int, dict[int, torch.Tensor]] = {}
         self._next = 0
         self.model.coordinator.watch_gradients(self, {uid: frozenset(ix) for uid, ix in self._trainable.items()})

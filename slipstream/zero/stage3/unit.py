@@ -25,6 +25,7 @@ what an alias sees.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from slipstream.comm import collectives
 from slipstream.offload.policy import CPUOffload
 from slipstream.precision.fp8 import Float8WeightSlot
 from slipstream.utils.torch_shim import storage_use_count
+from slipstream.zero.comm_stream import CommStream
 from slipstream.zero.quantized import QuantizedRows
 from slipstream.zero.stage3.dtype_split import dtype_parts, launch_parts
 from slipstream.zero.stage3.fp8_gather import Float8Rows
@@ -73,6 +75,9 @@ class Unit:
 
     quantized_reduce: QuantizedReduceScatter | None = None
     """How the gradients travel quantized (ZeRO++ qgZ; set by the ZeroModel), or None: the exact reduce-scatter."""
+    comm: CommStream | None = None
+    """The engine's communication stream the gathers are launched on (set by the ZeroModel), or None: the current
+    stream. See [Note: the communication stream] in zero/comm_stream.py."""
 
     def __init__(
         self,
@@ -185,7 +190,8 @@ class Unit:
             self._pending = None
             return
         if hook and self.secondary is not None and self.secondary.filled:  # see [Note: hpZ secondary shard]
-            work, buffer = self.secondary.start_gather(self.pool, self.tag)
+            with self._launching():
+                work, buffer = self.secondary.start_gather(self.pool, self.tag)
             self._pending = (work, buffer, self.secondary)
             return
         codec = (self.quantized or self.float8) if hook else None
@@ -204,8 +210,14 @@ class Unit:
             codec.encode(self.shard, own, self.tag, scratch)
             self.pool.give(scratch)
         self.store.release(self.shard, dirty=False)
-        work = collectives.all_gather(buffer, own, group=self.group, async_op=True)
+        with self._launching():
+            work = collectives.all_gather(buffer, own, group=self.group, async_op=True)
         self._pending = (work, buffer, codec)
+
+    def _launching(self) -> contextlib.AbstractContextManager[None]:
+        """Around a gather's launch: on the communication stream, after the current stream's work so far (the
+        pooled buffer's earlier readers, this rank's row), where there is one."""
+        return contextlib.nullcontext() if self.comm is None else self.comm.launching()
 
     def finish_gather(self, *, hook: bool = False) -> None:
         if self.status is ZeroParamStatus.NOT_AVAILABLE:
@@ -220,6 +232,8 @@ class Unit:
                 self.store.release(self.shard, dirty=False)
             else:
                 work, buffer, codec = self._pending
+                if self.comm is not None:  # before the buffer is read here or handed back to the pool
+                    self.comm.join()
                 work.wait()
                 self._unpack(buffer, codec)
                 if self.secondary is not None and codec is not self.secondary:

@@ -1,17 +1,27 @@
 """The communication stream of overlap_comm (zero/comm_stream.py) and the staging ring's use of it, with an
 accelerator double that has streams and records every stream call: the communication stream waits for the
 current one before each launch, the launch runs under it, the current stream waits for it before a result is
-read, and a slot is never refilled before that wait. On the CPU accelerator it holds no stream at all."""
+read, and a slot is never refilled before that wait. Stage 3's gathers likewise: launched under the stream, joined
+before the gathered buffer is read or handed back to the pool, on the one stream the engine's ring made. On the
+CPU accelerator it holds no stream at all."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
 
+import pytest
 import torch
+from torch import nn
 
+import slipstream
 from slipstream.accelerator.cpu import CpuAccelerator
+from slipstream.zero import comm_stream
 from slipstream.zero.comm_stream import CommStream
+from slipstream.zero.stage3 import unit as unit_module
+from slipstream.zero.stage3.pool import BufferPool
+from slipstream.zero.stage3.unit import Unit
+from slipstream.zero.stage3.units import UnitSpec
 from slipstream.zero.staging import StagingRing
 
 
@@ -116,3 +126,84 @@ def test_no_stream_on_the_cpu_or_without_overlap() -> None:
         pass
     off.join()
     assert off.stream is None and log == []
+
+
+class _Manager:
+    def check_tags(self, tags: torch.Tensor, tag: float, name: str) -> None:
+        return None
+
+
+def _gathering_unit(log: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[Unit, _StreamedAccelerator]:
+    """A unit of two ranks whose all_gather is logged (with the stream it is launched on) and fills the other
+    rank's row with this rank's values; its pool logs each buffer handed back."""
+    accelerator = _StreamedAccelerator(log)
+
+    def all_gather(buffer: torch.Tensor, own: torch.Tensor, **_: object) -> _Work:
+        log.append(f"gather:{accelerator.current_stream().name}")
+        buffer.view(2, -1)[1].copy_(own)
+        return _Work(log, 0)
+
+    monkeypatch.setattr(unit_module.collectives, "all_gather", all_gather)
+    pool = BufferPool(torch.device("cpu"))
+    give = pool.give
+
+    def logged_give(tensor: torch.Tensor) -> None:
+        log.append("give")
+        give(tensor)
+
+    monkeypatch.setattr(pool, "give", logged_give)
+    spec = UnitSpec("block", nn.Linear(3, 2), (("w", nn.Parameter(torch.arange(6.0).view(2, 3))),))
+    unit = Unit(
+        0,
+        spec,
+        manager=_Manager(),
+        rank=0,
+        world_size=2,
+        group=None,
+        device=torch.device("cpu"),
+        shard_device=torch.device("cpu"),
+        pool=pool,
+        allocate_shard=lambda n, d, dev: torch.zeros(n, dtype=d),
+    )
+    unit.comm = CommStream(enabled=True, accelerator=accelerator)
+    return unit, accelerator
+
+
+def test_a_units_gather_runs_on_the_comm_stream_and_is_joined_before_its_buffer_is_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    log: list[str] = []
+    unit, _ = _gathering_unit(log, monkeypatch)
+    for _round in range(2):  # the second gather reuses the pooled buffer the first one gave back
+        unit.start_gather(hook=True)
+        start = log.index("gather:comm")
+        assert log[start - 2 : start + 2] == ["comm.wait(main)", "enter(comm)", "gather:comm", "exit(comm)"], log
+        unit.finish_gather(hook=True)
+        assert log[start + 2 :] == ["main.wait(comm)", "wait-work0", "give"], log  # joined, then unpacked
+        assert unit.params[0].tolist() == [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+        unit.release()
+        log.clear()
+
+
+def test_a_stage3_engine_gathers_on_the_one_stream_its_reductions_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    accelerator = _StreamedAccelerator(log)
+    made: list[_Stream] = []
+
+    def make() -> _Stream:
+        made.append(_Stream("comm", log))
+        return made[-1]
+
+    monkeypatch.setattr(_StreamedAccelerator, "Stream", property(lambda self: make))
+    monkeypatch.setattr(comm_stream, "get_accelerator", lambda: accelerator)
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "overlap_comm": True},
+    }
+    engine, *_ = slipstream.initialize(model=nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), config=config)
+    comm = engine.optimizer._ring.comm
+    assert comm.stream is not None
+    assert [unit.comm for unit in engine.optimizer.model.units] == [comm] * len(engine.optimizer.model.units)
+    assert made == [comm.stream], "one communication stream per engine"
+    engine.destroy()
