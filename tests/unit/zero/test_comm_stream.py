@@ -12,14 +12,17 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import slipstream
 from slipstream.accelerator.cpu import CpuAccelerator
 from slipstream.zero import comm_stream
 from slipstream.zero.comm_stream import CommStream
+from slipstream.zero.stage3 import secondary as secondary_module
 from slipstream.zero.stage3 import unit as unit_module
 from slipstream.zero.stage3.pool import BufferPool
+from slipstream.zero.stage3.secondary import SecondaryShard
 from slipstream.zero.stage3.unit import Unit
 from slipstream.zero.stage3.units import UnitSpec
 from slipstream.zero.staging import StagingRing
@@ -207,3 +210,21 @@ def test_a_stage3_engine_gathers_on_the_one_stream_its_reductions_use(monkeypatc
     assert [unit.comm for unit in engine.optimizer.model.units] == [comm] * len(engine.optimizer.model.units)
     assert made == [comm.stream], "one communication stream per engine"
     engine.destroy()
+
+
+def test_an_hpz_gather_from_the_secondary_shard_runs_on_the_comm_stream_and_is_joined(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    log: list[str] = []
+    unit, _ = _gathering_unit(log, monkeypatch)
+    monkeypatch.setattr(secondary_module.dist, "get_rank", lambda group: 0)
+    block: dist.ProcessGroup = None  # type: ignore[assignment]  # the block's gather is the logged double
+    unit.secondary = SecondaryShard(full_numel=6, dtype=torch.float32, device=torch.device("cpu"), block=block, size=2)
+    unit.secondary.values.copy_(torch.tensor([5.0, 6.0, 7.0]))
+    unit.secondary.filled = True
+    unit.start_gather(hook=True)
+    start = log.index("gather:comm")
+    assert log[start - 2 : start + 2] == ["comm.wait(main)", "enter(comm)", "gather:comm", "exit(comm)"], log
+    unit.finish_gather(hook=True)
+    assert log[start + 2 :] == ["main.wait(comm)", "wait-work0", "give"], log
+    assert unit.params[0].tolist() == [[5.0, 6.0, 7.0], [5.0, 6.0, 7.0]]
