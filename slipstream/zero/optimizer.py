@@ -168,6 +168,8 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
         flat, index = self._param_location[id(param)]
         if param.grad is None:
             return
+        if param.grad.is_sparse:  # nn.Embedding(sparse=True): its rows, added into dense storage like any gradient
+            param.grad = param.grad.to_dense()
         if self.pre_divided != 1.0:  # see [Note: gradients divided on arrival]
             param.grad.mul_(1.0 / self.pre_divided)
         self._accumulate(flat, index, param.grad)

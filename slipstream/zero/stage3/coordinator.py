@@ -205,8 +205,8 @@ class Coordinator:
             with internal_access():
                 grad = param.grad
                 param.grad = None
-            if grad is not None:
-                self.gradient_arrived(unit, index, grad)
+            if grad is not None:  # nn.Embedding(sparse=True) gives its rows: reduced as a dense gradient
+                self.gradient_arrived(unit, index, grad.to_dense() if grad.is_sparse else grad)
 
         return hook
 

@@ -1,6 +1,6 @@
 """sparse_gradients at ZeRO stage 0 (zero/sparse_rows.py): at 2 ranks the parameters after three steps (two
 micro-batches each, overlapping rows across ranks) equal those of the same run with dense all-reduces. An
-nn.Embedding and an nn.EmbeddingBag (both sparse=False) of 64 rows, 6 of them looked up per rank, go as rows
+nn.Embedding (sparse=True) and an nn.EmbeddingBag (sparse=False) of 64 rows, 6 of them looked up per rank, go as rows
 (fewer bytes); a 4-row table whose every row is looked up would not shrink and is all-reduced dense."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class _Tokens(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.embed, self.bag = nn.Embedding(ROWS, WIDTH), nn.EmbeddingBag(ROWS, WIDTH, mode="sum")
+        self.embed, self.bag = nn.Embedding(ROWS, WIDTH, sparse=True), nn.EmbeddingBag(ROWS, WIDTH, mode="sum")
         self.small, self.head = nn.Embedding(4, WIDTH), nn.Linear(WIDTH, 3)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
