@@ -124,6 +124,8 @@ class DeepSpeedConfig:
         self.steps_per_print = plan.logging.steps_per_print
         self.wall_clock_breakdown = plan.logging.wall_clock_breakdown
         self.zero_allow_untested_optimizer = bool(self._param_dict.get("zero_allow_untested_optimizer", False))
+        sparse = plan.sparse_attention  # DeepSpeed's dict: the mode and its keys, defaults filled; None without
+        self.sparse_attention = None if sparse is None else sparse.as_dict()
 
     def _section(self, name: str) -> dict[str, Any]:
         section = self._param_dict.get(name)

@@ -24,6 +24,7 @@ from slipstream.config.logging_plans import (
     WandbPlan,
 )
 from slipstream.config.precision_plans import AutocastPlan, Fp8Plan
+from slipstream.config.sparse_attention_plan import SparseAttentionPlan
 
 if TYPE_CHECKING:
     from slipstream.config.schema.zero import OffloadOptimizerConfig, OffloadParamConfig
@@ -53,6 +54,7 @@ __all__ = [
     "ParallelPlan",
     "PrecisionPlan",
     "SchedulerPlan",
+    "SparseAttentionPlan",
     "Stage3Plan",
     "ZenFlowPlan",
     "ZeroPlan",
@@ -398,6 +400,8 @@ class EnginePlan:
     schedules: SchedulesPlan
     eigenvalue: EigenvaluePlan | None
     """Block-Hessian eigenvalues to the monitors (profiling/eigenvalue.py); None: off."""
+    sparse_attention: SparseAttentionPlan | None
+    """The `sparse_attention` section completed with each mode's defaults (compat/ds_config.py hands it out)."""
     compression_training: dict[str, Any] | None
     """The `compression_training` methods as given (compression/plan.py reads them; engine/compression_steps.py)."""
     resolved: dict[str, Any]

@@ -55,6 +55,7 @@ from slipstream.config.section_plans import (
     pipeline_plan,
     precision_plan,
 )
+from slipstream.config.sparse_attention_plan import sparse_attention_plan
 from slipstream.config.zero_plans import (
     aio_plan,
     default_stage3_plan,
@@ -104,6 +105,7 @@ def resolve(
     zero = zero_plan(cfg, aio_plan(cfg.aio), problems, grad_accum_dtype=precision.grad_accum_dtype)
     optimizer, unimplemented = optimizer_plan(cfg, problems), unimplemented_keys(cfg)
     scheduler, schedules = scheduler_plan(cfg, problems), schedules_plan(cfg, problems, unimplemented)
+    sparse_plan = sparse_attention_plan(cfg.sparse_attention, problems)
     if problems or batch is None:
         raise ConfigError(problems)
     if optimizer is not None and optimizer.name.lower() in DEEPSPEED_ONLY:
@@ -128,9 +130,8 @@ def resolve(
         collective_timeout=cfg.collective_timeout,
         parallel=parallel,
         hybrid=hybrid_plan(cfg.hybrid_engine),
-        activation_checkpointing=activation_plan(cfg.activation_checkpointing)
-        if "activation_checkpointing" in cfg.model_fields_set
-        else None,
+        activation_checkpointing=activation_plan(cfg),
+        sparse_attention=sparse_plan,
         unimplemented=tuple(dict.fromkeys(unimplemented)),
         resolved=_resolved(cfg, batch),
     )

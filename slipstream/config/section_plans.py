@@ -112,7 +112,15 @@ def precision_plan(cfg: DeepSpeedConfig, problems: list[str]) -> PrecisionPlan:
     )
 
 
-def activation_plan(section: ActivationCheckpointingConfig) -> ActivationCheckpointPlan:
+def activation_plan(cfg: DeepSpeedConfig) -> ActivationCheckpointPlan | None:
+    """The `activation_checkpointing` section's plan when the config has one (None leaves
+    slipstream.checkpointing's own configuration alone)."""
+    if "activation_checkpointing" not in cfg.model_fields_set:
+        return None
+    return _section_plan(cfg.activation_checkpointing)
+
+
+def _section_plan(section: ActivationCheckpointingConfig) -> ActivationCheckpointPlan:
     plan: ActivationCheckpointPlan = _same_named(
         section, ActivationCheckpointPlan, synchronize=section.synchronize_checkpoint_boundary
     )
@@ -123,7 +131,7 @@ def activation_checkpoint_plan(section: dict[str, object]) -> ActivationCheckpoi
     """The plan of a raw `activation_checkpointing` section alone (slipstream.checkpointing.configure's
     `deepspeed_config`); a bad key raises ConfigError as a whole config would."""
     try:
-        return activation_plan(ActivationCheckpointingConfig.model_validate(section))
+        return _section_plan(ActivationCheckpointingConfig.model_validate(section))
     except ValidationError as exc:
         raise ConfigError(pydantic_problems(exc, prefix=("activation_checkpointing",))) from None
 

@@ -80,6 +80,7 @@ class DeepSpeedConfig(DSModel):
         "prescale_gradients": "precision.grad_predivide",
         "gradient_predivide_factor": "precision.grad_predivide",
         "sparse_gradients": "zero.sparse_gradients",
+        "sparse_attention": "sparse_attention",
     }
     train_batch_size: DSInt | None = Field(None, gt=0)
     """Global batch: micro batch * gradient accumulation steps * data-parallel world size."""

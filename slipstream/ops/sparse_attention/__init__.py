@@ -10,6 +10,7 @@ from slipstream.ops.sparse_attention.layouts import (
     SparsityConfig,
     VariableSparsityConfig,
 )
+from slipstream.ops.sparse_attention.section import sparsity_config
 from slipstream.ops.sparse_attention.sparsity_window import BigBirdSparsityConfig, BSLongformerSparsityConfig
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "SparsityConfig",
     "VariableSparsityConfig",
     "block_sparse_attention",
+    "sparsity_config",
 ]

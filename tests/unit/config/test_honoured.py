@@ -35,6 +35,7 @@ DERIVED = {
     "compile.deepcompile": "compile.deepcompile stays reported; engine.compile() refuses DeepCompile by name",
 }
 DERIVED_TREES = {
+    "sparse_attention": "the sparse_attention section as a whole: its mode and that mode's keys",
     "zero.stage3.offload_param.aio": "the same aio section as zero.offload_optimizer.aio",
     "batch.sources": "a dict",
 }
