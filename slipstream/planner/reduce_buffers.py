@@ -28,26 +28,16 @@ from collections.abc import Sequence
 
 from slipstream.planner.prefetch import UnitShape
 from slipstream.planner.types import DTYPE_BYTES
-from slipstream.zero.layout import GroupLayout, stage2_chunk_numel
+from slipstream.zero.layout import GroupLayout, largest_by_reduce_dtype, stage2_chunk_numel
 
 _NUM_SLOTS = 2
-
-
-def _largest_by_dtype(layout: GroupLayout, reduce_dtype: str) -> dict[str, tuple[int, int]]:
-    """dtype -> (largest padded bucket, largest piece) among the buckets reduced in it."""
-    sizes: dict[str, tuple[int, int]] = {}
-    for bucket in layout.buckets:
-        dtype = bucket.reduce_dtype or reduce_dtype
-        padded, piece = sizes.get(dtype, (0, 0))
-        sizes[dtype] = (max(padded, bucket.padded_numel), max(piece, bucket.piece_numel))
-    return sizes
 
 
 def step_reducer_bytes(layout: GroupLayout, *, reduce_dtype: str, storage_dtype: str) -> int:
     """Stages 0 and 1: the staging ring for the buckets not reduced in the storage dtype."""
     if layout.world_size == 1:
         return 0
-    sizes = _largest_by_dtype(layout, reduce_dtype)
+    sizes = largest_by_reduce_dtype(layout.buckets, reduce_dtype)
     return sum(
         _NUM_SLOTS * (padded + piece) * DTYPE_BYTES[d] for d, (padded, piece) in sizes.items() if d != storage_dtype
     )
@@ -56,7 +46,9 @@ def step_reducer_bytes(layout: GroupLayout, *, reduce_dtype: str, storage_dtype:
 def stage2_ring_bytes(layout: GroupLayout, *, reduce_dtype: str, grad_bytes: int) -> int:
     """Stage 2: the ring's staging and receive buffers, per dtype, for chunks of `stage2_chunk_numel`."""
     chunk = stage2_chunk_numel(layout, grad_bytes)
-    per_dtype = {d: min(piece, chunk) for d, (_, piece) in _largest_by_dtype(layout, reduce_dtype).items()}
+    per_dtype = {
+        d: min(piece, chunk) for d, (_, piece) in largest_by_reduce_dtype(layout.buckets, reduce_dtype).items()
+    }
     per_dtype.setdefault(reduce_dtype, 0)
     return sum(_NUM_SLOTS * (layout.world_size + 1) * n * DTYPE_BYTES[d] for d, n in per_dtype.items())
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,3 +169,15 @@ def stage2_chunk_numel(layout: GroupLayout, grad_bytes: int) -> int:
     largest_piece = max((b.piece_numel for b in layout.buckets), default=0)
     bound = math.ceil(stage2_bucket_numel(STAGE2_STAGING_BYTES, grad_bytes) / layout.world_size)
     return min(largest_piece, bound)
+
+
+def largest_by_reduce_dtype(buckets: Iterable[Bucket], default: str) -> dict[str, tuple[int, int]]:
+    """dtype name -> (the largest padded bucket, the largest piece) among `buckets` reduced in it (`default` for a
+    bucket without a reduce dtype of its own): what the staging rings are sized by (zero/staging.py, and the
+    planner's planner/reduce_buffers.py)."""
+    sizes: dict[str, tuple[int, int]] = {}
+    for bucket in buckets:
+        dtype = bucket.reduce_dtype or default
+        padded, piece = sizes.get(dtype, (0, 0))
+        sizes[dtype] = (max(padded, bucket.padded_numel), max(piece, bucket.piece_numel))
+    return sizes

@@ -32,7 +32,7 @@ from slipstream.comm.collectives import TimedWork
 from slipstream.config.plan import ZeroPlan
 from slipstream.zero.comm_stream import CommStream
 from slipstream.zero.flat_group import FlatGroup
-from slipstream.zero.layout import Bucket
+from slipstream.zero.layout import Bucket, largest_by_reduce_dtype
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
 _NUM_SLOTS = 2
@@ -146,13 +146,8 @@ def bucket_dtype(zero: ZeroPlan, bucket: Bucket) -> torch.dtype:
 
 def largest_by_dtype(zero: ZeroPlan, flats: Sequence[FlatGroup]) -> dict[torch.dtype, tuple[int, int]]:
     """dtype -> (the largest padded bucket, the largest piece) among the buckets of `flats` reduced in it."""
-    sizes: dict[torch.dtype, tuple[int, int]] = {}
-    for flat in flats:
-        for bucket in flat.layout.buckets:
-            dtype = bucket_dtype(zero, bucket)
-            padded, piece = sizes.get(dtype, (0, 0))
-            sizes[dtype] = (max(padded, bucket.padded_numel), max(piece, bucket.piece_numel))
-    return sizes
+    buckets = (bucket for flat in flats for bucket in flat.layout.buckets)
+    return {DTYPES[name]: size for name, size in largest_by_reduce_dtype(buckets, zero.reduce_dtype).items()}
 
 
 class StepReducer:
