@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Sequence
 
 from torch import nn
 
@@ -18,15 +19,19 @@ __all__ = ["compression_scheduler", "init_compression", "redundancy_clean"]
 Compressed = CompressedLinear | CompressedConv2d
 
 
-def _matches(
-    model: nn.Module, group: GroupPlan, kind: type[nn.Module] | tuple[type[nn.Module], ...] = nn.Linear
-) -> list[str]:
-    names = [
-        name
-        for name, module in model.named_modules()
-        if name and any(re.search(pattern, name) for pattern in group.modules)
-    ]
-    return [name for name in names if isinstance(model.get_submodule(name), kind)]
+def _targets(
+    model: nn.Module,
+    groups: Sequence[GroupPlan],
+    kind: type[nn.Module] | tuple[type[nn.Module], ...] = nn.Linear,
+) -> Iterator[tuple[GroupPlan, str]]:
+    """(group, layer name) for each layer of type `kind` that a group's `modules` patterns name."""
+    for group in groups:
+        names = [
+            name
+            for name, module in model.named_modules()
+            if name and any(re.search(pattern, name) for pattern in group.modules) and isinstance(module, kind)
+        ]  # listed before the caller replaces any of them
+        yield from ((group, name) for name in names)
 
 
 def _compressed(model: nn.Module, name: str) -> Compressed:
@@ -46,29 +51,27 @@ def _compressed(model: nn.Module, name: str) -> Compressed:
     return compressed
 
 
+def _linear(model: nn.Module, name: str) -> CompressedLinear:
+    layer = _compressed(model, name)
+    assert isinstance(layer, CompressedLinear)  # _targets matched an nn.Linear
+    return layer
+
+
 def _apply(model: nn.Module, plan: CompressionPlan) -> None:
-    quant, prune = plan.quantization, plan.pruning
+    quant, prune, activation = plan.quantization, plan.pruning, plan.activation
     if quant is not None:
-        for group in quant.different_groups:
-            for name in _matches(model, group):
-                layer = _compressed(model, name)
-                assert isinstance(layer, CompressedLinear)
-                layer.enable_quantization(quant, group)
+        for group, name in _targets(model, quant.different_groups):
+            _linear(model, name).enable_quantization(quant, group)
     if prune is not None:
-        for group in prune.different_groups:
-            for name in _matches(model, group):
-                layer = _compressed(model, name)
-                assert isinstance(layer, CompressedLinear)
-                layer.enable_pruning(prune, group)
-    if plan.activation is not None:
-        for group in plan.activation.different_groups:
-            for name in _matches(model, group, (nn.Linear, nn.Conv2d)):
-                enable_activation_quantization(_compressed(model, name), plan.activation, group)
+        for group, name in _targets(model, prune.different_groups):
+            _linear(model, name).enable_pruning(prune, group)
+    if activation is not None:
+        for group, name in _targets(model, activation.different_groups, (nn.Linear, nn.Conv2d)):
+            enable_activation_quantization(_compressed(model, name), activation, group)
     for structured in plan.structured:
         kind = nn.Conv2d if structured.name == "channel_pruning" else nn.Linear
-        for group in structured.different_groups:
-            for name in _matches(model, group, kind):
-                _compressed(model, name).enable_structured(structured, group, name)
+        for group, name in _targets(model, structured.different_groups, kind):
+            _compressed(model, name).enable_structured(structured, group, name)
 
 
 def _target(model: nn.Module) -> nn.Module:
