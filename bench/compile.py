@@ -1,8 +1,10 @@
 """Benchmark of `engine.compile()`: step time compiled vs eager at ZeRO 0, 2 and 3, the first compiled step's
-time (when compiling happens) and peak memory, on 2 ranks (gloo on CPU, one thread each), for Slipstream and
-for DeepSpeed's own `engine.compile()` in the peer environment (.bench-venv), or what fails there.
+time (when compiling happens) and peak memory, on 2 ranks (gloo on CPU, one thread each), for Slipstream, for
+torch's own FSDP2 (`fully_shard` per block, each block compiled with `torch.compile`; stages 2 and 3), and in
+the peer environment (.bench-venv) for DeepSpeed's `engine.compile()` and for its DeepCompile
+(`compile.deepcompile: true`, stage 3), or what fails there.
 
-    python bench/compile.py [--backend inductor] [--steps 8] [--layers 4] [--dim 128] [--seq 64]
+    python bench/compile.py [--backend inductor] [--steps 8] [--layers 4] [--dim 128] [--seq 64] [--rows ...]
                             [--stages 0 2 3] [--peer-python .bench-venv/bin/python]
 
 The model is a small Llama-style decoder (RMSNorm, rotary-free causal attention through SDPA, SwiGLU MLP) in
@@ -92,13 +94,61 @@ def batches(rank: int, count: int, seq: int) -> list[tuple[torch.Tensor, torch.T
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
-def build(framework: str, stage: int, args: argparse.Namespace) -> Any:
+class Fsdp2Engine:
+    """torch's own FSDP2 (`fully_shard` on every block, then on the root) with AdamW and clipping at 1.0, behind
+    the engine calls the benchmark makes. Stage 3 reshards each block after its forward (ZeRO-3); stage 2 keeps
+    the gathered parameters until the backward (`reshard_after_forward=False`: gradients are still
+    reduce-scattered, as in ZeRO-2). `compile()` compiles each block with `nn.Module.compile` (FSDP2's hooks stay
+    out of the graph: dynamo skips them by default), the regional compilation `engine.compile()` does."""
+
+    def __init__(self, model: TinyLlama, stage: int) -> None:
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, reshard_after_forward=stage == 3)
+        fully_shard(model, mesh=mesh, reshard_after_forward=stage == 3)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens, targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def compile(self, backend: str) -> None:
+        for block in self.model.layers:
+            block.compile(backend=backend)
+
+    def destroy(self) -> None:
+        pass
+
+
+def build(framework: str, stage: int, args: argparse.Namespace, *, compiled: bool) -> Any:
+    """An engine of `framework` at `stage`; the DeepCompile row's eager twin is DeepSpeed's plain engine."""
+    model = TinyLlama(args.layers, args.dim)
+    if framework == "fsdp2":
+        if stage not in (2, 3):
+            raise ValueError(f"fsdp2 has no ZeRO-{stage} counterpart (fully_shard is stage 2 or 3)")
+        return Fsdp2Engine(model, stage)
+    config = ds_config(stage)
     if framework == "slipstream":
         import slipstream as library
     else:
         import deepspeed as library  # the peer environment only
-    model = TinyLlama(args.layers, args.dim)
-    engine, _, _, _ = library.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage))
+        if framework == "deepcompile" and compiled:
+            config["compile"] = {"deepcompile": True}
+    engine, _, _, _ = library.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
 
@@ -137,12 +187,14 @@ def one_stage(framework: str, stage: int, args: argparse.Namespace, rank: int) -
     is the ratio reported."""
     data = batches(rank, args.steps + 1, args.seq)
     torch._dynamo.reset()
-    eager = build(framework, stage, args)
+    eager = build(framework, stage, args, compiled=False)
     eager_times = [timed_step(eager, *data[0])]
     try:
-        compiled = build(framework, stage, args)
+        compiled = build(framework, stage, args, compiled=True)
         compiled.compile(backend=args.backend)
         compiled_times = [timed_step(compiled, *data[0])]
+        if framework == "deepcompile" and not compiled.is_deepcompile_active():
+            raise RuntimeError("engine.compile() fell back to torch.compile: DeepCompile is not active")
     except Exception as exc:  # DeepSpeed's failures are a result of this benchmark, reported as such
         return {"eager_s": sum(eager_times[0]), "error": f"{type(exc).__name__}: {exc}".splitlines()[0],
                 "trace": traceback.format_exc()[-600:]}
@@ -168,6 +220,8 @@ def rank_main(rank: int, framework: str, store_path: str, args: argparse.Namespa
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     results = {}
     for stage in args.stages:
+        if framework == "fsdp2" and stage not in (2, 3):
+            continue  # fully_shard has no ZeRO-0 counterpart
         results[stage] = one_stage(framework, stage, args, rank)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -185,18 +239,19 @@ def run_framework(framework: str, args: argparse.Namespace) -> dict[str, Any]:
         return json.loads(Path(out).read_text())
 
 
-def run_peer(args: argparse.Namespace) -> dict[str, Any] | str:
+def run_peer(framework: str, stages: list[int], args: argparse.Namespace) -> dict[str, Any] | str:
+    """One DeepSpeed row (`deepspeed` or `deepcompile`), run by the peer interpreter; a string says why not."""
     python = Path(args.peer_python)
     if not python.exists():
         return f"no peer environment ({python}); bench/make_peer_venv.sh creates it"
-    argv = [str(python), __file__, "--framework", "deepspeed", "--json", "--backend", args.backend,
+    argv = [str(python), __file__, "--framework", framework, "--json", "--backend", args.backend,
             "--steps", str(args.steps), "--layers", str(args.layers),
             "--dim", str(args.dim), "--seq", str(args.seq),
-            "--stages", *map(str, args.stages)]
-    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+            "--stages", *map(str, stages)]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
-        return f"DeepSpeed run failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}"
+        return f"{framework} run failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}"
     result: dict[str, Any] = json.loads(lines[-1])
     return result
 
@@ -205,7 +260,7 @@ def print_table(name: str, results: dict[str, Any]) -> None:
     for stage, row in results.items():
         eager = row["eager_s"] * 1e3
         if "error" in row:
-            print(f"{name:<11} ZeRO-{stage}  eager {eager:7.1f} ms   compiled: FAILED {row['error'][:150]}")
+            print(f"{name:<11} ZeRO-{stage}  eager {eager:7.1f} ms   compiled: FAILED {row['error'][:300]}")
             continue
         compiled, first = row["compiled_s"] * 1e3, row["first_s"]
         print(f"{name:<11} ZeRO-{stage}  eager {eager:7.1f} ms  compiled {compiled:7.1f} ms  "
@@ -216,6 +271,18 @@ def print_table(name: str, results: dict[str, Any]) -> None:
             print(f"{'':<11} ZeRO-{stage}  {kind:<8} {parts}")
 
 
+ROWS = ("slipstream", "fsdp2", "deepspeed", "deepcompile")
+"""Slipstream's engine.compile(); torch's fully_shard + per-block torch.compile (stages 2 and 3); DeepSpeed's
+engine.compile() and DeepSpeed's DeepCompile (`compile.deepcompile: true`, stage 3 only), both in the peer."""
+
+
+def run_row(row: str, args: argparse.Namespace) -> dict[str, Any] | str:
+    if row in ("slipstream", "fsdp2"):
+        return run_framework(row, args)
+    stages = [3] if row == "deepcompile" else args.stages
+    return run_peer(row, [s for s in stages if s in args.stages], args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="inductor")
@@ -224,27 +291,33 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--stages", type=int, nargs="+", default=list(STAGES), help="ZeRO stages to run")
-    parser.add_argument("--framework", choices=("slipstream", "deepspeed"), default="slipstream")
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="frameworks to run")
+    parser.add_argument("--framework", choices=ROWS, default="slipstream")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON line (peer runs)")
     parser.add_argument("--peer-python", default=str(ROOT / ".bench-venv" / "bin" / "python"))
     args = parser.parse_args()
     if args.json:
         print(json.dumps(run_framework(args.framework, args)))
         return
-    print(f"engine.compile(backend={args.backend!r}): {args.layers}-block Llama-style model, dim {args.dim}, seq {args.seq}, "
-          f"micro-batch {MICRO}, 2 ranks (gloo, 1 thread each); median of {args.steps} steps")
-    ours = run_framework("slipstream", args)
-    print_table("slipstream", ours)
-    peer = run_peer(args)
-    if isinstance(peer, str):
-        print(f"deepspeed   {peer}")
-        return
-    print_table("deepspeed", peer)
-    for stage in ours:
-        mine, theirs = ours[stage], peer.get(stage, {})
-        if "compiled_s" in mine and "compiled_s" in theirs:
-            print(f"ZeRO-{stage}: Slipstream compiled step / DeepSpeed compiled step = "
-                  f"{mine['compiled_s'] / theirs['compiled_s']:.2f}x")
+    print(f"engine.compile(backend={args.backend!r}): {args.layers}-block Llama-style model, dim {args.dim}, "
+          f"seq {args.seq}, micro-batch {MICRO}, 2 ranks (gloo, 1 thread each); median of {args.steps} steps; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    results: dict[str, dict[str, Any]] = {}
+    for row in args.rows:
+        found = run_row(row, args)
+        if isinstance(found, str):
+            print(f"{row:<11} {found}")
+            continue
+        results[row] = found
+        print_table(row, found)
+    for stage in map(str, args.stages):
+        ours = results.get("slipstream", {}).get(stage, {})
+        for peer in ROWS[1:]:
+            theirs = results.get(peer, {}).get(stage, {})
+            if "compiled_s" in ours and "compiled_s" in theirs:
+                print(f"ZeRO-{stage}: Slipstream compiled step / {peer} compiled step = "
+                      f"{ours['compiled_s'] / theirs['compiled_s']:.2f}x")
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
