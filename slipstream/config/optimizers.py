@@ -95,6 +95,18 @@ class OptimizerSpec:
     staging buffers the planner counts (planner/zero_bytes.py `compressed_allreduce_bytes`)."""
 
 
+def _onebit(name: str, class_name: str, *, states: int, aliases: tuple[str, ...] = ()) -> OptimizerSpec:
+    """A 1-bit optimizer of slipstream/optim/onebit/ (ZeRO stage 0, and 1-bit Adam stage 1: zero/build.py refuses
+    the others)."""
+    return OptimizerSpec(
+        name=name,
+        target=f"slipstream.optim.onebit:{class_name}",
+        states=_fixed(states),
+        class_names=(class_name, *aliases),
+        compresses=True,
+    )
+
+
 _ADAM_DEFAULTS = {"weight_decay": 0.0}
 _ENTRIES = (
     OptimizerSpec(
@@ -140,29 +152,9 @@ _ENTRIES = (
         class_names=("Adafactor",),
         min_torch=(2, 5),
     ),
-    # the 1-bit optimizers (slipstream/optim/onebit/): ZeRO stage 0, and 1-bit Adam stage 1 (zero/build.py refuses
-    # the others)
-    OptimizerSpec(
-        name="onebitadam",
-        target="slipstream.optim.onebit:OneBitAdam",
-        states=_fixed(2),
-        class_names=("OneBitAdam", "OnebitAdam"),
-        compresses=True,
-    ),
-    OptimizerSpec(
-        name="zerooneadam",
-        target="slipstream.optim.onebit:ZeroOneAdam",
-        states=_fixed(3),
-        class_names=("ZeroOneAdam",),
-        compresses=True,
-    ),
-    OptimizerSpec(
-        name="onebitlamb",
-        target="slipstream.optim.onebit:OneBitLamb",
-        states=_fixed(3),
-        class_names=("OneBitLamb", "OnebitLamb"),
-        compresses=True,
-    ),
+    _onebit("onebitadam", "OneBitAdam", states=2, aliases=("OnebitAdam",)),
+    _onebit("zerooneadam", "ZeroOneAdam", states=3),
+    _onebit("onebitlamb", "OneBitLamb", states=3, aliases=("OnebitLamb",)),
     # torch.optim classes by their torch names (DeepSpeed passes unknown names to torch.optim as well).
     OptimizerSpec(name="Adamax", target="torch.optim:Adamax", states=_fixed(2), class_names=("Adamax",)),
     OptimizerSpec(name="NAdam", target="torch.optim:NAdam", states=_fixed(2), class_names=("NAdam",)),
