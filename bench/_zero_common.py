@@ -70,7 +70,14 @@ class BenchSpec:
     world_size: int = 2
     model: str = "gpt"
     """"gpt": the example GPT (n_layer x n_embd, n_head); "mlp": `MLPStack`, n_layer Linear(n_embd, n_embd) + ReLU
-    blocks on random inputs and targets (micro_batch rows each), MSE loss: the wide-layer model of the ZeRO benches."""
+    blocks on random inputs and targets (micro_batch rows each), MSE loss: the wide-layer model of the ZeRO benches;
+    "blocks": `ResidualBlocks`, n_layer residual blocks LayerNorm -> Linear(n_embd, hidden) -> GELU ->
+    Linear(hidden, n_embd) on the same kind of inputs, MSE loss."""
+    hidden: int = 4096
+    """Inner width of the "blocks" model."""
+    default_config: bool = False
+    """The DeepSpeed JSON carries only batch, optimizer, clipping and the stage (with any offload section):
+    no bucket sizes and no persistence threshold, so every framework runs on DeepSpeed's defaults."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -105,11 +112,9 @@ def ds_config(spec: BenchSpec, *, stage: int) -> dict[str, Any]:
             "params": {"lr": spec.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01},
         },
         "gradient_clipping": 1.0,
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": spec.bucket_numel,
-            "allgather_bucket_size": spec.bucket_numel,
-        },
+        "zero_optimization": {"stage": stage}
+        if spec.default_config
+        else {"stage": stage, "reduce_bucket_size": spec.bucket_numel, "allgather_bucket_size": spec.bucket_numel},
         "steps_per_print": 1_000_000,
     }
 
@@ -128,10 +133,52 @@ class MLPStack(nn.Module):
         return nn.functional.mse_loss(inputs, targets)
 
 
+class ResidualBlocks(nn.Module):
+    """`n_layer` residual blocks x + Linear(hidden, width)(GELU(Linear(width, hidden)(LayerNorm(x)))); like
+    `MLPStack`, `forward(inputs, targets)` returns the MSE loss and `model.blocks` is what FSDP2 wraps."""
+
+    def __init__(self, n_layer: int, width: int, hidden: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+            for _ in range(n_layer)
+        )
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            inputs = inputs + block(inputs)
+        return nn.functional.mse_loss(inputs, targets)
+
+
+def model_spec(model: str, *, quick: bool = False, default_config: bool = False) -> BenchSpec:
+    """The BenchSpec of a `--model` choice: "gpt" (the example GPT, 3.19M), "mlp" (48 x Linear(1024, 1024),
+    50.4M, micro batch 64 rows) or "blocks" (6 residual blocks 1024 -> 4096 -> 1024, 50.4M, micro batch 32
+    rows); `quick` shrinks the wide models to a smoke-test size."""
+    if model == "mlp":
+        return BenchSpec(model="mlp", n_layer=8 if quick else 48, n_embd=256 if quick else 1024, micro_batch=64,
+                         num_batches=8, default_config=default_config)
+    if model == "blocks":
+        return BenchSpec(model="blocks", n_layer=2 if quick else 6, n_embd=256 if quick else 1024,
+                         hidden=1024 if quick else 4096, micro_batch=32, num_batches=8, default_config=default_config)
+    return BenchSpec(default_config=default_config)
+
+
+def describe_model(spec: BenchSpec) -> str:
+    """One phrase naming the model of `spec`, for the benchmarks' headers."""
+    if spec.model == "mlp":
+        return f"MLP {spec.n_layer} x Linear({spec.n_embd}, {spec.n_embd}), micro batch {spec.micro_batch} rows"
+    if spec.model == "blocks":
+        return (f"{spec.n_layer} residual blocks LayerNorm -> Linear({spec.n_embd}, {spec.hidden}) -> GELU -> "
+                f"Linear({spec.hidden}, {spec.n_embd}), micro batch {spec.micro_batch} rows")
+    return f"GPT {spec.n_layer} layers x {spec.n_embd}, micro batch {spec.micro_batch} x {spec.block_size} tokens"
+
+
 def build_model(spec: BenchSpec, vocab_size: int) -> nn.Module:
     torch.manual_seed(spec.seed)
     if spec.model == "mlp":
         return MLPStack(spec.n_layer, spec.n_embd)
+    if spec.model == "blocks":
+        return ResidualBlocks(spec.n_layer, spec.n_embd, spec.hidden)
     return GPT(
         GPTConfig(
             vocab_size=vocab_size,
@@ -145,7 +192,7 @@ def build_model(spec: BenchSpec, vocab_size: int) -> nn.Module:
 
 def make_batches(spec: BenchSpec, rank: int) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
     """(vocab size, this rank's micro-batches): the same samples for every framework."""
-    if spec.model == "mlp":
+    if spec.model in ("mlp", "blocks"):
         generator = torch.Generator().manual_seed(spec.seed * 1000 + rank)
         shape = (spec.micro_batch, spec.n_embd)
         return 0, [
@@ -187,10 +234,12 @@ def ds3_config(
     persistence_threshold: int = 10_000,
 ) -> dict[str, Any]:
     """`ds_config(spec, stage=3)` with block weights sharded (parameters under `persistence_threshold`
-    elements, the biases and LayerNorms, stay whole) and optionally the CPU offload sections."""
+    elements, the biases and LayerNorms, stay whole; with `spec.default_config`, DeepSpeed's default threshold)
+    and optionally the CPU offload sections."""
     config = ds_config(spec, stage=3)
     zero = config["zero_optimization"]
-    zero["stage3_param_persistence_threshold"] = persistence_threshold
+    if not spec.default_config:
+        zero["stage3_param_persistence_threshold"] = persistence_threshold
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
     if offload_param:

@@ -1,13 +1,16 @@
 """Benchmark of one ZeRO-3 training step: Slipstream stage 3 (and its CPU offloads) against FSDP2 and DeepSpeed.
 
-    python bench/zero3_step.py [--quick] [--rounds 10] [--chunk 5] [--model gpt|mlp] [--peer-python ...]
+    python bench/zero3_step.py [--quick] [--rounds 10] [--chunk 5] [--model gpt|mlp|blocks] [--default-config]
+                               [--rows ...] [--peer-python ...]
 
 Owns the stage-3 table of the ZeRO-3 issue, measured like bench/zero_step.py (same model, seed, data, rank
 servers of _zero_common; 2 ranks, gloo on CPU, one thread each). Rows:
     slipstream3                `slipstream.initialize` with `_zero_common.ds3_config`: the JSON of zero_step.py
                                at stage 3, stage3_param_persistence_threshold 1e4 (every block weight matrix
                                and both embeddings are sharded; biases and LayerNorms stay whole), default
-                               prefetch
+                               prefetch; with --default-config the JSON has only batch, optimizer, clipping
+                               and the stage (DeepSpeed's default bucket sizes, prefetch and persistence
+                               threshold for every framework)
     slipstream3_offload        + "offload_optimizer": {"device": "cpu"}
     slipstream3_offload_param  + "offload_param": {"device": "cpu"} as well
     slipstream3_nvme           optimizer offload to NVMe (SLIPSTREAM_BENCH_NVME, default /tmp/slipstream-bench-nvme)
@@ -50,7 +53,7 @@ for _path in (str(BENCH_DIR), str(ROOT)):
         sys.path.insert(0, _path)
 
 import torch
-from _zero_common import ALL_GATHERS, BenchSpec, Factory, Runner, ds3_config, serve_main
+from _zero_common import ALL_GATHERS, BenchSpec, Factory, Runner, describe_model, ds3_config, model_spec, serve_main
 from torch import nn
 from zero_step import _num, _ratio, add_run_arguments, parse_run_arguments, run_rows
 
@@ -61,6 +64,7 @@ PEER = ["deepspeed3", "deepspeed3_offload"]
 TARGETS = {  # step time over the peer's: (slipstream3 / deepspeed3, slipstream3 / fsdp2, offload / DeepSpeed offload)
     "gpt": (0.8, 1.1, 0.8),
     "mlp": (0.85, 0.9, 0.9),  # the 50.4M model of wide layers (the stage-3 step target)
+    "blocks": (0.85, 0.9, 0.9),  # the 50.4M model of residual blocks, at DeepSpeed's default config
 }
 
 
@@ -231,29 +235,28 @@ def main() -> int:
         "--rows", default=None, help="comma-separated subset of rows to run (default: all of them)"
     )
     parser.add_argument(
-        "--model", choices=("gpt", "mlp"), default="gpt",
+        "--model", choices=("gpt", "mlp", "blocks"), default="gpt",
         help="gpt: the example GPT (3.19M); mlp: 48 x Linear(1024, 1024) + ReLU, 50.4M, micro batch 64 rows "
-             "(the wide-layer model; --quick: 8 x 256)",
+             "(the wide-layer model; --quick: 8 x 256); blocks: 6 residual blocks LayerNorm -> Linear(1024, 4096) "
+             "-> GELU -> Linear(4096, 1024), 50.4M, micro batch 32 rows (--quick: 2 blocks 256 -> 1024 -> 256)",
+    )
+    parser.add_argument(
+        "--default-config", action="store_true",
+        help="DeepSpeed's defaults: the JSON has only batch, optimizer, clipping and the stage (no bucket sizes, "
+             "no persistence threshold)",
     )
     args, use_peer = parse_run_arguments(parser)
-    if args.model == "mlp":
-        spec = BenchSpec(model="mlp", n_layer=8 if args.quick else 48, n_embd=256 if args.quick else 1024,
-                         micro_batch=64, num_batches=8)
-    else:
-        spec = BenchSpec()
+    spec = model_spec(args.model, quick=args.quick, default_config=args.default_config)
     wanted = set(args.rows.split(",")) if args.rows else set(OURS + PEER)
     unknown = wanted - set(OURS + PEER)
     if unknown:
         parser.error(f"--rows: unknown rows {sorted(unknown)}; choose from {OURS + PEER}")
     ours_names = [name for name in OURS if name in wanted]
     peer_names = [name for name in PEER if name in wanted] if use_peer else []
-    shape = (f"MLP {spec.n_layer} x Linear({spec.n_embd}, {spec.n_embd})" if spec.model == "mlp"
-             else f"GPT {spec.n_layer} layers x {spec.n_embd}")
+    zero = ds3_config(spec)["zero_optimization"]
     print(
-        f"{shape}, {spec.world_size} ranks (gloo, 1 thread each), micro batch {spec.micro_batch} x "
-        f"{'1 row' if spec.model == 'mlp' else f'{spec.block_size} tokens'}, fp32 AdamW, clip 1.0, ZeRO-3 persistence threshold "
-        f"{ds3_config(spec)['zero_optimization']['stage3_param_persistence_threshold']:,} elements; "
-        f"{args.rounds} timed rounds x {args.chunk} steps per row",
+        f"{describe_model(spec)}, {spec.world_size} ranks (gloo, 1 thread each), fp32 AdamW, clip 1.0, "
+        f"zero_optimization {zero}; {args.rounds} timed rounds x {args.chunk} steps per row",
         flush=True,
     )
 
