@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from slipstream.config.same_named import same_named
+
 if TYPE_CHECKING:
     from slipstream.config.schema.top import DeepSpeedConfig
 
@@ -42,12 +44,4 @@ def eigenvalue_plan(cfg: DeepSpeedConfig, unimplemented: list[str]) -> Eigenvalu
         return None
     if cfg.quantize_training.enabled:
         unimplemented.append("eigenvalue.quantize_training")
-    return EigenvaluePlan(
-        verbose=section.verbose,
-        max_iter=section.max_iter,
-        tol=section.tol,
-        stability=section.stability,
-        every_steps=section.gas_boundary_resolution,
-        layer_name=section.layer_name,
-        layer_num=section.layer_num,
-    )
+    return same_named(section, EigenvaluePlan, every_steps=section.gas_boundary_resolution)

@@ -4,9 +4,7 @@ each reads the validated schema and fills every plan field from it; the autotuni
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -27,6 +25,7 @@ from slipstream.config.plan import (
     WandbPlan,
 )
 from slipstream.config.precision_plans import autocast_plan, fp8_plan, master_options
+from slipstream.config.same_named import same_named as _same_named
 from slipstream.config.schema.misc import ActivationCheckpointingConfig
 from slipstream.config.schema.top import DeepSpeedConfig
 
@@ -134,13 +133,6 @@ def activation_checkpoint_plan(section: dict[str, object]) -> ActivationCheckpoi
         return _section_plan(ActivationCheckpointingConfig.model_validate(section))
     except ValidationError as exc:
         raise ConfigError(pydantic_problems(exc, prefix=("activation_checkpointing",))) from None
-
-
-def _same_named(section: Any, plan_class: Any, **converted: Any) -> Any:
-    """`plan_class` filled from the schema section's fields of the same names (`converted` where a value
-    changes type): for plan classes that mirror a DeepSpeed section one to one."""
-    names = [field.name for field in dataclasses.fields(plan_class)]
-    return plan_class(**{name: getattr(section, name) for name in names if name not in converted}, **converted)
 
 
 def logging_plan(cfg: DeepSpeedConfig) -> LoggingPlan:
