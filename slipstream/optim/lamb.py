@@ -34,7 +34,7 @@ from slipstream.optim.arguments import AdamFamily, bind, takes
 from slipstream.optim.common import WholeTensorOptimizer, closure_loss, math_dtype
 from slipstream.zero.whole_tensors import WholeTensorMap
 
-__all__ = ["FusedLamb", "LambArguments", "trust_ratios"]
+__all__ = ["FusedLamb", "LambArguments", "LambCoeffs", "trust_ratios"]
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]]
 
@@ -87,7 +87,17 @@ class _Batch:
     op: ModuleType
 
 
-class FusedLamb(WholeTensorOptimizer):
+class LambCoeffs:
+    """DeepSpeed's `get_lamb_coeffs()`, shared by both LAMBs: `lamb_coeffs` is each parameter's trust ratio in
+    the last step, by parameter number."""
+
+    lamb_coeffs: list[float]
+
+    def get_lamb_coeffs(self) -> list[float]:
+        return list(self.lamb_coeffs)
+
+
+class FusedLamb(LambCoeffs, WholeTensorOptimizer):
     """LAMB with DeepSpeed FusedLamb's arguments (LambArguments); the trust ratio uses each parameter's
     whole-tensor norms. The passes over memory are the `cpu_lamb` op's ([Note: cpu_lamb passes]); fp32 CPU
     tensors go to its native build when there is one, the rest to its PyTorch fallback."""
@@ -95,13 +105,9 @@ class FusedLamb(WholeTensorOptimizer):
     @takes(LambArguments)
     def __init__(self, params: Params, *args: object, **kwargs: object) -> None:
         super().__init__(params, bind(LambArguments, args, kwargs).group_defaults())
-        self.lamb_coeffs: list[float] = []
-        """Each parameter's trust ratio in the last step, by parameter number (DeepSpeed's `get_lamb_coeffs`)."""
+        self.lamb_coeffs = []
         self._op: ModuleType | None = None
         """The loaded `cpu_lamb` op (native or fallback), on first use; tests may pin one."""
-
-    def get_lamb_coeffs(self) -> list[float]:
-        return list(self.lamb_coeffs)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from slipstream.optim.arguments import bind, takes
 from slipstream.optim.common import closure_loss
-from slipstream.optim.lamb import trust_ratios
+from slipstream.optim.lamb import LambCoeffs, trust_ratios
 from slipstream.optim.onebit.base import OneBitArguments, OneBitBase, Params, adam_update
 from slipstream.zero.whole_tensors import TensorPart, WholeTensorMap
 
@@ -77,7 +77,7 @@ class OneBitLambArguments(OneBitArguments):
         return out
 
 
-class OneBitLamb(OneBitBase):
+class OneBitLamb(LambCoeffs, OneBitBase):
     """1-bit LAMB; `deepspeed` (DeepSpeed's engine argument) is accepted and unused: the engine asks the optimizer
     instead (`takes_over_reduction`). `bias_correction`, `eps_inside_sqrt` and `max_grad_norm` are accepted as in
     DeepSpeed, whose 1-bit LAMB does not use them either. `lamb_coeffs` holds the last step's coefficients. The
@@ -96,7 +96,7 @@ class OneBitLamb(OneBitBase):
     @takes(OneBitLambArguments)
     def __init__(self, params: Params, deepspeed: object = None, *args: object, **kwargs: object) -> None:
         super().__init__(without_empty(params), bind(OneBitLambArguments, args, kwargs))
-        self.lamb_coeffs: list[float] = []
+        self.lamb_coeffs = []
         self._per_tensor: dict[Tensor, dict[str, Tensor]] = {}
         """Per piece, one float64 value per tensor in it (PER_TENSOR); checkpointed with the error buffers."""
 
@@ -104,9 +104,6 @@ class OneBitLamb(OneBitBase):
     def lamb_freeze_key(self) -> bool:
         """DeepSpeed's flag that the warm-up is over: True once `freeze_step` steps are done (also after a load)."""
         return self.next_step_is_local()
-
-    def get_lamb_coeffs(self) -> list[float]:
-        return list(self.lamb_coeffs)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
