@@ -63,7 +63,7 @@ def _warmup_type(warmup_type: str) -> str:
     if warmup_type in _WARMUP_TYPES:
         return warmup_type
     warnings.warn(
-        f"unknown warmup_type {warmup_type!r}: using 'log' (the known types are 'log' and 'linear')", stacklevel=3
+        f"unknown warmup_type {warmup_type!r}: using 'log' (the known types are 'log' and 'linear')", stacklevel=4
     )
     return "log"
 
@@ -77,13 +77,6 @@ def _check_total(total_num_steps: object, warmup_num_steps: int) -> None:
             "the schedule leaves warmup at its decayed end",
             stacklevel=3,
         )
-
-
-def _warmup_fraction(it: int, warmup_num_steps: int, warmup_type: str) -> float:
-    """0 at it=0, rising to 1 at it=warmup_num_steps (log: log(it+1)/log(W); linear: it/W)."""
-    if warmup_type == "log":
-        return math.log(it + 1) / math.log(warmup_num_steps)
-    return it / warmup_num_steps
 
 
 class _Schedule:
@@ -129,7 +122,22 @@ class _Schedule:
         self.last_batch_iteration = int(state_dict["last_batch_iteration"])
 
 
-class WarmupLR(_Schedule):
+class _Warmup(_Schedule):
+    """A schedule that starts with `warmup_num_steps` (checked; at least 2) of `warmup_type` warmup."""
+
+    def __init__(self, optimizer: object, last_batch_iteration: int, warmup_num_steps: int, warmup_type: str) -> None:
+        super().__init__(optimizer, last_batch_iteration)
+        self.warmup_num_steps = _check_warmup(warmup_num_steps)
+        self.warmup_type = _warmup_type(warmup_type)
+
+    def _warmup_fraction(self, it: int) -> float:
+        """0 at it=0, rising to 1 at it=warmup_num_steps (log: log(it+1)/log(W); linear: it/W)."""
+        if self.warmup_type == "log":
+            return math.log(it + 1) / math.log(self.warmup_num_steps)
+        return it / self.warmup_num_steps
+
+
+class WarmupLR(_Warmup):
     """Warm each group's lr from warmup_min_lr to warmup_max_lr over warmup_num_steps, then hold it.
 
     lr(it) = min + (max - min) * gamma(it), gamma = log(it+1)/log(W) or it/W while it < W, else 1.
@@ -145,9 +153,7 @@ class WarmupLR(_Schedule):
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ) -> None:
-        super().__init__(optimizer, last_batch_iteration)
-        self.warmup_num_steps = _check_warmup(warmup_num_steps)
-        self.warmup_type = _warmup_type(warmup_type)
+        super().__init__(optimizer, last_batch_iteration, warmup_num_steps, warmup_type)
         num_groups = len(self.optimizer.param_groups)
         if warmup_max_lr is None:  # each group's own lr (DeepSpeed 0.19)
             warmup_max_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
@@ -163,7 +169,7 @@ class WarmupLR(_Schedule):
     def _gamma(self) -> float:
         it = self.last_batch_iteration
         if it < self.warmup_num_steps:
-            return _warmup_fraction(it, self.warmup_num_steps, self.warmup_type)
+            return self._warmup_fraction(it)
         return self._after_warmup(it)
 
     def _after_warmup(self, it: int) -> float:
@@ -202,7 +208,7 @@ class WarmupDecayLR(WarmupLR):
         )
 
 
-class WarmupCosineLR(_Schedule):
+class WarmupCosineLR(_Warmup):
     """Scale each group's original lr by a ratio: warmup from warmup_min_ratio to 1, then cosine to cos_min_ratio.
 
     warmup (it < W): r = m + (1 - m) * gamma(it); after: p = min(1, (it - W + 1) / max(1, T - W)),
@@ -219,9 +225,7 @@ class WarmupCosineLR(_Schedule):
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ) -> None:
-        super().__init__(optimizer, last_batch_iteration)
-        self.warmup_num_steps = _check_warmup(warmup_num_steps)
-        self.warmup_type = _warmup_type(warmup_type)
+        super().__init__(optimizer, last_batch_iteration, warmup_num_steps, warmup_type)
         _check_total(total_num_steps, self.warmup_num_steps)
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = float(warmup_min_ratio)
@@ -235,7 +239,7 @@ class WarmupCosineLR(_Schedule):
         if it < 0:
             return 0.0
         if it < self.warmup_num_steps:
-            gamma = _warmup_fraction(it, self.warmup_num_steps, self.warmup_type)
+            gamma = self._warmup_fraction(it)
             return self.warmup_min_ratio + gamma * (1.0 - self.warmup_min_ratio)
         progress = min(1.0, (it - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps))
         cosine = (1.0 + math.cos(math.pi * progress)) / 2.0
