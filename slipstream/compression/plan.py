@@ -18,6 +18,7 @@ __all__ = [
     "CompressionPlan",
     "GroupPlan",
     "LayerReductionPlan",
+    "MethodPlan",
     "PruningPlan",
     "QuantizationPlan",
     "StructuredPlan",
@@ -60,50 +61,51 @@ class GroupPlan:
 
 
 @dataclass(frozen=True)
-class QuantizationPlan:
-    """`weight_quantization`: fake-quantized weights from `schedule_offset` on, bits stepping per group."""
+class MethodPlan:
+    """What every compression method has: the step it starts at and its groups of layers."""
 
     schedule_offset: int
+    """The training step from which the method acts (counted by compression_scheduler)."""
+    different_groups: tuple[GroupPlan, ...]
+
+
+@dataclass(frozen=True)
+class QuantizationPlan(MethodPlan):
+    """`weight_quantization`: fake-quantized weights from `schedule_offset` on, bits stepping per group."""
+
     groups: int
     symmetric: bool
     stochastic: bool
     in_forward: bool
-    different_groups: tuple[GroupPlan, ...]
 
 
 @dataclass(frozen=True)
-class ActivationPlan:
+class ActivationPlan(MethodPlan):
     """`activation_quantization`: the inputs of the matched layers fake-quantized at each group's `bits` from
     `schedule_offset` on."""
 
-    schedule_offset: int
     symmetric: bool
     static: bool
     """range_calibration static: a running min/max kept in the layer; dynamic: each input's own range."""
-    different_groups: tuple[GroupPlan, ...]
 
 
 @dataclass(frozen=True)
-class PruningPlan:
+class PruningPlan(MethodPlan):
     """`sparse_pruning`: a mask keeping `dense_ratio` of each weight's elements."""
 
     method: str
     """"l1": fixed from |w| when init_compression runs; "topk": learned scores, one per element."""
-    schedule_offset: int
-    different_groups: tuple[GroupPlan, ...]
 
 
 @dataclass(frozen=True)
-class StructuredPlan:
+class StructuredPlan(MethodPlan):
     """`row_pruning`, `head_pruning` or `channel_pruning`: whole units masked from `schedule_offset` on."""
 
     name: str
     method: str
     """"l1": a fixed mask of the units with the largest L1 norms; "topk": a mask of learned scores."""
-    schedule_offset: int
     num_heads: int
     """head_pruning: the attention heads of the output projection's input (0 for the other methods)."""
-    different_groups: tuple[GroupPlan, ...]
 
 
 @dataclass(frozen=True)
