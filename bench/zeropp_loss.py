@@ -1,8 +1,8 @@
 """ZeRO++'s loss curve: examples/gpt trained at stage 3 on 2 ranks (the Makefile's `train`, launched the same way)
-plain, with qwZ, with qgZ and with both, the same seed and data; printed: each run's first loss, the mean of its
+plain, with qwZ, with qgZ, with both and with qgZ error-compensated by LoCo, the same seed and data; printed: each run's first loss, the mean of its
 last `--tail` losses and that mean's ratio to plain's (the bar: within 2%).
 
-    python bench/zeropp_loss.py [--steps 200] [--tail 20] [--work DIR]
+    python bench/zeropp_loss.py [--steps 200] [--tail 20] [--work DIR] [--seed 1234] [--only plain,qgZ]
 
 Every run uses examples/gpt/ds_config_zero2.json with stage 3 (persistence threshold 0, so every block is
 gathered and reduced through the quantized paths) and the cosine schedule stretched to `--steps`. One machine:
@@ -26,18 +26,19 @@ RUNS = {
     "qwZ": {"zero_quantized_weights": True},
     "qgZ": {"zero_quantized_gradients": True},
     "qwZ+qgZ": {"zero_quantized_weights": True, "zero_quantized_gradients": True},
+    "qgZ+LoCo": {"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}},
 }
 LOSS_LINE = re.compile(r"train\.py: step\s+(\d+)/\d+\s+loss\s+([0-9.]+)")
 
 
-def config(steps: int, zeropp: dict[str, bool]) -> dict:
+def config(steps: int, zeropp: dict[str, object]) -> dict:
     cfg = json.loads((ROOT / "examples/gpt/ds_config_zero2.json").read_text())
     cfg["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0, **zeropp}
     cfg["scheduler"]["params"]["total_num_steps"] = steps
     return cfg
 
 
-def run(name: str, steps: int, work: Path) -> list[float]:
+def run(name: str, steps: int, work: Path, seed: int) -> list[float]:
     """The run's `steps` losses; a log of a finished run already in `work` is read instead of training again."""
     path, log = work / f"{name.replace('+', '_')}.json", work / f"{name.replace('+', '_')}.log"
     if log.exists() and len(LOSS_LINE.findall(log.read_text())) == steps:
@@ -47,6 +48,7 @@ def run(name: str, steps: int, work: Path) -> list[float]:
         str(ROOT / ".venv/bin/slipstream"), "run", "--num_gpus", "2", "examples/gpt/train.py",
         "--deepspeed_config", str(path), "--steps", str(steps), "--print_every", "1",
         "--out_dir", str(work / name.replace("+", "_")), "--max_final_ratio", "10", "--sample_chars", "0",
+        "--seed", str(seed),
     ]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     log.write_text(done.stdout + done.stderr)
@@ -62,12 +64,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--tail", type=int, default=20, help="losses averaged at the end")
     parser.add_argument("--work", type=Path, default=None, help="where configs and logs go (a temp dir)")
+    parser.add_argument("--seed", type=int, default=1234, help="the example's seed (the same for every run)")
+    parser.add_argument("--only", default=",".join(RUNS), help="comma-separated runs (plain is always run)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="zeropp_loss_"))
     work.mkdir(parents=True, exist_ok=True)
     finals: dict[str, float] = {}
-    for name in RUNS:
-        losses = run(name, args.steps, work)
+    wanted = {"plain", *args.only.split(",")}
+    for name in (n for n in RUNS if n in wanted):
+        losses = run(name, args.steps, work, args.seed)
         finals[name] = statistics.fmean(losses[-args.tail :])
         ratio = finals[name] / finals["plain"]
         print(

@@ -203,6 +203,16 @@ OFFLOAD_TARGETS: tuple[type[OffloadTarget], ...] = (NoOffloadTarget, CpuTarget, 
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LocoPlan:
+    """LoCo's error feedback for qgZ (zero_optimization.zeropp_loco_param)."""
+
+    err_beta: float
+    """Weight of the kept error in its moving average, in [0, 1) (err_beta)."""
+    reset_every: int
+    """The kept errors go back to zero before every reset_every-th reduction of a unit (reset_T)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Stage3Plan:
     """Stage-3 parameter partitioning, in the components' names (zero_plans.py translates DeepSpeed's
     `zero_optimization.stage3_*` keys; `default_stage3_plan()` there gives the schema's defaults)."""
@@ -243,6 +253,12 @@ class Stage3Plan:
     shard_size: int | None
     """MiCS: units are sharded over blocks of this many consecutive ranks and replicated across the blocks
     (zero_optimization.mics_shard_size); None: sharded over the whole data-parallel group."""
+    hierarchical_gather: bool
+    """MiCS: a shard group spanning nodes gathers across nodes first, then inside each node
+    (zero_optimization.mics_hierarchical_params_gather; zero/stage3/hierarchical_gather.py)."""
+    loco: LocoPlan | None
+    """ZeRO++ LoCo: qgZ's quantizations are error-compensated (zero_optimization.zeropp_loco_param, with
+    zero_quantized_gradients; zero/stage3/loco.py); None: plain qgZ or no qgZ."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

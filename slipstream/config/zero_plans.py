@@ -17,6 +17,7 @@ from slipstream.config.plan import (
     OFFLOAD_TARGETS,
     AioPlan,
     CpuTarget,
+    LocoPlan,
     NoOffloadTarget,
     NvmeTarget,
     OffloadTarget,
@@ -84,7 +85,7 @@ def zero_plan(cfg: DeepSpeedConfig, aio: AioPlan, problems: list[str], *, grad_a
         )
     stage3 = None
     if zero.stage == 3:
-        stage3 = stage3_plan(zero, param_off)
+        stage3 = stage3_plan(zero, param_off, problems)
         problems += _param_offload_problems(stage3.offload_param, offload, prefix)
         if stage3.shard_size is not None and stage3.secondary_shard_size > 1:
             problems.append(
@@ -200,18 +201,45 @@ _STAGE3_FROM_ZERO = {
 """Stage3Plan field -> the ZeroConfig field it is copied from (DeepSpeed's key, without the stage3_ prefix)."""
 
 
-def stage3_plan(zero: ZeroConfig, offload_param: OffloadTarget) -> Stage3Plan:
+def stage3_plan(zero: ZeroConfig, offload_param: OffloadTarget, problems: list[str] | None = None) -> Stage3Plan:
     """DeepSpeed's stage3_* names become the components' names here (`_STAGE3_FROM_ZERO`), and nowhere else."""
     leaf = zero.leaf_module
+    shard_size = zero.mics_shard_size if zero.mics_shard_size > 0 else None
     return Stage3Plan(
         offload_param=offload_param,
         leaf_classes=tuple(leaf.classes),
         leaf_names=tuple(leaf.names),
         leaf_suffixes=tuple(leaf.name_suffixes),
         secondary_shard_size=zero.zero_hpz_partition_size,
-        shard_size=zero.mics_shard_size if zero.mics_shard_size > 0 else None,
+        shard_size=shard_size,
+        hierarchical_gather=zero.mics_hierarchical_params_gather and shard_size is not None,
+        loco=loco_plan(zero, [] if problems is None else problems),
         **{field: getattr(zero, key) for field, key in _STAGE3_FROM_ZERO.items()},
     )
+
+
+def loco_plan(zero: ZeroConfig, problems: list[str]) -> LocoPlan | None:
+    """`zeropp_loco_param` ({"err_beta": b, "reset_T": T}, both required as in DeepSpeed) as a LocoPlan; None
+    without zero_quantized_gradients (the key is then reported, see `unhonoured_at_stage`)."""
+    section, prefix = zero.zeropp_loco_param, "zero_optimization.zeropp_loco_param"
+    if section is None or not zero.zero_quantized_gradients:
+        return None
+    count = len(problems)
+    problems += [f"{prefix}.{key}: not a LoCo key; give err_beta and reset_T" for key in section if key not in _LOCO]
+    for key, check in _LOCO.items():
+        value = section.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not check(value):
+            problems.append(f"{prefix}.{key}: {value!r} is not {_LOCO_TEXT[key]}")
+    if len(problems) > count:
+        return None
+    return LocoPlan(err_beta=float(section["err_beta"]), reset_every=int(section["reset_T"]))
+
+
+_LOCO = {"err_beta": lambda v: 0 <= v < 1, "reset_T": lambda v: float(v).is_integer() and v >= 1}
+_LOCO_TEXT = {
+    "err_beta": "a number in [0, 1) (the weight of the kept error; DeepSpeed's example is 0.8)",
+    "reset_T": "an integer >= 1 (reductions between resets of the kept error; DeepSpeed's example is 1024)",
+}
 
 
 def default_stage3_plan(**changes: Any) -> Stage3Plan:
@@ -237,4 +265,8 @@ def unhonoured_at_stage(zero: ZeroConfig) -> list[str]:
         unhonoured.append("zero_optimization.zero_hpz_partition_size")
     if zero.stage != 3 and zero.mics_shard_size > 0:
         unhonoured.append("zero_optimization.mics_shard_size")
+    if zero.zeropp_loco_param is not None and not (zero.stage == 3 and zero.zero_quantized_gradients):
+        unhonoured.append("zero_optimization.zeropp_loco_param")  # LoCo compensates qgZ's quantizations only
+    if zero.mics_hierarchical_params_gather and not (zero.stage == 3 and zero.mics_shard_size > 0):
+        unhonoured.append("zero_optimization.mics_hierarchical_params_gather")  # a MiCS gather's two steps
     return unhonoured

@@ -33,6 +33,7 @@ from slipstream.config.optimizers import compresses, states_per_element
 from slipstream.planner.prefetch import PoolFigures, UnitShape, simulate_pool
 from slipstream.planner.reduce_buffers import split_pool_bytes, stage2_ring_bytes, step_reducer_bytes
 from slipstream.planner.types import DTYPE_BYTES, Settings
+from slipstream.zero.quantized import BLOCK as QUANT_BLOCK
 from slipstream.zero.layout import GroupLayout, build_layout, stage2_bucket_numel
 
 # [Note: compressed all-reduce bytes]
@@ -207,6 +208,29 @@ def secondary_shard_numel(units: Sequence[UnitShape], shard_numels: Sequence[int
     return sum(world * shard // size for u, shard in zip(units, shard_numels) if u.hooked and not u.persistent)
 
 
+def loco_kept_bytes(
+    units: Sequence[UnitShape], *, world: int, settings: Settings, ranks_per_node: int | None = None
+) -> int:
+    """Bytes of ZeRO++ LoCo's kept errors on one rank (zero/stage3/loco.py), int8 rows with a 4-byte scale per block
+    of 256, per unit with trainable parameters (W of them per rank): phase 1's n pieces of b x W, phase 2's b pieces
+    of W, on a group of n = a x b ranks (a per node, `ranks_per_node`; None: one node). 0 without LoCo."""
+    if settings.stage3.loco is None or not settings.stage3.quantized_gradients or world <= 1:
+        return 0
+    a = min(ranks_per_node or world, world)
+    b = world // a
+
+    def rows(count: int, numel: int) -> int:
+        blocks = -(-numel // QUANT_BLOCK)
+        return count * (blocks * QUANT_BLOCK + 4 * blocks)
+
+    total = 0
+    for unit in units:
+        width = sum(-(-n // world) for n, t in zip(unit.numels, unit.trainable) if t)
+        if width:
+            total += (rows(a, b * width) if a > 1 else 0) + (rows(b, width) if b > 1 else 0)
+    return total
+
+
 def stage3_bytes(
     units: Sequence[UnitShape],
     *,
@@ -236,6 +260,7 @@ def stage3_bytes(
     largest = max(trainable_shard, default=0)
     staging = 2 * largest * world * grad + 2 * largest * grad if total_trainable else 0
     staging += split_pool_bytes(units, world=world, reduce_dtype=settings.comm_dtype, overlap=settings.overlap_comm)
+    staging += loco_kept_bytes(units, world=world, settings=settings)
     shards = sum(shard_numels) * param
     secondary = secondary_shard_numel(units, shard_numels, world=world, size=settings.stage3.secondary_shard_size)
     owned = {

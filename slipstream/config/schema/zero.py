@@ -191,6 +191,8 @@ class ZeroConfig(DSModel):
         "zero_hpz_partition_size": "zero.stage3.secondary_shard_size",
         "mics_shard_size": "zero.stage3.shard_size",
         "zero_quantized_gradients": "zero.stage3.quantized_gradients",
+        "zeropp_loco_param": "zero.stage3.loco",
+        "mics_hierarchical_params_gather": "zero.stage3.hierarchical_gather",
     }
     stage: DSInt = Field(0, ge=0, le=3)
     """0 disabled, 1 optimizer state, 2 + gradients, 3 + parameters are partitioned."""
@@ -276,12 +278,15 @@ class ZeroConfig(DSModel):
     """ZeRO++ qgZ (stage 3): each unit's gradient reduce-scatter travels as block-wise int4 all-to-alls inside a
     node and int8 across nodes, summed in fp32 in between."""
     zeropp_loco_param: dict[str, Any] | None = None
-    """ZeRO++ LoCo parameters, e.g. {"err_beta": 0.8, "reset_T": 1024}."""
+    """ZeRO++ LoCo (stage 3, with zero_quantized_gradients): {"err_beta": b, "reset_T": T}; each qgZ
+    quantization adds the error kept for its buffer first, and keeps err <- b err + (1 - b) (compensated -
+    dequantized); the kept errors go back to zero every T reductions of a unit."""
     mics_shard_size: DSInt = -1
     """MiCS (stage 3): ranks per shard group; parameters, gradients and optimizer states are sharded inside each
     group of this many consecutive ranks and replicated across groups. -1 (or 0) disables MiCS."""
     mics_hierarchical_params_gather: DSBool = False
-    """MiCS hierarchical all-gather."""
+    """MiCS hierarchical all-gather (stage 3, with mics_shard_size spanning nodes): a unit's gather runs across
+    nodes among the ranks at the same local rank first, then inside each node."""
     memory_efficient_linear: DSBool = True
     """Memory-efficient linear layer under zero.Init."""
     pipeline_loading_checkpoint: DSBool = False

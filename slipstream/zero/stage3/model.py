@@ -25,7 +25,9 @@ from slipstream.utils.host_memory import cap_mmap_threshold
 from slipstream.zero.comm_stream import CommStream
 from slipstream.zero.slices import OwnedSlice
 from slipstream.zero.stage3.coordinator import Coordinator
+from slipstream.zero.stage3.hierarchical_gather import hierarchical_gather
 from slipstream.zero.stage3.leaves import LEAF_PARAM_ATTR, apply_leaf_settings, get_z3_leaf_modules
+from slipstream.zero.stage3.loco import KeptErrors
 from slipstream.zero.stage3.manager import UnitManager
 from slipstream.zero.stage3.pool import BufferPool
 from slipstream.zero.stage3.quantized_reduce import QuantizedReduceScatter, node_levels
@@ -59,6 +61,7 @@ class ZeroModel(UnitManager):
         _mark_leaves(module, plan)
         specs = plan_units(module, threshold=plan.persistence_threshold)
         self.sharding = shard_groups(group, _checked_shard_size(plan, specs))  # [Note: MiCS shard groups]
+        self._hierarchy = hierarchical_gather(self.sharding.shard, self.pool) if plan.hierarchical_gather else None
         offload = policy_for(plan.offload_param, rank=self.rank, section="offload_param")
         shard_device = offload.master_device(device)
         self.shards_in_host_memory = offload.host_resident
@@ -133,7 +136,10 @@ class ZeroModel(UnitManager):
             },
         )
         if self.plan.quantized_gradients and unit.world_size > 1:  # ZeRO++ qgZ (quantized_reduce.py)
-            unit.quantized_reduce = QuantizedReduceScatter(node_levels(unit.group), self.pool)
+            loco = None if self.plan.loco is None else KeptErrors(self.plan.loco, self.pool)  # ZeRO++ LoCo (loco.py)
+            unit.quantized_reduce = QuantizedReduceScatter(node_levels(unit.group), self.pool, loco)
+        if spec.group_key is None:  # MiCS' two-step gather (hierarchical_gather.py) over the shard group
+            unit.hierarchical = self._hierarchy
         for old in old_units:  # re-sharded: free an old unit once none of its parameters is left in it
             if all(p.ds_record.unit is not old for p in old.params if isinstance(p, ShardedParameter)):
                 old.discard()

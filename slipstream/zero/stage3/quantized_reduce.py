@@ -18,6 +18,8 @@ reduce-scatter's, so the optimizer, checkpoints and everything after the reducti
 sends (a - 1) / a of an int4 copy of the unit's gradient inside its node and (b - 1) / b of an int8 copy of a
 1 / a of it across nodes (plus an fp32 scale per block of 256): a quarter of fp32's cross-node bytes.
 
+With zeropp_loco_param every quantization is error-compensated (stage3/loco.py, [Note: LoCo error feedback]).
+
 Phase 1's all-to-all is launched by `launch`; `wait()` of the returned work does the rest (so with
 overlap_comm the first exchange overlaps the backward). The buffers come from the stage's BufferPool, which
 keeps them for the next unit and the next step.
@@ -33,8 +35,9 @@ import torch.distributed as dist
 
 from slipstream.comm import collectives
 from slipstream.comm.collectives import TimedWork
-from slipstream.comm.nodes import LOCAL_WORLD_SIZE_ENV, ranks_per_node, two_level_groups
+from slipstream.comm.nodes import ranks_per_node, two_level_groups
 from slipstream.zero.quantized import QuantizedRows
+from slipstream.zero.stage3.loco import KeptErrors, LocoReduction
 from slipstream.zero.stage3.pool import BufferPool
 
 INNER_BITS = 4
@@ -55,8 +58,9 @@ class Levels:
 def node_levels(group: dist.ProcessGroup | None) -> Levels:
     """Cut `group` (None: the world) at node boundaries. Every member calls this at the same point (the group
     constructors are collective). A group whose members do not come in whole blocks per node is treated as one
-    rank per node (every exchange counts as crossing nodes, at int8). A group other than the world must lie in one
-    node or have one member per node: cutting it into both would need groups that every rank builds."""
+    rank per node (every exchange counts as crossing nodes, at int8). A group other than the world (a MiCS shard
+    group spanning nodes, an expert or data-parallel sub-group) is cut by its own members alone (comm/nodes.py
+    builds a sub-group's blocks and columns with local synchronisation)."""
     members = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
     local = ranks_per_node(dist.get_world_size())
     node = dist.get_rank() // local
@@ -68,13 +72,6 @@ def node_levels(group: dist.ProcessGroup | None) -> Levels:
         return Levels(size, 1, group, None)
     if size == 1:  # one member per node: the group itself is the exchange across nodes
         return Levels(1, len(members), None, group)
-    if len(members) != dist.get_world_size():  # new_group is collective over the world: every rank would have to
-        raise ValueError(  # build the same sub-groups of every such group, in the same order
-            f"zero_optimization.zero_quantized_gradients: the ranks {members} that a ZeRO-3 unit is sharded over "
-            f"span several nodes ({LOCAL_WORLD_SIZE_ENV}={local}) and are not the whole world (MiCS shard groups, "
-            "MoE expert groups, a data-parallel group beside tensor or pipeline parallelism); qgZ cuts only the "
-            "world at node boundaries: unset zero_quantized_gradients, or keep such groups inside one node"
-        )
     cut = two_level_groups(group, size, what="LOCAL_WORLD_SIZE (ranks per node)")
     return Levels(size, cut.count, cut.inner, cut.outer)
 
@@ -94,8 +91,9 @@ class QuantizedReduceWork:
 class QuantizedReduceScatter:
     """qgZ over a unit's group cut at node boundaries (`levels`), buffers from `pool` (see [Note: qgZ schedule])."""
 
-    def __init__(self, levels: Levels, pool: BufferPool) -> None:
-        self.levels, self.pool = levels, pool
+    def __init__(self, levels: Levels, pool: BufferPool, loco: KeptErrors | None = None) -> None:
+        """`loco`: the unit's LoCo state (its quantizations error-compensated), or None: plain qgZ."""
+        self.levels, self.pool, self.loco = levels, pool, loco
 
     def codecs(self, width: int) -> tuple[QuantizedRows | None, QuantizedRows | None]:
         """The pieces of phase 1 (None with one rank per node) and of phase 2 (None with one node)."""
@@ -110,12 +108,13 @@ class QuantizedReduceScatter:
         inner, outer = self.codecs(width)
         scratch = self.pool.take(max(c.padded for c in (inner, outer) if c is not None), torch.float32)
         total = self.pool.take(b * width, torch.float32)
+        loco = None if self.loco is None else self.loco.start(width, staging.dtype)
         if inner is None:  # one rank per node: the rows go across as they are
             assert outer is not None
             return QuantizedReduceWork(
-                lambda: self._across_nodes(outer, staging.view(b, width), receive, scratch, total)
+                lambda: self._across_nodes(outer, staging.view(b, width), receive, scratch, total, loco)
             )
-        sent, received, work = self._within_node(inner, staging.view(b, self.levels.size, width), scratch)
+        sent, received, work = self._within_node(inner, staging.view(b, self.levels.size, width), scratch, loco)
 
         def finish() -> None:
             work.wait()
@@ -126,21 +125,38 @@ class QuantizedReduceScatter:
                 receive.copy_(total)
                 self._done(scratch, total)
             else:
-                self._across_nodes(outer, total.view(b, width), receive, scratch, total)
+                self._across_nodes(outer, total.view(b, width), receive, scratch, total, loco)
 
         return QuantizedReduceWork(finish)
 
+    @staticmethod
+    def _encode_all(
+        codec: QuantizedRows,
+        values: list[torch.Tensor],
+        pieces: torch.Tensor,
+        scratch: torch.Tensor,
+        phase: str,
+        loco: LocoReduction | None,
+    ) -> None:
+        """Quantize each of `values` into its row of `pieces`, error-compensated with LoCo."""
+        kept = None if loco is None else loco.kept(phase, len(values), codec.numel, pieces.device)
+        for index, value in enumerate(values):
+            if loco is None or kept is None:
+                codec.encode(value, pieces[index], None, scratch)
+            else:
+                loco.encode(codec, value, pieces[index], kept[index], scratch)
+
     def _within_node(
-        self, codec: QuantizedRows, rows: torch.Tensor, scratch: torch.Tensor
+        self, codec: QuantizedRows, rows: torch.Tensor, scratch: torch.Tensor, loco: LocoReduction | None
     ) -> tuple[torch.Tensor, torch.Tensor, TimedWork]:
         """Phase 1: quantize node-mate l's rows (`rows[:, l]`, every node's row at position l) and launch the
         all-to-all inside the node."""
         a = self.levels.size
         sent = self.pool.take(a * codec.row_bytes, torch.int8)
         received = self.pool.take(a * codec.row_bytes, torch.int8)
-        pieces = sent.view(a, codec.row_bytes)
-        for mate in range(a):
-            codec.encode(rows[:, mate], pieces[mate], None, scratch)
+        self._encode_all(
+            codec, [rows[:, mate] for mate in range(a)], sent.view(a, codec.row_bytes), scratch, "within", loco
+        )
         work = collectives.all_to_all(received, sent, group=self.levels.inner, async_op=True)
         return sent, received, work
 
@@ -151,14 +167,13 @@ class QuantizedReduceScatter:
         receive: torch.Tensor,
         scratch: torch.Tensor,
         total: torch.Tensor,
+        loco: LocoReduction | None = None,
     ) -> None:
         """Phase 2: quantize row m for node m's member at this rank's position, exchange, dequantize and sum."""
         b = self.levels.count
         sent = self.pool.take(b * codec.row_bytes, torch.int8)
         received = self.pool.take(b * codec.row_bytes, torch.int8)
-        pieces = sent.view(b, codec.row_bytes)
-        for node in range(b):
-            codec.encode(rows[node], pieces[node], None, scratch)
+        self._encode_all(codec, list(rows), sent.view(b, codec.row_bytes), scratch, "across", loco)
         collectives.all_to_all(received, sent, group=self.levels.outer)
         self._sum(codec, received, scratch, total)
         receive.copy_(total[: codec.numel])

@@ -41,6 +41,7 @@ from slipstream.zero.comm_stream import CommStream
 from slipstream.zero.quantized import QuantizedRows
 from slipstream.zero.stage3.dtype_split import dtype_parts, launch_parts
 from slipstream.zero.stage3.fp8_gather import Float8Rows
+from slipstream.zero.stage3.hierarchical_gather import HierarchicalGather
 from slipstream.zero.stage3.pool import BufferPool
 from slipstream.zero.stage3.quantized_reduce import QuantizedReduceScatter
 from slipstream.zero.stage3.secondary import SecondaryShard
@@ -75,6 +76,9 @@ class Unit:
 
     quantized_reduce: QuantizedReduceScatter | None = None
     """How the gradients travel quantized (ZeRO++ qgZ; set by the ZeroModel), or None: the exact reduce-scatter."""
+    hierarchical: HierarchicalGather | None = None
+    """MiCS' two-step gather across nodes then inside the node (set by the ZeroModel; hierarchical_gather.py), or
+    None: one all-gather over the group."""
     comm: CommStream | None = None
     """The engine's communication stream the gathers are launched on (set by the ZeroModel), or None: the current
     stream. See [Note: the communication stream] in zero/comm_stream.py."""
@@ -211,7 +215,11 @@ class Unit:
             self.pool.give(scratch)
         self.store.release(self.shard, dirty=False)
         with self._launching():
-            work = collectives.all_gather(buffer, own, group=self.group, async_op=True)
+            work = (
+                collectives.all_gather(buffer, own, group=self.group, async_op=True)
+                if self.hierarchical is None
+                else self.hierarchical.launch(buffer, own)
+            )
         self._pending = (work, buffer, codec)
 
     def _launching(self) -> contextlib.AbstractContextManager[None]:

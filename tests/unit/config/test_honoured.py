@@ -38,6 +38,7 @@ DERIVED_TREES = {
     "sparse_attention": "the sparse_attention section as a whole: its mode and that mode's keys",
     "zero.stage3.offload_param.aio": "the same aio section as zero.offload_optimizer.aio",
     "batch.sources": "a dict",
+    "zero.stage3.loco": "zeropp_loco_param, a dict: err_beta and reset_T (config/zero_plans.py loco_plan)",
 }
 
 

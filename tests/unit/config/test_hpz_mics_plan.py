@@ -23,7 +23,11 @@ def test_the_keys_reach_their_fields() -> None:
     assert (mics.secondary_shard_size, mics.shard_size) == (1, 2)
     assert _resolve(mics_shard_size=0).zero.stage3.shard_size is None
     plan = _resolve(mics_shard_size=2, mics_hierarchical_params_gather=True)
-    assert "zero_optimization.mics_hierarchical_params_gather" in plan.unimplemented  # not built: reported
+    assert plan.zero.stage3.hierarchical_gather and not mics.hierarchical_gather
+    assert "zero_optimization.mics_hierarchical_params_gather" not in plan.unimplemented
+    plain = _resolve(mics_hierarchical_params_gather=True)  # without MiCS there is no shard group to gather over
+    assert "zero_optimization.mics_hierarchical_params_gather" in plain.unimplemented
+    assert not plain.zero.stage3.hierarchical_gather
 
 
 def test_hpz_with_mics_is_refused_by_name() -> None:

@@ -1,12 +1,13 @@
 """qgZ's cut of a unit's group at node boundaries (zero/stage3/quantized_reduce.py `node_levels`) without a process
-group: torch.distributed's queries answered by hand. One node, one member per node, and the refusal of a group
-that is not the world and needs both levels (its sub-groups would have to be built by every rank)."""
+group: torch.distributed's queries answered by hand. One node, one member per node, and a group that is not the
+world and needs both levels (cut by comm/nodes.py among its members)."""
 
 from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
 
+from slipstream.comm.nodes import TwoLevel
 from slipstream.zero.stage3 import quantized_reduce
 from slipstream.zero.stage3.quantized_reduce import node_levels
 
@@ -31,7 +32,15 @@ def test_a_group_with_one_member_per_node_goes_across_only(monkeypatch: pytest.M
     assert node_levels(group) == quantized_reduce.Levels(1, 2, None, group)  # type: ignore[arg-type]
 
 
-def test_a_sub_group_across_nodes_with_node_mates_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sub_group_across_nodes_with_node_mates_is_cut_by_its_members(monkeypatch: pytest.MonkeyPatch) -> None:
     group = _world(monkeypatch, world=8, rank=1, members=[0, 1, 2, 3], local=2)
-    with pytest.raises(ValueError, match=r"zero_quantized_gradients: the ranks \[0, 1, 2, 3\].*LOCAL_WORLD_SIZE=2"):
-        node_levels(group)  # type: ignore[arg-type]
+    asked = []
+
+    def cut(g: object, size: int, *, what: str) -> TwoLevel:
+        asked.append((g, size))
+        return TwoLevel(size, 2, inner, outer, (0, 1), (1, 3))
+
+    inner, outer = object(), object()
+    monkeypatch.setattr(quantized_reduce, "two_level_groups", cut)
+    assert node_levels(group) == quantized_reduce.Levels(2, 2, inner, outer)  # type: ignore[arg-type]
+    assert asked == [(group, 2)]  # a MiCS shard group of 4 over 2 nodes of 2: blocks of the node-mates
