@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from slipstream.config.errors import ConfigError, pydantic_problems
 from slipstream.config.keys import unimplemented_keys
-from slipstream.config.plan import HybridPlan
+from slipstream.config.plan import HybridPlan, ParallelPlan
 from slipstream.config.schema.inference import DeepSpeedInferenceConfig, HybridEngineConfig
 
 __all__ = ["InferencePlan", "hybrid_plan", "resolve_inference"]
@@ -88,8 +88,42 @@ def resolve_inference(config: object = None, **kwargs: object) -> InferencePlan:
     )
 
 
-def hybrid_plan(section: HybridEngineConfig) -> HybridPlan:
-    """The `hybrid_engine` section as the engine's plan (engine/weight_handoff.py)."""
+def hybrid_plan(section: HybridEngineConfig, parallel: ParallelPlan, world_size: int) -> HybridPlan:
+    """The `hybrid_engine` section as the engine's plan (engine/weight_handoff.py); `inference_tp_size` > 1 is
+    checked against the layout (groups of consecutive data-parallel ranks; raises ConfigError naming what
+    does not fit)."""
+    tp = section.inference_tp_size
+    if section.enabled and tp > 1:
+        _check_generation_groups(section, parallel, world_size)
     return HybridPlan(
-        generate=section.enabled, pin_parameters=section.pin_parameters, max_out_tokens=section.max_out_tokens
+        generate=section.enabled,
+        pin_parameters=section.pin_parameters,
+        max_out_tokens=section.max_out_tokens,
+        inference_tp_size=tp,
+        tp_gather_partition_size=section.tp_gather_partition_size,
+        release_inference_cache=section.release_inference_cache,
     )
+
+
+def _check_generation_groups(section: HybridEngineConfig, parallel: ParallelPlan, world_size: int) -> None:
+    key = f"hybrid_engine.inference_tp_size={section.inference_tp_size}"
+    problems: list[str] = []
+    if parallel.tp_size > 1 or parallel.sp_size > 1:
+        problems.append(
+            f"{key} with tensor_parallel.autotp_size={parallel.tp_size} and sequence_parallel_size="
+            f"{parallel.sp_size}: generation groups over a model already split for training are not built; set "
+            "inference_tp_size to 1 or train without tensor / sequence parallelism"
+        )
+    elif world_size % section.inference_tp_size:
+        problems.append(
+            f"{key} does not divide the data-parallel world size {world_size}: the ranks form generation groups "
+            f"of {section.inference_tp_size} consecutive ranks; use a divisor of {world_size}"
+        )
+    if not section.pin_parameters:
+        problems.append(
+            f"{key} with hybrid_engine.pin_parameters=false: generating per layer from the module hooks with the "
+            "layers split over ranks is not built; set pin_parameters to true (the inference copy is refilled "
+            "tp_gather_partition_size layers at a time) or inference_tp_size to 1"
+        )
+    if problems:
+        raise ConfigError(problems)

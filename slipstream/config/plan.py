@@ -383,6 +383,12 @@ class HybridPlan:
     pin_parameters: bool
     max_out_tokens: int
     """The longest prompt plus new tokens a hybrid `generate` takes (inference/limits.py)."""
+    inference_tp_size: int
+    """Ranks per tensor-parallel generation group (1: each rank generates alone; inference/hybrid_tp.py)."""
+    tp_gather_partition_size: int
+    """With inference_tp_size > 1 at ZeRO-3: units (layers) gathered at a time to refill the inference copy."""
+    release_inference_cache: bool
+    """With inference_tp_size > 1: the inference copy's memory freed after each generate (else kept)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -129,7 +129,7 @@ def resolve(
         compression_training=None if cfg.compression_training is None else cfg.compression_training.methods(),
         collective_timeout=cfg.collective_timeout,
         parallel=parallel,
-        hybrid=hybrid_plan(cfg.hybrid_engine),
+        hybrid=hybrid_plan(cfg.hybrid_engine, parallel, world_size),
         activation_checkpointing=activation_plan(cfg),
         sparse_attention=sparse_plan,
         unimplemented=tuple(dict.fromkeys(unimplemented)),

@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from slipstream.config.plan import EnginePlan
+from slipstream.inference.hybrid_tp import TensorParallelGenerator, WholeWeights
 from slipstream.inference.limits import check_max_out_tokens
 from slipstream.inference.lora import fuse_lora, lora_layers, unfuse_lora
 from slipstream.zero.full_weights import DEFAULT_BUCKET_BYTES, iter_full_weights
 from slipstream.zero.gathered import GatheredParameters, unwrap_model_for_generation
-from slipstream.zero.stage3.generation import plain_while_held
+from slipstream.zero.stage3.generation import ShardedWeights, plain_while_held
 from slipstream.zero.stage3.model import ZeroModel
 from slipstream.zero.stage3.sharded_param import internal_access
 
@@ -68,6 +69,8 @@ class WeightHandOff:
         layers = lora_layers(self.module)
         if self.zero_model is not None and "synced_gpus" not in kwargs and _takes(generate, "synced_gpus"):
             kwargs["synced_gpus"] = False  # nothing left to gather: no rank waits for another (see _takes)
+        if self.plan.hybrid.inference_tp_size > 1:  # groups of ranks generate on a split copy (hybrid_tp.py)
+            return self._tensor_parallel_generator().generate(inputs, kwargs)
         with self._held_for_generate():  # at ZeRO-3 the fuse works on the gathered copies, released after
             with internal_access():
                 fuse_lora(layers)
@@ -76,6 +79,15 @@ class WeightHandOff:
             finally:
                 with internal_access():
                     unfuse_lora(layers)
+
+    def _tensor_parallel_generator(self) -> TensorParallelGenerator:
+        """The engine's inference copy for `hybrid_engine.inference_tp_size` > 1, made at the first call."""
+        generator = self.__dict__.get("_hybrid_tp_generator")
+        if generator is None:
+            weights = WholeWeights() if self.zero_model is None else ShardedWeights(self.zero_model)
+            generator = TensorParallelGenerator(self.module, plan=self.plan.hybrid, weights=weights)
+            self.__dict__["_hybrid_tp_generator"] = generator
+        return generator
 
     @contextlib.contextmanager
     def _held_for_generate(self) -> Iterator[None]:

@@ -118,34 +118,25 @@ class HybridEngineConfig(DSModel):
         "enabled": "hybrid.generate",
         "pin_parameters": "hybrid.pin_parameters",
         "max_out_tokens": "hybrid.max_out_tokens",
+        "inference_tp_size": "hybrid.inference_tp_size",
+        "tp_gather_partition_size": "hybrid.tp_gather_partition_size",
+        "release_inference_cache": "hybrid.release_inference_cache",
     }
     enabled: DSBool = False
     """Gather the whole model once per `engine.generate()` call (ZeRO-3)."""
     max_out_tokens: DSInt = Field(512, gt=0)
     """The most positions (prompt plus new tokens) one `generate` call may use; a longer call is refused."""
-    inference_tp_size: DSInt = 1
-    """Tensor parallelism for generation only: 1 (more is refused, see the validator)."""
+    inference_tp_size: DSInt = Field(1, gt=0)
+    """Ranks per tensor-parallel generation group: groups of this many consecutive ranks generate their
+    gathered prompts together, each rank holding its slice of every layer (inference/hybrid_tp.py)."""
     release_inference_cache: DSBool = False
-    """Free DeepSpeed's kernel workspace (its KV cache) after each generate."""
+    """With inference_tp_size > 1: free the inference copy of the weights after each generate (else kept)."""
     pin_parameters: DSBool = True
     """Gather every layer once for the whole generate call (False: layer by layer, as the hooks do)."""
-    tp_gather_partition_size: DSInt = 8
-    """Layers gathered together with inference_tp_size > 1."""
+    tp_gather_partition_size: DSInt = Field(8, gt=0)
+    """ZeRO-3 units (layers) gathered together to refill the inference copy with inference_tp_size > 1."""
     enable_cuda_graph: DSBool = False
     """Capture generation in CUDA graphs: refused when true (see the validator)."""
-
-    @field_validator("inference_tp_size")
-    @classmethod
-    def _one_tp_group(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(
-                f"hybrid_engine.inference_tp_size={value}: generating with each layer split over groups of {value} "
-                "ranks (the gathered layers cut by the AutoTP rules, the groups' prompts gathered, every token "
-                "computed with TP all-reduces) is not built in Slipstream; set it to 1 (each rank gathers the "
-                "whole model once per generate and generates its own prompts) or use init_inference's "
-                "tensor_parallel.tp_size for a separate inference model"
-            )
-        return value
 
     @field_validator("enable_cuda_graph")
     @classmethod

@@ -7,6 +7,9 @@ every token: in one process a ZeRO-3 generate took 1.15x the plain model's time 
 `plain_while_held(zero_model)` the coordinator's forward hooks do nothing and every held parameter is of its
 plain type (`unshard_type`), so each token runs the plain model's code; on exit the parameters are sharded
 parameters again (same objects, same records) and the hooks are back, also when the block raised.
+
+`ShardedWeights` hands the whole values to the tensor-parallel inference copy of the hybrid engine
+(`inference_tp_size` > 1), a chunk of units at a time (`tp_gather_partition_size`), never the whole model.
 """
 
 from __future__ import annotations
@@ -14,8 +17,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
+from torch import nn
+
 from slipstream.zero.stage3.model import ZeroModel
-from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus, make_sharded, unshard_type
+from slipstream.zero.stage3.sharded_param import (
+    ShardedParameter,
+    ZeroParamStatus,
+    internal_access,
+    make_sharded,
+    unshard_type,
+)
 
 
 def _held_parameters(zero_model: ZeroModel) -> list[ShardedParameter]:
@@ -45,3 +57,37 @@ def plain_while_held(zero_model: ZeroModel) -> Iterator[None]:
         for param in params:
             make_sharded(param, param.ds_record)
         coordinator.paused = False
+
+
+class ShardedWeights:
+    """The whole values of a ZeRO-3 model's parameters for the hybrid engine's tensor-parallel inference copy
+    (inference/hybrid_tp.py): `chunks` gathers `units_per_chunk` units at a time, in the model's unit order, and
+    holds them while the caller copies out of the parameters it yields (collective: every rank of the model's
+    group iterates to the end with the same parameters). Parameters that are not sharded come first, alone."""
+
+    def __init__(self, zero_model: ZeroModel) -> None:
+        self.zero_model = zero_model
+
+    def shape(self, param: nn.Parameter) -> torch.Size:
+        """The whole shape of `param` (a sharded parameter's own shape is its stand-in's)."""
+        return param.ds_record.shape if isinstance(param, ShardedParameter) else param.shape
+
+    def chunks(self, params: list[nn.Parameter], units_per_chunk: int) -> Iterator[list[nn.Parameter]]:
+        by_unit: dict[int, list[nn.Parameter]] = {}
+        plain = []
+        for param in params:
+            if isinstance(param, ShardedParameter):
+                by_unit.setdefault(id(param.ds_record.unit), []).append(param)
+            else:
+                plain.append(param)
+        if plain:
+            yield plain
+        units = [unit for unit in self.zero_model.units if id(unit) in by_unit]
+        for first in range(0, len(units), units_per_chunk):
+            chunk = units[first : first + units_per_chunk]
+            self.zero_model.gather_units(chunk)
+            try:
+                with internal_access():
+                    yield [param for unit in chunk for param in by_unit[id(unit)]]
+            finally:
+                self.zero_model.release_units(chunk)

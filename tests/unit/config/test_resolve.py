@@ -181,7 +181,6 @@ def test_unimplemented_lists_what_the_user_set() -> None:
         )
     assert set(plan.unimplemented) == {
         "zero_optimization.round_robin_gradients",
-        "hybrid_engine.release_inference_cache",
         "memory_breakdown",
         "optimizer.type=muadam",
     }
