@@ -151,7 +151,7 @@ def test_an_empty_layout_row_gives_zeros_and_float32_matches() -> None:
     assert torch.equal(out[:, :, 4:], torch.zeros(1, 1, 4, 4))
     first = torch.softmax((q[:, :, :4] @ k[:, :, :4].transpose(-1, -2)) * 0.5, dim=-1) @ v[:, :, :4]
     torch.testing.assert_close(out[:, :, :4], first, atol=2e-5, rtol=0)
-    with pytest.raises(NotImplementedError, match="attn_mask"):
+    with pytest.raises(ValueError, match=r"attn_mask has shape \(8, 4\); it must be \[8, 8\]"):
         SparseSelfAttention(DenseSparsityConfig(num_heads=1, block=4), max_seq_length=8)(q, k, v, attn_mask=q)
 
 

@@ -100,9 +100,9 @@ def test_softmax_errors_name_the_argument() -> None:
     layout = _layout(1, 8, 8, seed=5)
     softmax = Softmax(layout, BLOCK)
     blocks = torch.zeros(1, int(layout.sum()), BLOCK, BLOCK)
-    with pytest.raises(NotImplementedError, match="rpe"):
+    with pytest.raises(ValueError, match=r"rpe has shape \(1, 3, 4, 4\); it must be \[1, 1, 8, 8\]"):
         softmax(blocks, rpe=blocks)
-    with pytest.raises(NotImplementedError, match="attn_mask_mode 'max'"):
+    with pytest.raises(ValueError, match="attn_mask_mode='max' is not a mask mode; use 'add'"):
         softmax(blocks, attn_mask=torch.ones(8, 8), attn_mask_mode="max")
     with pytest.raises(ValueError, match=r"non-zero blocks"):
         softmax(blocks[:, :1])

@@ -1,10 +1,11 @@
 """DeepSpeed's block-sparse softmax (`deepspeed.ops.sparse_attention.softmax.Softmax`) in pure PyTorch.
 
 The input is a block-sparse score matrix stored as its layout's non-zero blocks, [batch, nnz, block, block]
-(matmul.py). Each row is normalised over the blocks its layout row holds: x * scale, plus the key padding mask
-and the attention mask (mode "add": added as they are; mode "mul": a zero entry masks its position, -inf, any
-other keeps it), then exp(x - row max) / row sum, with the row maxima and sums gathered across the row's blocks
-by index, so nothing of the dense matrix is built. Half-precision blocks are computed in float32.
+(matmul.py). Each row is normalised over the blocks its layout row holds: x * scale, plus the relative position
+embedding `rpe`, the key padding mask and the attention mask (mode "add": added as they are; mode "mul": a zero
+entry masks its position, -inf, any other keeps it), then exp(x - row max) / row sum, with the row maxima and
+sums gathered across the row's blocks by index. The dense terms are cut to the layout's blocks before anything is
+computed on them, so nothing the size of the dense matrix is built. Half-precision blocks are computed in float32.
 """
 
 from __future__ import annotations
@@ -13,25 +14,50 @@ import torch
 
 from slipstream.ops.sparse_attention.matmul import LayoutIndex, compute_dtype
 
-__all__ = ["Softmax"]
+__all__ = ["MASK_MODES", "Softmax", "check_mask_mode"]
 
 MASK_MODES = ("add", "mul")
 
 
-def _additive(mask: torch.Tensor, mode: str, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """A mask as the term added to the scores."""
+def check_mask_mode(name: str, mode: str) -> None:
+    """A mask mode is "add" or "mul"."""
     if mode not in MASK_MODES:
-        raise NotImplementedError(f"Softmax {name}_mode {mode!r} is not one of {MASK_MODES}")
-    mask = mask.to(dtype)
+        raise ValueError(
+            f"{name}={mode!r} is not a mask mode; use 'add' (the mask is added to the scores) or 'mul' (a zero "
+            "entry masks its position)"
+        )
+
+
+def _additive(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Mask entries as the term added to the scores (`mask` already in the scores' dtype)."""
     if mode == "mul":
         return torch.zeros_like(mask).masked_fill(mask == 0, float("-inf"))
     return mask
 
 
+def layout_blocks(dense: torch.Tensor, index: LayoutIndex, block: int) -> torch.Tensor:
+    """The layout's blocks of a dense [batch, heads, rows, columns] term (batch and heads may be 1, broadcast):
+    [batch, nnz, block, block], gathered from views, so only the non-zero blocks are copied."""
+    batch, heads, rows, columns = dense.shape
+    tiles = dense.reshape(batch, heads, rows // block, block, columns // block, block).transpose(3, 4)
+    return tiles.expand(batch, index.heads, *tiles.shape[2:])[:, index.head, index.row, index.column]
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...], broadcast: int) -> None:
+    """`tensor` has the `expected` shape, except that its first `broadcast` sizes may be 1."""
+    fits = tensor.dim() == len(expected) and all(
+        got == want or (got == 1 and dim < broadcast) for dim, (got, want) in enumerate(zip(tensor.shape, expected))
+    )
+    if not fits:
+        ones = f" (the first {broadcast} may be 1)" if broadcast else ""
+        raise ValueError(f"Softmax: {name} has shape {tuple(tensor.shape)}; it must be {list(expected)}{ones}")
+
+
 class Softmax:
-    """`Softmax(layout, block)(x, scale=1.0, key_padding_mask=None, attn_mask=None, key_padding_mask_mode="add",
-    attn_mask_mode="add")`: the row softmax of a block-sparse matrix. `key_padding_mask` is [batch, columns],
-    `attn_mask` [rows, columns]; relative position embeddings (`rpe`) are not implemented."""
+    """`Softmax(layout, block)(x, scale=1.0, rpe=None, key_padding_mask=None, attn_mask=None,
+    key_padding_mask_mode="add", attn_mask_mode="add")`: the row softmax of a block-sparse matrix. `rpe` is
+    [batch, heads, rows, columns] (batch and heads may be 1), `key_padding_mask` [batch, columns] (batch may be 1),
+    `attn_mask` [rows, columns]."""
 
     def __init__(self, layout: torch.Tensor, block: int, bench: bool = False) -> None:
         self.layout, self.block = layout, block
@@ -47,8 +73,8 @@ class Softmax:
         key_padding_mask_mode: str = "add",
         attn_mask_mode: str = "add",
     ) -> torch.Tensor:
-        if rpe is not None:
-            raise NotImplementedError("Softmax(rpe=...): relative position embeddings are not implemented; pass None")
+        check_mask_mode("key_padding_mask_mode", key_padding_mask_mode)
+        check_mask_mode("attn_mask_mode", attn_mask_mode)
         index, block, dtype = self.index.on(x.device), self.block, x.dtype
         if x.dim() != 4 or x.shape[1] != index.head.numel():
             raise ValueError(
@@ -56,15 +82,18 @@ class Softmax:
                 f"blocks, [batch, {index.head.numel()}, {block}, {block}]"
             )
         scores = x.to(compute_dtype(dtype)) * scale
+        batch, rows, columns = x.shape[0], index.rows * block, index.columns * block
+        if rpe is not None:
+            _check_shape("rpe", rpe, (batch, index.heads, rows, columns), 2)
+            scores = scores + layout_blocks(rpe.to(scores.dtype), index, block)
         if key_padding_mask is not None:
-            term = _additive(key_padding_mask, key_padding_mask_mode, "key_padding_mask", scores.dtype)
-            batch = term.shape[0]
-            scores = scores + term.reshape(batch, -1, block)[:, index.column].unsqueeze(2)
+            _check_shape("key_padding_mask", key_padding_mask, (batch, columns), 1)
+            mask = key_padding_mask.to(scores.dtype).reshape(-1, index.columns, block)[:, index.column]
+            scores = scores + _additive(mask, key_padding_mask_mode).unsqueeze(2)
         if attn_mask is not None:
-            term = _additive(attn_mask, attn_mask_mode, "attn_mask", scores.dtype)
-            rows, columns = term.shape
-            tiles = term.reshape(rows // block, block, columns // block, block).permute(0, 2, 1, 3)
-            scores = scores + tiles[index.row, index.column]
+            _check_shape("attn_mask", attn_mask, (rows, columns), 0)
+            mask = layout_blocks(attn_mask.to(scores.dtype)[None, None], index, block)
+            scores = scores + _additive(mask, attn_mask_mode)
         return _row_softmax(scores, index).to(dtype)
 
 

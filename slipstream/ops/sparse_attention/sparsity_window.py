@@ -6,6 +6,8 @@
 - BSLongformer (block-sparse Longformer): the same sliding window, and global blocks at global_block_indices
   (or the ranges to global_block_end_indices) that attend to and are attended by every block; unidirectional
   keeps the lower triangle.
+- LocalSlidingWindow: the sliding window alone; unidirectional (its default) keeps each row's window up to the
+  row itself.
 """
 
 from __future__ import annotations
@@ -23,16 +25,17 @@ from slipstream.ops.sparse_attention.layouts import (
     global_ranges,
 )
 
-__all__ = ["BSLongformerSparsityConfig", "BigBirdSparsityConfig"]
+__all__ = ["BSLongformerSparsityConfig", "BigBirdSparsityConfig", "LocalSlidingWindowSparsityConfig"]
 
 
-def _sliding_window(layout: torch.Tensor, h: int, width: int) -> None:
+def _sliding_window(layout: torch.Tensor, h: int, width: int, causal: bool = False) -> None:
+    """Row r attends to the blocks r - width // 2 .. r + width // 2 (.. r when causal), cut to the sequence."""
     blocks = layout.shape[1]
     if blocks < width:
         raise ValueError(f"num_sliding_window_blocks ({width}) exceeds the {blocks} blocks of the sequence")
     half = width // 2
     for row in range(blocks):
-        layout[h, row, max(0, row - half) : min(row + half + 1, blocks)] = 1
+        layout[h, row, max(0, row - half) : row + 1 if causal else min(row + half + 1, blocks)] = 1
 
 
 @dataclasses.dataclass(eq=False)  # See [Note: layout configs are dataclasses] in layouts.py
@@ -104,3 +107,24 @@ class BSLongformerSparsityConfig(SparsityConfig):
 
     def layout_steps(self) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], ...]:
         return (self.set_sliding_window_layout, self.set_global_layout)
+
+
+@dataclasses.dataclass(eq=False)
+class LocalSlidingWindowSparsityConfig(SparsityConfig):
+    """A purely local sliding window (see the module doc). DeepSpeed's constructor takes no
+    different_layout_per_head: every head has the same layout."""
+
+    num_sliding_window_blocks: int = 3
+    attention: str = "unidirectional"
+    different_layout_per_head: bool = dataclasses.field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_attention(self.attention, False)
+
+    def set_sliding_window_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
+        _sliding_window(layout, h, self.num_sliding_window_blocks, causal=self.attention == "unidirectional")
+        return layout
+
+    def layout_steps(self) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], ...]:
+        return (self.set_sliding_window_layout,)
