@@ -210,10 +210,11 @@ class ZeroModel(UnitManager):
         shards = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)
         secondary = sum(u.secondary.nbytes for u in self.units if u.secondary is not None)
+        kept = sum(u.quantized_reduce.kept_bytes for u in self.units if u.quantized_reduce is not None)  # LoCo's
         return {
             "params": shards + secondary,
             "gathered": gathered,
-            "comm_buffers": self.pool.allocated_bytes,
+            "comm_buffers": self.pool.allocated_bytes + kept,
             "offloaded_params": shards if self.shards_in_host_memory else 0,
         }
 

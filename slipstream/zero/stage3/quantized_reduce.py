@@ -95,6 +95,11 @@ class QuantizedReduceScatter:
         """`loco`: the unit's LoCo state (its quantizations error-compensated), or None: plain qgZ."""
         self.levels, self.pool, self.loco = levels, pool, loco
 
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of LoCo's kept errors (0 without LoCo, and before the first reduction)."""
+        return 0 if self.loco is None else self.loco.nbytes
+
     def codecs(self, width: int) -> tuple[QuantizedRows | None, QuantizedRows | None]:
         """The pieces of phase 1 (None with one rank per node) and of phase 2 (None with one node)."""
         a, b = self.levels.size, self.levels.count

@@ -150,8 +150,9 @@ def engine_case(rank: int, world: int) -> dict:
             losses.append(float(loss.detach()))
             params.append(engine.zero_model.full_state(only_rank0=False))
         reducers = [u.quantized_reduce for u in engine.zero_model.units if u.quantized_reduce is not None]
-        kept = [r.loco for r in reducers if isinstance(r.loco, KeptErrors)]
-        out[name] = {"losses": losses, "params": params, "kept_bytes": sum(k.nbytes for k in kept)}
+        kept = sum(r.loco.nbytes for r in reducers if isinstance(r.loco, KeptErrors))
+        owned = engine.zero_model.owned_bytes()["comm_buffers"] - engine.zero_model.pool.allocated_bytes
+        out[name] = {"losses": losses, "params": params, "kept_bytes": kept, "owned_kept": owned}
         engine.destroy()
     return out
 
@@ -198,3 +199,4 @@ def test_loco_equals_its_definition_and_drifts_less_than_qgz(tmp_path) -> None: 
         torch.testing.assert_close(loco["losses"], exact["losses"], rtol=2e-2, atol=0)
         assert qgz["kept_bytes"] == 0
         assert loco["kept_bytes"] == planned_kept_bytes(2) > 0, (loco["kept_bytes"], planned_kept_bytes(2))
+        assert loco["owned_kept"] == loco["kept_bytes"]  # owned_bytes() counts them with the comm buffers
