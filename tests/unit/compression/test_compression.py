@@ -190,3 +190,14 @@ def test_step_zero_check_starts_compression_without_counting_a_step() -> None:
     assert (scheduler.training_steps, model.fc1.quantization_enabled, model.fc1.schedule.bits) == (0, True, 6)
     scheduler.step()
     assert (scheduler.training_steps, model.fc1.schedule.bits) == (1, 5)
+
+
+def test_weight_methods_pass_over_matched_modules_that_are_not_linear() -> None:
+    """A group's pattern that also names a Conv2d: weight quantization and sparse pruning compress only the
+    nn.Linear layers it names; the convolution stays as it was."""
+    model = nn.Sequential()
+    model.add_module("fc1", nn.Linear(4, 4))
+    model.add_module("fc_conv", nn.Conv2d(2, 2, 1))
+    init_compression(model, _config(prune=0.5))
+    assert isinstance(model.fc1, CompressedLinear)
+    assert type(model.fc_conv) is nn.Conv2d
