@@ -11,8 +11,9 @@ The model is a small Llama-style decoder (RMSNorm, rotary-free causal attention 
 an `nn.ModuleList`, built from one seed on every rank. Per stage, each framework builds an eager engine and a
 compiled one side by side; after one step each (the compiled one compiles in it) they take turns on the same
 `--steps` micro-batches, so a burst of other work on a shared machine slows both steps of a pair. The ratio
-printed (compiled / eager, lower is better) is the median of the pairs' ratios; nothing is asserted. Peak
-memory is the rank's peak resident set (both engines). This file imports slipstream only in Slipstream's
+printed (compiled / eager, lower is better) is the median of the pairs' ratios, on the wall clock and on the
+rank's CPU time (steadier on a loaded machine); nothing is asserted. Peak memory is the rank's peak resident set
+(both engines). This file imports slipstream only in Slipstream's
 rows and deepspeed only in DeepSpeed's (run by the peer interpreter), so one file serves both.
 """
 
@@ -156,29 +157,40 @@ PHASES = ("forward", "backward", "step")
 
 
 def timed_step(engine: Any, tokens: torch.Tensor, targets: torch.Tensor) -> list[float]:
-    """Seconds of the forward, the backward and the optimizer step of one training step."""
+    """Seconds of the forward, the backward and the optimizer step of one training step: wall clock, then the
+    rank's CPU time (`time.process_time`, all its threads) for the same three. On a machine shared with other
+    jobs wall time grows with the load and CPU time much less, so the CPU ratio is the steadier one."""
     dist.barrier()
-    marks = [time.perf_counter()]
+    marks = [(time.perf_counter(), time.process_time())]
     loss = engine(tokens, targets)
-    marks.append(time.perf_counter())
+    marks.append((time.perf_counter(), time.process_time()))
     engine.backward(loss)
-    marks.append(time.perf_counter())
+    marks.append((time.perf_counter(), time.process_time()))
     engine.step()
-    marks.append(time.perf_counter())
-    return [after - before for before, after in zip(marks, marks[1:])]
+    marks.append((time.perf_counter(), time.process_time()))
+    return [after[clock] - before[clock] for clock in (0, 1) for before, after in zip(marks, marks[1:])]
 
 
 def summary(eager: list[list[float]], compiled: list[list[float]]) -> dict[str, Any]:
     """Medians over the timed steps (the first of each excluded): step, each phase, and the pairs' ratio."""
     eager, compiled = eager[1:], compiled[1:]
+    wall, cpu = slice(0, len(PHASES)), slice(len(PHASES), None)
     phases = {
-        f"{kind}_{phase}_s": statistics.median(times[i] for times in steps)
+        f"{kind}_{phase}{clock}_s": statistics.median(times[i + offset] for times in steps)
         for kind, steps in (("eager", eager), ("compiled", compiled))
+        for clock, offset in (("", 0), ("_cpu", len(PHASES)))
         for i, phase in enumerate(PHASES)
     }
-    ratios = [sum(c) / sum(e) for c, e in zip(compiled, eager)]
-    return {"eager_s": statistics.median(map(sum, eager)), "compiled_s": statistics.median(map(sum, compiled)),
-            "ratio": statistics.median(ratios), **phases}
+
+    def medians(part: slice) -> dict[str, float]:
+        return {"eager": statistics.median(sum(e[part]) for e in eager),
+                "compiled": statistics.median(sum(c[part]) for c in compiled),
+                "ratio": statistics.median(sum(c[part]) / sum(e[part]) for c, e in zip(compiled, eager))}
+
+    on_wall, on_cpu = medians(wall), medians(cpu)
+    return {"eager_s": on_wall["eager"], "compiled_s": on_wall["compiled"], "ratio": on_wall["ratio"],
+            "eager_cpu_s": on_cpu["eager"], "compiled_cpu_s": on_cpu["compiled"], "cpu_ratio": on_cpu["ratio"],
+            **phases}
 
 
 def one_stage(framework: str, stage: int, args: argparse.Namespace, rank: int) -> dict[str, Any]:
@@ -196,14 +208,14 @@ def one_stage(framework: str, stage: int, args: argparse.Namespace, rank: int) -
         if framework == "deepcompile" and not compiled.is_deepcompile_active():
             raise RuntimeError("engine.compile() fell back to torch.compile: DeepCompile is not active")
     except Exception as exc:  # DeepSpeed's failures are a result of this benchmark, reported as such
-        return {"eager_s": sum(eager_times[0]), "error": f"{type(exc).__name__}: {exc}".splitlines()[0],
+        return {"eager_s": sum(eager_times[0][:len(PHASES)]), "error": f"{type(exc).__name__}: {exc}".splitlines()[0],
                 "trace": traceback.format_exc()[-600:]}
     for tokens, targets in data[1:]:
         eager_times.append(timed_step(eager, tokens, targets))
         compiled_times.append(timed_step(compiled, tokens, targets))
     eager.destroy()
     compiled.destroy()
-    return {**summary(eager_times, compiled_times), "first_s": sum(compiled_times[0]), "peak_rss_mib": peak_rss_mib()}
+    return {**summary(eager_times, compiled_times), "first_s": sum(compiled_times[0][:len(PHASES)]), "peak_rss_mib": peak_rss_mib()}
 
 
 def peak_rss_mib() -> float:
@@ -266,8 +278,11 @@ def print_table(name: str, results: dict[str, Any]) -> None:
         print(f"{name:<11} ZeRO-{stage}  eager {eager:7.1f} ms  compiled {compiled:7.1f} ms  "
               f"ratio {row['ratio']:5.2f}x (median of pairs)  first compiled step {first:6.1f} s  "
               f"peak RSS {row['peak_rss_mib']:6.0f} MiB")
+        print(f"{'':<11} ZeRO-{stage}  CPU time: eager {row['eager_cpu_s'] * 1e3:7.1f} ms  compiled "
+              f"{row['compiled_cpu_s'] * 1e3:7.1f} ms  ratio {row['cpu_ratio']:5.2f}x (median of pairs)")
         for kind in ("eager", "compiled"):
-            parts = "  ".join(f"{phase} {row[f'{kind}_{phase}_s'] * 1e3:7.1f} ms" for phase in PHASES)
+            parts = "  ".join(f"{phase} {row[f'{kind}_{phase}_s'] * 1e3:7.1f} ms "
+                              f"(CPU {row[f'{kind}_{phase}_cpu_s'] * 1e3:6.1f})" for phase in PHASES)
             print(f"{'':<11} ZeRO-{stage}  {kind:<8} {parts}")
 
 
@@ -316,7 +331,8 @@ def main() -> None:
             theirs = results.get(peer, {}).get(stage, {})
             if "compiled_s" in ours and "compiled_s" in theirs:
                 print(f"ZeRO-{stage}: Slipstream compiled step / {peer} compiled step = "
-                      f"{ours['compiled_s'] / theirs['compiled_s']:.2f}x")
+                      f"{ours['compiled_s'] / theirs['compiled_s']:.2f}x (CPU time "
+                      f"{ours['compiled_cpu_s'] / theirs['compiled_cpu_s']:.2f}x)")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
