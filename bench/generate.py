@@ -12,7 +12,11 @@ every row is a fresh process (two ranks, or one for `unsharded`):
   share the machine's cores, without any gather);
 - `zero3_hybrid`: a ZeRO-3 engine with `hybrid_engine.enabled`, `engine.eval(); engine.generate(...)`: every
   unit gathered once per call;
-- `zero3_naive`: the same engine without it: the module hooks gather every layer again for every token (what
+- `zero3_hybrid_tp2`: the same with `hybrid_engine.inference_tp_size: 2`: the two ranks are one generation
+  group; every call refills each rank's half of every layer (a unit gathered at a time up to
+  `tp_gather_partition_size`), gathers both ranks' prompts (batch 8) and generates them once over the group,
+  an all-reduce per row-parallel layer and token; each rank gets its 4 rows back;
+- `zero3_naive`: the same engine without the hybrid engine: the module hooks gather every layer again for every token (what
   `engine.generate` / `engine.module.generate` does at ZeRO-3 without the hybrid engine; both ZeRO-3 rows keep
   DeepSpeed's default `stage3_param_persistence_threshold`, so the final norm stays whole, as a user's would);
 - `ss_tp2`: `slipstream.init_inference(tensor_parallel={"tp_size": 2})`, fp32;
@@ -54,6 +58,7 @@ ROWS = (
     "unsharded",
     "unsharded_x2",
     "zero3_hybrid",
+    "zero3_hybrid_tp2",
     "zero3_naive",
     "ss_tp2",
     "ds_tp2",
@@ -100,14 +105,14 @@ def _timed(call: Callable[[], Any], rounds: int) -> tuple[float, Any, float]:
     return statistics.median(times), out, statistics.median(cpu)
 
 
-def _zero3_engine(hybrid: bool) -> Any:
+def _zero3_engine(hybrid: bool, tp: int = 1) -> Any:
     import slipstream
 
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 3},  # DeepSpeed's persistence threshold (1e5): what a user gets
-        "hybrid_engine": {"enabled": hybrid},
+        "hybrid_engine": {"enabled": hybrid, "inference_tp_size": tp},
         "steps_per_print": 10**6,
     }
     engine, *_ = slipstream.initialize(model=make_llama(), config=config)
@@ -155,7 +160,7 @@ def _generation_row(row: str, new_tokens: int, rounds: int) -> dict[str, Any]:
     if row.startswith("unsharded"):
         generator = make_llama()
     elif row.startswith("zero3"):
-        generator = _zero3_engine(row == "zero3_hybrid")
+        generator = _zero3_engine(row.startswith("zero3_hybrid"), tp=2 if row.endswith("tp2") else 1)
     elif row.startswith("lora"):
         generator = _lora_engine(row == "lora_fused")
     else:
@@ -239,14 +244,21 @@ def run_row(python: str, row: str, new_tokens: int, rounds: int) -> dict[str, An
 
 def _report(results: dict[str, dict[str, Any]]) -> None:
     base = results.get("unsharded")
-    print(f"  {'row':<14}{'s/call':>9}{'cpu s/call':>12}{'tokens/s':>10}{'x unsharded':>13}{'same tokens':>13}")
+    print(f"  {'row':<18}{'s/call':>9}{'cpu s/call':>12}{'tokens/s':>10}{'x unsharded':>13}{'same tokens':>13}")
     for row, got in results.items():
         if row == "weights" or row.startswith("lora"):
             continue
         ratio = f"{got['tok_s'] / base['tok_s']:.2f}" if base else "-"
         same = ("yes" if got["tokens"] == base["tokens"] else "NO") if base else "-"
-        print(f"  {row:<14}{got['s']:>9.3f}{got['cpu_s']:>12.3f}{got['tok_s']:>10.1f}{ratio:>13}{same:>13}")
+        print(f"  {row:<18}{got['s']:>9.3f}{got['cpu_s']:>12.3f}{got['tok_s']:>10.1f}{ratio:>13}{same:>13}")
     hybrid, naive = results.get("zero3_hybrid"), results.get("zero3_naive")
+    split, tp_peer = results.get("zero3_hybrid_tp2"), results.get("ss_tp2")
+    if split and hybrid:
+        print(
+            f"  hybrid tp 2 / hybrid tokens/s: {split['tok_s'] / hybrid['tok_s']:.2f}x (CPU {split['cpu_s'] / hybrid['cpu_s']:.2f}x)"
+        )
+    if split and tp_peer:
+        print(f"  hybrid tp 2 / init_inference tp 2 tokens/s: {split['tok_s'] / tp_peer['tok_s']:.2f}x")
     if hybrid and naive:
         print(f"  hybrid / naive ZeRO-3 tokens/s: {hybrid['tok_s'] / naive['tok_s']:.2f}x (target >= 5x)")
     if hybrid and base:
