@@ -176,16 +176,22 @@ def two_ranks(rank: int, world: int) -> dict:
 
 
 def planned_kept_bytes(world: int) -> int:
+    """What LoCo adds to the planner's stage-3 comm buffers for the test's model (fp32, one node)."""
     from slipstream.config.plan import LocoPlan
     from slipstream.config.zero_plans import default_stage3_plan
     from slipstream.planner.shapes import from_module
     from slipstream.planner.types import Settings
-    from slipstream.planner.zero_bytes import loco_kept_bytes
+    from slipstream.planner.zero_bytes import stage3_bytes
 
-    loco = LocoPlan(err_beta=BETA, reset_every=1024)
-    stage3 = default_stage3_plan(persistence_threshold=0, quantized_gradients=True, loco=loco)
     units = from_module(TinyMLP(hidden=HIDDEN)).units(0, (), (), ())
-    return loco_kept_bytes(units, world=world, settings=Settings(dtype="fp32", stage3=stage3))
+    comm = []
+    for loco in (None, LocoPlan(err_beta=BETA, reset_every=1024)):
+        stage3 = default_stage3_plan(persistence_threshold=0, quantized_gradients=True, loco=loco)
+        figures, _ = stage3_bytes(
+            units, world=world, settings=Settings(dtype="fp32", stage3=stage3), offload=False, offload_param=False
+        )
+        comm.append(figures.owned["comm_buffers"])
+    return comm[1] - comm[0]
 
 
 def test_loco_equals_its_definition_and_drifts_less_than_qgz(tmp_path) -> None:  # type: ignore[no-untyped-def]
