@@ -143,13 +143,15 @@ class QuantizedReduceScatter:
         phase: str,
         loco: LocoReduction | None,
     ) -> None:
-        """Quantize each of `values` into its row of `pieces`, error-compensated with LoCo."""
-        kept = None if loco is None else loco.kept(phase, len(values), codec.numel, pieces.device)
-        for index, value in enumerate(values):
-            if loco is None or kept is None:
+        """Quantize each of `values` into its row of `pieces`; with LoCo error-compensated, each with the error
+        kept for `phase`'s piece at its index."""
+        if loco is None:
+            for index, value in enumerate(values):
                 codec.encode(value, pieces[index], None, scratch)
-            else:
-                loco.encode(codec, value, pieces[index], kept[index], scratch)
+            return
+        kept = loco.kept(phase, len(values), codec.numel, pieces.device)
+        for index, value in enumerate(values):
+            loco.encode(codec, value, pieces[index], kept[index], scratch)
 
     def _within_node(
         self, codec: QuantizedRows, rows: torch.Tensor, scratch: torch.Tensor, loco: LocoReduction | None
