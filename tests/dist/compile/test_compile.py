@@ -58,18 +58,23 @@ def make_engine(stage: int, zero: dict | None = None, bf16: bool = False, optimi
     return engine
 
 
-def train(engine, rank: int) -> list[int]:  # type: ignore[no-untyped-def]
-    """STEPS steps; dynamo's count of compiled frames after each (it grows only when something compiles)."""
+def train(engine, rank: int) -> tuple[list[int], dict[str, tuple[int, int]]]:  # type: ignore[no-untyped-def]
+    """STEPS steps; dynamo's count of compiled frames after each (it grows only when something compiles), and
+    the collectives of the steps after the first (name -> calls, bytes)."""
     from torch._dynamo.utils import counters
+
+    from slipstream.comm.counting import count_collectives
 
     model = TinyTransformer()
     before, frames = counters["frames"]["total"], []
-    for step in range(STEPS):
-        tokens, targets = model.make_batch(seed=10 * step + rank, batch_size=MICRO)
-        engine.backward(TinyTransformer.loss(engine(tokens), targets))
-        engine.step()
-        frames.append(counters["frames"]["total"] - before)
-    return frames
+    with count_collectives() as collectives:
+        for step in range(STEPS):
+            collectives.reset()  # the first step's are left out: a compiled engine's first step compiles
+            tokens, targets = model.make_batch(seed=10 * step + rank, batch_size=MICRO)
+            engine.backward(TinyTransformer.loss(engine(tokens), targets))
+            engine.step()
+            frames.append(counters["frames"]["total"] - before)
+    return frames, {op: (collectives.calls[op], collectives.bytes[op]) for op in collectives.calls}
 
 
 def full_params(engine) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -84,14 +89,14 @@ def compiled_vs_eager(rank: int, *, stage: int, backend: str, zero: dict | None 
     torch._dynamo.reset()  # every case compiles its own graphs (and counts its own breaks)
     case_started = time.perf_counter()
     eager = make_engine(stage, zero, bf16, optimizer)
-    train(eager, rank)
+    _, eager_collectives = train(eager, rank)
     expected = full_params(eager)
     eager.destroy()
     compiled = make_engine(stage, zero, bf16, optimizer)
     compiled.compile(backend=backend)
     assert compiled.is_compiled and not eager.is_compiled
     started = time.perf_counter()
-    frames = train(compiled, rank)
+    frames, collectives = train(compiled, rank)
     seconds = time.perf_counter() - started
     got = full_params(compiled)
     if stage == 3:  # the blocks' parameters got their sharded type back after each compiled call
@@ -103,6 +108,7 @@ def compiled_vs_eager(rank: int, *, stage: int, backend: str, zero: dict | None 
     dist.barrier()
     worst = max((got[n] - expected[n]).abs().max().item() for n in expected)
     return {"worst": worst, "breaks": breaks, "seconds": seconds, "names": sorted(breaks), "frames": frames,
+            "collectives": collectives, "eager_collectives": eager_collectives,
             "case_seconds": time.perf_counter() - case_started}
 
 
@@ -155,6 +161,8 @@ def check(outcome: list[dict], cases: list[dict]) -> None:
             assert all(not reasons for reasons in found["breaks"].values()), f"{where}: {found['breaks']}"
             # the first step compiles (one frame per block at most); later steps reuse it: no recompiles
             assert 1 <= found["frames"][0] <= 3 and len(set(found["frames"])) == 1, f"{where}: {found['frames']}"
+            # compiling changes no communication: the same gathers, reductions and bytes per step as eager
+            assert found["collectives"] == found["eager_collectives"], f"{where}: {found['collectives']} vs eager"
             tolerance = 1e-2 if case.get("bf16") else 2e-5
             assert found["worst"] <= tolerance, f"{where}: parameters differ by {found['worst']}"
     for case, found in zip(cases, outcome[0]["cases"]):
