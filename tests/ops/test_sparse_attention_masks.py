@@ -157,3 +157,30 @@ def test_local_sliding_window_layout_by_hand() -> None:
         LocalSlidingWindowSparsityConfig(num_heads=1, attention="causal")
     with pytest.raises(TypeError):
         LocalSlidingWindowSparsityConfig(num_heads=2, different_layout_per_head=True)  # type: ignore[call-arg]
+
+
+def test_softmax_primitive_takes_rpe_and_half_precision_attention() -> None:
+    """DeepSpeed's `Softmax` with `rpe` against the dense softmax of the layout's blocks; bfloat16 attention
+    with a mask stays close to the float64 result (its softmax runs in float32)."""
+    from slipstream.ops.sparse_attention.softmax import Softmax
+
+    config = FixedSparsityConfig(num_heads=HEADS, block=BLOCK, num_local_blocks=2)
+    layout = config.make_layout(SEQ)
+    q, k, v, rpe = _inputs(3)
+    scores = (q @ k.transpose(-1, -2)).detach()
+    keep = layout.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2).bool()
+    dense = torch.softmax((scores * 0.5 + rpe).masked_fill(~keep, float("-inf")), -1)
+    blocks = torch.stack(
+        [scores[:, h, i * 4 : i * 4 + 4, j * 4 : j * 4 + 4] for h, i, j in layout.nonzero().tolist()], 1
+    )
+    expected = torch.stack(
+        [dense[:, h, i * 4 : i * 4 + 4, j * 4 : j * 4 + 4] for h, i, j in layout.nonzero().tolist()], 1
+    )
+    torch.testing.assert_close(Softmax(layout, BLOCK)(blocks, scale=0.5, rpe=rpe), expected, atol=2e-5, rtol=0)
+
+    module = SparseSelfAttention(config, max_seq_length=SEQ)
+    key_padding = _masks("add", "key_padding")
+    want = module(q, k, v, key_padding_mask=key_padding)
+    half = module(q.bfloat16(), k.bfloat16(), v.bfloat16(), key_padding_mask=key_padding)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.double(), want, atol=3e-2, rtol=0)

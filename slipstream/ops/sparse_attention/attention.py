@@ -1,10 +1,11 @@
-"""Block-sparse attention as DeepSpeed composes it: the scores of the layout's blocks only (MatMul "sdd" of the
-queries and the transposed keys), the block-sparse softmax with the relative position embedding and the masks
-(softmax.py), and the probabilities times the values (MatMul "dsd"). Every step gathers the blocks it needs, so
-the scores, probabilities and gathered keys and values take batch x non-zero blocks x block x max(block,
-head_dim) elements instead of batch x heads x seq x seq. Within a computed block every entry counts; the result
-equals dense attention whose mask is the layout expanded to tokens, plus the same rpe and masks. A query block
-whose layout row is empty gets zeros. Pure PyTorch, autograd through the gathers.
+"""Block-sparse attention computed block by block: for each (head, query block) only the key blocks its layout
+row names are gathered (rows grouped by their number of blocks, so nothing is padded), so the scores take
+batch x non-zero blocks x block x block elements instead of batch x heads x seq x seq. The relative position
+embedding and the masks (softmax.py's ScoreTerms) are cut to the same blocks and added to the scaled scores.
+Within a computed block every entry counts (as in DeepSpeed's block-sparse softmax); the result equals dense
+attention whose mask is the layout expanded to tokens, plus the same terms. The softmax runs in float32 for
+half-precision inputs. A query block whose layout row is empty gets zeros. Pure PyTorch, autograd through the
+gathers.
 """
 
 from __future__ import annotations
@@ -16,36 +17,56 @@ from torch import distributed as dist
 from torch import nn
 
 from slipstream.ops.sparse_attention.layouts import SparsityConfig
-from slipstream.ops.sparse_attention.matmul import MatMul
-from slipstream.ops.sparse_attention.softmax import Softmax, check_mask_mode
+from slipstream.ops.sparse_attention.matmul import LayoutIndex, compute_dtype
+from slipstream.ops.sparse_attention.softmax import ScoreTerms, check_mask_mode
 
-__all__ = ["BlockSparseOps", "SparseSelfAttention", "block_sparse_attention"]
+__all__ = ["BlockRows", "SparseSelfAttention", "block_sparse_attention"]
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSparseOps:
-    """The three block-sparse steps of one layout: scores, softmax, context."""
+class BlockRows:
+    """A layout's (head, query block) rows grouped by how many key blocks they have. For each count: the rows'
+    flat indices (head * blocks + block), their key-block indices [rows, count] and those blocks' positions in
+    the layout's non-zero order [rows, count] (where ScoreTerms.blocks puts them). Empty rows are left out."""
 
-    scores: MatMul
-    softmax: Softmax
-    context: MatMul
+    index: LayoutIndex
+    groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
 
     @classmethod
-    def of(cls, layout: torch.Tensor, block: int) -> BlockSparseOps:
-        layout = layout.cpu()
-        return cls(MatMul(layout, block, "sdd", trans_b=True), Softmax(layout, block), MatMul(layout, block, "dsd"))
+    def of(cls, layout: torch.Tensor) -> BlockRows:
+        active = layout.cpu().to(torch.bool).flatten(0, 1)
+        counts = active.sum(-1)
+        starts = torch.cumsum(counts, 0) - counts  # each row's first block in the non-zero order
+        groups = []
+        for count in torch.unique(counts).tolist():
+            if count == 0:
+                continue
+            rows = torch.nonzero(counts == count).flatten()
+            columns = torch.nonzero(active[rows])[:, 1].reshape(len(rows), count)
+            groups.append((rows, columns, starts[rows, None] + torch.arange(count)))
+        return cls(LayoutIndex.of(layout.cpu()), tuple(groups))
 
-    def __call__(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
-        **terms: torch.Tensor | str | None,
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, terms: ScoreTerms
     ) -> torch.Tensor:
-        """softmax(q k^T * scale + terms) v; `terms` are Softmax's rpe, masks and mask modes."""
-        probs = self.softmax(self.scores(query, key), scale, **terms)  # type: ignore[arg-type]
-        return self.context(probs, value)
+        """softmax(q k^T * scale + terms) v over the layout's blocks; q, k, v [batch, heads, seq, head_dim]."""
+        batch, heads, seq, dim = query.shape
+        blocks = self.index.rows
+        block = seq // blocks
+        added = terms.blocks(self.index.on(query.device), block, batch, compute_dtype(query.dtype))
+        queries = query.reshape(batch, heads * blocks, block, dim)
+        keys, values = (x.reshape(batch, heads, blocks, block, dim) for x in (key, value))
+        out = query.new_zeros(batch, heads * blocks, block, dim)
+        for rows, columns, ids in self.groups:
+            rows, columns, ids = rows.to(query.device), columns.to(query.device), ids.to(query.device)
+            row_heads = (rows // blocks)[:, None]
+            scores = torch.einsum("bpqd,bpckd->bpqck", queries[:, rows], keys[:, row_heads, columns])
+            scores = scores.to(compute_dtype(query.dtype)) * scale
+            if added is not None:  # [batch, nnz, q, k] -> the group's [batch, rows, q, count, k]
+                scores = scores + added[:, ids].permute(0, 1, 3, 2, 4)
+            probs = torch.softmax(scores.flatten(-2), dim=-1).reshape(scores.shape).to(value.dtype)
+            out = out.index_copy(1, rows, torch.einsum("bpqck,bpckd->bpqd", probs, values[:, row_heads, columns]))
+        return out.reshape(batch, heads, seq, dim)
 
 
 def block_sparse_attention(
@@ -53,7 +74,7 @@ def block_sparse_attention(
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over the layout's blocks only; q, k, v [batch, heads, seq, head_dim], layout
     [heads, seq // block, seq // block]. A query block whose layout row is empty gets zeros."""
-    return BlockSparseOps.of(layout, block)(query, key, value, scale)
+    return BlockRows.of(layout).attend(query, key, value, scale, ScoreTerms())
 
 
 def _squeezed_mask(name: str, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -96,7 +117,7 @@ class SparseSelfAttention(nn.Module):
         self.max_seq_length = max_seq_length
         self.register_buffer("master_layout", self.sparsity_config.make_layout(max_seq_length))
         self._need_layout_synchronization = True
-        self._ops: dict[int, BlockSparseOps] = {}
+        self._rows: dict[int, BlockRows] = {}
 
     def get_layout(self, seq_len: int) -> torch.Tensor:
         """The layout for `seq_len` tokens: the top-left blocks of the master layout."""
@@ -113,11 +134,11 @@ class SparseSelfAttention(nn.Module):
         blocks = seq_len // block
         return self.master_layout[:, :blocks, :blocks].cpu()
 
-    def get_ops(self, seq_len: int) -> BlockSparseOps:
-        """The block-sparse steps for `seq_len` tokens, built once per length."""
-        if seq_len not in self._ops:
-            self._ops[seq_len] = BlockSparseOps.of(self.get_layout(seq_len), self.sparsity_config.block)
-        return self._ops[seq_len]
+    def get_ops(self, seq_len: int) -> BlockRows:
+        """The layout's grouped rows for `seq_len` tokens, built once per length."""
+        if seq_len not in self._rows:
+            self._rows[seq_len] = BlockRows.of(self.get_layout(seq_len))
+        return self._rows[seq_len]
 
     def _check_inputs(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """The key as [batch, heads, seq, head_dim] (a key given transposed is turned back, as in DeepSpeed)."""
@@ -149,14 +170,5 @@ class SparseSelfAttention(nn.Module):
             key_padding_mask = _squeezed_mask("key_padding_mask", key_padding_mask, query.dtype)
         if attn_mask is not None:
             attn_mask = _squeezed_mask("attn_mask", attn_mask, query.dtype)
-        return self.get_ops(query.shape[2])(
-            query,
-            key,
-            value,
-            float(query.shape[-1]) ** -0.5,
-            rpe=rpe,
-            key_padding_mask=key_padding_mask,
-            attn_mask=attn_mask,
-            key_padding_mask_mode=self.key_padding_mask_mode,
-            attn_mask_mode=self.attn_mask_mode,
-        )
+        terms = ScoreTerms(rpe, key_padding_mask, attn_mask, self.key_padding_mask_mode, self.attn_mask_mode)
+        return self.get_ops(query.shape[2]).attend(query, key, value, float(query.shape[-1]) ** -0.5, terms)

@@ -10,11 +10,13 @@ computed on them, so nothing the size of the dense matrix is built. Half-precisi
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from slipstream.ops.sparse_attention.matmul import LayoutIndex, compute_dtype
 
-__all__ = ["MASK_MODES", "Softmax", "check_mask_mode"]
+__all__ = ["MASK_MODES", "ScoreTerms", "Softmax", "check_mask_mode", "layout_blocks"]
 
 MASK_MODES = ("add", "mul")
 
@@ -50,14 +52,49 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...], bro
     )
     if not fits:
         ones = f" (the first {broadcast} may be 1)" if broadcast else ""
-        raise ValueError(f"Softmax: {name} has shape {tuple(tensor.shape)}; it must be {list(expected)}{ones}")
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}; it must be {list(expected)}{ones}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreTerms:
+    """What is added to the scaled scores: a relative position embedding [batch, heads, rows, columns] (batch and
+    heads may be 1), a key padding mask [batch, columns] (batch may be 1) and an attention mask [rows, columns],
+    each mask in its mode ("add" or "mul")."""
+
+    rpe: torch.Tensor | None = None
+    key_padding_mask: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+    key_padding_mask_mode: str = "add"
+    attn_mask_mode: str = "add"
+
+    def __post_init__(self) -> None:
+        check_mask_mode("key_padding_mask_mode", self.key_padding_mask_mode)
+        check_mask_mode("attn_mask_mode", self.attn_mask_mode)
+
+    def blocks(self, index: LayoutIndex, block: int, batch: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Their sum over the layout's blocks, [batch or 1, nnz, block, block] in `dtype` (None without terms);
+        each dense term is cut to the blocks first."""
+        rows, columns = index.rows * block, index.columns * block
+        total: torch.Tensor | None = None
+        if self.rpe is not None:
+            _check_shape("rpe", self.rpe, (batch, index.heads, rows, columns), 2)
+            total = layout_blocks(self.rpe.to(dtype), index, block)
+        if self.key_padding_mask is not None:
+            _check_shape("key_padding_mask", self.key_padding_mask, (batch, columns), 1)
+            mask = self.key_padding_mask.to(dtype).reshape(-1, index.columns, block)[:, index.column]
+            term = _additive(mask, self.key_padding_mask_mode).unsqueeze(2)
+            total = term if total is None else total + term
+        if self.attn_mask is not None:
+            _check_shape("attn_mask", self.attn_mask, (rows, columns), 0)
+            term = _additive(layout_blocks(self.attn_mask.to(dtype)[None, None], index, block), self.attn_mask_mode)
+            total = term if total is None else total + term
+        return total
 
 
 class Softmax:
     """`Softmax(layout, block)(x, scale=1.0, rpe=None, key_padding_mask=None, attn_mask=None,
-    key_padding_mask_mode="add", attn_mask_mode="add")`: the row softmax of a block-sparse matrix. `rpe` is
-    [batch, heads, rows, columns] (batch and heads may be 1), `key_padding_mask` [batch, columns] (batch may be 1),
-    `attn_mask` [rows, columns]."""
+    key_padding_mask_mode="add", attn_mask_mode="add")`: the row softmax of a block-sparse matrix, with the
+    terms of `ScoreTerms` added to the scaled scores."""
 
     def __init__(self, layout: torch.Tensor, block: int, bench: bool = False) -> None:
         self.layout, self.block = layout, block
@@ -73,8 +110,7 @@ class Softmax:
         key_padding_mask_mode: str = "add",
         attn_mask_mode: str = "add",
     ) -> torch.Tensor:
-        check_mask_mode("key_padding_mask_mode", key_padding_mask_mode)
-        check_mask_mode("attn_mask_mode", attn_mask_mode)
+        terms = ScoreTerms(rpe, key_padding_mask, attn_mask, key_padding_mask_mode, attn_mask_mode)
         index, block, dtype = self.index.on(x.device), self.block, x.dtype
         if x.dim() != 4 or x.shape[1] != index.head.numel():
             raise ValueError(
@@ -82,18 +118,8 @@ class Softmax:
                 f"blocks, [batch, {index.head.numel()}, {block}, {block}]"
             )
         scores = x.to(compute_dtype(dtype)) * scale
-        batch, rows, columns = x.shape[0], index.rows * block, index.columns * block
-        if rpe is not None:
-            _check_shape("rpe", rpe, (batch, index.heads, rows, columns), 2)
-            scores = scores + layout_blocks(rpe.to(scores.dtype), index, block)
-        if key_padding_mask is not None:
-            _check_shape("key_padding_mask", key_padding_mask, (batch, columns), 1)
-            mask = key_padding_mask.to(scores.dtype).reshape(-1, index.columns, block)[:, index.column]
-            scores = scores + _additive(mask, key_padding_mask_mode).unsqueeze(2)
-        if attn_mask is not None:
-            _check_shape("attn_mask", attn_mask, (rows, columns), 0)
-            mask = layout_blocks(attn_mask.to(scores.dtype)[None, None], index, block)
-            scores = scores + _additive(mask, attn_mask_mode)
+        added = terms.blocks(index, block, x.shape[0], scores.dtype)
+        scores = scores if added is None else scores + added
         return _row_softmax(scores, index).to(dtype)
 
 
