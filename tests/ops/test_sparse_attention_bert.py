@@ -183,3 +183,13 @@ def test_bert_sparse_self_attention_called_as_in_deepspeed() -> None:
         layer(hidden, extended, encoder_hidden_states=hidden)
     with pytest.raises(ValueError, match="hidden_size 10 is not a multiple of num_attention_heads 4"):
         BertSparseSelfAttention(transformers.BertConfig(hidden_size=10, num_attention_heads=4))
+
+
+def test_update_tokenizer_model_max_length(tmp_path: object) -> None:
+    from pathlib import Path
+
+    vocab = Path(str(tmp_path)) / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]))
+    tokenizer = transformers.BertTokenizer(vocab_file=str(vocab), model_max_length=24)
+    assert SparseAttentionUtils.update_tokenizer_model_max_length(tokenizer, 96) is tokenizer
+    assert tokenizer.model_max_length == 96 and tokenizer.init_kwargs["model_max_length"] == 96
