@@ -184,3 +184,17 @@ def test_softmax_primitive_takes_rpe_and_half_precision_attention() -> None:
     half = module(q.bfloat16(), k.bfloat16(), v.bfloat16(), key_padding_mask=key_padding)
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.double(), want, atol=3e-2, rtol=0)
+
+
+def test_a_loaded_master_layout_replaces_the_one_in_use() -> None:
+    """`master_layout` is in the state dict (as in DeepSpeed); loading another module's random layout after a
+    forward makes the next forward use it."""
+    from slipstream.ops.sparse_attention import BigBirdSparsityConfig
+
+    config = BigBirdSparsityConfig(num_heads=HEADS, block=BLOCK, num_random_blocks=1, num_sliding_window_blocks=1)
+    first, second = (SparseSelfAttention(config, max_seq_length=64) for _ in range(2))
+    assert not torch.equal(first.master_layout, second.master_layout)
+    q, k, v = (torch.randn(1, HEADS, 64, DIM, dtype=torch.float64) for _ in range(3))
+    first(q, k, v)
+    first.load_state_dict(second.state_dict())
+    torch.testing.assert_close(first(q, k, v), second(q, k, v), atol=0, rtol=0)

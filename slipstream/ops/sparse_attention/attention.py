@@ -91,6 +91,12 @@ def _squeezed_mask(name: str, mask: torch.Tensor, dtype: torch.dtype) -> torch.T
     return squeezed
 
 
+def _forget_rows(module: nn.Module, incompatible_keys: object) -> None:
+    """After load_state_dict: the grouped rows are rebuilt from the loaded layout on the next forward."""
+    if isinstance(module, SparseSelfAttention):
+        module._rows.clear()
+
+
 class SparseSelfAttention(nn.Module):
     """DeepSpeed's `SparseSelfAttention`: block-sparse scaled dot-product attention of [batch, heads, seq,
     head_dim] tensors with the layout of `sparsity_config`, made once for `max_seq_length` (the `master_layout`
@@ -118,6 +124,7 @@ class SparseSelfAttention(nn.Module):
         self.register_buffer("master_layout", self.sparsity_config.make_layout(max_seq_length))
         self._need_layout_synchronization = True
         self._rows: dict[int, BlockRows] = {}
+        self.register_load_state_dict_post_hook(_forget_rows)  # a loaded master_layout replaces the drawn one
 
     def get_layout(self, seq_len: int) -> torch.Tensor:
         """The layout for `seq_len` tokens: the top-left blocks of the master layout."""
