@@ -30,10 +30,10 @@ import dataclasses
 from collections.abc import Sequence
 
 from slipstream.config.optimizers import compresses, states_per_element
+from slipstream.planner.comm_model import QUANT_BLOCK
 from slipstream.planner.prefetch import PoolFigures, UnitShape, simulate_pool
 from slipstream.planner.reduce_buffers import split_pool_bytes, stage2_ring_bytes, step_reducer_bytes
 from slipstream.planner.types import DTYPE_BYTES, Settings
-from slipstream.zero.quantized import BLOCK as QUANT_BLOCK
 from slipstream.zero.layout import GroupLayout, build_layout, stage2_bucket_numel
 
 # [Note: compressed all-reduce bytes]
