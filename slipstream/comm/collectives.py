@@ -40,6 +40,7 @@ __all__ = [
     "PeerLost",
     "TimedWork",
     "all_gather",
+    "all_gather_by_sum",
     "all_reduce",
     "all_to_all",
     "barrier",
@@ -272,6 +273,24 @@ def all_gather(
         output,
         (output, input),
         lambda o, i: _all_gather_flat(o, i, group=group, async_op=True),
+        async_op,
+        group=group,
+    )
+
+
+def all_gather_by_sum(
+    tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> TimedWork:
+    """An in-place all-gather of disjoint parts, issued as an all-reduce: each rank has written its own elements
+    of `tensor` and -0.0 in every element another rank owns. -0.0 is the exact additive identity (x + -0.0 is x
+    for every x, -0.0 and NaN included), so every rank ends with each element as its owner wrote it, bit for bit.
+    The host's choice: gloo's all-gather copies through a temporary as large as its output, its all-reduce
+    works in place. Counted as the all-gather it is."""
+    return _issue(
+        "all_gather",
+        tensor,
+        (tensor,),
+        lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True),
         async_op,
         group=group,
     )

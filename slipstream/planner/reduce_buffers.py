@@ -6,12 +6,13 @@ Under `torch_autocast` with `lower_precision_safe_modules` the safe modules' par
 reduced in the autocast dtype and the rest in the ZeRO reduce dtype R (`communication_data_type`, else the
 gradient-accumulation dtype G); the layout keeps each bucket to one reduce dtype ([Note: buckets by reduce
 dtype] in zero/layout.py). With one reduce dtype these are the formulas the planner always had. For a dtype d
-of b_d bytes, over the buckets reduced in d, let P_d be the largest padded bucket and p_d the largest piece:
-- stages 0 and 1 (`StepReducer`): buckets in G are reduced in place; every other dtype has two slots of a
-  staging buffer (P_d) and a receive buffer (p_d): 2 (P_d + p_d) b_d; nothing on one rank;
-- stage 2 (`Stage2Optimizer`'s ring): with the chunk c (`stage2_chunk_numel`) and n_d = min(p_d, c), two slots
-  of world x n_d and n_d per dtype, R always among them (n_R = 0 when no bucket is in R):
-  2 (world + 1) n_d b_d;
+of b_d bytes, over the buckets reduced in d, let p_d be the largest piece:
+- with the chunk c (`stage2_chunk_numel`, the staging bound's share per rank) and n_d = min(p_d, c), a ring
+  has two slots of a staging (world x n_d) and a receive (n_d) buffer per dtype: 2 (world + 1) n_d b_d;
+- stages 0 and 1 (`StepReducer`): buckets in G are reduced in place; every other dtype has a ring's buffers,
+  reduced in chunks, so they stay within the bound at any `reduce_bucket_size`; nothing on one rank;
+- stage 2 (`Stage2Optimizer`'s ring): a ring's buffers for every dtype, R always among them (n_R = 0 when no
+  bucket is in R);
 - stage 3: the ring stays in R, sized by the largest unit's trainable shard; a unit whose trainable parameters
   are not all in R is reduce-scattered once per dtype d it holds, its part of s_d shard elements taking a
   receive buffer (s_d, d) from the unit pool and, for d other than R, rows (world x s_d, d) (R's rows are the
@@ -33,24 +34,30 @@ from slipstream.zero.layout import GroupLayout, largest_by_reduce_dtype, stage2_
 _NUM_SLOTS = 2
 
 
+def _chunk_by_dtype(layout: GroupLayout, *, reduce_dtype: str, grad_bytes: int) -> dict[str, int]:
+    """dtype -> n_d, the elements per rank of the largest reduction in it (`zero/staging.py` `bounded_sizes`)."""
+    chunk = stage2_chunk_numel(layout, grad_bytes)
+    return {d: min(piece, chunk) for d, (_, piece) in largest_by_reduce_dtype(layout.buckets, reduce_dtype).items()}
+
+
+def _ring_bytes(per_dtype: dict[str, int], world: int) -> int:
+    """Two slots of a staging (world x n_d) and a receive (n_d) buffer per dtype."""
+    return sum(_NUM_SLOTS * (world + 1) * n * DTYPE_BYTES[d] for d, n in per_dtype.items())
+
+
 def step_reducer_bytes(layout: GroupLayout, *, reduce_dtype: str, storage_dtype: str) -> int:
     """Stages 0 and 1: the staging ring for the buckets not reduced in the storage dtype."""
     if layout.world_size == 1:
         return 0
-    sizes = largest_by_reduce_dtype(layout.buckets, reduce_dtype)
-    return sum(
-        _NUM_SLOTS * (padded + piece) * DTYPE_BYTES[d] for d, (padded, piece) in sizes.items() if d != storage_dtype
-    )
+    per_dtype = _chunk_by_dtype(layout, reduce_dtype=reduce_dtype, grad_bytes=DTYPE_BYTES[storage_dtype])
+    return _ring_bytes({d: n for d, n in per_dtype.items() if d != storage_dtype}, layout.world_size)
 
 
 def stage2_ring_bytes(layout: GroupLayout, *, reduce_dtype: str, grad_bytes: int) -> int:
     """Stage 2: the ring's staging and receive buffers, per dtype, for chunks of `stage2_chunk_numel`."""
-    chunk = stage2_chunk_numel(layout, grad_bytes)
-    per_dtype = {
-        d: min(piece, chunk) for d, (_, piece) in largest_by_reduce_dtype(layout.buckets, reduce_dtype).items()
-    }
+    per_dtype = _chunk_by_dtype(layout, reduce_dtype=reduce_dtype, grad_bytes=grad_bytes)
     per_dtype.setdefault(reduce_dtype, 0)
-    return sum(_NUM_SLOTS * (layout.world_size + 1) * n * DTYPE_BYTES[d] for d, n in per_dtype.items())
+    return _ring_bytes(per_dtype, layout.world_size)
 
 
 def reduce_order(units: Sequence[UnitShape]) -> list[int]:

@@ -11,6 +11,15 @@
 - *grad storage*: where gradients accumulate, in the grad-accumulation dtype; full-size at stages 0 and 1,
   shard-size at stage 2. Each master piece's `.grad` is a view of it.
 Buffers are allocated once, here, and reused every step.
+
+[Note: gathering the pieces]
+After the step every rank's flat params take every rank's updated pieces. On a device that is one in-place
+all-gather per bucket (`all_gather_into_tensor(bucket, piece)`). On the host (gloo) it is one all-reduce of the
+whole flat buffer, after each rank has written -0.0 over the pieces it does not own
+(`collectives.all_gather_by_sum`: exact, bit for bit). gloo's all-gather copies through a temporary as large
+as its output (a whole bucket: the whole model at the default `reduce_bucket_size`), while its all-reduce works
+in place; measured on 2 ranks, 50.4M parameters, one all-reduce of the flat buffer took a fraction of the
+per-bucket all-gathers' time and no extra memory.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slipstream.comm import collectives
 from slipstream.offload.policy import OffloadPolicy
 from slipstream.zero.layout import Bucket, GroupLayout
 from slipstream.zero.master_group import MasterGroup
@@ -111,6 +121,18 @@ class FlatGroup(MasterGroup):
 
     def bucket_params(self, bucket: Bucket) -> torch.Tensor:
         return self.flat_params[bucket.flat_offset : bucket.flat_offset + bucket.padded_numel]
+
+    def gather_params(self) -> None:
+        """Phase 4's collective: every rank's updated pieces into every rank's flat params (see [Note: gathering
+        the pieces])."""
+        if not self.flat_params.is_cpu:
+            for bucket, (start, end) in zip(self.layout.buckets, self.piece_ranges):
+                collectives.all_gather(self.bucket_params(bucket), self.flat_params[start:end], group=self.process_group)
+            return
+        for bucket, (start, end) in zip(self.layout.buckets, self.piece_ranges):
+            self.flat_params[bucket.flat_offset : start].fill_(-0.0)
+            self.flat_params[end : bucket.flat_offset + bucket.padded_numel].fill_(-0.0)
+        collectives.all_gather_by_sum(self.flat_params, group=self.process_group)
 
     def copy_master_to_params(self, *, from_low_precision: bool, span: tuple[int, int] | None = None) -> None:
         """After a step: the updated master pieces [span) (or the optimizer's low-precision copy) into the flat

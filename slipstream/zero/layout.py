@@ -158,7 +158,9 @@ def stage2_bucket_numel(reduce_bucket_size: int, grad_bytes: int) -> int:
     gradients at a time (`reduce_bucket_size` is the most that is reduced at a time, as DeepSpeed
     documents it; smaller values are honoured), and a parameter larger than that is reduce-scattered in
     chunks of that size (`stage2_chunk_numel`). The staging memory is then a few times that bound,
-    independent of the model size. Stages 0 and 1 reduce in place and keep `reduce_bucket_size`.
+    independent of the model size. Stages 0 and 1 reduce in place and keep `reduce_bucket_size`; a bucket of
+    theirs that travels in another dtype than its storage goes through staging buffers within the same bound,
+    in chunks (zero/staging.py `StepReducer`).
     """
     return max(1, min(int(reduce_bucket_size), STAGE2_STAGING_BYTES // max(grad_bytes, 1)))
 

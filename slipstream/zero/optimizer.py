@@ -7,7 +7,8 @@ The communication schedule of one optimizer step (the engine calls `step()` at t
              inf/nan (one all-reduce of a flag, fp16 and bf16); compute the global norm (one all-reduce
              of a scalar when sharded); clip.
     Phase 3: the wrapped torch optimizer updates the master pieces.
-    Phase 4: cast master pieces into the flat params and all-gather each bucket (stages 1, 2).
+    Phase 4: cast master pieces into the flat params and gather every rank's pieces (stages 1, 2; [Note:
+             gathering the pieces] in flat_group.py).
 Gradients reach the flat grad storage through post-accumulate-grad hooks, so `loss.backward()` and
 `engine.backward(loss)` are the same thing here.
 """
@@ -334,12 +335,8 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
         for flat in self.groups:
             if not copied:
                 flat.copy_master_to_params(from_low_precision=from_low_precision)
-            if self.owns_all or flat.world_size == 1:
-                continue
-            for bucket, (start, end) in zip(flat.layout.buckets, flat.piece_ranges):
-                collectives.all_gather(
-                    flat.bucket_params(bucket), flat.flat_params[start:end], group=flat.process_group
-                )
+            if not self.owns_all and flat.world_size > 1:
+                flat.gather_params()
 
     # ---- introspection, DeepSpeed's surface ----
     @property

@@ -35,7 +35,7 @@ from slipstream.comm import collectives
 from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import Bucket, stage2_bucket_numel, stage2_chunk_numel
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
-from slipstream.zero.staging import StagingRing, bucket_dtype, largest_by_dtype
+from slipstream.zero.staging import StagingRing, bounded_sizes, bucket_dtype
 
 
 class Stage2Optimizer(ZeroOptimizer):
@@ -48,13 +48,9 @@ class Stage2Optimizer(ZeroOptimizer):
             (flat, b) for flat in self.groups for b in range(len(flat.layout.buckets))
         ]
         self._position = {(id(flat), b): i for i, (flat, b) in enumerate(self._order)}
-        grad_dtype = self.groups[0].grad_storage.dtype if self.groups else torch.float32
-        grad_bytes = torch.empty((), dtype=grad_dtype).element_size()
-        self._chunk = {id(flat): stage2_chunk_numel(flat.layout, grad_bytes) for flat in self.groups}
-        chunk = max(self._chunk.values(), default=0)
+        self._chunk = {id(f): stage2_chunk_numel(f.layout, f.grad_storage.element_size()) for f in self.groups}
         device = self.groups[0].device if self.groups else None
-        per_dtype = {dtype: min(piece, chunk) for dtype, (_, piece) in largest_by_dtype(self.zero, self.groups).items()}
-        sizes = {dtype: (n * self.world_size, n) for dtype, n in per_dtype.items()}
+        sizes = bounded_sizes(self.zero, self.groups, self.world_size)
         default = sizes.pop(DTYPES[self.zero.reduce_dtype], (0, 0))
         self._ring = StagingRing.for_plan(
             self.zero, staging_numel=default[0], receive_numel=default[1], device=device, more=sizes

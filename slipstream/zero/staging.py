@@ -32,7 +32,7 @@ from slipstream.comm.collectives import TimedWork
 from slipstream.config.plan import ZeroPlan
 from slipstream.zero.comm_stream import CommStream
 from slipstream.zero.flat_group import FlatGroup
-from slipstream.zero.layout import Bucket, largest_by_reduce_dtype
+from slipstream.zero.layout import Bucket, largest_by_reduce_dtype, stage2_chunk_numel
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
 _NUM_SLOTS = 2
@@ -134,6 +134,11 @@ class StagingRing:
         for slot in list(self._in_flight):
             self._finish(slot)
 
+    def capacity(self, dtype: torch.dtype) -> tuple[int, int]:
+        """(staging, receive) elements of one slot in `dtype`."""
+        staging, receive = self._buffers[dtype][0]
+        return staging.numel(), receive.numel()
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in [*self.staging, *self.receive])
@@ -144,17 +149,25 @@ def bucket_dtype(zero: ZeroPlan, bucket: Bucket) -> torch.dtype:
     return DTYPES[bucket.reduce_dtype or zero.reduce_dtype]
 
 
-def largest_by_dtype(zero: ZeroPlan, flats: Sequence[FlatGroup]) -> dict[torch.dtype, tuple[int, int]]:
-    """dtype -> (the largest padded bucket, the largest piece) among the buckets of `flats` reduced in it."""
+def bounded_sizes(zero: ZeroPlan, flats: Sequence[FlatGroup], world: int) -> dict[torch.dtype, tuple[int, int]]:
+    """dtype -> (staging, receive) elements of a ring whose reductions of `flats`' buckets go in chunks within
+    the staging bound ([Note: stage-2 staging bound] in layout.py): `world` x n and n, where n is the largest
+    piece reduced in that dtype, capped at the largest chunk of the layouts (`stage2_chunk_numel`)."""
+    if not flats:
+        return {}
+    grad_bytes = flats[0].grad_storage.element_size()
+    chunk = max(stage2_chunk_numel(flat.layout, grad_bytes) for flat in flats)
     buckets = (bucket for flat in flats for bucket in flat.layout.buckets)
-    return {DTYPES[name]: size for name, size in largest_by_reduce_dtype(buckets, zero.reduce_dtype).items()}
+    pieces = {name: min(piece, chunk) for name, (_, piece) in largest_by_reduce_dtype(buckets, zero.reduce_dtype).items()}
+    return {DTYPES[name]: (n * world, n) for name, n in pieces.items()}
 
 
 class StepReducer:
     """The reductions of stages 0 and 1, at the step, of whole buckets of the full-size gradient storage: in
-    place when a bucket travels in the dtype gradients are stored in (no extra buffer), else cast into a
-    staging buffer of its reduce dtype, reduced there, and copied back (a `StagingRing` with buffers for the
-    largest bucket and piece of each such dtype, `sizes` as `largest_by_dtype` gives them)."""
+    place when a bucket travels in the dtype gradients are stored in (no extra buffer, the storage itself is
+    summed: only the owned pieces are read afterwards), else cast into a staging buffer of its reduce dtype in
+    chunks, reduced there, and copied back (a `StagingRing` with `sizes` as `bounded_sizes` gives them, so its
+    buffers stay within the staging bound whatever `reduce_bucket_size` is)."""
 
     def __init__(
         self,
@@ -177,12 +190,20 @@ class StepReducer:
         """Launch: `piece` := this rank's piece of the sum of `bucket` over `group`, summed in `dtype`."""
         ring = self._staged(dtype)
         if ring is None:
-            self._works.append(collectives.reduce_scatter(piece, bucket, group=group, async_op=True))
+            self._works.append(
+                collectives.reduce_scatter(piece, bucket, group=group, async_op=True, input_is_scratch=True)
+            )
             return
-        slot, staging, receive = ring.take(bucket.numel(), piece.numel(), dtype)
-        staging.copy_(bucket)
-        work = collectives.reduce_scatter(receive, staging, group=group, async_op=True, input_is_scratch=True)
-        ring.launched(slot, work, receive, piece.copy_)
+        world = bucket.numel() // piece.numel()
+        staging_numel, receive_numel = ring.capacity(dtype)
+        most = min(receive_numel, staging_numel // world)
+        rows = bucket.view(world, piece.numel())
+        for lo in range(0, piece.numel(), most):
+            n = min(most, piece.numel() - lo)
+            slot, staging, receive = ring.take(world * n, n, dtype)
+            staging.view(world, n).copy_(rows[:, lo : lo + n])
+            work = collectives.reduce_scatter(receive, staging, group=group, async_op=True, input_is_scratch=True)
+            ring.launched(slot, work, receive, piece[lo : lo + n].copy_)
 
     def all_reduce(self, bucket: torch.Tensor, *, group: dist.ProcessGroup | None, dtype: torch.dtype) -> None:
         """Launch: `bucket` := its sum over `group`, summed in `dtype`."""
@@ -190,10 +211,13 @@ class StepReducer:
         if ring is None:
             self._works.append(collectives.all_reduce(bucket, group=group, async_op=True))
             return
-        slot, staging, _ = ring.take(bucket.numel(), 0, dtype)
-        staging.copy_(bucket)
-        work = collectives.all_reduce(staging, group=group, async_op=True)
-        ring.launched(slot, work, staging, bucket.copy_)
+        most = ring.capacity(dtype)[0]
+        for lo in range(0, bucket.numel(), most):
+            part = bucket[lo : lo + most]
+            slot, staging, _ = ring.take(part.numel(), 0, dtype)
+            staging.copy_(part)
+            work = collectives.all_reduce(staging, group=group, async_op=True)
+            ring.launched(slot, work, staging, part.copy_)
 
     @property
     def in_flight(self) -> int:
@@ -221,7 +245,7 @@ class ReducesAtStep(ZeroOptimizer):
         reduced = [flat for flat in self.groups if flat.world_size > 1]
         self.step_reducer = StepReducer(
             storage_dtype=reduced[0].grad_storage.dtype if reduced else DTYPES[self.zero.reduce_dtype],
-            sizes=largest_by_dtype(self.zero, reduced),
+            sizes=bounded_sizes(self.zero, reduced, self.world_size),
             device=reduced[0].device if reduced else None,
         )
 

@@ -98,10 +98,11 @@ def test_stages_match_reference_and_shard_state(tmp_path) -> None:  # type: igno
         calls = results[0]["counts"][-1]
         chunk = case.get("staging_bytes", 0) // 4 // 2 or max(results[0]["pieces"])
         reductions = sum(-(-piece // chunk) for piece in results[0]["pieces"])
-        # sharded stages add one scalar all-reduce: the global grad norm (and overflow flag)
+        # sharded stages add one scalar all-reduce: the global grad norm (and overflow flag); on the host the
+        # updated pieces are gathered by one all-gather per param group ([Note: gathering the pieces])
         expected = {0: {"all_reduce": buckets},
-                    1: {"reduce_scatter": buckets, "all_gather": buckets, "all_reduce": 1},
-                    2: {"reduce_scatter": reductions, "all_gather": buckets, "all_reduce": 1}}[stage]
+                    1: {"reduce_scatter": buckets, "all_gather": 1, "all_reduce": 1},
+                    2: {"reduce_scatter": reductions, "all_gather": 1, "all_reduce": 1}}[stage]
         assert calls == expected, (stage, calls)
         if stage == 2:  # two staging buffers of 2 x chunk and two receive buffers of chunk, fp32
             assert results[0]["bytes"]["comm_buffers"] == 6 * chunk * 4, results[0]["bytes"]
