@@ -423,6 +423,8 @@ class DeepSpeedEngineMethods(CompiledEngine, EngineAttributes):
         for unit in getattr(zero_model, "units", []):
             if zero_model._hold(unit, 0) == 0:
                 unit.release()
+        if zero_model is not None:
+            zero_model.pool.drop_idle()  # the pool's gathered memory no unit holds now
         from slipstream.accelerator import get_accelerator
 
         get_accelerator().empty_cache()

@@ -8,6 +8,10 @@
 - `storage_use_count(tensor)`: how many references hold the tensor's storage, or None where torch does not
   say (ZeRO-3 asks whether tensors taken inside GatheredParameters still alias a unit's gathered storage
   before releasing it).
+- `swap_storage_memory(a, b)`: exchange the memory (and byte sizes) behind two tensors' storages, keeping each
+  storage object and so every view of it (ZeRO-3 lends a unit's gathered storage a pooled buffer for the length
+  of a gather, so views autograd saved in the forward see the backward's gather; zero/stage3/pool.py). False
+  where torch cannot.
 - `use_count(tensor)`: how many C++ references hold the tensor's TensorImpl (comm/inflight.py watches gloo's
   worker threads let go of a collective's tensors with it).
 - `continue_stopped_ranks_on_close()`: the elastic agent follows the signal that stops a rank with SIGCONT,
@@ -51,6 +55,14 @@ def storage_use_count(tensor: torch.Tensor) -> int | None:
         return None
     storage = tensor.untyped_storage()
     return int(use_count(storage._cdata)) - 1  # without `storage`, the reference made here
+
+
+def swap_storage_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    swap = getattr(a.untyped_storage(), "_swap_data_ptr_", None)
+    if swap is None:
+        return False
+    swap(b.untyped_storage())
+    return True
 
 
 def use_count(tensor: torch.Tensor) -> int:

@@ -52,6 +52,12 @@ class Part:
         return list(itertools.accumulate(self.widths, initial=0))[:-1]
 
 
+def any_reduce_dtype(params: Sequence[nn.Parameter]) -> bool:
+    """Whether any of `params` has a reduce dtype of its own (torch_autocast marks them before ZeRO places the
+    model): a unit without one never splits its reduce-scatter, so it never asks `dtype_parts`."""
+    return any(reduce_dtype_of(p) is not None for p in params)
+
+
 def dtype_parts(
     unit: PackingUnit, trainable: Sequence[int], shard_offsets: Sequence[int], default: torch.dtype
 ) -> list[Part] | None:

@@ -208,7 +208,8 @@ class ZeroModel(UnitManager):
     # ---- figures ----
     def owned_bytes(self) -> dict[str, int]:
         shards = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
-        gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)
+        own = sum(u.full.untyped_storage().nbytes() for u in self.units if not u.holds_lent_memory)
+        gathered = own + self.pool.gathered_bytes  # lent memory is the pool's, idle or lent (pool.py)
         secondary = sum(u.secondary.nbytes for u in self.units if u.secondary is not None)
         kept = sum(u.quantized_reduce.kept_bytes for u in self.units if u.quantized_reduce is not None)  # LoCo's
         return {

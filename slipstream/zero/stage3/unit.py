@@ -39,7 +39,7 @@ from slipstream.precision.fp8 import Float8WeightSlot
 from slipstream.utils.torch_shim import storage_use_count
 from slipstream.zero.comm_stream import CommStream
 from slipstream.zero.quantized import QuantizedRows
-from slipstream.zero.stage3.dtype_split import dtype_parts, launch_parts
+from slipstream.zero.stage3.dtype_split import any_reduce_dtype, dtype_parts, launch_parts
 from slipstream.zero.stage3.fp8_gather import Float8Rows
 from slipstream.zero.stage3.hierarchical_gather import HierarchicalGather
 from slipstream.zero.stage3.pool import BufferPool
@@ -79,6 +79,8 @@ class Unit:
     hierarchical: HierarchicalGather | None = None
     """MiCS' two-step gather across nodes then inside the node (set by the ZeroModel; hierarchical_gather.py), or
     None: one all-gather over the group."""
+    _lent: torch.Tensor | None = None
+    """While gathered: the pool's buffer whose memory `full` holds ([Note: lent gathered memory] in pool.py)."""
     comm: CommStream | None = None
     """The engine's communication stream the gathers are launched on (set by the ZeroModel), or None: the current
     stream. See [Note: the communication stream] in zero/comm_stream.py."""
@@ -138,6 +140,7 @@ class Unit:
         self.exposed = False
         """Gathered for user code (GatheredParameters, generation), which may keep aliases; see `release`."""
         self.records: list[ParamRecord] = []
+        self.splits_reduce = any_reduce_dtype(params)  # torch_autocast: a reduce-scatter per dtype (dtype_split.py)
         self._shard_params(spec)
         if not self.persistent:
             self._free_storage()
@@ -315,6 +318,9 @@ class Unit:
     def _fresh_storage(self) -> None:
         """Leave the gathered storage to its aliases (it is freed when the last of them dies) and point the
         unit's buffer and parameters at a new one, which `_free_storage` empties and the next gather fills."""
+        if self._lent is not None:  # the lent memory stays with the aliases
+            self.pool.forget(self._lent)
+            self._lent = None
         fresh = torch.empty(self.layout.full_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad(), internal_access():
             for param, record in zip(self.params, self.records):
@@ -324,13 +330,21 @@ class Unit:
     def _free_storage(self) -> None:
         if self.float8 is not None:
             self.float8.drop()
-        self.full.untyped_storage().resize_(0)
+        if self._lent is not None:
+            self.pool.reclaim(self.full, self._lent)
+            self._lent = None
+        else:
+            self.full.untyped_storage().resize_(0)
         self.status = ZeroParamStatus.NOT_AVAILABLE
 
     def _grow_storage(self) -> None:
-        storage = self.full.untyped_storage()
-        if storage.nbytes() != self.full_bytes:
-            storage.resize_(self.full_bytes)
+        if self.full.untyped_storage().nbytes() != self.full_bytes:
+            self._lent = self.pool.lend(self.full)
+
+    @property
+    def holds_lent_memory(self) -> bool:
+        """The gathered values are in memory the pool lent (counted by the pool, not by the unit)."""
+        return self._lent is not None
 
     def refresh_persistent(self) -> None:
         """After a step: the persistent unit gathers its updated shards again."""
@@ -367,7 +381,7 @@ class Unit:
         and gradient_predivide_factor). Returns the collective handle (None on one rank, where `receive` is
         filled directly).
         """
-        parts = dtype_parts(self, trainable, shard_offsets, staging.dtype)
+        parts = dtype_parts(self, trainable, shard_offsets, staging.dtype) if self.splits_reduce else None
         if parts is not None:  # torch_autocast's safe modules: a reduce-scatter per dtype, each back through here
             return launch_parts(self, parts, grads, staging, receive, scale=scale)
         width = receive.numel()
