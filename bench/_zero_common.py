@@ -11,7 +11,8 @@ command per line on stdin; the driver writes every command to every rank, so all
 collectives in the same order. Rank 0 answers each command with one line on stdout that starts with
 `REPLY_MARK` (library log lines are skipped by the driver). Commands:
     {"op": "run", "name": N, "steps": K}  K steps of runner N on its next K micro-batches; the reply has the
-                                          per-step time of the slowest rank and the mean loss over ranks
+                                          per-step time of the slowest rank, the highest rank's CPU time per
+                                          step (the process's, all its threads) and the mean loss over ranks
     {"op": "memory"}                      RSS high-water mark per rank (ru_maxrss) and engine-owned bytes
     {"op": "count", "name": N}            one step of runner N through its `count_step` (figures such as
                                           the all-gathers it issued), one value per rank for each key
@@ -318,18 +319,20 @@ def _gather(value: Any) -> list[Any]:
 
 
 def _run(runner: Runner, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> dict[str, Any]:
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for _ in range(steps):
         inputs, targets = batches[runner.cursor % len(batches)]
         runner.cursor += 1
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         loss = runner.step(inputs, targets)
         times.append(time.perf_counter() - started)
+        cpu_times.append(time.process_time() - cpu_started)
         losses.append(float(loss))
-    per_rank = _gather((times, losses))
+    per_rank = _gather((times, losses, cpu_times))
     return {
         "times": [max(t) for t in zip(*(r[0] for r in per_rank))],
         "losses": [sum(v) / len(v) for v in zip(*(r[1] for r in per_rank))],
+        "cpu_times": [max(t) for t in zip(*(r[2] for r in per_rank))],
     }
 
 

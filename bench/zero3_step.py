@@ -1,7 +1,7 @@
 """Benchmark of one ZeRO-3 training step: Slipstream stage 3 (and its CPU offloads) against FSDP2 and DeepSpeed.
 
     python bench/zero3_step.py [--quick] [--rounds 10] [--chunk 5] [--model gpt|mlp|blocks] [--default-config]
-                               [--rows ...] [--peer-python ...]
+                               [--rows ...] [--before DIR] [--peer-python ...]
 
 Owns the stage-3 table of the ZeRO-3 issue, measured like bench/zero_step.py (same model, seed, data, rank
 servers of _zero_common; 2 ranks, gloo on CPU, one thread each). Rows:
@@ -19,6 +19,9 @@ servers of _zero_common; 2 ranks, gloo on CPU, one thread each). Rows:
                                torch.optim.AdamW with the same hyperparameters, clip_grad_norm_(1.0), same loss
     deepspeed3(_offload)       DeepSpeed 0.19 with the JSON of slipstream3(_offload), in the peer environment
                                (bench/make_peer_venv.sh creates .bench-venv; served by bench/_deepspeed_peer.py)
+    <row>@before               with --before DIR: the slipstream rows run again on the Slipstream of DIR (another
+                               checkout, e.g. `git archive <commit> | tar -x -C DIR`), in a group of their own,
+                               interleaved with the others: before/after figures from one run
 Phases (see [Note: rank servers] in _zero_common.py):
     Memory: a fresh group per row runs `--memory-steps` steps, then reports its RSS high-water mark (the
             highest rank's) and owned bytes, then counts the all-gathers of one more step.
@@ -48,6 +51,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
+BEFORE = "@before"
 for _path in (str(BENCH_DIR), str(ROOT)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
@@ -56,6 +60,9 @@ import torch
 from _zero_common import ALL_GATHERS, BenchSpec, Factory, Runner, describe_model, ds3_config, model_spec, serve_main
 from torch import nn
 from zero_step import _num, _ratio, add_run_arguments, parse_run_arguments, run_rows
+
+if "--serve" in sys.argv and BEFORE in sys.argv[-1]:  # a group of --before rows: import the Slipstream of DIR
+    sys.path.insert(0, os.environ["SLIPSTREAM_BENCH_BEFORE"])
 
 OURS = ["fsdp2", "slipstream3", "slipstream3_offload", "slipstream3_offload_param", "slipstream3_nvme",
         "slipstream3_nvme_param"]
@@ -168,23 +175,25 @@ FACTORIES: dict[str, Factory] = {
 
 
 def print_table(rows: dict[str, dict[str, Any]]) -> None:
-    """One line per row: median step time, ratios to deepspeed3 and fsdp2, peak RSS, all-gathers per step."""
-    ds_ms = rows.get("deepspeed3", {}).get("median_ms")
-    fsdp_ms = rows.get("fsdp2", {}).get("median_ms")
+    """One line per row: median step time and CPU time, their ratios to deepspeed3 and fsdp2, peak RSS,
+    all-gathers per step."""
+    ds, fsdp = rows.get("deepspeed3", {}), rows.get("fsdp2", {})
     header = (
-        f"{'row':<26} | {'step ms':>7} | {'vs DS3':>6} | {'vs FSDP2':>8} | {'peak RSS MiB':>12} | "
-        f"{'owned MiB':>9} | {'all-gathers':>11} | {'loss':>6}"
+        f"{'row':<26} | {'step ms':>7} | {'vs DS3':>6} | {'vs FSDP2':>8} | {'CPU ms':>7} | {'vs DS3':>6} | "
+        f"{'vs FSDP2':>8} | {'peak RSS MiB':>12} | {'owned MiB':>9} | {'all-gathers':>11} | {'loss':>6}"
     )
     print(header + "\n" + "-" * len(header))
     for name, row in rows.items():
-        ms = row.get("median_ms")
+        ms, cpu = row.get("median_ms"), row.get("median_cpu_ms")
         print(
-            f"{name:<26} | {_num(ms):>7} | {_ratio(ms, ds_ms):>6} | {_ratio(ms, fsdp_ms):>8} | "
-            f"{_num(row.get('peak_rss_mib')):>12} | {_num(row.get('owned_mib')):>9} | "
-            f"{row.get('all_gather', '-'):>11} | {_num(row.get('final_loss'), '.4f'):>6}"
+            f"{name:<26} | {_num(ms):>7} | {_ratio(ms, ds.get('median_ms')):>6} | "
+            f"{_ratio(ms, fsdp.get('median_ms')):>8} | {_num(cpu):>7} | {_ratio(cpu, ds.get('median_cpu_ms')):>6} | "
+            f"{_ratio(cpu, fsdp.get('median_cpu_ms')):>8} | {_num(row.get('peak_rss_mib')):>12} | "
+            f"{_num(row.get('owned_mib')):>9} | {row.get('all_gather', '-'):>11} | {_num(row.get('final_loss'), '.4f'):>6}"
         )
     print(
-        "\nstep ms: median over timed steps of the slowest rank; peak RSS: highest rank's ru_maxrss; "
+        "\nstep ms: median over timed steps of the slowest rank; CPU ms: median of the highest rank's process CPU "
+        "time per step (all threads: what a loaded machine does not stretch); peak RSS: highest rank's ru_maxrss; "
         "owned: engine-owned tensor bytes per rank (None for DeepSpeed); all-gathers: one optimizer step, "
         "one rank; loss: mean over ranks of the last chunk"
     )
@@ -213,7 +222,9 @@ def print_targets(rows: dict[str, dict[str, Any]], model: str = "gpt") -> None:
             print(f"  {name} / {peer} step time: not measured")
             continue
         verdict = "met" if ms / peer_ms <= target else "MISSED"
-        print(f"  {name} / {peer} step time {ms / peer_ms:.3f}x (target <= {target}x): {verdict}")
+        cpu, peer_cpu = rows[name].get("median_cpu_ms"), rows[peer].get("median_cpu_ms")
+        cpu_ratio = f", CPU time {cpu / peer_cpu:.3f}x" if cpu and peer_cpu else ""
+        print(f"  {name} / {peer} step time {ms / peer_ms:.3f}x{cpu_ratio} (target <= {target}x): {verdict}")
     for peer in ("deepspeed3", "fsdp2"):
         rss, peer_rss = ours.get("peak_rss_mib"), rows.get(peer, {}).get("peak_rss_mib")
         if rss is None or peer_rss is None:
@@ -241,6 +252,10 @@ def main() -> int:
              "-> GELU -> Linear(4096, 1024), 50.4M, micro batch 32 rows (--quick: 2 blocks 256 -> 1024 -> 256)",
     )
     parser.add_argument(
+        "--before", type=Path, default=None,
+        help="another checkout of Slipstream: its slipstream rows run too, as <row>@before, in the same run",
+    )
+    parser.add_argument(
         "--default-config", action="store_true",
         help="DeepSpeed's defaults: the JSON has only batch, optimizer, clipping and the stage (no bucket sizes, "
              "no persistence threshold)",
@@ -260,7 +275,11 @@ def main() -> int:
         flush=True,
     )
 
-    rows, started = run_rows(Path(__file__).resolve(), ours_names, peer_names, spec, args, count=True)
+    apart = []
+    if args.before is not None:
+        os.environ["SLIPSTREAM_BENCH_BEFORE"] = str(args.before.resolve())
+        apart = [name + BEFORE for name in ours_names if name.startswith("slipstream")]
+    rows, started = run_rows(Path(__file__).resolve(), ours_names, peer_names, spec, args, count=True, apart=apart)
     print_table(rows)
     print_targets(rows, spec.model)
     print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s")
@@ -270,6 +289,6 @@ def main() -> int:
 if __name__ == "__main__":
     if "--serve" in sys.argv:
         ALL_GATHERS.install()  # before slipstream is imported: its collectives keep the function they find
-        serve_main(FACTORIES, sys.argv)
+        serve_main({**FACTORIES, **{name + BEFORE: factory for name, factory in FACTORIES.items()}}, sys.argv)
     else:
         sys.exit(main())
