@@ -1,21 +1,15 @@
 """Benchmark of one training step: Slipstream ZeRO stages 0, 1, 2 against PyTorch DDP and DeepSpeed.
 
-    python bench/zero_step.py [--quick] [--rounds 10] [--chunk 5] [--model gpt|mlp|blocks] [--default-config]
-                              [--before DIR] [--peer-python .bench-venv/bin/python]
+    python bench/zero_step.py [--quick] [--rounds 10] [--chunk 5] [--peer-python .bench-venv/bin/python]
 
 Owns the comparison table of the engine issue: median step time (forward + backward + optimizer step, the
-slowest rank's), its CPU time, and peak RSS per rank, on 2 ranks (gloo on CPU, one thread each), for
+slowest rank's) and peak RSS per rank, on 2 ranks (gloo on CPU, one thread each), for
 - Slipstream stages 0, 1, 2 (`slipstream.initialize` with the DeepSpeed JSON of `_zero_common.ds_config`),
-  and `overlap_comm` the other way round at stages 1 and 2 (slipstream1_overlap: on, slipstream2_no_overlap:
-  off; each stage's default is the other row),
-- PyTorch DDP + torch.optim.AdamW(fused=True) (+ clip_grad_norm_ 1.0), the reference for every stage (with
-  --default-config at DDP's own default bucket size, else `BenchSpec.bucket_numel`'s bytes),
+- PyTorch DDP + torch.optim.AdamW (+ clip_grad_norm_ 1.0), the reference for stage 0,
 - DeepSpeed stages 0, 1, 2 with the same JSON, when the peer environment exists (bench/make_peer_venv.sh
-  creates .bench-venv); DeepSpeed runs there, in bench/_deepspeed_peer.py,
-- with --before DIR, Slipstream's stage 1 and 2 rows again on the Slipstream of DIR (another checkout), as
-  <row>@before, timed in a group of their own interleaved with the others: before/after from one run.
-All of them train the same model (`--model`: the example GPT, the wide MLP or the residual blocks, sized by
-`_zero_common.model_spec`) from the same seed on the same micro-batches. Two phases (see [Note: rank servers] in _zero_common.py):
+  creates .bench-venv); DeepSpeed runs there, in bench/_deepspeed_peer.py.
+All of them train the same model (the example GPT, sized by `BenchSpec`) from the same seed on the same
+micro-batches. Two phases (see [Note: rank servers] in _zero_common.py):
     Memory: one fresh group per framework and stage, a few steps, then its RSS high-water mark and the bytes
             of the tensors the engine owns (`engine.optimizer.owned_bytes()`; params + grads + AdamW state
             for DDP). A fresh group per row keeps each RSS figure to that row alone.
@@ -24,8 +18,7 @@ All of them train the same model (`--model`: the example GPT, the wide MLP or th
             alike. One warmup round is dropped; the median over the remaining steps is reported.
 The mean loss of every row after the same steps is printed as a sanity check: same data, same init, so the
 rows agree to a few decimals. Targets (reported, not asserted): Slipstream at least as fast as DeepSpeed at
-every stage, within 1.1x of DDP at stages 0 and 2, `overlap_comm` on no slower than off at stages 1 and 2, and
-peak RSS per rank at most DeepSpeed's and DDP's.
+every stage, and within 1.1x of DDP at stage 0.
 """
 
 from __future__ import annotations
@@ -49,37 +42,19 @@ for _path in (str(BENCH_DIR), str(ROOT)):
         sys.path.insert(0, _path)
 
 import torch
-from _zero_common import (
-    REPLY_MARK,
-    BenchSpec,
-    Factory,
-    Runner,
-    describe_model,
-    ds_config,
-    model_spec,
-    model_state_bytes,
-    serve_main,
-)
+from _zero_common import REPLY_MARK, BenchSpec, Factory, Runner, ds_config, model_state_bytes, serve_main
 from torch import nn
 
 STAGES = (0, 1, 2)
-OVERLAP_ROWS = {"slipstream1_overlap": (1, True), "slipstream2_no_overlap": (2, False)}
-"""The overlap_comm pairs: each row is its stage's default row with overlap_comm the other way round."""
-OURS = ["ddp", "slipstream0", "slipstream1", "slipstream2", *OVERLAP_ROWS]
+OURS = ["ddp", "slipstream0", "slipstream1", "slipstream2"]
 PEER = ["deepspeed0", "deepspeed1", "deepspeed2"]
-BEFORE = "@before"
-if "--serve" in sys.argv and BEFORE in sys.argv[-1]:  # a group of --before rows: the Slipstream of DIR
-    sys.path.insert(0, os.environ["SLIPSTREAM_BENCH_BEFORE"])
 
 
-def make_slipstream(stage: int, overlap_comm: bool | None = None) -> Factory:
+def make_slipstream(stage: int) -> Factory:
     def factory(spec: BenchSpec, model: nn.Module) -> Runner:
         import slipstream
 
-        config = ds_config(spec, stage=stage)
-        if overlap_comm is not None:
-            config["zero_optimization"]["overlap_comm"] = overlap_comm
-        engine, _, _, _ = slipstream.initialize(model=model, config=config)
+        engine, _, _, _ = slipstream.initialize(model=model, config=ds_config(spec, stage=stage))
 
         def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             loss = engine(inputs, targets)
@@ -96,10 +71,9 @@ def make_slipstream(stage: int, overlap_comm: bool | None = None) -> Factory:
 
 
 def make_ddp(spec: BenchSpec, model: nn.Module) -> Runner:
-    bucket_cap_mb = None if spec.default_config else spec.bucket_numel * 4 / 2**20  # None: DDP's default, 25
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=spec.bucket_numel * 4 / 2**20)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, fused=True
+        model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01
     )
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -113,11 +87,7 @@ def make_ddp(spec: BenchSpec, model: nn.Module) -> Runner:
     return Runner(step=step, model=model, owned_bytes=lambda: model_state_bytes(model, optimizer))
 
 
-FACTORIES: dict[str, Factory] = {
-    "ddp": make_ddp,
-    **{f"slipstream{s}": make_slipstream(s) for s in STAGES},
-    **{name: make_slipstream(stage, on) for name, (stage, on) in OVERLAP_ROWS.items()},
-}
+FACTORIES: dict[str, Factory] = {"ddp": make_ddp, **{f"slipstream{s}": make_slipstream(s) for s in STAGES}}
 
 
 class RankGroup:
