@@ -13,20 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from tests.harness import run_distributed
-
-
-class _Layers(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(48, 48) for _ in range(4)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
+from tests.harness.models import TinyMLP
 
 
 def _train(*, swap: bool) -> dict[str, Any]:
@@ -37,10 +26,10 @@ def _train(*, swap: bool) -> dict[str, Any]:
     original = pool_module.swap_storage_memory
     if not swap:  # the fallback: the unit's storage is grown in place at every gather
         pool_module.swap_storage_memory = lambda a, b: False  # type: ignore[assignment]
-    torch.manual_seed(3)
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = slipstream.initialize(model=_Layers(), config=config)
+    model = TinyMLP(48, 48, 48, num_layers=4)  # four units of one size: they share the pool's buffers
+    engine, *_ = slipstream.initialize(model=model, config=config)
     units = [p.ds_record.unit for p in engine.module.layers.parameters()][::2]
     seen: list[int] = []
     for layer, unit in zip(engine.module.layers, units):  # after the engine's hook: the unit is gathered
