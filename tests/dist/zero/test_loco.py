@@ -23,7 +23,7 @@ from tests.harness.models import TinyMLP
 WIDTH, REDUCTIONS, BETA, RESET = 300, 7, 0.8, 3
 DRIFT_REDUCTIONS = 16
 """The drift is measured over this many reductions with reset_T 1024 (no reset among them)."""
-MICRO, LR, HIDDEN, STEPS = 4, 0.05, 300, 4
+MICRO, LR, HIDDEN, STEPS = 4, 0.05, 300, 3
 
 
 def gradients(rank: int, world: int, step: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from tests.dist.zero.test_loco import check_reducer, reducer_case
 from tests.harness import run_distributed
 from tests.harness.models import TinyMLP
 
-MICRO, STEPS, HIDDEN = 4, 3, 40
+MICRO, STEPS, HIDDEN = 4, 2, 40
 NODES = [(0, 1), (2, 3)]
 
 
