@@ -1,7 +1,7 @@
 """MiCS' hierarchical all-gather (`mics_hierarchical_params_gather`, zero/stage3/hierarchical_gather.py) at 4 ranks
 as 2 "nodes" x 2 (LOCAL_WORLD_SIZE=2) with mics_shard_size 4 (the shard group spans both nodes).
 
-It moves the rows the plain gather moves, so after a few AdamW steps the parameters and losses equal the plain MiCS
+It moves the rows the plain gather moves, so after two AdamW steps the parameters and losses equal the plain MiCS
 run's bit for bit. Its bytes, counted per process group over one forward and backward: every gather is an
 all-gather across nodes over this rank's column {l, l + 2} of 2 rows (each rank sends its own row across once)
 and one inside the node of 4 rows; nothing is gathered over all 4 ranks. Against the plain run's gathers over all 4
