@@ -26,8 +26,11 @@ def _train(*, swap: bool) -> dict[str, Any]:
     original = pool_module.swap_storage_memory
     if not swap:  # the fallback: the unit's storage is grown in place at every gather
         pool_module.swap_storage_memory = lambda a, b: False  # type: ignore[assignment]
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     model = TinyMLP(48, 48, 48, num_layers=4)  # four units of one size: they share the pool's buffers
     engine, *_ = slipstream.initialize(model=model, config=config)
     units = [p.ds_record.unit for p in engine.module.layers.parameters()][::2]
