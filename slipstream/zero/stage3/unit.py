@@ -305,6 +305,7 @@ class Unit:
         gathered values and the shard, and the shard's file with NVMe offload."""
         self.persistent = False
         self.release()
+        self.pool.drop_idle()  # a dropped unit's pool keeps no idle memory: its units are gathered once more, at most
         self.store.discard(self.shard)
         self.shard = self.shard.new_empty(0)
 

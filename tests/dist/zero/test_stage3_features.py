@@ -268,6 +268,7 @@ def init_memory_and_values(rank: int, world: int, *, dim: int, count: int) -> di
     with slipstream.zero.GatheredParameters(list(model.head.parameters(recurse=False)), modifier_rank=0):
         if rank == 0:
             model.head.bias.data.fill_(0.5)
+    init_pool = model.head.bias.ds_record.unit.pool  # holds the gathered memory lent above, idle
     engine, *_ = slipstream.initialize(model=model, config=_config(3))
     assert zero_model_of(model) is engine.zero_model
     values = engine.zero_model.full_state(only_rank0=False)
@@ -280,7 +281,7 @@ def init_memory_and_values(rank: int, world: int, *, dim: int, count: int) -> di
     engine2, *_ = slipstream.initialize(model=existing, config=_config(3))
     values2 = engine2.zero_model.full_state(only_rank0=False)
     plain_reference = TinyTransformer().state_dict()
-    return {"plain": plain, "sharded": sharded, "shard_numel": shard_numel,
+    return {"plain": plain, "sharded": sharded, "shard_numel": shard_numel, "init_pool": init_pool.gathered_bytes,
             "equal": all(torch.equal(values[n], reference[n]) for n in values) and sharded_existing
             and all(torch.equal(values2[n], plain_reference[n]) for n in values2)}
 
@@ -300,6 +301,7 @@ def test_zero_init_shards_during_construction(tmp_path, monkeypatch) -> None:  #
     layer_mib = dim * dim * 4 / 2**20
     for out in results:
         assert out["equal"]
+        assert out["init_pool"] == 0, "zero.Init's pool lets its gathered memory go once its units are dropped"
         assert out["shard_numel"] == count * dim * dim // 2
         assert out["plain"] >= 0.9 * count * layer_mib, out  # the measurement sees a whole model
         # about this rank's shards (half the model) plus the largest module
