@@ -1,6 +1,7 @@
 """The attributes of DeepSpeed's engine that Megatron-DeepSpeed reads (`engine.mpu`, `engine.timers`,
-`engine.monitor`, `engine.losses`, `engine.has_moe_layers`, `engine.num_experts`), computed from the engine's own
-state (reference: deepspeed/runtime/engine.py). A base of compat/engine_methods.py's mixin.
+`engine.monitor`, `engine.losses`, `engine.has_moe_layers`, `engine.num_experts`,
+`engine.curriculum_scheduler_legacy`), computed from the engine's own state (reference:
+deepspeed/runtime/engine.py). A base of compat/engine_methods.py's mixin.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ class EngineAttributes:
     plan: Any
     module: Any
     parallel: Any
+    _forward_schedules: Any
 
     @property
     def mpu(self) -> Any:
@@ -70,3 +72,9 @@ class EngineAttributes:
         if totals is None or float(totals[1]) == 0:
             return None
         return totals[0].detach().clone().float()
+
+    @property
+    def curriculum_scheduler_legacy(self) -> Any:
+        """The `curriculum_learning` section's schedule (data/curriculum.py; None when the section is off): for
+        `schedule_type: "custom"` call its `set_custom_get_difficulty(fn)` before training."""
+        return self._forward_schedules.curriculum

@@ -48,7 +48,7 @@ class CurriculumPlan:
     min_difficulty: int
     max_difficulty: int
     schedule_type: str
-    """"fixed_linear" | "fixed_root" | "fixed_discrete"."""
+    """"fixed_linear" | "fixed_root" | "fixed_discrete" | "custom" (a function set at run time)."""
     total_step: int
     difficulty_step: int
     root_degree: int
@@ -109,7 +109,7 @@ _NEEDS = {
     "fixed_linear": ("total_curriculum_step", "difficulty_step"),
     "fixed_root": ("total_curriculum_step", "difficulty_step", "root_degree"),
     "fixed_discrete": ("difficulty", "max_step"),
-    "custom": (),  # the function engine.set_custom_curriculum_learning_schedule gives (the data sampler's metrics)
+    "custom": (),  # a function set at run time: set_custom_get_difficulty / set_custom_curriculum_learning_schedule
 }
 
 

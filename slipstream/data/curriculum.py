@@ -5,7 +5,9 @@ max_difficulty:
 - fixed_linear / fixed_root: floor(min + (max - min) * (step / total_step) ** (1 / root_degree)), rounded down
   to a multiple of difficulty_step but never below the first multiple at or above min_difficulty, and never
   above max_difficulty (fixed_linear is root_degree 1);
-- fixed_discrete: difficulties[i] while step <= max_steps[i], the last difficulty after the last max step.
+- fixed_discrete: difficulties[i] while step <= max_steps[i], the last difficulty after the last max step;
+- custom: what the user's function (step -> difficulty, `set_custom_get_difficulty`) returns; asking for a
+  difficulty before the function is set is an error naming that method.
 The scheduler keeps the current difficulty and stops moving it once it reaches max_difficulty, as DeepSpeed's
 does; its state (the current difficulty) travels in checkpoints.
 """
@@ -13,6 +15,7 @@ does; its state (the current difficulty) travels in checkpoints.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from slipstream.config.data_plans import CurriculumPlan
 
@@ -25,10 +28,18 @@ class CurriculumScheduler:
     def __init__(self, plan: CurriculumPlan) -> None:
         self.plan = plan
         self.current_difficulty = plan.min_difficulty
+        self.custom_get_difficulty: Callable[[int], int] | None = None
+        """The custom schedule's function (global step -> difficulty); the user sets it at run time."""
+
+    def set_custom_get_difficulty(self, schedule_function: Callable[[int], int]) -> None:
+        """The difficulty function of a `schedule_type: "custom"` schedule (DeepSpeed's method name)."""
+        self.custom_get_difficulty = schedule_function
 
     def get_difficulty(self, global_steps: int) -> int:
         """The schedule's difficulty at `global_steps` (whatever the current difficulty is)."""
         plan = self.plan
+        if plan.schedule_type == "custom":
+            return self._custom_difficulty(global_steps)
         if plan.schedule_type == "fixed_discrete":
             for difficulty, last_step in zip(plan.difficulties, plan.max_steps):
                 if global_steps <= last_step:
@@ -40,6 +51,15 @@ class CurriculumScheduler:
         difficulty -= difficulty % step
         difficulty = max(difficulty, -(-low // step) * step)  # a zero length would be no sequence at all
         return min(difficulty, high)
+
+    def _custom_difficulty(self, global_steps: int) -> int:
+        if self.custom_get_difficulty is None:
+            raise RuntimeError(
+                f"curriculum schedule_type 'custom' has no difficulty function at step {global_steps}; call "
+                "set_custom_get_difficulty(fn) with fn(global_steps) -> difficulty before training (for the "
+                "curriculum_learning section: engine.curriculum_scheduler_legacy.set_custom_get_difficulty(fn))"
+            )
+        return int(self.custom_get_difficulty(global_steps))
 
     def update_difficulty(self, global_steps: int) -> int:
         """Move the current difficulty to the schedule's at `global_steps` (until it has reached the maximum)."""

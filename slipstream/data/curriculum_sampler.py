@@ -80,17 +80,10 @@ class CurriculumSampler:
 
     def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Mapping[str, Callable[[int], int]]) -> None:
         """The difficulty functions (curriculum step -> difficulty) of the metrics whose schedule_type is custom."""
-        self.custom_schedules.update(
-            (name, function) for name, function in schedule_func_dict.items() if name in self.curriculum_schedulers
-        )
-
-    def _difficulty(self, name: str, scheduler: CurriculumScheduler) -> int:
-        """The metric's difficulty at the current step; it stops moving once it reaches max_difficulty."""
-        if scheduler.plan.schedule_type != "custom":
-            return scheduler.update_difficulty(self.curriculum_step)
-        if scheduler.get_current_difficulty() < scheduler.plan.max_difficulty:
-            scheduler.set_current_difficulty(self.custom_schedules[name](self.curriculum_step))
-        return scheduler.get_current_difficulty()
+        for name, function in schedule_func_dict.items():
+            if name in self.curriculum_schedulers:
+                self.custom_schedules[name] = function
+                self.curriculum_schedulers[name].set_custom_get_difficulty(function)
 
     def __len__(self) -> int:
         return self.total_samples
@@ -122,7 +115,7 @@ class CurriculumSampler:
         previous: dict[str, int | None] = {}
         moved = False
         for name, scheduler in self.curriculum_schedulers.items():
-            difficulty = self._difficulty(name, scheduler)
+            difficulty = scheduler.update_difficulty(self.curriculum_step)  # stops moving at max_difficulty
             moved = moved or self.current_difficulties.get(name) != difficulty
             previous[name] = self.current_difficulties.get(name, self.metrics[name].start())
             self.current_difficulties[name] = difficulty

@@ -151,3 +151,25 @@ def test_a_checkpoint_keeps_the_schedule(tmp_path: Path) -> None:
     _train(resumed, 2)
     assert [c["curriculum_seqlen"] for c in model.calls] == [16, 16, 64, 64, 64]  # the schedule alone says 32
     assert [c["curriculum_seqlen"] for c in resumed_model.calls] == [64, 64]  # a fresh scheduler: [32, 32]
+
+
+def test_a_custom_schedule_follows_the_function_and_resumes(tmp_path: Path) -> None:
+    section = {key: value for key, value in _curriculum("custom").items() if key != "schedule_config"}
+    plan = resolve({**BASE, "curriculum_learning": section}, world_size=1)
+    assert plan.schedules.curriculum is not None and not any(k.startswith("curr") for k in plan.unimplemented)
+    engine, model = _engine({"curriculum_learning": section})
+    with pytest.raises(RuntimeError, match=r"curriculum_scheduler_legacy\.set_custom_get_difficulty"):
+        engine(torch.ones(2, 64))
+    lengths = {1: 8, 2: 24, 3: 16, 4: 64, 5: 8, 6: 40}  # the function's value per step; max_difficulty is 64
+    engine.curriculum_scheduler_legacy.set_custom_get_difficulty(lengths.__getitem__)
+    _train(engine, 4)
+    engine.save_checkpoint(str(tmp_path))
+    _train(engine, 2)
+    # by hand: the step's own value until the length reaches 64 (step 4), then 64 whatever the function says
+    assert [c["curriculum_seqlen"] for c in model.calls] == [8, 24, 16, 64, 64, 64]
+    resumed, resumed_model = _engine({"curriculum_learning": section})
+    resumed.load_checkpoint(str(tmp_path))
+    assert resumed.curriculum_scheduler_legacy.get_current_difficulty() == 64  # a fresh schedule starts at 8
+    resumed.curriculum_scheduler_legacy.set_custom_get_difficulty(lengths.__getitem__)
+    _train(resumed, 2)
+    assert [c["curriculum_seqlen"] for c in resumed_model.calls] == [64, 64]  # a fresh one: [8, 40]

@@ -66,8 +66,9 @@ class CurriculumLearningConfig(OpenSection):
     """The difficulty of the first step."""
     max_difficulty: DSInt | None = None
     """The difficulty the schedule ends at."""
-    schedule_type: Literal["fixed_linear", "fixed_root", "fixed_discrete"] | None = None
-    """How the difficulty grows with the step."""
+    schedule_type: Literal["fixed_linear", "fixed_root", "fixed_discrete", "custom"] | None = None
+    """How the difficulty grows with the step ("custom": the function given at run time to
+    engine.curriculum_scheduler_legacy.set_custom_get_difficulty)."""
     schedule_config: CurriculumScheduleConfig = CurriculumScheduleConfig()
     """The schedule's parameters."""
 

@@ -114,3 +114,19 @@ def test_custom_schedule_takes_the_function_given(index: Path) -> None:
     assert [set(sampler.next_global_batch()) for _ in range(3)] == [AT_MOST_2] * 3  # 3 steps at difficulty 2
     later = set().union(*(sampler.next_global_batch() for _ in range(6)))
     assert later <= AT_MOST_4 and later - AT_MOST_2 and sampler.current_difficulties == {"m": 4}
+
+
+def test_custom_schedule_resumes_at_its_difficulty(index: Path) -> None:
+    plan = _plan(index, "value", (2, 9), (1,))
+    custom = dataclasses.replace(plan.metrics[0].schedule, schedule_type="custom", difficulties=(), max_steps=())
+    plan = dataclasses.replace(plan, metrics=(dataclasses.replace(plan.metrics[0], schedule=custom),))
+    first = _sampler(plan, micro=2)
+    first.set_custom_curriculum_learning_schedule({"m": lambda step: 9 if step >= 3 else 2})
+    stream = iter(first)
+    assert [set(next(stream)) <= AT_MOST_2 for _ in range(3)][:2] == [True, True]  # steps 1-2 at difficulty 2
+    state = json.loads(json.dumps(first.state_dict()))  # after step 3: difficulty 9, the maximum
+    after = [next(stream) for _ in range(6)]
+    resumed = _sampler(plan, micro=2)
+    resumed.load_state_dict(state)
+    resumed.set_custom_curriculum_learning_schedule({"m": lambda step: 2})  # ignored: the maximum was reached
+    assert [batch for batch, _ in zip(resumed, range(6))] == after and resumed.current_difficulties == {"m": 9}
