@@ -254,13 +254,7 @@ def reduce_scatter(
     summed = input if input_is_scratch else input.clone()
     chunk = summed.chunk(dist.get_world_size(group))[dist.get_rank(group)]
     return _issue(
-        "reduce_scatter",
-        input,
-        (summed,),
-        lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True),
-        async_op,
-        finish=lambda: output.copy_(chunk),
-        group=group,
+        "reduce_scatter", input, (summed,), _sum_in_place(group), async_op, lambda: output.copy_(chunk), group=group
     )
 
 
@@ -286,14 +280,13 @@ def all_gather_by_sum(
     for every x, -0.0 and NaN included), so every rank ends with each element as its owner wrote it, bit for bit.
     The host's choice: gloo's all-gather copies through a temporary as large as its output, its all-reduce
     works in place. Counted as the all-gather it is."""
-    return _issue(
-        "all_gather",
-        tensor,
-        (tensor,),
-        lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True),
-        async_op,
-        group=group,
-    )
+    return _issue("all_gather", tensor, (tensor,), _sum_in_place(group), async_op, group=group)
+
+
+def _sum_in_place(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], object]:
+    """The launch of an asynchronous in-place sum over `group` (what the host's reduce-scatter and
+    `all_gather_by_sum` run)."""
+    return lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def all_to_all(
