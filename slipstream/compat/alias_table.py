@@ -237,6 +237,15 @@ COMPOSITES: dict[str, dict[str, str]] = {
     "slipstream.runtime.data_pipeline.data_sampling.data_analyzer": {
         "DataAnalyzer": "slipstream.data.analyzer:MetricAnalyzer"
     },
+    "slipstream.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr": {
+        name: f"slipstream.compat.variable_batch_size_and_lr:{name}"
+        for name in (
+            "batch_by_seqlens",
+            "scale_lr",
+            "VariableBatchSizeLR",
+            "get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed",
+        )
+    },
     "slipstream.runtime.data_pipeline.data_routing": {},
     "slipstream.runtime.data_pipeline.data_routing.basic_layer": {
         "RandomLayerTokenDrop": "slipstream.data.random_ltd_layer:RandomLayerTokenDrop"

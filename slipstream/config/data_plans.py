@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CurriculumPlan",
     "DataSamplingPlan",
+    "DynamicBatchingPlan",
     "LayerDropPlan",
     "MetricPlan",
     "SchedulesPlan",
@@ -78,6 +79,25 @@ class SchedulesPlan:
     """The curriculum sampler of the training loader (data_efficiency.data_sampling); None: the plain loader."""
     random_ltd: RandomLTDPlan | None
     """The kept-token count of random-LTD's wrapped layers (data_efficiency.data_routing.random_ltd)."""
+    dynamic_batching: DynamicBatchingPlan | None
+    """The token packing and LR scaling of the variable-batch loader (data_sampling.dynamic_batching)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DynamicBatchingPlan:
+    """Dynamic batching (field docs: DynamicBatchingConfig); data/dynamic_batching.py packs by it."""
+
+    max_tokens: int
+    lr_scaling_method: str
+    min_batch_size: int
+    max_batch_size: int | None
+    order: str
+    """sequence_picking_order: "dataloader" | "seqlen" | "random"."""
+    metrics_path: str | None
+    seed: int
+    """data_efficiency.seed (the "random" order's shuffle)."""
+    num_workers: int
+    """data_sampling.num_workers: the loader's worker processes."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,7 +144,40 @@ def schedules_plan(cfg: DeepSpeedConfig, problems: list[str], unimplemented: lis
             unimplemented.append(f"curriculum_learning.curriculum_type={curriculum.curriculum_type}")
             plan = None
     sampling = data_sampling_plan(cfg.data_efficiency, problems, unimplemented)
-    return SchedulesPlan(curriculum=plan, layer_drop=drop, sampling=sampling, random_ltd=random_ltd_plan(cfg, problems))
+    return SchedulesPlan(
+        curriculum=plan,
+        layer_drop=drop,
+        sampling=sampling,
+        random_ltd=random_ltd_plan(cfg, problems),
+        dynamic_batching=dynamic_batching_plan(cfg.data_efficiency, problems),
+    )
+
+
+def dynamic_batching_plan(efficiency: DataEfficiencyConfig, problems: list[str]) -> DynamicBatchingPlan | None:
+    """The section when its `enabled` is on (DeepSpeed reads it whatever the switches above it say)."""
+    section = efficiency.data_sampling.dynamic_batching
+    if not section.enabled:
+        return None
+    where = f"{_SAMPLING}.dynamic_batching"
+    if section.max_tokens is None or section.max_tokens < 1:
+        problems.append(f"{where} is enabled but max_tokens is {section.max_tokens}; set it to an integer >= 1")
+        return None
+    if section.max_batch_size is not None and section.max_batch_size < max(section.min_batch_size, 1):
+        problems.append(
+            f"{where}: max_batch_size {section.max_batch_size} is below min_batch_size {section.min_batch_size}; "
+            "raise max_batch_size or leave it out"
+        )
+        return None
+    return DynamicBatchingPlan(
+        max_tokens=section.max_tokens,
+        lr_scaling_method=section.lr_scaling_method,
+        min_batch_size=section.min_batch_size,
+        max_batch_size=section.max_batch_size,
+        order=section.sequence_picking_order,
+        metrics_path=section.metrics_path,
+        seed=efficiency.seed,
+        num_workers=efficiency.data_sampling.num_workers,
+    )
 
 
 def _curriculum_plan(section: CurriculumLearningConfig, problems: list[str]) -> CurriculumPlan | None:

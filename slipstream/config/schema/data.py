@@ -140,6 +140,41 @@ class DataCurriculumConfig(OpenSection):
     """Metric name -> its index, difficulty type and schedule (keys: CurriculumMetricConfig)."""
 
 
+class DynamicBatchingConfig(OpenSection):
+    """`data_efficiency.data_sampling.dynamic_batching`: samples packed into groups of at most max_tokens tokens,
+    the learning rate scaled by each global batch's size (built by DeepSpeed's
+    get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed; data/dynamic_batching.py)."""
+
+    IMPLEMENTED = plan_fields(
+        "schedules.dynamic_batching",
+        "lr_scaling_method",
+        "min_batch_size",
+        "max_batch_size",
+        "max_tokens",
+        "metrics_path",
+        enabled="schedules.dynamic_batching",
+        sequence_picking_order="schedules.dynamic_batching.order",
+    )
+
+    enabled: DSBool = False
+    """Let the variable-batch loader and LR schedule be built from this section."""
+    lr_scaling_method: Literal["linear", "sqrt", "none"] = "linear"
+    """How a global batch of n samples scales the learning rate given for train_batch_size samples."""
+    min_batch_size: DSInt = 1
+    """The fewest samples of a group; a group that cannot reach it ends the packing."""
+    max_batch_size: DSInt | None = None
+    """The most samples of a group (None: no limit)."""
+    sequence_picking_order: Literal["random", "seqlen", "dataloader"] = "dataloader"
+    """The order the samples are packed in: shuffled with data_efficiency.seed, by length, or dataset order."""
+    max_tokens: DSInt | None = None
+    """The most tokens (summed lengths) of a group; required when enabled."""
+    metrics_path: str | None = None
+    """The data analyzer's output folder: the lengths are read from seqlen/seqlen_sample_to_metric there
+    unless given to the loader builder."""
+    verbose: DSBool = False
+    """DeepSpeed logs each global batch's groups; reported."""
+
+
 class DataSamplingConfig(OpenSection):
     """`data_efficiency.data_sampling`."""
 
@@ -155,6 +190,8 @@ class DataSamplingConfig(OpenSection):
     """Reported (DeepSpeed's loader takes deepspeed_io's pin_memory argument instead)."""
     curriculum_learning: DataCurriculumConfig = DataCurriculumConfig()
     """Curriculum learning over user metrics."""
+    dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
+    """Variable batch size by token count, and the learning rate scaled to it."""
 
 
 class DataEfficiencyConfig(OpenSection):

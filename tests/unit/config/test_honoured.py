@@ -33,6 +33,8 @@ DERIVED = {
     "resolved": "the resolved config as DeepSpeed clients read it back",
     "compile": "the compile section (engine.compile() reads it)",
     "compile.deepcompile": "compile.deepcompile stays reported; engine.compile() refuses DeepCompile by name",
+    "schedules.dynamic_batching.seed": "data_efficiency.seed (honoured as schedules.sampling.seed)",
+    "schedules.dynamic_batching.num_workers": "data_sampling.num_workers (honoured as schedules.sampling.num_workers)",
 }
 DERIVED_TREES = {
     "sparse_attention": "the sparse_attention section as a whole: its mode and that mode's keys",
