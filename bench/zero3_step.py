@@ -38,9 +38,10 @@ The mean loss of every row after the same steps is printed as a sanity check (sa
 Targets (printed, not asserted; TARGETS below): on the GPT, slipstream3 step time <= 0.8x deepspeed3's and
 <= 1.1x fsdp2's, offload <= 0.8x deepspeed3_offload's; on the 50.4M models (mlp, and blocks at --default-config)
 <= 0.85x deepspeed3's, <= 0.9x fsdp2's, offload <= 0.9x deepspeed3_offload's; peak RSS no higher than either peer.
-Measured 2026-12-07, blocks at --default-config, 2-core machine at load average 18.7 -> 6.6 (docs/zero3.md):
-slipstream3 0.92x deepspeed3 / 0.51x fsdp2 on the wall clock, 0.86x / 0.70x in CPU time; offload 0.69x (CPU
-0.86x) deepspeed3_offload; peak RSS 1182 MiB vs 1862 (DeepSpeed) and 1373 (FSDP2).
+Measured 2026-12-07, blocks at --default-config, two runs on the shared 2-core machine (load average 18.7 -> 6.6,
+then 4.6 -> 6.5; docs/zero3.md): slipstream3 in CPU time 0.86x / 0.72x deepspeed3 and 0.70x / 0.61x fsdp2, on the
+wall clock 0.92x / 1.12x deepspeed3 and 0.51x / 0.69x fsdp2; offload 0.86x / 0.84x deepspeed3_offload in CPU time
+(0.69x / 0.92x wall); peak RSS 1182 / 1167 MiB vs 1862 / 1838 (DeepSpeed) and 1373 / 1309 (FSDP2).
 """
 
 from __future__ import annotations
