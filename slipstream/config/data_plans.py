@@ -98,6 +98,8 @@ class DynamicBatchingPlan:
     """data_efficiency.seed (the "random" order's shuffle)."""
     num_workers: int
     """data_sampling.num_workers: the loader's worker processes."""
+    verbose: bool
+    """Log each global batch's groups (rank 0) when the loader is built."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -177,6 +179,7 @@ def dynamic_batching_plan(efficiency: DataEfficiencyConfig, problems: list[str])
         metrics_path=section.metrics_path,
         seed=efficiency.seed,
         num_workers=efficiency.data_sampling.num_workers,
+        verbose=section.verbose,
     )
 
 

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from slipstream.config.data_plans import DynamicBatchingPlan
 from slipstream.data.dynamic_batching import TokenGroups, group_by_tokens, rank_micro_batches, scale_lr
 from slipstream.data.indexed_dataset import IndexedDataset
+from slipstream.utils.logging import log_rank0
 
 __all__ = ["VariableBatchSampler", "VariableBatchSizeLR", "seqlens_from_metrics", "variable_batch_loader"]
 
@@ -153,7 +154,19 @@ def variable_batch_loader(
         seed=plan.seed,
     )
     rank, size = rank_and_size
+    if plan.verbose:
+        _log_packing(packing, seqlens, train_batch_size, rank=rank)
     sampler = VariableBatchSampler(packing, micro_batch_size=micro_batch_size, rank=rank, world_size=size)
     collate = collate_fn if collate_fn is not None else list
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=plan.num_workers)
     return loader, packing
+
+
+def _log_packing(packing: TokenGroups, seqlens: Sequence[int], groups_per_batch: int, *, rank: int) -> None:
+    """One line per global batch: its size, and each group's samples and token count."""
+    for index, size in enumerate(packing.batch_sizes):
+        groups = packing.groups[index * groups_per_batch : (index + 1) * groups_per_batch]
+        described = ", ".join(f"{group} ({sum(seqlens[s] for s in group)} tokens)" for group in groups)
+        log_rank0(f"dynamic batching: global batch {index}: {size} samples in groups {described}", rank=rank)
+    if packing.left_out:
+        log_rank0(f"dynamic batching: samples in no batch: {packing.left_out}", rank=rank)

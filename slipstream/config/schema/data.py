@@ -152,6 +152,7 @@ class DynamicBatchingConfig(OpenSection):
         "max_batch_size",
         "max_tokens",
         "metrics_path",
+        "verbose",
         enabled="schedules.dynamic_batching",
         sequence_picking_order="schedules.dynamic_batching.order",
     )
@@ -172,7 +173,7 @@ class DynamicBatchingConfig(OpenSection):
     """The data analyzer's output folder: the lengths are read from seqlen/seqlen_sample_to_metric there
     unless given to the loader builder."""
     verbose: DSBool = False
-    """DeepSpeed logs each global batch's groups; reported."""
+    """Log each global batch's groups (their samples and token counts) when the loader is built."""
 
 
 class DataSamplingConfig(OpenSection):

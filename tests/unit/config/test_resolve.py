@@ -220,7 +220,7 @@ def test_implemented_keys_are_not_listed() -> None:
         {"elasticity": {"enabled": False, "min_time": 20}},
         {"autotuning": {"enabled": True, "tuner_type": "model_based", "model_info": {"profile": True}}},
         {"quantize_training": {"enabled": True}},
-        {"data_efficiency": {"data_sampling": {"dynamic_batching": {"verbose": True}}}},
+        {"data_efficiency": {"data_sampling": {"pin_memory": True}}},
         {"tensor_parallel": {"tp_overlap_comm": True}},
         {"aio": {"use_gds": True}},
         {"checkpoint": {"use_node_local_storage": True}},

@@ -5,6 +5,7 @@ each step against the scaling formula, and the resumption of the batch sampler a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import random
 from pathlib import Path
@@ -180,6 +181,28 @@ def test_config_and_metric_file(tmp_path: Path) -> None:
     assert loader.num_workers == 2 and packing.groups == group_by_tokens(
         LENGTHS, max_tokens=10, groups_per_batch=1, order="random", seed=7
     ).groups  # data_efficiency.seed orders the samples
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("slipstream")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        for verbose in (False, True):
+            variable_batch_loader(list(range(20)), LENGTHS, dataclasses.replace(batching, verbose=verbose),
+                                  batch_shape=(2, 4), rank_and_size=(0, 1))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert lines == [  # verbose only; by length, four groups a batch: BY_LENGTH
+        "dynamic batching: global batch 0: 12 samples in groups [7, 14, 3, 10, 18] (8 tokens), [1, 9, 16] (9 tokens), "
+        "[5, 12] (8 tokens), [19, 0] (9 tokens)",
+        "dynamic batching: global batch 1: 4 samples in groups [11] (5 tokens), [6] (6 tokens), [15] (6 tokens), "
+        "[4] (7 tokens)",
+        "dynamic batching: global batch 2: 4 samples in groups [17] (7 tokens), [2] (8 tokens), [13] (8 tokens), "
+        "[8] (9 tokens)",
+    ]
     with pytest.raises(FileNotFoundError, match="seqlen_sample_to_metric"):
         seqlens_from_metrics(batching, 20)
     (tmp_path / "seqlen").mkdir()
