@@ -2,7 +2,7 @@
 curriculum config as a dict: min_difficulty, max_difficulty, schedule_type, schedule_config) and its state
 methods over Slipstream's difficulty schedules (data/curriculum.py, the same rules as the config's
 `curriculum_learning` section, checked by the same code). The "custom" schedule asks the function given to
-`set_custom_get_difficulty`.
+`set_custom_get_difficulty` (held by that schedule).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _schedule_config(config: Mapping[str, object]) -> dict[str, object]:
 
 
 def _schedule(config: Mapping[str, object]) -> _Schedule:
-    """Slipstream's schedule for a non-custom DeepSpeed curriculum config (ValueError naming a bad key)."""
+    """Slipstream's schedule for a DeepSpeed curriculum config (ValueError naming a bad key)."""
     problems: list[str] = []
     schedule = CurriculumScheduleConfig.model_validate(_schedule_config(config))
     limits = (config["min_difficulty"], config["max_difficulty"], config["schedule_type"])
@@ -48,10 +48,14 @@ class CurriculumScheduler:
             raise ValueError(f"CurriculumScheduler: schedule_type {config['schedule_type']!r} is not one of {_TYPES}")
         self.state: dict[str, object] = {key: config[key] for key in _REQUIRED}
         self.state["current_difficulty"] = config["min_difficulty"]
-        self.custom_get_difficulty: Callable[[int], int] | None = None
-        self._schedule = None if config["schedule_type"] == "custom" else _schedule(config)
-        if self._schedule is not None:
+        self._schedule = _schedule(config)
+        if config["schedule_type"] != "custom":
             self.state["schedule_config"] = _schedule_config(config)
+
+    @property
+    def custom_get_difficulty(self) -> Callable[[int], int] | None:
+        """The custom schedule's function (DeepSpeed's attribute)."""
+        return self._schedule.custom_get_difficulty
 
     def get_current_difficulty(self) -> int:
         return int(self.state["current_difficulty"])  # type: ignore[call-overload]
@@ -60,7 +64,7 @@ class CurriculumScheduler:
         self.state["current_difficulty"] = difficulty
 
     def set_custom_get_difficulty(self, schedule_function: Callable[[int], int]) -> None:
-        self.custom_get_difficulty = schedule_function
+        self._schedule.set_custom_get_difficulty(schedule_function)
 
     def get_state(self) -> dict[str, object]:
         return self.state
@@ -69,15 +73,9 @@ class CurriculumScheduler:
         self.state = state
 
     def get_difficulty(self, global_steps: int) -> int:
-        """The schedule's difficulty at `global_steps`."""
-        if self._schedule is not None:
-            return self._schedule.get_difficulty(global_steps)
-        if self.custom_get_difficulty is None:
-            raise ValueError(
-                "CurriculumScheduler: schedule_type 'custom' has no schedule function; call "
-                "set_custom_get_difficulty(fn) (or engine.set_custom_curriculum_learning_schedule) first"
-            )
-        return self.custom_get_difficulty(global_steps)
+        """The schedule's difficulty at `global_steps` (custom: RuntimeError naming set_custom_get_difficulty
+        while no function is set)."""
+        return self._schedule.get_difficulty(global_steps)
 
     def update_difficulty(self, global_steps: int) -> int:
         """Move the current difficulty to the schedule's at `global_steps`, until it has reached the maximum."""

@@ -61,7 +61,7 @@ def test_state_methods_and_update() -> None:
 
 def test_custom_schedule_asks_the_function() -> None:
     custom = CurriculumScheduler({"min_difficulty": 1, "max_difficulty": 100, "schedule_type": "custom"})
-    with pytest.raises(ValueError, match="set_custom_get_difficulty"):
+    with pytest.raises(RuntimeError, match="set_custom_get_difficulty"):
         custom.get_difficulty(3)
     custom.set_custom_get_difficulty(lambda step: 3 * step)
     assert [custom.update_difficulty(s) for s in (1, 5)] == [3, 15]
