@@ -1,7 +1,8 @@
 """DeepSpeed's data efficiency and ours side by side (peer environment only: DeepSpeed is never a dependency):
 an index DeepSpeed's analyzer builds reads here as the metrics computed directly, one built here reads the
-same in DeepSpeed's MMapIndexedDataset, and the curriculum sampler draws DeepSpeed's sampler's global batches
-(one metric by value; a value and a percentile metric together)."""
+same in DeepSpeed's MMapIndexedDataset, the curriculum sampler draws DeepSpeed's sampler's global batches
+(one metric by value; a value and a percentile metric together), and dynamic batching packs the same groups
+and scales the same rates as DeepSpeed's batch_by_seqlens and scale_lr."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from slipstream.compat.data_sampler import DeepSpeedDataSampler
+from slipstream.compat.variable_batch_size_and_lr import batch_by_seqlens, scale_lr
 from slipstream.data.analyzer import MetricAnalyzer
 from slipstream.data.indexed_dataset import IndexedDataset, write_rows
 
@@ -91,3 +93,26 @@ def test_indexes_and_draws_match_deepspeed(tmp_path: Path) -> None:
         sampler = DeepSpeedDataSampler(section, 20, 2, 0, 1, None, 2, 0)
         draws = [sampler.next_global_batch() for _ in range(12)]
         assert draws == json.loads((tmp_path / f"draws{number}.json").read_text()), f"section {number}"
+
+
+# Dynamic batching: each case leaves DeepSpeed's last sample (in picking order) in a trimmed-off group, since
+# DeepSpeed never packs that sample and Slipstream does (docs/data-sampling.md).
+PACK_LENGTHS = [5, 3, 8, 2, 7, 4, 6, 1, 9, 3, 2, 5, 4, 8, 1, 6, 3, 7, 2, 4, 6, 2, 7]
+PACKINGS = [
+    {"max_tokens": 10, "effective_batch_size": 5},
+    {"max_tokens": 10, "effective_batch_size": 5, "max_batch_size": 2},
+    {"max_tokens": 12, "effective_batch_size": 5, "sequence_picking_order": "seqlen", "min_batch_size": 2},
+    {"max_tokens": 10, "effective_batch_size": 4, "sequence_picking_order": "random", "seed": 7},
+    {"max_tokens": 9, "effective_batch_size": 2, "sequence_picking_order": "random", "seed": 1234},
+    {"max_tokens": 8, "effective_batch_size": 4, "sequence_ids_per_mb": list(range(0, 23, 2))},
+]
+SCALINGS = [[16, 12, 0.1, "linear"], [16, 25, 0.1, "sqrt"], [16, 3, 0.1, "none"]]
+
+
+def test_dynamic_batching_matches_deepspeed(tmp_path: Path) -> None:
+    _peer({"pack": {"lengths": PACK_LENGTHS, "packings": PACKINGS, "scalings": SCALINGS, "out": "packed.json"}},
+          tmp_path)
+    theirs = json.loads((tmp_path / "packed.json").read_text())
+    ours = [batch_by_seqlens(PACK_LENGTHS, **kwargs) for kwargs in PACKINGS]
+    assert [json.loads(json.dumps(packing)) for packing in ours] == theirs["packings"]
+    assert [scale_lr(*args) for args in SCALINGS] == pytest.approx(theirs["scalings"])

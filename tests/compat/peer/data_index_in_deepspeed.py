@@ -3,6 +3,8 @@
 - "read": [[prefix, out.json], ...]: each index file as DeepSpeed's MMapIndexedDataset reads it;
 - "sample": [[config.json, count, out.json], ...]: `count` global batches of DeepSpeed's DeepSpeedDataSampler
   (20 samples, micro-batch 2, one rank, 2 accumulation steps) for the data_efficiency section in config.json.
+- "pack": {"lengths": [...], "packings": [{batch_by_seqlens keyword arguments}, ...], "scalings": [[base batch
+  size, batch size, base lr, method], ...], "out": out.json}: dynamic batching's packing and LR scaling.
 
     python data_index_in_deepspeed.py jobs.json
 """
@@ -67,6 +69,14 @@ def sample(config: str, count: int, out: str) -> None:
         json.dump(batches, stream)
 
 
+def pack(lengths: list[int], packings: list[dict], scalings: list[list], out: str) -> None:
+    from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import batch_by_seqlens, scale_lr
+
+    packed = [list(batch_by_seqlens(lengths, **kwargs)) for kwargs in packings]
+    with open(out, "w") as stream:  # default=int: the ids of a filtered packing are numpy integers
+        json.dump({"packings": packed, "scalings": [scale_lr(*args) for args in scalings]}, stream, default=int)
+
+
 if __name__ == "__main__":
     with open(sys.argv[1]) as jobs_file:
         jobs = json.load(jobs_file)
@@ -76,3 +86,5 @@ if __name__ == "__main__":
         read(prefix, out)
     for config, count, out in jobs.get("sample", []):
         sample(config, count, out)
+    if "pack" in jobs:
+        pack(**jobs["pack"])
