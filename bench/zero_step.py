@@ -1,15 +1,21 @@
 """Benchmark of one training step: Slipstream ZeRO stages 0, 1, 2 against PyTorch DDP and DeepSpeed.
 
-    python bench/zero_step.py [--quick] [--rounds 10] [--chunk 5] [--peer-python .bench-venv/bin/python]
+    python bench/zero_step.py [--quick] [--rounds 10] [--chunk 5] [--model gpt|mlp|blocks] [--default-config]
+                              [--before DIR] [--rows ddp,slipstream2,...] [--peer-python .bench-venv/bin/python]
 
 Owns the comparison table of the engine issue: median step time (forward + backward + optimizer step, the
-slowest rank's) and peak RSS per rank, on 2 ranks (gloo on CPU, one thread each), for
+slowest rank's), its CPU time, and peak RSS per rank, on 2 ranks (gloo on CPU, one thread each), for
 - Slipstream stages 0, 1, 2 (`slipstream.initialize` with the DeepSpeed JSON of `_zero_common.ds_config`),
-- PyTorch DDP + torch.optim.AdamW (+ clip_grad_norm_ 1.0), the reference for stage 0,
+  and `overlap_comm` the other way round at stages 1 and 2 (slipstream1_overlap: on, slipstream2_no_overlap:
+  off; each stage's default is the other row),
+- PyTorch DDP + torch.optim.AdamW(fused=True) (+ clip_grad_norm_ 1.0), the reference for every stage (with
+  --default-config at DDP's own default bucket size, else `BenchSpec.bucket_numel`'s bytes),
 - DeepSpeed stages 0, 1, 2 with the same JSON, when the peer environment exists (bench/make_peer_venv.sh
-  creates .bench-venv); DeepSpeed runs there, in bench/_deepspeed_peer.py.
-All of them train the same model (the example GPT, sized by `BenchSpec`) from the same seed on the same
-micro-batches. Two phases (see [Note: rank servers] in _zero_common.py):
+  creates .bench-venv); DeepSpeed runs there, in bench/_deepspeed_peer.py,
+- with --before DIR, Slipstream's stage 1 and 2 rows again on the Slipstream of DIR (another checkout), as
+  <row>@before, timed in a group of their own interleaved with the others: before/after from one run.
+All of them train the same model (`--model`: the example GPT, the wide MLP or the residual blocks, sized by
+`_zero_common.model_spec`) from the same seed on the same micro-batches. Two phases (see [Note: rank servers] in _zero_common.py):
     Memory: one fresh group per framework and stage, a few steps, then its RSS high-water mark and the bytes
             of the tensors the engine owns (`engine.optimizer.owned_bytes()`; params + grads + AdamW state
             for DDP). A fresh group per row keeps each RSS figure to that row alone.
@@ -18,7 +24,8 @@ micro-batches. Two phases (see [Note: rank servers] in _zero_common.py):
             alike. One warmup round is dropped; the median over the remaining steps is reported.
 The mean loss of every row after the same steps is printed as a sanity check: same data, same init, so the
 rows agree to a few decimals. Targets (reported, not asserted): Slipstream at least as fast as DeepSpeed at
-every stage, and within 1.1x of DDP at stage 0.
+every stage, within 1.1x of DDP at stages 0 and 2, `overlap_comm` on no slower than off at stages 1 and 2, and
+peak RSS per rank at most DeepSpeed's and DDP's.
 """
 
 from __future__ import annotations
@@ -42,19 +49,37 @@ for _path in (str(BENCH_DIR), str(ROOT)):
         sys.path.insert(0, _path)
 
 import torch
-from _zero_common import REPLY_MARK, BenchSpec, Factory, Runner, ds_config, model_state_bytes, serve_main
+from _zero_common import (
+    REPLY_MARK,
+    BenchSpec,
+    Factory,
+    Runner,
+    describe_model,
+    ds_config,
+    model_spec,
+    model_state_bytes,
+    serve_main,
+)
 from torch import nn
 
 STAGES = (0, 1, 2)
-OURS = ["ddp", "slipstream0", "slipstream1", "slipstream2"]
+OVERLAP_ROWS = {"slipstream1_overlap": (1, True), "slipstream2_no_overlap": (2, False)}
+"""The overlap_comm pairs: each row is its stage's default row with overlap_comm the other way round."""
+OURS = ["ddp", "slipstream0", "slipstream1", "slipstream2", *OVERLAP_ROWS]
 PEER = ["deepspeed0", "deepspeed1", "deepspeed2"]
+BEFORE = "@before"
+if "--serve" in sys.argv and BEFORE in sys.argv[-1]:  # a group of --before rows: the Slipstream of DIR
+    sys.path.insert(0, os.environ["SLIPSTREAM_BENCH_BEFORE"])
 
 
-def make_slipstream(stage: int) -> Factory:
+def make_slipstream(stage: int, overlap_comm: bool | None = None) -> Factory:
     def factory(spec: BenchSpec, model: nn.Module) -> Runner:
         import slipstream
 
-        engine, _, _, _ = slipstream.initialize(model=model, config=ds_config(spec, stage=stage))
+        config = ds_config(spec, stage=stage)
+        if overlap_comm is not None:
+            config["zero_optimization"]["overlap_comm"] = overlap_comm
+        engine, _, _, _ = slipstream.initialize(model=model, config=config)
 
         def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             loss = engine(inputs, targets)
@@ -71,9 +96,10 @@ def make_slipstream(stage: int) -> Factory:
 
 
 def make_ddp(spec: BenchSpec, model: nn.Module) -> Runner:
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=spec.bucket_numel * 4 / 2**20)
+    bucket_cap_mb = None if spec.default_config else spec.bucket_numel * 4 / 2**20  # None: DDP's default, 25
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01
+        model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, fused=True
     )
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -87,7 +113,11 @@ def make_ddp(spec: BenchSpec, model: nn.Module) -> Runner:
     return Runner(step=step, model=model, owned_bytes=lambda: model_state_bytes(model, optimizer))
 
 
-FACTORIES: dict[str, Factory] = {"ddp": make_ddp, **{f"slipstream{s}": make_slipstream(s) for s in STAGES}}
+FACTORIES: dict[str, Factory] = {
+    "ddp": make_ddp,
+    **{f"slipstream{s}": make_slipstream(s) for s in STAGES},
+    **{name: make_slipstream(stage, on) for name, (stage, on) in OVERLAP_ROWS.items()},
+}
 
 
 class RankGroup:
@@ -217,34 +247,51 @@ def _ratio(num: float | None, den: float | None) -> str:
 
 
 def print_table(rows: dict[str, dict[str, Any]]) -> None:
-    """One line per stage: step times, the two target ratios, peak RSS and owned MiB per rank."""
+    """One line per stage: step times, the target ratios, CPU time, peak RSS and owned MiB per rank; then the
+    overlap_comm pairs and the --before rows."""
 
     def get(name: str, key: str) -> float | None:
         return rows.get(name, {}).get(key)
 
     header = (
         f"{'stage':>5} | {'Slipstream ms':>13} | {'DDP ms':>6} | {'DeepSpeed ms':>12} | {'DS/Slip':>7} | "
-        f"{'Slip/DDP':>8} | {'RSS MiB Slip':>12} | {'RSS DDP':>7} | {'RSS DS':>6} | {'owned MiB Slip':>14} | "
-        f"{'owned DDP':>9}"
+        f"{'Slip/DDP':>8} | {'CPU Slip/DDP':>12} | {'RSS MiB Slip':>12} | {'RSS DDP':>7} | {'RSS DS':>6} | "
+        f"{'owned MiB Slip':>14} | {'owned DDP':>9}"
     )
     print(header + "\n" + "-" * len(header))
     for stage in STAGES:
-        ours, peer, zero = f"slipstream{stage}", f"deepspeed{stage}", stage == 0
+        ours, peer = f"slipstream{stage}", f"deepspeed{stage}"
         slip_ms, ds_ms, ddp_ms = get(ours, "median_ms"), get(peer, "median_ms"), get("ddp", "median_ms")
         print(
-            f"{stage:>5} | {_num(slip_ms):>13} | {_num(ddp_ms) if zero else '':>6} | {_num(ds_ms):>12} | "
-            f"{_ratio(ds_ms, slip_ms):>7} | {_ratio(slip_ms, ddp_ms) if zero else '':>8} | "
-            f"{_num(get(ours, 'peak_rss_mib')):>12} | "
-            f"{_num(get('ddp', 'peak_rss_mib')) if zero else '':>7} | "
+            f"{stage:>5} | {_num(slip_ms):>13} | {_num(ddp_ms):>6} | {_num(ds_ms):>12} | "
+            f"{_ratio(ds_ms, slip_ms):>7} | {_ratio(slip_ms, ddp_ms):>8} | "
+            f"{_ratio(get(ours, 'median_cpu_ms'), get('ddp', 'median_cpu_ms')):>12} | "
+            f"{_num(get(ours, 'peak_rss_mib')):>12} | {_num(get('ddp', 'peak_rss_mib')):>7} | "
             f"{_num(get(peer, 'peak_rss_mib')):>6} | {_num(get(ours, 'owned_mib')):>14} | "
-            f"{_num(get('ddp', 'owned_mib')) if zero else '':>9}"
+            f"{_num(get('ddp', 'owned_mib')):>9}"
         )
-    print("\nper row: median / mean step ms, peak RSS (before the engine was built), mean loss of last chunk")
+    print("\noverlap_comm (each stage's default row against the row with it the other way round)")
+    for name, (stage, on) in OVERLAP_ROWS.items():
+        on_row, off_row = (name, f"slipstream{stage}") if on else (f"slipstream{stage}", name)
+        print(
+            f"  stage {stage}: on {_num(get(on_row, 'median_ms'))} ms, off {_num(get(off_row, 'median_ms'))} ms, "
+            f"on/off {_ratio(get(on_row, 'median_ms'), get(off_row, 'median_ms'))} (CPU time "
+            f"{_ratio(get(on_row, 'median_cpu_ms'), get(off_row, 'median_cpu_ms'))})"
+        )
+    for name in [n for n in rows if n.endswith(BEFORE)]:
+        after = name.removesuffix(BEFORE)
+        print(
+            f"  {after}: after/before step time {_ratio(get(after, 'median_ms'), get(name, 'median_ms'))}, CPU "
+            f"time {_ratio(get(after, 'median_cpu_ms'), get(name, 'median_cpu_ms'))}, peak RSS "
+            f"{_num(get(after, 'peak_rss_mib'))} / {_num(get(name, 'peak_rss_mib'))} MiB"
+        )
+    print("\nper row: median / mean step ms, median CPU ms, peak RSS (before the engine was built), mean loss of last chunk")
     for name, row in rows.items():
         print(
-            f"  {name:<12} {_num(row.get('median_ms')):>7} / {_num(row.get('mean_ms')):>7} ms   peak "
-            f"{_num(row.get('peak_rss_mib')):>6} MiB ({_num(row.get('rss_before_mib')):>6})   loss after "
-            f"{row.get('num_steps', '-')} steps {_num(row.get('final_loss'), '.4f')}"
+            f"  {name:<24} {_num(row.get('median_ms')):>7} / {_num(row.get('mean_ms')):>7} ms   CPU "
+            f"{_num(row.get('median_cpu_ms')):>7} ms   peak {_num(row.get('peak_rss_mib')):>6} MiB "
+            f"({_num(row.get('rss_before_mib')):>6})   loss after {row.get('num_steps', '-')} steps "
+            f"{_num(row.get('final_loss'), '.4f')}"
         )
 
 
@@ -311,24 +358,37 @@ def run_rows(script: Path, ours_names: list[str], peer_names: list[str], spec: B
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser)
+    parser.add_argument("--model", choices=("gpt", "mlp", "blocks"), default="gpt",
+                        help="the model of _zero_common.model_spec (blocks: 6 residual blocks, 50.4M, micro batch 32)")
+    parser.add_argument("--default-config", action="store_true",
+                        help="DeepSpeed's defaults: the JSON has only batch, optimizer, clipping and the stage")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="another checkout of Slipstream: its stage 1 and 2 rows run too, as <row>@before")
+    parser.add_argument("--rows", default=None, help="comma-separated subset of the rows (default: all of them)")
     args, use_peer = parse_run_arguments(parser)
-    spec = BenchSpec()
+    wanted = args.rows.split(",") if args.rows else OURS + PEER
+    if set(wanted) - set(OURS + PEER):
+        parser.error(f"--rows: unknown rows {sorted(set(wanted) - set(OURS + PEER))}; choose from {OURS + PEER}")
+    spec = model_spec(args.model, quick=args.quick, default_config=args.default_config)
     print(
-        f"GPT {spec.n_layer} layers x {spec.n_embd}, {spec.world_size} ranks (gloo, 1 thread each), "
-        f"micro batch "
-        f"{spec.micro_batch} x {spec.block_size} tokens, fp32 AdamW, clip 1.0, buckets {spec.bucket_numel:,} "
-        f"elements; {args.rounds} timed rounds x {args.chunk} steps per row",
+        f"{describe_model(spec)}, {spec.world_size} ranks (gloo, 1 thread each), fp32 AdamW, clip 1.0, "
+        f"zero_optimization {ds_config(spec, stage=2)['zero_optimization']}; {args.rounds} timed rounds x "
+        f"{args.chunk} steps per row; load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
-
-    rows, started = run_rows(Path(__file__).resolve(), OURS, PEER if use_peer else [], spec, args)
+    apart = []
+    if args.before is not None:
+        os.environ["SLIPSTREAM_BENCH_BEFORE"] = str(args.before.resolve())
+        apart = [f"slipstream{stage}{BEFORE}" for stage in (1, 2) if f"slipstream{stage}" in wanted]
+    ours, peer = [n for n in OURS if n in wanted], [n for n in PEER if n in wanted and use_peer]
+    rows, started = run_rows(Path(__file__).resolve(), ours, peer, spec, args, apart=apart)
     print_table(rows)
-    print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s")
+    print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s, load average {os.getloadavg()[0]:.1f}")
     return 0
 
 
 if __name__ == "__main__":
     if "--serve" in sys.argv:
-        serve_main(FACTORIES, sys.argv)
+        serve_main({**FACTORIES, **{name + BEFORE: factory for name, factory in FACTORIES.items()}}, sys.argv)
     else:
         sys.exit(main())
