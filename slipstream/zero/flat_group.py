@@ -127,7 +127,9 @@ class FlatGroup(MasterGroup):
         the pieces])."""
         if not self.flat_params.is_cpu:
             for bucket, (start, end) in zip(self.layout.buckets, self.piece_ranges):
-                collectives.all_gather(self.bucket_params(bucket), self.flat_params[start:end], group=self.process_group)
+                collectives.all_gather(
+                    self.bucket_params(bucket), self.flat_params[start:end], group=self.process_group
+                )
             return
         for bucket, (start, end) in zip(self.layout.buckets, self.piece_ranges):
             self.flat_params[bucket.flat_offset : start].fill_(-0.0)

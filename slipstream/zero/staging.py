@@ -158,7 +158,9 @@ def bounded_sizes(zero: ZeroPlan, flats: Sequence[FlatGroup], world: int) -> dic
     grad_bytes = flats[0].grad_storage.element_size()
     chunk = max(stage2_chunk_numel(flat.layout, grad_bytes) for flat in flats)
     buckets = (bucket for flat in flats for bucket in flat.layout.buckets)
-    pieces = {name: min(piece, chunk) for name, (_, piece) in largest_by_reduce_dtype(buckets, zero.reduce_dtype).items()}
+    pieces = {
+        name: min(piece, chunk) for name, (_, piece) in largest_by_reduce_dtype(buckets, zero.reduce_dtype).items()
+    }
     return {DTYPES[name]: (n * world, n) for name, n in pieces.items()}
 
 
