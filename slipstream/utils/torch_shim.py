@@ -57,11 +57,14 @@ def storage_use_count(tensor: torch.Tensor) -> int | None:
     return int(use_count(storage._cdata)) - 1  # without `storage`, the reference made here
 
 
+CAN_SWAP_STORAGE_MEMORY = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+"""Whether storages can trade their memory in place (torch 2.4 cannot); `swap_storage_memory` does nothing otherwise."""
+
+
 def swap_storage_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    swap = getattr(a.untyped_storage(), "_swap_data_ptr_", None)
-    if swap is None:
+    if not CAN_SWAP_STORAGE_MEMORY:
         return False
-    swap(b.untyped_storage())
+    a.untyped_storage()._swap_data_ptr_(b.untyped_storage())  # type: ignore[attr-defined, unused-ignore]
     return True
 
 

@@ -25,7 +25,7 @@ import collections
 
 import torch
 
-from slipstream.utils.torch_shim import swap_storage_memory
+from slipstream.utils.torch_shim import CAN_SWAP_STORAGE_MEMORY, swap_storage_memory
 
 _Key = tuple[int, torch.dtype]
 
@@ -58,17 +58,16 @@ class BufferPool:
         """Give `full`'s empty storage (a unit's gathered buffer after its release: 0 bytes) the memory of a pooled
         buffer of its size. Returns the buffer, now empty, for `reclaim`; None where torch cannot swap storages
         (then `full`'s storage is grown in place, as a plain resize)."""
-        key = (full.numel(), full.dtype)
-        idle = self._idle_memory[key]
+        if not CAN_SWAP_STORAGE_MEMORY:
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            return None
+        idle = self._idle_memory[(full.numel(), full.dtype)]
         if idle:
             buffer = idle.pop()
         else:
             buffer = torch.empty(full.numel(), dtype=full.dtype, device=self.device)
             self._memory_bytes += buffer.numel() * buffer.element_size()
-        if not swap_storage_memory(full, buffer):
-            self._memory_bytes -= buffer.numel() * buffer.element_size()
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-            return None
+        swap_storage_memory(full, buffer)
         return buffer
 
     def reclaim(self, full: torch.Tensor, buffer: torch.Tensor) -> None:

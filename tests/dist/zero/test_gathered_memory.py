@@ -12,8 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
+from slipstream.utils.torch_shim import CAN_SWAP_STORAGE_MEMORY
 from tests.harness import run_distributed
 from tests.harness.models import TinyMLP
 
@@ -23,9 +25,8 @@ def _train(*, swap: bool) -> dict[str, Any]:
     import slipstream
     from slipstream.zero.stage3 import pool as pool_module
 
-    original = pool_module.swap_storage_memory
-    if not swap:  # the fallback: the unit's storage is grown in place at every gather
-        pool_module.swap_storage_memory = lambda a, b: False  # type: ignore[assignment]
+    original = pool_module.CAN_SWAP_STORAGE_MEMORY
+    pool_module.CAN_SWAP_STORAGE_MEMORY = swap  # False: the fallback, the unit's storage grown at every gather
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -51,7 +52,7 @@ def _train(*, swap: bool) -> dict[str, Any]:
     engine.empty_partition_cache()
     steps.append({"emptied_pool_bytes": engine.zero_model.pool.gathered_bytes})
     engine.destroy()
-    pool_module.swap_storage_memory = original  # type: ignore[assignment]
+    pool_module.CAN_SWAP_STORAGE_MEMORY = original
     return {"steps": steps, "params": params, "unit_bytes": units[0].full_bytes}
 
 
@@ -59,6 +60,7 @@ def gathered_memory(rank: int, world: int) -> dict[str, Any]:
     return {"pooled": _train(swap=True), "resized": _train(swap=False)}
 
 
+@pytest.mark.skipif(not CAN_SWAP_STORAGE_MEMORY, reason="this torch cannot swap storages' memory (the fallback runs)")
 def test_gathers_reuse_the_pools_memory_and_train_alike(tmp_path: Path) -> None:
     for out in run_distributed(gathered_memory, world_size=2, tmp_dir=tmp_path, timeout_s=120):
         pooled, resized = out["pooled"], out["resized"]
