@@ -109,8 +109,9 @@ def test_pure_install_without_compiler_then_aot_install(source: Path, venv: Path
     assert not [n for n in names if ".data/scripts/" in n or n.endswith((".bat", ".cmd", ".sh"))], names
 
     # 3. pip install . works with no compiler on PATH, and import needs nothing built. DeepSpeed's feature
-    # extras exist (pip warns of one a package does not provide) and bring nothing: torch is there.
-    extras = "autotuning,autotuning_ml,sparse_attn,sparse,1bit,inf"
+    # extras exist (pip warns of one a package does not provide) and bring nothing: torch is there. Their names
+    # as the metadata writes them (PEP 685): pip before 23.3 does not match `sparse_attn` to `sparse-attn`.
+    extras = "autotuning,autotuning-ml,sparse-attn,sparse,1bit,inf"
     installed = run([py, "-m", "pip", "install", f"{source}[{extras}]"], env=env)
     assert "does not provide the extra" not in installed.stdout + installed.stderr, installed.stderr[-2000:]
     info = run(
