@@ -127,6 +127,7 @@ def collectives_run(rank: int, world: int, *, stage: int) -> dict:
     assert engine.optimizer is not None
     return {"first": dict(first.calls), "boundary": dict(boundary.calls),
             "buckets": sum(len(g.layout.buckets) for g in engine.optimizer.groups),
+            "groups": len(engine.optimizer.groups),
             "bytes": engine.optimizer.owned_bytes()}
 
 
@@ -143,9 +144,10 @@ def test_no_sync_defers_reduction_and_state_is_sharded(tmp_path) -> None:  # typ
         buckets = result["buckets"]
         assert result["first"] == {}
         # one loss all-reduce per optimizer step; stage 0 all-reduces buckets, stage 1 reduce-scatters,
-        # all-gathers and all-reduces the norm
+        # all-gathers (on the host one in-place gather per param group: [Note: gathering the pieces] in
+        # zero/flat_group.py) and all-reduces the norm
         expected = ({"all_reduce": buckets + 1} if stage == 0 else
-                    {"reduce_scatter": buckets, "all_gather": buckets, "all_reduce": 2})
+                    {"reduce_scatter": buckets, "all_gather": result["groups"], "all_reduce": 2})
         assert result["boundary"] == expected
         state = result["bytes"]["optimizer_state"]
         full = 2 * numel * 4
