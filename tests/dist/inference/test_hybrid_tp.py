@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist.inference.test_inference import VOCAB, _llama, _train
+from tests.dist.inference.test_inference import VOCAB, _held_units, _llama, _train
 from tests.harness import run_distributed
 
 
@@ -94,9 +94,7 @@ def _check_stage(rank: int, stage: int, release: bool) -> tuple[int, int]:
     if stage == 3:
         del engine.zero_model.gather_units
         assert chunks and max(chunks) == 1, chunks  # tp_gather_partition_size 1: one unit at a time
-        # every unit released after the call (the pool may keep the memory for the next gathers: pool.py)
-        held = [u.uid for u in engine.zero_model.units if not u.persistent and u.full.untyped_storage().nbytes()]
-        assert held == [], held
+        assert _held_units(engine) == []  # every unit released after the call
     assert torch.equal(tokens, _expected(_full(engine), ids)), (stage, tokens)
     generator = engine._hybrid_tp_generator
     assert generator.copy.model.layers[0].self_attn.q_proj.weight.shape == (16, 32)  # half the rows of 32
