@@ -25,14 +25,19 @@ TIMEOUT_S = 8  # long enough for a loaded 2-core machine never to time out a hea
 BOUND_S = TIMEOUT_S + 15  # from the fault until every process of the job is gone (the issue's bound)
 
 
-def _shm_of(pids: list[int]) -> list[str]:
-    if not os.path.isdir("/dev/shm"):
-        return []
-    return [name for name in os.listdir("/dev/shm") if any(str(pid) in name for pid in pids)]
+def _shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _shm_of(pids: list[int], before: set[str]) -> list[str]:
+    """Shared-memory files made during the job (not in `before`) that name one of its processes."""
+    # a pid as a whole number in the name (torch_<pid>_...): random names (sem.mp-kb42989x) may hold its digits
+    owned = re.compile("|".join(rf"(?<!\d){pid}(?!\d)" for pid in pids))
+    return [name for name in _shm_names() - before if owned.search(name)]
 
 
 def run_fault(tmp_path: Path, stage: int, fault: str, timeout_s: float = TIMEOUT_S) -> dict[str, object]:
-    tag, logs = f"tag-{uuid.uuid4().hex}", tmp_path / "logs"
+    tag, logs, shm_before = f"tag-{uuid.uuid4().hex}", tmp_path / "logs", _shm_names()
     cmd = slipstream_run("--num_gpus", "2", "--enable_each_rank_log", str(logs), str(JOB), "--stage", str(stage),
                          "--fault", fault, "--timeout", str(timeout_s), "--out", str(tmp_path / "ckpt"), tag)
     launcher = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -48,7 +53,7 @@ def run_fault(tmp_path: Path, stage: int, fault: str, timeout_s: float = TIMEOUT
     pids = [int(pid) for pid in re.findall(r"rank \d pid (\d+)", stdout)]
     assert len(pids) == 2, output[-4000:]
     assert_no_orphans(tag)
-    assert not _shm_of([launcher.pid, *pids]), _shm_of([launcher.pid, *pids])
+    assert not _shm_of([launcher.pid, *pids], shm_before), _shm_of([launcher.pid, *pids], shm_before)
     rank_logs = {rank: next(logs.glob(f"*_rank{rank}.log")).read_text() for rank in (0, 1)}
     return {"code": launcher.returncode, "after_s": ended - float(faulted.group(1)), "stderr": stderr,
             "stdout": stdout, "output": output, "logs": rank_logs}
