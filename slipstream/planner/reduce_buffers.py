@@ -29,15 +29,9 @@ from collections.abc import Sequence
 
 from slipstream.planner.prefetch import UnitShape
 from slipstream.planner.types import DTYPE_BYTES
-from slipstream.zero.layout import GroupLayout, largest_by_reduce_dtype, stage2_chunk_numel
+from slipstream.zero.layout import GroupLayout, bounded_pieces
 
 _NUM_SLOTS = 2
-
-
-def _chunk_by_dtype(layout: GroupLayout, *, reduce_dtype: str, grad_bytes: int) -> dict[str, int]:
-    """dtype -> n_d, the elements per rank of the largest reduction in it (`zero/staging.py` `bounded_sizes`)."""
-    chunk = stage2_chunk_numel(layout, grad_bytes)
-    return {d: min(piece, chunk) for d, (_, piece) in largest_by_reduce_dtype(layout.buckets, reduce_dtype).items()}
 
 
 def _ring_bytes(per_dtype: dict[str, int], world: int) -> int:
@@ -49,13 +43,13 @@ def step_reducer_bytes(layout: GroupLayout, *, reduce_dtype: str, storage_dtype:
     """Stages 0 and 1: the staging ring for the buckets not reduced in the storage dtype."""
     if layout.world_size == 1:
         return 0
-    per_dtype = _chunk_by_dtype(layout, reduce_dtype=reduce_dtype, grad_bytes=DTYPE_BYTES[storage_dtype])
+    per_dtype = bounded_pieces([layout], reduce_dtype, DTYPE_BYTES[storage_dtype])
     return _ring_bytes({d: n for d, n in per_dtype.items() if d != storage_dtype}, layout.world_size)
 
 
 def stage2_ring_bytes(layout: GroupLayout, *, reduce_dtype: str, grad_bytes: int) -> int:
     """Stage 2: the ring's staging and receive buffers, per dtype, for chunks of `stage2_chunk_numel`."""
-    per_dtype = _chunk_by_dtype(layout, reduce_dtype=reduce_dtype, grad_bytes=grad_bytes)
+    per_dtype = bounded_pieces([layout], reduce_dtype, grad_bytes)
     per_dtype.setdefault(reduce_dtype, 0)
     return _ring_bytes(per_dtype, layout.world_size)
 

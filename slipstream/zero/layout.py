@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -173,13 +173,14 @@ def stage2_chunk_numel(layout: GroupLayout, grad_bytes: int) -> int:
     return min(largest_piece, bound)
 
 
-def largest_by_reduce_dtype(buckets: Iterable[Bucket], default: str) -> dict[str, tuple[int, int]]:
-    """dtype name -> (the largest padded bucket, the largest piece) among `buckets` reduced in it (`default` for a
-    bucket without a reduce dtype of its own): what the staging rings are sized by (zero/staging.py, and the
-    planner's planner/reduce_buffers.py)."""
-    sizes: dict[str, tuple[int, int]] = {}
-    for bucket in buckets:
+def bounded_pieces(layouts: Sequence[GroupLayout], default: str, grad_bytes: int) -> dict[str, int]:
+    """dtype name -> the elements per rank of the largest reduction in it: the largest piece among the layouts'
+    buckets reduced in that dtype (`default` for a bucket without one of its own), capped at the largest chunk
+    (`stage2_chunk_numel`), so a staging ring of world x that stays within the staging bound. What the staging
+    rings are sized by (zero/staging.py) and the planner counts (planner/reduce_buffers.py)."""
+    chunk = max((stage2_chunk_numel(layout, grad_bytes) for layout in layouts), default=0)
+    pieces: dict[str, int] = {}
+    for bucket in (bucket for layout in layouts for bucket in layout.buckets):
         dtype = bucket.reduce_dtype or default
-        padded, piece = sizes.get(dtype, (0, 0))
-        sizes[dtype] = (max(padded, bucket.padded_numel), max(piece, bucket.piece_numel))
-    return sizes
+        pieces[dtype] = max(pieces.get(dtype, 0), min(bucket.piece_numel, chunk))
+    return pieces

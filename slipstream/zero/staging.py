@@ -32,7 +32,7 @@ from slipstream.comm.collectives import TimedWork
 from slipstream.config.plan import ZeroPlan
 from slipstream.zero.comm_stream import CommStream
 from slipstream.zero.flat_group import FlatGroup
-from slipstream.zero.layout import Bucket, largest_by_reduce_dtype, stage2_chunk_numel
+from slipstream.zero.layout import Bucket, bounded_pieces
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
 
 _NUM_SLOTS = 2
@@ -155,12 +155,8 @@ def bounded_sizes(zero: ZeroPlan, flats: Sequence[FlatGroup], world: int) -> dic
     piece reduced in that dtype, capped at the largest chunk of the layouts (`stage2_chunk_numel`)."""
     if not flats:
         return {}
-    grad_bytes = flats[0].grad_storage.element_size()
-    chunk = max(stage2_chunk_numel(flat.layout, grad_bytes) for flat in flats)
-    buckets = (bucket for flat in flats for bucket in flat.layout.buckets)
-    pieces = {
-        name: min(piece, chunk) for name, (_, piece) in largest_by_reduce_dtype(buckets, zero.reduce_dtype).items()
-    }
+    layouts = [flat.layout for flat in flats]
+    pieces = bounded_pieces(layouts, zero.reduce_dtype, flats[0].grad_storage.element_size())
     return {DTYPES[name]: (n * world, n) for name, n in pieces.items()}
 
 
