@@ -4,13 +4,18 @@ stage3/quantized_reduce.py).
 
 [Note: quantized gather rows]
 A vector of `numel` elements is cut into blocks of `BLOCK` elements (the last one zero-padded); each block gets
-one fp32 scale, its largest magnitude / L (L = 127 for int8, 7 for int4), and its elements are rounded to the
-nearest integer of value / scale (a block of zeros has scale 0 and all-zero codes). One row is int8 bytes:
+one fp32 scale, computed in fp32 from the values in fp32, and its elements are rounded to the nearest integer of
+value / scale (a block of zeros has scale 0 and all-zero codes). All 2^bits codes are used: codes run from -2^(b-1)
+to 2^(b-1) - 1 (-128..127, -8..7) and the scale is the block's largest magnitude / L with L = 2^(b-1) - 1/2 (127.5,
+7.5), so the largest magnitude lands half a step past the last code on its side: -L rounds to the lowest code
+and +L to a code that the clamp brings half a step back. Every element is thus within half a scale, absmax /
+(2^bits - 1) of its block (1/255 at int8, 1/15 at int4), of the value. (L = 2^(b-1) - 1, which leaves the lowest
+code unused, gives 1/254 and 1/14; DeepSpeed's L = 2^(b-1) with the same clamp can miss the largest positive
+value by a whole step, 1/128 and 1/8.) One row is int8 bytes:
     [codes: padded numel x bits / 8] [scales: 4 bytes x blocks] [tag: 4 bytes, qwZ's rows only]
 so a single collective of int8 carries codes, scales (and the unit tag): about a quarter of the bytes of an fp32
-row at int8, an eighth at int4. int4 codes are stored as code + 8 (1..15), two per byte, the even element in
-the low nibble. Dequantizing gives code x scale: every element is within half a scale, absmax / (2 L) of its
-block, of the value. A qwZ shard itself, and so the optimizer's masters, stays exact.
+row at int8, an eighth at int4. int4 codes are stored as code + 8 (0..15), two per byte, the even element in
+the low nibble. Dequantizing gives code x scale. A qwZ shard itself, and so the optimizer's masters, stays exact.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from __future__ import annotations
 import torch
 
 BLOCK = 256
-_LEVELS = {8: 127.0, 4: 7.0}
+_LEVELS = {8: 127.5, 4: 7.5}  # largest magnitude / scale: half a step past the top code (see the note)
+_CODES = {8: (-128.0, 127.0), 4: (-8.0, 7.0)}
 _INT4_OFFSET = 8.0
 
 
@@ -30,7 +36,7 @@ class QuantizedRows:
         if bits not in _LEVELS:
             raise ValueError(f"quantized rows hold 8- or 4-bit codes, not bits={bits}")
         self.numel, self.bits, self.tagged = numel, bits, tagged
-        self.levels = _LEVELS[bits]
+        self.levels, self.codes = _LEVELS[bits], _CODES[bits]
         self.num_blocks = -(-numel // BLOCK)
         self.padded = self.num_blocks * BLOCK
         self.code_bytes = self.padded * bits // 8
@@ -50,7 +56,7 @@ class QuantizedRows:
         blocks = scratch.view(self.num_blocks, BLOCK)
         scales = blocks.abs().amax(dim=1).div_(self.levels)
         divisors = torch.where(scales > 0, scales, torch.ones_like(scales))  # a block of zeros stays zeros
-        blocks.div_(divisors[:, None]).round_().clamp_(-self.levels, self.levels)
+        blocks.div_(divisors[:, None]).round_().clamp_(*self.codes)
         codes = row[: self.code_bytes]
         if self.bits == 8:
             codes.copy_(scratch)

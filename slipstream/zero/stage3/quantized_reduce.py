@@ -12,6 +12,10 @@ member r. qgZ leaves the same rows, in two all-to-alls of block-quantized pieces
     Phase 2, across nodes: row m of that sum is one int8 piece for member (m, l); one all-to-all over the
         members at position l of every node (the outer group) exchanges them; each rank dequantizes the b pieces
         and sums them in fp32, in node order: the group's sum of its own row, written into `receive`.
+A rank's piece for itself (its own slot in each all-to-all) never leaves it, so it is not quantized: the sum
+takes its exact values in that slot's place (the slot still travels, unread, so the buffers keep one layout and
+the bytes counted are unchanged). Only what goes to another rank is rounded: at 2 ranks one of each sum's two
+contributions instead of both (DeepSpeed quantizes the whole tensor, its own part too).
 With one node (no LOCAL_WORLD_SIZE, or the group within one node) phase 1 alone runs and its sum is the result;
 with one rank per node phase 2 alone runs, on the rows as they are. The shard layout is the exact
 reduce-scatter's, so the optimizer, checkpoints and everything after the reduction are unchanged. Each rank
@@ -119,11 +123,13 @@ class QuantizedReduceScatter:
             return QuantizedReduceWork(
                 lambda: self._across_nodes(outer, staging.view(b, width), receive, scratch, total, loco)
             )
-        sent, received, work = self._within_node(inner, staging.view(b, self.levels.size, width), scratch, loco)
+        rows = staging.view(b, self.levels.size, width)
+        mate = dist.get_rank(self.levels.inner)
+        sent, received, work = self._within_node(inner, rows, mate, scratch, loco)
 
         def finish() -> None:
             work.wait()
-            self._sum(inner, received, scratch, total)
+            self._sum(inner, received, (mate, rows[:, mate]), scratch, total)
             self.pool.give(sent)
             self.pool.give(received)
             if outer is None:
@@ -138,32 +144,33 @@ class QuantizedReduceScatter:
     def _encode_all(
         codec: QuantizedRows,
         values: list[torch.Tensor],
+        own: int,
         pieces: torch.Tensor,
         scratch: torch.Tensor,
         phase: str,
         loco: LocoReduction | None,
     ) -> None:
-        """Quantize each of `values` into its row of `pieces`; with LoCo error-compensated, each with the error
-        kept for `phase`'s piece at its index."""
-        if loco is None:
-            for index, value in enumerate(values):
-                codec.encode(value, pieces[index], None, scratch)
-            return
-        kept = loco.kept(phase, len(values), codec.numel, pieces.device)
+        """Quantize each of `values` but the `own` one (this rank's, kept exact) into its row of `pieces`; with
+        LoCo error-compensated, each with the error kept for `phase`'s piece at its index."""
+        kept = None if loco is None else loco.kept(phase, len(values), codec.numel, pieces.device)
         for index, value in enumerate(values):
-            loco.encode(codec, value, pieces[index], kept[index], scratch)
+            if index == own:
+                continue
+            if loco is None or kept is None:
+                codec.encode(value, pieces[index], None, scratch)
+            else:
+                loco.encode(codec, value, pieces[index], kept[index], scratch)
 
     def _within_node(
-        self, codec: QuantizedRows, rows: torch.Tensor, scratch: torch.Tensor, loco: LocoReduction | None
+        self, codec: QuantizedRows, rows: torch.Tensor, own: int, scratch: torch.Tensor, loco: LocoReduction | None
     ) -> tuple[torch.Tensor, torch.Tensor, TimedWork]:
-        """Phase 1: quantize node-mate l's rows (`rows[:, l]`, every node's row at position l) and launch the
-        all-to-all inside the node."""
+        """Phase 1: quantize node-mate l's rows (`rows[:, l]`, every node's row at position l; this rank's own,
+        position `own`, stays exact) and launch the all-to-all inside the node."""
         a = self.levels.size
         sent = self.pool.take(a * codec.row_bytes, torch.int8)
         received = self.pool.take(a * codec.row_bytes, torch.int8)
-        self._encode_all(
-            codec, [rows[:, mate] for mate in range(a)], sent.view(a, codec.row_bytes), scratch, "within", loco
-        )
+        pieces = [rows[:, mate] for mate in range(a)]
+        self._encode_all(codec, pieces, own, sent.view(a, codec.row_bytes), scratch, "within", loco)
         work = collectives.all_to_all(received, sent, group=self.levels.inner, async_op=True)
         return sent, received, work
 
@@ -177,28 +184,38 @@ class QuantizedReduceScatter:
         loco: LocoReduction | None = None,
     ) -> None:
         """Phase 2: quantize row m for node m's member at this rank's position, exchange, dequantize and sum."""
-        b = self.levels.count
+        b, node = self.levels.count, dist.get_rank(self.levels.outer)
         sent = self.pool.take(b * codec.row_bytes, torch.int8)
         received = self.pool.take(b * codec.row_bytes, torch.int8)
-        self._encode_all(codec, list(rows), sent.view(b, codec.row_bytes), scratch, "across", loco)
+        self._encode_all(codec, list(rows), node, sent.view(b, codec.row_bytes), scratch, "across", loco)
         collectives.all_to_all(received, sent, group=self.levels.outer)
-        self._sum(codec, received, scratch, total)
+        self._sum(codec, received, (node, rows[node]), scratch, total)
         receive.copy_(total[: codec.numel])
         self.pool.give(sent)
         self.pool.give(received)
         self._done(scratch, total)
 
     @staticmethod
-    def _sum(codec: QuantizedRows, received: torch.Tensor, scratch: torch.Tensor, total: torch.Tensor) -> None:
-        """`total[:numel]` := the sum, in fp32 and in sender order, of the dequantized pieces in `received`."""
+    def _sum(
+        codec: QuantizedRows,
+        received: torch.Tensor,
+        own: tuple[int, torch.Tensor],
+        scratch: torch.Tensor,
+        total: torch.Tensor,
+    ) -> None:
+        """`total[:numel]` := the sum, in fp32 and in sender order, of the dequantized pieces in `received`, the
+        exact values `own[1]` standing for this rank's own slot `own[0]` (it may be `total`'s first row itself)."""
         pieces = received.view(-1, codec.row_bytes)
         out = total[: codec.numel]
         for sender in range(pieces.shape[0]):
-            values = codec.decode(pieces[sender : sender + 1], scratch)[0]
-            if sender == 0:
-                out.copy_(values)
+            if sender == own[0]:
+                target, values = out.view(own[1].shape), own[1]
             else:
-                out.add_(values)
+                target, values = out, codec.decode(pieces[sender : sender + 1], scratch)[0]
+            if sender == 0:
+                target.copy_(values)
+            else:
+                target.add_(values)
 
     def _done(self, scratch: torch.Tensor, total: torch.Tensor) -> None:
         self.pool.give(scratch)

@@ -91,7 +91,7 @@ def four_ranks(rank: int, world: int) -> dict:
 
 def _reference_step() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The reference's parameters after one SGD step on both ranks' batches, and the bound on each element's
-    distance from them (lr x the mean over ranks of each rank's unit absmax / 14)."""
+    distance from them (lr x the mean over ranks of each rank's unit absmax / 15)."""
     model = TinyMLP(hidden=HIDDEN)
     grads: list[dict[str, torch.Tensor]] = []
     for rank in range(2):
@@ -104,7 +104,7 @@ def _reference_step() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
         unit = name.rsplit(".", 1)[0]  # a layer is a unit: its weight and bias share the pieces' blocks
         absmax = [max(float(g[n].abs().max()) for n in g if n.startswith(unit + ".")) for g in grads]
         after[name] = param.detach() - LR * (grads[0][name] + grads[1][name]) / 2
-        bound[name] = torch.full_like(param, LR * sum(absmax) / 14 / 2 * (1 + 1e-5) + 1e-7)
+        bound[name] = torch.full_like(param, LR * sum(absmax) / 15 / 2 * (1 + 1e-4) + 1e-7)
     return after, bound
 
 

@@ -1,9 +1,10 @@
 """ZeRO++ qgZ's reduce-scatter (zero/stage3/quantized_reduce.py) against its definition, bit for bit: each
-rank's pieces quantized block-wise (int4 inside a node, int8 across; written out here in plain torch:
-round(x / s) x s with s = the block's absmax / 7 or / 127), dequantized and summed in fp32 in sender order,
-node by node, then across nodes. At 2 ranks (one node) and at 4 ranks as 2 nodes x 2 (LOCAL_WORLD_SIZE=2,
-set in the rank before any group is built), 4 nodes of 1 and one node of 4; fp32 and bf16 staging; widths
-with a partial last block. The bytes of each exchange are counted per phase (the site that issued them)."""
+rank's pieces for other ranks quantized block-wise (int4 inside a node, int8 across; written out here in plain
+torch: clamp(round(x / s)) x s with s = the block's absmax / 7.5 or / 127.5, codes -8..7 or -128..127), its piece
+for itself exact, dequantized and summed in fp32 in sender order, node by node, then across nodes. At 2 ranks
+(one node) and at 4 ranks as 2 nodes x 2 (LOCAL_WORLD_SIZE=2, set in the rank before any group is built), 4 nodes
+of 1 and one node of 4; fp32 and bf16 staging; widths with a partial last block. The bytes of each exchange are
+counted per phase (the site that issued them)."""
 
 from __future__ import annotations
 
@@ -58,14 +59,20 @@ def _by_function(sites: dict[str, int], op: str, size: int, site: str) -> None:
 
 
 def _dequantized(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """dequantize(quantize(x)) by the definition: blocks of 256 (zero-padded), s = absmax / (2^(bits-1) - 1)."""
-    levels = 2.0 ** (bits - 1) - 1
+    """dequantize(quantize(x)) by the definition: blocks of 256 (zero-padded), s = absmax / (2^(bits-1) - 1/2),
+    codes clamped to [-2^(bits-1), 2^(bits-1) - 1]."""
+    levels, top = 2.0 ** (bits - 1) - 0.5, 2.0 ** (bits - 1)
     flat = torch.zeros(-(-x.numel() // BLOCK) * BLOCK)
     flat[: x.numel()] = x.reshape(-1).float()
     blocks = flat.view(-1, BLOCK)
     scales = blocks.abs().amax(dim=1, keepdim=True) / levels
-    codes = (blocks / torch.where(scales > 0, scales, torch.ones_like(scales))).round().clamp(-levels, levels)
+    codes = (blocks / torch.where(scales > 0, scales, torch.ones_like(scales))).round().clamp(-top, top - 1)
     return (codes * scales).reshape(-1)[: x.numel()].view(x.shape)
+
+
+def _sent(x: torch.Tensor, bits: int, own: bool) -> torch.Tensor:
+    """What a piece adds to the sum: its exact values when the rank sends it to itself, else dequantized."""
+    return x if own else _dequantized(x, bits)
 
 
 def _in_order_sum(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -82,7 +89,7 @@ def expected(world: int, local: int, width: int, dtype: torch.dtype) -> list[tor
     # phase 1: node m's sum of the pieces bound for its member l, [nodes, width] (rows (m', l) of every node m')
     inner = {
         (m, pos): (
-            _in_order_sum([_dequantized(rows[m * local + src][:, pos], 4) for src in range(local)])
+            _in_order_sum([_sent(rows[m * local + src][:, pos], 4, src == pos) for src in range(local)])
             if local > 1
             else rows[m * local][:, pos]
         )
@@ -93,7 +100,7 @@ def expected(world: int, local: int, width: int, dtype: torch.dtype) -> list[tor
     for rank in range(world):
         m, pos = divmod(rank, local)
         pieces = [inner[(src, pos)][m] for src in range(nodes)]
-        total = _in_order_sum([_dequantized(p, 8) for p in pieces]) if nodes > 1 else pieces[0]
+        total = _in_order_sum([_sent(p, 8, src == m) for src, p in enumerate(pieces)]) if nodes > 1 else pieces[0]
         out.append(total.to(dtype))
     return out
 

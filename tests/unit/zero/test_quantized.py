@@ -1,5 +1,6 @@
 """Block-wise int8 quantization of gather rows (zero/quantized.py): every element within half a scale of its
-value, zero blocks exact, the tag carried, and a row a quarter of fp32's bytes."""
+value, zero blocks exact, the tag carried, and a row a quarter of fp32's bytes; int4 rows use all 16 codes, two a
+byte."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from slipstream.zero.quantized import BLOCK, QuantizedRows
 
 
 def _bound(values: torch.Tensor, padded: int) -> torch.Tensor:
-    """Half a scale per element: the block's largest magnitude / 254."""
+    """Half a scale per element: the block's largest magnitude / 255."""
     blocks = torch.zeros(padded)
     blocks[: values.numel()] = values.float()
-    return (blocks.view(-1, BLOCK).abs().amax(dim=1) / 254).repeat_interleave(BLOCK)[: values.numel()]
+    return (blocks.view(-1, BLOCK).abs().amax(dim=1) / 255).repeat_interleave(BLOCK)[: values.numel()]
 
 
 def test_rows_round_trip_within_half_a_scale() -> None:
@@ -29,7 +30,7 @@ def test_rows_round_trip_within_half_a_scale() -> None:
     assert rows_layout.tags(rows).tolist() == [5.0, 6.0]
     for r, shard in enumerate(shards):
         error = (out[r] - shard).abs()
-        assert bool((error <= _bound(shard, rows_layout.padded) * (1 + 1e-6)).all()), float(error.max())
+        assert bool((error <= _bound(shard, rows_layout.padded) * (1 + 1e-4)).all()), float(error.max())
     assert bool((out[0][BLOCK : 2 * BLOCK] == 0).all()) and bool((out[1] == 0).all())
     assert QuantizedRows(100_000).row_bytes < 100_000 * 4 / 3.9  # about a quarter of an fp32 row
 
@@ -40,14 +41,16 @@ def test_int4_rows_pack_two_codes_a_byte_within_half_a_scale() -> None:
     layout = QuantizedRows(numel, bits=4, tagged=False)
     assert layout.row_bytes == layout.padded // 2 + 4 * layout.num_blocks  # codes two a byte, one scale a block
     values = torch.randn(numel, generator=gen)
-    values[:15] = torch.arange(-7.0, 8.0)  # every int4 code once, scale 1 in the first block
-    values[15:BLOCK] = 0.0
+    values[:15] = torch.arange(-7.0, 8.0)  # the codes -7..7, scale 1 (largest magnitude 7.5) in the first block
+    values[15] = -7.5  # the largest magnitude, half a step past -7: the code -8
+    values[16:BLOCK] = 0.0
     rows = torch.zeros(1, layout.row_bytes, dtype=torch.int8)
     layout.encode(values, rows[0], None, torch.empty(layout.padded))
     out = layout.decode(rows, torch.empty(layout.padded))[0]
-    assert torch.equal(out[:BLOCK], values[:BLOCK])  # the codes -7..7 come back exactly, nibbles in place
+    assert torch.equal(out[:15], values[:15]) and float(out[15]) == -8.0  # every code, nibbles in place
+    assert torch.equal(out[16:BLOCK], values[16:BLOCK])
     blocks = torch.zeros(layout.padded)
     blocks[:numel] = values
-    bound = (blocks.view(-1, BLOCK).abs().amax(dim=1) / 14).repeat_interleave(BLOCK)[:numel]
-    assert bool(((out - values).abs() <= bound * (1 + 1e-6)).all())
+    bound = (blocks.view(-1, BLOCK).abs().amax(dim=1) / 15).repeat_interleave(BLOCK)[:numel]
+    assert bool(((out - values).abs() <= bound * (1 + 1e-4)).all())
     assert not torch.equal(out, values)
