@@ -37,6 +37,28 @@ from slipstream.comm import collectives
 NOISY_POLICIES = (None, "Jitter", "RSample")
 
 
+@dataclasses.dataclass(frozen=True)
+class GateRules:
+    """How a gate routes: TopKGate's DeepSpeed arguments but the group (see [Note: routes]); the defaults are
+    TopKGate's."""
+
+    k: int = 1
+    capacity_factor: float = 1.0
+    eval_capacity_factor: float = 1.0
+    """The capacity factor out of training (`module.eval()`)."""
+    min_capacity: int = 8
+    noisy_gate_policy: str | None = None
+    """None, "Jitter" (the gate input scaled by noise) or "RSample" (Gumbel noise on the top-1 choice); in
+    training only."""
+    drop_tokens: bool = True
+    use_rts: bool = True
+    top2_2nd_expert_sampling: bool = True
+
+    def __post_init__(self) -> None:
+        if self.noisy_gate_policy not in NOISY_POLICIES:
+            raise ValueError(f"noisy_gate_policy={self.noisy_gate_policy!r}; use one of {NOISY_POLICIES}")
+
+
 @dataclasses.dataclass
 class Routes:
     """The gate's decision for S tokens (see [Note: routes])."""
@@ -149,24 +171,22 @@ def _needed_capacity(exp_counts: Tensor, ep_group: dist.ProcessGroup | None, ep_
 
 def route(
     logits: Tensor,
+    rules: GateRules,
     *,
-    k: int,
-    capacity_factor: float,
-    min_capacity: int,
-    drop_tokens: bool = True,
-    use_rts: bool = True,
-    noisy_gate_policy: str | None = None,
-    top2_2nd_expert_sampling: bool = True,
+    training: bool = True,
     used_token: Tensor | None = None,
     ep_group: dist.ProcessGroup | None = None,
     ep_size: int = 1,
 ) -> Routes:
-    """Route S tokens with fp32 `logits` [S, E] to k experts each (see [Note: routes])."""
+    """Route S tokens with fp32 `logits` [S, E] to k experts each (see [Note: routes]) by `rules`, as in training
+    or (`training=False`) as in evaluation: `eval_capacity_factor`, no noise."""
     num_tokens, num_experts = logits.shape
+    k = rules.k
     if not 1 <= k <= num_experts:
         raise ValueError(f"MoE k={k} must be between 1 and num_experts={num_experts}")
     gates = F.softmax(logits, dim=1)
-    top = _choose(logits, gates, k, noisy_gate_policy, top2_2nd_expert_sampling)
+    noisy_gate_policy = rules.noisy_gate_policy if training else None
+    top = _choose(logits, gates, k, noisy_gate_policy, rules.top2_2nd_expert_sampling)
     routed = torch.zeros(num_tokens, k, num_experts, dtype=torch.int64, device=logits.device)
     routed.scatter_(2, top.unsqueeze(2), 1)  # [S, k, E] one-hot per route
     if used_token is not None:
@@ -175,9 +195,10 @@ def route(
     l_aux = _aux_loss(gates, routed, k)
     slot = _slots(routed, k)  # [S, k]
     live = routed.sum(dim=2) > 0  # [S, k]
-    if drop_tokens:
-        cap = capacity(num_tokens, num_experts, capacity_factor, k, min_capacity)
-        live, slot = _drop_over_capacity(gates, top, routed, live, slot, cap, use_rts)
+    if rules.drop_tokens:
+        capacity_factor = rules.capacity_factor if training else rules.eval_capacity_factor
+        cap = capacity(num_tokens, num_experts, capacity_factor, k, rules.min_capacity)
+        live, slot = _drop_over_capacity(gates, top, routed, live, slot, cap, rules.use_rts)
     else:
         cap = _needed_capacity(exp_counts, ep_group, ep_size)
 

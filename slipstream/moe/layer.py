@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from slipstream.comm import collectives
 from slipstream.moe import groups
 from slipstream.moe.experts import Experts
-from slipstream.moe.gating import NOISY_POLICIES, Routes, multiplicative_jitter, route
+from slipstream.moe.gating import GateRules, Routes, multiplicative_jitter, route
 from slipstream.utils.logging import warn_once
 
 __all__ = ["MoE", "MOELayer", "TopKGate"]
@@ -87,39 +87,28 @@ class TopKGate(nn.Module):
         top2_2nd_expert_sampling: bool = True,
     ) -> None:
         super().__init__()
-        if noisy_gate_policy not in NOISY_POLICIES:
-            raise ValueError(f"noisy_gate_policy={noisy_gate_policy!r}; use one of {NOISY_POLICIES}")
+        self.rules = GateRules(
+            k, capacity_factor, eval_capacity_factor, min_capacity, noisy_gate_policy, drop_tokens, use_rts,
+            top2_2nd_expert_sampling,
+        )  # fmt: skip
         if not 1 <= k <= num_experts:
             raise ValueError(f"MoE k={k} must be between 1 and num_experts={num_experts}")
         self.wg = nn.Linear(model_dim, num_experts, bias=False)
         self.ep_group = ep_group
         self.ep_size = 1
-        self.k = k
-        self.capacity_factor = capacity_factor
-        self.eval_capacity_factor = eval_capacity_factor
-        self.min_capacity = min_capacity
-        self.noisy_gate_policy = noisy_gate_policy
-        self.drop_tokens = drop_tokens
-        self.use_rts = use_rts
-        self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
 
     def _set_ep_group(self, ep_group: dist.ProcessGroup | None, ep_size: int = 1) -> None:
         self.ep_group, self.ep_size = ep_group, ep_size
 
     def routes(self, x: Tensor, used_token: Tensor | None = None) -> Routes:
         gate_input = x.float()
-        if self.noisy_gate_policy == "Jitter" and self.training:
+        if self.rules.noisy_gate_policy == "Jitter" and self.training:
             gate_input = multiplicative_jitter(gate_input)
         logits = F.linear(gate_input, self.wg.weight.float())
         return route(
             logits,
-            k=self.k,
-            capacity_factor=self.capacity_factor if self.training else self.eval_capacity_factor,
-            min_capacity=self.min_capacity,
-            drop_tokens=self.drop_tokens,
-            use_rts=self.use_rts,
-            noisy_gate_policy=self.noisy_gate_policy if self.training else None,
-            top2_2nd_expert_sampling=self.top2_2nd_expert_sampling,
+            self.rules,
+            training=self.training,
             used_token=used_token,
             ep_group=self.ep_group,
             ep_size=self.ep_size,

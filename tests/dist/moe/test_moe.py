@@ -141,21 +141,12 @@ def dropless_routes_over_the_expert_group(rank: int) -> list[dict]:
     """Dropless gating with the expert-parallel group: every rank's capacity is the largest count on any rank."""
     import torch.distributed as dist
 
-    from slipstream.moe.gating import route
+    from slipstream.moe.gating import GateRules, route
 
     out = []
     for k in (1, 2, 3):
-        routes = route(
-            gate_logits(rank, k),
-            k=k,
-            capacity_factor=1.0,
-            min_capacity=1,
-            drop_tokens=False,
-            use_rts=False,
-            top2_2nd_expert_sampling=False,
-            ep_group=dist.group.WORLD,
-            ep_size=2,
-        )
+        rules = GateRules(k=k, min_capacity=1, drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False)
+        routes = route(gate_logits(rank, k), rules, ep_group=dist.group.WORLD, ep_size=2)
         out.append({"k": k, "capacity": routes.capacity, "experts": routes.experts, "slots": routes.slots})
     return out
 

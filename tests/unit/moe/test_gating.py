@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from slipstream.moe.gating import capacity, route
+from slipstream.moe.gating import GateRules, capacity, route
 from slipstream.moe.layer import MoE
 from slipstream.moe.utils import (
     is_moe_param,
@@ -82,9 +82,8 @@ def test_output_is_the_weighted_sum_of_each_tokens_kept_experts(k: int, drop: bo
 def test_dropped_tokens_per_expert_follow_the_capacity_formula(k: int, factor: float, minimum: int, rts: bool) -> None:
     logits = torch.randn(TOKENS, EXPERTS, generator=torch.Generator().manual_seed(3)) * 3
     logits[:, 0] += 2.0  # expert 0 is popular: over capacity
-    routes = route(
-        logits, k=k, capacity_factor=factor, min_capacity=minimum, use_rts=rts, top2_2nd_expert_sampling=False
-    )
+    rules = GateRules(k=k, capacity_factor=factor, min_capacity=minimum, use_rts=rts, top2_2nd_expert_sampling=False)
+    routes = route(logits, rules)
     cap = max(math.ceil(TOKENS / EXPERTS * factor * k), minimum)
     assert routes.capacity == cap == capacity(TOKENS, EXPERTS, factor, k, minimum)
     expected = (routes.exp_counts - cap).clamp(min=0)
@@ -107,6 +106,21 @@ def test_dropped_tokens_per_expert_follow_the_capacity_formula(k: int, factor: f
         chosen0 = (torch.topk(gates, k, dim=1).indices == 0).any(1)
         kept, dropped = gates[mine & chosen0, 0], gates[~mine & chosen0, 0]
         assert kept.min() >= dropped.max()
+
+
+def test_out_of_training_the_gate_uses_eval_capacity_factor_and_no_noise() -> None:
+    """`eval()`: the capacity comes from eval_capacity_factor and RSample's Gumbel noise is off (each token's
+    expert is its largest gate); in training the capacity comes from capacity_factor."""
+    moe = layer(k=1, capacity_factor=0.25, eval_capacity_factor=1.0, min_capacity=1, noisy_gate_policy="RSample")
+    gate, x = moe.deepspeed_moe.gate, tokens()
+    assert gate.routes(x).capacity == capacity(TOKENS, EXPERTS, 0.25, 1, 1)
+    gate.eval()
+    evaluated = gate.routes(x)
+    assert evaluated.capacity == capacity(TOKENS, EXPERTS, 1.0, 1, 1)
+    chosen = torch.bincount(gate.wg(x).argmax(dim=1), minlength=EXPERTS)
+    assert evaluated.exp_counts.tolist() == chosen.tolist()
+    with pytest.raises(ValueError, match="noisy_gate_policy='Gumbel'"):
+        layer(noisy_gate_policy="Gumbel")
 
 
 def test_used_token_excludes_tokens_and_residual_mixes_the_dense_mlp() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slipstream.moe.gating import route
+from slipstream.moe.gating import GateRules, route
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE.parents[1] / "fixtures" / "moe_gating" / "deepspeed_gating.json"
@@ -29,8 +29,7 @@ def slipstream_decision(case: dict) -> tuple[dict, list[list]]:
     weight], sorted."""
     logits = torch.tensor(case["logits"], dtype=torch.float32)
     torch.manual_seed(case["seed"])  # DeepSpeed was called right after the same seeding
-    routes = route(
-        logits,
+    rules = GateRules(
         k=case["k"],
         capacity_factor=case["capacity_factor"],
         min_capacity=case["min_capacity"],
@@ -38,6 +37,7 @@ def slipstream_decision(case: dict) -> tuple[dict, list[list]]:
         use_rts=case["use_rts"],
         top2_2nd_expert_sampling=False,
     )
+    routes = route(logits, rules)
     kept = (routes.experts >= 0).nonzero().tolist()  # [route, token]
     nonzeros = sorted(
         [s, int(routes.experts[r, s]), int(routes.slots[r, s]), float(routes.weights[r, s])] for r, s in kept

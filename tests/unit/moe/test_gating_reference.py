@@ -54,8 +54,7 @@ def test_routes_slots_weights_and_l_aux_match_the_reference(k: int) -> None:
         if k > num_experts:
             continue
         logits = make_logits(num_tokens, num_experts, seed)
-        routes = gating.route(
-            logits,
+        rules = gating.GateRules(
             k=k,
             capacity_factor=factor,
             min_capacity=minimum,
@@ -63,6 +62,7 @@ def test_routes_slots_weights_and_l_aux_match_the_reference(k: int) -> None:
             use_rts=False,
             top2_2nd_expert_sampling=False,
         )
+        routes = gating.route(logits, rules)
         expected = reference.gate(
             logits.tolist(), k=k, capacity_factor=factor, min_capacity=minimum, drop_tokens=bool(drop)
         )
@@ -79,7 +79,7 @@ def test_random_token_selection_keeps_the_tokens_with_the_largest_draws(seed: in
     draw after seeding, as DeepSpeed draws it."""
     logits = make_logits(40, 4, 1)
     torch.manual_seed(seed)
-    routes = gating.route(logits, k=1, capacity_factor=0.5, min_capacity=1, use_rts=True)
+    routes = gating.route(logits, gating.GateRules(k=1, capacity_factor=0.5, min_capacity=1, use_rts=True))
     torch.manual_seed(seed)
     uniform = torch.rand(40, 4).tolist()
     expected = reference.gate(logits.tolist(), k=1, capacity_factor=0.5, min_capacity=1, uniform=uniform)
@@ -92,11 +92,7 @@ def test_unused_tokens_route_nowhere_and_count_nowhere(drop: bool) -> None:
     used = [float(s % 3 != 0) for s in range(24)]
     routes = gating.route(
         logits,
-        k=1,
-        capacity_factor=0.5,
-        min_capacity=1,
-        drop_tokens=drop,
-        use_rts=False,
+        gating.GateRules(k=1, capacity_factor=0.5, min_capacity=1, drop_tokens=drop, use_rts=False),
         used_token=torch.tensor(used),
     )
     expected = reference.gate(
