@@ -7,21 +7,25 @@ built at the first `generate` (its parameters allocated once) and refilled from 
 call. A call runs in phases:
 1. refill: the training weights are read a chunk at a time (at ZeRO-3 `tp_gather_partition_size` units are
    gathered, copied from and released before the next chunk; at stages 0-2 the parameters are whole) and each
-   rank copies its slice of every parameter into the copy;
+   rank copies its slice of every parameter into the copy. A LoRA layer is a plain linear in the copy
+   (inference/lora.py `linear_stand_in`): its slice of the base weight gets the layer's delta `scaling * B @ A`
+   (that slice of it only) as soon as the chunk holding its factors is read (lora.py `SliceFusion`);
 2. prompts: the group's prompts are gathered into one left-padded batch (group_prompts.py);
 3. generate: the copy's own `generate` (Hugging Face's, with its KV cache) runs the batch over the group, every
    row-parallel layer ending in an all-reduce per token;
 4. each rank takes back its own rows; with `release_inference_cache` the copy's memory is freed (its storages
    shrink to 0 bytes and grow again at the next call), else it stays for the next call.
-The training model is only read: training goes on bit-equal. Not built (refused by name): LoRA layers (their
-fuse into the sliced copy), per-row tensors other than input_ids and attention_mask, `return_dict_in_generate`.
+The training model is only read (LoRA is fused into the copy, never into the training weights): training goes on
+bit-equal. Not built (refused by name): per-row tensors other than input_ids and attention_mask,
+`return_dict_in_generate`, and PEFT LoRA layers the copy cannot fuse (variants such as DoRA, `lora_bias`,
+`fan_in_fan_out`, layers that wrap something other than a linear).
 With `do_sample` the group's ranks must share their random state (the same seed), or their tokens differ.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -31,7 +35,7 @@ from torch import nn
 from slipstream.accelerator import get_accelerator
 from slipstream.config.plan import HybridPlan
 from slipstream.inference.group_prompts import gather_prompts
-from slipstream.inference.lora import lora_layers
+from slipstream.inference.lora import FusedSlice, SliceFusion, base_parameters, linear_stand_in, lora_layers
 from slipstream.inference.module_copy import structural_copy
 from slipstream.parallel import TensorParallelModel, apply_tensor_parallel, plan_tensor_parallel
 
@@ -69,6 +73,10 @@ class SliceCopy:
     """The dim this rank's slice is cut along; None: the whole parameter (replicated)."""
     start: int
     nbytes: int
+    lora: nn.Module | None = None
+    """The training model's LoRA layer whose base weight `source` is (its deltas go into `target`)."""
+    name: str = ""
+    """The module's qualified name."""
 
 
 def _tp_mesh(tp: int, device_type: str) -> DeviceMesh:
@@ -136,37 +144,41 @@ class TensorParallelGenerator:
                 piece.target.untyped_storage().resize_(piece.nbytes)
         self.held = True
         by_source = {id(s.source): s for s in self.slices}
-        sources = [s.source for s in self.slices]
+        fusion = SliceFusion(
+            [FusedSlice(s.lora, s.name, s.source, s.target, s.dim, s.start) for s in self.slices if s.lora is not None]
+        )
+        sources = [s.source for s in self.slices] + [p for p in fusion.parameters() if id(p) not in by_source]
         with torch.no_grad():
             for chunk in self.weights.chunks(sources, self.plan.tp_gather_partition_size):
                 for source in chunk:
-                    piece = by_source[id(source)]
+                    slot = by_source.get(id(source))
+                    if slot is None:
+                        continue  # a LoRA factor: read by the fusion
                     value = source.detach()
-                    if piece.dim is not None:
-                        value = value.narrow(piece.dim, piece.start, piece.target.shape[piece.dim])
-                    piece.target.copy_(value)
+                    if slot.dim is not None:
+                        value = value.narrow(slot.dim, slot.start, slot.target.shape[slot.dim])
+                    slot.target.copy_(value)
+                fusion.add_ready(chunk)  # See [Note: fusing into a slice] in lora.py
+        fusion.finish()
 
     def _build(self) -> None:
         """The copy: the module tree on the meta device, cut by the AutoTP rules, then allocated once."""
         tp = self.plan.inference_tp_size
-        found = {id(layer) for layer in lora_layers(self.module)}
-        lora = [name for name, m in self.module.named_modules() if id(m) in found]
-        if lora:
-            raise ValueError(
-                f"engine.generate with hybrid_engine.inference_tp_size={tp}: LoRA layers ({', '.join(lora[:4])}"
-                f"{', ...' if len(lora) > 4 else ''}) are not fused into the split inference copy yet; set "
-                "inference_tp_size to 1 (the LoRA deltas are then fused for the call) or merge the adapters first"
-            )
+        lora = {id(layer) for layer in lora_layers(self.module)}
+        names = {id(m): name for name, m in self.module.named_modules()}
         self.mesh = _tp_mesh(tp, self.device.type)
 
         def placeholder(param: nn.Parameter) -> nn.Parameter:
             meta = torch.empty(self.weights.shape(param), dtype=param.dtype, device="meta")
             return nn.Parameter(meta, requires_grad=False)
 
-        copy = structural_copy(self.module, placeholder)
+        def stand_in(module: nn.Module, make: Callable[[nn.Parameter], nn.Parameter]) -> nn.Module | None:
+            return linear_stand_in(module, make, names[id(module)]) if id(module) in lora else None
+
+        copy = structural_copy(self.module, placeholder, stand_in)
         split = apply_tensor_parallel(copy, self.mesh, plan_tensor_parallel(copy, tp))
         _allocate(copy, self.device)
-        self.slices = _slices(self.module, copy, split, self.mesh.get_local_rank(), tp)
+        self.slices = _slices(self.module, copy, split, self.mesh.get_local_rank(), tp, lora)
         self.copy = copy.eval()
 
 
@@ -182,24 +194,29 @@ def _allocate(copy: nn.Module, device: torch.device) -> None:
             module._parameters[name] = made[id(param)]
 
 
-def _slices(model: nn.Module, copy: nn.Module, split: TensorParallelModel, rank: int, tp: int) -> list[SliceCopy]:
-    """For every parameter of `copy`: the training parameter it is read from and this rank's slice of it."""
-    copies = dict(copy.named_modules(remove_duplicate=False))
+def _slices(
+    model: nn.Module, copy: nn.Module, split: TensorParallelModel, rank: int, tp: int, lora: set[int]
+) -> list[SliceCopy]:
+    """For every parameter of `copy`: the training parameter it is read from and this rank's slice of it (a LoRA
+    layer's stand-in reads the layer's base weight and bias; its weight's slice gets the layer's deltas)."""
+    originals = dict(model.named_modules(remove_duplicate=False))
     seen: set[int] = set()
     slices = []
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for name, source in module._parameters.items():
-            if source is None:
-                continue
-            target = copies[module_name]._parameters[name]
-            if target is None or id(target) in seen:
+    for module_name, module in copy.named_modules(remove_duplicate=False):
+        original = originals[module_name]
+        layer = original if id(original) in lora else None
+        sources = original._parameters if layer is None else base_parameters(layer, module_name)
+        for name, target in module._parameters.items():
+            source = sources.get(name)
+            if source is None or target is None or id(target) in seen:
                 continue
             seen.add(id(target))
             spec = split.specs.get(module_name, {}).get(name)
             dim = spec.shard_dim if spec is not None else None
             start = spec.extent(rank, tp)[0] if spec is not None else 0
             nbytes = target.untyped_storage().nbytes()
-            slices.append(SliceCopy(source=source, target=target, dim=dim, start=start, nbytes=nbytes))
+            fused = layer if name == "weight" else None
+            slices.append(SliceCopy(source, target, dim, start, nbytes, lora=fused, name=module_name))
     return slices
 
 
