@@ -41,7 +41,7 @@ from slipstream.zero.gathered import GatheredParameters, register_external_param
 from slipstream.zero.stage3.manager import UnitManager
 from slipstream.zero.stage3.pool import BufferPool
 from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus
-from slipstream.zero.stage3.unit import Unit, host_or_device_allocator
+from slipstream.zero.stage3.unit import Unit, UnitMemory, host_or_device_allocator
 from slipstream.zero.stage3.units import UnitSpec
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -127,23 +127,14 @@ def is_zero_param(parameter: object) -> bool:
 class StagingUnits(UnitManager):
     """The manager of the units zero.Init creates (one per module, no hooks)."""
 
-    def __init__(
-        self,
-        *,
-        device: torch.device,
-        shard_device: torch.device,
-        pin_memory: bool,
-        group: dist.ProcessGroup | None,
-        store: Any = None,
-    ) -> None:
-        """`store`: where shards live between uses (offload/nvme.py's NVMeShardStore for remote_device nvme)."""
-        self.device, self.shard_device, self.group, self.store = device, shard_device, group, store
+    def __init__(self, memory: UnitMemory, *, group: dist.ProcessGroup | None) -> None:
+        """`memory.store`: where shards live between uses (offload/nvme.py's NVMeShardStore for remote_device
+        nvme)."""
+        self.memory, self.group = memory, group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.pool = BufferPool(device)
         self.units = []
         self._deferred_tags = []
         self._holds: dict[int, int] = {}
-        self._allocate = host_or_device_allocator(pin_memory)
 
     def _hold(self, unit: Unit, delta: int) -> int:
         self._holds[unit.uid] = max(0, self._holds.get(unit.uid, 0) + delta)
@@ -156,25 +147,20 @@ class StagingUnits(UnitManager):
         with torch.no_grad():
             for _, param in params:
                 target = dtype if dtype is not None and param.is_floating_point() else param.dtype
-                param.data = param.data.to(device=self.device, dtype=target)
+                param.data = param.data.to(device=self.memory.device, dtype=target)
                 if self.world_size > 1:
                     collectives.broadcast(param.data, src=0, group=self.group)
         spec = UnitSpec(name=f"<init {type(module).__name__} #{len(self.units)}>", module=None, params=tuple(params))
-        self.units.append(
-            Unit(
-                len(self.units),
-                spec,
-                manager=self,
-                rank=self.rank,
-                world_size=self.world_size,
-                group=self.group,
-                device=self.device,
-                shard_device=self.shard_device,
-                pool=self.pool,
-                allocate_shard=self._allocate,
-                store=self.store,
-            )
+        unit = Unit(
+            len(self.units),
+            spec,
+            manager=self,
+            rank=self.rank,
+            world_size=self.world_size,
+            group=self.group,
+            memory=self.memory,
         )
+        self.units.append(unit)
 
 
 def _config_dict(config_dict_or_path: object) -> dict[str, Any]:
@@ -298,14 +284,14 @@ class Init:
         self._constructor_device = device if "device" in overrides else None
         self._saved_constructors: list[dict[str, Any]] = []
         offload = policy_for(stage3.offload_param, rank=dist.get_rank(data_parallel_group), section="offload_param")
-        store = offload.make_param_store(role="init")  # files: each module's shard goes to its file as it is built
-        self.staging = StagingUnits(
+        memory = UnitMemory(
             device=device,
             shard_device=offload.master_device(device),
-            pin_memory=offload.pins_with(pin_memory),
-            group=data_parallel_group,
-            store=store,
+            pool=BufferPool(device),
+            allocate_shard=host_or_device_allocator(offload.pins_with(pin_memory)),
+            store=offload.make_param_store(role="init"),  # files: each module's shard goes to its file as it is built
         )
+        self.staging = StagingUnits(memory, group=data_parallel_group)
         self._patched: list[tuple[type, Any]] = []
         if module is not None:
             from slipstream.zero.stage3.model import ZeroModel

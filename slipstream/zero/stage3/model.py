@@ -34,7 +34,7 @@ from slipstream.zero.stage3.quantized_reduce import QuantizedReduceScatter, node
 from slipstream.zero.stage3.secondary import SecondaryShard
 from slipstream.zero.stage3.sharded_param import ShardedParameter, ZeroParamStatus, internal_access
 from slipstream.zero.stage3.sharding import shard_groups
-from slipstream.zero.stage3.unit import Unit, host_or_device_allocator
+from slipstream.zero.stage3.unit import Unit, UnitMemory, host_or_device_allocator
 from slipstream.zero.stage3.units import UnitSpec, plan_units
 
 
@@ -63,22 +63,23 @@ class ZeroModel(UnitManager):
         self.sharding = shard_groups(group, _checked_shard_size(plan, specs))  # [Note: MiCS shard groups]
         self._hierarchy = hierarchical_gather(self.sharding.shard, self.pool) if plan.hierarchical_gather else None
         offload = policy_for(plan.offload_param, rank=self.rank, section="offload_param")
-        shard_device = offload.master_device(device)
         self.shards_in_host_memory = offload.host_resident
-        allocate = host_or_device_allocator(offload.pins)
         if offload.on_host:  # parameter offload asks for the least host memory ([Note: glibc's mmap threshold])
             cap_mmap_threshold()
-        store: Any = offload.make_param_store()  # None: a ShardStore (unit.py), in memory
+        memory = UnitMemory(
+            device=device,
+            shard_device=offload.master_device(device),
+            pool=self.pool,
+            allocate_shard=host_or_device_allocator(offload.pins),
+            store=offload.make_param_store(),  # None: a ShardStore (unit.py), in memory
+        )
         previous = zero_model_of(module)
         if previous is not None:
             previous.detach_hooks()
         self.units: list[Unit] = []
         self._fp8_weights = float8_gather_slots(module)  # their hook gathers travel in float8 (fp8_gather.py)
         for uid, spec in enumerate(specs):
-            unit = self._build_unit(
-                uid, spec, unit_groups=unit_groups, shard_device=shard_device, allocate=allocate, store=store
-            )
-            self.units.append(unit)
+            self.units.append(self._build_unit(uid, spec, unit_groups=unit_groups, memory=memory))
         for unit in self.units:
             if unit.persistent:
                 unit.refresh_persistent()
@@ -100,9 +101,7 @@ class ZeroModel(UnitManager):
         spec: UnitSpec,
         *,
         unit_groups: UnitGroups | None,
-        shard_device: torch.device,
-        allocate: Any,
-        store: Any,
+        memory: UnitMemory,
     ) -> Unit:
         """One unit: its parameters read out of the units that held them before (re-sharding), plain values
         broadcast from the unit group's source rank, then sharded; an old unit is freed once it holds nothing."""
@@ -124,11 +123,7 @@ class ZeroModel(UnitManager):
             rank=dist.get_rank(shard_group),
             world_size=dist.get_world_size(shard_group),
             group=shard_group,
-            device=self.device,
-            shard_device=shard_device,
-            pool=self.pool,
-            allocate_shard=allocate,
-            store=store,
+            memory=memory,
             quantize_gathers=self.plan.quantized_weights
             or (self.plan.quantized_frozen_weights and not any(p.requires_grad for _, p in spec.params)),
             fp8_slots={

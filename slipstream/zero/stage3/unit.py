@@ -26,6 +26,7 @@ what an alias sees.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from slipstream.comm import collectives
-from slipstream.offload.policy import CPUOffload
+from slipstream.offload.policy import CPUOffload, ParamStore
 from slipstream.precision.fp8 import Float8WeightSlot
 from slipstream.utils.torch_shim import storage_use_count
 from slipstream.zero.comm_stream import CommStream
@@ -67,6 +68,18 @@ class ShardStore:
         return None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class UnitMemory:
+    """Where the units of one manager keep their memory: the full buffers on `device` (gather buffers from
+    `pool`), the shards made by `allocate_shard` on `shard_device` and kept by `store` (None: in memory)."""
+
+    device: torch.device
+    shard_device: torch.device
+    pool: BufferPool
+    allocate_shard: Callable[[int, torch.dtype, torch.device], torch.Tensor]
+    store: ParamStore | None = None
+
+
 class UnitOrderError(RuntimeError):
     """Ranks gathered different units at the same collective (their control flow differed)."""
 
@@ -94,11 +107,7 @@ class Unit:
         rank: int,
         world_size: int,
         group: dist.ProcessGroup | None,
-        device: torch.device,
-        shard_device: torch.device,
-        pool: BufferPool,
-        allocate_shard: Callable[[int, torch.dtype, torch.device], torch.Tensor],
-        store: ShardStore | None = None,
+        memory: UnitMemory,
         quantize_gathers: bool = False,
         fp8_slots: dict[int, Float8WeightSlot] | None = None,
     ) -> None:
@@ -114,17 +123,17 @@ class Unit:
             )
         self.uid, self.name, self.module, self.persistent = uid, spec.name, spec.module, spec.persistent
         self.manager, self.rank, self.world_size, self.group = manager, rank, world_size, group
-        self.device, self.pool = device, pool
-        self.store = store if store is not None else ShardStore()
+        self.device, self.pool = memory.device, memory.pool
+        self.store = memory.store if memory.store is not None else ShardStore()
         self.params: list[nn.Parameter] = params
         self.dtype = params[0].dtype if params else torch.float32
         self.layout = shard_layout([p.numel() for p in params], world_size)
         self.tag = float(uid % 251 + 1)
         self.status = ZeroParamStatus.AVAILABLE
         self.active_modules: set[int] = set()
-        self.shard = allocate_shard(self.layout.shard_numel, self.dtype, shard_device)
+        self.shard = memory.allocate_shard(self.layout.shard_numel, self.dtype, memory.shard_device)
         # torch.empty touches no pages: construction costs the shard, not a second copy of the unit
-        self.full = torch.empty(self.layout.full_numel, dtype=self.dtype, device=device)
+        self.full = torch.empty(self.layout.full_numel, dtype=self.dtype, device=self.device)
         self.full_bytes = self.full.untyped_storage().nbytes()
         self._pending: tuple[Any, torch.Tensor, QuantizedRows | Float8Rows | SecondaryShard | None] | None = None
         self.secondary: SecondaryShard | None = None
@@ -132,7 +141,9 @@ class Unit:
         self.quantized = QuantizedRows(self.layout.shard_numel) if quantize_gathers and world_size > 1 else None
         """How the hooks' gathers travel quantized (ZeRO++ qwZ), or None: always exact."""
         self.float8 = (
-            Float8Rows(self.layout, self.dtype, fp8_slots, shapes=[p.shape for p in params], group=group, device=device)
+            Float8Rows(
+                self.layout, self.dtype, fp8_slots, shapes=[p.shape for p in params], group=group, device=self.device
+            )
             if fp8_slots and world_size > 1 and self.quantized is None
             else None
         )

@@ -23,7 +23,7 @@ from slipstream.zero.stage3 import secondary as secondary_module
 from slipstream.zero.stage3 import unit as unit_module
 from slipstream.zero.stage3.pool import BufferPool
 from slipstream.zero.stage3.secondary import SecondaryShard
-from slipstream.zero.stage3.unit import Unit
+from slipstream.zero.stage3.unit import Unit, UnitMemory
 from slipstream.zero.stage3.units import UnitSpec
 from slipstream.zero.staging import StagingRing
 
@@ -163,10 +163,12 @@ def _gathering_unit(log: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[Un
         rank=0,
         world_size=2,
         group=None,
-        device=torch.device("cpu"),
-        shard_device=torch.device("cpu"),
-        pool=pool,
-        allocate_shard=lambda n, d, dev: torch.zeros(n, dtype=d),
+        memory=UnitMemory(
+            device=torch.device("cpu"),
+            shard_device=torch.device("cpu"),
+            pool=pool,
+            allocate_shard=lambda n, d, dev: torch.zeros(n, dtype=d),
+        ),
     )
     unit.comm = CommStream(enabled=True, accelerator=accelerator)
     return unit, accelerator
