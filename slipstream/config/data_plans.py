@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from slipstream.config.errors import ConfigError, pydantic_problems
 from slipstream.config.keys import unimplemented_keys
 from slipstream.config.random_ltd_plan import RandomLTDPlan, random_ltd_plan
+from slipstream.config.same_named import same_named
 from slipstream.config.schema.data import (
     CurriculumLearningConfig,
     CurriculumMetricConfig,
@@ -170,16 +171,12 @@ def dynamic_batching_plan(efficiency: DataEfficiencyConfig, problems: list[str])
             "raise max_batch_size or leave it out"
         )
         return None
-    return DynamicBatchingPlan(
-        max_tokens=section.max_tokens,
-        lr_scaling_method=section.lr_scaling_method,
-        min_batch_size=section.min_batch_size,
-        max_batch_size=section.max_batch_size,
+    return same_named(
+        section,
+        DynamicBatchingPlan,
         order=section.sequence_picking_order,
-        metrics_path=section.metrics_path,
         seed=efficiency.seed,
         num_workers=efficiency.data_sampling.num_workers,
-        verbose=section.verbose,
     )
 
 
