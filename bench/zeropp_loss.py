@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MB16 = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1}
+MB16: dict[str, object] = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1}
 # name: (zero_optimization keys, top-level keys)
 RUNS: dict[str, tuple[dict[str, object], dict[str, object]]] = {
     "plain": ({}, {}),
