@@ -78,9 +78,11 @@ def checkpointed_share(module: nn.Module) -> float | None:
     dims = from_module(module).dims
     if not dims.hidden or not dims.layers:
         return None
-    shape = {"seq": 1, "micro_batch": 1, "hidden": dims.hidden, "layers": dims.layers, "heads": dims.heads or 1}
+    layers_only = dataclasses.replace(dims, heads=dims.heads or 1, vocab=None)
     full, kept = (
-        transformer_activations(**shape, vocab=None, dtype_bytes=2, fused_attention=True, checkpointing=on)
+        transformer_activations(
+            layers_only, seq=1, micro_batch=1, dtype_bytes=2, fused_attention=True, checkpointing=on
+        )
         for on in (False, True)
     )
     return kept / full

@@ -14,20 +14,15 @@ seq * micro_batch * vocab * (dtype bytes + 4).
 
 from __future__ import annotations
 
+from slipstream.planner.shapes import Dims
+
 
 def transformer_activations(
-    *,
-    seq: int,
-    micro_batch: int,
-    hidden: int,
-    layers: int,
-    heads: int,
-    vocab: int | None,
-    dtype_bytes: int,
-    checkpointing: bool,
-    fused_attention: bool = False,
+    dims: Dims, *, seq: int, micro_batch: int, dtype_bytes: int, checkpointing: bool, fused_attention: bool = False
 ) -> int:
-    """Bytes of activations one rank keeps for backward at the peak (end of forward)."""
+    """Bytes of activations one rank keeps for backward at the peak (end of forward), for a model of `dims`
+    (all but `vocab` needed; no vocab: no output layer)."""
+    hidden, layers, heads, vocab = dims.hidden, dims.layers, dims.heads, dims.vocab
     for name, value in (
         ("seq", seq),
         ("micro_batch", micro_batch),
@@ -35,8 +30,9 @@ def transformer_activations(
         ("layers", layers),
         ("heads", heads),
     ):
-        if value < 1:
+        if value is None or value < 1:
             raise ValueError(f"activations: {name} must be >= 1, got {value}")
+    assert hidden and layers and heads  # checked above
     tokens_hidden = seq * micro_batch * hidden
     scale = dtype_bytes / 2
     scores = 0.0 if fused_attention else 5 * heads * seq / hidden

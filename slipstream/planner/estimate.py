@@ -218,18 +218,15 @@ def _activations(
     if missing:
         notes.append(f"activations not estimated: give {', '.join('--' + m for m in missing)}")
         return None, None
-    assert seq and dims.hidden and dims.layers and dims.heads
+    assert seq
     micro = micro_batch or 1
     if not micro_batch:
         notes.append("activations for micro batch 1 (give --micro-batch or a config)")
     return tuple(
         transformer_activations(  # type: ignore[return-value]
+            dims,
             seq=seq,
             micro_batch=micro,
-            hidden=dims.hidden,
-            layers=dims.layers,
-            heads=dims.heads,
-            vocab=dims.vocab,
             dtype_bytes=DTYPE_BYTES[settings.dtype],
             fused_attention=fused_attention,
             checkpointing=checkpointing,

@@ -34,7 +34,7 @@ from slipstream.planner import (
 )
 from slipstream.planner.activations import transformer_activations
 from slipstream.planner.prefetch import UnitShape, simulate_pool
-from slipstream.planner.shapes import from_hf_config
+from slipstream.planner.shapes import Dims, from_hf_config
 from slipstream.planner.zero_bytes import optimizer_states_per_element, pinned_rounding, stage012_bytes
 
 GIB = 2**30
@@ -126,8 +126,9 @@ def test_ds_config_row_and_knobs() -> None:
     row = plan.estimates[0]
     assert row.option == Option(stage=2, offload_optimizer=True, label="config")
     assert plan.settings.reduce_bucket_size == 1000
-    assert row.activations == transformer_activations(seq=1024, micro_batch=4, hidden=768, layers=12, heads=12,
-                                                      vocab=50257, dtype_bytes=2, checkpointing=False)
+    gpt2 = Dims(hidden=768, layers=12, heads=12, vocab=50257)
+    assert row.activations == transformer_activations(gpt2, seq=1024, micro_batch=4, dtype_bytes=2,
+                                                      checkpointing=False)
     # buckets of 1000 elements: the embedding (50257 x 768) gets a bucket of its own, reduced in chunks of the
     # staging bound (8 MiB of fp32 gradients over 4 ranks), so the buffers do not grow with it
     chunk = 8 * 2**20 // 4 // 4
@@ -137,11 +138,12 @@ def test_ds_config_row_and_knobs() -> None:
 
 
 def test_activation_formula() -> None:
-    base = {"seq": 2048, "micro_batch": 1, "hidden": 4096, "layers": 32, "heads": 32, "vocab": None, "dtype_bytes": 2}
+    dims = Dims(hidden=4096, layers=32, heads=32)
+    base = {"seq": 2048, "micro_batch": 1, "dtype_bytes": 2}
     per_layer = 2048 * 4096 * (34 + 5 * 32 * 2048 / 4096)
-    assert transformer_activations(**base, checkpointing=False) == int(32 * per_layer)
-    assert transformer_activations(**base, checkpointing=True) == int(32 * 2048 * 4096 * 2 + per_layer)
-    assert transformer_activations(**base, checkpointing=False, fused_attention=True) == 32 * 2048 * 4096 * 34
+    assert transformer_activations(dims, **base, checkpointing=False) == int(32 * per_layer)
+    assert transformer_activations(dims, **base, checkpointing=True) == int(32 * 2048 * 4096 * 2 + per_layer)
+    assert transformer_activations(dims, **base, checkpointing=False, fused_attention=True) == 32 * 2048 * 4096 * 34
 
 
 def test_deepspeed_names_signatures_and_output(capsys: pytest.CaptureFixture[str]) -> None:
