@@ -39,8 +39,8 @@ NOISY_POLICIES = (None, "Jitter", "RSample")
 
 @dataclasses.dataclass(frozen=True)
 class GateRules:
-    """How a gate routes: TopKGate's DeepSpeed arguments but the group (see [Note: routes]); the defaults are
-    TopKGate's."""
+    """How a gate routes: TopKGate's DeepSpeed arguments but the group, in their order and with their defaults
+    (TopKGate passes them by position; see [Note: routes])."""
 
     k: int = 1
     capacity_factor: float = 1.0
