@@ -25,7 +25,7 @@ import datetime
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 import torch
@@ -40,7 +40,7 @@ __all__ = [
     "PeerLost",
     "TimedWork",
     "all_gather",
-    "all_gather_by_sum",
+    "all_gather_by_exchange",
     "all_reduce",
     "all_to_all",
     "barrier",
@@ -272,20 +272,61 @@ def all_gather(
     )
 
 
-def all_gather_by_sum(
-    tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None, async_op: bool = False
+def all_gather_by_exchange(
+    tensor: torch.Tensor,
+    parts: Sequence[Sequence[torch.Tensor]],
+    *,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> TimedWork:
-    """An in-place all-gather of disjoint parts, issued as an all-reduce: each rank has written its own elements
-    of `tensor` and -0.0 in every element another rank owns. -0.0 is the exact additive identity (x + -0.0 is x
-    for every x, -0.0 and NaN included), so every rank ends with each element as its owner wrote it, bit for bit.
-    The host's choice: gloo's all-gather copies through a temporary as large as its output, its all-reduce
-    works in place. Counted as the all-gather it is."""
-    return _issue("all_gather", tensor, (tensor,), _sum_in_place(group), async_op, group=group)
+    """An in-place all-gather of disjoint parts of `tensor` by point-to-point exchange: `parts[r]` are the views
+    of `tensor` rank r owns (the same number on every rank); this rank sends its own to every other rank and
+    receives theirs in place. gloo's all-gather copies through a temporary as large as its output; this needs
+    none, and on 2 ranks sends half the bytes of an all-reduce of `tensor`, with no sum. Counted as one
+    all-gather of `tensor`. The host's choice ([Note: gathering the pieces] in zero/flat_group.py)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    peers = [(r, r if group is None else dist.get_global_rank(group, r)) for r in range(world) if r != rank]
+    flat_parts = [p for row in parts for p in row]
+
+    def launch(*aliases: torch.Tensor) -> _AllOf:
+        rows, works, start = [], [], 0
+        for row in parts:
+            rows.append(aliases[start : start + len(row)])
+            start += len(row)
+        for peer, global_peer in peers:
+            for mine, theirs in zip(rows[rank], rows[peer], strict=True):
+                works.append(dist.isend(mine, dst=global_peer, group=group, tag=_EXCHANGE_TAG))
+                works.append(dist.irecv(theirs, src=global_peer, group=group, tag=_EXCHANGE_TAG))
+        return _AllOf(works)
+
+    return _issue("all_gather", tensor, tuple(flat_parts), launch, async_op, group=group)
+
+
+_EXCHANGE_TAG = 0x7FFF0000
+"""The point-to-point tag of `all_gather_by_exchange` (the pipeline's tags are small numbers)."""
+
+
+class _AllOf:
+    """Several backend works waited for as one, within one deadline (the exchange's sends and receives)."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        for work in self._works:
+            if deadline is None:
+                work.wait()
+            else:
+                work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
 
 
 def _sum_in_place(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], object]:
-    """The launch of an asynchronous in-place sum over `group` (what the host's reduce-scatter and
-    `all_gather_by_sum` run)."""
+    """The launch of an asynchronous in-place sum over `group` (what the host's reduce-scatter runs)."""
     return lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 

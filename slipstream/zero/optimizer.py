@@ -6,9 +6,8 @@ The communication schedule of one optimizer step (the engine calls `step()` at t
     Phase 2: scale the owned gradients once by 1 / (world * accumulation steps * loss scale); check for
              inf/nan (one all-reduce of a flag, fp16 and bf16); compute the global norm (one all-reduce
              of a scalar when sharded); clip.
-    Phase 3: the wrapped torch optimizer updates the master pieces.
-    Phase 4: cast master pieces into the flat params and gather every rank's pieces (stages 1, 2; [Note:
-             gathering the pieces] in flat_group.py).
+    Phase 3: the wrapped torch optimizer updates the master pieces; Phase 4: cast them into the flat params and
+             gather every rank's (stages 1, 2, span by span with phase 3: [Note: overlapped gather ...]).
 Gradients reach the flat grad storage through post-accumulate-grad hooks, so `loss.backward()` and
 `engine.backward(loss)` are the same thing here.
 """
@@ -34,6 +33,7 @@ from slipstream.precision.reduce_dtypes import reduce_dtype_of
 from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import build_layout
 from slipstream.zero.slices import OwnedSlice
+from slipstream.zero.span_step import SpanStep
 from slipstream.zero.sub_group_step import SubGroupStepping
 from slipstream.zero.whole_tensors import attach_whole_tensors
 
@@ -62,6 +62,7 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
 
     owns_all: bool = False
     full_grad_storage: bool = True
+    span_step: SpanStep | None = None  # stages 1-2: phases 3-4 span by span (zero/span_step.py)
 
     def __init__(
         self,
@@ -266,6 +267,8 @@ class ZeroOptimizer(SubGroupStepping, abc.ABC):
                 piece.grad = grad
         if self.offload.on_host:
             get_accelerator().synchronize()  # device -> host gradient copies are complete
+        if self.span_step is not None:  # [Note: overlapped gather of the updated pieces] in span_step.py
+            return self.span_step.run(self)
         copied = self.offload.run_step(self)  # phase 3 (and the copy of phase 4 when the policy did it)
         self._publish_params(from_low_precision=bool(self._low_precision_out), copied=copied)
 

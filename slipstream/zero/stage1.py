@@ -33,8 +33,10 @@ import collections
 import torch
 
 from slipstream.comm import collectives
+from slipstream.zero.comm_stream import CommStream
 from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import Bucket
+from slipstream.zero.span_step import SpanStep
 from slipstream.zero.stage0 import reduces_itself
 from slipstream.zero.staging import ReducesAtStep, bucket_dtype
 
@@ -57,6 +59,7 @@ class Stage1Optimizer(ReducesAtStep):
         """This pass reduces buckets as they fill ([Note: stage-1 overlapped reduction])."""
         self.peak_in_flight = 0
         """The most reductions launched during backward still in flight when the step began."""
+        self.span_step = SpanStep.for_optimizer(self, comm=CommStream(enabled=self.zero.overlap_comm))
         self._one_bit = callable(getattr(self.optimizer, "attach_gradient_buckets", None))
         self._dropped = False
         """This step's local gradients were not finite anywhere: it is an overflow ([Note: 1-bit gradients ...])."""

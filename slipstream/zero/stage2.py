@@ -35,6 +35,7 @@ from slipstream.comm import collectives
 from slipstream.zero.flat_group import FlatGroup
 from slipstream.zero.layout import Bucket, stage2_bucket_numel, stage2_chunk_numel
 from slipstream.zero.optimizer import DTYPES, ZeroOptimizer
+from slipstream.zero.span_step import SpanStep
 from slipstream.zero.staging import StagingRing, bounded_sizes, bucket_dtype
 
 
@@ -57,6 +58,7 @@ class Stage2Optimizer(ZeroOptimizer):
         )
         self._pending: dict[tuple[int, int], dict[int, torch.Tensor]] = collections.defaultdict(dict)
         self._next = 0
+        self.span_step = SpanStep.for_optimizer(self, comm=self._ring.comm)  # the gathers share the ring's stream
 
     def _layout_bucket_numel(self, reduce_bucket_size: int, grad_dtype: torch.dtype) -> int:
         return stage2_bucket_numel(reduce_bucket_size, torch.empty((), dtype=grad_dtype).element_size())

@@ -45,7 +45,11 @@ class SubGroupStepping:
 
     def step_sub_group(self, index: int) -> None:
         """Update one sub-group's master pieces and copy their new values into the parameters."""
-        number, start, end = self.sub_groups[index]
+        self.step_pieces(*self.sub_groups[index])
+
+    def step_pieces(self, number: int, start: int, end: int) -> None:
+        """Update master pieces [start, end) of param group `number` (the optimizer's group cut down to them) and
+        copy their new values into the parameters."""
         groups = list(self.optimizer.param_groups)
         group = groups[number]
         self.optimizer.param_groups = [{**group, "params": group["params"][start:end]}]
