@@ -12,6 +12,7 @@ routing (C is agreed), so a rank that routes nothing to an expert still takes pa
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 import torch
@@ -117,6 +118,24 @@ class TopKGate(nn.Module):
     def forward(self, x: Tensor, used_token: Tensor | None = None) -> tuple[Tensor, Routes]:
         routes = self.routes(x, used_token)
         return routes.l_aux, routes
+
+
+def _rule_view(name: str) -> property:
+    """`gate.<name>` reads and sets one of `gate.rules`, as DeepSpeed's gate keeps each setting as an attribute
+    (`gate.k`, `gate.capacity_factor = 2.0`); a set replaces the frozen rules, checked again."""
+
+    def read(gate: TopKGate) -> object:
+        return getattr(gate.rules, name)
+
+    def write(gate: TopKGate, value: object) -> None:
+        change: dict[str, Any] = {name: value}  # GateRules checks it
+        gate.rules = dataclasses.replace(gate.rules, **change)
+
+    return property(read, write, doc=f"`rules.{name}` (DeepSpeed's attribute of the gate)")
+
+
+for _field in dataclasses.fields(GateRules):
+    setattr(TopKGate, _field.name, _rule_view(_field.name))
 
 
 class MOELayer(nn.Module):

@@ -123,6 +123,22 @@ def test_out_of_training_the_gate_uses_eval_capacity_factor_and_no_noise() -> No
         layer(noisy_gate_policy="Gumbel")
 
 
+def test_the_gate_settings_read_and_set_as_deepspeeds_attributes() -> None:
+    """DeepSpeed's TopKGate keeps each setting as an attribute (`gate.k`, `gate.eval_capacity_factor`): they read
+    gate.rules, and a set changes the routing (and is checked like the constructor's argument)."""
+    moe = layer(k=2, capacity_factor=0.25, eval_capacity_factor=0.25, min_capacity=1)
+    gate, x = moe.deepspeed_moe.gate, tokens()
+    assert (gate.k, gate.capacity_factor, gate.min_capacity, gate.drop_tokens) == (2, 0.25, 1, True)
+    gate.eval()
+    assert gate.routes(x).capacity == capacity(TOKENS, EXPERTS, 0.25, 2, 1)
+    gate.eval_capacity_factor = 1.0
+    assert gate.rules.eval_capacity_factor == 1.0
+    assert gate.routes(x).capacity == capacity(TOKENS, EXPERTS, 1.0, 2, 1)
+    with pytest.raises(ValueError, match="noisy_gate_policy='Gumbel'"):
+        gate.noisy_gate_policy = "Gumbel"
+    assert gate.noisy_gate_policy is None
+
+
 def test_used_token_excludes_tokens_and_residual_mixes_the_dense_mlp() -> None:
     moe = layer(k=1, drop_tokens=False, use_residual=True)
     x = tokens()
