@@ -34,7 +34,7 @@ TEST_SEED ?= $(shell date -u +%Y%m%d)
 test: $(STAMP) ## run the test suite in a random order (replay one: TEST_SEED=...; tests/compat_hf: `make compat-hf`)
 	@echo "make test: random test order, seed $(TEST_SEED); replay it with: make test TEST_SEED=$(TEST_SEED)"
 	$(PY) -m pytest -q -p random_order --random-order-bucket=module --random-order-seed=$(TEST_SEED) \
-		--ignore=tests/compat_hf
+		--ignore=tests/compat_hf --durations=15
 
 # The tests elsewhere in tests/ that skip without Transformers (`make test` does not install it) run here too.
 HF_GATED_TESTS = $(shell grep -rl --include='*.py' 'importorskip("transformers")' tests | grep -v '^tests/compat_hf/' | sort)
