@@ -147,6 +147,7 @@ class DistributedAttention(nn.Module):
             return sdpa_attention(q, k, v, *args, seq_dim=self.gather_idx, head_dim=self.scatter_idx, **kwargs)
         return self.local_attn(q, k, v, *args, **kwargs)
 
+    @torch.compiler.disable  # eager inside a compiled block (one graph break): its collectives are not traceable
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: object, **kwargs: object
     ) -> torch.Tensor:
