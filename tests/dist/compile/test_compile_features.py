@@ -107,6 +107,8 @@ def make_engine(config: dict | None, checkpoint: str, sp: int, stage: int) -> An
 
 
 def train(engine: Any, rank: int) -> tuple[list[float], list[int]]:
+    """STEPS steps: each step's loss and global gradient norm (in one list), and dynamo's count of compiled
+    frames after each step (it grows only when something compiles)."""
     from torch._dynamo.utils import counters
 
     from slipstream.sequence.data import sequence_mean_loss, shard_sequence
@@ -127,7 +129,7 @@ def train(engine: Any, rank: int) -> tuple[list[float], list[int]]:
             loss = sequence_mean_loss(token_sum, batch["labels"].numel(), topo.sp_group)
         engine.backward(loss)
         engine.step()
-        losses.append(loss.item())
+        losses.extend([loss.item(), float(engine.get_global_grad_norm() or 0.0)])
         frames.append(counters["frames"]["total"] - before)
     return losses, frames
 
