@@ -70,8 +70,11 @@ class CheckpointedGPT(TinyGPT):
 
 
 CASES = [
-    dict(name="fp16 overflowing, blocks checkpointed by the model", checkpoint="outside",
-         config={"fp16": {"enabled": True, "initial_scale_power": 19, "hysteresis": 1}}),
+    dict(
+        name="fp16 overflowing, blocks checkpointed by the model",
+        checkpoint="outside",
+        config={"fp16": {"enabled": True, "initial_scale_power": 19, "hysteresis": 1}},
+    ),
     dict(name="Slipstream's checkpoint in the block", checkpoint="slipstream"),
     dict(name="torch's checkpoint in the block", checkpoint="torch"),
     dict(name="AutoTP 2", config={"tensor_parallel": {"autotp_size": 2}}),
@@ -168,30 +171,53 @@ def params(engine: Any) -> dict[str, Tensor]:
     return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
 
-def compiled_vs_eager(rank: int, *, name: str, config: dict | None = None, checkpoint: str = "", sp: int = 1,
-                      stage: int = 1, backend: str = "aot_eager") -> dict:
+def compiled_vs_eager(
+    rank: int,
+    *,
+    name: str,
+    config: dict | None = None,
+    checkpoint: str = "",
+    sp: int = 1,
+    stage: int = 1,
+    backend: str = "aot_eager",
+) -> dict:
     import time
 
     import torch.distributed as dist
 
     started = time.perf_counter()
     torch._dynamo.reset()
-    eager = make_engine(config, checkpoint, sp, stage)
-    eager_losses, _ = train(eager, rank)
-    expected = params(eager)
-    eager.destroy()
-    compiled = make_engine(config, checkpoint, sp, stage)
-    compiled.compile(backend=backend)
-    losses, frames = train(compiled, rank)
-    skipped = (eager.skipped_steps, compiled.skipped_steps)
-    got = params(compiled)
-    breaks = compiled.graph_breaks
-    kept = kept_with_and_without_checkpoint(compiled) if checkpoint else None
-    compiled.destroy()
+    runs = []
+    for compile_it in (False, True):  # the same model, config and batches, eagerly and then compiled
+        engine = make_engine(config, checkpoint, sp, stage)
+        if compile_it:
+            engine.compile(backend=backend)
+        losses, frames = train(engine, rank)
+        runs.append(
+            {
+                "losses": losses,
+                "frames": frames,
+                "params": params(engine),
+                "skipped": engine.skipped_steps,
+                "breaks": engine.graph_breaks,
+                "kept": kept_with_and_without_checkpoint(engine) if compile_it and checkpoint else None,
+            }
+        )
+        engine.destroy()
     dist.barrier()
-    worst = max((got[n] - expected[n]).abs().max().item() for n in expected)
-    return {"name": name, "losses": losses, "eager_losses": eager_losses, "worst": worst, "breaks": breaks, "skipped": skipped, "kept": kept,
-            "frames": frames, "seconds": time.perf_counter() - started}
+    eager, compiled = runs
+    worst = max((compiled["params"][n] - p).abs().max().item() for n, p in eager["params"].items())
+    return {
+        "name": name,
+        "losses": compiled["losses"],
+        "eager_losses": eager["losses"],
+        "worst": worst,
+        "breaks": compiled["breaks"],
+        "skipped": (eager["skipped"], compiled["skipped"]),
+        "kept": compiled["kept"],
+        "frames": compiled["frames"],
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def run_all(rank: int, world: int, *, cases: list[dict]) -> list[dict]:
