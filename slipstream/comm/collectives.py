@@ -309,8 +309,8 @@ _EXCHANGE_TAG = 0x7FFF0000
 class _AllOf:
     """Several backend works waited for as one, within one deadline (the exchange's sends and receives)."""
 
-    def __init__(self, works: list[dist.Work]) -> None:
-        self._works = works
+    def __init__(self, works: list[dist.Work | None]) -> None:
+        self._works = [work for work in works if work is not None]
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
