@@ -1,5 +1,5 @@
-"""The communication stream of overlapped collectives (zero_optimization.overlap_comm): gradient reductions and
-stage 3's parameter all-gathers.
+"""The communication stream of overlapped collectives (zero_optimization.overlap_comm): gradient reductions,
+stage 3's parameter all-gathers and the gathers of stages 1-2's updated pieces.
 
 [Note: the communication stream]
 On a device with streams (CUDA) an engine with `overlap_comm` makes one stream of its own, once, and launches
@@ -21,6 +21,11 @@ so they need no recording either. (hpZ's gather from the secondary shard copies 
 the secondary shard is written only on the current stream, after a join.) One stream is one queue: a gather
 launched after a reduction starts once that reduction is done, and its join waits for the reductions queued
 before it.
+
+Stages 1 and 2 launch the gathers of their updated pieces on the same stream (stage 2 shares its ring's), span
+by span ([Note: overlapped gather of the updated pieces] in span_step.py): `launching()` waits for the span's
+update on the current stream, and the step joins once every gather was waited for. The flat params live as
+long as the engine, so they need no recording.
 
 On a device without streams (the CPU: gloo's collectives are async work items and `wait()` is the only order)
 `CommStream` holds no stream and every method returns at once: nothing is created, waited for or recorded.
