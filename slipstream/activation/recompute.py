@@ -55,7 +55,20 @@ __all__ = [
     "store",
 ]
 
+
+class _TracedFlags:
+    """The settings a checkpointed call reads, copied into a plain object: torch.compile guards what a traced
+    function reads, and torch 2.4's dynamo fails to guard a slotted dataclass such as the plan ("cannot create
+    weak reference to 'ActivationCheckpointPlan' object")."""
+
+    def __init__(self, plan: ActivationCheckpointPlan) -> None:
+        self.partition_activations = plan.partition_activations
+        self.synchronize = plan.synchronize
+        self.profile = plan.profile
+
+
 _settings = activation_checkpoint_plan({})  # the schema's defaults
+_flags = _TracedFlags(_settings)
 _configured = False
 _store = CheckpointStore(to_host=False, contiguous=False, number_checkpoints=None)
 
@@ -94,13 +107,13 @@ def configure(
 def configure_from_plan(plan: ActivationCheckpointPlan) -> None:
     """The engine's call when the config has an `activation_checkpointing` section (DeepSpeed leaves that
     to the client's `configure(mpu, deepspeed_config=...)`; here the section works either way)."""
-    global _settings, _configured, _store
+    global _settings, _configured, _store, _flags
     _store = CheckpointStore(
         to_host=plan.cpu_checkpointing,
         contiguous=plan.contiguous_memory_optimization,
         number_checkpoints=plan.number_checkpoints,
     )
-    _settings, _configured = plan, True
+    _settings, _configured, _flags = plan, True, _TracedFlags(plan)
 
 
 def store() -> CheckpointStore:
@@ -126,8 +139,9 @@ def reset() -> None:
 
 
 def partition_activations_in_checkpoint(partition_activation: bool) -> None:
-    global _settings
+    global _settings, _flags
     _settings = dataclasses.replace(_settings, partition_activations=partition_activation)
+    _flags = _TracedFlags(_settings)
 
 
 def set_num_layers(nlayers: int) -> None:
@@ -138,7 +152,7 @@ def set_num_layers(nlayers: int) -> None:
 # ---- checkpointed calls ----
 def checkpoint(function: Callable[..., object], *args: object, **kwargs: object) -> Any:
     """Run `function(*args, **kwargs)` keeping only its inputs; its activations are recomputed in backward."""
-    group = model_parallel_group() if _settings.partition_activations else None
+    group = model_parallel_group() if _flags.partition_activations else None
     group_size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     stash = _Stash(group if group_size > 1 else None)
     stored = stash.keep(args)
@@ -159,10 +173,10 @@ def checkpoint(function: Callable[..., object], *args: object, **kwargs: object)
 def _boundary(what: str, function: Callable[..., object]) -> Iterator[None]:
     """`synchronize` and `profile` around a checkpointed forward or its recomputation; nothing at all when both
     are off (then a compiled block traces the checkpoint without a graph break: no clock read)."""
-    if not (_settings.synchronize or _settings.profile):
+    if not (_flags.synchronize or _flags.profile):
         yield
         return
-    if _settings.synchronize:
+    if _flags.synchronize:
         get_accelerator().synchronize()
     started = time.perf_counter()
     try:
@@ -172,9 +186,9 @@ def _boundary(what: str, function: Callable[..., object]) -> Iterator[None]:
 
 
 def _after_boundary(what: str, function: Callable[..., object], started: float) -> None:
-    if _settings.synchronize:
+    if _flags.synchronize:
         get_accelerator().synchronize()
-    if _settings.profile:
+    if _flags.profile:
         get_logger().info(
             "checkpointed %s of %s: %.3f ms", what, _name(function), (time.perf_counter() - started) * 1e3
         )

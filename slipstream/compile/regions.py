@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -100,11 +101,31 @@ def compile_region(
         def call() -> Any:
             return compiled(*args, **kwargs)
 
-        with ledger.watch(name):
+        with ledger.watch(name), _named_checkpoint_failure(name):
             return _plain_while(sharded, call) if sharded else call()
 
     module.forward = forward  # type: ignore[method-assign]
     return CompiledRegion(name=name, module=module, eager_forward=eager)
+
+
+# torch 2.4's AOT autograd, compiling a block called inside a non-reentrant checkpoint (torch's or Slipstream's),
+# meets the checkpoint's dynamo-disabled frames and stops with this (torch 2.13 compiles it).
+_CHECKPOINT_FAILURE = "symbolically trace a dynamo-optimized function"
+
+
+@contextlib.contextmanager
+def _named_checkpoint_failure(name: str) -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as error:
+        if _CHECKPOINT_FAILURE not in str(error):
+            raise
+        raise RuntimeError(
+            f"engine.compile(): the compiled block {name} was called inside an activation checkpoint, which "
+            f"torch {torch.__version__} cannot compile ({_CHECKPOINT_FAILURE}). Checkpoint inside the block "
+            "instead (its forward calling slipstream.checkpointing.checkpoint or torch.utils.checkpoint on its "
+            "parts), or use a newer torch (2.13 compiles a checkpointed block)"
+        ) from error
 
 
 def fit_cache_to_regions(count: int) -> int | None:

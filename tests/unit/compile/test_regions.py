@@ -109,8 +109,19 @@ def test_deepcompile_schedule_and_stage3_compiled_autograd_are_refused_by_name()
 
 def test_the_compile_section_reports_each_deepcompile_key() -> None:
     base = {"train_micro_batch_size_per_gpu": 1}
-    plan = resolve({**base, "compile": {"deepcompile": True, "free_activation": True, "passes": ["z3"],
-                                        "sync_before_reduce": True, "double_buffer": False}}, world_size=1)
+    plan = resolve(
+        {
+            **base,
+            "compile": {
+                "deepcompile": True,
+                "free_activation": True,
+                "passes": ["z3"],
+                "sync_before_reduce": True,
+                "double_buffer": False,
+            },
+        },
+        world_size=1,
+    )
     assert plan.compile == CompilePlan(deepcompile=True)
     for key in ("deepcompile", "free_activation", "passes", "sync_before_reduce", "double_buffer"):
         assert f"compile.{key}" in plan.unimplemented, (key, plan.unimplemented)
@@ -127,3 +138,55 @@ def test_without_module_inlining_the_cache_holds_every_block() -> None:
     with config.patch(**limits, inline_inbuilt_nn_modules=False):  # torch 2.4's default
         assert fit_cache_to_regions(40) == 48 and config.cache_size_limit == 48
         assert fit_cache_to_regions(2) == 48  # never lowered
+
+
+@pytest.mark.parametrize("which", ["slipstream", "torch"])
+def test_a_compiled_block_inside_a_checkpoint_trains_or_fails_naming_the_checkpoint(which: str) -> None:
+    """A block compiled by engine.compile and called inside a non-reentrant checkpoint (the model's forward
+    checkpointing whole blocks): the input gradient equals the eager block's where torch compiles it (2.13), and
+    where it cannot (torch 2.4) the error names the block and the checkpoint instead of dynamo's internals."""
+    from slipstream import checkpointing
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    block(x).sum().backward()
+    expected, x.grad = x.grad.clone(), None
+    compile_region(
+        "layers.0", block, compiler=torch_compiler("aot_eager", {}), ledger=GraphBreakLedger(["layers.0"], rank=0)
+    )
+    run = {
+        "slipstream": lambda: checkpointing.checkpoint(block, x),
+        "torch": lambda: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False),
+    }[which]
+    try:
+        run().sum().backward()
+    except RuntimeError as error:
+        assert "compiled block layers.0 was called inside an activation checkpoint" in str(error), str(error)[-800:]
+        assert torch.__version__ < "2.5", f"torch {torch.__version__} failed to compile a checkpointed block"
+        return
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=1e-6)
+
+
+def test_a_checkpoint_inside_a_compiled_block_traces_on_every_supported_torch() -> None:
+    """Slipstream's checkpoint called inside a compiled block: dynamo guards the settings it reads (torch 2.4's
+    dynamo failed on the slotted plan: "cannot create weak reference"); the input gradient equals eager's."""
+    from slipstream import checkpointing
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + checkpointing.checkpoint(self.mlp, x)
+
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(4, 8, requires_grad=True)
+    block(x).sum().backward()
+    expected, x.grad = x.grad.clone(), None
+    compile_region(
+        "layers.0", block, compiler=torch_compiler("aot_eager", {}), ledger=GraphBreakLedger(["layers.0"], rank=0)
+    )
+    block(x).sum().backward()
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=1e-6)

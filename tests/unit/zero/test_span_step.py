@@ -48,7 +48,9 @@ def test_the_span_step_takes_only_optimizers_it_can_cut_and_no_offload_or_stocha
 
     assert built(torch.optim.AdamW(params)) and built(FusedAdam(params)) and built(torch.optim.SGD(params, lr=0.1))
     assert not built(CountsPerGroup(params))
-    assert not built(torch.optim.Adafactor(params))  # factored moments: per tensor
+    assert not built(torch.optim.Adagrad(params))  # elementwise, but not one of the optimizers the span step knows
+    if hasattr(torch.optim, "Adafactor"):  # torch >= 2.5
+        assert not built(torch.optim.Adafactor(params))  # factored moments: per tensor
     assert not built(torch.optim.AdamW(params), master_rounding=StochasticRounding())
     assert not built(torch.optim.AdamW(params), offload=CPUOffload(pin_memory=False))
     assert not built(torch.optim.AdamW(params), _low_precision_out=[torch.zeros(4)])
