@@ -18,7 +18,8 @@ and a span's gather writes only the other ranks' pieces of its own buckets, whic
 parameters and the optimizer state are bit for bit those of the step taken whole. Anything else steps whole,
 then gathers: another optimizer (per-tensor math such as LAMB's, a step count kept per param group, the 1-bit
 optimizers' own communication), offload_optimizer (its policy runs the step on the host), stochastic rounding
-(it draws its noise piece by piece itself).
+(it draws its noise piece by piece itself), an optimizer with step hooks (`register_step_pre_hook` /
+`register_step_post_hook`, its own or torch's global ones: they would run once per span).
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ class SteppedInSpans(Protocol):
     def step_pieces(self, number: int, start: int, end: int) -> None: ...
 
 
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Step hooks registered on the optimizer or for all optimizers: a span step would call them once per span."""
+    from torch.optim import optimizer as torch_optimizer
+
+    own = [getattr(optimizer, name, None) for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")]
+    shared = [
+        getattr(torch_optimizer, name, None) for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+    ]
+    return any(bool(hooks) for hooks in own + shared)
+
+
 def bucket_spans(layout: GroupLayout, span_numel: int) -> list[tuple[int, int]]:
     """[first, end) bucket ranges of `layout`, in order, each of at least `span_numel` padded elements but the
     last."""
@@ -86,7 +98,7 @@ class SpanStep:
         gather."""
         if type(zero.optimizer) not in PIECEWISE or type(zero.master_rounding) is not NearestRounding:
             return None
-        if zero.offload.on_host or zero._low_precision_out:
+        if zero.offload.on_host or zero._low_precision_out or _has_step_hooks(zero.optimizer):
             return None
         return cls(zero.groups, comm=comm)
 

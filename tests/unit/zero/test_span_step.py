@@ -54,3 +54,15 @@ def test_the_span_step_takes_only_optimizers_it_can_cut_and_no_offload_or_stocha
     assert not built(torch.optim.AdamW(params), master_rounding=StochasticRounding())
     assert not built(torch.optim.AdamW(params), offload=CPUOffload(pin_memory=False))
     assert not built(torch.optim.AdamW(params), _low_precision_out=[torch.zeros(4)])
+    hooked = torch.optim.AdamW(params)
+    handle = hooked.register_step_post_hook(lambda *_: None)  # it would run once per span
+    assert not built(hooked)
+    handle.remove()
+    assert built(hooked)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(lambda *_: None)  # every optimizer's
+    try:
+        assert not built(torch.optim.AdamW(params))
+    finally:
+        handle.remove()
