@@ -70,6 +70,17 @@ def _deterministic_seed() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def _no_process_group_left() -> Iterator[None]:
+    """A test that built an engine in this process (a world of one) leaves no default process group behind: the
+    tests after it would see `torch.distributed.is_initialized()` True, as in a launched job."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
 def _fresh_warn_once() -> None:
     """Every test starts with no warn_once key or config notice shown, whatever ran before it."""
     from slipstream.utils.logging import reset_once
