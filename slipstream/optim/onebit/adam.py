@@ -22,25 +22,17 @@ from torch import Tensor
 
 from slipstream.optim.arguments import bind, takes
 from slipstream.optim.common import closure_loss
-from slipstream.optim.onebit.base import OneBitArguments, OneBitBase, Params, adam_update
+from slipstream.optim.onebit.base import FreezeStepArguments, OneBitBase, Params, adam_update
 
 __all__ = ["OneBitAdam"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OneBitAdamArguments(OneBitArguments):
+class OneBitAdamArguments(FreezeStepArguments):
     ORDER: ClassVar[tuple[str, ...]] = (
         "lr", "freeze_step", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay",
         "max_grad_norm", "amsgrad", "cuda_aware", "comm_backend_name",
     )  # fmt: skip
-    freeze_step: int = 100000
-    """Warm-up steps: full-precision Adam with all-reduced gradients, before the variance freezes."""
-
-    def problems(self) -> list[str]:
-        out = super().problems()
-        if self.freeze_step < 0:
-            out.append(f"freeze_step={self.freeze_step} must be >= 0 (the number of warm-up steps)")
-        return out
 
 
 class OneBitAdam(OneBitBase):
@@ -55,10 +47,7 @@ class OneBitAdam(OneBitBase):
         super().__init__(params, bind(OneBitAdamArguments, args, kwargs))
         self._gaps: dict[Tensor, Tensor] = {}
 
-    @property
-    def adam_freeze_key(self) -> bool:
-        """DeepSpeed's flag that the warm-up is over: True once `freeze_step` steps are done (also after a load)."""
-        return self.next_step_is_local()
+    adam_freeze_key = OneBitBase.warmup_over
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -31,7 +31,7 @@ from slipstream.optim.arguments import AdamFamily
 from slipstream.optim.common import WholeTensorOptimizer
 from slipstream.utils.logging import get_logger, warn_once
 
-__all__ = ["MASK_KEY", "OneBitArguments", "OneBitBase", "Params", "adam_update"]
+__all__ = ["MASK_KEY", "FreezeStepArguments", "OneBitArguments", "OneBitBase", "Params", "adam_update"]
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]]
 COMM_BACKENDS = ("nccl", "gloo", "mpi")
@@ -59,6 +59,21 @@ class OneBitArguments(AdamFamily):
         return out
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FreezeStepArguments(OneBitArguments):
+    """1-bit Adam's and 1-bit LAMB's arguments: the communication ones and the length of the warm-up."""
+
+    freeze_step: int = 100000
+    """Warm-up steps: full-precision steps (Adam's or LAMB's) with all-reduced gradients, before the variance
+    freezes."""
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if self.freeze_step < 0:
+            out.append(f"freeze_step={self.freeze_step} must be >= 0 (the number of warm-up steps)")
+        return out
+
+
 def adam_update(p: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, group: dict[str, Any], out: Tensor) -> Tensor:
     """DeepSpeed's 1-bit Adam update (no bias correction): m / (sqrt(v) + eps), plus weight_decay * p, in `out`
     (shaped like `p`; the optimizer's `work_buffer(p)`)."""
@@ -82,7 +97,7 @@ class OneBitBase(WholeTensorOptimizer):
     cuda_aware: bool
     comm_backend_name: str
     freeze_step: int
-    """1-bit Adam's and LAMB's warm-up steps (their arguments set these attributes; see `own()`)."""
+    """1-bit Adam's and LAMB's warm-up steps (FreezeStepArguments sets the attribute; see `own()`)."""
 
     def __init__(self, params: Params, arguments: OneBitArguments, **group_defaults: object) -> None:
         """`arguments` checked themselves (arguments.py); `group_defaults` join the param-group defaults."""
@@ -145,6 +160,12 @@ class OneBitBase(WholeTensorOptimizer):
     def next_step_is_local(self) -> bool:
         """After the warm-up of `freeze_step` steps (1-bit Adam and LAMB; 0/1 Adam has its own schedule)."""
         return self.steps_done() >= self.freeze_step
+
+    @property
+    def warmup_over(self) -> bool:
+        """True once the `freeze_step` warm-up steps are done (also after a load): DeepSpeed's flag, which 1-bit
+        Adam names `adam_freeze_key` and 1-bit LAMB `lamb_freeze_key`."""
+        return self.next_step_is_local()
 
     def adam_state(self, p: Tensor) -> dict[str, Any]:
         """`p`'s state, started at its first step: the step count and both moments."""

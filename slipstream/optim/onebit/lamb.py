@@ -32,7 +32,7 @@ from torch import Tensor
 from slipstream.optim.arguments import bind, takes
 from slipstream.optim.common import closure_loss
 from slipstream.optim.lamb import LambCoeffs, trust_ratios
-from slipstream.optim.onebit.base import OneBitArguments, OneBitBase, Params, adam_update
+from slipstream.optim.onebit.base import FreezeStepArguments, OneBitBase, Params, adam_update
 from slipstream.zero.whole_tensors import TensorPart, WholeTensorMap
 
 __all__ = ["OneBitLamb"]
@@ -41,15 +41,13 @@ PER_TENSOR = ("lamb_coeff_freeze", "last_factor", "scaling_coeff")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OneBitLambArguments(OneBitArguments):
+class OneBitLambArguments(FreezeStepArguments):
     ORDER: ClassVar[tuple[str, ...]] = (
         "lr", "freeze_step", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay",
         "max_grad_norm", "max_coeff", "min_coeff", "amsgrad", "cuda_aware", "comm_backend_name", "coeff_beta",
         "factor_max", "factor_min", "factor_threshold",
     )  # fmt: skip
-    GROUP_KEYS: ClassVar[tuple[str, ...]] = (*OneBitArguments.GROUP_KEYS, "max_coeff", "min_coeff")
-    freeze_step: int = 100000
-    """Warm-up steps: full-precision LAMB with all-reduced gradients, before the variance freezes."""
+    GROUP_KEYS: ClassVar[tuple[str, ...]] = (*FreezeStepArguments.GROUP_KEYS, "max_coeff", "min_coeff")
     max_coeff: float = 10.0
     min_coeff: float = 0.01
     """The warm-up trust ratio's clamp: [min_coeff, max_coeff]."""
@@ -63,8 +61,6 @@ class OneBitLambArguments(OneBitArguments):
 
     def problems(self) -> list[str]:
         out = super().problems()
-        if self.freeze_step < 0:
-            out.append(f"freeze_step={self.freeze_step} must be >= 0 (the number of warm-up steps)")
         if not 0.0 < self.min_coeff <= self.max_coeff:
             out.append(f"needs 0 < min_coeff <= max_coeff; got min_coeff={self.min_coeff}, max_coeff={self.max_coeff}")
         if not 0.0 <= self.coeff_beta < 1.0:
@@ -100,10 +96,7 @@ class OneBitLamb(LambCoeffs, OneBitBase):
         self._per_tensor: dict[Tensor, dict[str, Tensor]] = {}
         """Per piece, one float64 value per tensor in it (PER_TENSOR); checkpointed with the error buffers."""
 
-    @property
-    def lamb_freeze_key(self) -> bool:
-        """DeepSpeed's flag that the warm-up is over: True once `freeze_step` steps are done (also after a load)."""
-        return self.next_step_is_local()
+    lamb_freeze_key = OneBitBase.warmup_over
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -119,6 +119,14 @@ def test_deepspeed_import_paths() -> None:
     assert OnebitLamb is OneBitLamb and AliasedLamb is OneBitLamb
 
 
+def test_both_warm_up_optimizers_check_freeze_step() -> None:
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    for cls in (OneBitAdam, OneBitLamb):
+        with pytest.raises(ValueError, match=f"{cls.__name__}: .*freeze_step=-1 must be >= 0"):
+            cls(params, freeze_step=-1)
+        assert cls(params, freeze_step=0).freeze_step == 0
+
+
 def test_onebit_lamb_arguments_are_checked_by_name() -> None:
     params = [torch.nn.Parameter(torch.zeros(3))]
     for bad, named in (
