@@ -1,21 +1,26 @@
 """The engine's side of a trial: time the profiled steps, write the metrics file, end the run.
 
 A run whose config has `autotuning.enabled` (the tuner writes it into every trial's config, as DeepSpeed's
-autotuner does) times its optimizer steps `start_profile_step + 1 .. end_profile_step` (wall clock from the end of
-one step to the end of another, the device synchronised at both ends), writes on rank 0
+autotuner does) times each of its optimizer steps `start_profile_step + 1 .. end_profile_step` (wall clock from
+the end of one step to the end of the next, the device synchronised at each end), writes on rank 0
 
-    {"throughput": samples/s, "latency": s per optimizer step, "steps": n, "train_batch_size": ...,
-     "peak_memory": bytes}
+    {"throughput": samples/s, "latency": s per optimizer step, "mean_latency": s, "steps": n,
+     "train_batch_size": ..., "peak_memory": bytes}
 
 to `autotuning.metric_path` and exits with status 0 on every rank. The tuner's profile run instead sets
 `PROFILE_ENV` to a request file: it counts the FLOPs of the first optimizer step and times the second per block
 (profile.py), then the engine's own model is handed to the planner for every candidate of the request
 (estimates.py), the profile written beside the figures, and the run exits.
+
+`latency` is the median of the timed steps (DeepSpeed divides the whole window by its steps, reported here as
+`mean_latency`): on a shared machine one step stalled by another process would otherwise rank a candidate below
+one half as fast, and a tuner run with few profiled steps would pick it.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 from torch import nn
@@ -36,7 +41,8 @@ class TrialRecorder:
         self.profile_request = os.environ.get(PROFILE_ENV, "")
         tuning = plan.autotuning
         self.start, self.end = tuning.start_profile_step, max(tuning.end_profile_step, tuning.start_profile_step + 1)
-        self.started_at = self._now() if self.start == 0 else None
+        self.ends: list[float] = [self._now()] if self.start == 0 else []
+        """The clock at the end of step `start` and of every later step."""
         batch = plan.batch
         self.timer = (
             ProfileTimer(module, micro_batch=batch.micro_batch_size, grad_accum=batch.gradient_accumulation_steps)
@@ -57,12 +63,12 @@ class TrialRecorder:
                 self._answer_profile_request()
                 raise SystemExit(0)
             return
-        if step == self.start:
-            self.started_at = self._now()
-        if step < self.end or self.started_at is None:
+        if step == self.start or (self.ends and step <= self.end):
+            self.ends.append(self._now())
+        if step < self.end or not self.ends:
             return
-        elapsed = self._now() - self.started_at
-        latency = elapsed / (self.end - self.start)
+        steps = [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)]
+        latency = statistics.median(steps)
         batch = self.plan.batch.train_batch_size
         if self.rank == 0:
             write_json(
@@ -70,7 +76,8 @@ class TrialRecorder:
                 {
                     "throughput": batch / latency,
                     "latency": latency,
-                    "steps": self.end - self.start,
+                    "mean_latency": sum(steps) / len(steps),
+                    "steps": len(steps),
                     "train_batch_size": batch,
                     "micro_batch": self.plan.batch.micro_batch_size,
                     "peak_memory": int(get_accelerator().max_memory_allocated()),

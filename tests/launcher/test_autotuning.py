@@ -73,14 +73,16 @@ def test_tune_then_run_the_best_config(tmp_path: Path) -> None:
 
 # ---- two ranks: `tune` against an exhaustive sweep of the same space ----
 # ZeRO 0 at micro batches 1, 2, 4 and 8 without accumulation: on the tiny model a step costs about the same at
-# every micro batch, so the samples per second of the candidates differ by factors of two, far beyond the noise
+# every micro batch, so the samples per second of the candidates differ by factors of two, far beyond the noise.
+# A step takes 2-3 ms, so each trial times 40 of them: over a few, one stall of the shared machine ranked a
+# candidate below one half as fast
 SPACE = {
     "train_micro_batch_size_per_gpu": 1,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     "zero_optimization": {"stage": 0},
     "autotuning": {
-        "start_profile_step": 2,
-        "end_profile_step": 6,
+        "start_profile_step": 5,
+        "end_profile_step": 45,
         "min_train_micro_batch_size_per_gpu": 1,
         "max_train_micro_batch_size_per_gpu": 8,
     },
@@ -109,9 +111,9 @@ def _tune_two_ranks(folder: Path, tuning: dict[str, object], trials: int) -> tup
 
 
 def remeasure(folder: Path, names: list[str]) -> dict[str, float]:
-    """Each `z0_mbs<M>_gas1` of `names` run again as a trial of steps 3..12, all in one two-rank session."""
+    """Each `z0_mbs<M>_gas1` of `names` run again as a trial of steps 6..50, all in one two-rank session."""
     folder.mkdir()
-    tuning = {**SPACE["autotuning"], "start_profile_step": 2, "end_profile_step": 12}  # type: ignore[dict-item]
+    tuning = {**SPACE["autotuning"], "start_profile_step": 5, "end_profile_step": 50}  # type: ignore[dict-item]
     launcher = [
         sys.executable,
         "-m",
@@ -158,4 +160,4 @@ def test_tune_at_two_ranks_is_within_5_percent_of_the_sweep(
     assert len(tried) == 2 and chosen in tried
     if chosen != best:  # measured again, both in one session and the same way, over more steps
         again = remeasure(tmp_path / "again", [chosen, best])
-        assert again[chosen] >= 0.95 * again[best], (chosen, best, again, every)
+        assert again[chosen] >= 0.95 * again[best], (chosen, best, again, tried, every)

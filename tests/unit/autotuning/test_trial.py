@@ -10,7 +10,7 @@ import pytest
 
 import slipstream
 from slipstream.autotuning.estimates import estimate_config, read_answer, read_profile
-from slipstream.autotuning.trial import PROFILE_ENV
+from slipstream.autotuning.trial import PROFILE_ENV, TrialRecorder
 from tests.harness.models import TinyMLP
 
 CONFIG = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
@@ -38,6 +38,17 @@ def test_a_profiled_run_writes_its_metrics_and_ends_after_the_last_profiled_step
     metrics = json.loads(path.read_text())
     assert metrics["steps"] == 3 and metrics["train_batch_size"] == 4
     assert metrics["throughput"] == pytest.approx(4 / metrics["latency"])
+
+
+def test_one_stalled_step_does_not_set_the_latency(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([0.0, 1.0, 2.0, 12.0, 13.0, 14.0])  # the ends of steps 1 (start) .. 6: step 4 stalled for 10 s
+    monkeypatch.setattr(TrialRecorder, "_now", staticmethod(lambda: next(clock)))
+    path = tmp_path / "metrics.json"
+    tuning = {"enabled": True, "metric_path": str(path), "start_profile_step": 1, "end_profile_step": 6}
+    assert _train_until_exit({**CONFIG, "autotuning": tuning}) == 6
+    metrics = json.loads(path.read_text())
+    assert (metrics["steps"], metrics["latency"], metrics["mean_latency"]) == (5, 1.0, 14.0 / 5)
+    assert metrics["throughput"] == 4.0
 
 
 def test_without_the_section_nothing_is_recorded(tmp_path: Path) -> None:
