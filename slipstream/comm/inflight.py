@@ -11,8 +11,14 @@ called without an active exception", SIGABRT, exit 134, after a run that trained
 -> take_gil -> pthread_exit while the main thread is in Py_FinalizeEx).
 
 So each collective gets fresh aliases of its tensors (`detach()`: the same storage, a TensorImpl no one
-else holds) and Slipstream keeps them until their reference count says the backend let go. The worker then
-never frees a Python object. A wait on a collective of 1 MiB or more gives the worker up to 2 ms to let go
+else holds) and Slipstream keeps them until the backend let go. The worker then never frees a Python object.
+Let go means two counts: the TensorImpl's (`use_count`, 1: only the alias's Python object holds it) and the
+Python object's own. While C++ holds a tensor, torch 2.13 keeps a reference to its Python object too, and the
+worker drops that one *after* its C++ reference, taking the GIL to do it. A worker preempted between the two
+steps looks done by the first count alone: Slipstream would drop its alias, and the worker, later, would free
+the Python object itself, during finalization when the script ended at once (exit 134 after a script failed or
+kept its engine in a module global, 1 run in 40 to 100 with the worker starved). So each alias's Python
+reference count is taken before the launch, and the collective is released only once it is back to that. A wait on a collective of 1 MiB or more gives the worker up to 2 ms to let go
 (`settle`), so large buffers go when their owner drops them, not at the next collective. `drain()` waits for
 that at exit. An operation that never completed (timed out,
 or its peer was lost) is *abandoned*: its worker may be blocked on a dead peer, so it is never joined and its
@@ -21,6 +27,7 @@ aliases are kept for the life of the process (see teardown.py).
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -37,10 +44,11 @@ _SETTLE_POLL_S = 50e-6
 class Handed:
     """One launched collective: the backend's work until it completed, and the aliases given to it."""
 
-    __slots__ = ("aliases", "error", "label", "work")
+    __slots__ = ("aliases", "error", "label", "python_refs", "work")
 
     def __init__(self, aliases: tuple[torch.Tensor, ...], label: str) -> None:
         self.aliases, self.label = aliases, label
+        self.python_refs = _python_refs(aliases)  # before the backend holds them
         self.work: Any = None
         self.error: BaseException | None = None
 
@@ -60,8 +68,17 @@ class Handed:
         return True
 
     def released(self) -> bool:
-        """The backend holds none of the aliases any more (ours is the only reference)."""
-        return self.work is None and all(use_count(alias) <= 1 for alias in self.aliases)
+        """The backend holds none of the aliases any more (ours is the only reference), and has handed each
+        alias's Python object back (see the note)."""
+        if self.work is not None or any(use_count(alias) > 1 for alias in self.aliases):
+            return False
+        return all(now <= before for now, before in zip(_python_refs(self.aliases), self.python_refs, strict=True))
+
+
+def _python_refs(aliases: tuple[torch.Tensor, ...]) -> list[int]:
+    """Each alias's Python reference count, always measured from the same frame (the tuple, this loop and the
+    call each hold one)."""
+    return [sys.getrefcount(alias) for alias in aliases]
 
 
 _live: list[Handed] = []

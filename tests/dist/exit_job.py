@@ -5,6 +5,7 @@ run forks two rank processes that join a fresh process group (env://, rank 0 hos
 steps and end the way that run's ending says, through the interpreter's own exit:
 
 - return: fall off the end of the script;  destroy: call destroy_process_group() first;
+- keep: fall off the end with the engine in a module global (a script training at module level);
 - exit: sys.exit(0);  raise: rank 1 raises after its first step (rank 0 then loses its peer);
 - kill: rank 1 kills itself (SIGKILL) after its first step;
 - kill_in_save: both ranks save a checkpoint after the first step, and rank 1 kills itself (SIGKILL) right after
@@ -47,6 +48,7 @@ gc.freeze()  # what the driver imported is never collected: the ranks' exits do 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
           "zero_optimization": {"stage": 2}, "collective_timeout": 20}
 WORLD = None
+KEPT: list[object] = []  # the engine of the `keep` ending: it lives until the interpreter finalizes
 HANG_S = 60.0  # a run whose ranks have not ended by then is reported as hung (a rank waits on its peer)
 
 
@@ -101,6 +103,8 @@ def rank_main(rank: int, port: int, ending: str) -> None:
     global WORLD
     WORLD = torch.distributed.group.WORLD  # a script that keeps its group: it outlives destroy_process_group
     starve_gloo_workers()
+    if ending == "keep":
+        KEPT.append(engine)
     for step in range(2):
         loss = engine(torch.ones(2, 4)).sum()
         engine.backward(loss)
