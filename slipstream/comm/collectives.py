@@ -14,7 +14,7 @@ group that exists), so gloo's operations and any point-to-point call give up at 
 host Slipstream also keeps its own deadline, measured from the launch, through `Work.wait(timeout=...)`;
 gloo's flat reduce-scatter returns a work whose wait ignores that timeout and which never reports
 completion, so a host reduce-scatter is issued here as what gloo runs for it anyway (a copy of the input,
-an all-reduce, chunk r copied out; see `reduce_scatter`). On NCCL `wait()` orders the current stream rather than blocking the
+an all-reduce, chunk r copied out), or on two ranks as a point-to-point exchange (see `reduce_scatter`). On NCCL `wait()` orders the current stream rather than blocking the
 host, so there the group's timeout is what fires. Counted names are the logical operation: a
 reduce-scatter is 'reduce_scatter' whatever the backend does underneath.
 """
@@ -151,10 +151,11 @@ class TimedWork:
         try:
             work.wait(timeout=datetime.timedelta(seconds=max(left, 0.001)))  # 0 would mean: no timeout
         except RuntimeError as exc:
-            if not work.is_completed():  # the deadline passed while the backend still waits on a peer
+            if not work.is_completed():  # the deadline passed while the backend still waits on a peer, or a
+                # point-to-point work (which reports completion only once waited for) lost its peer
                 inflight.abandon(self._entry)  # its worker may wait for good: never join it
                 self._done = True
-                raise self._failure(None) from None
+                raise self._failure(exc.with_traceback(None) if is_lost_peer(exc) else None) from None
             self._entry.error = exc.with_traceback(None)
         self._entry.work = None
 
@@ -234,16 +235,18 @@ def reduce_scatter(
     """Sum `input` (world * output.numel() elements) across ranks; rank r receives chunk r in `output`.
 
     `input_is_scratch`: the caller neither reads `input` after the call nor writes it before the work completes
-    (a staging buffer it refills), so on the host the all-reduce may sum it in place instead of in a copy; its
-    values are then the sums. Without it `input` is left as it was, as on the device.
+    (a staging buffer it refills), so on the host it may be used in place instead of a copy; its values are then
+    unspecified. Without it `input` is left as it was, as on the device.
 
-    On the host this is what gloo itself does for a flat reduce-scatter (a copy of `input`, an all-reduce of
-    it, chunk r copied out), issued here so that the all-reduce's completion can be watched: gloo's own
-    version returns a work that never reports completion and whose wait() ignores its timeout. An all-to-all
-    plus a local sum halves the traffic; it was set aside when a rank that raised aborted at exit ("terminate
-    called without an active exception") in about 1 of 50 runs of tests/dist/exit_job.py. That abort came with
-    this path too (1 run in 70 to 100) and was the release race of [Note: handing tensors to gloo], since fixed,
-    so the all-to-all is open to be measured again."""
+    On the host this is, in general, what gloo itself does for a flat reduce-scatter (a copy of `input`, an
+    all-reduce of it, chunk r copied out), issued here so that the all-reduce's completion can be watched:
+    gloo's own version returns a work that never reports completion and whose wait() ignores its timeout. On
+    two ranks with a scratch `input` and a separate `output` it is a point-to-point exchange instead: each rank
+    sends its peer's chunk and receives its own from the peer into `output`, then adds its own chunk (the same
+    two-addend sum the all-reduce makes, bit for bit). That sends half the bytes of the all-reduce and skips
+    its all-gather half: on 2 ranks with 4M-element chunks, 12-16 ms against 28-34 ms. It was first set aside
+    for an exit abort that turned out to be the release race of [Note: handing tensors to gloo], since fixed.
+    """
     if input.device.type != "cpu":
         return _issue(
             "reduce_scatter",
@@ -253,11 +256,38 @@ def reduce_scatter(
             async_op,
             group=group,
         )
+    if input_is_scratch and dist.get_world_size(group) == 2 and not _same_storage(output, input):
+        return _reduce_scatter_pair(output, input, group=group, async_op=async_op)
     summed = input if input_is_scratch else input.clone()
     chunk = summed.chunk(dist.get_world_size(group))[dist.get_rank(group)]
     return _issue(
         "reduce_scatter", input, (summed,), _sum_in_place(group), async_op, lambda: output.copy_(chunk), group=group
     )
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _reduce_scatter_pair(
+    output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None, async_op: bool
+) -> TimedWork:
+    """`reduce_scatter` on two host ranks (see there): the peer's chunk of `input` out, this rank's chunk from
+    the peer into `output`, then this rank's own chunk added."""
+    rank = dist.get_rank(group)
+    peer = 1 - rank
+    global_peer = peer if group is None else dist.get_global_rank(group, peer)
+    own, theirs = input.chunk(2)[rank], input.chunk(2)[peer]
+
+    def launch(received: torch.Tensor, sent: torch.Tensor) -> _AllOf:
+        return _AllOf(
+            [
+                dist.isend(sent, dst=global_peer, group=group, tag=_PAIR_TAG),
+                dist.irecv(received, src=global_peer, group=group, tag=_PAIR_TAG),
+            ]
+        )
+
+    return _issue("reduce_scatter", input, (output, theirs), launch, async_op, lambda: output.add_(own), group=group)
 
 
 def all_gather(
@@ -306,6 +336,8 @@ def all_gather_by_exchange(
 
 _EXCHANGE_TAG = 0x7FFF0000
 """The point-to-point tag of `all_gather_by_exchange` (the pipeline's tags are small numbers)."""
+_PAIR_TAG = _EXCHANGE_TAG + 1
+"""The point-to-point tag of the two-rank host reduce-scatter."""
 
 
 class _AllOf:
