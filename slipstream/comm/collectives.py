@@ -7,16 +7,16 @@ numbers] in `arrivals.py`), given aliases of its tensors (see [Note: handing ten
 others raise `CollectiveTimeout` or `PeerLost` (errors.py) naming the operation, where it was issued, the
 ranks that arrived and those that did not, instead of hanging.
 
-The timeout is, in order of precedence: the config's `collective_timeout` (seconds), `init_distributed(timeout=...)`,
-`SLIPSTREAM_TIMEOUT` seconds, `DEEPSPEED_TIMEOUT` minutes (DeepSpeed's variable), else 5 minutes. It is the
-process group's own timeout too (given when Slipstream creates the group, and through `set_timeout` to a
-group that exists), so gloo's operations and any point-to-point call give up at the same deadline. On the
-host Slipstream also keeps its own deadline, measured from the launch, through `Work.wait(timeout=...)`;
-gloo's flat reduce-scatter returns a work whose wait ignores that timeout and which never reports
-completion, so a host reduce-scatter is issued here as what gloo runs for it anyway (a copy of the input,
-an all-reduce, chunk r copied out), or on two ranks as a point-to-point exchange (see `reduce_scatter`). On NCCL `wait()` orders the current stream rather than blocking the
-host, so there the group's timeout is what fires. Counted names are the logical operation: a
-reduce-scatter is 'reduce_scatter' whatever the backend does underneath.
+The timeout is, in order of precedence: the config's `collective_timeout` (seconds),
+`init_distributed(timeout=...)`, `SLIPSTREAM_TIMEOUT` seconds, `DEEPSPEED_TIMEOUT` minutes (DeepSpeed's variable),
+else 5 minutes. It is the process group's own timeout too (given when Slipstream creates the group, and through
+`set_timeout` to a group that exists), so gloo's operations and any point-to-point call give up at the same
+deadline. On the host Slipstream also keeps its own deadline, measured from the launch, through
+`Work.wait(timeout=...)`; gloo's flat reduce-scatter returns a work whose wait ignores that timeout and which never
+reports completion, so a host reduce-scatter is issued here as what gloo runs for it anyway (a copy of the input,
+an all-reduce, chunk r copied out), or on two ranks as a point-to-point exchange (see `reduce_scatter`). On NCCL
+`wait()` orders the current stream rather than blocking the host, so there the group's timeout is what fires.
+Counted names are the logical operation: a reduce-scatter is 'reduce_scatter' whatever the backend does underneath.
 """
 
 from __future__ import annotations

@@ -10,19 +10,19 @@ called without an active exception", SIGABRT, exit 134, after a run that trained
 1 run in 8 to 25 on a loaded 2-core machine; a core dump shows the worker in ~AsyncWork -> decref_pyobject
 -> take_gil -> pthread_exit while the main thread is in Py_FinalizeEx).
 
-So each collective gets fresh aliases of its tensors (`detach()`: the same storage, a TensorImpl no one
-else holds) and Slipstream keeps them until the backend let go. The worker then never frees a Python object.
-Let go means two counts: the TensorImpl's (`use_count`, 1: only the alias's Python object holds it) and the
-Python object's own. While C++ holds a tensor, torch 2.13 keeps a reference to its Python object too, and the
-worker drops that one *after* its C++ reference, taking the GIL to do it. A worker preempted between the two
-steps looks done by the first count alone: Slipstream would drop its alias, and the worker, later, would free
-the Python object itself, during finalization when the script ended at once (exit 134 after a script failed or
-kept its engine in a module global, 1 run in 40 to 100 with the worker starved). So each alias's Python
-reference count is taken before the launch, and the collective is released only once it is back to that. A wait on a collective of 1 MiB or more gives the worker up to 2 ms to let go
-(`settle`), so large buffers go when their owner drops them, not at the next collective. `drain()` waits for
-that at exit. An operation that never completed (timed out,
-or its peer was lost) is *abandoned*: its worker may be blocked on a dead peer, so it is never joined and its
-aliases are kept for the life of the process (see teardown.py).
+So each collective gets fresh aliases of its tensors (`detach()`: the same storage, a TensorImpl no one else holds)
+and Slipstream keeps them until the backend let go. The worker then never frees a Python object. Let go means two
+counts: the TensorImpl's (`use_count`, 1: only the alias's Python object holds it) and the Python object's own.
+While C++ holds a tensor, torch 2.13 keeps a reference to its Python object too, and the worker drops that one
+*after* its C++ reference, taking the GIL to do it. A worker preempted between the two steps looks done by the
+first count alone: Slipstream would drop its alias, and the worker, later, would free the Python object itself,
+during finalization when the script ended at once (exit 134 after a script failed or kept its engine in a module
+global, 1 run in 40 to 100 with the worker starved). So each alias's Python reference count is taken before the
+launch, and the collective is released only once it is back to that. A wait on a collective of 1 MiB or more gives
+the worker up to 2 ms to let go (`settle`), so large buffers go when their owner drops them, not at the next
+collective. `drain()` waits for that at exit. An operation that never completed (timed out, or its peer was lost)
+is *abandoned*: its worker may be blocked on a dead peer, so it is never joined and its aliases are kept for the
+life of the process (see teardown.py).
 """
 
 from __future__ import annotations
