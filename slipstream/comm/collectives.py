@@ -276,16 +276,11 @@ def _reduce_scatter_pair(
     the peer into `output`, then this rank's own chunk added."""
     rank = dist.get_rank(group)
     peer = 1 - rank
-    global_peer = peer if group is None else dist.get_global_rank(group, peer)
-    own, theirs = input.chunk(2)[rank], input.chunk(2)[peer]
+    chunks = input.chunk(2)
+    own, theirs = chunks[rank], chunks[peer]
 
     def launch(received: torch.Tensor, sent: torch.Tensor) -> _AllOf:
-        return _AllOf(
-            [
-                dist.isend(sent, dst=global_peer, group=group, tag=_PAIR_TAG),
-                dist.irecv(received, src=global_peer, group=group, tag=_PAIR_TAG),
-            ]
-        )
+        return _AllOf(_swap(sent, received, peer, group=group, tag=_PAIR_TAG))
 
     return _issue("reduce_scatter", input, (output, theirs), launch, async_op, lambda: output.add_(own), group=group)
 
@@ -317,7 +312,6 @@ def all_gather_by_exchange(
     none, and on 2 ranks sends half the bytes of an all-reduce of `tensor`, with no sum. Counted as one
     all-gather of `tensor`. The host's choice ([Note: gathering the pieces] in zero/flat_group.py)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    peers = [(r, r if group is None else dist.get_global_rank(group, r)) for r in range(world) if r != rank]
     flat_parts = [p for row in parts for p in row]
 
     def launch(*aliases: torch.Tensor) -> _AllOf:
@@ -325,13 +319,23 @@ def all_gather_by_exchange(
         for row in parts:
             rows.append(aliases[start : start + len(row)])
             start += len(row)
-        for peer, global_peer in peers:
+        for peer in (r for r in range(world) if r != rank):
             for mine, theirs in zip(rows[rank], rows[peer], strict=True):
-                works.append(dist.isend(mine, dst=global_peer, group=group, tag=_EXCHANGE_TAG))
-                works.append(dist.irecv(theirs, src=global_peer, group=group, tag=_EXCHANGE_TAG))
+                works += _swap(mine, theirs, peer, group=group, tag=_EXCHANGE_TAG)
         return _AllOf(works)
 
     return _issue("all_gather", tensor, tuple(flat_parts), launch, async_op, group=group)
+
+
+def _swap(
+    sent: torch.Tensor, received: torch.Tensor, peer: int, *, group: dist.ProcessGroup | None, tag: int
+) -> list[dist.Work | None]:
+    """Send `sent` to `peer` (a rank of `group`) and receive `received` from it: the two point-to-point works."""
+    target = peer if group is None else dist.get_global_rank(group, peer)
+    return [
+        dist.isend(sent, dst=target, group=group, tag=tag),
+        dist.irecv(received, src=target, group=group, tag=tag),
+    ]
 
 
 _EXCHANGE_TAG = 0x7FFF0000
